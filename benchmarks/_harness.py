@@ -1,0 +1,57 @@
+"""Tiny benchmark harness: medians of repeated timings, JSON out.
+
+Each figure is the median over `repeat` samples of the mean over `number`
+calls, so per-call costs far below the timer resolution are still resolved.
+"""
+
+from __future__ import annotations
+
+import json
+import platform as host
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def per_call_ns(fn: Callable[[], Any], *, number: int = 10_000, repeat: int = 15) -> dict[str, float]:
+    """Median / min / max nanoseconds per call of `fn`."""
+    for _ in range(min(number, 1000)):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter_ns()
+        for _ in range(number):
+            fn()
+        samples.append((time.perf_counter_ns() - start) / number)
+    return {"median_ns": statistics.median(samples), "min_ns": min(samples), "max_ns": max(samples),
+            "calls_per_sample": number, "samples": repeat}
+
+
+def environment() -> dict[str, Any]:
+    clock = time.get_clock_info("perf_counter")
+    env: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "machine": host.machine(),
+        "timer": "time.perf_counter_ns",
+        "timer_resolution_ns": clock.resolution * 1e9,
+    }
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["gpu_count"] = torch.cuda.device_count()
+    return env
+
+
+def write_json(name: str, results: dict[str, Any], out_dir: str | None = None) -> Path:
+    folder = Path(out_dir or "results")
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps({"benchmark": name, "environment": environment(), "results": results}, indent=2))
+    print(json.dumps(results, indent=2))
+    print(f"wrote {path}")
+    return path

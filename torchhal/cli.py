@@ -1,0 +1,122 @@
+"""`torchhal info | conformance`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from typing import Any
+
+import torchhal
+from torchhal.platforms import PlatformError, registry
+from torchhal.platforms.selection import PLATFORM_ENV, current_platform, how_resolved, list_platforms
+
+GiB = 1 << 30
+
+
+def _environment(platform_env: tuple[str, ...] = ()) -> dict[str, str]:
+    names = sorted({k for k in os.environ if k.startswith("TORCHHAL_")} | set(platform_env))
+    return {k: os.environ[k] for k in names if k in os.environ}
+
+
+def collect_info() -> dict[str, Any]:
+    """Everything `torchhal info` shows, as plain data. Raises PlatformError if none resolves."""
+    import torch
+
+    reg = registry()
+    info: dict[str, Any] = {
+        "torchhal": torchhal.__version__,
+        "torch": torch.__version__,
+        "platforms": [asdict(s) for s in list_platforms()],
+        "plugin_errors": [asdict(e) for e in reg.errors],
+    }
+    platform = current_platform()
+    how, where = how_resolved()
+    devices = []
+    for index in range(platform.device_count()):
+        d = platform.device_info(index)
+        m = platform.memory_info(index)
+        devices.append({"device": asdict(d), "memory": asdict(m)})
+    graphs, ipc = platform.graph_support, platform.ipc_support
+    info["current"] = {
+        "name": platform.name,
+        "how": how,
+        "resolved_at": where,
+        "distribution": platform.distribution,
+        "version": platform.version,
+        "runtime": platform.runtime_version(),
+        "dist_backend": platform.dist_backend,
+        "environment": _environment(platform.visible_devices_env),
+        "devices": devices,
+        "capabilities": {
+            "graphs": graphs.graph_class.__name__ if graphs else None,
+            "ipc": ({"peer_redirect": ipc.peer_redirect, "note": ipc.note} if ipc else None),
+        },
+    }
+    # Plugin errors can appear during detection above: report the final list.
+    info["plugin_errors"] = [asdict(e) for e in reg.errors]
+    return info
+
+
+def _print_info(info: dict[str, Any]) -> None:
+    print(f"torchhal {info['torchhal']}  (torch {info['torch']})")
+    print("\nRegistered platforms:")
+    for p in info["platforms"]:
+        state = "available" if p["available"] else f"unavailable: {p['reason']}"
+        print(f"  {p['name']:<6} priority {p['priority']:>3}  {p['distribution']} {p['version']}"
+              f"  [{p['source']}]  {state}")
+    if info["plugin_errors"]:
+        print("\nPlugin errors:")
+        for e in info["plugin_errors"]:
+            dist = f" ({e['distribution']})" if e["distribution"] else ""
+            print(f"  {e['plugin']}{dist}: failed to {e['stage']}: {e['error']}")
+    cur = info["current"]
+    print(f"\nCurrent platform: {cur['name']}  ({cur['how']})")
+    print(f"  resolved at: {cur['resolved_at']}")
+    print(f"  runtime: {cur['runtime']}  dist backend: {cur['dist_backend']}")
+    for k, v in cur["environment"].items():
+        print(f"  {k}={v}")
+    for d in cur["devices"]:
+        dev, mem = d["device"], d["memory"]
+        line = f"  device {dev['index']}: {dev['name']}  free {mem['free'] / GiB:.1f} / {mem['total'] / GiB:.1f} GiB"
+        if mem["reserved"] is not None:
+            line += f"  reserved {mem['reserved'] / GiB:.2f} GiB"
+        print(line)
+    caps = cur["capabilities"]
+    print(f"  graphs: {caps['graphs'] or 'unsupported'}")
+    ipc = caps["ipc"]
+    print("  ipc: " + (f"{ipc['note']} (peer redirect: {ipc['peer_redirect']})" if ipc else "unsupported"))
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    try:
+        info = collect_info()
+    except PlatformError as exc:
+        print(f"torchhal: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(info, sys.stdout, indent=2, default=str)
+        print()
+    else:
+        _print_info(info)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="torchhal", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="registered platforms, the current one, its devices")
+    info.add_argument("--json", action="store_true", help="machine-readable output")
+    info.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

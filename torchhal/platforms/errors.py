@@ -1,0 +1,25 @@
+"""Errors raised by the platform layer. Each message says what, with what value, and what to do."""
+
+
+class PlatformError(RuntimeError):
+    """Base class for torchhal platform errors."""
+
+
+class UnknownPlatformError(PlatformError, LookupError):
+    """A platform name that no registered plugin provides."""
+
+
+class PlatformUnavailableError(PlatformError):
+    """A known platform that cannot run on this machine."""
+
+
+class AmbiguousPlatformError(PlatformError):
+    """Two available platforms of equal priority, and no TORCHHAL_PLATFORM to choose."""
+
+
+class PluginConflictError(PlatformError):
+    """Two distributions registered the same platform name."""
+
+
+class IpcHandleError(PlatformError, ValueError):
+    """An IPC handle that does not describe a valid view of its storage."""

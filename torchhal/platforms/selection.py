@@ -1,0 +1,166 @@
+"""Which platform is current, and why.
+
+Resolved lazily on the first `current_platform()` (never at import), then
+cached for the process: later calls are one global read. What resolved it,
+and from which call site, is remembered for `torchhal info`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+from dataclasses import dataclass
+
+from torchhal.platforms.errors import (
+    AmbiguousPlatformError,
+    PluginConflictError,
+    PlatformUnavailableError,
+    UnknownPlatformError,
+)
+from torchhal.platforms.manager import PlatformRegistry, build_registry, notify
+from torchhal.platforms.platform import Platform
+from torchhal.platforms.records import Availability
+
+PLATFORM_ENV = "TORCHHAL_PLATFORM"
+
+_lock = threading.RLock()
+_registry: PlatformRegistry | None = None
+_platforms: dict[str, Platform] = {}
+_current: Platform | None = None
+_how: str | None = None
+_resolved_at: str | None = None
+
+
+@dataclass(frozen=True)
+class PlatformStatus:
+    name: str
+    available: bool
+    reason: str
+    priority: int
+    source: str
+    distribution: str
+    version: str
+
+
+def registry() -> PlatformRegistry:
+    global _registry
+    with _lock:
+        if _registry is None:
+            _registry = build_registry()
+        return _registry
+
+
+def use_registry(new_registry: PlatformRegistry | None) -> None:
+    """Replace the process registry and forget the current platform (tests, embedding)."""
+    global _registry, _current, _how, _resolved_at
+    with _lock:
+        _registry = new_registry
+        _platforms.clear()
+        _current = _how = _resolved_at = None
+
+
+def current_platform() -> Platform:
+    """The platform engine code runs on. Cached after the first call."""
+    platform = _current
+    if platform is not None:
+        return platform
+    return _resolve()
+
+
+def how_resolved() -> tuple[str | None, str | None]:
+    """(why the current platform was chosen, the call site that resolved it)."""
+    return _how, _resolved_at
+
+
+def get_platform(name: str) -> Platform:
+    """The named platform; raises if it is unknown or unavailable here."""
+    reg = registry()
+    _require_known(reg, name)
+    availability = reg.availability(name)
+    if not availability:
+        raise PlatformUnavailableError(f"platform {name!r} is not available: {availability.reason}")
+    return _platform(reg, name)
+
+
+def list_platforms() -> list[PlatformStatus]:
+    reg = registry()
+    out = []
+    for name in reg.names():
+        entry = reg.platforms[name]
+        availability = reg.availability(name)
+        out.append(
+            PlatformStatus(
+                name,
+                availability.available,
+                availability.reason,
+                entry.plugin.priority,
+                entry.source,
+                entry.distribution,
+                entry.version,
+            )
+        )
+    return out
+
+
+def _platform(reg: PlatformRegistry, name: str) -> Platform:
+    with _lock:
+        platform = _platforms.get(name)
+        if platform is None:
+            entry = reg.platforms[name]
+            platform = Platform(entry.plugin, reg.pm, entry.distribution, entry.version)
+            _platforms[name] = platform
+        return platform
+
+
+def _require_known(reg: PlatformRegistry, name: str) -> None:
+    if name in reg.platforms:
+        return
+    conflict = reg.conflict_for(name)
+    if conflict is not None:
+        raise PluginConflictError(conflict.error)
+    raise UnknownPlatformError(
+        f"unknown platform {name!r}; registered platforms: {', '.join(reg.names()) or 'none'}. "
+        f"Set {PLATFORM_ENV} to one of them, or install the plugin that provides {name!r}"
+    )
+
+
+def _resolve() -> Platform:
+    global _current, _how, _resolved_at
+    with _lock:
+        if _current is not None:
+            return _current
+        reg = registry()
+        requested = os.environ.get(PLATFORM_ENV, "").strip()
+        if requested:
+            platform = get_platform(requested)
+            how = f"{PLATFORM_ENV}={requested}"
+        else:
+            platform, how = _by_priority(reg)
+        _current, _how = platform, how
+        caller = traceback.extract_stack(limit=3)[0]
+        _resolved_at = f"{caller.filename}:{caller.lineno} in {caller.name}"
+    notify(reg.pm, "torchhal_platform_activated", platform=platform, how=how)
+    return platform
+
+
+def _by_priority(reg: PlatformRegistry) -> tuple[Platform, str]:
+    found: list[tuple[int, str, Availability]] = []
+    for name in reg.names():
+        availability = reg.availability(name)
+        if availability:
+            found.append((reg.platforms[name].plugin.priority, name, availability))
+    if not found:
+        reasons = "; ".join(f"{n}: {reg.availability(n).reason}" for n in reg.names())
+        raise PlatformUnavailableError(f"no platform is available ({reasons or 'none registered'})")
+    found.sort(key=lambda item: -item[0])
+    best_priority, best, _ = found[0]
+    ties = [name for priority, name, _ in found if priority == best_priority]
+    if len(ties) > 1:
+        raise AmbiguousPlatformError(
+            f"platforms {' and '.join(repr(t) for t in ties)} are both available with priority "
+            f"{best_priority}; choose one with {PLATFORM_ENV}={ties[0]} (or {ties[1]})"
+        )
+    others = ", ".join(f"{n} ({p})" for p, n, _ in found[1:])
+    how = f"highest priority available: {best} ({best_priority})" + (f" over {others}" if others else "")
+    return _platform(reg, best), how

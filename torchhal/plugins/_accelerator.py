@@ -1,0 +1,202 @@
+"""AcceleratorPlatform: the shared body of the CUDA-style vendor plugins.
+
+torch.cuda, torch.xpu, torch.npu and torch.musa expose the same API names
+(`mem_get_info`, `memory_reserved`, `empty_cache`, `graph_pool_handle`,
+`is_current_stream_capturing` …), so one implementation serves them all. A
+vendor plugin sets a few class attributes and writes `is_available`; it
+overrides a method only where its runtime really differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any, ClassVar
+
+import torch
+
+from torchhal.platforms import (
+    Availability,
+    DeviceInfo,
+    GraphSupport,
+    IpcHandle,
+    IpcHandleError,
+    IpcSupport,
+    MemoryInfo,
+    PlatformPlugin,
+)
+from torchhal.platforms.ipc import describe, tensor_from_storage, validate_handle
+
+#: What a probe catches: a vendor runtime that is absent, half-installed
+#: (torch_npu without CANN raises RuntimeError/OSError) or refuses this torch.
+PROBE_ERRORS: tuple[type[BaseException], ...] = (ImportError, RuntimeError, OSError, AttributeError)
+
+
+def module_installed(name: str) -> bool:
+    """True if `name` could be imported, without importing it (cheap, pure)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+class AcceleratorPlatform(PlatformPlugin):
+    #: Vendor extension imported before `torch.<device_type>` exists (torch_npu …).
+    extension_module: ClassVar[str | None] = None
+    #: Name of the graph class on the device module, or None if the platform has none.
+    graph_class_name: ClassVar[str | None] = None
+    #: UntypedStorage methods that export / import a device storage across processes.
+    ipc_share_method: ClassVar[str | None] = None
+    ipc_open_method: ClassVar[str | None] = None
+    #: Open a handle through the consumer's own device when peer access exists.
+    ipc_peer_redirect: ClassVar[bool] = False
+
+    # -- device ------------------------------------------------------------------
+    def device_module(self) -> ModuleType:
+        if self.extension_module:
+            importlib.import_module(self.extension_module)
+        module = getattr(torch, self.device_type, None)
+        if not isinstance(module, ModuleType):
+            raise RuntimeError(
+                f"torch.{self.device_type} is missing after importing "
+                f"{self.extension_module or 'torch'}; install the {self.name} runtime"
+            )
+        return module
+
+    def device_info(self, index: int) -> DeviceInfo:
+        props = self.device_module().get_device_properties(index)
+        major, minor = getattr(props, "major", None), getattr(props, "minor", None)
+        return DeviceInfo(
+            index=index,
+            name=str(props.name),
+            total_memory=int(props.total_memory),
+            capability=(int(major), int(minor)) if major is not None and minor is not None else None,
+        )
+
+    # -- memory ------------------------------------------------------------------
+    def allocator_bytes(self, index: int) -> tuple[int, int]:
+        """(reserved, allocated) of the caching allocator on `index`."""
+        module = self.device_module()
+        return int(module.memory_reserved(index)), int(module.memory_allocated(index))
+
+    def memory_info(self, index: int) -> MemoryInfo:
+        module = self.device_module()
+        reserved, allocated = self.allocator_bytes(index)
+        try:
+            free, total = module.mem_get_info(index)
+        except (RuntimeError, AttributeError, NotImplementedError):
+            # Some devices (several XPUs) cannot report free memory: estimate it.
+            total = self.device_info(index).total_memory
+            return MemoryInfo(index, max(total - reserved, 0), total, reserved, allocated, estimated=True)
+        return MemoryInfo(index, int(free), int(total), reserved, allocated)
+
+    def empty_cache(self, index: int) -> int | None:
+        before, _ = self.allocator_bytes(index)
+        self.device_module().empty_cache()
+        after, _ = self.allocator_bytes(index)
+        return max(before - after, 0)
+
+    def oom_error_types(self) -> tuple[type[BaseException], ...]:
+        module = self.device_module()
+        own = getattr(module, "OutOfMemoryError", torch.OutOfMemoryError)
+        return tuple(dict.fromkeys((own, torch.OutOfMemoryError)))
+
+    # -- graphs ------------------------------------------------------------------
+    def graph_support(self) -> GraphSupport | None:
+        module = self.device_module()
+        graph_class = getattr(module, self.graph_class_name or "", None)
+        if graph_class is None or not hasattr(module, "graph_pool_handle"):
+            return None
+
+        @contextlib.contextmanager
+        def capture(graph: Any, pool: Any, stream: Any) -> Iterator[None]:
+            # Unlike torch.<dev>.graph(), no synchronize + empty_cache on entry (contract 4).
+            with module.stream(stream):
+                graph.capture_begin(pool=pool)
+                try:
+                    yield
+                finally:
+                    graph.capture_end()
+
+        return GraphSupport(
+            graph_class=graph_class,
+            new_pool=module.graph_pool_handle,
+            capture=capture,
+            is_capturing=module.is_current_stream_capturing,
+        )
+
+    # -- IPC ---------------------------------------------------------------------
+    def ipc_support(self) -> IpcSupport | None:
+        if not self.ipc_share_method or not self.ipc_open_method:
+            return None
+        if not hasattr(torch.UntypedStorage, self.ipc_open_method):
+            self.device_module()  # the extension may add the storage methods
+            if not hasattr(torch.UntypedStorage, self.ipc_open_method):
+                return None
+        return IpcSupport(
+            share=self.ipc_share,
+            open=self.ipc_open,
+            peer_redirect=self.ipc_peer_redirect,
+            note=f"{self.name} IPC memory handles"
+            + ("; opened through the consumer's device when peer access exists" if self.ipc_peer_redirect else ""),
+        )
+
+    def ipc_share(self, tensor: torch.Tensor) -> IpcHandle:
+        if tensor.device.type != self.device_type:
+            raise ValueError(f"{self.name} IPC shares {self.device_type} tensors; got one on {tensor.device}")
+        storage = tensor.untyped_storage()
+        device, handle, size, offset, rc_handle, rc_offset, event_handle, event_sync = getattr(
+            storage, self.ipc_share_method or ""
+        )()
+        dtype, shape, stride, view_offset = describe(tensor)
+        return IpcHandle(
+            platform=self.name,
+            device=int(device),
+            storage=(
+                int(device), bytes(handle), int(offset), bytes(rc_handle), int(rc_offset),
+                bytes(event_handle or b""), bool(event_sync),
+            ),
+            storage_nbytes=int(size),
+            dtype=dtype,
+            shape=shape,
+            stride=stride,
+            offset_bytes=view_offset,
+        )
+
+    def ipc_target_device(self, producer: int, consumer: int) -> int:
+        """The device to open a producer's handle on: the consumer's, where peers allow."""
+        if not self.ipc_peer_redirect or producer == consumer:
+            return producer
+        module = self.device_module()
+        if module.can_device_access_peer(consumer, producer):
+            return consumer
+        return producer
+
+    def ipc_open(self, handle: IpcHandle, device: int) -> torch.Tensor:
+        if handle.platform != self.name:
+            raise IpcHandleError(f"handle is from platform {handle.platform!r}; this is {self.name!r}")
+        fields = handle.storage
+        types = (int, bytes, int, bytes, int, bytes, bool)
+        if len(fields) != len(types) or not all(
+            isinstance(v, t) and not (t is int and isinstance(v, bool)) for v, t in zip(fields, types)
+        ):
+            raise IpcHandleError(f"{self.name} IPC storage fields are malformed: {fields!r}")
+        producer, raw, offset, rc_handle, rc_offset, event_handle, event_sync = fields
+        assert isinstance(producer, int) and isinstance(offset, int) and isinstance(rc_offset, int)
+        if not 0 <= producer < self.device_count() or not 0 <= device < self.device_count():
+            raise IpcHandleError(
+                f"IPC device {producer} (producer) or {device} (consumer) is not a visible "
+                f"{self.name} device (0..{self.device_count() - 1})"
+            )
+        dtype = validate_handle(handle)
+        target = self.ipc_target_device(producer, device)
+        module = self.device_module()
+        with module.device(target):
+            storage = getattr(torch.UntypedStorage, self.ipc_open_method or "")(
+                target, raw, handle.storage_nbytes, offset, rc_handle, rc_offset,
+                event_handle or None, event_sync,
+            )
+        return tensor_from_storage(storage, handle, dtype)
