@@ -104,12 +104,48 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_conformance(args: argparse.Namespace) -> int:
+    import importlib.metadata as metadata
+
+    import pytest
+
+    from torchhal import conformance_tests
+
+    package_dir = os.path.dirname(conformance_tests.__file__)
+    argv = [package_dir, "-c", os.devnull, "--rootdir", package_dir, "-p", "no:cacheprovider", "-v",
+            "--torchhal-profile", args.profile, "--torchhal-device", str(args.device)]
+    if not any(ep.value == "torchhal.conformance_tests.plugin" for ep in metadata.entry_points(group="pytest11")):
+        argv += ["-p", "torchhal.conformance_tests.plugin"]  # running from a source tree
+    if args.platform:
+        argv += ["--torchhal-platform", args.platform]
+    if args.expect:
+        argv += ["--torchhal-expect", args.expect]
+    if args.json:
+        argv += ["--torchhal-json", args.json]
+    if args.junit:
+        argv += ["--junitxml", args.junit]
+    if args.k:
+        argv += ["-k", args.k]
+    code = pytest.main(argv)
+    return 0 if code == 0 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torchhal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="registered platforms, the current one, its devices")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(func=cmd_info)
+    conf = sub.add_parser("conformance", help="run the conformance suite on a platform")
+    conf.add_argument("--platform", help="platform name (default: the current platform)")
+    conf.add_argument("--device", type=int, default=0, help="device index to test (default 0)")
+    conf.add_argument("--profile", choices=("core", "full"), default="core",
+                      help="core: contract, device, memory; full: every declared capability")
+    conf.add_argument("--expect", help="vendor expectation file (TOML or YAML)")
+    conf.add_argument("--json", help="write the JSON report to this path")
+    conf.add_argument("--junit", help="write a JUnit XML report to this path")
+    conf.add_argument("-k", help="only tests matching this pytest -k expression")
+    conf.set_defaults(func=cmd_conformance)
     return parser
 
 

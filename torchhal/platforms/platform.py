@@ -123,7 +123,7 @@ class Platform:
         return tuple(self.plugin.oom_error_types())
 
     def is_out_of_memory(self, error: BaseException) -> bool:
-        return isinstance(error, self.oom_error_types)
+        return self.plugin.is_out_of_memory(error)
 
     def report_out_of_memory(self, error: BaseException, context: str, index: int | None = None) -> None:
         """Tell observers an OOM was caught (call before emptying with ReleasePoint.OOM)."""

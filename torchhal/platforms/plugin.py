@@ -90,6 +90,10 @@ class PlatformPlugin(abc.ABC):
     def oom_error_types(self) -> tuple[type[BaseException], ...]:
         """Exception types an out-of-memory allocation raises on this platform."""
 
+    def is_out_of_memory(self, error: BaseException) -> bool:
+        """True if `error` is this platform's out-of-memory failure."""
+        return isinstance(error, self.oom_error_types())
+
     def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
         """Host tensor in page-locked memory, for async host<->device copies."""
         return tensor.pin_memory()
@@ -130,6 +134,7 @@ SPI_METHODS: tuple[str, ...] = (
     "memory_info",
     "empty_cache",
     "oom_error_types",
+    "is_out_of_memory",
     "pin_memory",
     "new_stream",
     "current_stream",

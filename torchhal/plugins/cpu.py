@@ -81,6 +81,12 @@ class CpuPlatform(PlatformPlugin):
     def oom_error_types(self) -> tuple[type[BaseException], ...]:
         return (MemoryError, torch.OutOfMemoryError)
 
+    def is_out_of_memory(self, error: BaseException) -> bool:
+        # torch's CPU allocator raises a plain RuntimeError when malloc fails.
+        return isinstance(error, self.oom_error_types()) or (
+            isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+        )
+
     def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor  # host and device are the same memory
 

@@ -1,0 +1,238 @@
+"""Mapping tests: each vendor plugin against a fake device module (no hardware).
+
+These prove which vendor API names a plugin calls and never calls. Hardware
+behaviour of ROCm, XPU, NPU and MUSA is NOT verified here (see the README matrix).
+"""
+
+import types
+
+import pytest
+import torch
+
+from torchhal.platforms import IpcHandle, IpcHandleError
+from torchhal.plugins.cuda import CudaPlatform
+from torchhal.plugins.musa import MusaPlatform
+from torchhal.plugins.npu import NpuPlatform
+from torchhal.plugins.rocm import RocmPlatform
+from torchhal.plugins.xpu import XpuPlatform
+
+from .fakes import MiB, install_broken_extension, install_extension, make_device_module, names_called
+
+VENDORS = {
+    # plugin class, extension module, device attr, graph class, dist backend, visible env
+    "npu": (NpuPlatform, "torch_npu", "npu", "NPUGraph", "hccl", ("ASCEND_RT_VISIBLE_DEVICES",)),
+    "musa": (MusaPlatform, "torch_musa", "musa", "MUSAGraph", "mccl", ("MUSA_VISIBLE_DEVICES",)),
+    "xpu": (XpuPlatform, None, "xpu", "XPUGraph", "xccl", ("ZE_AFFINITY_MASK",)),
+}
+
+
+@pytest.fixture(params=sorted(VENDORS))
+def vendor(request, monkeypatch):
+    cls, ext, attr, graph_class, backend, env = VENDORS[request.param]
+    module = make_device_module(attr, graph_class=graph_class)
+    if ext:
+        install_extension(monkeypatch, ext, attr, module)
+    else:
+        monkeypatch.setattr(torch, attr, module, raising=False)
+    return types.SimpleNamespace(plugin=cls(), module=module, graph_class=graph_class, backend=backend, env=env)
+
+
+def test_facts(vendor):
+    assert vendor.plugin.dist_backend == vendor.backend
+    assert vendor.plugin.visible_devices_env == vendor.env
+    assert vendor.plugin.is_available()
+    info = vendor.plugin.device_info(1)
+    assert info.name.endswith(" 1") and info.total_memory == 1000 * MiB and info.capability == (9, 0)
+
+
+def test_memory_info_observes_only(vendor):
+    mem = vendor.plugin.memory_info(1)
+    assert (mem.free, mem.total, mem.reserved, mem.allocated) == (936 * MiB, 1000 * MiB, 64 * MiB, 16 * MiB)
+    called = names_called(vendor.module)
+    assert "empty_cache" not in called and "synchronize" not in called
+    assert {c[1] for c in vendor.module.calls if c[0] in ("mem_get_info", "memory_reserved")} == {1}
+
+
+def test_empty_cache_reports_bytes_released(vendor):
+    assert vendor.plugin.empty_cache(0) == 48 * MiB
+    assert vendor.plugin.memory_info(0).reserved == 16 * MiB
+
+
+def test_oom_type_is_the_vendor_one(vendor):
+    assert vendor.module.OutOfMemoryError in vendor.plugin.oom_error_types()
+
+
+def test_graph_capture_uses_vendor_names_and_never_empties(vendor):
+    support = vendor.plugin.graph_support()
+    assert support.graph_class.__name__ == vendor.graph_class
+    pool = support.new_pool()
+    graph = support.graph_class()
+    with support.capture(graph, pool, "side-stream"):
+        vendor.module.calls.append(("work",))
+    called = vendor.module.calls
+    assert ("stream:enter", "side-stream") in called
+    begin = called.index(("capture_begin", pool))
+    assert called[begin + 1] == ("work",) and called[begin + 2] == ("capture_end",)
+    assert "empty_cache" not in names_called(vendor.module)
+    assert "synchronize" not in names_called(vendor.module)
+
+
+def test_graphs_declared_unsupported_where_the_build_lacks_them(vendor):
+    delattr(vendor.module, vendor.graph_class)
+    assert vendor.plugin.graph_support() is None
+
+
+def test_xpu_estimates_free_memory_where_mem_get_info_raises(monkeypatch):
+    module = make_device_module("xpu", mem_get_info_raises=True)
+    monkeypatch.setattr(torch, "xpu", module, raising=False)
+    mem = XpuPlatform().memory_info(0)
+    assert mem.estimated and mem.free == 1000 * MiB - 64 * MiB and mem.reserved == 64 * MiB
+
+
+def test_xpu_declares_no_ipc(monkeypatch):
+    monkeypatch.setattr(torch, "xpu", make_device_module("xpu"), raising=False)
+    assert XpuPlatform().ipc_support() is None
+
+
+@pytest.mark.parametrize("cls, ext", [(NpuPlatform, "torch_npu"), (MusaPlatform, "torch_musa")])
+def test_detection_with_runtime_absent(cls, ext, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, ext, None)  # import fails with ImportError
+    result = cls().is_available()
+    assert not result and ext in result.reason
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("Two accelerators cannot be used at the same time"),
+        OSError("libascendcl.so: cannot open shared object file"),
+    ],
+)
+def test_npu_detection_survives_a_broken_torch_npu(error, monkeypatch):
+    install_broken_extension(monkeypatch, "torch_npu", error)
+    result = NpuPlatform().is_available()
+    assert not result and str(error) in result.reason
+
+
+def test_xpu_detection_without_torch_xpu_or_ipex(monkeypatch):
+    monkeypatch.delattr(torch, "xpu", raising=False)
+    monkeypatch.setitem(__import__("sys").modules, "intel_extension_for_pytorch", None)
+    result = XpuPlatform().is_available()
+    assert not result and "intel_extension_for_pytorch" in result.reason
+
+
+def test_detection_is_idempotent_and_touches_no_device(vendor):
+    first, second = vendor.plugin.is_available(), vendor.plugin.is_available()
+    assert first == second
+    assert set(names_called(vendor.module)) <= {"device_count", "is_available"}
+
+
+# -- CUDA / ROCm: one build, never both -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cuda, hip, count, cuda_ok, rocm_ok",
+    [
+        ("12.4", None, 2, True, False),
+        (None, "6.2", 2, False, True),
+        ("12.4", None, 0, False, False),  # CUDA build on a machine with no GPU
+        (None, None, 0, False, False),  # CPU build
+    ],
+)
+def test_cuda_and_rocm_never_both_claim(cuda, hip, count, cuda_ok, rocm_ok, monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.version, "hip", hip, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    assert bool(CudaPlatform().is_available()) is cuda_ok
+    assert bool(RocmPlatform().is_available()) is rocm_ok
+    assert RocmPlatform.visible_devices_env[:2] == ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+    assert RocmPlatform.dist_backend == CudaPlatform.dist_backend == "nccl"
+
+
+def test_cuda_detection_reports_a_failing_driver(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+
+    def broken():
+        raise RuntimeError("CUDA driver initialization failed")
+
+    monkeypatch.setattr(torch.cuda, "device_count", broken)
+    result = CudaPlatform().is_available()
+    assert not result and "driver initialization failed" in result.reason
+
+
+# -- IPC mapping ------------------------------------------------------------------------
+
+
+class FakeStorage:
+    def __init__(self, method, device):
+        self.method, self.device = method, device
+
+    def __getattr__(self, name):
+        if name != self.method:
+            raise AttributeError(name)
+        return lambda: (self.device, b"\x01" * 64, 4096, 256, b"/rc", 8, b"\x02" * 64, True)
+
+
+def fake_device_tensor(device_type, method, device=1):
+    return types.SimpleNamespace(
+        device=types.SimpleNamespace(type=device_type),
+        untyped_storage=lambda: FakeStorage(method, device),
+        dtype=torch.float32,
+        shape=(4, 8),
+        stride=lambda: (8, 1),
+        storage_offset=lambda: 16,
+        element_size=lambda: 4,
+    )
+
+
+@pytest.mark.parametrize(
+    "name, share, open_, peer, expect_device",
+    [
+        ("musa", "_share_musa_", "_new_shared_musa", True, 0),  # redirected to the consumer
+        ("musa", "_share_musa_", "_new_shared_musa", False, 1),  # no peer access: producer's
+        ("npu", "_share_npu_", "_new_shared_npu", True, 1),  # NPU never redirects
+    ],
+)
+def test_ipc_share_and_open_mapping(name, share, open_, peer, expect_device, monkeypatch):
+    cls, ext, attr, graph_class, *_ = VENDORS[name]
+    module = make_device_module(attr, graph_class=graph_class, peer_access=peer)
+    install_extension(monkeypatch, ext, attr, module)
+    opened = []
+
+    def fake_open(device, *fields):
+        opened.append((device, fields))
+        return torch.UntypedStorage(4096)
+
+    monkeypatch.setattr(torch.UntypedStorage, open_, staticmethod(fake_open), raising=False)
+    plugin = cls()
+    support = plugin.ipc_support()
+    handle = support.share(fake_device_tensor(attr, share))
+    assert isinstance(handle, IpcHandle) and handle.device == 1 and handle.storage_nbytes == 4096
+    assert handle.offset_bytes == 64 and handle.shape == (4, 8)
+    tensor = support.open(handle, 0)
+    assert opened[0][0] == expect_device
+    assert opened[0][1] == (b"\x01" * 64, 4096, 256, b"/rc", 8, b"\x02" * 64, True)
+    assert ("device:enter", expect_device) in module.calls
+    assert tensor.shape == (4, 8) and tensor.storage_offset() == 16
+
+
+def test_ipc_open_rejects_out_of_bounds_before_opening(monkeypatch):
+    module = make_device_module("musa", graph_class="MUSAGraph")
+    install_extension(monkeypatch, "torch_musa", "musa", module)
+    opened = []
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_musa", staticmethod(lambda *a: opened.append(a)), raising=False)
+    plugin = MusaPlatform()
+    handle = plugin.ipc_share(fake_device_tensor("musa", "_share_musa_"))
+    import dataclasses
+
+    for bad, message in [
+        (dataclasses.replace(handle, offset_bytes=4096), "reaches byte"),
+        (dataclasses.replace(handle, dtype="object"), "unknown dtype"),
+        (dataclasses.replace(handle, device=5, storage=(5, *handle.storage[1:])), "not a visible musa device"),
+        (dataclasses.replace(handle, storage=handle.storage[:3]), "malformed"),
+        (dataclasses.replace(handle, platform="cuda"), "from platform 'cuda'"),
+    ]:
+        with pytest.raises(IpcHandleError, match=message):
+            plugin.ipc_open(bad, 0)
+    assert opened == []  # nothing was mapped for a bad handle

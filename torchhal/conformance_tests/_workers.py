@@ -1,0 +1,111 @@
+"""Code the conformance tests run in spawned processes (importable, top level).
+
+Workers talk to the test through multiprocessing queues and return plain data
+only, so a worker may exit before its results are read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+import torchhal
+
+
+def _platform(name: str) -> torchhal.Platform:
+    return torchhal.get_platform(name)
+
+
+def open_handles(name: str, device: int, handles: list[Any], queue: Any) -> None:
+    """Open each handle on `device`; report values, device and a checksum of each."""
+    try:
+        platform = _platform(name)
+        platform.set_device(device)
+        out = []
+        for handle in handles:
+            tensor = platform.ipc_support.open(handle, device)  # type: ignore[union-attr]
+            out.append(
+                {
+                    "device_type": tensor.device.type,
+                    "device_index": tensor.device.index or 0,
+                    "values": tensor.detach().to("cpu", torch.float64).flatten().tolist(),
+                }
+            )
+        queue.put(("ok", out))
+    except BaseException as exc:  # report, never hang the parent
+        queue.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def open_and_hold(name: str, device: int, handle: Any, queue: Any, release: Any) -> None:
+    """Open a handle on `device`, do a little work there, and hold it until told to exit."""
+    try:
+        platform = _platform(name)
+        platform.set_device(device)
+        tensor = platform.ipc_support.open(handle, device)  # type: ignore[union-attr]
+        total = float(tensor.sum().item())
+        queue.put(("ok", total))
+        release.wait(120)
+        del tensor
+    except BaseException as exc:
+        queue.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def query_memory_and_hold(name: str, device: int, queue: Any, release: Any) -> None:
+    """Use one device: allocate, query memory_info(device) repeatedly, then hold."""
+    try:
+        platform = _platform(name)
+        platform.set_device(device)
+        block = torch.ones(1 << 20, device=platform.device(device))
+        for _ in range(10):
+            platform.memory_info(device)
+        platform.synchronize(device)
+        queue.put(("ok", float(block[0].item())))
+        release.wait(120)
+    except BaseException as exc:
+        queue.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def share_then_exit(name: str, device: int, queue: Any, release: Any) -> None:
+    """Producer that shares a tensor, waits until the consumer has it, then exits."""
+    try:
+        platform = _platform(name)
+        platform.set_device(device)
+        tensor = torch.arange(1024, dtype=torch.float32, device=platform.device(device))
+        platform.synchronize(device)
+        queue.put(("ok", platform.ipc_support.share(tensor)))  # type: ignore[union-attr]
+        release.wait(120)
+    except BaseException as exc:
+        queue.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def distributed_rank(name: str, rank: int, world: int, store_path: str, queue: Any) -> None:
+    """One rank of a 2-process group on the platform's dist backend."""
+    import torch.distributed as dist
+
+    try:
+        platform = _platform(name)
+        device = rank % platform.device_count()
+        platform.set_device(device)
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group(platform.dist_backend, store=store, rank=rank, world_size=world)
+        value = torch.full((4,), float(rank + 1), device=platform.device(device))
+        dist.all_reduce(value)
+        cpu_group = dist.new_group(backend="gloo")
+        real_free = platform.memory_info(device).free
+        # Free memory drifts between ranks' reads; pin each rank's answer so the
+        # reduction itself is checked exactly: rank r reports 1 GiB + r MiB.
+        real_query = platform.plugin.memory_info
+        pinned = dataclasses.replace(real_query(device), free=(1 << 30) + rank * (1 << 20))
+        platform.plugin.memory_info = lambda index: pinned  # type: ignore[method-assign]
+        try:
+            minimum = platform.available_memory(cpu_group)
+        finally:
+            del platform.plugin.memory_info
+        dist.barrier(cpu_group)
+        dist.destroy_process_group()
+        queue.put(("ok", {"rank": rank, "sum": value.cpu().tolist(), "min": minimum, "free": real_free, "pid": os.getpid()}))
+    except BaseException as exc:
+        queue.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))

@@ -1,0 +1,386 @@
+"""pytest plugin that turns the conformance tests into a vendor report.
+
+Loaded through the `pytest11` entry point; inert unless conformance tests run.
+It selects the profile's groups, gates undeclared capabilities, applies the
+vendor's expectation file, and ends with a table per group and a verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform as host
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import torchhal
+from torchhal.conformance_tests import GROUPS, NOT_REQUIRED_PREFIXES, PROFILES, SUITE_VERSION
+from torchhal.platforms import Platform, PlatformError
+from torchhal.platforms.manager import RegisteredPlatform
+
+EXPECT_CATEGORIES = ("temporary", "unsupported", "permanent")
+
+
+@dataclass
+class Record:
+    id: str
+    group: str
+    outcome: str = "passed"  # passed | failed | skipped | xfailed | xpassed | error
+    duration_s: float = 0.0
+    measured: dict[str, Any] = field(default_factory=dict)
+    skip_reason: str | None = None
+    message: str | None = None
+
+
+@dataclass
+class SuiteState:
+    platform_name: str
+    device: int
+    profile: str
+    expectations: dict[str, dict[str, str]]
+    records: dict[str, Record] = field(default_factory=dict)
+    header: dict[str, Any] = field(default_factory=dict)
+
+
+STATE_KEY = pytest.StashKey[SuiteState]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("torchhal", "torchhal conformance")
+    group.addoption("--torchhal-platform", default=None, help="platform to test (default: the current one)")
+    group.addoption("--torchhal-device", type=int, default=0, help="device index to test")
+    group.addoption("--torchhal-profile", default="core", choices=sorted(PROFILES), help="core or full")
+    group.addoption("--torchhal-expect", default=None, help="vendor expectation file (TOML or YAML)")
+    group.addoption("--torchhal-json", default=None, help="write the JSON report here")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "conformance(group): a torchhal conformance test of one capability group")
+    name = config.getoption("--torchhal-platform") or os.environ.get("TORCHHAL_PLATFORM") or ""
+    expect_path = config.getoption("--torchhal-expect")
+    config.stash[STATE_KEY] = SuiteState(
+        platform_name=name,
+        device=config.getoption("--torchhal-device"),
+        profile=config.getoption("--torchhal-profile"),
+        expectations=load_expectations(expect_path) if expect_path else {},
+    )
+
+
+def load_expectations(path: str) -> dict[str, dict[str, str]]:
+    """Test id -> {reason, category}. TOML or YAML, chosen by the file's extension."""
+    text = Path(path).read_text()
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    else:
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover
+            import tomli as tomllib
+        data = tomllib.loads(text)
+    out = {}
+    for test_id, entry in data.items():
+        if not isinstance(entry, dict) or not entry.get("reason"):
+            raise pytest.UsageError(f"{path}: entry {test_id!r} needs a 'reason' (and a 'category')")
+        category = entry.get("category", "temporary")
+        if category not in EXPECT_CATEGORIES:
+            raise pytest.UsageError(
+                f"{path}: entry {test_id!r} has category {category!r}; use one of {', '.join(EXPECT_CATEGORIES)}"
+            )
+        out[test_id] = {"reason": str(entry["reason"]), "category": category}
+    return out
+
+
+def conformance_id(item: pytest.Item) -> str | None:
+    marker = item.get_closest_marker("conformance")
+    if marker is None:
+        return None
+    return f"{marker.args[0]}::{item.name}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    state = config.stash[STATE_KEY]
+    groups = PROFILES[state.profile]
+    keep, drop = [], []
+    seen_ids = set()
+    for item in items:
+        test_id = conformance_id(item)
+        if test_id is None:
+            keep.append(item)
+            continue
+        seen_ids.add(test_id)
+        group = test_id.split("::")[0]
+        if group not in groups:
+            drop.append(item)
+            continue
+        keep.append(item)
+        expected = state.expectations.get(test_id)
+        if expected:
+            item.add_marker(pytest.mark.xfail(reason=f"{expected['category']}: {expected['reason']}", strict=True))
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+    if seen_ids:
+        for unknown in sorted(set(state.expectations) - seen_ids):
+            warnings.warn(f"expectation file entry {unknown!r} matches no conformance test", stacklevel=1)
+
+
+# -- fixtures -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def suite(request: pytest.FixtureRequest) -> SuiteState:
+    return request.config.stash[STATE_KEY]
+
+
+@pytest.fixture(scope="session")
+def registered(suite: SuiteState) -> RegisteredPlatform:
+    """The plugin under test, whether or not it is available here."""
+    reg = torchhal.registry()
+    name = suite.platform_name or _current_name()
+    if name not in reg.platforms:
+        pytest.fail(f"platform {name!r} is not registered; registered: {', '.join(reg.names())}")
+    return reg.platforms[name]
+
+
+def _current_name() -> str:
+    try:
+        return torchhal.current_platform().name
+    except PlatformError as exc:
+        pytest.fail(f"no current platform: {exc}")
+
+
+@pytest.fixture(scope="session")
+def platform(registered: RegisteredPlatform) -> Platform:
+    try:
+        return torchhal.get_platform(registered.plugin.name)
+    except PlatformError as exc:
+        pytest.skip(f"platform unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def device_index(platform: Platform, suite: SuiteState) -> int:
+    if not 0 <= suite.device < platform.device_count():
+        pytest.fail(f"--torchhal-device {suite.device} is out of range (0..{platform.device_count() - 1})")
+    platform.set_device(suite.device)
+    return suite.device
+
+
+@pytest.fixture
+def measure(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Tests put measured values here; they land in the JSON report."""
+    values: dict[str, Any] = {}
+    request.node.user_properties.append(("measured", values))
+    return values
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    torch.manual_seed(1234)
+
+
+# -- gating --------------------------------------------------------------------------
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    test_id = conformance_id(item)
+    if test_id is None:
+        return
+    group = test_id.split("::")[0]
+    if group not in ("graphs", "ipc", "distributed"):
+        return
+    state = item.config.stash[STATE_KEY]
+    try:
+        platform = torchhal.get_platform(state.platform_name or _current_name())
+    except PlatformError as exc:
+        pytest.skip(f"platform unavailable: {exc}")
+    if group == "graphs" and platform.graph_support is None:
+        pytest.skip("undeclared: the platform declares no graph support")
+    if group == "ipc" and platform.ipc_support is None:
+        pytest.skip("undeclared: the platform declares no IPC support")
+    if group == "distributed":
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_backend_available(platform.dist_backend):
+            pytest.skip(f"undeclared: torch.distributed backend {platform.dist_backend!r} is not available")
+
+
+# -- reporting -----------------------------------------------------------------------
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    state = _state_of(report)
+    if state is None:
+        return
+    test_id = report.user_properties and dict(report.user_properties).get("_conformance_id")
+    if not test_id:
+        return
+    record = state.records.setdefault(test_id, Record(test_id, test_id.split("::")[0]))
+    record.duration_s += report.duration
+    for key, value in report.user_properties:
+        if key == "measured":
+            record.measured.update(value)
+    if report.skipped:
+        if hasattr(report, "wasxfail"):
+            record.outcome = "xfailed"
+            record.message = report.wasxfail
+        else:
+            record.outcome = "skipped"
+            longrepr = report.longrepr
+            record.skip_reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+            record.skip_reason = record.skip_reason.removeprefix("Skipped: ")
+    elif report.failed:
+        if report.when == "call" and "XPASS(strict)" in str(report.longrepr):
+            record.outcome = "xpassed"  # strict xfail that passed
+            record.message = "expected to fail (expectation file) but passed: remove the entry"
+        else:
+            record.outcome = "failed" if report.when == "call" else "error"
+            record.message = str(report.longrepr).strip().splitlines()[-1][:500] if report.longrepr else None
+    elif report.passed and report.when == "call" and record.outcome not in ("failed", "error"):
+        record.outcome = "passed"
+
+
+_CONFIG: list[pytest.Config] = []
+
+
+def _state_of(report: pytest.TestReport) -> SuiteState | None:
+    return _CONFIG[0].stash.get(STATE_KEY, None) if _CONFIG else None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _CONFIG[:] = [session.config]
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    test_id = conformance_id(item)
+    if test_id:
+        item.user_properties.append(("_conformance_id", test_id))
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    state = config.stash[STATE_KEY]
+    if not _collecting_conformance(config):
+        return []
+    state.header = header_facts(state)
+    h = state.header
+    return [
+        f"torchhal conformance suite {SUITE_VERSION} (profile {state.profile})",
+        f"platform: {h['platform']} from {h['distribution']} {h['version']}",
+        f"torch {h['torch']} (cuda {h['torch_cuda']}, hip {h['torch_hip']}); runtime: {h['runtime']}",
+        f"device {state.device}: {h['device_name']}",
+        "environment: " + (", ".join(f"{k}={v}" for k, v in h["environment"].items()) or "(none set)"),
+    ]
+
+
+def _collecting_conformance(config: pytest.Config) -> bool:
+    args = " ".join(str(a) for a in config.args)
+    return "conformance_tests" in args or bool(config.getoption("--torchhal-platform"))
+
+
+def header_facts(state: SuiteState) -> dict[str, Any]:
+    reg = torchhal.registry()
+    name = state.platform_name
+    if not name:
+        try:
+            name = torchhal.current_platform().name
+        except PlatformError as exc:
+            name = f"<none: {exc}>"
+    facts: dict[str, Any] = {
+        "suite_version": SUITE_VERSION,
+        "profile": state.profile,
+        "platform": name,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "torch_hip": getattr(torch.version, "hip", None),
+        "python": sys.version.split()[0],
+        "host": host.node(),
+        "distribution": "?",
+        "version": "?",
+        "runtime": None,
+        "device_name": None,
+        "environment": {},
+    }
+    entry = reg.platforms.get(name)
+    if entry is not None:
+        facts["distribution"], facts["version"] = entry.distribution, entry.version
+        env_names = {k for k in os.environ if k.startswith("TORCHHAL_")} | set(entry.plugin.visible_devices_env)
+        facts["environment"] = {k: os.environ[k] for k in sorted(env_names) if k in os.environ}
+        try:
+            platform = torchhal.get_platform(name)
+            facts["runtime"] = platform.runtime_version() if callable(platform.plugin.runtime_version) else None
+            facts["device_name"] = platform.device_info(state.device).name
+        except Exception as exc:  # the report must still print for a broken plugin
+            facts["device_name"] = f"<unavailable: {type(exc).__name__}: {exc}>"
+    return facts
+
+
+def verdict(state: SuiteState) -> tuple[bool, str]:
+    records = list(state.records.values())
+    bad = [r for r in records if r.outcome in ("failed", "error", "xpassed")]
+    incomplete = [
+        r for r in records if r.outcome == "skipped" and not (r.skip_reason or "").startswith(NOT_REQUIRED_PREFIXES)
+    ]
+    if not records:
+        return False, "NO TESTS RAN"
+    if bad:
+        return False, f"NOT CONFORMANT ({state.profile}): {len(bad)} required test(s) failed"
+    if incomplete:
+        return False, f"INCOMPLETE ({state.profile}): {len(incomplete)} required test(s) could not run"
+    return True, f"CONFORMANT ({state.profile})"
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    state = config.stash.get(STATE_KEY, None)
+    if state is None or not state.records:
+        return
+    tr = terminalreporter
+    tr.section("torchhal conformance")
+    columns = ("passed", "failed", "skipped", "xfailed", "total")
+    tr.write_line(f"{'group':<12}" + "".join(f"{c:>9}" for c in columns))
+    for group in GROUPS:
+        recs = [r for r in state.records.values() if r.group == group]
+        if not recs:
+            continue
+        counts = {
+            "passed": sum(r.outcome == "passed" for r in recs),
+            "failed": sum(r.outcome in ("failed", "error", "xpassed") for r in recs),
+            "skipped": sum(r.outcome == "skipped" for r in recs),
+            "xfailed": sum(r.outcome == "xfailed" for r in recs),
+            "total": len(recs),
+        }
+        tr.write_line(f"{group:<12}" + "".join(f"{counts[c]:>9}" for c in columns))
+    for r in state.records.values():
+        if r.outcome == "skipped":
+            tr.write_line(f"  skipped {r.id}: {r.skip_reason}")
+        elif r.outcome in ("failed", "error", "xpassed"):
+            tr.write_line(f"  {r.outcome.upper()} {r.id}: {r.message}")
+    ok, text = verdict(state)
+    tr.write_line("")
+    tr.write_line(f"VERDICT: {text}", bold=True, green=ok, red=not ok)
+    json_path = config.getoption("--torchhal-json")
+    if json_path:
+        write_report(state, json_path, ok, text)
+        tr.write_line(f"JSON report: {json_path}")
+
+
+def write_report(state: SuiteState, path: str, ok: bool, text: str) -> None:
+    report = {
+        "suite_version": SUITE_VERSION,
+        "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "environment": state.header or header_facts(state),
+        "profile": state.profile,
+        "conformant": ok,
+        "verdict": text,
+        "tests": [vars(r) for r in state.records.values()],
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2, default=str))

@@ -1,0 +1,91 @@
+"""contract: the plugin is well-formed. No device work."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import pytest
+
+import torchhal
+from torchhal.platforms import SPI_ATTRIBUTES, SPI_METHODS, Availability, GraphSupport, IpcSupport, PlatformPlugin
+
+pytestmark = pytest.mark.conformance("contract")
+
+
+def test_plugin_registers(registered):
+    errors = [
+        e
+        for e in torchhal.registry().errors
+        if e.plugin in (registered.plugin.name, registered.source) and e.stage != "detect"  # detection has its own test
+    ]
+    assert errors == [], "; ".join(map(str, errors))
+    assert isinstance(registered.plugin, PlatformPlugin)
+
+
+def test_spi_methods_present_with_signatures(registered):
+    problems = []
+    for name in SPI_METHODS:
+        method = getattr(registered.plugin, name, None)
+        if not callable(method):
+            problems.append(f"{name} is missing or not callable ({method!r})")
+            continue
+        expected = list(inspect.signature(getattr(PlatformPlugin, name)).parameters)[1:]
+        actual = list(inspect.signature(method).parameters)
+        if actual != expected:
+            problems.append(f"{name}{tuple(actual)} should take {tuple(expected)}")
+    assert problems == []
+
+
+def test_spi_attributes_have_the_right_types(registered):
+    plugin = registered.plugin
+    for name in SPI_ATTRIBUTES:
+        assert hasattr(plugin, name), f"missing attribute {name}"
+    assert isinstance(plugin.name, str) and isinstance(plugin.device_type, str)
+    assert isinstance(plugin.priority, int) and isinstance(plugin.dist_backend, str)
+    assert plugin.replaces is None or isinstance(plugin.replaces, str)
+    assert isinstance(plugin.visible_devices_env, tuple) and all(isinstance(v, str) for v in plugin.visible_devices_env)
+
+
+def test_is_available_never_raises_and_is_idempotent(registered, measure):
+    results = [registered.plugin.is_available() for _ in range(3)]
+    assert all(isinstance(r, Availability) for r in results), [type(r).__name__ for r in results]
+    assert len(set(results)) == 1, results
+    if not results[0]:
+        assert results[0].reason, "a 'no' must say why"
+    measure["available"] = results[0].available
+    measure["reason"] = results[0].reason
+
+
+def test_is_available_creates_no_device_context(registered, measure):
+    """In a fresh process, detection leaves the device runtime uninitialised."""
+    code = (
+        "import torchhal\n"
+        f"plugin = torchhal.registry().platforms[{registered.plugin.name!r}].plugin\n"
+        "try:\n"
+        "    init = plugin.device_module().is_initialized\n"
+        "except Exception:\n"
+        "    init = lambda: False  # runtime absent: nothing to initialise\n"
+        "before = init()\n"
+        "try:\n"
+        "    plugin.is_available()\n"
+        "except Exception:\n"
+        "    pass  # raising is the other test's failure\n"
+        "print('initialised' if init() and not before else 'clean')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "clean"
+
+
+def test_platform_names_are_unique():
+    conflicts = [str(e) for e in torchhal.registry().errors if e.stage == "conflict"]
+    assert conflicts == []
+
+
+def test_capability_records_have_the_right_types(platform):
+    assert platform.graph_support is None or isinstance(platform.graph_support, GraphSupport)
+    assert platform.ipc_support is None or isinstance(platform.ipc_support, IpcSupport)
+    types = platform.oom_error_types
+    assert types and all(isinstance(t, type) and issubclass(t, BaseException) for t in types)

@@ -1,0 +1,129 @@
+"""ipc (if declared): plain-data handles, opened on the consumer's device (contract 5)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from torchhal.platforms import IpcHandleError
+
+from ._helpers import wait_exit, MiB, receive, spawn_context
+
+pytestmark = pytest.mark.conformance("ipc")
+
+PLAIN = (int, bytes, str, bool)
+
+
+def consumer_device(platform, device_index):
+    return (device_index + 1) % platform.device_count()
+
+
+def sample_tensors(platform, device_index):
+    device = platform.device(device_index)
+    base = torch.arange(4096, dtype=torch.float32, device=device).reshape(64, 64)
+    return [
+        base,  # contiguous float32
+        base[3:, 5::3],  # offset and stride
+        base.t(),  # transposed
+        torch.arange(100, dtype=torch.int64, device=device)[10:],
+        (torch.arange(300, device=device) % 7).to(torch.uint8),
+        torch.linspace(-2, 2, 257, device=device).to(torch.bfloat16),
+    ]
+
+
+def test_handles_are_plain_data(platform, device_index):
+    handle = platform.ipc_support.share(torch.ones(16, device=platform.device(device_index)))
+    assert all(isinstance(field, PLAIN) for field in handle.storage), handle.storage
+    assert isinstance(handle.dtype, str) and all(isinstance(v, int) for v in handle.shape + handle.stride)
+
+
+def test_round_trip_across_processes(platform, device_index, measure):
+    tensors = sample_tensors(platform, device_index)
+    handles = [platform.ipc_support.share(t) for t in tensors]
+    platform.synchronize(device_index)
+    consumer = consumer_device(platform, device_index)
+    ctx = spawn_context()
+    q = ctx.Queue()
+    from ._workers import open_handles
+
+    proc = ctx.Process(target=open_handles, args=(platform.name, consumer, handles, q))
+    proc.start()
+    results = receive(q, "IPC consumer")
+    wait_exit(proc)
+    measure["consumer_device"] = consumer
+    for tensor, got in zip(tensors, results):
+        assert got["device_type"] == platform.device_type
+        assert got["device_index"] == consumer, "the consumer's tensor must be on its own device"
+        assert got["values"] == tensor.to("cpu", torch.float64).flatten().tolist()
+
+
+def test_no_context_on_the_producer_device(platform, device_index, measure):
+    if platform.device_count() < 2:
+        pytest.skip("not applicable: one device, so producer and consumer share it")
+    if not platform.ipc_support.peer_redirect:
+        pytest.skip("undeclared: the platform does not declare peer-redirected opens")
+    tensor = torch.ones(1 << 20, device=platform.device(device_index))
+    handle = platform.ipc_support.share(tensor)
+    platform.synchronize(device_index)
+    baseline = platform.memory_info(device_index).free
+    ctx = spawn_context()
+    q, release = ctx.Queue(), ctx.Event()
+    from ._workers import open_and_hold
+
+    proc = ctx.Process(target=open_and_hold, args=(platform.name, consumer_device(platform, device_index), handle, q, release))
+    proc.start()
+    try:
+        total = receive(q, "IPC consumer")
+        during = platform.memory_info(device_index).free
+    finally:
+        release.set()
+        wait_exit(proc)
+    assert total == float(1 << 20)
+    lost_mib = (baseline - during) / MiB
+    measure["producer_device_mib_used_by_consumer"] = lost_mib
+    assert lost_mib < 64, f"the consumer created {lost_mib:.0f} MiB on the producer's device"
+
+
+def test_malformed_handles_are_rejected(platform, device_index):
+    good = platform.ipc_support.share(torch.zeros(8, 8, device=platform.device(device_index)))
+    bad_handles = {
+        "offset past the storage": dataclasses.replace(good, offset_bytes=good.storage_nbytes),
+        "shape past the storage": dataclasses.replace(good, shape=(64, 64), stride=(64, 1)),
+        "unknown dtype": dataclasses.replace(good, dtype="float1024"),
+        "negative shape": dataclasses.replace(good, shape=(-8, 8)),
+        "overflowing shape": dataclasses.replace(good, shape=(2**62, 2**62)),
+        "misaligned offset": dataclasses.replace(good, offset_bytes=1),
+        "stride/shape mismatch": dataclasses.replace(good, stride=(1,)),
+    }
+    accepted = []
+    for label, handle in bad_handles.items():
+        try:
+            platform.ipc_support.open(handle, device_index)
+        except IpcHandleError:
+            continue
+        except Exception as exc:  # a crash-like error is not a clear rejection
+            accepted.append(f"{label}: raised {type(exc).__name__}: {exc} instead of IpcHandleError")
+            continue
+        accepted.append(f"{label}: accepted")
+    assert accepted == []
+
+
+def test_producer_exit_does_not_crash_the_consumer(platform, device_index):
+    ctx = spawn_context()
+    q, release = ctx.Queue(), ctx.Event()
+    from ._workers import share_then_exit
+
+    producer = ctx.Process(target=share_then_exit, args=(platform.name, device_index, q, release))
+    producer.start()
+    handle = receive(q, "IPC producer")
+    opened = platform.ipc_support.open(handle, device_index)
+    copy = opened.clone()
+    platform.synchronize(device_index)
+    release.set()
+    assert wait_exit(producer) == 0
+    # The consumer keeps working: its own copy is intact and new device work runs.
+    assert float(copy.sum().to("cpu")) == float(sum(range(1024)))
+    assert float((torch.ones(16, device=platform.device(device_index)) * 2).sum().to("cpu")) == 32.0
+    del opened

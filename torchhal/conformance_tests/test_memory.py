@@ -1,0 +1,124 @@
+"""memory: queries observe and never clean (contract 1); empty_cache releases (contract 2)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from torchhal.platforms import MemoryInfo, ReleasePoint
+
+from ._helpers import wait_exit, MiB, fill_cache, receive, spawn_context, spies
+
+pytestmark = pytest.mark.conformance("memory")
+
+
+def test_memory_info_fields(platform, device_index):
+    mem = platform.memory_info(device_index)
+    assert isinstance(mem, MemoryInfo)
+    assert mem.device == device_index
+    assert 0 <= mem.free <= mem.total and mem.total > 0
+    if mem.reserved is not None and mem.allocated is not None:
+        assert 0 <= mem.allocated <= mem.reserved
+
+
+def test_allocating_and_freeing_moves_the_counters(platform, device_index, measure):
+    before = platform.memory_info(device_index)
+    if before.allocated is None:
+        pytest.skip("not applicable: the platform has no caching allocator counters (allocated is None)")
+    block = torch.empty(64 * MiB, dtype=torch.uint8, device=platform.device(device_index))
+    during = platform.memory_info(device_index)
+    del block
+    after = platform.memory_info(device_index)
+    measure["allocated_delta_bytes"] = during.allocated - before.allocated
+    assert during.allocated - before.allocated >= 64 * MiB
+    assert during.reserved is not None and during.reserved >= during.allocated
+    assert after.allocated == before.allocated
+    assert after.reserved == during.reserved, "freeing must keep the block cached (reserved unchanged)"
+
+
+def test_memory_info_never_empties_the_cache(platform, device_index, measure):
+    fill_cache(platform, device_index)
+    first = platform.memory_info(device_index)
+    with spies(platform) as calls:
+        infos = [platform.memory_info(device_index) for _ in range(10)]
+    assert calls == [], f"memory_info called {sorted(set(calls))}"
+    assert all(info.reserved == first.reserved for info in infos), [i.reserved for i in infos]
+    measure["reserved_bytes"] = first.reserved
+
+
+def test_memory_info_does_not_synchronize(platform, device_index, measure):
+    probe = torch.randn(8, 8, device=platform.device(device_index))
+    if probe.device.type == torch.device("cpu").type:
+        pytest.skip("not applicable: host execution is synchronous")
+    x = torch.randn(4096, 4096, device=platform.device(device_index))
+    platform.synchronize(device_index)
+    start = time.perf_counter()
+    for _ in range(40):
+        x = torch.tanh(x @ x)
+    queued = time.perf_counter()
+    platform.memory_info(device_index)
+    query = time.perf_counter()
+    platform.synchronize(device_index)
+    done = time.perf_counter()
+    measure["query_us_while_busy"] = (query - queued) * 1e6
+    measure["queued_work_ms"] = (done - start) * 1e3
+    if done - queued < 0.02:
+        pytest.skip("not applicable: the device finished the queued work too fast to tell (< 20 ms)")
+    assert query - queued < 0.25 * (done - queued), "memory_info waited for queued device work"
+
+
+def test_memory_info_creates_no_context_on_another_device(platform, device_index, measure):
+    if platform.device_count() < 2:
+        pytest.skip("not applicable: one device, so no other device to protect")
+    other = 1 if device_index == 0 else 0
+    platform.memory_info(other)  # our own context on `other`, before the baseline
+    ctx = spawn_context()
+    q, release = ctx.Queue(), ctx.Event()
+    baseline = platform.memory_info(other).free
+    proc = ctx.Process(target=_query_worker(), args=(platform.name, device_index, q, release))
+    proc.start()
+    try:
+        receive(q, "memory_info worker")
+        during = platform.memory_info(other).free
+    finally:
+        release.set()
+        wait_exit(proc)
+    lost_mib = (baseline - during) / MiB
+    measure["other_device_mib_used_by_worker"] = lost_mib
+    assert lost_mib < 64, f"a process using device {device_index} took {lost_mib:.0f} MiB on device {other}"
+
+
+def _query_worker():
+    from ._workers import query_memory_and_hold
+
+    return query_memory_and_hold
+
+
+def test_empty_cache_releases_down_to_allocated(platform, device_index, measure):
+    fill_cache(platform, device_index)
+    before = platform.memory_info(device_index)
+    if before.reserved is None:
+        pytest.skip("not applicable: the platform has no allocator cache (reserved is None)")
+    released = platform.empty_cache(ReleasePoint.USER, device_index)
+    after = platform.memory_info(device_index)
+    allocated = after.allocated or 0
+    slack = max(64 * MiB, before.reserved // 10)
+    measure.update(reserved_before=before.reserved, reserved_after=after.reserved, bytes_released=released)
+    assert after.reserved is not None and after.reserved <= allocated + slack, (
+        f"reserved {after.reserved} stays above allocated {allocated} after empty_cache"
+    )
+    if released is not None:
+        assert released == before.reserved - after.reserved
+
+
+def test_memory_info_cost(platform, device_index, measure):
+    calls = 2000
+    platform.memory_info(device_index)
+    start = time.perf_counter()
+    for _ in range(calls):
+        platform.memory_info(device_index)
+    per_call_us = (time.perf_counter() - start) / calls * 1e6
+    measure["memory_info_us_per_call"] = per_call_us
+    assert per_call_us < 1000, "memory_info is meant for hot paths: keep it well under a millisecond"
