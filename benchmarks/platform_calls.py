@@ -30,6 +30,9 @@ def main() -> None:
     platform = torchhal.current_platform()
     plugin = platform.plugin
     results: dict[str, object] = {"platform": platform.name}
+    # Initialise the device first: before init, torch.cuda.device_count() asks NVML on every call.
+    torch.ones(1, device=platform.device(0))
+    platform.synchronize(0)
 
     results["current_platform_cached"] = per_call_ns(torchhal.current_platform, number=200_000)
     results["platform.device_count"] = per_call_ns(platform.device_count, number=100_000)
@@ -52,6 +55,13 @@ def main() -> None:
         results["direct.mem_get_info(0)"] = per_call_ns(lambda: module.mem_get_info(0), number=20_000)
         results["direct.memory_reserved(0)"] = per_call_ns(lambda: module.memory_reserved(0), number=2_000)
         results["direct.device_count"] = per_call_ns(module.device_count, number=100_000)
+        # Where the allocator counters can come from (the cost memory_info pays on top of mem_get_info).
+        for label, reader in (
+            ("torch._C._cuda_memoryStats", getattr(torch._C, "_cuda_memoryStats", None)),
+            ("torch._C._accelerator_getDeviceStats", getattr(torch._C, "_accelerator_getDeviceStats", None)),
+        ):
+            if reader is not None and platform.device_type == torch.device("cuda").type:
+                results[f"stats_reader.{label}"] = per_call_ns(lambda r=reader: r(0), number=2_000)
         results["memory_info_over_mem_get_info"] = (
             results["platform.memory_info(0)"]["median_ns"]  # type: ignore[index]
             / results["direct.mem_get_info(0)"]["median_ns"]  # type: ignore[index]

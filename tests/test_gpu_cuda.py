@@ -49,6 +49,7 @@ def test_memory_info_keeps_reserved_and_never_empties(cuda, monkeypatch):
 
 
 def test_empty_cache_lowers_reserved_to_allocated(cuda):
+    cuda.empty_cache(ReleasePoint.USER, 0)  # `keep` must not land inside an older cached segment
     keep = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda:0")
     block = torch.empty(1024 * MiB, dtype=torch.uint8, device="cuda:0")
     del block

@@ -1,0 +1,248 @@
+"""The generation engine's scheduler and memory lifecycle, on the CPU platform.
+
+CPU has no caching allocator, so these tests check decisions (what is emptied,
+when, with which reason; what is refused) and outputs; the memory effect of the
+continue-time empty is measured on a GPU (benchmarks/weight_update_loop.py).
+"""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import torchhal
+from torchhal.core.engine import EngineConfig, GenerationEngine, PauseMode, RequestState
+from torchhal.core.model import ModelConfig
+from torchhal.platforms import ReleasePoint, hookimpl
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 10, [300, 3], [17, 18, 19, 20]]
+
+
+@pytest.fixture
+def empties(make_registry):
+    seen = []
+
+    class Observer:
+        @hookimpl
+        def torchhal_cache_emptied(self, reason):
+            seen.append(reason)
+
+    make_registry(Observer())
+    return seen
+
+
+def engine(**overrides):
+    return GenerationEngine(EngineConfig(**{"max_kv_slots": 512, **overrides}))
+
+
+def reference_outputs(max_new_tokens=6):
+    return [engine().generate([p], max_new_tokens)[0].output for p in PROMPTS]
+
+
+def test_batched_outputs_equal_one_at_a_time():
+    results = engine().generate(PROMPTS, 6)
+    assert [r.output for r in results] == reference_outputs()
+    assert all(r.state is RequestState.FINISHED and len(r.output) == 6 for r in results)
+
+
+def test_kv_pool_is_sized_from_memory_info(make_registry):
+    make_registry()
+    e = GenerationEngine(EngineConfig(kv_fraction=0.01, max_kv_slots=1 << 30))
+    free = torchhal.current_platform().memory_info().free
+    assert e.kv_sizing.num_slots == pytest.approx(free * 0.01 // e.kv_sizing.bytes_per_slot, rel=0.05)
+    with pytest.raises(ValueError, match="kv_fraction 1.5"):
+        GenerationEngine(EngineConfig(kv_fraction=1.5))
+
+
+def test_bad_prompts_fail_alone_and_are_reported():
+    results = engine().generate([[1, 2], [], [99999], [3, 4]], 3)
+    states = [r.state for r in results]
+    assert states == [RequestState.FINISHED, RequestState.FAILED, RequestState.FAILED, RequestState.FINISHED]
+    assert "empty" in results[1].error and "99999" in results[2].error
+
+
+def test_prompt_larger_than_the_pool_fails_with_a_clear_error():
+    results = engine(max_kv_slots=8).generate([[1] * 20, [2, 3]], 2)
+    assert results[0].state is RequestState.FAILED and "needs 20 KV slots but the pool has 8" in results[0].error
+    assert results[1].state is RequestState.FINISHED
+
+
+def test_small_pool_retracts_and_still_matches():
+    # 24 slots cannot hold all five requests' KV at once: the scheduler retracts and re-prefills.
+    results = engine(max_kv_slots=24).generate(PROMPTS, 6)
+    assert [r.output for r in results] == reference_outputs()
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_and_continue_give_identical_greedy_tokens(mode):
+    expected = reference_outputs(8)
+    e = engine()
+    rids = [e.add_request(p, 8) for p in PROMPTS]
+    for _ in range(3):
+        e.step()
+    assert e.pause_generation(mode) == []
+    assert e.step() == []  # paused: nothing runs
+    if mode == "retract":
+        assert not e.running and len(e.waiting) == len(PROMPTS)
+    else:
+        assert len(e.running) == len(PROMPTS)
+    e.continue_generation()
+    while any(rid not in e.results for rid in rids):
+        e.step()
+    assert [e.results[rid].output for rid in rids] == expected
+
+
+def test_abort_returns_every_in_flight_request():
+    e = engine(max_running=2)
+    rids = [e.add_request(p, 8) for p in PROMPTS]
+    e.step()
+    ended = e.pause_generation(PauseMode.ABORT)
+    assert sorted(r.rid for r in ended) == rids  # running and waiting: none lost
+    assert all(r.state is RequestState.ABORTED for r in ended)
+    assert e.slots.available == e.slots.num_slots
+    e.continue_generation()
+    assert e.generate([PROMPTS[0]], 6)[0].output == reference_outputs()[0]
+
+
+def test_pause_twice_and_continue_unpaused_are_refused():
+    e = engine()
+    with pytest.raises(RuntimeError, match="not paused"):
+        e.continue_generation()
+    e.pause_generation("in_place")
+    with pytest.raises(RuntimeError, match="already paused \\(in_place\\)"):
+        e.pause_generation("abort")
+    with pytest.raises(ValueError):
+        PauseMode("sideways")
+
+
+def test_continue_empties_once_with_resume_reason(empties):
+    e = engine()
+    e.pause_generation("in_place")
+    report = e.continue_generation()
+    assert empties == [ReleasePoint.RESUME_GENERATION]
+    assert report.reserved_before is None  # CPU: no allocator counters
+    e.pause_generation("in_place")
+    e.continue_generation(empty_cache=False)
+    assert empties == [ReleasePoint.RESUME_GENERATION]
+
+
+def test_generation_itself_never_empties(empties):
+    engine().generate(PROMPTS, 4)
+    assert empties == []
+
+
+def test_flush_only_when_idle(empties):
+    e = engine()
+    e.add_request([1, 2, 3], 4)
+    e.step()
+    result = e.flush_cache()
+    assert not result.flushed and "1 running" in result.message
+    assert empties == []
+    e.pause_generation("in_place")
+    assert "paused in_place" in e.flush_cache().message
+    e.continue_generation(empty_cache=False)
+    while e.running:
+        e.step()
+    result = e.flush_cache()
+    assert result.flushed and empties == [ReleasePoint.USER]
+    assert e.slots.available == e.slots.num_slots
+
+
+def test_weight_update_validates_before_applying():
+    e = engine()
+    before = {k: v.clone() for k, v in e.model.state_dict().items()}
+    good = torch.zeros_like(e.model.lm_head.weight)
+    with pytest.raises(ValueError, match="nothing applied.*'layers.0.q_proj.weight' has shape \\(3, 3\\)"):
+        e.update_weights_from_tensors({"lm_head.weight": good, "layers.0.q_proj.weight": torch.zeros(3, 3)})
+    with pytest.raises(ValueError, match="unknown weight 'nope'"):
+        e.update_weights_from_tensors([("lm_head.weight", good), ("nope", good)])
+    with pytest.raises(ValueError, match="dtype torch.int64"):
+        e.update_weights_from_tensors({"lm_head.weight": good.long()})
+    for k, v in e.model.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed by a rejected update"
+
+
+def test_weight_update_applies_post_processing_and_changes_outputs(empties):
+    e = engine()
+    other = GenerationEngine(EngineConfig(model=ModelConfig(seed=7), max_kv_slots=512))
+    expected = other.generate([PROMPTS[1]], 6)[0].output
+    assert e.generate([PROMPTS[1]], 6)[0].output != expected
+    result = e.update_weights_from_tensors(other.model.named_parameters(), flush_cache=True)
+    assert result.weight_version == 1 and result.flush.flushed
+    assert empties == [ReleasePoint.WEIGHT_UPDATE]
+    layer = e.model.layers[0]
+    assert torch.equal(layer.qkv_weight[: layer.q_proj.weight.shape[0]], layer.q_proj.weight)  # re-fused
+    assert e.generate([PROMPTS[1]], 6)[0].output == expected
+
+
+def test_weight_update_from_disk_while_paused_in_place_keeps_kv(tmp_path):
+    e = engine()
+    rid = e.add_request(PROMPTS[2], 8)
+    e.step()
+    e.step()
+    e.pause_generation("in_place")
+    kv_slots = list(e.running[0].slots)
+    same = {k: v.detach().clone().contiguous() for k, v in e.model.named_parameters()}
+    path = tmp_path / "weights.safetensors"
+    save_file(same, str(path))
+    result = e.update_weights_from_disk(str(path), flush_cache=True)
+    assert result.flush is not None and not result.flush.flushed  # busy: flush refused, update kept
+    assert e.running[0].slots == kv_slots
+    e.continue_generation()
+    while rid not in e.results:
+        e.step()
+    assert e.results[rid].output == reference_outputs(8)[2]
+
+
+def test_sleep_and_wake(empties):
+    e = engine()
+    before = e.generate(PROMPTS[:2], 5)
+    e.add_request([1, 2], 3)
+    with pytest.raises(RuntimeError, match="cannot sleep: 1 waiting"):
+        e.release_memory_occupation()
+    while e.waiting or e.running:
+        e.step()
+    e.release_memory_occupation()
+    assert e.model.kv is None and empties == [ReleasePoint.SLEEP]
+    with pytest.raises(RuntimeError, match="asleep"):
+        e.step()
+    e.resume_memory_occupation()
+    after = e.generate(PROMPTS[:2], 5)
+    assert [r.output for r in after] == [r.output for r in before]
+
+
+def test_oom_in_a_step_retracts_empties_once_and_keeps_serving(empties, monkeypatch):
+    e = engine()
+    real_forward = e.runner.forward
+    calls = {"n": 0}
+
+    def flaky(ids, meta):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise torch.OutOfMemoryError("simulated: tried to allocate 2 GiB")
+        return real_forward(ids, meta)
+
+    monkeypatch.setattr(e.runner, "forward", flaky)
+    results = e.generate(PROMPTS, 6)
+    assert empties == [ReleasePoint.OOM]
+    assert [r.output for r in results] == reference_outputs()
+
+
+def test_repeated_oom_fails_the_request_with_a_clear_error(empties, monkeypatch):
+    e = engine()
+
+    def always(ids, meta):
+        raise torch.OutOfMemoryError("simulated OOM")
+
+    monkeypatch.setattr(e.runner, "forward", always)
+    results = e.generate([PROMPTS[0]], 3)
+    assert results[0].state is RequestState.FAILED and "out of memory twice" in results[0].error
+    assert empties == [ReleasePoint.OOM, ReleasePoint.OOM]
+
+
+def test_idle_interval_empties_once(empties):
+    e = engine(idle_empty_after_s=0.0)
+    e.generate([PROMPTS[0]], 2)
+    e.step()  # idle: start the clock
+    e.step()  # interval passed: empty
+    e.step()  # already emptied
+    assert empties == [ReleasePoint.IDLE]
