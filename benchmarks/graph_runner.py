@@ -1,0 +1,126 @@
+"""Eager vs breakable graph replay of the reference model's layer stack, and decode tokens/s.
+
+    python benchmarks/graph_runner.py [--out results] [--quick]
+
+For bs in {1, 8, 16} and 8..512 total tokens (bs <= tokens), at two model sizes:
+median forward time of the layer stack (embedding + stack, metadata prebuilt),
+eager vs GraphRunner; and the scheduler's decode tokens/s at batch 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+from _harness import write_json  # noqa: E402
+
+import torchhal  # noqa: E402
+from torchhal.core.engine import EagerRunner, EngineConfig, GenerationEngine  # noqa: E402
+from torchhal.core.graph_runner import GraphRunner  # noqa: E402
+from torchhal.core.model import AttentionMetadata, ModelConfig  # noqa: E402
+
+SIZES = {
+    "h1024_l8": ModelConfig(vocab_size=32000, hidden_size=1024, num_layers=8, num_heads=16, intermediate_size=2816),
+    "h2048_l24": ModelConfig(vocab_size=32000, hidden_size=2048, num_layers=24, num_heads=16, intermediate_size=5632),
+}
+BUCKETS = (8, 16, 32, 64, 128, 256, 512)
+CONTEXT = 128  # tokens already in each sequence's KV
+
+
+def timed(fn, platform, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    platform.synchronize()
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        platform.synchronize()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e3
+
+
+def make_factory(buckets):
+    def make(engine):
+        return GraphRunner(engine.model, engine.platform, engine.device_index,
+                           hidden_size=engine.config.model.hidden_size, dtype=engine.config.dtype, buckets=buckets)
+
+    return make
+
+
+def stack_times(name: str, config: ModelConfig, iters: int) -> dict:
+    engine = GenerationEngine(EngineConfig(model=config, dtype=torch.bfloat16, max_kv_slots=64 * 1024,
+                                           kv_fraction=0.2), runner_factory=make_factory(BUCKETS))
+    runner, eager, platform = engine.runner, EagerRunner(engine.model), engine.platform
+    rows = []
+    for bs in (1, 8, 16):
+        for tokens in (8, 16, 32, 64, 128, 256, 512):
+            if tokens < bs:
+                continue
+            counts = [tokens // bs + (1 if i < tokens % bs else 0) for i in range(bs)]
+            seqs = []
+            base = 0
+            for c in counts:
+                seqs.append(list(range(base, base + CONTEXT + c)))
+                base += CONTEXT + c
+            meta = AttentionMetadata.build(seqs, counts, engine.device)
+            ids = torch.randint(0, config.vocab_size, (tokens,), device=engine.device)
+            with torch.no_grad():
+                eager_ms = timed(lambda: eager.forward(ids, meta), platform, iters)
+                graph_ms = timed(lambda: runner.forward(ids, meta), platform, iters)
+            rows.append({"bs": bs, "tokens": tokens, "eager_ms": eager_ms, "graph_ms": graph_ms,
+                         "speedup": eager_ms / graph_ms})
+            print(f"{name} bs={bs:>2} tokens={tokens:>3}: eager {eager_ms:.3f} ms, graphs {graph_ms:.3f} ms, "
+                  f"{eager_ms / graph_ms:.2f}x", flush=True)
+    report = runner.report
+    return {"rows": rows, "graphs": report.graphs, "buckets": list(report.buckets),
+            "capture_s": report.seconds, "pool_bytes": report.pool_bytes}
+
+
+def decode_tokens_per_s(config: ModelConfig, batch: int, graphs: bool, new_tokens: int = 64) -> float:
+    factory = make_factory(BUCKETS) if graphs else None
+    engine = GenerationEngine(EngineConfig(model=config, dtype=torch.bfloat16, max_kv_slots=64 * 1024,
+                                           kv_fraction=0.2), runner_factory=factory)
+    prompts = [[(7 * i + j) % config.vocab_size for j in range(16)] for i in range(batch)]
+    engine.generate(prompts, 4)  # warm up
+    for p in prompts:
+        engine.add_request(p, new_tokens)
+    engine.step()  # prefill
+    engine.platform.synchronize()
+    start = time.perf_counter()
+    produced = 0
+    while engine.running:
+        produced += len(engine.running)
+        engine.step()
+    engine.platform.synchronize()
+    return produced / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="results")
+    parser.add_argument("--iters", type=int, default=30)
+    args = parser.parse_args()
+    platform = torchhal.current_platform()
+    results: dict = {"platform": platform.name, "context_tokens": CONTEXT, "dtype": "bfloat16", "sizes": {}}
+    for name, config in SIZES.items():
+        results["sizes"][name] = stack_times(name, config, args.iters)
+    small = SIZES["h1024_l8"]
+    decode = {}
+    for batch in (1, 8, 32):
+        eager = decode_tokens_per_s(small, batch, graphs=False)
+        graphs = decode_tokens_per_s(small, batch, graphs=True)
+        decode[f"batch{batch}"] = {"eager_tok_s": eager, "graph_tok_s": graphs, "speedup": graphs / eager}
+        print(f"decode batch {batch}: eager {eager:.0f} tok/s, graphs {graphs:.0f} tok/s ({graphs / eager:.2f}x)")
+    results["decode_h1024_l8"] = decode
+    write_json("graph_runner", results, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Graph runner on CPU: the eager path, segmenting, buckets and padding (emulated).
+
+CPU declares no graphs, so capture/replay itself is tested on a CUDA GPU
+(tests/test_gpu_engine.py, marker gpu). `emulate=True` runs the bucketed,
+padded path on static buffers without graphs, which checks everything but replay.
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import torchhal
+from torchhal.core.engine import EngineConfig, GenerationEngine
+from torchhal.core.graph_runner import GraphRunner, resolve_layer_stack
+from torchhal.core.model import ModelConfig, ReferenceDecoder
+from torchhal.core.stack import BreakStep, GraphStep, split_segments
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 10, [300, 3], [7] * 33, [2]]
+
+
+def runner_factory(**kwargs):
+    def make(engine):
+        return GraphRunner(
+            engine.model, engine.platform, engine.device_index,
+            hidden_size=engine.config.model.hidden_size, dtype=engine.config.dtype, **kwargs,
+        )
+
+    return make
+
+
+def test_split_segments_ends_a_segment_at_each_break():
+    g = [GraphStep(f"g{i}", lambda s: None) for i in range(4)]
+    b = [BreakStep(f"b{i}", lambda s, n, m: None) for i in range(2)]
+    parts = split_segments([g[0], b[0], g[1], g[2], b[1], g[3]])
+    assert [p if isinstance(p, BreakStep) else [s.name for s in p] for p in parts] == [
+        ["g0"], b[0], ["g1", "g2"], b[1], ["g3"],
+    ]
+
+
+def test_reference_model_program_has_one_break_per_layer():
+    model = ReferenceDecoder(ModelConfig(num_layers=3))
+    parts = split_segments(model.layer_program())
+    breaks = [p for p in parts if isinstance(p, BreakStep)]
+    assert [b.name for b in breaks] == ["layer0.attention", "layer1.attention", "layer2.attention"]
+    assert len(parts) - len(breaks) == 4  # graph segments: layers + 1
+
+
+def test_cpu_runs_eager_with_the_same_api_and_outputs():
+    engine = GenerationEngine(EngineConfig(max_kv_slots=1024), runner_factory=runner_factory())
+    assert engine.runner.eager_reason == "platform 'cpu' declares no graph support"
+    assert not engine.runner.graphs_enabled and not engine.runner.can_run(1)
+    reference = GenerationEngine(EngineConfig(max_kv_slots=1024)).generate(PROMPTS, 5)
+    assert [r.output for r in engine.generate(PROMPTS, 5)] == [r.output for r in reference]
+
+
+def test_emulated_buckets_pad_and_match_eager_for_mixed_batches():
+    reference = GenerationEngine(EngineConfig(max_kv_slots=1024)).generate(PROMPTS, 6)
+    engine = GenerationEngine(
+        EngineConfig(max_kv_slots=1024), runner_factory=runner_factory(buckets=(4, 16, 32), emulate=True)
+    )
+    runner = engine.runner
+    assert runner.can_run(32) and not runner.can_run(33)  # the 33-token prompt runs eager
+    assert [runner.bucket_for(n) for n in (1, 4, 5, 16, 17, 32)] == [4, 4, 16, 16, 32, 32]
+    assert [r.output for r in engine.generate(PROMPTS, 6)] == [r.output for r in reference]
+
+
+def test_resolver_explicit_guessed_and_unresolvable():
+    explicit = resolve_layer_stack(ReferenceDecoder(ModelConfig()))
+    assert explicit.how == "explicit layer_program()"
+
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(10, 8)
+            self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+    class HFStyle(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = Inner()
+
+    with pytest.warns(UserWarning, match="guessed the layer stack HFStyle.model.layers \\(2 layers\\)"):
+        guessed = resolve_layer_stack(HFStyle())
+    assert guessed.how == "guessed model.layers" and len(guessed.program()) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once only
+        resolve_layer_stack(HFStyle())
+    reason = resolve_layer_stack(nn.Linear(2, 2))
+    assert isinstance(reason, str) and "cannot find the layer stack of Linear" in reason
+
+
+def test_unresolvable_model_runs_eager_and_says_why(make_registry):
+    make_registry()
+
+    class Plain(nn.Module):
+        def forward(self, ids, meta):
+            return ids.float()[:, None]
+
+    runner = GraphRunner(Plain(), torchhal.current_platform(), 0, hidden_size=1, dtype=torch.float32)
+    assert "cannot find the layer stack of Plain" in runner.eager_reason
+    assert runner.forward(torch.tensor([1, 2]), None).tolist() == [[1.0], [2.0]]
+
+
+def test_bad_buckets_are_rejected(make_registry):
+    make_registry()
+    with pytest.raises(ValueError, match="buckets \\(0, 8\\)"):
+        GraphRunner(ReferenceDecoder(ModelConfig()), torchhal.current_platform(), 0,
+                    hidden_size=128, dtype=torch.float32, buckets=(0, 8))

@@ -1,0 +1,230 @@
+"""Graph runner decoupled from batch size: breakable layer-stack graphs.
+
+Only the layer stack is captured, never logits or sampling, so one graph per
+token-count bucket serves any number of requests. Breakable ops (attention)
+end a segment: replay runs segment graph, eager op with the live batch's
+metadata, segment graph, ... All segments of all buckets share one memory
+pool from the platform. Without graph support the same API runs eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchhal.core.stack import BreakStep, GraphStep, StackState, Step, run_eager, split_segments
+from torchhal.platforms import Platform
+
+_warned_guesses: set[str] = set()
+
+
+@dataclass(frozen=True)
+class ResolvedStack:
+    program: Callable[[], list[Step]]
+    embed: Callable[[torch.Tensor], torch.Tensor]
+    how: str
+
+
+def resolve_layer_stack(model: nn.Module) -> ResolvedStack | str:
+    """The model's layer stack, or the reason there is none.
+
+    Explicit protocol: `model.layer_program()` and `model.embed_tokens()`.
+    Guessed layouts (`model.model.layers`, `model.language_model.model.layers`)
+    are captured layer by layer with no breaks, which is only right for layers
+    that need no per-batch metadata; the guess is warned about once.
+    """
+    if callable(getattr(model, "layer_program", None)) and callable(getattr(model, "embed_tokens", None)):
+        return ResolvedStack(model.layer_program, model.embed_tokens, "explicit layer_program()")
+    for path in ("model.layers", "language_model.model.layers"):
+        owner: Any = model
+        for part in path.split("."):
+            owner = getattr(owner, part, None)
+        if isinstance(owner, nn.ModuleList) and len(owner) > 0:
+            layers = owner
+            parent = path.rsplit(".", 1)[0]
+            base: Any = model
+            for part in parent.split("."):
+                base = getattr(base, part)
+            embed = getattr(base, "embed_tokens", None)
+            if embed is None:
+                return f"guessed {path} but {parent}.embed_tokens is missing"
+            key = f"{type(model).__name__}:{path}"
+            if key not in _warned_guesses:
+                _warned_guesses.add(key)
+                warnings.warn(
+                    f"graph runner guessed the layer stack {type(model).__name__}.{path} ({len(layers)} layers) "
+                    "and captures each layer whole; implement layer_program() to mark breakable ops",
+                    stacklevel=3,
+                )
+
+            def program(layers: nn.ModuleList = layers) -> list[Step]:
+                def make(layer: nn.Module) -> GraphStep:
+                    def run(state: StackState) -> None:
+                        state["hidden"] = layer(state["hidden"])
+
+                    return GraphStep(type(layer).__name__, run)
+
+                return [make(layer) for layer in layers]
+
+            return ResolvedStack(program, embed, f"guessed {path}")
+    return (
+        f"cannot find the layer stack of {type(model).__name__}: implement layer_program() and "
+        "embed_tokens(), or use a model.layers / language_model.model.layers layout"
+    )
+
+
+@dataclass
+class _Bucket:
+    inputs: tuple[torch.Tensor, torch.Tensor]  # static hidden [B, H] and positions [B]
+    state: StackState  # the tensors the captured graphs read and write
+    parts: list[Any] | None  # graphs and (BreakStep, state at that point) in order; None when emulating
+
+
+@dataclass(frozen=True)
+class CaptureReport:
+    buckets: tuple[int, ...]
+    graphs: int
+    seconds: float
+    pool_bytes: int | None
+
+
+class GraphRunner:
+    """Runs a layer stack for a token-major batch; replays graphs where it can."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        platform: Platform,
+        device_index: int,
+        *,
+        hidden_size: int,
+        dtype: torch.dtype,
+        buckets: Sequence[int] = (8, 16, 32, 64, 128, 256, 512),
+        emulate: bool = False,
+    ) -> None:
+        """`emulate=True` runs the bucketed, padded path without graphs (CPU tests, debugging)."""
+        if not buckets or any(not isinstance(b, int) or b < 1 for b in buckets):
+            raise ValueError(f"buckets {tuple(buckets)!r} must be positive token counts")
+        self.model, self.platform, self.device_index = model, platform, device_index
+        self.hidden_size, self.dtype = hidden_size, dtype
+        self.bucket_sizes = sorted(set(buckets))
+        self.emulate = emulate
+        self._buckets: dict[int, _Bucket] = {}
+        self.report: CaptureReport | None = None
+        resolved = resolve_layer_stack(model)
+        self.stack = resolved if isinstance(resolved, ResolvedStack) else None
+        support = platform.graph_support
+        if self.stack is None:
+            self.eager_reason: str | None = str(resolved)
+        elif support is None and not emulate:
+            self.eager_reason = f"platform {platform.name!r} declares no graph support"
+        else:
+            self.eager_reason = None
+            self.capture()
+
+    @property
+    def graphs_enabled(self) -> bool:
+        return bool(self._buckets)
+
+    def can_run(self, num_tokens: int) -> bool:
+        return self.graphs_enabled and num_tokens <= self.bucket_sizes[-1]
+
+    def bucket_for(self, num_tokens: int) -> int:
+        return self.bucket_sizes[bisect.bisect_left(self.bucket_sizes, num_tokens)]
+
+    # -- capture -------------------------------------------------------------------------
+    def capture(self) -> CaptureReport:
+        assert self.stack is not None
+        support = None if self.emulate else self.platform.graph_support
+        device = self.platform.device(self.device_index)
+        before = self.platform.memory_info(self.device_index).reserved
+        started = time.perf_counter()
+        pool = support.new_pool() if support else None
+        stream = self.platform.new_stream(self.device_index)
+        graphs = 0
+        self._buckets = {}
+        with torch.no_grad():
+            for size in sorted(self.bucket_sizes, reverse=True):  # largest first: smaller ones fit its pool
+                state: StackState = {
+                    "hidden": torch.zeros(size, self.hidden_size, device=device, dtype=self.dtype),
+                    "positions": torch.zeros(size, dtype=torch.long, device=device),
+                }
+                inputs = (state["hidden"], state["positions"])
+                if support is None:  # emulation: the padded path runs eagerly
+                    self._buckets[size] = _Bucket(inputs, state, None)
+                    continue
+                segments = split_segments(self.stack.program())
+                self._warm_up(segments, dict(state), stream)
+                parts: list[Any] = []
+                for part in segments:
+                    if isinstance(part, BreakStep):
+                        # The break reads and writes the tensors live at *this* point of the
+                        # stack (later segments rebind the names), so keep that view of the state.
+                        parts.append((part, dict(state)))
+                        continue
+                    graph = support.graph_class()
+                    with support.capture(graph, pool, stream):
+                        for step in part:
+                            step.run(state)
+                    parts.append(graph)
+                    graphs += 1
+                self._buckets[size] = _Bucket(inputs, state, parts)
+        self.platform.synchronize(self.device_index)
+        after = self.platform.memory_info(self.device_index).reserved
+        pool_bytes = after - before if after is not None and before is not None else None
+        self.report = CaptureReport(tuple(self.bucket_sizes), graphs, time.perf_counter() - started, pool_bytes)
+        return self.report
+
+    def _warm_up(self, segments: list[Any], state: StackState, stream: Any) -> None:
+        """Run each graph segment once on the capture stream (lazy library init happens here)."""
+        stream.wait_stream(self.platform.current_stream(self.device_index))
+        with self.platform.use_stream(stream):
+            for part in segments:
+                if not isinstance(part, BreakStep):
+                    for step in part:
+                        step.run(state)
+        self.platform.current_stream(self.device_index).wait_stream(stream)
+
+    # -- replay --------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, meta: Any) -> torch.Tensor:
+        """Hidden states [T, H] for the batch. With graphs, a view of a static buffer:
+        consume it before the next forward."""
+        num_tokens = input_ids.numel()
+        if self.stack is None:
+            return self.model(input_ids, meta)
+        hidden = self.stack.embed(input_ids)
+        if not self.can_run(num_tokens):
+            state: StackState = {"hidden": hidden, "positions": meta.positions}
+            run_eager(self.stack.program(), state, num_tokens, meta)
+            return state["hidden"]
+        bucket = self._buckets[self.bucket_for(num_tokens)]
+        static_hidden, static_positions = bucket.inputs
+        static_hidden[:num_tokens].copy_(hidden)
+        static_positions[:num_tokens].copy_(meta.positions)
+        static_positions[num_tokens:].zero_()  # padded rows: in range, and every op but attention is per token
+        if bucket.parts is None:
+            state = {"hidden": static_hidden, "positions": static_positions}
+            run_eager(self.stack.program(), state, num_tokens, meta)
+            return state["hidden"][:num_tokens]
+        for part in bucket.parts:
+            if isinstance(part, tuple):
+                step, state_at_break = part
+                step.run(state_at_break, num_tokens, meta)
+            else:
+                part.replay()
+        return bucket.state["hidden"][:num_tokens]
+
+    # -- lifecycle (sleep / wake) -------------------------------------------------------------
+    def release(self) -> None:
+        self._buckets = {}
+
+    def resume(self) -> None:
+        if self.eager_reason is None:
+            self.capture()
