@@ -1,0 +1,109 @@
+"""Residency manager on a GPU: stage-boundary empties (old habit) vs explicit release points,
+and layerwise streaming against a resident stack.
+
+    python benchmarks/residency_pipeline.py [--out results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import torch  # noqa: E402
+from _harness import write_json  # noqa: E402
+from diffusion_pipeline import default_placements, make_components, run_request  # noqa: E402
+
+import torchhal  # noqa: E402
+from torchhal.core.residency import ComponentUse, Placement, ResidencyManager, Stage, Strategy  # noqa: E402
+
+HIDDEN, LAYERS, STEPS, TOKENS = 2048, 16, 4, 4096
+
+
+def pipeline(platform, transformer: str, boundary_empties: bool, requests: int = 6) -> dict:
+    module = platform.device_module
+    platform.empty_cache(torchhal.ReleasePoint.USER)
+    manager = ResidencyManager(make_components(HIDDEN, LAYERS, torch.bfloat16),
+                               default_placements(transformer, prefetch_layers=1),
+                               empty_at_stage_boundaries=boundary_empties)
+    tokens = torch.randn(TOKENS, HIDDEN, device=manager.device, dtype=torch.bfloat16)
+    run_request(manager, tokens, STEPS)  # warm up
+    platform.synchronize()
+    module.reset_peak_memory_stats()
+    start_events = len(manager.trace)
+    latencies = []
+    for _ in range(requests):
+        t0 = time.perf_counter()
+        run_request(manager, tokens, STEPS)
+        platform.synchronize()
+        latencies.append(time.perf_counter() - t0)
+    empties = [e for e in manager.trace[start_events:] if e["kind"] == "empty_cache"]
+    return {
+        "transformer": transformer,
+        "boundary_empties": boundary_empties,
+        "median_latency_ms": statistics.median(latencies) * 1e3,
+        "peak_reserved_bytes": module.max_memory_reserved(),
+        "empties_per_request": len(empties) / requests,
+        "stage_boundary_empties": sum(e["where"] == "stage_boundary" for e in empties),
+    }
+
+
+def layerwise_step(platform, prefetch_layers: int, tokens: int) -> dict:
+    """One transformer forward, layerwise vs resident: time and peak memory of the stack."""
+    module = platform.device_module
+    results = {}
+    for strategy in ("resident", "layerwise"):
+        platform.empty_cache(torchhal.ReleasePoint.USER)
+        components = {"transformer": make_components(HIDDEN, LAYERS, torch.bfloat16)["transformer"]}
+        manager = ResidencyManager(components, {"transformer": Placement(Strategy(strategy), prefetch_layers)})
+        x = torch.randn(tokens, HIDDEN, device=manager.device, dtype=torch.bfloat16)
+        stage = [Stage("denoise", (ComponentUse("transformer", memory_intensive=True),))]
+        layer_bytes = sum(p.numel() * p.element_size() for p in components["transformer"].layers[0].parameters())
+        times = []
+        with torch.no_grad():
+            for i in range(6):
+                platform.synchronize()
+                base = module.memory_allocated()
+                module.reset_peak_memory_stats()
+                t0 = time.perf_counter()
+                with manager.request(stage), manager.use_component("transformer") as model:
+                    model(x)
+                platform.synchronize()
+                if i:
+                    times.append(time.perf_counter() - t0)
+                peak = module.max_memory_allocated() - base
+        results[strategy] = {"median_ms": statistics.median(times) * 1e3, "peak_over_base_bytes": peak,
+                             "layer_bytes": layer_bytes}
+    lw, rs = results["layerwise"], results["resident"]
+    lw["weights_bound_bytes"] = (2 * prefetch_layers + 1) * lw["layer_bytes"]
+    lw["peak_minus_bound_bytes"] = lw["peak_over_base_bytes"] - lw["weights_bound_bytes"]
+    return {"prefetch_layers": prefetch_layers, "tokens": tokens, **results,
+            "layerwise_over_resident": lw["median_ms"] / rs["median_ms"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="results")
+    args = parser.parse_args()
+    platform = torchhal.current_platform()
+    results: dict = {"hidden": HIDDEN, "layers": LAYERS, "denoise_steps": STEPS, "tokens": TOKENS, "pipeline": []}
+    for transformer in ("offload", "layerwise"):
+        for boundary in (True, False):
+            row = pipeline(platform, transformer, boundary)
+            print(row, flush=True)
+            results["pipeline"].append(row)
+    results["layerwise"] = []
+    for p, tokens in ((1, 4096), (1, 32768), (2, 32768)):
+        row = layerwise_step(platform, p, tokens)
+        print(row, flush=True)
+        results["layerwise"].append(row)
+    write_json("residency_pipeline", results, args.out)
+
+
+if __name__ == "__main__":
+    main()
