@@ -275,7 +275,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return [
         f"torchhal conformance suite {SUITE_VERSION} (profile {state.profile})",
         f"platform: {h['platform']} from {h['distribution']} {h['version']}",
-        f"torch {h['torch']} (cuda {h['torch_cuda']}, hip {h['torch_hip']}); runtime: {h['runtime']}",
+        f"torch {h['torch']} ({', '.join(f'{k} {v}' for k, v in h['torch_build'].items())}); runtime: {h['runtime']}",
         f"device {state.device}: {h['device_name']}",
         "environment: " + (", ".join(f"{k}={v}" for k, v in h["environment"].items()) or "(none set)"),
     ]
@@ -299,8 +299,8 @@ def header_facts(state: SuiteState) -> dict[str, Any]:
         "profile": state.profile,
         "platform": name,
         "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "torch_hip": getattr(torch.version, "hip", None),
+        # Every version string the torch build reports (git, CUDA/HIP/XPU runtime …), named by torch itself.
+        "torch_build": {k: v for k, v in vars(torch.version).items() if not k.startswith("_") and isinstance(v, str)},
         "python": sys.version.split()[0],
         "host": host.node(),
         "distribution": "?",

@@ -1,0 +1,27 @@
+"""Processes for the transport tests (spawned, so importable at top level). Plain data out."""
+
+import torch
+
+import torchhal
+from torchhal.core.ipc_transport import Consumer, Producer, TransportConfig, TransportError
+
+
+def consume(rank, inbox, outbox):
+    consumer = Consumer(rank, torchhal.current_platform())
+    while True:
+        message = inbox.get(timeout=120)
+        if message is None:
+            break
+        try:
+            tensor = consumer.receive(message)
+            outbox.put(("ok", rank, tensor.dtype == getattr(torch, message["dtype"]), tensor.to(torch.float64).flatten().tolist()))
+        except TransportError as exc:
+            outbox.put(("error", rank, False, str(exc)))
+    consumer.close()
+
+
+def produce_then_exit(outbox, release):
+    producer = Producer(TransportConfig(budget_bytes=0, pool_floor_bytes=1 << 20))
+    outbox.put(producer.send(torch.arange(16, dtype=torch.float32)))
+    release.wait(60)
+    # exit without close(): as a crashed worker would
