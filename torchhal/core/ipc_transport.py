@@ -18,7 +18,8 @@ import threading
 import uuid
 import warnings
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+import mmap
+import tempfile
 from typing import Any
 
 import torch
@@ -159,6 +160,43 @@ def _decode_field(value: Any) -> Any:
     raise TransportError(f"IPC handle field {value!r} is not plain data")
 
 
+# -- shared memory: plain mmap'd files (no resource tracker to unlink a producer's block) ------
+
+_SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class _SharedFile:
+    """A named block of shared memory: a file in /dev/shm, mapped. Plain-data name."""
+
+    def __init__(self, name: str | None = None, size: int = 0) -> None:
+        if name is None:
+            name = f"torchhal-{os.getpid()}-{uuid.uuid4().hex[:16]}"
+            fd = os.open(os.path.join(_SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, max(size, 1))
+        else:
+            if not name.startswith("torchhal-") or "/" in name or ".." in name:
+                raise TransportError(f"shared-memory name {name!r} is not a torchhal block name")
+            try:
+                fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR)
+            except FileNotFoundError:
+                raise TransportError(f"shared memory {name!r} is gone (recycled, or its producer exited)") from None
+        try:
+            self.size = os.fstat(fd).st_size
+            self.map = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self.name = name
+
+    def close(self) -> None:
+        self.map.close()
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(os.path.join(_SHM_DIR, self.name))
+        except FileNotFoundError:
+            pass
+
+
 # -- the control block: liveness, slice generations, per-consumer acknowledgements ------------
 
 class _Control:
@@ -169,24 +207,22 @@ class _Control:
 
     HEADER = 4
 
-    def __init__(self, name: str | None, slots: int = 0, consumers: int = 0, untrack: bool = True) -> None:
+    def __init__(self, name: str | None, slots: int = 0, consumers: int = 0) -> None:
         if name is None:
-            size = 8 * (self.HEADER + slots + slots * consumers)
-            self.shm = shared_memory.SharedMemory(create=True, size=size)
-            self.cells = memoryview(self.shm.buf).cast("q")
+            self.shm = _SharedFile(None, 8 * (self.HEADER + slots + slots * consumers))
+            self._raw = memoryview(self.shm.map)
+            self.cells = self._raw.cast("q")
             self.cells[0], self.cells[1], self.cells[2], self.cells[3] = 1, os.getpid(), slots, consumers
             for i in range(self.HEADER, len(self.cells)):
                 self.cells[i] = -1
             for slot in range(slots):
                 self.cells[self.HEADER + slot] = 0
         else:
-            try:
-                self.shm = shared_memory.SharedMemory(name=name)
-            except FileNotFoundError:
-                raise TransportError(f"producer control block {name!r} is gone: its producer has exited") from None
-            if untrack:
-                _untrack(self.shm)
-            self.cells = memoryview(self.shm.buf).cast("q")
+            self.shm = _SharedFile(name)
+            if self.shm.size < 8 * self.HEADER:
+                raise TransportError(f"control block {name!r} is too small to be one")
+            self._raw = memoryview(self.shm.map)
+            self.cells = self._raw.cast("q")
         self.slots, self.consumers = self.cells[2], self.cells[3]
 
     @property
@@ -216,19 +252,10 @@ class _Control:
         if unlink:
             self.cells[0] = 0
         self.cells.release()
+        self._raw.release()
         self.shm.close()
         if unlink:
             self.shm.unlink()
-
-
-def _untrack(shm: shared_memory.SharedMemory) -> None:
-    """Attaching must not make this process's resource tracker unlink the producer's block."""
-    try:
-        from multiprocessing import resource_tracker
-
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    except Exception:
-        pass
 
 
 def _pid_alive(pid: int) -> bool:
@@ -270,7 +297,7 @@ class Producer:
             self.pool_handle = ipc.share(self.pool)  # taken once for the pool's lifetime
         self._free: list[tuple[int, int]] = [(0, self.pool_bytes)]  # (offset, size), sorted by offset
         self._used: dict[int, tuple[int, int, str | None]] = {}  # slot -> (offset, size, host block name)
-        self._host_blocks: dict[int, shared_memory.SharedMemory] = {}
+        self._host_blocks: dict[int, _SharedFile] = {}
         self._free_slots = list(range(config.max_slices - 1, -1, -1))
         self._warned_full = False
         self._lock = threading.Lock()
@@ -366,11 +393,11 @@ class Producer:
                 f"{BUDGET_SETTING} (now {self.config.budget_bytes / MiB:.0f} MiB for {self.config.workers} worker(s))",
                 stacklevel=3,
             )
-        block = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
-        host = torch.frombuffer(block.buf, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0)
+        block = _SharedFile(None, nbytes)
         if nbytes:
-            host.copy_(source.reshape(-1).view(torch.uint8).cpu())
-        del host
+            window = torch.frombuffer(block.map, dtype=torch.uint8, count=nbytes)
+            window.copy_(source.reshape(-1).view(torch.uint8).cpu())
+            del window  # the map cannot close while a tensor still exports it
         self._host_blocks[slot] = block
         return block.name
 
@@ -428,7 +455,7 @@ class Consumer:
         with self._lock:
             control = self._controls.get(msg.control)
             if control is None:
-                control = _Control(msg.control, untrack=msg.producer_pid != os.getpid())
+                control = _Control(msg.control)
                 self._controls[msg.control] = control
         if not control.alive:
             raise TransportError(f"producer pool {msg.pool_id} was closed")
@@ -453,18 +480,13 @@ class Consumer:
 
     def _from_host(self, msg: TensorMessage, dtype: torch.dtype) -> torch.Tensor:
         assert msg.host_name is not None
-        try:
-            block = shared_memory.SharedMemory(name=msg.host_name)
-        except FileNotFoundError:
-            raise TransportError(f"host block {msg.host_name!r} is gone (recycled, or its producer exited)") from None
-        if msg.producer_pid != os.getpid():
-            _untrack(block)
+        block = _SharedFile(msg.host_name)
         try:
             if block.size < msg.nbytes:
                 raise TransportError(f"host block holds {block.size} bytes, message claims {msg.nbytes}")
             raw = torch.empty(msg.nbytes, dtype=torch.uint8)
             if msg.nbytes:
-                raw.copy_(torch.frombuffer(block.buf, dtype=torch.uint8, count=msg.nbytes))
+                raw.copy_(torch.frombuffer(bytearray(block.map[: msg.nbytes]), dtype=torch.uint8))
         finally:
             block.close()
         count = msg.nbytes // torch.empty((), dtype=dtype).element_size()
