@@ -55,10 +55,28 @@ def breakdown(graphs: bool, batch: int = 8) -> dict:
     return {k: statistics.median(v) * 1e3 for k, v in phases.items()}
 
 
+def profile_eager_decode(batch: int = 8, steps: int = 10) -> str:
+    """Profiler table of eager decode steps (each step has a new context length)."""
+    config = SIZES["h1024_l8"]
+    engine = GenerationEngine(EngineConfig(model=config, dtype=torch.bfloat16, max_kv_slots=64 * 1024, kv_fraction=0.2))
+    for i in range(batch):
+        engine.add_request([(7 * i + j) % 1000 for j in range(16)], 200)
+    for _ in range(5):
+        engine.step()
+    with torch.profiler.profile(activities=list(torch.profiler.supported_activities())) as prof:
+        for _ in range(steps):
+            engine.step()
+        engine.platform.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="results")
+    parser.add_argument("--profile", action="store_true", help="also print a profile of eager decode steps")
     args = parser.parse_args()
+    if args.profile:
+        print(profile_eager_decode())
     results = {"unit": "ms (median of 20 decode steps, batch 8)", "eager": breakdown(False), "graphs": breakdown(True)}
     write_json("step_breakdown", results, args.out)
 

@@ -13,8 +13,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchhal.core.stack import BreakStep, GraphStep, StackState, Step, run_eager
+
+
+_SHAPE_FREE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -42,21 +46,25 @@ class ModelConfig:
 
 @dataclass
 class AttentionMetadata:
-    """Per-batch facts attention needs, built on the host for the live batch.
+    """Per-batch facts attention needs, built once on the host for the live batch
+    and shared by every layer.
 
     out_slots:   [T] KV slot written by each token.
     kv_slots:    [B, Lmax] slots of each sequence's context (padded with 0).
-    kv_valid:    [B, Lmax] which of those are real.
     query_index: [B, Qmax] token index of each sequence's queries (padded with 0).
-    query_valid: [B, Qmax]
+    attn_mask:   [B, 1, Qmax, Lmax] causal mask over each sequence's real context.
+    positions:   [T] absolute positions (also the rotary positions).
+    token_seq, token_query: [T] the (sequence, query) slot of each token, in token order,
+        so attention scatters its output back without boolean indexing (which would sync).
     """
 
     out_slots: torch.Tensor
     kv_slots: torch.Tensor
-    kv_valid: torch.Tensor
     query_index: torch.Tensor
-    query_valid: torch.Tensor
-    positions: torch.Tensor  # [T] absolute positions (also the rotary positions)
+    attn_mask: torch.Tensor
+    positions: torch.Tensor
+    token_seq: torch.Tensor
+    token_query: torch.Tensor
 
     @classmethod
     def build(
@@ -68,26 +76,36 @@ class AttentionMetadata:
         lmax = max(len(s) for s in seq_slots)
         qmax = max(query_counts)
         kv_slots = torch.zeros(batch, lmax, dtype=torch.long)
-        kv_valid = torch.zeros(batch, lmax, dtype=torch.bool)
         query_index = torch.zeros(batch, qmax, dtype=torch.long)
-        query_valid = torch.zeros(batch, qmax, dtype=torch.bool)
-        out_slots, positions = [], []
+        mask = torch.zeros(batch, 1, qmax, lmax, dtype=torch.bool)
+        kv_pos = torch.arange(lmax)
+        out_slots, positions, token_seq, token_query = [], [], [], []
         token = 0
         for i, (slots, count) in enumerate(zip(seq_slots, query_counts)):
-            kv_slots[i, : len(slots)] = torch.tensor(slots)
-            kv_valid[i, : len(slots)] = True
+            length = len(slots)
+            kv_slots[i, :length] = torch.tensor(slots)
             query_index[i, :count] = torch.arange(token, token + count)
-            query_valid[i, :count] = True
-            out_slots.extend(slots[len(slots) - count :])
-            positions.extend(range(len(slots) - count, len(slots)))
+            query_pos = torch.arange(length - count, length)
+            mask[i, 0, :count] = (kv_pos[None, :] <= query_pos[:, None]) & (kv_pos[None, :] < length)
+            out_slots.extend(slots[length - count :])
+            positions.extend(range(length - count, length))
+            token_seq.extend([i] * count)
+            token_query.extend(range(count))
             token += count
+        mask[:, 0, :, 0] |= ~mask.any(-1)[:, 0]  # padded query rows: attend to one slot, never to nothing
+
+        def to_device(values: list[int] | torch.Tensor) -> torch.Tensor:
+            tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
+            return tensor.to(device, non_blocking=True)
+
         return cls(
-            out_slots=torch.tensor(out_slots, dtype=torch.long).to(device),
-            kv_slots=kv_slots.to(device),
-            kv_valid=kv_valid.to(device),
-            query_index=query_index.to(device),
-            query_valid=query_valid.to(device),
-            positions=torch.tensor(positions, dtype=torch.long).to(device),
+            out_slots=to_device(out_slots),
+            kv_slots=to_device(kv_slots),
+            query_index=to_device(query_index),
+            attn_mask=to_device(mask),
+            positions=to_device(positions),
+            token_seq=to_device(token_seq),
+            token_query=to_device(token_query),
         )
 
     @property
@@ -223,14 +241,13 @@ class ReferenceDecoder(nn.Module):
             v_cache.index_copy_(0, meta.out_slots, state["v"][:num_tokens])
             q = state["q"][meta.query_index]  # [B, Qmax, H, D]
             keys, values = k_cache[meta.kv_slots], v_cache[meta.kv_slots]  # [B, L, H, D]
-            q_pos = meta.positions[meta.query_index]  # [B, Qmax]
-            kv_pos = torch.arange(meta.kv_slots.shape[1], device=q.device)
-            allowed = (kv_pos[None, None, :] <= q_pos[:, :, None]) & meta.kv_valid[:, None, :]
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=allowed[:, None]
-            ).transpose(1, 2)  # [B, Qmax, H, D]
-            flat = state["attn_out"]
-            flat[meta.query_index[meta.query_valid]] = out[meta.query_valid]
+            # Backends that do not build a plan per shape: decode grows the context every
+            # step, and a per-shape plan build (measured: 13 ms a call on an H100) dominates.
+            with sdpa_kernel(_SHAPE_FREE_SDPA):
+                out = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=meta.attn_mask
+                ).transpose(1, 2)  # [B, Qmax, H, D]
+            state["attn_out"][:num_tokens].copy_(out[meta.token_seq, meta.token_query])
 
         return run
 

@@ -56,6 +56,9 @@ class AcceleratorPlatform(PlatformPlugin):
 
     # -- device ------------------------------------------------------------------
     def device_module(self) -> ModuleType:
+        module = self.__dict__.get("_device_module")  # resolved once: most calls go through here
+        if module is not None:
+            return module
         if self.extension_module:
             importlib.import_module(self.extension_module)
         module = getattr(torch, self.device_type, None)
@@ -64,6 +67,7 @@ class AcceleratorPlatform(PlatformPlugin):
                 f"torch.{self.device_type} is missing after importing "
                 f"{self.extension_module or 'torch'}; install the {self.name} runtime"
             )
+        self.__dict__["_device_module"] = module
         return module
 
     def device_info(self, index: int) -> DeviceInfo:
