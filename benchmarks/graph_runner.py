@@ -72,8 +72,8 @@ def stack_times(name: str, config: ModelConfig, iters: int) -> dict:
             meta = AttentionMetadata.build(seqs, counts, engine.device)
             ids = torch.randint(0, config.vocab_size, (tokens,), device=engine.device)
             with torch.no_grad():
-                eager_ms = timed(lambda: eager.forward(ids, meta), platform, iters)
-                graph_ms = timed(lambda: runner.forward(ids, meta), platform, iters)
+                eager_ms = timed(lambda ids=ids, meta=meta: eager.forward(ids, meta), platform, iters)
+                graph_ms = timed(lambda ids=ids, meta=meta: runner.forward(ids, meta), platform, iters)
             rows.append({"bs": bs, "tokens": tokens, "eager_ms": eager_ms, "graph_ms": graph_ms,
                          "speedup": eager_ms / graph_ms})
             print(f"{name} bs={bs:>2} tokens={tokens:>3}: eager {eager_ms:.3f} ms, graphs {graph_ms:.3f} ms, "

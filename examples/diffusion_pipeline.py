@@ -58,7 +58,9 @@ def stages(denoise_steps: int) -> list[Stage]:
     ]
 
 
-def run_request(manager: ResidencyManager, tokens: torch.Tensor, denoise_steps: int, warmup: bool = False) -> torch.Tensor:
+def run_request(
+    manager: ResidencyManager, tokens: torch.Tensor, denoise_steps: int, warmup: bool = False
+) -> torch.Tensor:
     with manager.request(stages(denoise_steps), warmup=warmup), torch.no_grad():
         with manager.stage("encode"), manager.use_component("text_encoder") as encoder:
             context = encoder(tokens)

@@ -43,7 +43,9 @@ def make_registry() -> Callable[..., manager.PlatformRegistry]:
     return make
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, with_test_dist: bool = False) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, with_test_dist: bool = False
+) -> subprocess.CompletedProcess[str]:
     """Run `python -m torchhal.cli ...` in a fresh process."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHHAL_")}
     if with_test_dist:

@@ -93,7 +93,8 @@ def make_device_module(
     module.device = lambda d: ctx("device", d)  # type: ignore[attr-defined]
     module.OutOfMemoryError = type(f"{name.upper()}OutOfMemoryError", (RuntimeError,), {})  # type: ignore[attr-defined]
     if graph_class:
-        setattr(module, graph_class, type(graph_class, (FakeGraph,), {"__init__": lambda self: FakeGraph.__init__(self, calls)}))
+        graph_type = type(graph_class, (FakeGraph,), {"__init__": lambda self: FakeGraph.__init__(self, calls)})
+        setattr(module, graph_class, graph_type)
     return module
 
 
@@ -101,7 +102,9 @@ def names_called(module: types.ModuleType) -> list[str]:
     return [c[0] for c in module.calls]  # type: ignore[attr-defined]
 
 
-def install_extension(monkeypatch, module_name: str, device_name: str, device_module: types.ModuleType) -> types.ModuleType:
+def install_extension(
+    monkeypatch, module_name: str, device_name: str, device_module: types.ModuleType
+) -> types.ModuleType:
     """Make `import <module_name>` succeed and expose torch.<device_name>."""
     ext = types.ModuleType(module_name)
     ext.__spec__ = importlib.machinery.ModuleSpec(module_name, None)

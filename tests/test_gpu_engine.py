@@ -36,7 +36,7 @@ def test_replayed_hidden_states_match_eager(dtype, atol, batch):
     seqs = [list(range(i * 64, i * 64 + len(p))) for i, p in enumerate(PROMPTS[:batch])]
     counts = [len(p) for p in PROMPTS[:batch]]
     ids = torch.tensor([t for p in PROMPTS[:batch] for t in p], device=engine.device)
-    for step in range(3):
+    for _ in range(3):
         meta = AttentionMetadata.build(seqs, counts, engine.device)
         expected = eager.forward(ids, meta).clone()
         got = runner.forward(ids, meta).clone()

@@ -11,7 +11,13 @@ import torch
 
 import torchhal
 from torchhal.core.ipc_transport import (
-    POOL_FLOOR_BYTES, Consumer, Producer, TensorMessage, TransportConfig, TransportError, pool_size,
+    POOL_FLOOR_BYTES,
+    Consumer,
+    Producer,
+    TensorMessage,
+    TransportConfig,
+    TransportError,
+    pool_size,
 )
 
 from . import transport_workers

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import torchhal
 from torchhal.core.residency import ComponentUse, Placement, RequestFailed, ResidencyManager, Stage, Strategy
 from torchhal.platforms import ReleasePoint, hookimpl
 

@@ -221,7 +221,8 @@ def test_ipc_open_rejects_out_of_bounds_before_opening(monkeypatch):
     module = make_device_module("musa", graph_class="MUSAGraph")
     install_extension(monkeypatch, "torch_musa", "musa", module)
     opened = []
-    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_musa", staticmethod(lambda *a: opened.append(a)), raising=False)
+    record = staticmethod(lambda *a: opened.append(a))
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_musa", record, raising=False)
     plugin = MusaPlatform()
     handle = plugin.ipc_share(fake_device_tensor("musa", "_share_musa_"))
     import dataclasses

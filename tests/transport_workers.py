@@ -14,7 +14,8 @@ def consume(rank, inbox, outbox):
             break
         try:
             tensor = consumer.receive(message)
-            outbox.put(("ok", rank, tensor.dtype == getattr(torch, message["dtype"]), tensor.to(torch.float64).flatten().tolist()))
+            same_dtype = tensor.dtype == getattr(torch, message["dtype"])
+            outbox.put(("ok", rank, same_dtype, tensor.to(torch.float64).flatten().tolist()))
         except TransportError as exc:
             outbox.put(("error", rank, False, str(exc)))
     consumer.close()

@@ -11,7 +11,7 @@ from typing import Any
 
 import torchhal
 from torchhal.platforms import PlatformError, registry
-from torchhal.platforms.selection import PLATFORM_ENV, current_platform, how_resolved, list_platforms
+from torchhal.platforms.selection import current_platform, how_resolved, list_platforms
 
 GiB = 1 << 30
 

@@ -59,7 +59,8 @@ def spies(platform: Platform, names: tuple[str, ...] = ("empty_cache", "synchron
                 calls.append(_tag)
                 return _original(*args, **kwargs)
 
-            saved.append((target, name, target.__dict__.get(name, _MISSING) if hasattr(target, "__dict__") else _MISSING))
+            own = target.__dict__.get(name, _MISSING) if hasattr(target, "__dict__") else _MISSING
+            saved.append((target, name, own))
             setattr(target, name, spy)
     try:
         yield calls

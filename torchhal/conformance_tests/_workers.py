@@ -106,6 +106,7 @@ def distributed_rank(name: str, rank: int, world: int, store_path: str, queue: A
             del platform.plugin.memory_info
         dist.barrier(cpu_group)
         dist.destroy_process_group()
-        queue.put(("ok", {"rank": rank, "sum": value.cpu().tolist(), "min": minimum, "free": real_free, "pid": os.getpid()}))
+        report = {"rank": rank, "sum": value.cpu().tolist(), "min": minimum, "free": real_free, "pid": os.getpid()}
+        queue.put(("ok", report))
     except BaseException as exc:
         queue.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))

@@ -220,13 +220,14 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     state = _state_of(report)
     if state is None:
         return
-    test_id = report.user_properties and dict(report.user_properties).get("_conformance_id")
-    if not test_id:
+    properties = dict(report.user_properties)
+    test_id = properties.get("_conformance_id")
+    if not isinstance(test_id, str):
         return
     record = state.records.setdefault(test_id, Record(test_id, test_id.split("::")[0]))
     record.duration_s += report.duration
     for key, value in report.user_properties:
-        if key == "measured":
+        if key == "measured" and isinstance(value, dict):
             record.measured.update(value)
     if report.skipped:
         if hasattr(report, "wasxfail"):

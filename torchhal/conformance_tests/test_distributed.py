@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ._helpers import wait_exit, receive, spawn_context
+from ._helpers import receive, spawn_context, wait_exit
 
 pytestmark = pytest.mark.conformance("distributed")
 

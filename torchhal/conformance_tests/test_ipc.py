@@ -9,7 +9,7 @@ import torch
 
 from torchhal.platforms import IpcHandleError
 
-from ._helpers import wait_exit, MiB, receive, spawn_context
+from ._helpers import MiB, receive, spawn_context, wait_exit
 
 pytestmark = pytest.mark.conformance("ipc")
 
@@ -53,7 +53,7 @@ def test_round_trip_across_processes(platform, device_index, measure):
     results = receive(q, "IPC consumer")
     wait_exit(proc)
     measure["consumer_device"] = consumer
-    for tensor, got in zip(tensors, results):
+    for tensor, got in zip(tensors, results, strict=True):
         assert got["device_type"] == platform.device_type
         assert got["device_index"] == consumer, "the consumer's tensor must be on its own device"
         assert got["values"] == tensor.to("cpu", torch.float64).flatten().tolist()
@@ -72,7 +72,8 @@ def test_no_context_on_the_producer_device(platform, device_index, measure):
     q, release = ctx.Queue(), ctx.Event()
     from ._workers import open_and_hold
 
-    proc = ctx.Process(target=open_and_hold, args=(platform.name, consumer_device(platform, device_index), handle, q, release))
+    consumer = consumer_device(platform, device_index)
+    proc = ctx.Process(target=open_and_hold, args=(platform.name, consumer, handle, q, release))
     proc.start()
     try:
         total = receive(q, "IPC consumer")

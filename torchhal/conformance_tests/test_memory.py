@@ -9,7 +9,7 @@ import torch
 
 from torchhal.platforms import MemoryInfo, ReleasePoint
 
-from ._helpers import wait_exit, MiB, fill_cache, receive, spawn_context, spies
+from ._helpers import MiB, fill_cache, receive, spawn_context, spies, wait_exit
 
 pytestmark = pytest.mark.conformance("memory")
 

@@ -222,7 +222,7 @@ class GenerationEngine:
             return self._handle_oom(batch, exc)
         self._steps += 1
         done = []
-        for request, token in zip(batch, next_tokens):
+        for request, token in zip(batch, next_tokens, strict=True):
             request.output.append(int(token))
             if len(request.output) >= request.max_new_tokens or token == self.config.eos_token:
                 done.append(self._finish(request, RequestState.FINISHED))

@@ -40,8 +40,9 @@ def resolve_layer_stack(model: nn.Module) -> ResolvedStack | str:
     are captured layer by layer with no breaks, which is only right for layers
     that need no per-batch metadata; the guess is warned about once.
     """
-    if callable(getattr(model, "layer_program", None)) and callable(getattr(model, "embed_tokens", None)):
-        return ResolvedStack(model.layer_program, model.embed_tokens, "explicit layer_program()")
+    program, embed = getattr(model, "layer_program", None), getattr(model, "embed_tokens", None)
+    if callable(program) and callable(embed):
+        return ResolvedStack(program, embed, "explicit layer_program()")
     for path in ("model.layers", "language_model.model.layers"):
         owner: Any = model
         for part in path.split("."):

@@ -13,13 +13,13 @@ falls back to host shared memory with the same API.
 from __future__ import annotations
 
 import base64
+import mmap
 import os
+import tempfile
 import threading
 import uuid
 import warnings
 from dataclasses import dataclass
-import mmap
-import tempfile
 from typing import Any
 
 import torch
@@ -306,7 +306,7 @@ class Producer:
     def _allocate(self, nbytes: int) -> int | None:
         size = -(-max(nbytes, 1) // self.config.alignment) * self.config.alignment
         best = None
-        for i, (offset, free) in enumerate(self._free):
+        for i, (_, free) in enumerate(self._free):
             if free >= size and (best is None or free < self._free[best][1]):
                 best = i
         if best is None:
@@ -334,13 +334,13 @@ class Producer:
         """Free every slice all consumers acknowledged; returns how many."""
         freed = 0
         with self._lock:
-            for slot, (offset, size, host) in list(self._used.items()):
+            for slot, (start, size, host) in list(self._used.items()):
                 if not self.control.all_acked(slot):
                     continue
                 del self._used[slot]
                 self._free_slots.append(slot)
                 if host is None:
-                    self._release_range(offset, size)
+                    self._release_range(start, size)
                 else:
                     block = self._host_blocks.pop(slot)
                     block.close()

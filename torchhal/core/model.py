@@ -8,6 +8,7 @@ anywhere without downloading anything. The layer stack is exposed explicitly
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,6 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchhal.core.stack import BreakStep, GraphStep, StackState, Step, run_eager
-
 
 _SHAPE_FREE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -79,9 +79,12 @@ class AttentionMetadata:
         query_index = torch.zeros(batch, qmax, dtype=torch.long)
         mask = torch.zeros(batch, 1, qmax, lmax, dtype=torch.bool)
         kv_pos = torch.arange(lmax)
-        out_slots, positions, token_seq, token_query = [], [], [], []
+        out_slots: list[int] = []
+        positions: list[int] = []
+        token_seq: list[int] = []
+        token_query: list[int] = []
         token = 0
-        for i, (slots, count) in enumerate(zip(seq_slots, query_counts)):
+        for i, (slots, count) in enumerate(zip(seq_slots, query_counts, strict=True)):
             length = len(slots)
             kv_slots[i, :length] = torch.tensor(slots)
             query_index[i, :count] = torch.arange(token, token + count)
@@ -154,6 +157,7 @@ class DecoderLayer(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
         # Fused QKV, derived from q/k/v by `process_weights()` (as engines fuse after loading).
+        self.qkv_weight: torch.Tensor
         self.register_buffer("qkv_weight", torch.empty(3 * h, h), persistent=False)
 
     def process_weights(self) -> None:
@@ -192,6 +196,8 @@ class ReferenceDecoder(nn.Module):
         torch.random.set_rng_state(generator_state)
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
         angles = torch.outer(torch.arange(config.max_position).float(), inv_freq)
+        self.rope_cos: torch.Tensor
+        self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
         self.kv: KVCache | None = None
@@ -199,7 +205,7 @@ class ReferenceDecoder(nn.Module):
 
     def process_weights(self) -> None:
         for layer in self.layers:
-            layer.process_weights()  # type: ignore[operator]
+            layer.process_weights()  # type: ignore[operator]  # ModuleList items are typed Module
 
     # -- the layer stack, as a program for runners --------------------------------
     def layer_program(self) -> list[Step]:
@@ -209,14 +215,15 @@ class ReferenceDecoder(nn.Module):
         Output: "hidden" [T, H] after the final norm.
         """
         steps: list[Step] = []
-        for index, layer in enumerate(self.layers):
+        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        for index, layer in enumerate(layers):
             steps.append(GraphStep(f"layer{index}.pre_attention", self._pre_attention(layer, first=index == 0)))
             steps.append(BreakStep(f"layer{index}.attention", self._attention(index)))
-            last = index == len(self.layers) - 1
+            last = index == len(layers) - 1
             steps.append(GraphStep(f"layer{index}.post_attention", self._post_attention(layer, last)))
         return steps
 
-    def _pre_attention(self, layer: nn.Module, first: bool):
+    def _pre_attention(self, layer: DecoderLayer, first: bool) -> Callable[[StackState], None]:
         config = self.config
 
         def run(state: StackState) -> None:
@@ -233,7 +240,7 @@ class ReferenceDecoder(nn.Module):
 
         return run
 
-    def _attention(self, index: int):
+    def _attention(self, index: int) -> Callable[[StackState, int, AttentionMetadata], None]:
         def run(state: StackState, num_tokens: int, meta: AttentionMetadata) -> None:
             assert self.kv is not None, "allocate the KV cache before running the model"
             k_cache, v_cache = self.kv.k[index], self.kv.v[index]
@@ -251,7 +258,7 @@ class ReferenceDecoder(nn.Module):
 
         return run
 
-    def _post_attention(self, layer: nn.Module, last: bool):
+    def _post_attention(self, layer: DecoderLayer, last: bool) -> Callable[[StackState], None]:
         def run(state: StackState) -> None:
             t = state["attn_out"].shape[0]
             residual = state["residual"] + layer.o_proj(state["attn_out"].reshape(t, -1))

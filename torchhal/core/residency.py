@@ -65,7 +65,8 @@ class WeightBlock:
     def __init__(self, params: list[nn.Parameter], platform: Platform, device: torch.device) -> None:
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
-            raise ValueError(f"a weight block needs one dtype, got {sorted(map(str, dtypes))}; cast the component first")
+            found = sorted(map(str, dtypes))
+            raise ValueError(f"a weight block needs one dtype, got {found}; cast the component first")
         self.params, self.platform, self.device = params, platform, device
         self.numel = sum(p.numel() for p in params)
         self.dtype = params[0].dtype

@@ -49,7 +49,7 @@ def view_extent_bytes(shape: tuple[int, ...], stride: tuple[int, ...], itemsize:
     """Bytes from the view's first element to one past its last (0 for empty views)."""
     if any(size == 0 for size in shape):
         return 0
-    return (sum((size - 1) * step for size, step in zip(shape, stride)) + 1) * itemsize
+    return (sum((size - 1) * step for size, step in zip(shape, stride, strict=True)) + 1) * itemsize
 
 
 def validate_handle(handle: IpcHandle, storage_nbytes: int | None = None) -> torch.dtype:
@@ -98,5 +98,5 @@ def describe(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], tuple[int, ...
         dtype_name(tensor.dtype),
         tuple(tensor.shape),
         tuple(tensor.stride()),
-        tensor.storage_offset() * tensor.element_size(),
+        int(tensor.storage_offset()) * tensor.element_size(),
     )

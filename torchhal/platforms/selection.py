@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from torchhal.platforms.errors import (
     AmbiguousPlatformError,
-    PluginConflictError,
     PlatformUnavailableError,
+    PluginConflictError,
     UnknownPlatformError,
 )
 from torchhal.platforms.manager import PlatformRegistry, build_registry, notify

@@ -19,7 +19,6 @@ from typing import Any, ClassVar
 import torch
 
 from torchhal.platforms import (
-    Availability,
     DeviceInfo,
     GraphSupport,
     IpcHandle,
@@ -185,7 +184,7 @@ class AcceleratorPlatform(PlatformPlugin):
         fields = handle.storage
         types = (int, bytes, int, bytes, int, bytes, bool)
         if len(fields) != len(types) or not all(
-            isinstance(v, t) and not (t is int and isinstance(v, bool)) for v, t in zip(fields, types)
+            isinstance(v, t) and not (t is int and isinstance(v, bool)) for v, t in zip(fields, types, strict=True)
         ):
             raise IpcHandleError(f"{self.name} IPC storage fields are malformed: {fields!r}")
         producer, raw, offset, rc_handle, rc_offset, event_handle, event_sync = fields

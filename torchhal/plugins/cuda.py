@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import ClassVar
 
 import torch
 
@@ -15,7 +16,7 @@ class CudaPlatform(AcceleratorPlatform):
     device_type = "cuda"
     priority = 100
     dist_backend = "nccl"
-    visible_devices_env = ("CUDA_VISIBLE_DEVICES",)
+    visible_devices_env: ClassVar[tuple[str, ...]] = ("CUDA_VISIBLE_DEVICES",)
     graph_class_name = "CUDAGraph"
     ipc_share_method = "_share_cuda_"
     ipc_open_method = "_new_shared_cuda"
