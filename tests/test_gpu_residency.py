@@ -20,14 +20,22 @@ MiB = 1 << 20
 def test_offload_and_layerwise_match_resident_on_the_device():
     tokens = torch.randn(64, 512, device="cuda")
     expected = run_request(ResidencyManager(make_components(512, 6), {}), tokens, 3)
+    component_bytes = {
+        name: sum(p.numel() * p.element_size() for p in module.parameters())
+        for name, module in make_components(512, 6).items()
+    }
     for transformer in ("offload", "layerwise"):
+        base = torch.cuda.memory_allocated()  # other tests in this process hold memory too
         manager = ResidencyManager(make_components(512, 6), default_placements(transformer, prefetch_layers=2))
         assert manager.components["vae"].blocks[0].host.is_pinned()
         for _ in range(2):
             torch.testing.assert_close(run_request(manager, tokens, 3), expected)
-        assert torch.cuda.memory_allocated() < 2 * sum(
-            p.numel() * p.element_size() for p in make_components(512, 6)["text_encoder"].parameters()
-        ) + 64 * MiB  # only resident pieces and activations stay allocated
+        torch.cuda.synchronize()
+        # Between requests only the text encoder (prepared for the next request) and the
+        # transformer's non-layer weights may stay on the device, plus the returned output.
+        allowed = component_bytes["text_encoder"] + component_bytes["transformer"] // 2
+        assert torch.cuda.memory_allocated() - base < allowed
+        del manager
 
 
 def test_layerwise_peak_stays_within_2p_plus_1_layers():
