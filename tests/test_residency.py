@@ -153,3 +153,19 @@ def test_stage_profiling_only_observes_and_trace_exports(observed, tmp_path):
     pytest.importorskip("matplotlib")
     manager.plot_memory_timeline(str(tmp_path / "timeline.png"))
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_logging_writes_one_json_line_per_event_and_tracing_can_be_off(observed, caplog):
+    import logging
+
+    logger = logging.getLogger("residency-test")
+    with caplog.at_level(logging.INFO, logger="residency-test"):
+        manager = ResidencyManager(make_components(), default_placements("offload"), record_trace=False, log=logger)
+        run_request(manager, torch.randn(4, 256), 2)
+    assert manager.trace == []
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines and all(line.startswith("torchhal.residency {") for line in lines)
+    assert json.loads(lines[0].split(" ", 1)[1])["kind"] == "request_start"
+    silent = ResidencyManager(make_components(), default_placements("offload"), record_trace=False)
+    run_request(silent, torch.randn(4, 256), 2)
+    assert silent.trace == [] and observed["empties"]  # still empties, just untraced

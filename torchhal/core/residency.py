@@ -155,9 +155,15 @@ class ResidencyManager:
         device_index: int | None = None,
         *,
         empty_at_stage_boundaries: bool = False,
+        record_trace: bool = True,
         log: Any = None,
     ) -> None:
-        """`empty_at_stage_boundaries=True` reproduces the old habit (for benchmarks only)."""
+        """`empty_at_stage_boundaries=True` reproduces the old habit (for benchmarks only).
+
+        Events go to `self.trace` (when `record_trace`), to `log` as one JSON line each
+        (when given), and to `torchhal_engine_event` observers; with none of the three
+        no event is built at all.
+        """
         unknown = set(placements) - set(components)
         if unknown:
             raise ValueError(f"placements name unknown components {sorted(unknown)}; known: {sorted(components)}")
@@ -166,6 +172,7 @@ class ResidencyManager:
         self.device = self.platform.device(self.device_index)
         self.side_stream = self.platform.new_stream(self.device_index)
         self.empty_at_stage_boundaries = empty_at_stage_boundaries
+        self.record_trace = record_trace
         self.log = log
         self.trace: list[dict[str, Any]] = []
         self.components: dict[str, _Component] = {}
@@ -436,10 +443,13 @@ class ResidencyManager:
         self.platform.notify_component_moved(state.name, source, destination, nbytes)
 
     def _event(self, kind: str, component: str | None, **fields: Any) -> None:
+        if not (self.record_trace or self.log is not None or self.platform.traces_events):
+            return
         event: dict[str, Any] = {"kind": kind, "t": time.monotonic(), "component": component, **fields}
         memory = self.platform.memory_info(self.device_index)
         event["reserved"], event["used"] = memory.reserved, memory.used
-        self.trace.append(event)
+        if self.record_trace:
+            self.trace.append(event)
         self.platform.emit_event(event)
         if self.log is not None:
             self.log.info("torchhal.residency %s", json.dumps(event, default=str))
