@@ -84,3 +84,17 @@ def test_junit_output(tmp_path):
     out = run_cli("conformance", "--platform", "cpu", "-k", "contract", "--junit", str(junit))
     assert out.returncode == 0, out.stdout[-2000:]
     assert "testcase" in junit.read_text()
+
+
+def test_the_suite_runs_as_a_plain_pytest_plugin(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "torchhal.conformance_tests", "--torchhal-platform", "cpu",
+         "-k", "contract", "-p", "no:cacheprovider", "--torchhal-json", str(tmp_path / "r.json")],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-2000:]
+    assert "VERDICT: CONFORMANT (core)" in out.stdout
+    assert "torchhal conformance suite" in out.stdout  # the report header
