@@ -94,12 +94,18 @@ class WeightBlock:
             p.data = view
             offset += p.numel()
 
-    def load(self, stream: Any | None) -> None:
-        """Copy to the device; on `stream` with an event when given (prefetch), else in order."""
+    def load(self, stream: Any | None, into: torch.Tensor | None = None) -> None:
+        """Copy to the device; on `stream` with an event when given (prefetch), else in order.
+
+        `into` is a device buffer to reuse (a layerwise ring slot); else one is allocated.
+        """
         if self.device_buffer is not None:
             return
         compute = self.platform.current_stream(self.device.index)
-        buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)  # allocated in compute order
+        # Allocated (or last used) in compute order, so waiting on compute makes it safe to overwrite.
+        if into is None:
+            into = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        buffer = into[: self.numel]
         if stream is None:
             buffer.copy_(self.host, non_blocking=True)
             self.ready = None
@@ -135,6 +141,7 @@ class _Component:
     module: nn.Module
     placement: Placement
     blocks: list[WeightBlock] = field(default_factory=list)  # offload: 1; layerwise: one per layer
+    ring: list[torch.Tensor] = field(default_factory=list)  # layerwise: p + 1 reusable device buffers
     layer_releases: int = 0
 
     @property
@@ -218,20 +225,32 @@ class ResidencyManager:
         return component
 
     def _before_layer(self, component: _Component, index: int):
+        prefetch = component.placement.prefetch_layers
+
         def hook(module: nn.Module, args: Any) -> None:
             block = component.blocks[index]
             if block.on_device:
                 if block.wait():
                     self._event("wait", component.name, layer=index)
             else:
-                block.load(None)
+                block.load(None, self._ring_slot(component, index))
                 self._event("prepare", component.name, layer=index, nbytes=block.nbytes)
-            for ahead in component.blocks[index + 1 : index + 1 + component.placement.prefetch_layers]:
-                if not ahead.on_device:
-                    ahead.load(self.side_stream)
+            for ahead in range(index + 1, min(index + 1 + prefetch, len(component.blocks))):
+                if not component.blocks[ahead].on_device:
+                    component.blocks[ahead].load(self.side_stream, self._ring_slot(component, ahead))
             return None
 
         return hook
+
+    def _ring_slot(self, component: _Component, index: int) -> torch.Tensor:
+        """Layer `index` streams into ring slot index % (p + 1): with layer i running and
+        p layers ahead in flight, the slot of layer i - 1 (already released) is the free one."""
+        if not component.ring:
+            numel = max(b.numel for b in component.blocks)
+            dtype = component.blocks[0].dtype
+            slots = component.placement.prefetch_layers + 1
+            component.ring = [torch.empty(numel, dtype=dtype, device=self.device) for _ in range(slots)]
+        return component.ring[index % len(component.ring)]
 
     def _after_layer(self, component: _Component, index: int):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -307,6 +326,7 @@ class ResidencyManager:
             self._event("release", component, layers=state.layer_releases)
             released = True
             state.layer_releases = 0
+            state.ring = []  # the next use is another component: give the ring back
         if self.empty_at_stage_boundaries:
             self._empty(where="stage_boundary")
         elif released and use.memory_intensive:
@@ -427,6 +447,7 @@ class ResidencyManager:
         for state in self.components.values():
             for block in state.blocks:
                 block.release()
+            state.ring = []
         self._active, self._in_request, self._timeline = None, False, []
 
     def _handle_oom(self, error: BaseException) -> None:
