@@ -246,3 +246,10 @@ def test_idle_interval_empties_once(empties):
     e.step()  # interval passed: empty
     e.step()  # already emptied
     assert empties == [ReleasePoint.IDLE]
+
+
+@pytest.mark.parametrize("field, value", [("max_running", 0), ("max_batch_tokens", -1), ("max_kv_slots", 1.5),
+                                          ("idle_empty_after_s", -2.0)])
+def test_nonsensical_engine_config_is_refused(field, value):
+    with pytest.raises(ValueError, match=f"EngineConfig.{field} = {value!r}"):
+        EngineConfig(**{field: value})

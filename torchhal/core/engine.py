@@ -119,6 +119,14 @@ class EngineConfig:
     idle_empty_after_s: float | None = None
     eos_token: int | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("max_kv_slots", "max_batch_tokens", "max_running"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name} = {value!r} must be a positive int")
+        if self.idle_empty_after_s is not None and self.idle_empty_after_s < 0:
+            raise ValueError(f"EngineConfig.idle_empty_after_s = {self.idle_empty_after_s!r} must be >= 0 or None")
+
 
 class GenerationEngine:
     def __init__(
