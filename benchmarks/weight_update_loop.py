@@ -31,19 +31,19 @@ CONFIG = ModelConfig(vocab_size=32000, hidden_size=2048, num_layers=8, num_heads
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 
 
-def post_processing_transients(engine: GenerationEngine, iteration: int) -> None:
+def post_processing_transients(engine: GenerationEngine, iteration: int, growth_mib: int) -> None:
     """Odd-size scratch tensors that live only during post-processing."""
     device = engine.device
     scratch = []
     for k in range(4):
-        size = (37 + 13 * k + 7 * iteration) * MiB + 4099 * (iteration + k)  # odd, and a little larger each time
+        size = (37 + 13 * k + growth_mib * iteration) * MiB + 4099 * (iteration + k)  # odd, a little larger each time
         scratch.append(torch.empty(size, dtype=torch.uint8, device=device))
     for tensor in scratch:
         tensor.fill_(1)
     engine.platform.synchronize(engine.device_index)
 
 
-def run(iterations: int, empty_on_continue: bool) -> dict:
+def run(iterations: int, empty_on_continue: bool, growth_mib: int) -> dict:
     platform = torchhal.current_platform()
     platform.empty_cache(torchhal.ReleasePoint.USER)
     engine = GenerationEngine(EngineConfig(model=CONFIG, dtype=torch.bfloat16, kv_fraction=0.02, max_kv_slots=1 << 16))
@@ -61,7 +61,7 @@ def run(iterations: int, empty_on_continue: bool) -> dict:
         engine.step()
         engine.pause_generation("in_place")
         engine.update_weights_from_tensors(host_weights)  # same values: tokens must not change
-        post_processing_transients(engine, iteration)
+        post_processing_transients(engine, iteration, growth_mib)
         engine.continue_generation(empty_cache=empty_on_continue)
         mem = platform.memory_info(device)
         reserved_trace.append(mem.reserved)
@@ -75,6 +75,7 @@ def run(iterations: int, empty_on_continue: bool) -> dict:
     del engine
     return {
         "empty_on_continue": empty_on_continue,
+        "transient_growth_mib_per_iteration": growth_mib,
         "iterations": iterations,
         "live_allocated_bytes": live,
         "peak_reserved_bytes": peak_reserved,
@@ -93,10 +94,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="results")
     parser.add_argument("--iterations", type=int, default=100)
+    parser.add_argument("--growth-mib", type=int, nargs="+", default=[1, 7],
+                        help="MiB each of the 4 scratch tensors grows per iteration (1: ~15%% of live at the end, "
+                             "like the issue's probe; 7: ~70%%)")
     args = parser.parse_args()
     results = {"model": dataclasses.asdict(CONFIG), "runs": []}
-    for empty in (False, True):
-        row = run(args.iterations, empty)
+    for growth, empty in [(g, e) for g in args.growth_mib for e in (False, True)]:
+        row = run(args.iterations, empty, growth)
         print({k: v for k, v in row.items() if k != "reserved_trace_mib"}, flush=True)
         results["runs"].append(row)
     write_json("weight_update_loop", results, args.out)
