@@ -253,3 +253,11 @@ def test_idle_interval_empties_once(empties):
 def test_nonsensical_engine_config_is_refused(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field} = {value!r}"):
         EngineConfig(**{field: value})
+
+
+def test_weight_update_converts_other_float_dtypes_on_the_host():
+    e = engine()
+    target = torch.randn_like(e.model.lm_head.weight, dtype=torch.float64)
+    e.update_weights_from_tensors({"lm_head.weight": target})
+    assert e.model.lm_head.weight.dtype == torch.float32
+    torch.testing.assert_close(e.model.lm_head.weight.detach(), target.float())

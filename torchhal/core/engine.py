@@ -386,8 +386,8 @@ class GenerationEngine:
                 problems.append(f"{name!r} has dtype {tensor.dtype}, expected a floating dtype like {target.dtype}")
         if problems:
             raise ValueError("weight update rejected, nothing applied: " + "; ".join(problems))
-        staged = [(params[name], tensor.to(self.device, self.config.dtype)) for name, tensor in items]
-        with torch.no_grad():
+        staged = [(params[name], self._stage(tensor, params[name])) for name, tensor in items]
+        with torch.no_grad():  # nothing below allocates on the device: the update cannot fail halfway
             for param, value in staged:
                 param.copy_(value)
         del staged
@@ -395,6 +395,19 @@ class GenerationEngine:
         self.weight_version += 1
         self._record("weights_updated", count=len(items), version=self.weight_version)
         return WeightUpdateResult(len(items), self.weight_version, self.flush_cache_after_weight_update(flush_cache))
+
+    @staticmethod
+    def _stage(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """The source in the parameter's dtype, without a device copy of the whole model.
+
+        Host tensors are converted on the host and copied straight into the parameter;
+        tensors already on the parameter's device are used as they are (converted there
+        only when their dtype differs). Staging every weight on the device first would
+        add a model-sized transient to every update.
+        """
+        if tensor.device == param.device or tensor.device.type == "cpu":
+            return tensor if tensor.dtype == param.dtype else tensor.to(param.dtype)
+        return tensor.to(param.device, param.dtype)
 
     def update_weights_from_disk(self, path: str, flush_cache: bool = False) -> WeightUpdateResult:
         try:
