@@ -154,6 +154,7 @@ def test_zero_copy_view_on_request():
         ({"generation": 99}, "stale message"),
         ({"slot": 5000}, "outside the producer's"),
         ({"kind": "telepathy"}, "neither 'pool' nor 'host'"),
+        ({"offset": 2}, "multiples of the float32 size"),
         ({"producer_pid": 2**22 + 12345}, "has exited"),
     ],
 )

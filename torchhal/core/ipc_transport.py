@@ -117,6 +117,11 @@ class TensorMessage:
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < MAX_BYTES:
                 raise TransportError(f"shape {shape} / stride {stride} has an invalid entry {v!r}")
         itemsize = torch.empty((), dtype=DTYPES[values["dtype"]]).element_size()
+        if values["offset"] % itemsize or values["nbytes"] % itemsize:
+            raise TransportError(
+                f"offset {values['offset']} and nbytes {values['nbytes']} must be multiples of the "
+                f"{values['dtype']} size {itemsize}"
+            )
         extent = view_extent_bytes(shape, stride, itemsize)
         if extent > values["nbytes"]:
             raise TransportError(f"view of {extent} bytes exceeds the message's nbytes {values['nbytes']}")
