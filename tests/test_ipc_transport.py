@@ -216,3 +216,29 @@ def test_fuzzed_messages_only_ever_raise_transport_errors():
         except TransportError:
             pass
     producer.close()
+
+
+def test_fuzzed_numbers_through_receive_never_read_out_of_bounds():
+    """Plausible-looking numbers, end to end: each message is received or a TransportError."""
+    producer, consumer = Producer(small()), Consumer(0)
+    good = producer.send(torch.arange(256.0).reshape(16, 16))
+    rng = random.Random(99)
+    received = 0
+    for _ in range(2000):
+        message = json.loads(json.dumps(good))
+        for key in rng.sample(["offset", "nbytes", "shape", "stride", "generation", "slot"], rng.randint(1, 3)):
+            if key in ("shape", "stride"):
+                message[key] = [rng.choice([0, 1, 2, 15, 16, 17, 4096, 2**40]) for _ in range(rng.randint(1, 3))]
+            else:
+                message[key] = rng.choice([0, 1, 4, 512, 1024, 1 << 20, (1 << 20) - 4, 2**40])
+        try:
+            tensor = consumer.receive(message)
+        except TransportError:
+            continue
+        received += 1
+        # Exactly the bytes the message names, read from the producer's own pool.
+        region = producer.pool[message["offset"] : message["offset"] + message["nbytes"]].view(torch.float32)
+        assert torch.equal(tensor, region.as_strided(message["shape"], message["stride"]))
+    assert received > 0  # some mutations stay valid, and those read inside their slice
+    producer.close()
+    consumer.close()
