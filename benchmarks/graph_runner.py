@@ -33,17 +33,24 @@ BUCKETS = (8, 16, 32, 64, 128, 256, 512)
 CONTEXT = 128  # tokens already in each sequence's KV
 
 
-def timed(fn, platform, iters: int) -> float:
+def paired(eager_fn, graph_fn, platform, iters: int) -> tuple[float, float, float]:
+    """Median eager ms, median graph ms, and the median of per-pair ratios.
+
+    Samples alternate eager/graph so clock or host drift hits both sides alike.
+    """
     for _ in range(3):
-        fn()
+        eager_fn()
+        graph_fn()
     platform.synchronize()
-    samples = []
+    eager, graph = [], []
     for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        platform.synchronize()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e3
+        for fn, samples in ((eager_fn, eager), (graph_fn, graph)):
+            start = time.perf_counter()
+            fn()
+            platform.synchronize()
+            samples.append(time.perf_counter() - start)
+    ratios = [e / g for e, g in zip(eager, graph, strict=True)]
+    return statistics.median(eager) * 1e3, statistics.median(graph) * 1e3, statistics.median(ratios)
 
 
 def make_factory(buckets):
@@ -72,12 +79,14 @@ def stack_times(name: str, config: ModelConfig, iters: int) -> dict:
             meta = AttentionMetadata.build(seqs, counts, engine.device)
             ids = torch.randint(0, config.vocab_size, (tokens,), device=engine.device)
             with torch.no_grad():
-                eager_ms = timed(lambda ids=ids, meta=meta: eager.forward(ids, meta), platform, iters)
-                graph_ms = timed(lambda ids=ids, meta=meta: runner.forward(ids, meta), platform, iters)
-            rows.append({"bs": bs, "tokens": tokens, "eager_ms": eager_ms, "graph_ms": graph_ms,
-                         "speedup": eager_ms / graph_ms})
+                eager_ms, graph_ms, speedup = paired(
+                    lambda ids=ids, meta=meta: eager.forward(ids, meta),
+                    lambda ids=ids, meta=meta: runner.forward(ids, meta),
+                    platform, iters,
+                )
+            rows.append({"bs": bs, "tokens": tokens, "eager_ms": eager_ms, "graph_ms": graph_ms, "speedup": speedup})
             print(f"{name} bs={bs:>2} tokens={tokens:>3}: eager {eager_ms:.3f} ms, graphs {graph_ms:.3f} ms, "
-                  f"{eager_ms / graph_ms:.2f}x", flush=True)
+                  f"{speedup:.2f}x (median of paired ratios)", flush=True)
     report = runner.report
     return {"rows": rows, "graphs": report.graphs, "buckets": list(report.buckets),
             "capture_s": report.seconds, "pool_bytes": report.pool_bytes}
