@@ -30,7 +30,6 @@ def collect_info() -> dict[str, Any]:
         "torchhal": torchhal.__version__,
         "torch": torch.__version__,
         "platforms": [asdict(s) for s in list_platforms()],
-        "plugin_errors": [asdict(e) for e in reg.errors],
     }
     platform = current_platform()
     how, where = how_resolved()
@@ -55,7 +54,7 @@ def collect_info() -> dict[str, Any]:
             "ipc": ({"peer_redirect": ipc.peer_redirect, "note": ipc.note} if ipc else None),
         },
     }
-    # Plugin errors can appear during detection above: report the final list.
+    # Read last: detection above can add errors.
     info["plugin_errors"] = [asdict(e) for e in reg.errors]
     return info
 

@@ -39,46 +39,54 @@ def open_handles(name: str, device: int, handles: list[Any], queue: Any) -> None
         queue.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def open_and_hold(name: str, device: int, handle: Any, queue: Any, release: Any) -> None:
-    """Open a handle on `device`, do a little work there, and hold it until told to exit."""
+def _report_and_hold(name: str, device: int, queue: Any, release: Any, work: Any) -> None:
+    """Run `work(platform)` on `device`, report its value, and stay alive until released.
+
+    `work` returns (value to report, objects to keep alive while holding).
+    """
     try:
         platform = _platform(name)
         platform.set_device(device)
-        tensor = platform.ipc_support.open(handle, device)  # type: ignore[union-attr]
-        total = float(tensor.sum().item())
-        queue.put(("ok", total))
+        value, keep_alive = work(platform)
+        queue.put(("ok", value))
         release.wait(120)
-        del tensor
+        del keep_alive
     except BaseException as exc:
         queue.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def open_and_hold(name: str, device: int, handle: Any, queue: Any, release: Any) -> None:
+    """Open a handle on `device`, do a little work there, and hold it until told to exit."""
+
+    def work(platform: torchhal.Platform) -> tuple[float, Any]:
+        tensor = platform.ipc_support.open(handle, device)  # type: ignore[union-attr]
+        return float(tensor.sum().item()), tensor
+
+    _report_and_hold(name, device, queue, release, work)
 
 
 def query_memory_and_hold(name: str, device: int, queue: Any, release: Any) -> None:
     """Use one device: allocate, query memory_info(device) repeatedly, then hold."""
-    try:
-        platform = _platform(name)
-        platform.set_device(device)
+
+    def work(platform: torchhal.Platform) -> tuple[float, Any]:
         block = torch.ones(1 << 20, device=platform.device(device))
         for _ in range(10):
             platform.memory_info(device)
         platform.synchronize(device)
-        queue.put(("ok", float(block[0].item())))
-        release.wait(120)
-    except BaseException as exc:
-        queue.put(("error", f"{type(exc).__name__}: {exc}"))
+        return float(block[0].item()), block
+
+    _report_and_hold(name, device, queue, release, work)
 
 
 def share_then_exit(name: str, device: int, queue: Any, release: Any) -> None:
     """Producer that shares a tensor, waits until the consumer has it, then exits."""
-    try:
-        platform = _platform(name)
-        platform.set_device(device)
+
+    def work(platform: torchhal.Platform) -> tuple[Any, Any]:
         tensor = torch.arange(1024, dtype=torch.float32, device=platform.device(device))
         platform.synchronize(device)
-        queue.put(("ok", platform.ipc_support.share(tensor)))  # type: ignore[union-attr]
-        release.wait(120)
-    except BaseException as exc:
-        queue.put(("error", f"{type(exc).__name__}: {exc}"))
+        return platform.ipc_support.share(tensor), tensor  # type: ignore[union-attr]
+
+    _report_and_hold(name, device, queue, release, work)
 
 
 def distributed_rank(name: str, rank: int, world: int, store_path: str, queue: Any) -> None:

@@ -50,6 +50,7 @@ class SuiteState:
 
 
 STATE_KEY = pytest.StashKey[SuiteState]()
+_STATE: SuiteState | None = None  # report hooks get no config: the session's state, set at configure
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -64,8 +65,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "conformance(group): a torchhal conformance test of one capability group")
     name = config.getoption("--torchhal-platform") or os.environ.get("TORCHHAL_PLATFORM") or ""
+    global _STATE
     expect_path = config.getoption("--torchhal-expect")
-    config.stash[STATE_KEY] = SuiteState(
+    config.stash[STATE_KEY] = _STATE = SuiteState(
         platform_name=name,
         device=config.getoption("--torchhal-device"),
         profile=config.getoption("--torchhal-profile"),
@@ -217,7 +219,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    state = _state_of(report)
+    state = _STATE
     if state is None:
         return
     properties = dict(report.user_properties)
@@ -247,18 +249,6 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             record.message = str(report.longrepr).strip().splitlines()[-1][:500] if report.longrepr else None
     elif report.passed and report.when == "call" and record.outcome not in ("failed", "error"):
         record.outcome = "passed"
-
-
-_CONFIG: list[pytest.Config] = []
-
-
-def _state_of(report: pytest.TestReport) -> SuiteState | None:
-    return _CONFIG[0].stash.get(STATE_KEY, None) if _CONFIG else None
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionstart(session: pytest.Session) -> None:
-    _CONFIG[:] = [session.config]
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
