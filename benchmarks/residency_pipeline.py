@@ -25,27 +25,28 @@ from torchhal.core.residency import ComponentUse, Placement, ResidencyManager, S
 HIDDEN, LAYERS, STEPS, TOKENS = 2048, 16, 4, 4096
 
 
-def pipeline(platform, transformer: str, boundary_empties: bool, requests: int = 6) -> dict:
+def pipeline(platform, transformer: str, boundary_empties: bool, encoder_intensive: bool, requests: int = 6) -> dict:
     module = platform.device_module
     platform.empty_cache(torchhal.ReleasePoint.USER)
     manager = ResidencyManager(make_components(HIDDEN, LAYERS, torch.bfloat16),
                                default_placements(transformer, prefetch_layers=1),
                                empty_at_stage_boundaries=boundary_empties)
     tokens = torch.randn(TOKENS, HIDDEN, device=manager.device, dtype=torch.bfloat16)
-    run_request(manager, tokens, STEPS)  # warm up
+    run_request(manager, tokens, STEPS, encoder_memory_intensive=encoder_intensive)  # warm up
     platform.synchronize()
     module.reset_peak_memory_stats()
     start_events = len(manager.trace)
     latencies = []
     for _ in range(requests):
         t0 = time.perf_counter()
-        run_request(manager, tokens, STEPS)
+        run_request(manager, tokens, STEPS, encoder_memory_intensive=encoder_intensive)
         platform.synchronize()
         latencies.append(time.perf_counter() - t0)
     empties = [e for e in manager.trace[start_events:] if e["kind"] == "empty_cache"]
     return {
         "transformer": transformer,
         "boundary_empties": boundary_empties,
+        "text_encoder_memory_intensive": encoder_intensive,
         "median_latency_ms": statistics.median(latencies) * 1e3,
         "peak_reserved_bytes": module.max_memory_reserved(),
         "empties_per_request": len(empties) / requests,
@@ -93,8 +94,10 @@ def main() -> None:
     platform = torchhal.current_platform()
     results: dict = {"hidden": HIDDEN, "layers": LAYERS, "denoise_steps": STEPS, "tokens": TOKENS, "pipeline": []}
     for transformer in ("offload", "layerwise"):
-        for boundary in (True, False):
-            row = pipeline(platform, transformer, boundary)
+        # (a) stage-boundary empties, then (b) release points with the example's declaration
+        # and with the text encoder left undeclared (the earlier example; its cached block fragments).
+        for boundary, encoder_intensive in ((True, True), (False, True), (False, False)):
+            row = pipeline(platform, transformer, boundary, encoder_intensive)
             print(row, flush=True)
             results["pipeline"].append(row)
     results["layerwise"] = []

@@ -49,9 +49,13 @@ def make_components(hidden: int = 256, layers: int = 4, dtype: torch.dtype = tor
     }
 
 
-def stages(denoise_steps: int) -> list[Stage]:
+def stages(denoise_steps: int, encoder_memory_intensive: bool = True) -> list[Stage]:
+    # The text encoder is as large as the VAE: its release leaves a block big enough to
+    # matter, so it is a release point too (declared otherwise, activations get carved
+    # from its cached block and the VAE needs a fresh one).
     return [
-        Stage("encode", (ComponentUse("text_encoder", preferred_ready_after_request=True),)),
+        Stage("encode", (ComponentUse("text_encoder", memory_intensive=encoder_memory_intensive,
+                                      preferred_ready_after_request=True),)),
         Stage("denoise", tuple(ComponentUse("transformer", phase=f"step{i}", memory_intensive=True,
                                             keep_ready_after_warmup=True) for i in range(denoise_steps))),
         Stage("decode", (ComponentUse("vae", memory_intensive=True),)),
@@ -59,9 +63,13 @@ def stages(denoise_steps: int) -> list[Stage]:
 
 
 def run_request(
-    manager: ResidencyManager, tokens: torch.Tensor, denoise_steps: int, warmup: bool = False
+    manager: ResidencyManager,
+    tokens: torch.Tensor,
+    denoise_steps: int,
+    warmup: bool = False,
+    encoder_memory_intensive: bool = True,
 ) -> torch.Tensor:
-    with manager.request(stages(denoise_steps), warmup=warmup), torch.no_grad():
+    with manager.request(stages(denoise_steps, encoder_memory_intensive), warmup=warmup), torch.no_grad():
         with manager.stage("encode"), manager.use_component("text_encoder") as encoder:
             context = encoder(tokens)
         latent = torch.zeros_like(context)

@@ -57,14 +57,23 @@ def test_layerwise_and_offload_compute_the_same_outputs(observed):
     torch.testing.assert_close(run_request(manager, tokens, 3), expected)
 
 
-def test_empties_only_at_release_points_never_at_stage_boundaries(observed):
+@pytest.mark.parametrize(("encoder_intensive", "emptied_after"), [
+    (True, ["text_encoder", "transformer", "vae"]),
+    (False, ["transformer", "vae"]),  # an undeclared component's release is not a release point
+])
+def test_empties_only_after_memory_intensive_releases_never_at_stage_boundaries(
+    observed, encoder_intensive, emptied_after
+):
     manager = ResidencyManager(make_components(), default_placements("layerwise"))
-    run_request(manager, torch.randn(4, 256), 3)
-    empties = kinds(manager, "empty_cache")
-    # transformer (layerwise, memory intensive) after its last step, vae (offload) after decode
-    assert [e["where"] for e in empties] == ["component_release", "component_release"]
-    assert observed["empties"] == [ReleasePoint.COMPONENT_RELEASE] * 2
-    assert not [e for e in empties if e["where"] == "stage_boundary"]
+    run_request(manager, torch.randn(4, 256), 3, encoder_memory_intensive=encoder_intensive)
+    trace = manager.trace
+    empties = [i for i, e in enumerate(trace) if e["kind"] == "empty_cache"]
+    assert [trace[i - 1]["kind"] for i in empties] == ["release"] * len(emptied_after)
+    assert [trace[i - 1]["component"] for i in empties] == emptied_after
+    assert [trace[i]["where"] for i in empties] == ["component_release"] * len(emptied_after)
+    assert observed["empties"] == [ReleasePoint.COMPONENT_RELEASE] * len(emptied_after)
+    released = [e["component"] for e in trace if e["kind"] == "release"]
+    assert released == ["text_encoder", "transformer", "vae"]  # released either way
 
 
 def test_baseline_mode_empties_at_every_stage_boundary(observed):
