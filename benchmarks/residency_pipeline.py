@@ -23,6 +23,7 @@ import torchhal  # noqa: E402
 from torchhal.core.residency import ComponentUse, Placement, ResidencyManager, Stage, Strategy  # noqa: E402
 
 HIDDEN, LAYERS, STEPS, TOKENS = 2048, 16, 4, 4096
+MiB = 1 << 20
 
 
 def pipeline(platform, transformer: str, boundary_empties: bool, encoder_intensive: bool, requests: int = 6) -> dict:
@@ -43,6 +44,9 @@ def pipeline(platform, transformer: str, boundary_empties: bool, encoder_intensi
         platform.synchronize()
         latencies.append(time.perf_counter() - t0)
     empties = [e for e in manager.trace[start_events:] if e["kind"] == "empty_cache"]
+    last = max(i for i, e in enumerate(manager.trace) if e["kind"] == "request_start")
+    trace = manager.trace[last:]
+    manager.close()  # nothing of this row may stay on the device into the next row's peak
     return {
         "transformer": transformer,
         "boundary_empties": boundary_empties,
@@ -51,6 +55,9 @@ def pipeline(platform, transformer: str, boundary_empties: bool, encoder_intensi
         "peak_reserved_bytes": module.max_memory_reserved(),
         "empties_per_request": len(empties) / requests,
         "stage_boundary_empties": sum(e["where"] == "stage_boundary" for e in empties),
+        # the last request's timeline: where reserved memory rises and falls
+        "last_request_trace": [[e["kind"], e["component"], e["reserved"] // MiB, e["used"] // MiB]
+                               for e in trace],
     }
 
 
@@ -78,6 +85,7 @@ def layerwise_step(platform, prefetch_layers: int, tokens: int) -> dict:
                 if i:
                     times.append(time.perf_counter() - t0)
                 peak = module.max_memory_allocated() - base
+        manager.close()
         results[strategy] = {"median_ms": statistics.median(times) * 1e3, "peak_over_base_bytes": peak,
                              "layer_bytes": layer_bytes}
     lw, rs = results["layerwise"], results["resident"]

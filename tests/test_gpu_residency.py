@@ -60,3 +60,15 @@ def test_reserved_drops_only_at_the_release_point():
     empties = [e for e in manager.trace if e["kind"] == "empty_cache"]
     assert empties and all(e["where"] == "component_release" for e in empties)
     assert all(e["bytes_released"] is not None for e in empties)
+
+
+def test_close_returns_device_memory_to_where_it_started():
+    torch.cuda.synchronize()
+    torchhal.current_platform().empty_cache(torchhal.ReleasePoint.USER)
+    base_allocated, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    manager = ResidencyManager(make_components(1024, 4), default_placements("layerwise"))
+    run_request(manager, torch.randn(32, 1024, device="cuda"), 2)  # ends with the text encoder prepared
+    assert torch.cuda.memory_allocated() > base_allocated + MiB
+    manager.close()
+    assert torch.cuda.memory_allocated() == base_allocated
+    assert torch.cuda.memory_reserved() <= base_reserved

@@ -152,6 +152,31 @@ def test_misuse_is_refused_with_clear_errors(observed):
         ResidencyManager(make_components(), {"vae": Placement(Strategy.LAYERWISE, layers_attr="blocks")})
 
 
+def test_close_gives_everything_back_and_leaves_plain_modules(observed):
+    tokens = torch.randn(4, 256)
+    components = make_components()
+    manager = ResidencyManager(components, default_placements("layerwise"))
+    run_request(manager, tokens, 2)
+    manager.begin_request(stages(2))
+    with pytest.raises(RuntimeError, match="close\\(\\) during a request"):
+        manager.close()
+    manager.finish_request()  # the refused close left the request usable
+    observed["empties"].clear()
+    manager.close()
+    assert observed["empties"] == [ReleasePoint.COMPONENT_RELEASE]
+    assert kinds(manager, "empty_cache")[-1]["where"] == "close"
+    assert not any(b.on_device for c in manager.components.values() for b in c.blocks)
+    layers = components["transformer"].layers
+    assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in layers)
+    # The modules are plain host modules again: same outputs as never-managed ones.
+    reference = make_components()
+    with torch.no_grad():
+        torch.testing.assert_close(components["transformer"](tokens), reference["transformer"](tokens))
+    with pytest.raises(RuntimeError, match="closed; build a new one"):
+        manager.begin_request(stages(2))
+    assert manager.close() is None  # closing twice is harmless
+
+
 def test_stage_profiling_only_observes_and_trace_exports(observed, tmp_path):
     manager = ResidencyManager(make_components(), default_placements("offload"))
     run_request(manager, torch.randn(4, 256), 2)

@@ -143,6 +143,7 @@ class _Component:
     blocks: list[WeightBlock] = field(default_factory=list)  # offload: 1; layerwise: one per layer
     ring: list[torch.Tensor] = field(default_factory=list)  # layerwise: p + 1 reusable device buffers
     layer_releases: int = 0
+    hooks: list[Any] = field(default_factory=list)  # layerwise: removed by close()
 
     @property
     def on_device(self) -> bool:
@@ -192,6 +193,7 @@ class ResidencyManager:
         self._prefetched = False
         self._warmup = False
         self._in_request = False
+        self._closed = False
         self._active: ComponentUse | None = None
 
     # -- registration -------------------------------------------------------------------
@@ -220,8 +222,8 @@ class ResidencyManager:
             _set_buffer(module, buf_name, buf.to(self.device))
         component.blocks = [WeightBlock(list(layer.parameters()), self.platform, self.device) for layer in layers]
         for index, layer in enumerate(layers):
-            layer.register_forward_pre_hook(self._before_layer(component, index))
-            layer.register_forward_hook(self._after_layer(component, index))
+            component.hooks.append(layer.register_forward_pre_hook(self._before_layer(component, index)))
+            component.hooks.append(layer.register_forward_hook(self._after_layer(component, index)))
         return component
 
     def _before_layer(self, component: _Component, index: int):
@@ -276,6 +278,8 @@ class ResidencyManager:
         self.finish_request()
 
     def begin_request(self, stages: Sequence[Stage], warmup: bool = False) -> None:
+        if self._closed:
+            raise RuntimeError("this ResidencyManager is closed; build a new one for more requests")
         if self._in_request:
             raise RuntimeError("a request is already running; call finish_request() first")
         known = set(self.components)
@@ -362,6 +366,26 @@ class ResidencyManager:
             self._empty(where="request_end")
         self._event("request_end", None)
         self._in_request, self._timeline = False, []
+
+    def close(self) -> int | None:
+        """Give the device back: every component returns to host memory, the layerwise
+        hooks are removed (the modules run as plain host modules again), and the cache
+        is emptied once. Returns the bytes the empty released. Not during a request."""
+        if self._in_request:
+            raise RuntimeError("close() during a request; finish_request() first")
+        if self._closed:
+            return None
+        for state in self.components.values():
+            for block in state.blocks:
+                block.release()
+            state.ring, state.layer_releases = [], 0
+            for handle in state.hooks:
+                handle.remove()
+            state.hooks = []
+            state.module.to("cpu")  # resident weights, buffers and layerwise non-layer parameters
+            self._event("release", state.name, why="close")
+        self._closed = True
+        return self._empty(where="close")
 
     # -- profiling --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -456,9 +480,10 @@ class ResidencyManager:
         self._abandon()
         self._empty(where="oom", reason=ReleasePoint.OOM)
 
-    def _empty(self, where: str, reason: ReleasePoint = ReleasePoint.COMPONENT_RELEASE) -> None:
+    def _empty(self, where: str, reason: ReleasePoint = ReleasePoint.COMPONENT_RELEASE) -> int | None:
         released = self.platform.empty_cache(reason, self.device_index)
         self._event("empty_cache", None, reason=reason.value, where=where, bytes_released=released)
+        return released
 
     def _note_moved(self, state: _Component, source: str, destination: str, nbytes: int) -> None:
         self.platform.notify_component_moved(state.name, source, destination, nbytes)
