@@ -52,6 +52,9 @@ def run(iterations: int, empty_on_continue: bool, growth_mib: int) -> dict:
         EngineConfig(model=CONFIG, dtype=torch.bfloat16, kv_fraction=0.02, max_kv_slots=1 << 16)
     ).generate([PROMPT], iterations + 8)[0].output
     device = engine.device_index
+    # The reference engine is gone; its freed weights and KV pool must not sit in the
+    # cache, or every peak below would include them (the loop starts at reserved ~ live).
+    platform.empty_cache(torchhal.ReleasePoint.USER)
     torch_device_module = platform.device_module
     torch_device_module.reset_peak_memory_stats(device)
     rid = engine.add_request(PROMPT, iterations + 8)
