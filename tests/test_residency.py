@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchhal.core.residency import ComponentUse, Placement, RequestFailed, ResidencyManager, Stage, Strategy
+from torchhal.core.residency import (
+    ComponentUse,
+    Placement,
+    RequestFailed,
+    ResidencyManager,
+    ResidencyStrategy,
+    Stage,
+    Strategy,
+)
 from torchhal.platforms import ReleasePoint, hookimpl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -114,7 +122,8 @@ def test_layerwise_releases_each_layer_and_keeps_non_layer_weights(observed):
         with manager.use_component("transformer") as module:
             module(torch.randn(2, 256))
         assert not any(b.on_device for b in transformer.blocks)  # each layer released after use
-    assert kinds(manager, "release")[0]["layers"] == 4
+    # the release reports every streamed layer once: four layers' bytes left the device
+    assert kinds(manager, "release")[0]["nbytes"] == sum(b.nbytes for b in transformer.blocks)
     assert components["transformer"].proj_in.weight.device.type == manager.device.type
 
 
@@ -150,6 +159,87 @@ def test_misuse_is_refused_with_clear_errors(observed):
         ResidencyManager(make_components(), {"ghost": Strategy.OFFLOAD})
     with pytest.raises(ValueError, match="no non-empty nn.ModuleList 'blocks'"):
         ResidencyManager(make_components(), {"vae": Placement(Strategy.LAYERWISE, layers_attr="blocks")})
+
+
+def test_a_use_can_ask_for_another_dtype_without_touching_the_host_copy(observed):
+    components = make_components(layers=4)
+    host_before = {name: p.detach().clone() for name, p in components["vae"].named_parameters()}
+    manager = ResidencyManager(components, {"vae": Strategy.OFFLOAD, "transformer": Strategy.LAYERWISE,
+                                            "text_encoder": Strategy.RESIDENT})
+    uses = [Stage("s", (ComponentUse("text_encoder", dtype=torch.float64),
+                        ComponentUse("transformer", dtype=torch.float64),
+                        ComponentUse("vae", dtype=torch.float64)))]
+    x = torch.randn(4, 256, dtype=torch.float64)
+    with manager.request(uses), torch.no_grad():
+        for name in ("text_encoder", "transformer", "vae"):
+            with manager.use_component(name) as module:
+                x = module(x)  # a float32 weight against float64 activations would raise
+                assert module.proj_in.weight.dtype == torch.float64
+                if name != "transformer":  # layerwise layers are back on the host after the forward
+                    assert all(p.dtype == torch.float64 for p in module.layers[0].parameters())
+    assert x.dtype == torch.float64
+    # offload: the host copy kept its dtype and values; the next plain use is float32 again
+    vae = components["vae"]
+    assert all(torch.equal(p, host_before[name]) for name, p in vae.named_parameters())
+    with manager.request([Stage("s", (ComponentUse("vae"),))]), manager.use_component("vae") as module:
+        assert module.proj_in.weight.dtype == torch.float32
+    # resident weights are cast in place (their device copy is the only one)
+    assert components["text_encoder"].proj_in.weight.dtype == torch.float64
+
+
+def test_a_bad_dtype_is_refused_before_the_request_starts(observed):
+    manager = ResidencyManager(make_components(), default_placements())
+    with pytest.raises(ValueError, match="declares dtype torch.int8.*floating torch.dtype"):
+        manager.begin_request([Stage("s", (ComponentUse("vae", dtype=torch.int8),))])
+    run_request(manager, torch.randn(4, 256), 2)  # nothing was started: the manager still serves
+
+
+class RecordingStrategy(ResidencyStrategy):
+    """A third-party strategy: pretends to move 100 bytes, records what it is asked."""
+
+    prefetchable = True
+    keepable = True
+
+    def __init__(self):
+        self.calls, self.loaded = [], False
+
+    def attach(self, manager, component):
+        self.calls.append(("attach", component.name))
+
+    def load(self, manager, component, stream):
+        self.calls.append(("load", "prefetch" if stream is not None else "now"))
+        if self.loaded:
+            return 0
+        self.loaded = True
+        return 100
+
+    def release(self, manager, component):
+        self.calls.append(("release",))
+        was, self.loaded = self.loaded, False
+        return 100 if was else 0
+
+    def on_device(self, component):
+        return self.loaded
+
+
+def test_a_custom_strategy_plugs_in_and_gets_the_same_decisions(observed):
+    strategy = RecordingStrategy()
+    placements = {**default_placements("layerwise"), "vae": Placement(strategy)}
+    manager = ResidencyManager(make_components(), placements)
+    run_request(manager, torch.randn(4, 256), 2)
+    # prefetched once (the next memory-intensive use), found ready, released at its end
+    # (and asked again at request end, where nothing is left)
+    assert strategy.calls == [("attach", "vae"), ("load", "prefetch"), ("load", "now"), ("release",), ("release",)]
+    assert [e["nbytes"] for e in kinds(manager, "prefetch") if e["component"] == "vae"] == [100]
+    release = next(i for i, e in enumerate(manager.trace) if e["kind"] == "release" and e["component"] == "vae")
+    assert manager.trace[release + 1]["kind"] == "empty_cache"  # its release is a release point
+    vae_moves = [(destination, nbytes) for component, destination, nbytes in observed["moves"] if component == "vae"]
+    assert vae_moves == [(str(manager.device), 100), ("host", 100)]
+
+
+def test_an_unknown_strategy_name_is_refused_clearly(observed):
+    with pytest.raises(ValueError, match="'vae': unknown strategy 'offlaod'; use one of resident, offload, layerwise"):
+        ResidencyManager(make_components(), {"vae": "offlaod"})
 
 
 def test_close_gives_everything_back_and_leaves_plain_modules(observed):

@@ -12,12 +12,13 @@ never inside a memory query.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import json
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -26,6 +27,8 @@ from torchhal.platforms import Platform, ReleasePoint, current_platform
 
 
 class Strategy(str, enum.Enum):
+    """Names of the built-in strategies (a Placement also takes a ResidencyStrategy)."""
+
     RESIDENT = "resident"
     OFFLOAD = "offload"
     LAYERWISE = "layerwise"
@@ -39,6 +42,7 @@ class ComponentUse:
     allow_prefetch: bool = True
     keep_ready_after_warmup: bool = False
     preferred_ready_after_request: bool = False
+    #: dtype of the component's device weights during this use (None: as registered)
     dtype: torch.dtype | None = None
 
 
@@ -50,7 +54,7 @@ class Stage:
 
 @dataclass(frozen=True)
 class Placement:
-    strategy: Strategy = Strategy.RESIDENT
+    strategy: Strategy | ResidencyStrategy = Strategy.RESIDENT
     prefetch_layers: int = 1  # layerwise: layers copied ahead of the one running
     layers_attr: str = "layers"  # layerwise: the nn.ModuleList to stream
 
@@ -79,11 +83,17 @@ class WeightBlock:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.host.element_size()
+        """Bytes of the device copy while loaded, else of the host copy."""
+        source = self.device_buffer if self.device_buffer is not None else self.host
+        return self.numel * source.element_size()
 
     @property
     def on_device(self) -> bool:
         return self.device_buffer is not None
+
+    @property
+    def device_dtype(self) -> torch.dtype | None:
+        return None if self.device_buffer is None else self.device_buffer.dtype
 
     def _views(self, flat: torch.Tensor, copy_from_params: bool) -> None:
         offset = 0
@@ -94,17 +104,20 @@ class WeightBlock:
             p.data = view
             offset += p.numel()
 
-    def load(self, stream: Any | None, into: torch.Tensor | None = None) -> None:
-        """Copy to the device; on `stream` with an event when given (prefetch), else in order.
+    def load(self, stream: Any | None, into: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> None:
+        """Copy to the device (converting to `dtype` when given); on `stream` with an event
+        when given (prefetch), else in order. The host copy keeps its dtype, so a converted
+        use never loses precision for the next one.
 
-        `into` is a device buffer to reuse (a layerwise ring slot); else one is allocated.
+        `into` is a device buffer of that dtype to reuse (a layerwise ring slot); else one is allocated.
         """
         if self.device_buffer is not None:
             return
+        dtype = dtype or self.dtype
         compute = self.platform.current_stream(self.device.index)
         # Allocated (or last used) in compute order, so waiting on compute makes it safe to overwrite.
         if into is None:
-            into = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            into = torch.empty(self.numel, dtype=dtype, device=self.device)
         buffer = into[: self.numel]
         if stream is None:
             buffer.copy_(self.host, non_blocking=True)
@@ -126,32 +139,231 @@ class WeightBlock:
         self.ready = None
         return True
 
-    def release(self) -> bool:
-        """Point the parameters back at host memory and drop the device copy."""
+    def release(self) -> int:
+        """Point the parameters back at host memory and drop the device copy; bytes dropped."""
         if self.device_buffer is None:
-            return False
+            return 0
+        nbytes = self.nbytes
         self._views(self.host, copy_from_params=False)
         self.device_buffer, self.ready = None, None
-        return True
+        return nbytes
 
 
 @dataclass
-class _Component:
+class ComponentState:
+    """One registered component and what its strategy keeps for it."""
+
     name: str
     module: nn.Module
     placement: Placement
+    strategy: ResidencyStrategy
     blocks: list[WeightBlock] = field(default_factory=list)  # offload: 1; layerwise: one per layer
     ring: list[torch.Tensor] = field(default_factory=list)  # layerwise: p + 1 reusable device buffers
-    layer_releases: int = 0
-    hooks: list[Any] = field(default_factory=list)  # layerwise: removed by close()
+    released_bytes: int = 0  # layerwise: bytes streamed out since the run of uses began
+    hooks: list[Any] = field(default_factory=list)  # removed by close()
+    dtype: torch.dtype | None = None  # the device dtype the current use asked for
 
     @property
     def on_device(self) -> bool:
-        return self.placement.strategy is Strategy.RESIDENT or all(b.on_device for b in self.blocks)
+        return self.strategy.on_device(self)
 
-    @property
-    def device_bytes(self) -> int:
-        return sum(b.nbytes for b in self.blocks if b.on_device)
+
+class ResidencyStrategy:
+    """How one component's weights reach the device and leave it.
+
+    The manager decides *when* (uses, keep rules, prefetch, release points, empties);
+    a strategy decides *how*. To add one, subclass this and pass an instance as
+    `Placement(strategy=...)`. Per-component state lives on the ComponentState.
+    """
+
+    #: The whole weights can be loaded ahead of a use on the side stream.
+    prefetchable: ClassVar[bool] = False
+    #: Between uses the component holds a whole device copy that keep rules may keep.
+    keepable: ClassVar[bool] = False
+
+    def attach(self, manager: ResidencyManager, component: ComponentState) -> None:
+        """At registration: place what stays on the device, set up host copies and hooks."""
+
+    def load(self, manager: ResidencyManager, component: ComponentState, stream: Any | None) -> int:
+        """Make the component ready for a use in `component.dtype` (`stream`: a prefetch on
+        the side stream; None: now, in compute order). Bytes moved to the device."""
+        return 0
+
+    def wait(self, manager: ResidencyManager, component: ComponentState) -> bool:
+        """Make compute wait for a prefetch of this component; True if there was one."""
+        return False
+
+    def release(self, manager: ResidencyManager, component: ComponentState) -> int:
+        """The run of uses is over: give device memory back. Bytes that left the device."""
+        return 0
+
+    def on_device(self, component: ComponentState) -> bool:
+        return True
+
+    def detach(self, manager: ResidencyManager, component: ComponentState) -> None:
+        """close(): everything back to host memory, hooks removed."""
+        self.release(manager, component)
+        for handle in component.hooks:
+            handle.remove()
+        component.hooks = []
+        component.module.to("cpu")
+
+    def __repr__(self) -> str:
+        return type(self).__name__ + "()"
+
+
+def _cast_on_device(module: nn.Module, dtype: torch.dtype | None, skip: frozenset[int] = frozenset()) -> None:
+    """Cast device-resident floating parameters in place (their storage is the only copy)."""
+    if dtype is None:
+        return
+    for param in module.parameters():
+        if id(param) not in skip and param.dtype.is_floating_point and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
+class ResidentStrategy(ResidencyStrategy):
+    """Stays on the device. A use's dtype casts it in place (narrowing loses precision)."""
+
+    def attach(self, manager: ResidencyManager, component: ComponentState) -> None:
+        component.module.to(manager.device)
+
+    def load(self, manager: ResidencyManager, component: ComponentState, stream: Any | None) -> int:
+        _cast_on_device(component.module, component.dtype)
+        return 0
+
+
+class OffloadStrategy(ResidencyStrategy):
+    """The whole module moves host <-> device through one pinned buffer."""
+
+    prefetchable = True
+    keepable = True
+
+    def attach(self, manager: ResidencyManager, component: ComponentState) -> None:
+        module = component.module
+        for buf_name, buf in module.named_buffers():
+            _set_buffer(module, buf_name, buf.to(manager.device))
+        component.blocks = [WeightBlock(list(module.parameters()), manager.platform, manager.device)]
+
+    def load(self, manager: ResidencyManager, component: ComponentState, stream: Any | None) -> int:
+        block = component.blocks[0]
+        want = component.dtype or block.dtype
+        if block.on_device and block.device_dtype == want:
+            return 0
+        block.release()  # loaded in another dtype (e.g. prepared before this request's uses were known)
+        block.load(stream, dtype=want)
+        return block.nbytes
+
+    def wait(self, manager: ResidencyManager, component: ComponentState) -> bool:
+        return component.blocks[0].wait()
+
+    def release(self, manager: ResidencyManager, component: ComponentState) -> int:
+        return component.blocks[0].release()
+
+    def on_device(self, component: ComponentState) -> bool:
+        return component.blocks[0].on_device
+
+
+class LayerwiseStrategy(ResidencyStrategy):
+    """A layer stack streamed through a ring of p + 1 device buffers; other weights stay.
+
+    A hook before layer i waits for its copy (or loads it) and prefetches the next p
+    layers on the side stream; a hook after layer i releases it.
+    """
+
+    def attach(self, manager: ResidencyManager, component: ComponentState) -> None:
+        module, placement = component.module, component.placement
+        layers = getattr(module, placement.layers_attr, None)
+        if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+            raise ValueError(
+                f"component {component.name!r} is layerwise but has no non-empty nn.ModuleList "
+                f"{placement.layers_attr!r}"
+            )
+        if placement.prefetch_layers < 0:
+            raise ValueError(f"prefetch_layers {placement.prefetch_layers} must be >= 0")
+        layer_params = {id(p) for p in layers.parameters()}
+        for p in module.parameters():  # non-layer parameters stay resident
+            if id(p) not in layer_params:
+                p.data = p.data.to(manager.device)
+        for buf_name, buf in module.named_buffers():
+            _set_buffer(module, buf_name, buf.to(manager.device))
+        component.blocks = [WeightBlock(list(layer.parameters()), manager.platform, manager.device) for layer in layers]
+        for index, layer in enumerate(layers):
+            component.hooks.append(layer.register_forward_pre_hook(self._before_layer(manager, component, index)))
+            component.hooks.append(layer.register_forward_hook(self._after_layer(component, index)))
+
+    def load(self, manager: ResidencyManager, component: ComponentState, stream: Any | None) -> int:
+        layers = getattr(component.module, component.placement.layers_attr)
+        _cast_on_device(component.module, component.dtype, skip=frozenset(id(p) for p in layers.parameters()))
+        return 0  # layers stream in as they run
+
+    def release(self, manager: ResidencyManager, component: ComponentState) -> int:
+        released = component.released_bytes + sum(block.release() for block in component.blocks)
+        component.released_bytes = 0
+        component.ring = []  # the next use is another component: give the ring back
+        return released
+
+    def on_device(self, component: ComponentState) -> bool:
+        return all(b.on_device for b in component.blocks)
+
+    def _before_layer(self, manager: ResidencyManager, component: ComponentState, index: int) -> Any:
+        prefetch = component.placement.prefetch_layers
+
+        def hook(module: nn.Module, args: Any) -> None:
+            block = component.blocks[index]
+            if block.on_device:
+                if block.wait():
+                    manager.event("wait", component.name, layer=index)
+            else:
+                block.load(None, self._ring_slot(component, index), component.dtype)
+                manager.event("prepare", component.name, layer=index, nbytes=block.nbytes)
+            for ahead in range(index + 1, min(index + 1 + prefetch, len(component.blocks))):
+                if not component.blocks[ahead].on_device:
+                    component.blocks[ahead].load(manager.side_stream, self._ring_slot(component, ahead),
+                                                 component.dtype)
+            return None
+
+        return hook
+
+    @staticmethod
+    def _ring_slot(component: ComponentState, index: int) -> torch.Tensor:
+        """Layer `index` streams into ring slot index % (p + 1): with layer i running and
+        p layers ahead in flight, the slot of layer i - 1 (already released) is the free one."""
+        dtype = component.dtype or component.blocks[0].dtype
+        if not component.ring or component.ring[0].dtype != dtype:
+            numel = max(b.numel for b in component.blocks)
+            device = component.blocks[0].device
+            slots = component.placement.prefetch_layers + 1
+            component.ring = [torch.empty(numel, dtype=dtype, device=device) for _ in range(slots)]
+        return component.ring[index % len(component.ring)]
+
+    @staticmethod
+    def _after_layer(component: ComponentState, index: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            component.released_bytes += component.blocks[index].release()
+            return None
+
+        return hook
+
+
+BUILTIN_STRATEGIES: dict[Strategy, ResidencyStrategy] = {
+    Strategy.RESIDENT: ResidentStrategy(),
+    Strategy.OFFLOAD: OffloadStrategy(),
+    Strategy.LAYERWISE: LayerwiseStrategy(),
+}
+
+
+def _placement(name: str, raw: Placement | Strategy | ResidencyStrategy | str) -> Placement:
+    placement = raw if isinstance(raw, Placement) else Placement(raw)  # type: ignore[arg-type]
+    strategy = placement.strategy
+    if isinstance(strategy, ResidencyStrategy):
+        return placement
+    try:
+        return dataclasses.replace(placement, strategy=Strategy(strategy))
+    except ValueError:
+        names = ", ".join(s.value for s in Strategy)
+        raise ValueError(
+            f"component {name!r}: unknown strategy {strategy!r}; use one of {names} or a ResidencyStrategy instance"
+        ) from None
 
 
 class ResidencyManager:
@@ -183,11 +395,15 @@ class ResidencyManager:
         self.record_trace = record_trace
         self.log = log
         self.trace: list[dict[str, Any]] = []
-        self.components: dict[str, _Component] = {}
+        self.components: dict[str, ComponentState] = {}
         for name, module in components.items():
-            raw = placements.get(name, Strategy.RESIDENT)
-            placement = raw if isinstance(raw, Placement) else Placement(Strategy(raw))
-            self.components[name] = self._register(name, module, placement)
+            placement = _placement(name, placements.get(name, Strategy.RESIDENT))
+            strategy = placement.strategy
+            if isinstance(strategy, Strategy):
+                strategy = BUILTIN_STRATEGIES[strategy]
+            state = ComponentState(name, module.eval(), placement, strategy)
+            strategy.attach(self, state)
+            self.components[name] = state
         self._timeline: list[ComponentUse] = []
         self._cursor = 0
         self._prefetched = False
@@ -195,72 +411,6 @@ class ResidencyManager:
         self._in_request = False
         self._closed = False
         self._active: ComponentUse | None = None
-
-    # -- registration -------------------------------------------------------------------
-    def _register(self, name: str, module: nn.Module, placement: Placement) -> _Component:
-        component = _Component(name, module.eval(), placement)
-        if placement.strategy is Strategy.RESIDENT:
-            module.to(self.device)
-            return component
-        if placement.strategy is Strategy.OFFLOAD:
-            for buf_name, buf in module.named_buffers():
-                _set_buffer(module, buf_name, buf.to(self.device))
-            component.blocks = [WeightBlock(list(module.parameters()), self.platform, self.device)]
-            return component
-        layers = getattr(module, placement.layers_attr, None)
-        if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-            raise ValueError(
-                f"component {name!r} is layerwise but has no non-empty nn.ModuleList {placement.layers_attr!r}"
-            )
-        if placement.prefetch_layers < 0:
-            raise ValueError(f"prefetch_layers {placement.prefetch_layers} must be >= 0")
-        layer_params = {id(p) for p in layers.parameters()}
-        for p in module.parameters():  # non-layer parameters stay resident
-            if id(p) not in layer_params:
-                p.data = p.data.to(self.device)
-        for buf_name, buf in module.named_buffers():
-            _set_buffer(module, buf_name, buf.to(self.device))
-        component.blocks = [WeightBlock(list(layer.parameters()), self.platform, self.device) for layer in layers]
-        for index, layer in enumerate(layers):
-            component.hooks.append(layer.register_forward_pre_hook(self._before_layer(component, index)))
-            component.hooks.append(layer.register_forward_hook(self._after_layer(component, index)))
-        return component
-
-    def _before_layer(self, component: _Component, index: int):
-        prefetch = component.placement.prefetch_layers
-
-        def hook(module: nn.Module, args: Any) -> None:
-            block = component.blocks[index]
-            if block.on_device:
-                if block.wait():
-                    self._event("wait", component.name, layer=index)
-            else:
-                block.load(None, self._ring_slot(component, index))
-                self._event("prepare", component.name, layer=index, nbytes=block.nbytes)
-            for ahead in range(index + 1, min(index + 1 + prefetch, len(component.blocks))):
-                if not component.blocks[ahead].on_device:
-                    component.blocks[ahead].load(self.side_stream, self._ring_slot(component, ahead))
-            return None
-
-        return hook
-
-    def _ring_slot(self, component: _Component, index: int) -> torch.Tensor:
-        """Layer `index` streams into ring slot index % (p + 1): with layer i running and
-        p layers ahead in flight, the slot of layer i - 1 (already released) is the free one."""
-        if not component.ring:
-            numel = max(b.numel for b in component.blocks)
-            dtype = component.blocks[0].dtype
-            slots = component.placement.prefetch_layers + 1
-            component.ring = [torch.empty(numel, dtype=dtype, device=self.device) for _ in range(slots)]
-        return component.ring[index % len(component.ring)]
-
-    def _after_layer(self, component: _Component, index: int):
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if component.blocks[index].release():
-                component.layer_releases += 1
-            return None
-
-        return hook
 
     # -- requests -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -287,24 +437,28 @@ class ResidencyManager:
         unknown = sorted({u.component for u in timeline} - known)
         if unknown:
             raise ValueError(f"stages use unknown components {unknown}; registered: {sorted(known)}")
+        for use in timeline:
+            if use.dtype is not None and not (isinstance(use.dtype, torch.dtype) and use.dtype.is_floating_point):
+                raise ValueError(
+                    f"the use of {use.component!r} declares dtype {use.dtype!r}; "
+                    "a target dtype is a floating torch.dtype such as torch.bfloat16"
+                )
         self._timeline, self._cursor, self._prefetched = timeline, 0, False
         self._warmup, self._in_request = warmup, True
-        self._event("request_start", None, uses=len(timeline), warmup=warmup)
+        self.event("request_start", None, uses=len(timeline), warmup=warmup)
 
     def begin_use(self, component: str, phase: str | None = None) -> None:
         if not self._in_request:
             raise RuntimeError("begin_use outside a request; call begin_request(stages) first")
         use = self._expect(component, phase)
         state = self.components[component]
-        if state.placement.strategy is Strategy.OFFLOAD:
-            block = state.blocks[0]
-            if block.on_device:
-                if block.wait():
-                    self._event("wait", component)
-            else:
-                block.load(None)
-                self._note_moved(state, "host", str(self.device), block.nbytes)
-                self._event("prepare", component, nbytes=block.nbytes)
+        state.dtype = use.dtype
+        moved = state.strategy.load(self, state, None)
+        if moved:
+            self._note_moved(state, "host", str(self.device), moved)
+            self.event("prepare", component, nbytes=moved)
+        elif state.strategy.wait(self, state):
+            self.event("wait", component)
         self._active = use
         self._maybe_prefetch()
 
@@ -319,18 +473,14 @@ class ResidencyManager:
         if following is not None and following.component == component:
             # The very next use needs it again: keep it, and keep the cache warm for
             # the layers streamed back in (their blocks are reused, not re-allocated).
-            self._event("keep", component, why="needed by the next use")
+            self.event("keep", component, why="needed by the next use")
             if self.empty_at_stage_boundaries:
                 self._empty(where="stage_boundary")
             return
-        released = False
-        if state.placement.strategy is Strategy.OFFLOAD and not self._keep_after_warmup(use):
+        if self._keep_after_warmup(use) and state.strategy.keepable:
+            released = False
+        else:
             released = self._release(state)
-        if state.layer_releases:
-            self._event("release", component, layers=state.layer_releases)
-            released = True
-            state.layer_releases = 0
-            state.ring = []  # the next use is another component: give the ring back
         if self.empty_at_stage_boundaries:
             self._empty(where="stage_boundary")
         elif released and use.memory_intensive:
@@ -352,19 +502,22 @@ class ResidencyManager:
         kept = {u.component for u in self._timeline if self._keep_after_warmup(u)}
         released_any = False
         for name, state in self.components.items():
-            if state.placement.strategy is not Strategy.OFFLOAD:
+            if not state.strategy.keepable:
                 continue
             if name in preferred:
-                if not state.on_device:
-                    state.blocks[0].load(self.side_stream)
-                    self._event("prefetch", name, why="preferred ready after request", nbytes=state.blocks[0].nbytes)
+                # in the dtype this request used it in: the best guess for the next one
+                state.dtype = next(u.dtype for u in self._timeline if u.component == name)
+                moved = state.strategy.load(self, state, self.side_stream)
+                if moved:
+                    self._note_moved(state, "host", str(self.device), moved)
+                    self.event("prefetch", name, why="preferred ready after request", nbytes=moved)
             elif name in kept:
-                self._event("keep", name, why="keep_ready_after_warmup")
-            elif state.on_device:
+                self.event("keep", name, why="keep_ready_after_warmup")
+            else:
                 released_any |= self._release(state)
         if released_any:
             self._empty(where="request_end")
-        self._event("request_end", None)
+        self.event("request_end", None)
         self._in_request, self._timeline = False, []
 
     def close(self) -> int | None:
@@ -376,14 +529,8 @@ class ResidencyManager:
         if self._closed:
             return None
         for state in self.components.values():
-            for block in state.blocks:
-                block.release()
-            state.ring, state.layer_releases = [], 0
-            for handle in state.hooks:
-                handle.remove()
-            state.hooks = []
-            state.module.to("cpu")  # resident weights, buffers and layerwise non-layer parameters
-            self._event("release", state.name, why="close")
+            state.strategy.detach(self, state)
+            self.event("release", state.name, why="close")
         self._closed = True
         return self._empty(where="close")
 
@@ -395,7 +542,7 @@ class ResidencyManager:
         start = time.perf_counter()
         yield
         after = self.platform.memory_info(self.device_index)
-        self._event("stage", None, stage=name, seconds=time.perf_counter() - start,
+        self.event("stage", None, stage=name, seconds=time.perf_counter() - start,
                     reserved_before=before.reserved, reserved_after=after.reserved, used_after=after.used)
 
     def export_trace(self, path: str) -> None:
@@ -448,47 +595,48 @@ class ResidencyManager:
             state = self.components[use.component]
             if not use.memory_intensive or use.component == self._timeline[self._cursor].component:
                 continue
-            if use.allow_prefetch and state.placement.strategy is Strategy.OFFLOAD and not state.on_device:
-                state.blocks[0].load(self.side_stream)
-                self._note_moved(state, "host", str(self.device), state.blocks[0].nbytes)
-                self._event("prefetch", use.component, nbytes=state.blocks[0].nbytes)
-                self._prefetched = True
+            if use.allow_prefetch and state.strategy.prefetchable:
+                state.dtype = use.dtype
+                moved = state.strategy.load(self, state, self.side_stream)
+                if moved:
+                    self._note_moved(state, "host", str(self.device), moved)
+                    self.event("prefetch", use.component, nbytes=moved)
+                    self._prefetched = True
             return  # only the next memory-intensive use, once per request
 
     def _keep_after_warmup(self, use: ComponentUse) -> bool:
         return self._warmup and use.keep_ready_after_warmup
 
-    def _release(self, state: _Component) -> bool:
-        nbytes = state.device_bytes
-        if not state.blocks[0].release():
+    def _release(self, state: ComponentState) -> bool:
+        nbytes = state.strategy.release(self, state)
+        if not nbytes:
             return False
         self._note_moved(state, str(self.device), "host", nbytes)
-        self._event("release", state.name, nbytes=nbytes)
+        self.event("release", state.name, nbytes=nbytes)
         return True
 
     def _abandon(self) -> None:
         """Leave a consistent state after a failed request: non-resident weights go home."""
         for state in self.components.values():
-            for block in state.blocks:
-                block.release()
-            state.ring = []
+            state.strategy.release(self, state)
         self._active, self._in_request, self._timeline = None, False, []
 
     def _handle_oom(self, error: BaseException) -> None:
         self.platform.report_out_of_memory(error, "residency request", self.device_index)
-        self._event("oom", None, error=str(error)[:200])
+        self.event("oom", None, error=str(error)[:200])
         self._abandon()
         self._empty(where="oom", reason=ReleasePoint.OOM)
 
     def _empty(self, where: str, reason: ReleasePoint = ReleasePoint.COMPONENT_RELEASE) -> int | None:
         released = self.platform.empty_cache(reason, self.device_index)
-        self._event("empty_cache", None, reason=reason.value, where=where, bytes_released=released)
+        self.event("empty_cache", None, reason=reason.value, where=where, bytes_released=released)
         return released
 
-    def _note_moved(self, state: _Component, source: str, destination: str, nbytes: int) -> None:
+    def _note_moved(self, state: ComponentState, source: str, destination: str, nbytes: int) -> None:
         self.platform.notify_component_moved(state.name, source, destination, nbytes)
 
-    def _event(self, kind: str, component: str | None, **fields: Any) -> None:
+    def event(self, kind: str, component: str | None, **fields: Any) -> None:
+        """Record one action (strategies report theirs here too): trace, log, observers."""
         if not (self.record_trace or self.log is not None or self.platform.traces_events):
             return
         event: dict[str, Any] = {"kind": kind, "t": time.monotonic(), "component": component, **fields}
