@@ -72,3 +72,22 @@ def test_close_returns_device_memory_to_where_it_started():
     manager.close()
     assert torch.cuda.memory_allocated() == base_allocated
     assert torch.cuda.memory_reserved() <= base_reserved
+
+
+def test_a_prefetched_component_arrives_in_the_dtype_its_use_asks_for():
+    components = make_components(512, 4, dtype=torch.bfloat16)
+    reference = {name: module.float().cuda() for name, module in make_components(512, 4, dtype=torch.bfloat16).items()}
+    manager = ResidencyManager(components, default_placements("layerwise"))
+    uses = [Stage("s", (ComponentUse("transformer", memory_intensive=True, dtype=torch.float32),
+                        ComponentUse("vae", memory_intensive=True, dtype=torch.float32)))]
+    x = torch.randn(64, 512, device="cuda")
+    with torch.no_grad(), manager.request(uses):
+        with manager.use_component("transformer") as transformer:
+            hidden = transformer(x)
+        assert [e["component"] for e in manager.trace if e["kind"] == "prefetch"] == ["vae"]
+        with manager.use_component("vae") as vae:
+            out = vae(hidden)
+        expected = reference["vae"](reference["transformer"](x))
+    torch.testing.assert_close(out, expected)  # bf16 weights widened exactly; fp32 compute
+    assert components["vae"].proj_in.weight.dtype == torch.bfloat16  # host copy unchanged
+    manager.close()
