@@ -12,7 +12,6 @@ never inside a memory query.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
 import json
 import time
@@ -208,9 +207,6 @@ class ResidencyStrategy:
         component.hooks = []
         component.module.to("cpu")
 
-    def __repr__(self) -> str:
-        return type(self).__name__ + "()"
-
 
 def _cast_on_device(module: nn.Module, dtype: torch.dtype | None, skip: frozenset[int] = frozenset()) -> None:
     """Cast device-resident floating parameters in place (their storage is the only copy)."""
@@ -352,17 +348,18 @@ BUILTIN_STRATEGIES: dict[Strategy, ResidencyStrategy] = {
 }
 
 
-def _placement(name: str, raw: Placement | Strategy | ResidencyStrategy | str) -> Placement:
+def _resolve(name: str, raw: Placement | Strategy | ResidencyStrategy | str) -> tuple[Placement, ResidencyStrategy]:
+    """A component's placement and the strategy object that carries it out."""
     placement = raw if isinstance(raw, Placement) else Placement(raw)  # type: ignore[arg-type]
-    strategy = placement.strategy
-    if isinstance(strategy, ResidencyStrategy):
-        return placement
+    if isinstance(placement.strategy, ResidencyStrategy):
+        return placement, placement.strategy
     try:
-        return dataclasses.replace(placement, strategy=Strategy(strategy))
+        return placement, BUILTIN_STRATEGIES[Strategy(placement.strategy)]
     except ValueError:
         names = ", ".join(s.value for s in Strategy)
         raise ValueError(
-            f"component {name!r}: unknown strategy {strategy!r}; use one of {names} or a ResidencyStrategy instance"
+            f"component {name!r}: unknown strategy {placement.strategy!r}; "
+            f"use one of {names} or a ResidencyStrategy instance"
         ) from None
 
 
@@ -397,10 +394,7 @@ class ResidencyManager:
         self.trace: list[dict[str, Any]] = []
         self.components: dict[str, ComponentState] = {}
         for name, module in components.items():
-            placement = _placement(name, placements.get(name, Strategy.RESIDENT))
-            strategy = placement.strategy
-            if isinstance(strategy, Strategy):
-                strategy = BUILTIN_STRATEGIES[strategy]
+            placement, strategy = _resolve(name, placements.get(name, Strategy.RESIDENT))
             state = ComponentState(name, module.eval(), placement, strategy)
             strategy.attach(self, state)
             self.components[name] = state
