@@ -22,7 +22,7 @@ from _harness import write_json  # noqa: E402
 
 import torchhal  # noqa: E402
 from torchhal.core.engine import EagerRunner, EngineConfig, GenerationEngine  # noqa: E402
-from torchhal.core.graph_runner import GraphRunner  # noqa: E402
+from torchhal.core.graphs import GraphRunner  # noqa: E402
 from torchhal.core.model import AttentionMetadata, ModelConfig  # noqa: E402
 
 SIZES = {

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from _harness import write_json  # noqa: E402
 
 import torchhal  # noqa: E402
-from torchhal.core.ipc_transport import Consumer, Producer, TransportConfig  # noqa: E402
+from torchhal.core.transport import Consumer, Producer, TransportConfig  # noqa: E402
 
 MiB = 1 << 20
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from torchhal.core.engine import EagerRunner, EngineConfig, GenerationEngine
-from torchhal.core.graph_runner import GraphRunner
+from torchhal.core.graphs import GraphRunner
 from torchhal.core.model import ModelConfig
 
 has_gpu = torch.cuda.is_available()

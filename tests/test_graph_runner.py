@@ -13,9 +13,9 @@ from torch import nn
 
 import torchhal
 from torchhal.core.engine import EngineConfig, GenerationEngine
-from torchhal.core.graph_runner import GraphRunner, resolve_layer_stack
+from torchhal.core.graphs import GraphRunner, resolve_layer_stack
+from torchhal.core.graphs.program import BreakStep, GraphStep, split_segments
 from torchhal.core.model import ModelConfig, ReferenceDecoder
-from torchhal.core.stack import BreakStep, GraphStep, split_segments
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 10, [300, 3], [7] * 33, [2]]
 

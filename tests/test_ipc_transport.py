@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torchhal
-from torchhal.core.ipc_transport import (
+from torchhal.core.transport import (
     POOL_FLOOR_BYTES,
     Consumer,
     Producer,

@@ -3,7 +3,7 @@
 import torch
 
 import torchhal
-from torchhal.core.ipc_transport import Consumer, Producer, TransportConfig, TransportError
+from torchhal.core.transport import Consumer, Producer, TransportConfig, TransportError
 
 
 def consume(rank, inbox, outbox):

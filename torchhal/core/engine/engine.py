@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
-from torchhal.core.kv_pool import KVPoolSizing, SlotAllocator, size_kv_pool
-from torchhal.core.model import AttentionMetadata, KVCache, ModelConfig, ReferenceDecoder
+from torchhal.core.engine.kv_pool import KVPoolSizing, SlotAllocator, size_kv_pool
+from torchhal.core.model.reference import AttentionMetadata, KVCache, ModelConfig, ReferenceDecoder
 from torchhal.platforms import Platform, ReleasePoint, current_platform
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchhal.core.stack import BreakStep, GraphStep, StackState, Step, run_eager, split_segments
+from torchhal.core.graphs.program import BreakStep, GraphStep, StackState, Step, run_eager, split_segments
 from torchhal.platforms import Platform
 
 _warned_guesses: set[str] = set()

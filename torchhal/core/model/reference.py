@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from torchhal.core.stack import BreakStep, GraphStep, StackState, Step, run_eager
+from torchhal.core.graphs.program import BreakStep, GraphStep, StackState, Step, run_eager
 
 _SHAPE_FREE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 

@@ -1,0 +1,17 @@
+"""Layer programs and the graph runners that replay them."""
+
+from torchhal.core.graphs.program import BreakStep, GraphStep, StackState, Step, run_eager, split_segments
+from torchhal.core.graphs.runner import CaptureReport, GraphRunner, ResolvedStack, resolve_layer_stack
+
+__all__ = [
+    "BreakStep",
+    "CaptureReport",
+    "GraphRunner",
+    "GraphStep",
+    "ResolvedStack",
+    "StackState",
+    "Step",
+    "resolve_layer_stack",
+    "run_eager",
+    "split_segments",
+]
