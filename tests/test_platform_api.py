@@ -4,6 +4,7 @@ import torch.distributed as dist
 
 import torchhal
 from torchhal.platforms import MemoryInfo, ReleasePoint, hookimpl
+from torchhal.platforms.testing import plugin_under_test
 from torchhal.plugins.cpu import CpuPlatform
 
 from .test_selection import plugin_module
@@ -34,7 +35,7 @@ def test_empty_cache_requires_a_release_point(make_registry):
     platform = torchhal.current_platform()
     with pytest.raises(TypeError, match="'oom'.*must be a ReleasePoint.*ReleasePoint.OOM"):
         platform.empty_cache("oom")
-    assert platform.plugin.calls == []  # state left intact
+    assert plugin_under_test(platform).calls == []  # state left intact
 
 
 def test_empty_cache_fires_the_observer_with_reason_and_bytes(make_registry):
@@ -56,7 +57,7 @@ def test_memory_info_only_observes(make_registry):
     platform = torchhal.current_platform()
     before = platform.memory_info()
     after = platform.memory_info(0)
-    assert platform.plugin.calls == ["memory_info", "memory_info"]
+    assert plugin_under_test(platform).calls == ["memory_info", "memory_info"]
     assert before.reserved == after.reserved == 4096
 
 
