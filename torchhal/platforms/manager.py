@@ -78,7 +78,7 @@ class PlatformRegistry:
         self._provenance: dict[str, tuple[str, str]] = {}  # pluggy name -> (dist, version)
 
     # -- loading ---------------------------------------------------------------
-    def _record(self, failure: PluginFailure) -> None:
+    def _record_failure(self, failure: PluginFailure) -> None:
         self.failures.append(failure)
         warnings.warn(str(failure), TorchhalPluginWarning, stacklevel=3)
 
@@ -87,7 +87,7 @@ class PlatformRegistry:
         try:
             self.pm.register(plugin, name=name)
         except Exception as exc:  # pluggy raises ValueError / PluginValidationError
-            self._record(PluginFailure(name, "register", f"{type(exc).__name__}: {exc}", distribution))
+            self._record_failure(PluginFailure(name, "register", f"{type(exc).__name__}: {exc}", distribution))
             return False
         unknown = [
             caller.name
@@ -101,7 +101,7 @@ class PlatformRegistry:
             for hook_name in unknown:
                 close = difflib.get_close_matches(hook_name, known, n=1)
                 hints.append(f"{hook_name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            self._record(
+            self._record_failure(
                 PluginFailure(name, "register", "unknown hook " + ", ".join(hints), distribution)
             )
             return False
@@ -114,7 +114,7 @@ class PlatformRegistry:
             try:
                 module = importlib.import_module(module_name)
             except Exception as exc:
-                self._record(PluginFailure(module_name, "import", f"{type(exc).__name__}: {exc}", "torchhal"))
+                self._record_failure(PluginFailure(module_name, "import", f"{type(exc).__name__}: {exc}", "torchhal"))
                 continue
             self.add_plugin(module, module_name, "torchhal", version)
 
@@ -129,11 +129,11 @@ class PlatformRegistry:
             try:
                 plugin = ep.load()
             except Exception as exc:
-                self._record(PluginFailure(ep.name, "import", f"{type(exc).__name__}: {exc}", dist))
+                self._record_failure(PluginFailure(ep.name, "import", f"{type(exc).__name__}: {exc}", dist))
                 continue
             self.add_plugin(plugin, ep.name, dist, version)
         for missing in sorted((allow or frozenset()) - seen):
-            self._record(
+            self._record_failure(
                 PluginFailure(
                     missing,
                     "import",
@@ -150,12 +150,12 @@ class PlatformRegistry:
             try:
                 result = impl.function()
             except Exception as exc:
-                self._record(PluginFailure(impl.plugin_name, "register", f"{type(exc).__name__}: {exc}", dist))
+                self._record_failure(PluginFailure(impl.plugin_name, "register", f"{type(exc).__name__}: {exc}", dist))
                 continue
             for item in result if isinstance(result, (list, tuple)) else [result]:
                 problem = _validate_platform_object(item)
                 if problem:
-                    self._record(PluginFailure(impl.plugin_name, "validate", problem, dist))
+                    self._record_failure(PluginFailure(impl.plugin_name, "validate", problem, dist))
                     continue
                 assert isinstance(item, PlatformPlugin)
                 candidates.setdefault(item.name, []).append(
@@ -178,7 +178,7 @@ class PlatformRegistry:
                 regs = [winner]
             if len(regs) > 1:
                 who = " and ".join(f"{r.source} (distribution {r.distribution})" for r in regs)
-                self._record(
+                self._record_failure(
                     PluginFailure(
                         name,
                         "conflict",
@@ -211,7 +211,7 @@ class PlatformRegistry:
                     "return Availability.yes() or Availability.no(reason)"
                 )
         except Exception as exc:
-            self._record(PluginFailure(name, "detect", f"{type(exc).__name__}: {exc}", reg.distribution))
+            self._record_failure(PluginFailure(name, "detect", f"{type(exc).__name__}: {exc}", reg.distribution))
             result = Availability.no(f"detection failed: {type(exc).__name__}: {exc}")
         self._availability[name] = result
         return result
