@@ -32,7 +32,7 @@ def consumer_loop(redirect: bool, inbox, outbox, device: int = 1) -> None:
     platform = torchhal.get_platform("cuda")
     platform.set_device(device)
     if not redirect:
-        platform.plugin.ipc_peer_redirect = False  # torch's default open, on the producer's device
+        platform.set_ipc_peer_redirect(False)  # torch's default open, on the producer's device
     torch.ones(1, device=platform.device(device))
     consumer = Consumer(0, platform, device)
     outbox.put(("ready", os.getpid(), None))

@@ -27,7 +27,6 @@ MiB = 1 << 20
 
 
 def pipeline(platform, transformer: str, boundary_empties: bool, encoder_intensive: bool, requests: int = 6) -> dict:
-    module = platform.device_module
     platform.empty_cache(torchhal.ReleasePoint.USER)
     manager = ResidencyManager(make_components(HIDDEN, LAYERS, torch.bfloat16),
                                default_placements(transformer, prefetch_layers=1),
@@ -35,7 +34,7 @@ def pipeline(platform, transformer: str, boundary_empties: bool, encoder_intensi
     tokens = torch.randn(TOKENS, HIDDEN, device=manager.device, dtype=torch.bfloat16)
     run_request(manager, tokens, STEPS, encoder_memory_intensive=encoder_intensive)  # warm up
     platform.synchronize()
-    module.reset_peak_memory_stats()
+    platform.reset_peak_memory()
     start_events = len(manager.trace)
     latencies = []
     for _ in range(requests):
@@ -52,7 +51,7 @@ def pipeline(platform, transformer: str, boundary_empties: bool, encoder_intensi
         "boundary_empties": boundary_empties,
         "text_encoder_memory_intensive": encoder_intensive,
         "median_latency_ms": statistics.median(latencies) * 1e3,
-        "peak_reserved_bytes": module.max_memory_reserved(),
+        "peak_reserved_bytes": platform.peak_memory().reserved,
         "empties_per_request": len(empties) / requests,
         "stage_boundary_empties": sum(e["where"] == "stage_boundary" for e in empties),
         # the last request's timeline: where reserved memory rises and falls
@@ -63,7 +62,6 @@ def pipeline(platform, transformer: str, boundary_empties: bool, encoder_intensi
 
 def layerwise_step(platform, prefetch_layers: int, tokens: int) -> dict:
     """One transformer forward, layerwise vs resident: time and peak memory of the stack."""
-    module = platform.device_module
     results = {}
     for strategy in ("resident", "layerwise"):
         platform.empty_cache(torchhal.ReleasePoint.USER)
@@ -76,15 +74,15 @@ def layerwise_step(platform, prefetch_layers: int, tokens: int) -> dict:
         with torch.no_grad():
             for i in range(6):
                 platform.synchronize()
-                base = module.memory_allocated()
-                module.reset_peak_memory_stats()
+                base = platform.memory_info().allocated
+                platform.reset_peak_memory()
                 t0 = time.perf_counter()
                 with manager.request(stage), manager.use_component("transformer") as model:
                     model(x)
                 platform.synchronize()
                 if i:
                     times.append(time.perf_counter() - t0)
-                peak = module.max_memory_allocated() - base
+                peak = platform.peak_memory().allocated - base
         manager.close()
         results[strategy] = {"median_ms": statistics.median(times) * 1e3, "peak_over_base_bytes": peak,
                              "layer_bytes": layer_bytes}

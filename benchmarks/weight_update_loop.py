@@ -55,8 +55,7 @@ def run(iterations: int, empty_on_continue: bool, growth_mib: int) -> dict:
     # The reference engine is gone; its freed weights and KV pool must not sit in the
     # cache, or every peak below would include them (the loop starts at reserved ~ live).
     platform.empty_cache(torchhal.ReleasePoint.USER)
-    torch_device_module = platform.device_module
-    torch_device_module.reset_peak_memory_stats(device)
+    platform.reset_peak_memory(device)
     rid = engine.add_request(PROMPT, iterations + 8)
     engine.step()
     reserved_trace, allocated_trace = [], []
@@ -73,8 +72,8 @@ def run(iterations: int, empty_on_continue: bool, growth_mib: int) -> dict:
         engine.step()
     tokens = engine.results[rid].output
     live = platform.memory_info(device).allocated
-    peak_reserved = torch_device_module.max_memory_reserved(device)
-    peak_allocated = torch_device_module.max_memory_allocated(device)
+    peak_reserved = platform.peak_memory(device).reserved
+    peak_allocated = platform.peak_memory(device).allocated
     del engine
     return {
         "empty_on_continue": empty_on_continue,

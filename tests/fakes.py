@@ -80,6 +80,9 @@ def make_device_module(
     record("current_stream", lambda i=None: ("stream", i))
     record("Event", lambda: "event")
     record("can_device_access_peer", peer_access)
+    record("max_memory_reserved", lambda i: 2 * state["reserved"][i])
+    record("max_memory_allocated", lambda i: 2 * state["allocated"][i])
+    record("reset_peak_memory_stats")
     record("is_current_stream_capturing", False)
     record("graph_pool_handle", (0, 7))
 

@@ -46,9 +46,8 @@ def consumer_open(handle: Any, consumer: int, redirect: bool, queue: Any, releas
         torch.cuda.set_device(consumer)
         torch.ones(1, device=f"cuda:{consumer}")  # the consumer's own context first
         platform = torchhal.get_platform("cuda")
-        plugin = platform.plugin
         if not redirect:
-            plugin.ipc_peer_redirect = False  # torch's default: open on the producer's device
+            platform.set_ipc_peer_redirect(False)  # torch's default: open on the producer's device
         tensor = platform.ipc_support.open(handle, consumer)
         torch.cuda.synchronize(consumer)
         queue.put(("ok", {"pid": os.getpid(), "sum": float(tensor.sum().item()), "device": str(tensor.device)}))

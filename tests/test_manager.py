@@ -9,14 +9,14 @@ from torchhal.plugins.cpu import CpuPlatform
 from .test_selection import fake_platform, plugin_module
 
 
-def errors_by_stage(reg):
-    return {(e.plugin, e.stage): e for e in reg.errors}
+def failures_by_stage(reg):
+    return {(e.plugin, e.stage): e for e in reg.failures}
 
 
 def test_builtin_that_fails_to_import_is_reported_and_others_work(make_registry):
     with pytest.warns(TorchhalPluginWarning, match="torchhal.plugins.nonexistent"):
         reg = make_registry(builtins=("torchhal.plugins.cpu", "torchhal.plugins.nonexistent"))
-    err = errors_by_stage(reg)[("torchhal.plugins.nonexistent", "import")]
+    err = failures_by_stage(reg)[("torchhal.plugins.nonexistent", "import")]
     assert "ModuleNotFoundError" in err.error
     assert torchhal.current_platform().name == "cpu"
 
@@ -32,7 +32,7 @@ def test_is_available_that_raises_is_isolated(make_registry):
     reg = make_registry(plugin_module(Exploding()))
     with pytest.warns(TorchhalPluginWarning, match="exploding.*detect.*driver crashed"):
         assert torchhal.current_platform().name == "cpu"
-    assert ("exploding", "detect") in errors_by_stage(reg)
+    assert ("exploding", "detect") in failures_by_stage(reg)
     status = {s.name: s for s in torchhal.list_platforms()}["exploding"]
     assert not status.available and "driver crashed" in status.reason
 
@@ -48,7 +48,7 @@ def test_is_available_returning_a_bool_is_a_detect_error(make_registry):
     reg = make_registry(plugin_module(Sloppy()))
     with pytest.warns(TorchhalPluginWarning, match="returned bool"):
         assert torchhal.current_platform().name == "cpu"
-    assert ("sloppy", "detect") in errors_by_stage(reg)
+    assert ("sloppy", "detect") in failures_by_stage(reg)
 
 
 def test_wrong_result_types_are_rejected_by_name(make_registry):
@@ -57,7 +57,7 @@ def test_wrong_result_types_are_rejected_by_name(make_registry):
 
     with pytest.warns(TorchhalPluginWarning):
         reg = make_registry(plugin_module("not a plugin", BadName()))
-    messages = [e.error for e in reg.errors if e.stage == "validate"]
+    messages = [e.error for e in reg.failures if e.stage == "validate"]
     assert any("returned str 'not a plugin'" in m for m in messages)
     assert any("BadName.name is 'Bad Name'" in m for m in messages)
     assert reg.names() == ["cpu"]
@@ -85,7 +85,7 @@ def test_duplicate_names_conflict_naming_both_distributions():
     reg.add_plugin(plugin_module(fake_platform("twin", 10)), "vendor-b-plugin", "vendor-b", "2.0")
     with pytest.warns(TorchhalPluginWarning):
         reg.collect_platforms()
-    conflict = errors_by_stage(reg)[("twin", "conflict")]
+    conflict = failures_by_stage(reg)[("twin", "conflict")]
     assert "distribution vendor-a" in conflict.error and "distribution vendor-b" in conflict.error
     assert "replaces" in conflict.error
     assert "twin" not in reg.names()
@@ -114,7 +114,7 @@ def test_hook_typo_is_rejected_with_a_hint(make_registry):
 
     with pytest.warns(TorchhalPluginWarning, match="did you mean 'torchhal_register_platforms'"):
         reg = make_registry(Typo())
-    assert reg.errors[0].stage == "register"
+    assert reg.failures[0].stage == "register"
 
 
 def test_observer_that_raises_does_not_stop_the_engine(make_registry):

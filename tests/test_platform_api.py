@@ -1,9 +1,21 @@
+import inspect
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import torchhal
-from torchhal.platforms import MemoryInfo, ReleasePoint, hookimpl
+from torchhal.platforms import (
+    SPI_ATTRIBUTES,
+    SPI_METHODS,
+    MemoryInfo,
+    PeakMemory,
+    Platform,
+    PlatformPlugin,
+    ReleasePoint,
+    hookimpl,
+)
+from torchhal.platforms.testing import patched_plugin, plugin_under_test
 from torchhal.plugins.cpu import CpuPlatform
 
 from .test_selection import plugin_module
@@ -34,7 +46,7 @@ def test_empty_cache_requires_a_release_point(make_registry):
     platform = torchhal.current_platform()
     with pytest.raises(TypeError, match="'oom'.*must be a ReleasePoint.*ReleasePoint.OOM"):
         platform.empty_cache("oom")
-    assert platform.plugin.calls == []  # state left intact
+    assert plugin_under_test(platform).calls == []  # state left intact
 
 
 def test_empty_cache_fires_the_observer_with_reason_and_bytes(make_registry):
@@ -56,13 +68,11 @@ def test_memory_info_only_observes(make_registry):
     platform = torchhal.current_platform()
     before = platform.memory_info()
     after = platform.memory_info(0)
-    assert platform.plugin.calls == ["memory_info", "memory_info"]
+    assert plugin_under_test(platform).calls == ["memory_info", "memory_info"]
     assert before.reserved == after.reserved == 4096
 
 
 def test_no_memory_query_takes_an_empty_cache_flag():
-    import inspect
-
     for name in ("memory_info", "available_memory"):
         assert "empty_cache" not in inspect.signature(getattr(torchhal.Platform, name)).parameters
 
@@ -98,3 +108,86 @@ def test_oom_types_and_report(make_registry):
     assert platform.is_out_of_memory(error) and not platform.is_out_of_memory(ValueError())
     platform.report_out_of_memory(error, "unit test")
     assert seen == [(0, "boom", "unit test")]
+
+
+# -- one SPI, one API ---------------------------------------------------------------------
+
+#: SPI methods the API does not expose: detection is the registry's, the module the plugin's own.
+PLUGIN_ONLY = {"is_available", "device_module"}
+
+
+def test_the_spi_lists_are_read_from_the_plugin_class():
+    methods = [n for n, v in vars(PlatformPlugin).items() if callable(v) and not n.startswith("_")]
+    assert list(SPI_METHODS) == methods
+    assert set(PlatformPlugin.__abstractmethods__) <= set(SPI_METHODS)
+    assert {"name", "device_type", "priority", "dist_backend", "visible_devices_env"} <= set(SPI_ATTRIBUTES)
+
+
+def test_every_spi_method_reaches_engines_through_the_api():
+    assert {name for name in SPI_METHODS if not hasattr(Platform, name)} == PLUGIN_ONLY
+
+
+def test_the_plugin_and_device_module_are_not_public():
+    assert not hasattr(Platform, "plugin") and not hasattr(Platform, "device_module")
+    platform = torchhal.get_platform("cpu")
+    assert not hasattr(platform, "plugin") and not hasattr(platform, "device_module")
+
+
+def test_pass_throughs_are_the_plugins_bound_methods(make_registry):
+    make_registry(plugin_module(CountingCpu()))
+    platform = torchhal.current_platform()
+    plugin = plugin_under_test(platform)
+    for name in ("device_count", "current_device", "runtime_version", "is_out_of_memory", "pin_memory",
+                 "use_stream", "new_event", "can_access_peer"):
+        assert vars(platform)[name] == getattr(plugin, name), name  # bound once, no wrapper per call
+        api = inspect.signature(getattr(PlatformPlugin, name)).parameters
+        assert list(inspect.signature(getattr(platform, name)).parameters) == list(api)[1:], name
+
+
+def test_facts_are_asked_once():
+    asked = []
+
+    class Asking(CpuPlatform):
+        name = "asking"
+
+        def graph_support(self):
+            asked.append("graph_support")
+            return None
+
+    platform = Platform(Asking(), torchhal.registry().pm, "test", "0")
+    assert platform.graph_support is None and platform.graph_support is None
+    assert asked == ["graph_support"]
+
+
+def test_patched_plugin_is_seen_by_every_call_and_restored(make_registry):
+    make_registry(plugin_module(CountingCpu()))
+    platform = torchhal.current_platform()
+    pinned = MemoryInfo(0, 7, 8)
+    with pytest.raises(RuntimeError, match="inside"):
+        with patched_plugin(platform, memory_info=lambda index: pinned, device_count=lambda: 3):
+            assert platform.available_memory() == 7 and platform.device_count() == 3
+            raise RuntimeError("inside")
+    assert platform.device_count() == 1 and platform.memory_info().free == 1000
+    assert "memory_info" not in vars(plugin_under_test(platform))
+    with pytest.raises(ValueError, match="'?memory_infox'? is not an SPI method"):
+        with patched_plugin(platform, memory_infox=lambda index: pinned):
+            pass
+
+
+def test_peak_memory_and_peers_on_the_host(make_registry):
+    make_registry()
+    platform = torchhal.current_platform()
+    platform.reset_peak_memory()
+    assert platform.peak_memory() == PeakMemory(0, None, None)
+    assert platform.can_access_peer(0, 0) is False
+
+
+def test_the_ipc_redirect_switch_refuses_what_the_plugin_does_not_declare(make_registry):
+    make_registry()
+    platform = torchhal.current_platform()
+    with pytest.raises(ValueError, match="'cpu' does not declare peer-redirected IPC"):
+        platform.set_ipc_peer_redirect(True)
+    with pytest.raises(TypeError, match="pass True or False"):
+        platform.set_ipc_peer_redirect("no")  # type: ignore[arg-type]
+    platform.set_ipc_peer_redirect(False)
+    assert platform.ipc_support is not None and not platform.ipc_support.peer_redirect

@@ -237,3 +237,73 @@ def test_ipc_open_rejects_out_of_bounds_before_opening(monkeypatch):
         with pytest.raises(IpcHandleError, match=message):
             plugin.ipc_open(bad, 0)
     assert opened == []  # nothing was mapped for a bad handle
+
+
+# -- declarations: the shared detection, peaks, peers, the IPC redirect switch -------------
+
+
+def test_no_visible_device_names_the_visible_devices_variable(monkeypatch):
+    install_extension(monkeypatch, "torch_musa", "musa", make_device_module("musa", count=0))
+    monkeypatch.setenv("MUSA_VISIBLE_DEVICES", "")
+    result = MusaPlatform().is_available()
+    assert not result and "no device is visible" in result.reason and "MUSA_VISIBLE_DEVICES=''" in result.reason
+    monkeypatch.delenv("MUSA_VISIBLE_DEVICES")
+    assert "check MUSA_VISIBLE_DEVICES" in MusaPlatform().is_available().reason
+
+
+def test_vendor_plugins_declare_and_do_not_redefine_detection():
+    for cls in (NpuPlatform, MusaPlatform):
+        assert "is_available" not in vars(cls) and "runtime_version" not in vars(cls)
+    assert "is_available" not in vars(CudaPlatform) and "is_available" not in vars(RocmPlatform)
+
+
+def test_runtime_version_names_the_extension(vendor):
+    version = vendor.plugin.runtime_version()
+    assert version and ("9.9-fake" in version or "torch.xpu" in version)
+
+
+def test_argument_free_queries_are_the_module_functions_once_resolved(vendor):
+    vendor.plugin.device_module()
+    assert vendor.plugin.device_count is vendor.module.device_count
+    assert vendor.plugin.current_device is vendor.module.current_device
+
+    class Counting(type(vendor.plugin)):
+        def device_count(self):  # an override is never shadowed by the binding
+            return 7
+
+    plugin = Counting()
+    plugin.device_module()
+    assert plugin.device_count() == 7
+
+
+def test_peak_memory_reset_and_peer_access_map_to_vendor_names(vendor):
+    peak = vendor.plugin.peak_memory(1)
+    assert (peak.device, peak.reserved, peak.allocated) == (1, 128 * MiB, 32 * MiB)
+    vendor.plugin.reset_peak_memory(1)
+    assert ("reset_peak_memory_stats", 1) in vendor.module.calls
+    assert vendor.plugin.can_access_peer(0, 1) is True
+    assert ("can_device_access_peer", 0, 1) in vendor.module.calls
+    assert "empty_cache" not in names_called(vendor.module)
+
+
+def test_the_ipc_redirect_switch_opens_on_the_producer_device(monkeypatch):
+    from torchhal.platforms import Platform, manager
+
+    module = make_device_module("musa", graph_class="MUSAGraph", peer_access=True)
+    install_extension(monkeypatch, "torch_musa", "musa", module)
+    opened = []
+    monkeypatch.setattr(
+        torch.UntypedStorage, "_new_shared_musa",
+        staticmethod(lambda device, *fields: opened.append(device) or torch.UntypedStorage(4096)), raising=False,
+    )
+    platform = Platform(MusaPlatform(), manager.new_plugin_manager(), "test", "0")
+    handle = platform.ipc_support.share(fake_device_tensor("musa", "_share_musa_"))
+    assert platform.ipc_support.peer_redirect
+    platform.ipc_support.open(handle, 0)
+    platform.set_ipc_peer_redirect(False)
+    assert not platform.ipc_support.peer_redirect  # the record is asked again
+    platform.ipc_support.open(handle, 0)
+    assert opened == [0, 1]  # redirected to the consumer, then on the producer's device
+    assert MusaPlatform().ipc_peer_redirect is True  # other instances keep the declaration
+    platform.set_ipc_peer_redirect(True)
+    assert platform.ipc_support.peer_redirect

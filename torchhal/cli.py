@@ -10,8 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 import torchhal
-from torchhal.platforms import PlatformError, registry
-from torchhal.platforms.selection import current_platform, how_resolved, list_platforms
+from torchhal.platforms import PlatformError, current_platform, how_resolved, list_platforms, registry
 
 GiB = 1 << 30
 
@@ -55,7 +54,7 @@ def collect_info() -> dict[str, Any]:
         },
     }
     # Read last: detection above can add errors.
-    info["plugin_errors"] = [asdict(e) for e in reg.errors]
+    info["plugin_errors"] = [asdict(f) for f in reg.failures]
     return info
 
 

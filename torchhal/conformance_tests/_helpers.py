@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from torchhal.platforms import Platform
+from torchhal.platforms.testing import patched_plugin, plugin_under_test
 
 MiB = 1 << 20
 
@@ -45,31 +46,36 @@ def wait_exit(proc: Any, timeout: float = 60) -> int | None:
 
 @contextlib.contextmanager
 def spies(platform: Platform, names: tuple[str, ...] = ("empty_cache", "synchronize")) -> Iterator[list[str]]:
-    """Record calls to these names on the plugin and on its device module."""
+    """Record calls to these names on the plugin (through the testing seam) and on its device module."""
     calls: list[str] = []
-    targets = [(platform.plugin, "plugin"), (platform.device_module, "device module")]
+
+    def spy_on(original: Any, tag: str) -> Any:
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            calls.append(tag)
+            return original(*args, **kwargs)
+
+        return spy
+
+    plugin = plugin_under_test(platform)
+    module = plugin.device_module()
+    plugin_spies = {
+        name: spy_on(getattr(plugin, name), f"plugin.{name}") for name in names if callable(getattr(plugin, name, None))
+    }
     saved = []
-    for target, label in targets:
-        for name in names:
-            original = getattr(target, name, None)
-            if original is None or not callable(original):
-                continue
-
-            def spy(*args: Any, _original: Any = original, _tag: str = f"{label}.{name}", **kwargs: Any) -> Any:
-                calls.append(_tag)
-                return _original(*args, **kwargs)
-
-            own = target.__dict__.get(name, _MISSING) if hasattr(target, "__dict__") else _MISSING
-            saved.append((target, name, own))
-            setattr(target, name, spy)
+    for name in names:
+        original = getattr(module, name, None)
+        if callable(original):
+            saved.append((name, module.__dict__.get(name, _MISSING)))
+            setattr(module, name, spy_on(original, f"device module.{name}"))
     try:
-        yield calls
+        with patched_plugin(platform, **plugin_spies):
+            yield calls
     finally:
-        for target, name, previous in reversed(saved):
+        for name, previous in reversed(saved):
             if previous is _MISSING:
-                delattr(target, name)
+                delattr(module, name)
             else:
-                setattr(target, name, previous)
+                setattr(module, name, previous)
 
 
 _MISSING = object()

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 import torchhal
+from torchhal.platforms.testing import patched_plugin
 
 
 def _platform(name: str) -> torchhal.Platform:
@@ -105,13 +106,9 @@ def distributed_rank(name: str, rank: int, world: int, store_path: str, queue: A
         real_free = platform.memory_info(device).free
         # Free memory drifts between ranks' reads; pin each rank's answer so the
         # reduction itself is checked exactly: rank r reports 1 GiB + r MiB.
-        real_query = platform.plugin.memory_info
-        pinned = dataclasses.replace(real_query(device), free=(1 << 30) + rank * (1 << 20))
-        platform.plugin.memory_info = lambda index: pinned  # type: ignore[method-assign]
-        try:
+        pinned = dataclasses.replace(platform.memory_info(device), free=(1 << 30) + rank * (1 << 20))
+        with patched_plugin(platform, memory_info=lambda index: pinned):
             minimum = platform.available_memory(cpu_group)
-        finally:
-            del platform.plugin.memory_info
         dist.barrier(cpu_group)
         dist.destroy_process_group()
         report = {"rank": rank, "sum": value.cpu().tolist(), "min": minimum, "free": real_free, "pid": os.getpid()}

@@ -22,8 +22,7 @@ import torch
 
 import torchhal
 from torchhal.conformance_tests import GROUPS, NOT_REQUIRED_PREFIXES, PROFILES, SUITE_VERSION
-from torchhal.platforms import Platform, PlatformError
-from torchhal.platforms.manager import RegisteredPlatform
+from torchhal.platforms import Platform, PlatformError, RegisteredPlatform
 
 EXPECT_CATEGORIES = ("temporary", "unsupported", "permanent")
 
@@ -307,7 +306,7 @@ def header_facts(state: SuiteState) -> dict[str, Any]:
         facts["environment"] = {k: os.environ[k] for k in sorted(env_names) if k in os.environ}
         try:
             platform = torchhal.get_platform(name)
-            facts["runtime"] = platform.runtime_version() if callable(platform.plugin.runtime_version) else None
+            facts["runtime"] = platform.runtime_version() if callable(platform.runtime_version) else None
             facts["device_name"] = platform.device_info(state.device).name
         except Exception as exc:  # the report must still print for a broken plugin
             facts["device_name"] = f"<unavailable: {type(exc).__name__}: {exc}>"

@@ -15,12 +15,12 @@ pytestmark = pytest.mark.conformance("contract")
 
 
 def test_plugin_registers(registered):
-    errors = [
-        e
-        for e in torchhal.registry().errors
-        if e.plugin in (registered.plugin.name, registered.source) and e.stage != "detect"  # detection has its own test
+    failures = [
+        f
+        for f in torchhal.registry().failures
+        if f.plugin in (registered.plugin.name, registered.source) and f.stage != "detect"  # detection has its own test
     ]
-    assert errors == [], "; ".join(map(str, errors))
+    assert failures == [], "; ".join(map(str, failures))
     assert isinstance(registered.plugin, PlatformPlugin)
 
 
@@ -80,7 +80,7 @@ def test_is_available_creates_no_device_context(registered, measure):
 
 
 def test_platform_names_are_unique():
-    conflicts = [str(e) for e in torchhal.registry().errors if e.stage == "conflict"]
+    conflicts = [str(f) for f in torchhal.registry().failures if f.stage == "conflict"]
     assert conflicts == []
 
 

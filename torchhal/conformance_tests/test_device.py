@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from torchhal.platforms import DeviceInfo
+from torchhal.platforms.testing import plugin_under_test
 
 pytestmark = pytest.mark.conformance("device")
 
@@ -23,7 +24,7 @@ def test_count_current_and_set(platform, device_index):
 
 
 def test_device_module_matches_the_platform(platform, device_index):
-    assert isinstance(platform.device_module, types.ModuleType)
+    assert isinstance(plugin_under_test(platform).device_module(), types.ModuleType)
     tensor = torch.ones(8, device=platform.device(device_index))
     assert tensor.device.type == platform.device_type
     assert (tensor.device.index or 0) == device_index

@@ -1,4 +1,9 @@
-"""The hook system and the platform API: what vendors and engines touch."""
+"""The hook system and the platform API: what vendors and engines touch.
+
+`__all__` is the public face: `torchhal/core` and the conformance suite import
+only these names (and the IPC view helpers of `torchhal.platforms.ipc`); the
+conformance suite also uses the testing seam `torchhal.platforms.testing`.
+"""
 
 from torchhal.platforms.errors import (
     AmbiguousPlatformError,
@@ -6,10 +11,11 @@ from torchhal.platforms.errors import (
     PlatformError,
     PlatformUnavailableError,
     PluginConflictError,
+    TorchhalPluginWarning,
     UnknownPlatformError,
 )
 from torchhal.platforms.hookspecs import hookimpl, hookspec
-from torchhal.platforms.manager import DEFAULT_PLUGINS, ENTRY_POINT_GROUP, TorchhalPluginWarning
+from torchhal.platforms.manager import DEFAULT_PLUGINS, ENTRY_POINT_GROUP, PlatformRegistry, RegisteredPlatform
 from torchhal.platforms.platform import Platform
 from torchhal.platforms.plugin import SPI_ATTRIBUTES, SPI_METHODS, PlatformPlugin
 from torchhal.platforms.records import (
@@ -19,7 +25,8 @@ from torchhal.platforms.records import (
     IpcHandle,
     IpcSupport,
     MemoryInfo,
-    PluginError,
+    PeakMemory,
+    PluginFailure,
     ReleasePoint,
 )
 from torchhal.platforms.selection import (
@@ -47,13 +54,16 @@ __all__ = [
     "IpcHandleError",
     "IpcSupport",
     "MemoryInfo",
+    "PeakMemory",
     "Platform",
     "PlatformError",
     "PlatformPlugin",
+    "PlatformRegistry",
     "PlatformStatus",
     "PlatformUnavailableError",
     "PluginConflictError",
-    "PluginError",
+    "PluginFailure",
+    "RegisteredPlatform",
     "ReleasePoint",
     "TorchhalPluginWarning",
     "UnknownPlatformError",

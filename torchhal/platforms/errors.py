@@ -23,3 +23,7 @@ class PluginConflictError(PlatformError):
 
 class IpcHandleError(PlatformError, ValueError):
     """An IPC handle that does not describe a valid view of its storage."""
+
+
+class TorchhalPluginWarning(UserWarning):
+    """A plugin failed to import, register, validate or detect, or an observer raised."""

@@ -6,7 +6,10 @@ rejected at registration (a typo must not silently do nothing).
 
 Observer hooks are called with keyword arguments; an implementation may accept
 any subset of them. They must be quick and must not raise: an observer that
-raises is reported and does not stop the engine.
+raises is reported and does not stop the engine (`platform.notify_observers`).
+
+The registry (`manager.py`) reads these specs; this module imports the SPI
+and the API for typing only, and nothing it imports reads it back.
 """
 
 from __future__ import annotations

@@ -3,8 +3,11 @@
 Built-in platforms are plugins like any other: `DEFAULT_PLUGINS` names their
 modules as strings (platforms/ imports no plugin module), and third-party
 distributions add theirs through the `torchhal` entry-point group. A plugin
-that fails at any stage is recorded as a `PluginError`, warned about, and
+that fails at any stage is recorded as a `PluginFailure`, warned about, and
 isolated: the other platforms keep working.
+
+This module sits above the hook specs and the SPI and below selection; it
+never makes a `Platform` (selection does) and calls no observer.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from typing import Any
 import pluggy
 
 from torchhal.platforms import hookspecs
+from torchhal.platforms.errors import TorchhalPluginWarning
 from torchhal.platforms.plugin import PlatformPlugin
-from torchhal.platforms.records import Availability, PluginError
+from torchhal.platforms.records import Availability, PluginFailure
 
 ENTRY_POINT_GROUP = "torchhal"
 ALLOW_LIST_ENV = "TORCHHAL_PLUGINS"
@@ -38,12 +42,10 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
 _NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
-class TorchhalPluginWarning(UserWarning):
-    """A plugin failed to import, register, validate or detect."""
-
-
 @dataclass(frozen=True)
 class RegisteredPlatform:
+    """One registered platform plugin and where it came from."""
+
     plugin: PlatformPlugin
     source: str  # the pluggy plugin name: module path or entry-point name
     distribution: str
@@ -66,26 +68,26 @@ def allow_list_from_env() -> frozenset[str] | None:
 
 
 class PlatformRegistry:
-    """Registered platforms by name, the errors met on the way, and detection."""
+    """Registered platforms by name, the plugin failures met on the way, and detection."""
 
     def __init__(self, pm: pluggy.PluginManager) -> None:
         self.pm = pm
         self.platforms: dict[str, RegisteredPlatform] = {}
-        self.errors: list[PluginError] = []
+        self.failures: list[PluginFailure] = []
         self._availability: dict[str, Availability] = {}
         self._provenance: dict[str, tuple[str, str]] = {}  # pluggy name -> (dist, version)
 
     # -- loading ---------------------------------------------------------------
-    def _record(self, error: PluginError) -> None:
-        self.errors.append(error)
-        warnings.warn(str(error), TorchhalPluginWarning, stacklevel=3)
+    def _record_failure(self, failure: PluginFailure) -> None:
+        self.failures.append(failure)
+        warnings.warn(str(failure), TorchhalPluginWarning, stacklevel=3)
 
     def add_plugin(self, plugin: object, name: str, distribution: str, version: str) -> bool:
         """Register one pluggy plugin (module or object); reject unknown hooks."""
         try:
             self.pm.register(plugin, name=name)
         except Exception as exc:  # pluggy raises ValueError / PluginValidationError
-            self._record(PluginError(name, "register", f"{type(exc).__name__}: {exc}", distribution))
+            self._record_failure(PluginFailure(name, "register", f"{type(exc).__name__}: {exc}", distribution))
             return False
         unknown = [
             caller.name
@@ -99,8 +101,8 @@ class PlatformRegistry:
             for hook_name in unknown:
                 close = difflib.get_close_matches(hook_name, known, n=1)
                 hints.append(f"{hook_name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            self._record(
-                PluginError(name, "register", "unknown hook " + ", ".join(hints), distribution)
+            self._record_failure(
+                PluginFailure(name, "register", "unknown hook " + ", ".join(hints), distribution)
             )
             return False
         self._provenance[name] = (distribution, version)
@@ -112,7 +114,7 @@ class PlatformRegistry:
             try:
                 module = importlib.import_module(module_name)
             except Exception as exc:
-                self._record(PluginError(module_name, "import", f"{type(exc).__name__}: {exc}", "torchhal"))
+                self._record_failure(PluginFailure(module_name, "import", f"{type(exc).__name__}: {exc}", "torchhal"))
                 continue
             self.add_plugin(module, module_name, "torchhal", version)
 
@@ -127,12 +129,12 @@ class PlatformRegistry:
             try:
                 plugin = ep.load()
             except Exception as exc:
-                self._record(PluginError(ep.name, "import", f"{type(exc).__name__}: {exc}", dist))
+                self._record_failure(PluginFailure(ep.name, "import", f"{type(exc).__name__}: {exc}", dist))
                 continue
             self.add_plugin(plugin, ep.name, dist, version)
         for missing in sorted((allow or frozenset()) - seen):
-            self._record(
-                PluginError(
+            self._record_failure(
+                PluginFailure(
                     missing,
                     "import",
                     f"named in {ALLOW_LIST_ENV} but no installed distribution has an entry "
@@ -148,12 +150,12 @@ class PlatformRegistry:
             try:
                 result = impl.function()
             except Exception as exc:
-                self._record(PluginError(impl.plugin_name, "register", f"{type(exc).__name__}: {exc}", dist))
+                self._record_failure(PluginFailure(impl.plugin_name, "register", f"{type(exc).__name__}: {exc}", dist))
                 continue
             for item in result if isinstance(result, (list, tuple)) else [result]:
                 problem = _validate_platform_object(item)
                 if problem:
-                    self._record(PluginError(impl.plugin_name, "validate", problem, dist))
+                    self._record_failure(PluginFailure(impl.plugin_name, "validate", problem, dist))
                     continue
                 assert isinstance(item, PlatformPlugin)
                 candidates.setdefault(item.name, []).append(
@@ -176,8 +178,8 @@ class PlatformRegistry:
                 regs = [winner]
             if len(regs) > 1:
                 who = " and ".join(f"{r.source} (distribution {r.distribution})" for r in regs)
-                self._record(
-                    PluginError(
+                self._record_failure(
+                    PluginFailure(
                         name,
                         "conflict",
                         f"platform name {name!r} is registered by {who}; uninstall one, or "
@@ -192,8 +194,8 @@ class PlatformRegistry:
     def names(self) -> list[str]:
         return sorted(self.platforms)
 
-    def conflict_for(self, name: str) -> PluginError | None:
-        return next((e for e in self.errors if e.stage == "conflict" and e.plugin == name), None)
+    def conflict_for(self, name: str) -> PluginFailure | None:
+        return next((f for f in self.failures if f.stage == "conflict" and f.plugin == name), None)
 
     def availability(self, name: str) -> Availability:
         """Detect once per registry; an `is_available` that raises counts as 'no'."""
@@ -209,7 +211,7 @@ class PlatformRegistry:
                     "return Availability.yes() or Availability.no(reason)"
                 )
         except Exception as exc:
-            self._record(PluginError(name, "detect", f"{type(exc).__name__}: {exc}", reg.distribution))
+            self._record_failure(PluginFailure(name, "detect", f"{type(exc).__name__}: {exc}", reg.distribution))
             result = Availability.no(f"detection failed: {type(exc).__name__}: {exc}")
         self._availability[name] = result
         return result
@@ -255,15 +257,3 @@ def build_registry(
     registry.collect_platforms()
     return registry
 
-
-def notify(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> None:
-    """Call every observer of `hook_name`, each isolated: one that raises is warned about."""
-    for impl in getattr(pm.hook, hook_name).get_hookimpls():
-        try:
-            impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
-        except Exception as exc:
-            warnings.warn(
-                f"observer {impl.plugin_name!r} raised in {hook_name}: {type(exc).__name__}: {exc}",
-                TorchhalPluginWarning,
-                stacklevel=2,
-            )

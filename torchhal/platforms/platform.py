@@ -1,43 +1,113 @@
-"""Platform: the API engine code calls.
+"""Platform: the API engine code calls, wrapping one `PlatformPlugin` privately.
 
-A `Platform` wraps one `PlatformPlugin`. Calls are plain method calls (no
-pluggy on the hot path); observer hooks fire only where the engine changes
-memory (`empty_cache`, `report_out_of_memory`) or asks to trace.
+The SPI is written once, in `PlatformPlugin`. `Platform` adds only behaviour:
+the default device index, index validation, release points, observers and
+tracing. An SPI call the API exposes unchanged (a pass-through) is the
+plugin's own bound method, set on the instance when the platform is made, so
+calling it costs exactly the plugin's call. A fact that cannot change for the
+process (`graph_support`, `ipc_support`, `oom_error_types`) is asked of the
+plugin once and kept as a value. There is no pluggy on the hot path: observer
+hooks fire only where the engine changes memory or asks to trace.
+
+The observer call (`notify_observers`) lives here, below the registry, so
+neither the API nor the registry needs the other.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 import pluggy
 import torch
 
-from torchhal.platforms.manager import notify
-from torchhal.platforms.records import (
-    DeviceInfo,
-    GraphSupport,
-    IpcSupport,
-    MemoryInfo,
-    ReleasePoint,
-)
+from torchhal.platforms.errors import TorchhalPluginWarning
+from torchhal.platforms.plugin import PlatformPlugin
+from torchhal.platforms.records import DeviceInfo, MemoryInfo, PeakMemory, ReleasePoint
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from torchhal.platforms.plugin import PlatformPlugin
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def notify_observers(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> None:
+    """Call every observer of `hook_name`, each isolated: one that raises is warned about."""
+    for impl in getattr(pm.hook, hook_name).get_hookimpls():
+        try:
+            impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
+        except Exception as exc:
+            warnings.warn(
+                f"observer {impl.plugin_name!r} raised in {hook_name}: {type(exc).__name__}: {exc}",
+                TorchhalPluginWarning,
+                stacklevel=2,
+            )
+
+
+class _PassThrough(Generic[_P, _R]):
+    """An SPI method the API exposes unchanged; typed from the SPI, bound per instance.
+
+    `Platform._bind` puts the plugin's bound method in the instance dict, which
+    shadows this (non-data) descriptor: a call is then the plugin's call and nothing else.
+    """
+
+    def __init__(self, spi_method: Callable[Concatenate[PlatformPlugin, _P], _R]) -> None:
+        self.name = spi_method.__name__
+        self.__doc__ = spi_method.__doc__
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _PassThrough[_P, _R]: ...
+    @overload
+    def __get__(self, obj: Platform, owner: type | None = None) -> Callable[_P, _R]: ...
+    def __get__(self, obj: Platform | None, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return getattr(obj._plugin, self.name)  # only reached before binding
+
+
+class _Fact(Generic[_R]):
+    """An SPI query whose answer is fixed for the process: asked once, then a plain value."""
+
+    def __init__(self, spi_method: Callable[[PlatformPlugin], _R]) -> None:
+        self.name = spi_method.__name__
+        self.__doc__ = spi_method.__doc__
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _Fact[_R]: ...
+    @overload
+    def __get__(self, obj: Platform, owner: type | None = None) -> _R: ...
+    def __get__(self, obj: Platform | None, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        value = getattr(obj._plugin, self.name)()
+        obj.__dict__[self.name] = value  # later reads are an instance-dict hit
+        return value
 
 
 class Platform:
     """One platform, as engine code sees it. Obtain with `torchhal.current_platform()`."""
 
+    # -- pass-throughs: the plugin's bound methods (see `_bind`) ---------------------
+    device_count = _PassThrough(PlatformPlugin.device_count)
+    current_device = _PassThrough(PlatformPlugin.current_device)
+    runtime_version = _PassThrough(PlatformPlugin.runtime_version)
+    is_out_of_memory = _PassThrough(PlatformPlugin.is_out_of_memory)
+    pin_memory = _PassThrough(PlatformPlugin.pin_memory)
+    use_stream = _PassThrough(PlatformPlugin.use_stream)
+    new_event = _PassThrough(PlatformPlugin.new_event)
+    can_access_peer = _PassThrough(PlatformPlugin.can_access_peer)
+
+    # -- facts: asked of the plugin once ----------------------------------------------
+    oom_error_types = _Fact(PlatformPlugin.oom_error_types)
+    graph_support = _Fact(PlatformPlugin.graph_support)
+    ipc_support = _Fact(PlatformPlugin.ipc_support)
+
     def __init__(
         self, plugin: PlatformPlugin, pm: pluggy.PluginManager, distribution: str, version: str
     ) -> None:
-        self.plugin = plugin
+        self._plugin = plugin  # private: engines use this API; tests use platforms.testing
         self.name: str = plugin.name
         self.device_type: str = plugin.device_type
         self.priority: int = plugin.priority
@@ -47,42 +117,37 @@ class Platform:
         self.version = version
         self._pm = pm
         self._has_event_observers = bool(pm.hook.torchhal_engine_event.get_hookimpls())
+        self._bind()
+
+    def _bind(self) -> None:
+        """Set each pass-through to the plugin's bound method; forget facts already asked."""
+        for name in _PASS_THROUGHS:
+            self.__dict__[name] = getattr(self._plugin, name, None)
+        for name in _FACTS:
+            self.__dict__.pop(name, None)
 
     def __repr__(self) -> str:
         return f"<Platform {self.name} ({self.distribution} {self.version})>"
 
     # -- devices -----------------------------------------------------------------
-    @property
-    def device_module(self) -> ModuleType:
-        return self.plugin.device_module()
-
-    def device_count(self) -> int:
-        return self.plugin.device_count()
-
-    def current_device(self) -> int:
-        return self.plugin.current_device()
-
     def set_device(self, index: int) -> None:
         self._check_index(index)
-        self.plugin.set_device(index)
+        self._plugin.set_device(index)
 
     def device(self, index: int | None = None) -> torch.device:
         """`torch.device` for `index` (default: the current device)."""
         return torch.device(self.device_type, self.current_device() if index is None else index)
 
     def synchronize(self, index: int | None = None) -> None:
-        self.plugin.synchronize(self.current_device() if index is None else index)
+        self._plugin.synchronize(self.current_device() if index is None else index)
 
     def device_info(self, index: int | None = None) -> DeviceInfo:
-        return self.plugin.device_info(self._index(index))
-
-    def runtime_version(self) -> str | None:
-        return self.plugin.runtime_version()
+        return self._plugin.device_info(self.current_device() if index is None else index)
 
     # -- memory ----------------------------------------------------------------------
     def memory_info(self, index: int | None = None) -> MemoryInfo:
         """Observe one device's memory. Never empties the cache, never synchronizes."""
-        return self.plugin.memory_info(self.current_device() if index is None else index)
+        return self._plugin.memory_info(self.current_device() if index is None else index)
 
     def empty_cache(self, reason: ReleasePoint, index: int | None = None) -> int | None:
         """Empty the allocator cache at a named release point; fires `torchhal_cache_emptied`."""
@@ -92,9 +157,9 @@ class Platform:
                 f"empty_cache(reason={reason!r}): the reason must be a ReleasePoint "
                 f"({choices}); emptying the cache is only allowed at a named release point"
             )
-        device = self._index(index)
-        released = self.plugin.empty_cache(device)
-        notify(
+        device = self.current_device() if index is None else index
+        released = self._plugin.empty_cache(device)
+        notify_observers(
             self._pm,
             "torchhal_cache_emptied",
             platform=self,
@@ -118,54 +183,52 @@ class Platform:
         dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
         return int(value.item())
 
-    @functools.cached_property
-    def oom_error_types(self) -> tuple[type[BaseException], ...]:
-        return tuple(self.plugin.oom_error_types())
+    def peak_memory(self, index: int | None = None) -> PeakMemory:
+        """Peak reserved/allocated bytes since the last `reset_peak_memory` (benchmarks, reports)."""
+        return self._plugin.peak_memory(self.current_device() if index is None else index)
 
-    def is_out_of_memory(self, error: BaseException) -> bool:
-        return self.plugin.is_out_of_memory(error)
+    def reset_peak_memory(self, index: int | None = None) -> None:
+        """Start a new peak measurement. Changes no memory, only the counters."""
+        self._plugin.reset_peak_memory(self.current_device() if index is None else index)
 
     def report_out_of_memory(self, error: BaseException, context: str, index: int | None = None) -> None:
         """Tell observers an OOM was caught (call before emptying with ReleasePoint.OOM)."""
-        notify(
+        notify_observers(
             self._pm,
             "torchhal_out_of_memory",
             platform=self,
-            device=self._index(index),
+            device=self.current_device() if index is None else index,
             error=error,
             context=context,
         )
 
-    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.plugin.pin_memory(tensor)
-
     # -- streams ---------------------------------------------------------------------
     def new_stream(self, index: int | None = None) -> Any:
-        return self.plugin.new_stream(self._index(index))
+        return self._plugin.new_stream(self.current_device() if index is None else index)
 
     def current_stream(self, index: int | None = None) -> Any:
-        return self.plugin.current_stream(self._index(index))
+        return self._plugin.current_stream(self.current_device() if index is None else index)
 
-    @contextmanager
-    def use_stream(self, stream: Any) -> Iterator[None]:
-        with self.plugin.use_stream(stream):
-            yield
+    # -- IPC -------------------------------------------------------------------------
+    def set_ipc_peer_redirect(self, enabled: bool) -> None:
+        """Open IPC handles through the consumer's device (True) or the producer's (False).
 
-    def new_event(self) -> Any:
-        return self.plugin.new_event()
-
-    # -- capabilities ----------------------------------------------------------------
-    @functools.cached_property
-    def graph_support(self) -> GraphSupport | None:
-        return self.plugin.graph_support()
-
-    @functools.cached_property
-    def ipc_support(self) -> IpcSupport | None:
-        return self.plugin.ipc_support()
+        For measuring what the redirect saves, in one process: False is torch's default
+        open. True is allowed only where the plugin declares the redirect.
+        """
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_ipc_peer_redirect({enabled!r}): pass True or False")
+        if enabled and not type(self._plugin).ipc_peer_redirect:
+            raise ValueError(
+                f"platform {self.name!r} does not declare peer-redirected IPC opens "
+                "(ipc_peer_redirect = False); only set_ipc_peer_redirect(False) applies"
+            )
+        vars(self._plugin)["ipc_peer_redirect"] = enabled  # this plugin instance only
+        self.__dict__.pop("ipc_support", None)  # its record states the redirect: ask again
 
     # -- observers -------------------------------------------------------------------
     def notify_component_moved(self, component: str, source: str, destination: str, nbytes: int) -> None:
-        notify(
+        notify_observers(
             self._pm,
             "torchhal_component_moved",
             component=component,
@@ -181,12 +244,9 @@ class Platform:
 
     def emit_event(self, event: dict[str, Any]) -> None:
         if self._has_event_observers:
-            notify(self._pm, "torchhal_engine_event", event=event)
+            notify_observers(self._pm, "torchhal_engine_event", event=event)
 
     # -- helpers -----------------------------------------------------------------------
-    def _index(self, index: int | None) -> int:
-        return self.current_device() if index is None else index
-
     def _check_index(self, index: int) -> None:
         count = self.device_count()
         if not isinstance(index, int) or not 0 <= index < max(count, 1):
@@ -194,3 +254,7 @@ class Platform:
                 f"device index {index!r} is out of range for platform {self.name!r} "
                 f"with {count} device(s); use 0..{max(count - 1, 0)}"
             )
+
+
+_PASS_THROUGHS: tuple[str, ...] = tuple(n for n, v in vars(Platform).items() if isinstance(v, _PassThrough))
+_FACTS: tuple[str, ...] = tuple(n for n, v in vars(Platform).items() if isinstance(v, _Fact))

@@ -1,8 +1,10 @@
 """PlatformPlugin: the SPI a vendor implements.
 
-A vendor subclasses `PlatformPlugin`, fills in the class attributes and the
-abstract methods, and returns an instance from the `torchhal_register_platforms`
-hook. Everything else has a default written against the device module's
+This class is the single written form of the SPI: `SPI_METHODS` and
+`SPI_ATTRIBUTES` are read from it, and `Platform` exposes its methods without
+restating them. A vendor subclasses `PlatformPlugin`, fills in the class
+attributes and the abstract methods, and returns an instance from the
+`torchhal_register_platforms` hook. Everything else has a default written against the device module's
 CUDA-style API (`Stream`, `current_stream`, `synchronize` …), which torch.cuda,
 torch.xpu, torch.npu and torch.musa all mirror.
 
@@ -31,6 +33,7 @@ from torchhal.platforms.records import (
     GraphSupport,
     IpcSupport,
     MemoryInfo,
+    PeakMemory,
 )
 
 
@@ -47,6 +50,10 @@ class PlatformPlugin(abc.ABC):
     dist_backend: ClassVar[str]
     #: Environment variables that restrict which devices the runtime sees.
     visible_devices_env: ClassVar[tuple[str, ...]] = ()
+    #: The IPC open maps a handle through the consumer's own device where peer access
+    #: exists (see `IpcSupport.peer_redirect`). `Platform.set_ipc_peer_redirect(False)`
+    #: turns it off for one process, to compare with torch's default open.
+    ipc_peer_redirect: ClassVar[bool] = False
 
     # -- detection ----------------------------------------------------------
     @abc.abstractmethod
@@ -98,6 +105,19 @@ class PlatformPlugin(abc.ABC):
         """Host tensor in page-locked memory, for async host<->device copies."""
         return tensor.pin_memory()
 
+    def peak_memory(self, index: int) -> PeakMemory:
+        """The allocator's peak reserved/allocated bytes since the last reset."""
+        module = self.device_module()
+        return PeakMemory(index, int(module.max_memory_reserved(index)), int(module.max_memory_allocated(index)))
+
+    def reset_peak_memory(self, index: int) -> None:
+        """Start a new peak measurement on `index`."""
+        self.device_module().reset_peak_memory_stats(index)
+
+    def can_access_peer(self, index: int, peer: int) -> bool:
+        """True if device `index` can map memory of device `peer` directly."""
+        return bool(self.device_module().can_device_access_peer(index, peer))
+
     # -- streams and events ---------------------------------------------------
     def new_stream(self, index: int) -> Any:
         return self.device_module().Stream(device=index)
@@ -121,33 +141,15 @@ class PlatformPlugin(abc.ABC):
         return None
 
 
-#: The SPI methods every plugin must provide, in documentation order.
-SPI_METHODS: tuple[str, ...] = (
-    "is_available",
-    "device_module",
-    "device_count",
-    "current_device",
-    "set_device",
-    "synchronize",
-    "device_info",
-    "runtime_version",
-    "memory_info",
-    "empty_cache",
-    "oom_error_types",
-    "is_out_of_memory",
-    "pin_memory",
-    "new_stream",
-    "current_stream",
-    "use_stream",
-    "new_event",
-    "graph_support",
-    "ipc_support",
-)
-SPI_ATTRIBUTES: tuple[str, ...] = (
-    "name",
-    "device_type",
-    "priority",
-    "replaces",
-    "dist_backend",
-    "visible_devices_env",
-)
+def _spi_methods(cls: type) -> tuple[str, ...]:
+    return tuple(name for name, value in vars(cls).items() if not name.startswith("_") and callable(value))
+
+
+def _spi_attributes(cls: type) -> tuple[str, ...]:
+    return tuple(name for name in vars(cls).get("__annotations__", {}) if not name.startswith("_"))
+
+
+#: The SPI methods, in documentation order: read from `PlatformPlugin` itself, never listed by hand.
+SPI_METHODS: tuple[str, ...] = _spi_methods(PlatformPlugin)
+#: The SPI class attributes, in documentation order, read from `PlatformPlugin`'s annotations.
+SPI_ATTRIBUTES: tuple[str, ...] = _spi_attributes(PlatformPlugin)

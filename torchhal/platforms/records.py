@@ -68,6 +68,18 @@ class MemoryInfo:
 
 
 @dataclass(frozen=True)
+class PeakMemory:
+    """The caching allocator's high-water marks on one device since the last reset.
+
+    `None` where the backend keeps no such counter (CPU).
+    """
+
+    device: int
+    reserved: int | None
+    allocated: int | None
+
+
+@dataclass(frozen=True)
 class DeviceInfo:
     index: int
     name: str
@@ -129,8 +141,8 @@ class IpcSupport:
 
 
 @dataclass(frozen=True)
-class PluginError:
-    """A plugin that failed to import, register, validate or detect."""
+class PluginFailure:
+    """Record of a plugin that failed to import, register, validate or detect (not an exception)."""
 
     plugin: str
     stage: str  # "import" | "register" | "validate" | "detect" | "conflict"

@@ -18,8 +18,8 @@ from torchhal.platforms.errors import (
     PluginConflictError,
     UnknownPlatformError,
 )
-from torchhal.platforms.manager import PlatformRegistry, build_registry, notify
-from torchhal.platforms.platform import Platform
+from torchhal.platforms.manager import PlatformRegistry, build_registry
+from torchhal.platforms.platform import Platform, notify_observers
 from torchhal.platforms.records import Availability
 
 PLATFORM_ENV = "TORCHHAL_PLATFORM"
@@ -65,7 +65,7 @@ def current_platform() -> Platform:
     platform = _current
     if platform is not None:
         return platform
-    return _resolve()
+    return _select_current()
 
 
 def how_resolved() -> tuple[str | None, str | None]:
@@ -125,7 +125,7 @@ def _require_known(reg: PlatformRegistry, name: str) -> None:
     )
 
 
-def _resolve() -> Platform:
+def _select_current() -> Platform:
     global _current, _how, _resolved_at
     with _lock:
         if _current is not None:
@@ -140,7 +140,7 @@ def _resolve() -> Platform:
         _current, _how = platform, how
         caller = traceback.extract_stack(limit=3)[0]
         _resolved_at = f"{caller.filename}:{caller.lineno} in {caller.name}"
-    notify(reg.pm, "torchhal_platform_activated", platform=platform, how=how)
+    notify_observers(reg.pm, "torchhal_platform_activated", platform=platform, how=how)
     return platform
 
 

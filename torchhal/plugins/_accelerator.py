@@ -1,10 +1,12 @@
 """AcceleratorPlatform: the shared body of the CUDA-style vendor plugins.
 
 torch.cuda, torch.xpu, torch.npu and torch.musa expose the same API names
-(`mem_get_info`, `memory_reserved`, `empty_cache`, `graph_pool_handle`,
-`is_current_stream_capturing` …), so one implementation serves them all. A
-vendor plugin sets a few class attributes and writes `is_available`; it
-overrides a method only where its runtime really differs.
+(`device_count`, `mem_get_info`, `memory_reserved`, `empty_cache`,
+`graph_pool_handle`, `is_current_stream_capturing` …), so one implementation
+serves them all, detection included. A vendor plugin is a declaration: its
+name, device type, priority, backend, visible-devices variables, extension
+module and graph/IPC names. It overrides a method only where its runtime
+really differs (CUDA and ROCm tell their builds apart; XPU may need IPEX).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import os
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any, ClassVar
@@ -19,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from torchhal.platforms import (
+    Availability,
     DeviceInfo,
     GraphSupport,
     IpcHandle,
@@ -45,13 +49,45 @@ def module_installed(name: str) -> bool:
 class AcceleratorPlatform(PlatformPlugin):
     #: Vendor extension imported before `torch.<device_type>` exists (torch_npu …).
     extension_module: ClassVar[str | None] = None
+    #: Said with a "no" when the runtime is absent or fails to load (what to install).
+    runtime_hint: ClassVar[str] = ""
     #: Name of the graph class on the device module, or None if the platform has none.
     graph_class_name: ClassVar[str | None] = None
     #: UntypedStorage methods that export / import a device storage across processes.
     ipc_share_method: ClassVar[str | None] = None
     ipc_open_method: ClassVar[str | None] = None
-    #: Open a handle through the consumer's own device when peer access exists.
-    ipc_peer_redirect: ClassVar[bool] = False
+
+    # -- detection -----------------------------------------------------------------
+    def is_available(self) -> Availability:
+        """Runtime present (`runtime_missing`), loads, and sees at least one device."""
+        missing = self.runtime_missing()
+        if missing:
+            return Availability.no(missing)
+        try:
+            count = self.probe_device_count(self.device_module())
+        except PROBE_ERRORS as exc:
+            hint = f" ({self.runtime_hint})" if self.runtime_hint else ""
+            return Availability.no(f"the {self.name} runtime failed to load{hint}: {type(exc).__name__}: {exc}")
+        if count == 0:
+            return Availability.no(f"the {self.name} runtime loaded but no device is visible{self._visibility()}")
+        return Availability.yes(f"{count} {self.name} device(s)")
+
+    def runtime_missing(self) -> str | None:
+        """Why this torch cannot have the runtime at all (checked without importing it), or None."""
+        if self.extension_module and not module_installed(self.extension_module):
+            hint = f" ({self.runtime_hint})" if self.runtime_hint else ""
+            return f"{self.extension_module} is not installed{hint}"
+        return None
+
+    def probe_device_count(self, module: ModuleType) -> int:
+        """Visible devices, by a driver query that creates no device context."""
+        return int(module.device_count())
+
+    def _visibility(self) -> str:
+        set_vars = [f"{name}={os.environ[name]!r}" for name in self.visible_devices_env if name in os.environ]
+        if set_vars:
+            return f" ({', '.join(set_vars)})"
+        return f" (check {' / '.join(self.visible_devices_env)})" if self.visible_devices_env else ""
 
     # -- device ------------------------------------------------------------------
     def device_module(self) -> ModuleType:
@@ -67,7 +103,18 @@ class AcceleratorPlatform(PlatformPlugin):
                 f"{self.extension_module or 'torch'}; install the {self.name} runtime"
             )
         self.__dict__["_device_module"] = module
+        # The argument-free queries are the module's own functions: bind them (unless a
+        # subclass overrides them), so a Platform pass-through costs the runtime's call.
+        for name in ("device_count", "current_device"):
+            if getattr(type(self), name) is getattr(PlatformPlugin, name):
+                self.__dict__[name] = getattr(module, name)
         return module
+
+    def runtime_version(self) -> str | None:
+        if not self.extension_module:
+            return None
+        extension = importlib.import_module(self.extension_module)
+        return f"{self.extension_module} {getattr(extension, '__version__', '?')}"
 
     def device_info(self, index: int) -> DeviceInfo:
         props = self.device_module().get_device_properties(index)

@@ -23,6 +23,7 @@ from torchhal.platforms import (
     IpcHandleError,
     IpcSupport,
     MemoryInfo,
+    PeakMemory,
     PlatformPlugin,
     hookimpl,
 )
@@ -89,6 +90,15 @@ class CpuPlatform(PlatformPlugin):
 
     def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor  # host and device are the same memory
+
+    def peak_memory(self, index: int) -> PeakMemory:
+        return PeakMemory(index, None, None)  # no caching allocator: no counters
+
+    def reset_peak_memory(self, index: int) -> None:
+        return None
+
+    def can_access_peer(self, index: int, peer: int) -> bool:
+        return False  # one device: there is no peer
 
     def new_stream(self, index: int) -> Any:
         return torch.cpu.Stream()

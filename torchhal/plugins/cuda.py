@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from typing import ClassVar
 
 import torch
 
-from torchhal.platforms import Availability, PlatformPlugin, hookimpl
-from torchhal.plugins._accelerator import PROBE_ERRORS, AcceleratorPlatform
+from torchhal.platforms import MemoryInfo, PlatformPlugin, hookimpl
+from torchhal.plugins._accelerator import AcceleratorPlatform
 
 
 class CudaPlatform(AcceleratorPlatform):
@@ -22,24 +21,25 @@ class CudaPlatform(AcceleratorPlatform):
     ipc_open_method = "_new_shared_cuda"
     ipc_peer_redirect = True
 
-    def is_available(self) -> Availability:
+    def runtime_missing(self) -> str | None:
         if getattr(torch.version, "hip", None):
-            return Availability.no(f"this torch is a ROCm build (HIP {torch.version.hip}); use the rocm platform")
+            return f"this torch is a ROCm build (HIP {torch.version.hip}); use the rocm platform"
         if not torch.version.cuda:
-            return Availability.no(f"this torch build ({torch.__version__}) has no CUDA support")
-        try:
-            count = torch.cuda.device_count()  # NVML/driver query: no context is created
-        except PROBE_ERRORS as exc:
-            return Availability.no(f"CUDA device query failed: {type(exc).__name__}: {exc}")
-        if count == 0:
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
-            return Availability.no(f"CUDA build {torch.version.cuda} but no GPU is visible{hint}")
-        return Availability.yes(f"{count} CUDA device(s)")
+            return f"this torch build ({torch.__version__}) has no CUDA support"
+        return None
+
+    def memory_info(self, index: int) -> MemoryInfo:
+        # The floor: one mem_get_info and one read of the allocator's stats dict.
+        # memory_reserved() would flatten the whole dict (~140 us on an H100).
+        # mem_get_info initialises CUDA first, so the stats read needs no guard.
+        free, total = torch.cuda.mem_get_info(index)
+        stats = torch._C._cuda_memoryStats(index)
+        return MemoryInfo(
+            index, free, total, stats["reserved_bytes"]["all"]["current"], stats["allocated_bytes"]["all"]["current"]
+        )
 
     def allocator_bytes(self, index: int) -> tuple[int, int]:
-        # memory_reserved() flattens the whole memory_stats dict (~140 us on an H100);
-        # read the two counters from the nested dict instead.
+        # As in memory_info: the two counters from the nested dict, not memory_reserved().
         if not torch.cuda.is_initialized():
             return 0, 0
         stats = torch._C._cuda_memoryStats(index)

@@ -10,8 +10,8 @@ from types import ModuleType
 
 import torch
 
-from torchhal.platforms import Availability, PlatformPlugin, hookimpl
-from torchhal.plugins._accelerator import PROBE_ERRORS, AcceleratorPlatform, module_installed
+from torchhal.platforms import PlatformPlugin, hookimpl
+from torchhal.plugins._accelerator import AcceleratorPlatform, module_installed
 
 IPEX = "intel_extension_for_pytorch"
 
@@ -22,24 +22,21 @@ class XpuPlatform(AcceleratorPlatform):
     priority = 90
     dist_backend = "xccl"
     visible_devices_env = ("ZE_AFFINITY_MASK",)
+    runtime_hint = "check the Level Zero driver"
     graph_class_name = "XPUGraph"  # present only in torch builds that have XPU graphs
+
+    def runtime_missing(self) -> str | None:
+        if not hasattr(torch, "xpu") and not module_installed(IPEX):
+            return f"torch {torch.__version__} has no torch.xpu and {IPEX} is not installed"
+        return None
 
     def device_module(self) -> ModuleType:
         if not hasattr(torch, "xpu"):
             importlib.import_module(IPEX)
         return super().device_module()
 
-    def is_available(self) -> Availability:
-        if not hasattr(torch, "xpu") and not module_installed(IPEX):
-            return Availability.no(f"torch {torch.__version__} has no torch.xpu and {IPEX} is not installed")
-        try:
-            module = self.device_module()
-            count = module.device_count() if module.is_available() else 0
-        except PROBE_ERRORS as exc:
-            return Availability.no(f"XPU runtime failed to load: {type(exc).__name__}: {exc}")
-        if count == 0:
-            return Availability.no("no Intel XPU device is visible (check ZE_AFFINITY_MASK and the Level Zero driver)")
-        return Availability.yes(f"{count} XPU device(s)")
+    def probe_device_count(self, module: ModuleType) -> int:
+        return int(module.device_count()) if module.is_available() else 0
 
     def runtime_version(self) -> str | None:
         return f"torch.xpu (torch {torch.__version__})"
