@@ -32,6 +32,30 @@ def per_call_ns(fn: Callable[[], Any], *, number: int = 10_000, repeat: int = 15
             "calls_per_sample": number, "samples": repeat}
 
 
+def paired_overhead_ns(
+    fn: Callable[[], Any], baseline: Callable[[], Any], *, number: int = 20_000, pairs: int = 31
+) -> dict[str, float]:
+    """Median over `pairs` of (ns per call of `fn`) - (ns per call of `baseline`).
+
+    The two are timed back to back in each pair, so clock and host drift (which moves
+    separate medians by hundreds of ns on a busy host) hits both sides alike.
+    """
+    for _ in range(min(number, 1000)):
+        fn()
+        baseline()
+    differences = []
+    for _ in range(pairs):
+        timed = []
+        for call in (fn, baseline):
+            start = time.perf_counter_ns()
+            for _ in range(number):
+                call()
+            timed.append((time.perf_counter_ns() - start) / number)
+        differences.append(timed[0] - timed[1])
+    return {"median_ns": statistics.median(differences), "min_ns": min(differences), "max_ns": max(differences),
+            "calls_per_sample": number, "pairs": pairs}
+
+
 def environment() -> dict[str, Any]:
     clock = time.get_clock_info("perf_counter")
     env: dict[str, Any] = {
