@@ -16,6 +16,10 @@ import torch
 
 MiB = 1 << 20
 
+#: Device modules that define their own `OutOfMemoryError`. torch.xpu (torch 2.13) and
+#: torch.npu (torch_npu 2.13) have none: their allocators raise torch.OutOfMemoryError.
+VENDOR_OOM_CLASS = frozenset({"cuda", "musa"})
+
 
 class FakeGraph:
     def __init__(self, log: list[tuple]) -> None:
@@ -91,7 +95,8 @@ def make_device_module(
 
     module.stream = lambda s: ctx("stream", s)  # type: ignore[attr-defined]
     module.device = lambda d: ctx("device", d)  # type: ignore[attr-defined]
-    module.OutOfMemoryError = type(f"{name.upper()}OutOfMemoryError", (RuntimeError,), {})  # type: ignore[attr-defined]
+    if name in VENDOR_OOM_CLASS:
+        module.OutOfMemoryError = type(f"{name.upper()}OutOfMemoryError", (RuntimeError,), {})  # type: ignore[attr-defined]
     if graph_class:
         graph_type = type(graph_class, (FakeGraph,), {"__init__": lambda self: FakeGraph.__init__(self, calls)})
         setattr(module, graph_class, graph_type)
