@@ -19,6 +19,8 @@ MiB = 1 << 20
 #: Device modules that define their own `OutOfMemoryError`. torch.xpu (torch 2.13) and
 #: torch.npu (torch_npu 2.13) have none: their allocators raise torch.OutOfMemoryError.
 VENDOR_OOM_CLASS = frozenset({"cuda", "musa"})
+#: Device modules whose device properties have `major`/`minor`; torch.xpu's (torch 2.13) have none.
+VENDOR_CAPABILITY = frozenset({"cuda", "musa", "npu"})
 
 
 class FakeGraph:
@@ -76,9 +78,10 @@ def make_device_module(
     record("memory_reserved", lambda i: state["reserved"][i])
     record("memory_allocated", lambda i: state["allocated"][i])
     record("empty_cache", empty_cache)
+    capability = {"major": 9, "minor": 0} if name in VENDOR_CAPABILITY else {}
     record(
         "get_device_properties",
-        lambda i: types.SimpleNamespace(name=f"Fake {name.upper()} {i}", total_memory=1000 * MiB, major=9, minor=0),
+        lambda i: types.SimpleNamespace(name=f"Fake {name.upper()} {i}", total_memory=1000 * MiB, **capability),
     )
     record("Stream", lambda device=None: ("stream", device))
     record("current_stream", lambda i=None: ("stream", i))

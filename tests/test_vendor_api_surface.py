@@ -48,6 +48,7 @@ def test_the_scan_sees_the_calls_the_mapping_tests_exercise(platform: str) -> No
         (f"{graph}.capture_begin", 0, ("pool",)),
         (f"{graph}.capture_end", 0, ()),
         (f"{device}.device_count", 0, ()),
+        (f"{device}.get_device_properties().total_memory", None, ()),
     ]:
         assert expected in uses, f"{expected} not found among {sorted(u[0] for u in uses)}"
     if plugin.ipc_open_method:

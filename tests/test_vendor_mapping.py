@@ -42,7 +42,9 @@ def test_facts(vendor):
     assert vendor.plugin.visible_devices_env == vendor.env
     assert vendor.plugin.is_available()
     info = vendor.plugin.device_info(1)
-    assert info.name.endswith(" 1") and info.total_memory == 1000 * MiB and info.capability == (9, 0)
+    assert info.name.endswith(" 1") and info.total_memory == 1000 * MiB
+    # torch.xpu's device properties have no major/minor: no capability rather than a made-up one.
+    assert info.capability == (None if vendor.plugin.device_type == "xpu" else (9, 0))
 
 
 def test_memory_info_observes_only(vendor):

@@ -61,6 +61,7 @@ class _UseFinder(ast.NodeVisitor):
         self.device = f"torch.{plugin.device_type}"
         self.module_names: set[str] = set()
         self.storage_names: set[str] = set()
+        self.props_names: set[str] = set()  # results of get_device_properties()
         self.graph_names = {"graph"}  # the capture() parameter: an instance of the graph class
         self.uses: list[Use] = []
         self.parents: dict[ast.AST, ast.AST] = {}
@@ -76,6 +77,8 @@ class _UseFinder(ast.NodeVisitor):
                         self.module_names.add(target.id)
                     elif ast.unparse(value.func).endswith(".untyped_storage"):
                         self.storage_names.add(target.id)
+                    elif ast.unparse(value.func).endswith(".get_device_properties"):
+                        self.props_names.add(target.id)
         self.visit(tree)
         return self.uses
 
@@ -101,6 +104,8 @@ class _UseFinder(ast.NodeVisitor):
                 return f"{self.device}.{self.plugin.graph_class_name}", True
             if node.id in self.storage_names:
                 return "torch.UntypedStorage", True
+            if node.id in self.props_names:
+                return f"{self.device}.get_device_properties()", True
             if node.id == "torch" or node.id == getattr(self.plugin, "extension_module", None):
                 return node.id, False
         if isinstance(node, ast.Attribute):
@@ -174,6 +179,12 @@ def plugin_uses(plugin: type) -> list[Use]:
 def fake_names(fake: types.ModuleType, device_path: str) -> list[str]:
     """The vendor names a fake device module defines (its call log and state are test plumbing)."""
     paths = []
+    properties = getattr(fake, "get_device_properties", None)
+    if properties is not None:
+        calls = list(getattr(fake, "calls", []))
+        fields = vars(properties(0))
+        fake.calls[:] = calls  # type: ignore[attr-defined]  # reading the fields is not a call under test
+        paths += [f"{device_path}.get_device_properties().{field}" for field in sorted(fields)]
     for name, value in sorted(vars(fake).items()):
         if name.startswith("__") or name in ("calls", "state"):
             continue

@@ -1,7 +1,9 @@
 """Write the vendor API snapshots the surface test checks the plugins and fakes against.
 
     python -m tests.vendor_api.extract torch                  # live: torch.xpu, torch.cuda (HIP) of the installed torch
-    python -m tests.vendor_api.extract npu  WHEEL             # static: a torch_npu wheel (never imported: needs CANN)
+    python -m tests.vendor_api.extract npu WHEEL MODULE_CPP COMMIT  # static: a torch_npu wheel (never imported:
+                                                                    # needs CANN); device-properties fields from
+                                                                    # Ascend/pytorch torch_npu/csrc/npu/Module.cpp
     python -m tests.vendor_api.extract musa SRC_DIR COMMIT    # static: a checkout of MooreThreads/torch_musa
 
 Each snapshot maps an attribute path's last part to what the package defines there:
@@ -202,11 +204,37 @@ def require_binding(read: Callable[[str], str | None], path: str, pattern: str) 
     return f"{path}: {match.group(0).strip()}"
 
 
-def extract_npu(wheel: Path) -> dict[str, Any]:
+def pybind_fields(cpp: str, class_name: str) -> dict[str, Entry]:
+    """Fields a pybind11 `py::class_<...>(m, "class_name")` registration exposes."""
+    start = cpp.find(f'"{class_name}"')
+    if start < 0:
+        raise SystemExit(f"no pybind registration of {class_name}")
+    block = cpp[start : cpp.find(";", start)]
+    return {name: {"kind": "value"} for name in re.findall(r'\.def_(?:readonly|property_readonly)\(\s*"(\w+)"', block)}
+
+
+def stub_class_fields(stub: Path, class_name: str) -> dict[str, Entry]:
+    for node in ast.parse(stub.read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            return {
+                item.target.id: {"kind": "value", "defined_in": f"torch/_C/{stub.name}: {class_name}"}
+                for item in node.body
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+            }
+    raise SystemExit(f"{stub} has no class {class_name}")
+
+
+def extract_npu(wheel: Path, module_cpp: Path, cpp_commit: str) -> dict[str, Any]:
     read, files = reader_for(wheel)
     version = re.search(r"__version__ = '([^']+)'", read("torch_npu/version.py") or "")
     assert version, "torch_npu/version.py has no __version__"
     package = StaticPackage(read, "torch_npu")
+    binary = zipfile.ZipFile(wheel).read("torch_npu/lib/libtorch_npu.so")
+    npu_properties = {
+        name: entry
+        for name, entry in pybind_fields(module_cpp.read_text(), "_NPUDeviceProperties").items()
+        if b"\0" + name.encode() + b"\0" in binary
+    }
     return {
         "package": "torch_npu",
         "version": version.group(1),
@@ -219,7 +247,13 @@ def extract_npu(wheel: Path) -> dict[str, Any]:
                 r"torch\._register_device_module\(\"npu\", torch_npu\.npu\)",
             ),
         },
+        "device_properties": (
+            f"torch_npu/csrc/npu/Module.cpp of github.com/Ascend/pytorch at {cpp_commit} (its version.txt "
+            "lists 2.13.0; the wheel ships no C++ source), each field name also found in the wheel's "
+            "torch_npu/lib/libtorch_npu.so"
+        ),
         "surfaces": {
+            "torch.npu.get_device_properties()": npu_properties,
             "torch.npu": package.namespace("torch_npu.npu"),
             "torch.UntypedStorage": package.storage_methods([f for f in files if f.endswith(".py")]),
             "torch_npu": package.namespace("torch_npu"),
@@ -242,7 +276,11 @@ def extract_musa(src: Path, commit: str) -> dict[str, Any]:
                 read, "torch_musa/__init__.py", r"torch\.__setattr__\(\"musa\", sys\.modules\[__name__\]\)"
             ),
         },
+        "device_properties": "torch_musa/csrc/core/Module.cpp (_MusaDeviceProperties) at the same commit",
         "surfaces": {
+            "torch.musa.get_device_properties()": pybind_fields(
+                (src / "torch_musa/csrc/core/Module.cpp").read_text(), "_MusaDeviceProperties"
+            ),
             "torch.musa": package.namespace("torch_musa"),
             "torch.UntypedStorage": package.storage_methods([f for f in files if f.startswith("torch_musa/")]),
             "torch_musa": package.namespace("torch_musa"),
@@ -305,6 +343,8 @@ def extract_torch() -> dict[str, Any]:
             "torch.cuda": "a ROCm build ships the same torch/cuda/*.py as torch.cuda (HIP behind it)",
         },
         "surfaces": {
+            "torch.xpu.get_device_properties()": stub_class_fields(stub, "_XpuDeviceProperties"),
+            "torch.cuda.get_device_properties()": stub_class_fields(stub, "_CudaDeviceProperties"),
             "torch.xpu": live_namespace(torch.xpu),
             "torch.cuda": live_namespace(torch.cuda),
             "torch.version": live_namespace(torch.version, lambda n: not n.startswith("_")),
@@ -329,8 +369,8 @@ def write(snapshot: dict[str, Any]) -> Path:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["torch"]:
         print(write(extract_torch()))
-    elif argv[:1] == ["npu"] and len(argv) == 2:
-        print(write(extract_npu(Path(argv[1]))))
+    elif argv[:1] == ["npu"] and len(argv) == 4:
+        print(write(extract_npu(Path(argv[1]), Path(argv[2]), argv[3])))
     elif argv[:1] == ["musa"] and len(argv) == 3:
         print(write(extract_musa(Path(argv[1]), argv[2])))
     else:
