@@ -226,3 +226,11 @@ def test_xpu_has_no_ipc_and_no_oom_class_in_this_torch() -> None:
     """What the xpu plugin and its fake assume about torch.xpu, checked live."""
     assert not any(re.fullmatch(r"_share_xpu_|_new_shared_xpu", n) for n in dir(torch.UntypedStorage))
     assert not hasattr(torch.xpu, "OutOfMemoryError")
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_device_modules_have_is_initialized(platform: str) -> None:
+    """The conformance suite reads `device_module().is_initialized` to prove detection is lazy."""
+    device = f"torch.{check.builtin_plugins()[platform].device_type}"
+    entry, where = check.lookup(f"{device}.is_initialized", check.snapshots_for(platform))
+    assert entry is not None and entry["kind"] == "function", where
