@@ -16,6 +16,12 @@ import torch
 
 MiB = 1 << 20
 
+#: Device modules that define their own `OutOfMemoryError`. torch.xpu (torch 2.13) and
+#: torch.npu (torch_npu 2.13) have none: their allocators raise torch.OutOfMemoryError.
+VENDOR_OOM_CLASS = frozenset({"cuda", "musa"})
+#: Device modules whose device properties have `major`/`minor`; torch.xpu's (torch 2.13) have none.
+VENDOR_CAPABILITY = frozenset({"cuda", "musa", "npu"})
+
 
 class FakeGraph:
     def __init__(self, log: list[tuple]) -> None:
@@ -72,9 +78,10 @@ def make_device_module(
     record("memory_reserved", lambda i: state["reserved"][i])
     record("memory_allocated", lambda i: state["allocated"][i])
     record("empty_cache", empty_cache)
+    capability = {"major": 9, "minor": 0} if name in VENDOR_CAPABILITY else {}
     record(
         "get_device_properties",
-        lambda i: types.SimpleNamespace(name=f"Fake {name.upper()} {i}", total_memory=1000 * MiB, major=9, minor=0),
+        lambda i: types.SimpleNamespace(name=f"Fake {name.upper()} {i}", total_memory=1000 * MiB, **capability),
     )
     record("Stream", lambda device=None: ("stream", device))
     record("current_stream", lambda i=None: ("stream", i))
@@ -94,7 +101,8 @@ def make_device_module(
 
     module.stream = lambda s: ctx("stream", s)  # type: ignore[attr-defined]
     module.device = lambda d: ctx("device", d)  # type: ignore[attr-defined]
-    module.OutOfMemoryError = type(f"{name.upper()}OutOfMemoryError", (RuntimeError,), {})  # type: ignore[attr-defined]
+    if name in VENDOR_OOM_CLASS:
+        module.OutOfMemoryError = type(f"{name.upper()}OutOfMemoryError", (RuntimeError,), {})  # type: ignore[attr-defined]
     if graph_class:
         graph_type = type(graph_class, (FakeGraph,), {"__init__": lambda self: FakeGraph.__init__(self, calls)})
         setattr(module, graph_class, graph_type)
