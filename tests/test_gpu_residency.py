@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torchhal
-from torchhal.core.residency import ComponentUse, Placement, ResidencyManager, Stage, Strategy
+from torchhal.core.residency import ComponentUse, LayerwiseStrategy, ResidencyManager, Stage
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from diffusion_pipeline import default_placements, make_components, run_request  # noqa: E402
@@ -27,7 +27,7 @@ def test_offload_and_layerwise_match_resident_on_the_device():
     for transformer in ("offload", "layerwise"):
         base = torch.cuda.memory_allocated()  # other tests in this process hold memory too
         manager = ResidencyManager(make_components(512, 6), default_placements(transformer, prefetch_layers=2))
-        assert manager.components["vae"].blocks[0].host.is_pinned()
+        assert manager.components["vae"].strategy.block.host.is_pinned()
         for _ in range(2):
             torch.testing.assert_close(run_request(manager, tokens, 3), expected)
         torch.cuda.synchronize()
@@ -42,7 +42,7 @@ def test_layerwise_peak_stays_within_2p_plus_1_layers():
     torchhal.current_platform().empty_cache(torchhal.ReleasePoint.USER)
     components = {"transformer": make_components(1024, 8)["transformer"]}
     layer_bytes = sum(p.numel() * p.element_size() for p in components["transformer"].layers[0].parameters())
-    manager = ResidencyManager(components, {"transformer": Placement(Strategy.LAYERWISE, prefetch_layers=1)})
+    manager = ResidencyManager(components, {"transformer": LayerwiseStrategy(prefetch_layers=1)})
     x = torch.randn(16, 1024, device="cuda")
     stage = [Stage("s", (ComponentUse("transformer", memory_intensive=True),))]
     base = torch.cuda.memory_allocated()
@@ -57,7 +57,7 @@ def test_layerwise_peak_stays_within_2p_plus_1_layers():
 def test_reserved_drops_only_at_the_release_point():
     manager = ResidencyManager(make_components(1024, 4), default_placements("offload"))
     run_request(manager, torch.randn(32, 1024, device="cuda"), 2)
-    empties = [e for e in manager.trace if e["kind"] == "empty_cache"]
+    empties = manager.trace.of_kind("empty_cache")
     assert empties and all(e["where"] == "component_release" for e in empties)
     assert all(e["bytes_released"] is not None for e in empties)
 
@@ -84,7 +84,7 @@ def test_a_prefetched_component_arrives_in_the_dtype_its_use_asks_for():
     with torch.no_grad(), manager.request(uses):
         with manager.use_component("transformer") as transformer:
             hidden = transformer(x)
-        assert [e["component"] for e in manager.trace if e["kind"] == "prefetch"] == ["vae"]
+        assert [e["component"] for e in manager.trace.of_kind("prefetch")] == ["vae"]
         with manager.use_component("vae") as vae:
             out = vae(hidden)
         expected = reference["vae"](reference["transformer"](x))

@@ -16,7 +16,7 @@ import torch
 
 from torchhal.core.residency import (
     ComponentUse,
-    Placement,
+    LayerwiseStrategy,
     RequestFailed,
     ResidencyManager,
     ResidencyStrategy,
@@ -47,7 +47,7 @@ def observed(make_registry):
 
 
 def kinds(manager, kind):
-    return [e for e in manager.trace if e["kind"] == kind]
+    return manager.trace.of_kind(kind)
 
 
 def resident_reference(tokens, steps=3):
@@ -74,7 +74,7 @@ def test_empties_only_after_memory_intensive_releases_never_at_stage_boundaries(
 ):
     manager = ResidencyManager(make_components(), default_placements("layerwise"))
     run_request(manager, torch.randn(4, 256), 3, encoder_memory_intensive=encoder_intensive)
-    trace = manager.trace
+    trace = manager.trace.events
     empties = [i for i, e in enumerate(trace) if e["kind"] == "empty_cache"]
     assert [trace[i - 1]["kind"] for i in empties] == ["release"] * len(emptied_after)
     assert [trace[i - 1]["component"] for i in empties] == emptied_after
@@ -84,10 +84,10 @@ def test_empties_only_after_memory_intensive_releases_never_at_stage_boundaries(
     assert released == ["text_encoder", "transformer", "vae"]  # released either way
 
 
-def test_baseline_mode_empties_at_every_stage_boundary(observed):
-    manager = ResidencyManager(make_components(), default_placements("layerwise"), empty_at_stage_boundaries=True)
+def test_baseline_mode_empties_after_every_use(observed):
+    manager = ResidencyManager(make_components(), default_placements("layerwise"), empty_after_every_use=True)
     run_request(manager, torch.randn(4, 256), 3)
-    assert [e["where"] for e in kinds(manager, "empty_cache")] == ["stage_boundary"] * 5
+    assert [e["where"] for e in kinds(manager, "empty_cache")] == ["every_use"] * 5
 
 
 def test_keep_prefetch_and_release_decisions(observed):
@@ -116,8 +116,8 @@ def test_warmup_keeps_components_that_ask_for_it(observed):
 
 def test_layerwise_releases_each_layer_and_keeps_non_layer_weights(observed):
     components = make_components(layers=4)
-    manager = ResidencyManager(components, {"transformer": Placement(Strategy.LAYERWISE, prefetch_layers=1)})
-    transformer = manager.components["transformer"]
+    manager = ResidencyManager(components, {"transformer": LayerwiseStrategy(prefetch_layers=1)})
+    transformer = manager.components["transformer"].strategy
     with manager.request([Stage("s", (ComponentUse("transformer", memory_intensive=True),))]):
         with manager.use_component("transformer") as module:
             module(torch.randn(2, 256))
@@ -139,7 +139,7 @@ def test_oom_fails_the_request_empties_once_and_the_next_request_succeeds(observ
     with pytest.raises(RequestFailed, match="out of memory.*3 GiB"):
         run_request(manager, torch.randn(4, 256), 2)
     assert observed["empties"].count(ReleasePoint.OOM) == 1
-    assert not any(c.on_device for c in manager.components.values() if c.blocks)
+    assert not any(c.on_device for c in manager.components.values())
     monkeypatch.setattr(components["vae"], "forward", real_forward)
     run_request(manager, torch.randn(4, 256), 2)
 
@@ -158,7 +158,7 @@ def test_misuse_is_refused_with_clear_errors(observed):
     with pytest.raises(ValueError, match="unknown components \\['ghost'\\]"):
         ResidencyManager(make_components(), {"ghost": Strategy.OFFLOAD})
     with pytest.raises(ValueError, match="no non-empty nn.ModuleList 'blocks'"):
-        ResidencyManager(make_components(), {"vae": Placement(Strategy.LAYERWISE, layers_attr="blocks")})
+        ResidencyManager(make_components(), {"vae": LayerwiseStrategy(layers_attr="blocks")})
 
 
 def test_a_use_can_ask_for_another_dtype_without_touching_the_host_copy(observed):
@@ -224,15 +224,16 @@ class RecordingStrategy(ResidencyStrategy):
 
 def test_a_custom_strategy_plugs_in_and_gets_the_same_decisions(observed):
     strategy = RecordingStrategy()
-    placements = {**default_placements("layerwise"), "vae": Placement(strategy)}
+    placements = {**default_placements("layerwise"), "vae": strategy}
     manager = ResidencyManager(make_components(), placements)
     run_request(manager, torch.randn(4, 256), 2)
     # prefetched once (the next memory-intensive use), found ready, released at its end
     # (and asked again at request end, where nothing is left)
     assert strategy.calls == [("attach", "vae"), ("load", "prefetch"), ("load", "now"), ("release",), ("release",)]
     assert [e["nbytes"] for e in kinds(manager, "prefetch") if e["component"] == "vae"] == [100]
-    release = next(i for i, e in enumerate(manager.trace) if e["kind"] == "release" and e["component"] == "vae")
-    assert manager.trace[release + 1]["kind"] == "empty_cache"  # its release is a release point
+    events = manager.trace.events
+    release = next(i for i, e in enumerate(events) if e["kind"] == "release" and e["component"] == "vae")
+    assert events[release + 1]["kind"] == "empty_cache"  # its release is a release point
     vae_moves = [(destination, nbytes) for component, destination, nbytes in observed["moves"] if component == "vae"]
     assert vae_moves == [(str(manager.device), 100), ("host", 100)]
 
@@ -255,7 +256,7 @@ def test_close_gives_everything_back_and_leaves_plain_modules(observed):
     manager.close()
     assert observed["empties"] == [ReleasePoint.COMPONENT_RELEASE]
     assert kinds(manager, "empty_cache")[-1]["where"] == "close"
-    assert not any(b.on_device for c in manager.components.values() for b in c.blocks)
+    assert not any(c.on_device for c in manager.components.values())
     layers = components["transformer"].layers
     assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in layers)
     # The modules are plain host modules again: same outputs as never-managed ones.
@@ -267,15 +268,15 @@ def test_close_gives_everything_back_and_leaves_plain_modules(observed):
     assert manager.close() is None  # closing twice is harmless
 
 
-def test_stage_profiling_only_observes_and_trace_exports(observed, tmp_path):
+def test_stage_tracing_only_observes_and_trace_exports(observed, tmp_path):
     manager = ResidencyManager(make_components(), default_placements("offload"))
     run_request(manager, torch.randn(4, 256), 2)
     stage_events = kinds(manager, "stage")
     assert [e["stage"] for e in stage_events] == ["encode", "denoise", "decode"]
-    manager.export_trace(str(tmp_path / "trace.json"))
+    manager.trace.export(str(tmp_path / "trace.json"))
     assert json.loads((tmp_path / "trace.json").read_text())[0]["kind"] == "request_start"
     pytest.importorskip("matplotlib")
-    manager.plot_memory_timeline(str(tmp_path / "timeline.png"))
+    manager.trace.plot_memory_timeline(str(tmp_path / "timeline.png"))
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -286,10 +287,10 @@ def test_logging_writes_one_json_line_per_event_and_tracing_can_be_off(observed,
     with caplog.at_level(logging.INFO, logger="residency-test"):
         manager = ResidencyManager(make_components(), default_placements("offload"), record_trace=False, log=logger)
         run_request(manager, torch.randn(4, 256), 2)
-    assert manager.trace == []
+    assert manager.trace.events == []
     lines = [r.getMessage() for r in caplog.records]
     assert lines and all(line.startswith("torchhal.residency {") for line in lines)
     assert json.loads(lines[0].split(" ", 1)[1])["kind"] == "request_start"
     silent = ResidencyManager(make_components(), default_placements("offload"), record_trace=False)
     run_request(silent, torch.randn(4, 256), 2)
-    assert silent.trace == [] and observed["empties"]  # still empties, just untraced
+    assert silent.trace.events == [] and observed["empties"]  # still empties, just untraced
