@@ -294,3 +294,131 @@ def test_logging_writes_one_json_line_per_event_and_tracing_can_be_off(observed,
     silent = ResidencyManager(make_components(), default_placements("offload"), record_trace=False)
     run_request(silent, torch.randn(4, 256), 2)
     assert silent.trace.events == [] and observed["empties"]  # still empties, just untraced
+
+
+# -- knobs are checked when the manager is built ------------------------------------------
+
+@pytest.mark.parametrize(("prefetch", "message"), [
+    (1.5, "prefetch_layers must be an int .*got 1.5; use e.g. prefetch_layers=1"),
+    (True, "prefetch_layers must be an int .*got True"),
+    ("2", "prefetch_layers must be an int .*got '2'"),
+    (-1, "prefetch_layers -1 must be >= 0"),
+])
+def test_a_bad_prefetch_layers_is_refused_at_construction(prefetch, message):
+    with pytest.raises(ValueError, match=message):
+        LayerwiseStrategy(prefetch_layers=prefetch)
+
+
+def test_prefetch_beyond_the_layer_count_is_refused_before_anything_moves(observed):
+    components = make_components(layers=4)
+    host_before = {name: {k: p.data_ptr() for k, p in m.named_parameters()} for name, m in components.items()}
+    placements = {"text_encoder": Strategy.OFFLOAD, "transformer": LayerwiseStrategy(prefetch_layers=2000)}
+    with pytest.raises(ValueError, match="prefetch_layers=2000 for 'transformer', which streams 4 layers.*"
+                                         "use prefetch_layers <= 3"):
+        ResidencyManager(components, placements)
+    # nothing was attached: same storages, no hooks, nothing reported moved
+    assert {name: {k: p.data_ptr() for k, p in m.named_parameters()} for name, m in components.items()} == host_before
+    assert all(not layer._forward_pre_hooks for layer in components["transformer"].layers)
+    assert observed["moves"] == []
+    ResidencyManager(components, {"transformer": LayerwiseStrategy(prefetch_layers=3)})  # the bound itself is fine
+
+
+def test_a_failing_attach_detaches_the_components_attached_before_it(observed):
+    components = make_components(layers=4)
+    components["vae"].layers[0].up.weight.data = components["vae"].layers[0].up.weight.data.double()
+    placements = {"transformer": LayerwiseStrategy(1), "vae": Strategy.OFFLOAD}  # vae: two dtypes
+    with pytest.raises(ValueError, match="one dtype"):
+        ResidencyManager(components, placements)
+    assert all(not layer._forward_pre_hooks for layer in components["transformer"].layers)
+
+
+def test_declarations_are_checked_when_written():
+    with pytest.raises(ValueError, match="memory_intensive must be True or False, got 'yes'"):
+        ComponentUse("vae", memory_intensive="yes")
+    with pytest.raises(ValueError, match="component must be a component name"):
+        ComponentUse(3)
+    with pytest.raises(ValueError, match="uses must be ComponentUse records"):
+        Stage("decode", ("vae",))
+    with pytest.raises(ValueError, match="same strategy object"):
+        shared = LayerwiseStrategy(1)
+        ResidencyManager(make_components(), {"transformer": shared, "vae": shared})
+
+
+# -- release points: where the cache is emptied, and where it must not be -----------------
+
+def test_a_resident_component_is_never_released_so_never_emptied_for(observed):
+    manager = ResidencyManager(make_components(), {})  # all resident, every use memory-intensive
+    run_request(manager, torch.randn(4, 256), 3)
+    assert kinds(manager, "release") == []
+    assert observed["empties"] == []
+
+
+def test_request_end_empties_once_when_a_prepared_component_goes_unused(observed):
+    manager = ResidencyManager(make_components(), default_placements("offload"))
+    run_request(manager, torch.randn(4, 256), 2)  # leaves the text encoder prepared
+    assert manager.components["text_encoder"].on_device
+    observed["empties"].clear()
+    without_encoder = [Stage("decode", (ComponentUse("vae", memory_intensive=True),))]
+    for _ in range(2):
+        start = len(manager.trace.events)
+        with manager.request(without_encoder), torch.no_grad(), manager.use_component("vae") as vae:
+            vae(torch.randn(4, 256))
+        events = manager.trace.events[start:]
+        ends = [i for i, e in enumerate(events) if e["kind"] == "empty_cache" and e["where"] == "request_end"]
+        if _ == 0:  # the unused text encoder goes home at request end: one empty, right after
+            assert len(ends) == 1 and events[ends[0] - 1]["kind"] == "release"
+            assert events[ends[0] - 1]["component"] == "text_encoder"
+            assert not manager.components["text_encoder"].on_device
+        else:  # gating: nothing left to release, no request-end empty
+            assert ends == []
+    assert observed["empties"] == [ReleasePoint.COMPONENT_RELEASE] * 3  # vae, request end, vae
+
+
+def test_request_end_keeps_warm_components_without_emptying(observed):
+    manager = ResidencyManager(make_components(), default_placements("offload"))
+    run_request(manager, torch.randn(4, 256), 2, warmup=True)
+    assert [e["where"] for e in kinds(manager, "empty_cache")] == ["component_release", "component_release"]
+    assert manager.components["transformer"].on_device  # kept, so not released, so no request-end empty
+
+
+@pytest.mark.parametrize("failing", ["vae", "transformer"])
+def test_an_oom_inside_a_use_empties_exactly_once_with_reason_oom(observed, monkeypatch, failing):
+    components = make_components()
+    manager = ResidencyManager(components, default_placements("layerwise"))
+
+    def oom(*args):
+        raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(components[failing].layers[-1], "forward", oom)
+    with pytest.raises(RequestFailed):
+        run_request(manager, torch.randn(4, 256), 2)
+    ordered = [(e["where"], e["reason"]) for e in kinds(manager, "empty_cache")]
+    emptied_before = [("component_release", "component_release")] * (2 if failing == "vae" else 1)
+    assert ordered == [*emptied_before, ("oom", "oom")]  # the failing use's release is not a second empty
+    assert failing in {e["component"] for e in kinds(manager, "release")}  # but it did go home
+    assert not any(c.on_device for c in manager.components.values())
+
+
+def test_an_oom_outside_request_keeps_the_release_point(observed, monkeypatch):
+    # begin_request/finish_request by hand: nobody else will empty, so the release point stays.
+    components = make_components()
+    manager = ResidencyManager(components, default_placements("offload"))
+    monkeypatch.setattr(components["vae"], "forward", lambda x: (_ for _ in ()).throw(torch.OutOfMemoryError("x")))
+    manager.begin_request([Stage("decode", (ComponentUse("vae", memory_intensive=True),))])
+    with pytest.raises(torch.OutOfMemoryError), manager.use_component("vae") as vae:
+        vae(torch.randn(4, 256))
+    assert observed["empties"] == [ReleasePoint.COMPONENT_RELEASE]
+
+
+def test_another_error_inside_a_use_keeps_its_release_point_and_the_manager_serves(observed, monkeypatch):
+    components = make_components()
+    manager = ResidencyManager(components, default_placements("offload"))
+    real_forward = components["vae"].forward
+    monkeypatch.setattr(components["vae"], "forward", lambda x: (_ for _ in ()).throw(KeyError("bug")))
+    with pytest.raises(KeyError):
+        run_request(manager, torch.randn(4, 256), 2)
+    assert ReleasePoint.OOM not in observed["empties"]
+    assert not any(c.on_device for c in manager.components.values())
+    monkeypatch.setattr(components["vae"], "forward", real_forward)
+    torch.testing.assert_close(run_request(manager, torch.randn(4, 256).zero_(), 2),
+                               resident_reference(torch.zeros(4, 256), 2))

@@ -62,11 +62,19 @@ class ResidencyManager:
         self.side_stream = self.platform.new_stream(self.device_index)
         self.empty_after_every_use = empty_after_every_use
         self.trace = ResidencyTrace(self.platform, self.device_index, record=record_trace, log=log)
+        states = [ComponentState(name, module, strategies[name]) for name, module in components.items()]
+        for state in states:  # every refusal before anything moves
+            state.strategy.check(state)
         self.components: dict[str, ComponentState] = {}
-        for name, module in components.items():
-            state = ComponentState(name, module.eval(), strategies[name])
-            state.strategy.attach(self, state)
-            self.components[name] = state
+        try:
+            for state in states:
+                state.module.eval()
+                state.strategy.attach(self, state)
+                self.components[state.name] = state
+        except BaseException:
+            for attached in self.components.values():  # leave the modules as they were given
+                attached.strategy.detach(self, attached)
+            raise
         self._timeline: list[ComponentUse] = []
         self._cursor = 0
         self._prefetched = False
@@ -258,7 +266,7 @@ class ResidencyManager:
     def _abandon(self) -> None:
         """Leave a consistent state after a failed request: non-resident weights go home."""
         for state in self.components.values():
-            state.strategy.release(self, state)
+            self._release(state)
         self._active, self._in_request, self._timeline = None, False, []
 
     def _handle_oom(self, error: BaseException) -> None:

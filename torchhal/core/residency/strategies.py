@@ -51,6 +51,9 @@ class ResidencyStrategy:
     #: Between uses the component holds a whole device copy that keep rules may keep.
     keepable: ClassVar[bool] = False
 
+    def check(self, component: ComponentState) -> None:
+        """Before any component moves: raise ValueError if this strategy cannot serve it."""
+
     def attach(self, manager: ResidencyManager, component: ComponentState) -> None:
         """At registration: place what stays on the device, set up host copies and hooks."""
 
@@ -119,6 +122,11 @@ class OffloadStrategy(ResidencyStrategy):
             raise RuntimeError("this OffloadStrategy is not attached to a component")
         return self.block
 
+    def check(self, component: ComponentState) -> None:
+        if self.block is not None:
+            raise ValueError(f"this OffloadStrategy already serves a component; pass a new one for "
+                             f"{component.name!r}")
+
     def attach(self, manager: ResidencyManager, component: ComponentState) -> None:
         _buffers_to(component.module, manager.device)
         self.block = WeightBlock(list(component.module.parameters()), manager.platform, manager.device)
@@ -182,23 +190,33 @@ class LayerwiseStrategy(ResidencyStrategy):
         self.released_bytes = 0  # bytes streamed out since the run of uses began
         self.hooks: list[Any] = []
 
-    def attach(self, manager: ResidencyManager, component: ComponentState) -> None:
-        module = component.module
+    def _find_layers(self, component: ComponentState) -> list[nn.Module]:
         layers: list[nn.Module] = []
         for name in self.layers_attr:
-            stack = _lookup(module, name)
+            stack = _lookup(component.module, name)
             if not isinstance(stack, nn.ModuleList) or len(stack) == 0:
                 raise ValueError(
                     f"component {component.name!r} is layerwise but has no non-empty nn.ModuleList "
                     f"{name!r}; name its layer list(s) with layers_attr"
                 )
             layers.extend(stack)
+        return layers
+
+    def check(self, component: ComponentState) -> None:
+        layers = self._find_layers(component)
         if self.prefetch_layers >= len(layers):
             raise ValueError(
                 f"prefetch_layers={self.prefetch_layers} for {component.name!r}, which streams "
                 f"{len(layers)} layers: at most {len(layers) - 1} can be ahead of a running one "
                 f"(each costs a device buffer of one layer); use prefetch_layers <= {len(layers) - 1}"
             )
+        if self.hooks:
+            raise ValueError(f"this LayerwiseStrategy already serves a component; pass a new one for "
+                             f"{component.name!r}")
+
+    def attach(self, manager: ResidencyManager, component: ComponentState) -> None:
+        module = component.module
+        layers = self._find_layers(component)
         layer_params = {id(p) for layer in layers for p in layer.parameters()}
         for p in module.parameters():  # non-layer parameters stay resident
             if id(p) not in layer_params:
