@@ -84,6 +84,11 @@ class ResidencyManager:
         self._closed = False
         self._active: ComponentUse | None = None
 
+    @property
+    def in_use(self) -> str | None:
+        """The component whose use is running (between begin_use and end_use), if any."""
+        return None if self._active is None else self._active.component
+
     def event(self, kind: str, component: str | None, **fields: Any) -> None:
         """Record one action (strategies report theirs here too): see ResidencyTrace.event."""
         self.trace.event(kind, component, **fields)
