@@ -91,3 +91,24 @@ def test_a_prefetched_component_arrives_in_the_dtype_its_use_asks_for():
     torch.testing.assert_close(out, expected)  # bf16 weights widened exactly; fp32 compute
     assert components["vae"].proj_in.weight.dtype == torch.bfloat16  # host copy unchanged
     manager.close()
+
+
+def test_a_diffusers_pipeline_under_the_manager_matches_resident_on_the_device():
+    pytest.importorskip("diffusers")
+    from diffusers_flux import call_kwargs, flux_pipeline
+
+    from torchhal.core.residency.diffusers import ManagedPipeline
+
+    expected = flux_pipeline().to("cuda")(**call_kwargs()).images
+    for transformer in ("offload", LayerwiseStrategy(1, ("transformer_blocks", "single_transformer_blocks"))):
+        pipe = flux_pipeline()
+        managed = ManagedPipeline(pipe, {"text_encoder": "offload", "text_encoder_2": "offload", "vae": "offload",
+                                         "transformer": transformer})
+        for _ in range(2):
+            image = managed(**call_kwargs()).images
+            assert image.device.type == "cuda"  # latents and inputs were put on the device
+            torch.testing.assert_close(image, expected, rtol=0, atol=1e-5)  # same kernels; allow reduction order
+        # between requests every offloaded or streamed weight is back on the host
+        assert pipe.vae.decoder.conv_in.weight.device.type == "cpu"
+        assert pipe.transformer.single_transformer_blocks[0].proj_out.weight.device.type == "cpu"
+        managed.close()
