@@ -216,7 +216,8 @@ def run_row(name: str, build: Row, reference: Any, platform: Any, kwargs: Callab
         events = trace.events[start_events:]
         row = {"median_s": statistics.median(times), "times_s": times, **device_peaks(), **host_memory(),
                "cache_empties_per_request": counter.count / reps,
-               "empties_by_where_last_request": _count(e.get("where", "?") for e in events if e["kind"] == "empty_cache")}
+               "empties_by_where_last_request": _count(e.get("where", "?") for e in events
+                                                       if e["kind"] == "empty_cache")}
     finally:
         counter.trace = None
         teardown()
