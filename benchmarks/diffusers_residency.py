@@ -221,7 +221,8 @@ def run_row(name: str, build: Row, reference: Any, platform: Any, kwargs: Callab
     finally:
         counter.trace = None
         teardown()
-        del pipe
+        # drop every reference to this row's modules so none of its device memory counts in the next row
+        del pipe, call, teardown
         gc.collect()
         platform.empty_cache(torchhal.ReleasePoint.USER)
     return row, events, None if image is None else image.float().cpu()

@@ -125,7 +125,8 @@ def test_block_lists_are_guessed_with_a_warning_or_refused_clearly():
     with pytest.warns(UserWarning, match="guessed the block lists of FluxTransformer2DModel 'transformer-warned': "
                                          "transformer_blocks, single_transformer_blocks"):
         guess_block_lists(pipe.transformer, "transformer-warned")
-    assert guess_block_lists(pipe.text_encoder_2, "t5") == ("encoder.block",)
+    with pytest.warns(UserWarning, match="T5EncoderModel 't5': encoder.block;"):
+        assert guess_block_lists(pipe.text_encoder_2, "t5") == ("encoder.block",)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         managed = ManagedPipeline(pipe, {"transformer": "layerwise"})
