@@ -171,6 +171,13 @@ ROWS: dict[str, tuple[Row, str | None]] = {
 }
 
 
+#: The slowest row last, so a spent time budget skips it rather than a torchhal row.
+RUN_ORDER = ("resident", "torchhal_offload", "diffusers_model_cpu_offload", "torchhal_layerwise_p1",
+             "torchhal_layerwise_p2", "diffusers_group_block_stream", "diffusers_group_leaf_stream",
+             "diffusers_sequential_cpu_offload")
+assert sorted(RUN_ORDER) == sorted(ROWS)
+
+
 def h2d_bytes_model(row: str, sizes: dict[str, int], layer_bytes: int, steps: int) -> int:
     """Weights a strategy must move host -> device in one request (inputs are negligible)."""
     once = sum(sizes[n] for n in ENCODERS_AND_VAE)
@@ -239,7 +246,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="results")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny sizes, 2 requests a row")
-    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of: " + ", ".join(ROWS))
+    parser.add_argument("--rows", default=",".join(RUN_ORDER), help="comma-separated subset of: " + ", ".join(ROWS))
     parser.add_argument("--budget-s", type=float, default=300.0, help="skip the remaining rows after this long")
     args = parser.parse_args()
     started = time.perf_counter()
