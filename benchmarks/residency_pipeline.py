@@ -1,4 +1,4 @@
-"""Residency manager on a GPU: stage-boundary empties (old habit) vs explicit release points,
+"""Residency manager on a GPU: an empty after every use (the old habit) vs explicit release points,
 and layerwise streaming against a resident stack.
 
     python benchmarks/residency_pipeline.py [--out results]
@@ -20,40 +20,39 @@ from _harness import write_json  # noqa: E402
 from diffusion_pipeline import default_placements, make_components, run_request  # noqa: E402
 
 import torchhal  # noqa: E402
-from torchhal.core.residency import ComponentUse, Placement, ResidencyManager, Stage, Strategy  # noqa: E402
+from torchhal.core.residency import ComponentUse, LayerwiseStrategy, ResidencyManager, Stage, Strategy  # noqa: E402
 
 HIDDEN, LAYERS, STEPS, TOKENS = 2048, 16, 4, 4096
 MiB = 1 << 20
 
 
-def pipeline(platform, transformer: str, boundary_empties: bool, encoder_intensive: bool, requests: int = 6) -> dict:
+def pipeline(platform, transformer: str, empty_every_use: bool, encoder_intensive: bool, requests: int = 6) -> dict:
     platform.empty_cache(torchhal.ReleasePoint.USER)
     manager = ResidencyManager(make_components(HIDDEN, LAYERS, torch.bfloat16),
                                default_placements(transformer, prefetch_layers=1),
-                               empty_at_stage_boundaries=boundary_empties)
+                               empty_after_every_use=empty_every_use)
     tokens = torch.randn(TOKENS, HIDDEN, device=manager.device, dtype=torch.bfloat16)
     run_request(manager, tokens, STEPS, encoder_memory_intensive=encoder_intensive)  # warm up
     platform.synchronize()
     platform.reset_peak_memory()
-    start_events = len(manager.trace)
+    start_events = len(manager.trace.events)
     latencies = []
     for _ in range(requests):
         t0 = time.perf_counter()
         run_request(manager, tokens, STEPS, encoder_memory_intensive=encoder_intensive)
         platform.synchronize()
         latencies.append(time.perf_counter() - t0)
-    empties = [e for e in manager.trace[start_events:] if e["kind"] == "empty_cache"]
-    last = max(i for i, e in enumerate(manager.trace) if e["kind"] == "request_start")
-    trace = manager.trace[last:]
+    empties = [e for e in manager.trace.events[start_events:] if e["kind"] == "empty_cache"]
+    trace = manager.trace.last_request()
     manager.close()  # nothing of this row may stay on the device into the next row's peak
     return {
         "transformer": transformer,
-        "boundary_empties": boundary_empties,
+        "empty_every_use": empty_every_use,
         "text_encoder_memory_intensive": encoder_intensive,
         "median_latency_ms": statistics.median(latencies) * 1e3,
         "peak_reserved_bytes": platform.peak_memory().reserved,
         "empties_per_request": len(empties) / requests,
-        "stage_boundary_empties": sum(e["where"] == "stage_boundary" for e in empties),
+        "every_use_empties": sum(e["where"] == "every_use" for e in empties),
         # the last request's timeline: where reserved memory rises and falls
         "last_request_trace": [[e["kind"], e["component"], e["reserved"] // MiB, e["used"] // MiB]
                                for e in trace],
@@ -66,7 +65,8 @@ def layerwise_step(platform, prefetch_layers: int, tokens: int) -> dict:
     for strategy in ("resident", "layerwise"):
         platform.empty_cache(torchhal.ReleasePoint.USER)
         components = {"transformer": make_components(HIDDEN, LAYERS, torch.bfloat16)["transformer"]}
-        manager = ResidencyManager(components, {"transformer": Placement(Strategy(strategy), prefetch_layers)})
+        placement = LayerwiseStrategy(prefetch_layers) if strategy == "layerwise" else Strategy(strategy)
+        manager = ResidencyManager(components, {"transformer": placement})
         x = torch.randn(tokens, HIDDEN, device=manager.device, dtype=torch.bfloat16)
         stage = [Stage("denoise", (ComponentUse("transformer", memory_intensive=True),))]
         layer_bytes = sum(p.numel() * p.element_size() for p in components["transformer"].layers[0].parameters())
@@ -100,10 +100,10 @@ def main() -> None:
     platform = torchhal.current_platform()
     results: dict = {"hidden": HIDDEN, "layers": LAYERS, "denoise_steps": STEPS, "tokens": TOKENS, "pipeline": []}
     for transformer in ("offload", "layerwise"):
-        # (a) stage-boundary empties, then (b) release points with the example's declaration
+        # (a) an empty after every use, then (b) release points with the example's declaration
         # and with the text encoder left undeclared (the earlier example; its cached block fragments).
-        for boundary, encoder_intensive in ((True, True), (False, True), (False, False)):
-            row = pipeline(platform, transformer, boundary, encoder_intensive)
+        for every_use, encoder_intensive in ((True, True), (False, True), (False, False)):
+            row = pipeline(platform, transformer, every_use, encoder_intensive)
             print(row, flush=True)
             results["pipeline"].append(row)
     results["layerwise"] = []

@@ -13,7 +13,7 @@ import argparse
 import torch
 from torch import nn
 
-from torchhal.core.residency import ComponentUse, Placement, ResidencyManager, Stage, Strategy
+from torchhal.core.residency import ComponentUse, LayerwiseStrategy, PlacementSpec, ResidencyManager, Stage, Strategy
 
 
 class Block(nn.Module):
@@ -70,23 +70,21 @@ def run_request(
     encoder_memory_intensive: bool = True,
 ) -> torch.Tensor:
     with manager.request(stages(denoise_steps, encoder_memory_intensive), warmup=warmup), torch.no_grad():
-        with manager.stage("encode"), manager.use_component("text_encoder") as encoder:
+        with manager.trace.stage("encode"), manager.use_component("text_encoder") as encoder:
             context = encoder(tokens)
         latent = torch.zeros_like(context)
-        with manager.stage("denoise"):
+        with manager.trace.stage("denoise"):
             for step in range(denoise_steps):
                 with manager.use_component("transformer", f"step{step}") as transformer:
                     latent = latent - 0.1 * transformer(latent + context)
-        with manager.stage("decode"), manager.use_component("vae") as vae:
+        with manager.trace.stage("decode"), manager.use_component("vae") as vae:
             return vae(latent)
 
 
-def default_placements(transformer: str = "layerwise", prefetch_layers: int = 1) -> dict[str, Placement]:
-    return {
-        "text_encoder": Placement(Strategy.OFFLOAD),
-        "transformer": Placement(Strategy(transformer), prefetch_layers=prefetch_layers),
-        "vae": Placement(Strategy.OFFLOAD),
-    }
+def default_placements(transformer: str = "layerwise", prefetch_layers: int = 1) -> dict[str, PlacementSpec]:
+    streamed: PlacementSpec = (LayerwiseStrategy(prefetch_layers) if Strategy(transformer) is Strategy.LAYERWISE
+                               else Strategy(transformer))
+    return {"text_encoder": Strategy.OFFLOAD, "transformer": streamed, "vae": Strategy.OFFLOAD}
 
 
 def main() -> None:
@@ -99,8 +97,8 @@ def main() -> None:
     manager = ResidencyManager(make_components(args.hidden, args.layers), default_placements(args.transformer))
     tokens = torch.randn(16, args.hidden, device=manager.device)
     out = run_request(manager, tokens, args.steps)
-    empties = [e for e in manager.trace if e["kind"] == "empty_cache"]
-    print(f"output {tuple(out.shape)}; {len(manager.trace)} trace events; empties: "
+    empties = manager.trace.of_kind("empty_cache")
+    print(f"output {tuple(out.shape)}; {len(manager.trace.events)} trace events; empties: "
           + ", ".join(f"{e['where']}" for e in empties))
 
 

@@ -1,5 +1,6 @@
 """Residency manager on a real GPU (marker gpu): streamed weights, memory bounds, release points."""
 
+import gc
 import sys
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 import torchhal
-from torchhal.core.residency import ComponentUse, Placement, ResidencyManager, Stage, Strategy
+from torchhal.core.residency import ComponentUse, LayerwiseStrategy, ResidencyManager, Stage
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from diffusion_pipeline import default_placements, make_components, run_request  # noqa: E402
@@ -27,7 +28,7 @@ def test_offload_and_layerwise_match_resident_on_the_device():
     for transformer in ("offload", "layerwise"):
         base = torch.cuda.memory_allocated()  # other tests in this process hold memory too
         manager = ResidencyManager(make_components(512, 6), default_placements(transformer, prefetch_layers=2))
-        assert manager.components["vae"].blocks[0].host.is_pinned()
+        assert manager.components["vae"].strategy.block.host.is_pinned()
         for _ in range(2):
             torch.testing.assert_close(run_request(manager, tokens, 3), expected)
         torch.cuda.synchronize()
@@ -42,7 +43,7 @@ def test_layerwise_peak_stays_within_2p_plus_1_layers():
     torchhal.current_platform().empty_cache(torchhal.ReleasePoint.USER)
     components = {"transformer": make_components(1024, 8)["transformer"]}
     layer_bytes = sum(p.numel() * p.element_size() for p in components["transformer"].layers[0].parameters())
-    manager = ResidencyManager(components, {"transformer": Placement(Strategy.LAYERWISE, prefetch_layers=1)})
+    manager = ResidencyManager(components, {"transformer": LayerwiseStrategy(prefetch_layers=1)})
     x = torch.randn(16, 1024, device="cuda")
     stage = [Stage("s", (ComponentUse("transformer", memory_intensive=True),))]
     base = torch.cuda.memory_allocated()
@@ -57,12 +58,13 @@ def test_layerwise_peak_stays_within_2p_plus_1_layers():
 def test_reserved_drops_only_at_the_release_point():
     manager = ResidencyManager(make_components(1024, 4), default_placements("offload"))
     run_request(manager, torch.randn(32, 1024, device="cuda"), 2)
-    empties = [e for e in manager.trace if e["kind"] == "empty_cache"]
+    empties = manager.trace.of_kind("empty_cache")
     assert empties and all(e["where"] == "component_release" for e in empties)
     assert all(e["bytes_released"] is not None for e in empties)
 
 
 def test_close_returns_device_memory_to_where_it_started():
+    gc.collect()  # earlier tests' cyclic garbage would otherwise be freed mid-test, below the base
     torch.cuda.synchronize()
     torchhal.current_platform().empty_cache(torchhal.ReleasePoint.USER)
     base_allocated, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
@@ -84,10 +86,31 @@ def test_a_prefetched_component_arrives_in_the_dtype_its_use_asks_for():
     with torch.no_grad(), manager.request(uses):
         with manager.use_component("transformer") as transformer:
             hidden = transformer(x)
-        assert [e["component"] for e in manager.trace if e["kind"] == "prefetch"] == ["vae"]
+        assert [e["component"] for e in manager.trace.of_kind("prefetch")] == ["vae"]
         with manager.use_component("vae") as vae:
             out = vae(hidden)
         expected = reference["vae"](reference["transformer"](x))
     torch.testing.assert_close(out, expected)  # bf16 weights widened exactly; fp32 compute
     assert components["vae"].proj_in.weight.dtype == torch.bfloat16  # host copy unchanged
     manager.close()
+
+
+def test_a_diffusers_pipeline_under_the_manager_matches_resident_on_the_device():
+    pytest.importorskip("diffusers")
+    from diffusers_flux import call_kwargs, flux_pipeline
+
+    from torchhal.core.residency.diffusers import ManagedPipeline
+
+    expected = flux_pipeline().to("cuda")(**call_kwargs()).images
+    for transformer in ("offload", LayerwiseStrategy(1, ("transformer_blocks", "single_transformer_blocks"))):
+        pipe = flux_pipeline()
+        managed = ManagedPipeline(pipe, {"text_encoder": "offload", "text_encoder_2": "offload", "vae": "offload",
+                                         "transformer": transformer})
+        for _ in range(2):
+            image = managed(**call_kwargs()).images
+            assert image.device.type == "cuda"  # latents and inputs were put on the device
+            torch.testing.assert_close(image, expected, rtol=0, atol=1e-5)  # same kernels; allow reduction order
+        # between requests every offloaded or streamed weight is back on the host
+        assert pipe.vae.decoder.conv_in.weight.device.type == "cpu"
+        assert pipe.transformer.single_transformer_blocks[0].proj_out.weight.device.type == "cpu"
+        managed.close()

@@ -16,7 +16,7 @@ import torch
 
 from torchhal.core.residency import (
     ComponentUse,
-    Placement,
+    LayerwiseStrategy,
     RequestFailed,
     ResidencyManager,
     ResidencyStrategy,
@@ -47,7 +47,7 @@ def observed(make_registry):
 
 
 def kinds(manager, kind):
-    return [e for e in manager.trace if e["kind"] == kind]
+    return manager.trace.of_kind(kind)
 
 
 def resident_reference(tokens, steps=3):
@@ -74,7 +74,7 @@ def test_empties_only_after_memory_intensive_releases_never_at_stage_boundaries(
 ):
     manager = ResidencyManager(make_components(), default_placements("layerwise"))
     run_request(manager, torch.randn(4, 256), 3, encoder_memory_intensive=encoder_intensive)
-    trace = manager.trace
+    trace = manager.trace.events
     empties = [i for i, e in enumerate(trace) if e["kind"] == "empty_cache"]
     assert [trace[i - 1]["kind"] for i in empties] == ["release"] * len(emptied_after)
     assert [trace[i - 1]["component"] for i in empties] == emptied_after
@@ -84,10 +84,10 @@ def test_empties_only_after_memory_intensive_releases_never_at_stage_boundaries(
     assert released == ["text_encoder", "transformer", "vae"]  # released either way
 
 
-def test_baseline_mode_empties_at_every_stage_boundary(observed):
-    manager = ResidencyManager(make_components(), default_placements("layerwise"), empty_at_stage_boundaries=True)
+def test_baseline_mode_empties_after_every_use(observed):
+    manager = ResidencyManager(make_components(), default_placements("layerwise"), empty_after_every_use=True)
     run_request(manager, torch.randn(4, 256), 3)
-    assert [e["where"] for e in kinds(manager, "empty_cache")] == ["stage_boundary"] * 5
+    assert [e["where"] for e in kinds(manager, "empty_cache")] == ["every_use"] * 5
 
 
 def test_keep_prefetch_and_release_decisions(observed):
@@ -116,8 +116,8 @@ def test_warmup_keeps_components_that_ask_for_it(observed):
 
 def test_layerwise_releases_each_layer_and_keeps_non_layer_weights(observed):
     components = make_components(layers=4)
-    manager = ResidencyManager(components, {"transformer": Placement(Strategy.LAYERWISE, prefetch_layers=1)})
-    transformer = manager.components["transformer"]
+    manager = ResidencyManager(components, {"transformer": LayerwiseStrategy(prefetch_layers=1)})
+    transformer = manager.components["transformer"].strategy
     with manager.request([Stage("s", (ComponentUse("transformer", memory_intensive=True),))]):
         with manager.use_component("transformer") as module:
             module(torch.randn(2, 256))
@@ -139,7 +139,7 @@ def test_oom_fails_the_request_empties_once_and_the_next_request_succeeds(observ
     with pytest.raises(RequestFailed, match="out of memory.*3 GiB"):
         run_request(manager, torch.randn(4, 256), 2)
     assert observed["empties"].count(ReleasePoint.OOM) == 1
-    assert not any(c.on_device for c in manager.components.values() if c.blocks)
+    assert not any(c.on_device for c in manager.components.values())
     monkeypatch.setattr(components["vae"], "forward", real_forward)
     run_request(manager, torch.randn(4, 256), 2)
 
@@ -158,7 +158,7 @@ def test_misuse_is_refused_with_clear_errors(observed):
     with pytest.raises(ValueError, match="unknown components \\['ghost'\\]"):
         ResidencyManager(make_components(), {"ghost": Strategy.OFFLOAD})
     with pytest.raises(ValueError, match="no non-empty nn.ModuleList 'blocks'"):
-        ResidencyManager(make_components(), {"vae": Placement(Strategy.LAYERWISE, layers_attr="blocks")})
+        ResidencyManager(make_components(), {"vae": LayerwiseStrategy(layers_attr="blocks")})
 
 
 def test_a_use_can_ask_for_another_dtype_without_touching_the_host_copy(observed):
@@ -224,15 +224,16 @@ class RecordingStrategy(ResidencyStrategy):
 
 def test_a_custom_strategy_plugs_in_and_gets_the_same_decisions(observed):
     strategy = RecordingStrategy()
-    placements = {**default_placements("layerwise"), "vae": Placement(strategy)}
+    placements = {**default_placements("layerwise"), "vae": strategy}
     manager = ResidencyManager(make_components(), placements)
     run_request(manager, torch.randn(4, 256), 2)
     # prefetched once (the next memory-intensive use), found ready, released at its end
     # (and asked again at request end, where nothing is left)
     assert strategy.calls == [("attach", "vae"), ("load", "prefetch"), ("load", "now"), ("release",), ("release",)]
     assert [e["nbytes"] for e in kinds(manager, "prefetch") if e["component"] == "vae"] == [100]
-    release = next(i for i, e in enumerate(manager.trace) if e["kind"] == "release" and e["component"] == "vae")
-    assert manager.trace[release + 1]["kind"] == "empty_cache"  # its release is a release point
+    events = manager.trace.events
+    release = next(i for i, e in enumerate(events) if e["kind"] == "release" and e["component"] == "vae")
+    assert events[release + 1]["kind"] == "empty_cache"  # its release is a release point
     vae_moves = [(destination, nbytes) for component, destination, nbytes in observed["moves"] if component == "vae"]
     assert vae_moves == [(str(manager.device), 100), ("host", 100)]
 
@@ -255,7 +256,7 @@ def test_close_gives_everything_back_and_leaves_plain_modules(observed):
     manager.close()
     assert observed["empties"] == [ReleasePoint.COMPONENT_RELEASE]
     assert kinds(manager, "empty_cache")[-1]["where"] == "close"
-    assert not any(b.on_device for c in manager.components.values() for b in c.blocks)
+    assert not any(c.on_device for c in manager.components.values())
     layers = components["transformer"].layers
     assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in layers)
     # The modules are plain host modules again: same outputs as never-managed ones.
@@ -267,15 +268,15 @@ def test_close_gives_everything_back_and_leaves_plain_modules(observed):
     assert manager.close() is None  # closing twice is harmless
 
 
-def test_stage_profiling_only_observes_and_trace_exports(observed, tmp_path):
+def test_stage_tracing_only_observes_and_trace_exports(observed, tmp_path):
     manager = ResidencyManager(make_components(), default_placements("offload"))
     run_request(manager, torch.randn(4, 256), 2)
     stage_events = kinds(manager, "stage")
     assert [e["stage"] for e in stage_events] == ["encode", "denoise", "decode"]
-    manager.export_trace(str(tmp_path / "trace.json"))
+    manager.trace.export(str(tmp_path / "trace.json"))
     assert json.loads((tmp_path / "trace.json").read_text())[0]["kind"] == "request_start"
     pytest.importorskip("matplotlib")
-    manager.plot_memory_timeline(str(tmp_path / "timeline.png"))
+    manager.trace.plot_memory_timeline(str(tmp_path / "timeline.png"))
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -286,10 +287,138 @@ def test_logging_writes_one_json_line_per_event_and_tracing_can_be_off(observed,
     with caplog.at_level(logging.INFO, logger="residency-test"):
         manager = ResidencyManager(make_components(), default_placements("offload"), record_trace=False, log=logger)
         run_request(manager, torch.randn(4, 256), 2)
-    assert manager.trace == []
+    assert manager.trace.events == []
     lines = [r.getMessage() for r in caplog.records]
     assert lines and all(line.startswith("torchhal.residency {") for line in lines)
     assert json.loads(lines[0].split(" ", 1)[1])["kind"] == "request_start"
     silent = ResidencyManager(make_components(), default_placements("offload"), record_trace=False)
     run_request(silent, torch.randn(4, 256), 2)
-    assert silent.trace == [] and observed["empties"]  # still empties, just untraced
+    assert silent.trace.events == [] and observed["empties"]  # still empties, just untraced
+
+
+# -- knobs are checked when the manager is built ------------------------------------------
+
+@pytest.mark.parametrize(("prefetch", "message"), [
+    (1.5, "prefetch_layers must be an int .*got 1.5; use e.g. prefetch_layers=1"),
+    (True, "prefetch_layers must be an int .*got True"),
+    ("2", "prefetch_layers must be an int .*got '2'"),
+    (-1, "prefetch_layers -1 must be >= 0"),
+])
+def test_a_bad_prefetch_layers_is_refused_at_construction(prefetch, message):
+    with pytest.raises(ValueError, match=message):
+        LayerwiseStrategy(prefetch_layers=prefetch)
+
+
+def test_prefetch_beyond_the_layer_count_is_refused_before_anything_moves(observed):
+    components = make_components(layers=4)
+    host_before = {name: {k: p.data_ptr() for k, p in m.named_parameters()} for name, m in components.items()}
+    placements = {"text_encoder": Strategy.OFFLOAD, "transformer": LayerwiseStrategy(prefetch_layers=2000)}
+    with pytest.raises(ValueError, match="prefetch_layers=2000 for 'transformer', which streams 4 layers.*"
+                                         "use prefetch_layers <= 3"):
+        ResidencyManager(components, placements)
+    # nothing was attached: same storages, no hooks, nothing reported moved
+    assert {name: {k: p.data_ptr() for k, p in m.named_parameters()} for name, m in components.items()} == host_before
+    assert all(not layer._forward_pre_hooks for layer in components["transformer"].layers)
+    assert observed["moves"] == []
+    ResidencyManager(components, {"transformer": LayerwiseStrategy(prefetch_layers=3)})  # the bound itself is fine
+
+
+def test_a_failing_attach_detaches_the_components_attached_before_it(observed):
+    components = make_components(layers=4)
+    components["vae"].layers[0].up.weight.data = components["vae"].layers[0].up.weight.data.double()
+    placements = {"transformer": LayerwiseStrategy(1), "vae": Strategy.OFFLOAD}  # vae: two dtypes
+    with pytest.raises(ValueError, match="one dtype"):
+        ResidencyManager(components, placements)
+    assert all(not layer._forward_pre_hooks for layer in components["transformer"].layers)
+
+
+def test_declarations_are_checked_when_written():
+    with pytest.raises(ValueError, match="memory_intensive must be True or False, got 'yes'"):
+        ComponentUse("vae", memory_intensive="yes")
+    with pytest.raises(ValueError, match="component must be a component name"):
+        ComponentUse(3)
+    with pytest.raises(ValueError, match="uses must be ComponentUse records"):
+        Stage("decode", ("vae",))
+    with pytest.raises(ValueError, match="same strategy object"):
+        shared = LayerwiseStrategy(1)
+        ResidencyManager(make_components(), {"transformer": shared, "vae": shared})
+
+
+# -- release points: where the cache is emptied, and where it must not be -----------------
+
+def test_a_resident_component_is_never_released_so_never_emptied_for(observed):
+    manager = ResidencyManager(make_components(), {})  # all resident, every use memory-intensive
+    run_request(manager, torch.randn(4, 256), 3)
+    assert kinds(manager, "release") == []
+    assert observed["empties"] == []
+
+
+def test_request_end_empties_once_when_a_prepared_component_goes_unused(observed):
+    manager = ResidencyManager(make_components(), default_placements("offload"))
+    run_request(manager, torch.randn(4, 256), 2)  # leaves the text encoder prepared
+    assert manager.components["text_encoder"].on_device
+    observed["empties"].clear()
+    without_encoder = [Stage("decode", (ComponentUse("vae", memory_intensive=True),))]
+    for _ in range(2):
+        start = len(manager.trace.events)
+        with manager.request(without_encoder), torch.no_grad(), manager.use_component("vae") as vae:
+            vae(torch.randn(4, 256))
+        events = manager.trace.events[start:]
+        ends = [i for i, e in enumerate(events) if e["kind"] == "empty_cache" and e["where"] == "request_end"]
+        if _ == 0:  # the unused text encoder goes home at request end: one empty, right after
+            assert len(ends) == 1 and events[ends[0] - 1]["kind"] == "release"
+            assert events[ends[0] - 1]["component"] == "text_encoder"
+            assert not manager.components["text_encoder"].on_device
+        else:  # gating: nothing left to release, no request-end empty
+            assert ends == []
+    assert observed["empties"] == [ReleasePoint.COMPONENT_RELEASE] * 3  # vae, request end, vae
+
+
+def test_request_end_keeps_warm_components_without_emptying(observed):
+    manager = ResidencyManager(make_components(), default_placements("offload"))
+    run_request(manager, torch.randn(4, 256), 2, warmup=True)
+    assert [e["where"] for e in kinds(manager, "empty_cache")] == ["component_release", "component_release"]
+    assert manager.components["transformer"].on_device  # kept, so not released, so no request-end empty
+
+
+@pytest.mark.parametrize("failing", ["vae", "transformer"])
+def test_an_oom_inside_a_use_empties_exactly_once_with_reason_oom(observed, monkeypatch, failing):
+    components = make_components()
+    manager = ResidencyManager(components, default_placements("layerwise"))
+
+    def oom(*args):
+        raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(components[failing].layers[-1], "forward", oom)
+    with pytest.raises(RequestFailed):
+        run_request(manager, torch.randn(4, 256), 2)
+    ordered = [(e["where"], e["reason"]) for e in kinds(manager, "empty_cache")]
+    emptied_before = [("component_release", "component_release")] * (2 if failing == "vae" else 1)
+    assert ordered == [*emptied_before, ("oom", "oom")]  # the failing use's release is not a second empty
+    assert failing in {e["component"] for e in kinds(manager, "release")}  # but it did go home
+    assert not any(c.on_device for c in manager.components.values())
+
+
+def test_an_oom_outside_request_keeps_the_release_point(observed, monkeypatch):
+    # begin_request/finish_request by hand: nobody else will empty, so the release point stays.
+    components = make_components()
+    manager = ResidencyManager(components, default_placements("offload"))
+    monkeypatch.setattr(components["vae"], "forward", lambda x: (_ for _ in ()).throw(torch.OutOfMemoryError("x")))
+    manager.begin_request([Stage("decode", (ComponentUse("vae", memory_intensive=True),))])
+    with pytest.raises(torch.OutOfMemoryError), manager.use_component("vae") as vae:
+        vae(torch.randn(4, 256))
+    assert observed["empties"] == [ReleasePoint.COMPONENT_RELEASE]
+
+
+def test_another_error_inside_a_use_keeps_its_release_point_and_the_manager_serves(observed, monkeypatch):
+    components = make_components()
+    manager = ResidencyManager(components, default_placements("offload"))
+    real_forward = components["vae"].forward
+    monkeypatch.setattr(components["vae"], "forward", lambda x: (_ for _ in ()).throw(KeyError("bug")))
+    with pytest.raises(KeyError):
+        run_request(manager, torch.randn(4, 256), 2)
+    assert ReleasePoint.OOM not in observed["empties"]
+    assert not any(c.on_device for c in manager.components.values())
+    monkeypatch.setattr(components["vae"], "forward", real_forward)
+    torch.testing.assert_close(run_request(manager, torch.randn(4, 256).zero_(), 2),
+                               resident_reference(torch.zeros(4, 256), 2))

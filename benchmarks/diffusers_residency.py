@@ -1,0 +1,311 @@
+"""A real diffusers FluxPipeline under torchhal's residency manager vs diffusers' own offloading.
+
+    python benchmarks/diffusers_residency.py [--out results]      # H100: ~2.5 B-parameter Flux transformer, bf16
+    python benchmarks/diffusers_residency.py --tiny --out /tmp/r   # CPU smoke run: tiny sizes, GPU-only rows skipped
+
+Same pipeline (random weights, no download), prompt, steps and resolution for every row:
+fully resident; diffusers enable_model_cpu_offload / enable_sequential_cpu_offload (need
+accelerate); diffusers group offloading, block level and leaf level, each with a stream;
+torchhal offload; torchhal layerwise (prefetch 1 and 2). Per request: median time of the
+measured requests, peak allocated / reserved device memory, host RSS, cache empties,
+host->device bytes (modelled from component sizes and calls, see `h2d_bytes_model`),
+and time / (bytes / pinned host->device bandwidth measured in this run). Also a PNG with
+the memory timeline of one request per row. Device peaks come from torch.cuda here (the
+benchmark's own measurement); torchhal itself only goes through the platform API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import torch  # noqa: E402
+from _harness import write_json  # noqa: E402
+from diffusers_flux import BENCH, TINY, FluxSize, call_kwargs, flux_pipeline  # noqa: E402
+
+import torchhal  # noqa: E402
+from torchhal.core.residency import LayerwiseStrategy, ResidencyTrace, Strategy, plot_memory_timelines  # noqa: E402
+from torchhal.core.residency.diffusers import ManagedPipeline  # noqa: E402
+
+BLOCKS = ("transformer_blocks", "single_transformer_blocks")
+ENCODERS_AND_VAE = ("text_encoder", "text_encoder_2", "vae")
+GiB = 1 << 30
+HAS_GPU = torch.cuda.is_available()
+
+
+# -- measurement helpers (benchmark only) -------------------------------------------------------
+class EmptyCounter:
+    """Counts every torch.cuda.empty_cache call (torchhal's and diffusers' alike)."""
+
+    def __init__(self) -> None:
+        self.count, self.trace = 0, None  # trace: where diffusers rows mark their empties
+        if HAS_GPU:
+            self._real = torch.cuda.empty_cache
+            torch.cuda.empty_cache = self._counted
+
+    def _counted(self) -> None:
+        self.count += 1
+        if self.trace is not None:
+            self.trace.event("empty_cache", None, where="diffusers")
+        self._real()
+
+
+def reset_peaks() -> None:
+    if HAS_GPU:
+        torch.cuda.reset_peak_memory_stats()
+    try:  # reset the process's peak RSS (VmHWM); not allowed everywhere
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def device_peaks() -> dict[str, int | None]:
+    if not HAS_GPU:
+        return {"peak_allocated_bytes": None, "peak_reserved_bytes": None}
+    return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved()}
+
+
+def host_memory() -> dict[str, int | None]:
+    fields: dict[str, int | None] = {"host_rss_bytes": None, "host_peak_rss_bytes": None}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                fields["host_rss_bytes"] = int(line.split()[1]) * 1024
+            elif line.startswith("VmHWM:"):
+                fields["host_peak_rss_bytes"] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return fields
+
+
+def pinned_h2d_bandwidth(platform: Any, nbytes: int) -> float:
+    """Bytes per second of one pinned host -> device copy (median of 10)."""
+    src = platform.pin_memory(torch.empty(nbytes, dtype=torch.uint8))
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=platform.device(0))
+    samples = []
+    for _ in range(11):
+        platform.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        platform.synchronize()
+        samples.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(samples[1:])
+
+
+def nbytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+# -- the rows -------------------------------------------------------------------------------------
+Row = Callable[[Any, Any], tuple[Callable[..., Any], Callable[[], None], Any]]
+
+
+def fresh(reference: Any) -> Any:
+    """A new pipeline object with copies of the reference's modules (shared tokenizers)."""
+    return type(reference)(**{name: (copy.deepcopy(c) if isinstance(c, torch.nn.Module | type(reference.scheduler))
+                                     else c) for name, c in reference.components.items()})
+
+
+def diffusers_row(setup: Callable[[Any, torch.device], None]) -> Row:
+    def build(pipe: Any, platform: Any) -> tuple[Callable[..., Any], Callable[[], None], Any]:
+        setup(pipe, platform.device(0))
+        trace = ResidencyTrace(platform, 0)
+        handles = []
+        for name, module in [*((n, getattr(pipe, n)) for n in ("text_encoder", "text_encoder_2", "transformer")),
+                             ("vae", pipe.vae.decoder)]:
+            handles.append(module.register_forward_pre_hook(lambda m, a, n=name: trace.event("begin_use", n)))
+            handles.append(module.register_forward_hook(lambda m, a, o, n=name: trace.event("end_use", n)))
+
+        def call(**kwargs: Any) -> Any:
+            trace.event("request_start", None)
+            out = pipe(**kwargs)
+            trace.event("request_end", None)
+            return out
+
+        def teardown() -> None:
+            for h in handles:
+                h.remove()
+            if hasattr(pipe, "remove_all_hooks"):
+                pipe.remove_all_hooks()
+
+        return call, teardown, trace
+
+    return build
+
+
+def torchhal_row(transformer: Any) -> Row:
+    def build(pipe: Any, platform: Any) -> tuple[Callable[..., Any], Callable[[], None], Any]:
+        placements = {name: Strategy.OFFLOAD for name in ENCODERS_AND_VAE}
+        managed = ManagedPipeline(pipe, {**placements, "transformer": transformer()}, platform=platform,
+                                  device_index=0)
+        return managed, managed.close, managed.manager.trace
+
+    return build
+
+
+ROWS: dict[str, tuple[Row, str | None]] = {
+    # name: (builder, why it cannot run here or None)
+    "resident": (diffusers_row(lambda p, d: p.to(d)), None),
+    "diffusers_model_cpu_offload": (diffusers_row(lambda p, d: p.enable_model_cpu_offload(device=d)), "accelerate"),
+    "diffusers_sequential_cpu_offload": (diffusers_row(lambda p, d: p.enable_sequential_cpu_offload(device=d)),
+                                         "accelerate"),
+    "diffusers_group_block_stream": (diffusers_row(lambda p, d: p.enable_group_offload(
+        onload_device=d, offload_type="block_level", num_blocks_per_group=1, use_stream=True)), "gpu"),
+    "diffusers_group_leaf_stream": (diffusers_row(lambda p, d: p.enable_group_offload(
+        onload_device=d, offload_type="leaf_level", use_stream=True)), "gpu"),
+    "torchhal_offload": (torchhal_row(lambda: Strategy.OFFLOAD), None),
+    "torchhal_layerwise_p1": (torchhal_row(lambda: LayerwiseStrategy(1, BLOCKS)), None),
+    "torchhal_layerwise_p2": (torchhal_row(lambda: LayerwiseStrategy(2, BLOCKS)), None),
+}
+
+
+#: The slowest row last, so a spent time budget skips it rather than a torchhal row.
+RUN_ORDER = ("resident", "torchhal_offload", "diffusers_model_cpu_offload", "torchhal_layerwise_p1",
+             "torchhal_layerwise_p2", "diffusers_group_block_stream", "diffusers_group_leaf_stream",
+             "diffusers_sequential_cpu_offload")
+assert sorted(RUN_ORDER) == sorted(ROWS)
+
+
+def h2d_bytes_model(row: str, sizes: dict[str, int], layer_bytes: int, steps: int) -> int:
+    """Weights a strategy must move host -> device in one request (inputs are negligible)."""
+    once = sum(sizes[n] for n in ENCODERS_AND_VAE)
+    if row == "resident":
+        return 0
+    if row in ("diffusers_model_cpu_offload", "torchhal_offload"):
+        return once + sizes["transformer"]  # each component once; the transformer stays for every step
+    if row.startswith("torchhal_layerwise"):
+        return once + steps * layer_bytes  # non-layer weights stay on the device
+    return once + steps * sizes["transformer"]  # sequential / group: every weight onloaded at every call
+
+
+def skip_reason(requirement: str | None) -> str | None:
+    if requirement == "gpu" and not HAS_GPU:
+        return "needs an accelerator with streams"
+    if requirement == "accelerate":
+        if not HAS_GPU:
+            return "needs an accelerator"
+        try:
+            import accelerate  # noqa: F401
+        except ImportError:
+            return "needs the accelerate package (pip install accelerate)"
+    return None
+
+
+def run_row(name: str, build: Row, reference: Any, platform: Any, kwargs: Callable[[], dict], reps: int,
+            counter: EmptyCounter) -> tuple[dict[str, Any], list[dict[str, Any]], torch.Tensor | None]:
+    pipe = fresh(reference)
+    call, teardown, trace = build(pipe, platform)
+    counter.trace = trace if not name.startswith("torchhal") else None
+    try:
+        call(**kwargs())  # warm-up: first-use allocations, pinning, kernels
+        platform.synchronize()
+        reset_peaks()
+        counter.count, times, image = 0, [], None
+        for _ in range(reps):
+            start_events = len(trace.events)
+            platform.synchronize()
+            t0 = time.perf_counter()
+            image = call(**kwargs()).images
+            platform.synchronize()
+            times.append(time.perf_counter() - t0)
+        events = trace.events[start_events:]
+        row = {"median_s": statistics.median(times), "times_s": times, **device_peaks(), **host_memory(),
+               "cache_empties_per_request": counter.count / reps,
+               "empties_by_where_last_request": _count(e.get("where", "?") for e in events
+                                                       if e["kind"] == "empty_cache")}
+    finally:
+        counter.trace = None
+        teardown()
+        # drop every reference to this row's modules so none of its device memory counts in the next row
+        del pipe, call, teardown
+        gc.collect()
+        platform.empty_cache(torchhal.ReleasePoint.USER)
+    return row, events, None if image is None else image.float().cpu()
+
+
+def _count(items: Any) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item] = counts.get(item, 0) + 1
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="results")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny sizes, 2 requests a row")
+    parser.add_argument("--rows", default=",".join(RUN_ORDER), help="comma-separated subset of: " + ", ".join(ROWS))
+    parser.add_argument("--budget-s", type=float, default=300.0, help="skip the remaining rows after this long")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    platform = torchhal.current_platform()
+    size: FluxSize = TINY if args.tiny else BENCH
+    steps, resolution, reps = (2, 32, 2) if args.tiny else (4, 1024, 5)
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    reference = flux_pipeline(size, dtype)
+    sizes = {name: nbytes(getattr(reference, name)) for name in (*ENCODERS_AND_VAE, "transformer")}
+    layer_bytes = sum(nbytes(getattr(reference.transformer, b)) for b in BLOCKS)
+    bandwidth = pinned_h2d_bandwidth(platform, (64 << 20) if args.tiny else GiB)
+    print(f"built in {time.perf_counter() - started:.1f}s; component bytes {sizes}; "
+          f"pinned H2D {bandwidth / 1e9:.1f} GB/s", flush=True)
+    counter = EmptyCounter()
+    results: dict[str, Any] = {
+        "size": {**size.__dict__, "vae_channels": list(size.vae_channels)}, "dtype": str(dtype), "steps": steps,
+        "resolution": resolution, "requests_measured": reps, "component_bytes": sizes,
+        "transformer_layer_bytes": layer_bytes, "pinned_h2d_bytes_per_s": bandwidth, "rows": {},
+    }
+    timelines: dict[str, list[dict[str, Any]]] = {}
+    resident_image = None
+    for name in args.rows.split(","):
+        build, requirement = ROWS[name]
+        reason = skip_reason(requirement)
+        if reason is None and time.perf_counter() - started > args.budget_s:
+            reason = f"time budget of {args.budget_s:.0f}s spent"
+        if reason is not None:
+            results["rows"][name] = {"skipped": reason}
+            print(f"{name}: skipped ({reason})", flush=True)
+            continue
+        t_row = time.perf_counter()
+        try:
+            row, events, image = run_row(name, build, reference, platform,
+                                         lambda: call_kwargs(size, steps, resolution), reps, counter)
+        except Exception as exc:  # one failing row must not lose the others
+            results["rows"][name] = {"failed": f"{type(exc).__name__}: {exc}"[:500]}
+            traceback.print_exc()
+            continue
+        moved = h2d_bytes_model(name, sizes, layer_bytes, steps)
+        row["h2d_bytes_model"] = moved
+        row["transfer_floor_s"] = moved / bandwidth
+        row["time_over_transfer_floor"] = row["median_s"] / row["transfer_floor_s"] if moved else None
+        if resident_image is None and name == "resident":
+            resident_image = image
+        if resident_image is not None and image is not None:
+            row["max_abs_diff_vs_resident"] = float((image - resident_image).abs().max())
+        row["row_wall_s"] = time.perf_counter() - t_row
+        results["rows"][name] = row
+        timelines[name] = events
+        print(name, {k: v for k, v in row.items() if k != "times_s"}, flush=True)
+    results["total_wall_s"] = time.perf_counter() - started
+    path = write_json("diffusers_residency", results, args.out)
+    try:
+        png = path.with_name("diffusers_residency_timeline.png")
+        plot_memory_timelines(timelines, str(png))
+        print(f"wrote {png}")
+    except ImportError:
+        print("matplotlib missing: no timeline plot")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""A real diffusers FluxPipeline (tiny, random weights) under the residency manager, on CPU.
+
+The pipeline's own __call__ runs with every component managed; each strategy must give
+the image of the unmanaged pipeline bit for bit (same kernels, same inputs: on CPU the
+moves are copies, so any difference is a bug in what the manager hands the pipeline).
+"""
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+from torchhal.core.residency import LayerwiseStrategy, RequestFailed, Strategy  # noqa: E402
+from torchhal.core.residency.diffusers import ManagedPipeline, guess_block_lists  # noqa: E402
+from torchhal.platforms import ReleasePoint, hookimpl  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from diffusers_flux import call_kwargs, flux_pipeline  # noqa: E402
+
+ENCODERS = {"text_encoder": Strategy.OFFLOAD, "text_encoder_2": Strategy.OFFLOAD, "vae": Strategy.OFFLOAD}
+BLOCKS = ("transformer_blocks", "single_transformer_blocks")
+
+
+@pytest.fixture(scope="module")
+def reference_image():
+    return flux_pipeline()(**call_kwargs()).images
+
+
+@pytest.fixture
+def empties(make_registry):
+    seen = []
+
+    class Observer:
+        @hookimpl
+        def torchhal_cache_emptied(self, reason):
+            seen.append(reason)
+
+    make_registry(Observer())
+    return seen
+
+
+@pytest.mark.parametrize("transformer", ["resident", "offload", "layerwise-1", "layerwise-2"])
+def test_each_strategy_gives_the_unmanaged_image_bit_for_bit(reference_image, empties, transformer):
+    if transformer.startswith("layerwise"):
+        placement = LayerwiseStrategy(int(transformer[-1]), BLOCKS)
+    else:
+        placement = Strategy(transformer)
+    encoders = {} if transformer == "resident" else ENCODERS
+    pipe = flux_pipeline()
+    managed = ManagedPipeline(pipe, {**encoders, "transformer": placement})
+    for _ in range(2):  # a second request reuses what the first left behind
+        image = managed(**call_kwargs()).images
+        assert torch.equal(image, reference_image)
+    trace = managed.manager.trace
+    if transformer == "resident":
+        assert empties == [] and trace.of_kind("release") == []
+    else:
+        # every empty is a release point right after a memory-intensive component left
+        assert empties and set(empties) == {ReleasePoint.COMPONENT_RELEASE}
+        assert all(e["where"] == "component_release" for e in trace.of_kind("empty_cache"))
+        used = [e["component"] for e in trace.last_request() if e["kind"] == "release"]
+        assert used == ["text_encoder", "text_encoder_2", "transformer", "vae"]
+    if transformer.startswith("layerwise"):
+        layers = [e for e in trace.last_request() if e["kind"] in ("prepare", "wait") and "layer" in e]
+        assert {e["layer"] for e in layers} == set(range(3))  # 1 double + 2 single blocks streamed
+    managed.close()
+    # closed: a plain pipeline again, still giving the same image
+    assert "forward" not in pipe.transformer.__dict__ and not hasattr(pipe.vae, "_hf_hook")
+    assert torch.equal(pipe(**call_kwargs()).images, reference_image)
+
+
+def test_uses_follow_the_call_arguments(empties):
+    managed = ManagedPipeline(flux_pipeline(), {**ENCODERS, "transformer": LayerwiseStrategy(1, BLOCKS)})
+    names = [[u.component for u in s.uses] for s in managed.stages(num_inference_steps=3)]
+    assert names == [["text_encoder", "text_encoder_2"], ["transformer"] * 3, ["vae"]]
+    latent_only = managed.stages(num_inference_steps=2, prompt_embeds=torch.zeros(1), output_type="latent")
+    assert [s.name for s in latent_only] == ["denoise"]
+    # prompt embeddings given: the encoders never run, and the image is unchanged
+    pipe = flux_pipeline()
+    with torch.no_grad():
+        embeds, pooled, _ = pipe.encode_prompt(prompt=call_kwargs()["prompt"], prompt_2=None, max_sequence_length=16)
+
+    def without_prompt():
+        return {k: v for k, v in call_kwargs().items() if k != "prompt"}
+
+    expected = pipe(prompt_embeds=embeds, pooled_prompt_embeds=pooled, **without_prompt()).images
+    image = managed(prompt_embeds=embeds, pooled_prompt_embeds=pooled, **without_prompt()).images
+    assert torch.equal(image, expected)
+    assert {e["component"] for e in managed.manager.trace.last_request() if e["kind"] == "release"} == {
+        "transformer", "vae"}
+    managed.close()
+
+
+def test_a_call_that_does_not_match_its_declaration_fails_clearly(empties):
+    managed = ManagedPipeline(flux_pipeline(), {**ENCODERS, "transformer": Strategy.OFFLOAD})
+    one_step = managed.stages(num_inference_steps=1)
+    with pytest.raises(RuntimeError, match="begin_use\\('transformer'.*declared next use is 'vae'"):
+        managed(stages=one_step, **call_kwargs(steps=2))
+    assert not any(c.on_device for n, c in managed.manager.components.items())  # everything went home
+    assert torch.equal(managed(**call_kwargs()).images, flux_pipeline()(**call_kwargs()).images)  # still serves
+
+
+def test_an_oom_in_the_denoiser_fails_the_request_and_empties_once(empties, monkeypatch):
+    pipe = flux_pipeline()
+    managed = ManagedPipeline(pipe, {**ENCODERS, "transformer": LayerwiseStrategy(1, BLOCKS)})
+    block = pipe.transformer.single_transformer_blocks[1]
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(block, "forward", oom)
+    with pytest.raises(RequestFailed):
+        managed(**call_kwargs())
+    assert empties.count(ReleasePoint.OOM) == 1
+    assert not any(c.on_device for c in managed.manager.components.values())
+
+
+def test_block_lists_are_guessed_with_a_warning_or_refused_clearly():
+    pipe = flux_pipeline()
+    with pytest.warns(UserWarning, match="guessed the block lists of FluxTransformer2DModel 'transformer-warned': "
+                                         "transformer_blocks, single_transformer_blocks"):
+        guess_block_lists(pipe.transformer, "transformer-warned")
+    with pytest.warns(UserWarning, match="T5EncoderModel 't5': encoder.block;"):
+        assert guess_block_lists(pipe.text_encoder_2, "t5") == ("encoder.block",)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        managed = ManagedPipeline(pipe, {"transformer": "layerwise"})
+    assert managed.manager.components["transformer"].strategy.layers_attr == BLOCKS
+    managed.close()
+    with pytest.raises(ValueError, match="no block list found in Linear 'head'.*layers_attr"):
+        guess_block_lists(torch.nn.Linear(2, 2), "head")
+    with pytest.raises(ValueError, match="denoiser 'unet' is not a module"):
+        ManagedPipeline(flux_pipeline(), {}, denoiser="unet")
+    with pytest.raises(ValueError, match="prefetch_layers=3 for 'transformer', which streams 3 layers"):
+        ManagedPipeline(flux_pipeline(), {"transformer": LayerwiseStrategy(3, BLOCKS)})
+
+
+def test_importing_the_residency_package_does_not_import_diffusers():
+    import subprocess
+
+    code = ("import sys, torchhal.core.residency, torchhal.core.residency.diffusers; "
+            "print('diffusers' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]

@@ -1,0 +1,69 @@
+"""What a pipeline declares: the strategy names, its stages and the component uses in them."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class Strategy(str, enum.Enum):
+    """Names of the built-in strategies (a placement may also be a ResidencyStrategy instance)."""
+
+    RESIDENT = "resident"
+    OFFLOAD = "offload"
+    LAYERWISE = "layerwise"
+
+
+_FLAGS = ("memory_intensive", "allow_prefetch", "keep_ready_after_warmup", "preferred_ready_after_request")
+
+
+@dataclass(frozen=True)
+class ComponentUse:
+    """One use of a component, in the order the pipeline runs them."""
+
+    component: str
+    #: a label told apart from other uses of the same component (e.g. "step3"); checked by begin_use
+    phase: str | None = None
+    #: the release after this use is a release point (empties the cache)
+    memory_intensive: bool = False
+    allow_prefetch: bool = True
+    keep_ready_after_warmup: bool = False
+    preferred_ready_after_request: bool = False
+    #: dtype of the component's device weights during this use (None: as registered)
+    dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.component, str) or not self.component:
+            raise ValueError(f"ComponentUse.component must be a component name (str), got {self.component!r}")
+        if self.phase is not None and not isinstance(self.phase, str):
+            raise ValueError(f"ComponentUse.phase must be a str or None, got {self.phase!r}")
+        for flag in _FLAGS:
+            value = getattr(self, flag)
+            if not isinstance(value, bool):
+                raise ValueError(f"ComponentUse({self.component!r}).{flag} must be True or False, got {value!r}")
+        if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
+            raise ValueError(
+                f"the use of {self.component!r} declares dtype {self.dtype!r}; "
+                "a target dtype is a floating torch.dtype such as torch.bfloat16"
+            )
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A pipeline stage (e.g. encode, denoise, decode): a name and the uses it makes, in order."""
+
+    name: str
+    uses: tuple[ComponentUse, ...]
+
+    def __post_init__(self) -> None:
+        uses = tuple(self.uses)
+        bad = [u for u in uses if not isinstance(u, ComponentUse)]
+        if bad:
+            raise ValueError(f"stage {self.name!r}: uses must be ComponentUse records, got {bad[0]!r}")
+        object.__setattr__(self, "uses", uses)
+
+
+class RequestFailed(RuntimeError):
+    """A request ended by an error at the request boundary; the manager stays consistent."""

@@ -1,0 +1,212 @@
+"""An existing diffusers pipeline under the residency manager, without editing diffusers.
+
+    managed = ManagedPipeline(pipe, {"text_encoder": "offload", "text_encoder_2": "offload",
+                                     "transformer": "layerwise", "vae": "offload"})
+    image = managed(prompt="...", num_inference_steps=28).images[0]
+    managed.close()
+
+The pipeline's own `__call__` runs. Each component's entry points (`forward`, and
+`encode`/`decode` where the class defines them) are wrapped on the instance, so every
+call the pipeline makes is one declared use; the uses of a call are derived from the
+pipeline's `model_cpu_offload_seq` (the component order diffusers itself declares)
+and the call's arguments, or given as `stages=`. Written against the pipeline's
+duck-typed surface only: importing this module does not import diffusers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from torchhal.core.residency.declarations import ComponentUse, Stage, Strategy
+from torchhal.core.residency.manager import PlacementSpec, ResidencyManager
+from torchhal.core.residency.strategies import LayerwiseStrategy, ResidencyStrategy
+from torchhal.platforms import Platform
+
+#: Attribute paths of block lists in common diffusers / transformers models, in run order.
+BLOCK_LIST_CANDIDATES = (
+    "transformer_blocks",  # Flux (double-stream), SD3, PixArt, Sana, ...
+    "single_transformer_blocks",  # Flux (single-stream, run after the double-stream blocks)
+    "blocks",  # Wan, LTX, ...
+    "layers",
+    "encoder.block",  # T5 encoders
+    "text_model.encoder.layers",  # CLIP text encoders
+    "encoder.layers",
+)
+_ENTRY_METHODS = ("forward", "encode", "decode")
+_warned: set[tuple[str, str, tuple[str, ...]]] = set()
+
+
+def _path(module: nn.Module, dotted: str) -> Any:
+    owner: Any = module
+    for part in dotted.split("."):
+        owner = getattr(owner, part, None)
+    return owner
+
+
+def guess_block_lists(module: nn.Module, name: str = "component") -> tuple[str, ...]:
+    """The module's block lists to stream, guessed from BLOCK_LIST_CANDIDATES (warned once)."""
+    found: list[str] = []
+    claimed: set[int] = set()
+    for path in BLOCK_LIST_CANDIDATES:
+        stack = _path(module, path)
+        if isinstance(stack, nn.ModuleList) and len(stack) and id(stack) not in claimed:
+            if any(id(m) in claimed for m in stack.modules()):
+                continue  # inside a list already chosen
+            found.append(path)
+            claimed.update(id(m) for m in stack.modules())
+    if not found:
+        raise ValueError(
+            f"no block list found in {type(module).__name__} {name!r} (tried {', '.join(BLOCK_LIST_CANDIDATES)}); "
+            "pass LayerwiseStrategy(layers_attr=...) naming its nn.ModuleList(s) in the order they run"
+        )
+    key = (type(module).__name__, name, tuple(found))
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(
+            f"residency guessed the block lists of {type(module).__name__} {name!r}: {', '.join(found)}; "
+            "pass LayerwiseStrategy(layers_attr=...) to name them and silence this",
+            stacklevel=3,
+        )
+    return tuple(found)
+
+
+class _ExecutionDevice:
+    """Where a component computes, in the attribute diffusers reads for offloaded modules
+    (`_hf_hook.execution_device`): its weights may sit on the host between uses, and the
+    pipeline must still put latents and inputs on the device."""
+
+    def __init__(self, device: Any) -> None:
+        self.execution_device = device
+
+
+class ManagedPipeline:
+    """A diffusers pipeline whose components the residency manager places and moves.
+
+    `placements` maps component names (as in `pipeline.components`) to a strategy name
+    or object; unnamed components are resident. A bare "layerwise" streams the block
+    lists guessed by `guess_block_lists`. `denoiser` is the component called once per
+    step (default: "transformer" or "unet", whichever the pipeline has) and
+    `calls_per_step` how often (2 with true classifier-free guidance).
+    """
+
+    def __init__(
+        self,
+        pipeline: Any,
+        placements: Mapping[str, PlacementSpec],
+        *,
+        denoiser: str | None = None,
+        calls_per_step: int = 1,
+        prefetch: bool = True,
+        platform: Platform | None = None,
+        device_index: int | None = None,
+        record_trace: bool = True,
+        log: Any = None,
+    ) -> None:
+        modules = {name: m for name, m in pipeline.components.items() if isinstance(m, nn.Module)}
+        denoiser = denoiser or next((n for n in ("transformer", "unet") if n in modules), "")
+        if denoiser not in modules:
+            raise ValueError(f"denoiser {denoiser!r} is not a module of the pipeline; name one of {sorted(modules)}")
+        if isinstance(calls_per_step, bool) or not isinstance(calls_per_step, int) or calls_per_step < 1:
+            raise ValueError(f"calls_per_step must be an int >= 1 (2 with true CFG), got {calls_per_step!r}")
+        strategies: dict[str, PlacementSpec] = {}
+        for name, spec in placements.items():
+            if not isinstance(spec, ResidencyStrategy) and name in modules and _is_layerwise(spec):
+                spec = LayerwiseStrategy(1, guess_block_lists(modules[name], name))
+            strategies[name] = spec
+        self.pipeline, self.denoiser, self.calls_per_step, self.prefetch = pipeline, denoiser, calls_per_step, prefetch
+        self.manager = ResidencyManager(modules, strategies, platform, device_index, record_trace=record_trace, log=log)
+        self._wrapped: list[tuple[nn.Module, str, Any]] = []  # (module, attribute, what the instance had before)
+        marker = _ExecutionDevice(self.manager.device)
+        for name, module in modules.items():
+            self._wrap(name, module)
+            module.__dict__["_hf_hook"] = marker
+        self._closed = False
+
+    # -- declared uses ------------------------------------------------------------------------
+    def stages(self, **call_kwargs: Any) -> list[Stage]:
+        """The uses one `pipeline(**call_kwargs)` makes: encoders (unless prompt embeddings are
+        given), the denoiser once per step and call, then the decoders (unless latents are asked for)."""
+        order = [n for n in getattr(self.pipeline, "model_cpu_offload_seq", "").split("->")
+                 if n in self.manager.components]
+        if self.denoiser not in order:
+            raise ValueError(
+                f"{type(self.pipeline).__name__}.model_cpu_offload_seq does not name {self.denoiser!r}; "
+                "pass stages= to the call to declare its uses"
+            )
+        split = order.index(self.denoiser)
+        before, after = order[:split], order[split + 1 :]
+        prefetch = self.prefetch
+
+        def use(name: str, phase: str | None = None) -> ComponentUse:
+            return ComponentUse(name, phase=phase, memory_intensive=True, allow_prefetch=prefetch)
+
+        steps = call_kwargs.get("num_inference_steps", self._default("num_inference_steps"))
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"num_inference_steps {steps!r}: pass stages= for a pipeline without a step count")
+        result = []
+        if call_kwargs.get("prompt_embeds") is None and before:
+            result.append(Stage("encode", tuple(use(n) for n in before)))
+        result.append(Stage("denoise", tuple(use(self.denoiser, f"step{i}")
+                                             for i in range(steps * self.calls_per_step))))
+        if call_kwargs.get("output_type") != "latent" and after:
+            result.append(Stage("decode", tuple(use(n) for n in after)))
+        return result
+
+    def __call__(self, *args: Any, stages: Sequence[Stage] | None = None, **kwargs: Any) -> Any:
+        """Run the pipeline's own `__call__` as one request of the manager."""
+        if self._closed:
+            raise RuntimeError("this ManagedPipeline is closed; the pipeline is a plain pipeline again")
+        declared = list(stages) if stages is not None else self.stages(**kwargs)
+        with self.manager.request(declared):
+            return self.pipeline(*args, **kwargs)
+
+    def close(self) -> int | None:
+        """Give the device back (see ResidencyManager.close) and unwrap the components."""
+        if self._closed:
+            return None
+        released = self.manager.close()
+        for module, attribute, before in reversed(self._wrapped):
+            if before is None:
+                module.__dict__.pop(attribute, None)
+            else:
+                module.__dict__[attribute] = before
+        for state in self.manager.components.values():
+            state.module.__dict__.pop("_hf_hook", None)
+        self._wrapped, self._closed = [], True
+        return released
+
+    # -- internals ------------------------------------------------------------------------------
+    def _default(self, parameter: str) -> Any:
+        found = inspect.signature(self.pipeline.__call__).parameters.get(parameter)
+        return None if found is None else found.default
+
+    def _wrap(self, name: str, module: nn.Module) -> None:
+        for attribute in _ENTRY_METHODS:
+            if not callable(getattr(type(module), attribute, None)):
+                continue
+            original = getattr(module, attribute)
+            self._wrapped.append((module, attribute, module.__dict__.get(attribute)))
+            module.__dict__[attribute] = self._entry(name, original)
+
+    def _entry(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        manager = self.manager
+
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            if manager.in_use == name:  # e.g. AutoencoderKL.forward calling its own decode
+                return original(*args, **kwargs)
+            with manager.use_component(name):
+                return original(*args, **kwargs)
+
+        return entry
+
+
+def _is_layerwise(spec: PlacementSpec) -> bool:
+    try:
+        return Strategy(spec) is Strategy.LAYERWISE
+    except ValueError:
+        return False

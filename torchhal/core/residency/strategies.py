@@ -1,0 +1,306 @@
+"""How a component's weights reach the device and leave it: the strategy interface and
+the three built-in strategies (resident, offload, layerwise).
+
+A strategy object serves one component and keeps that component's state itself
+(host copies, device buffers, hooks); the manager keeps only what every strategy
+shares (the ComponentState) and decides *when* to call it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from torchhal.core.residency.declarations import Strategy
+from torchhal.core.residency.weights import WeightBlock
+
+if TYPE_CHECKING:
+    from torchhal.core.residency.manager import ResidencyManager
+
+
+@dataclass
+class ComponentState:
+    """One registered component: its module, its strategy and the dtype the current use asks for."""
+
+    name: str
+    module: nn.Module
+    strategy: ResidencyStrategy
+    dtype: torch.dtype | None = None
+
+    @property
+    def on_device(self) -> bool:
+        return self.strategy.on_device(self)
+
+
+class ResidencyStrategy:
+    """How one component's weights reach the device and leave it.
+
+    The manager decides *when* (uses, keep rules, prefetch, release points, empties);
+    a strategy decides *how*. To add one, subclass this and pass an instance as the
+    component's placement; one instance serves one component and keeps its state.
+    From the manager a strategy may use `device`, `platform`, `side_stream` and
+    `event(kind, component, **fields)`.
+    """
+
+    #: The whole weights can be loaded ahead of a use on the side stream.
+    prefetchable: ClassVar[bool] = False
+    #: Between uses the component holds a whole device copy that keep rules may keep.
+    keepable: ClassVar[bool] = False
+
+    def check(self, component: ComponentState) -> None:
+        """Before any component moves: raise ValueError if this strategy cannot serve it."""
+
+    def attach(self, manager: ResidencyManager, component: ComponentState) -> None:
+        """At registration: place what stays on the device, set up host copies and hooks."""
+
+    def load(self, manager: ResidencyManager, component: ComponentState, stream: Any | None) -> int:
+        """Make the component ready for a use in `component.dtype` (`stream`: a prefetch on
+        the side stream; None: now, in compute order). Bytes moved to the device."""
+        return 0
+
+    def wait(self, manager: ResidencyManager, component: ComponentState) -> bool:
+        """Make compute wait for a prefetch of this component; True if there was one."""
+        return False
+
+    def release(self, manager: ResidencyManager, component: ComponentState) -> int:
+        """The run of uses is over: give device memory back. Bytes that left the device."""
+        return 0
+
+    def on_device(self, component: ComponentState) -> bool:
+        return True
+
+    def detach(self, manager: ResidencyManager, component: ComponentState) -> None:
+        """close(): everything back to host memory, hooks removed."""
+        self.release(manager, component)
+        component.module.to("cpu")
+
+
+def _cast_on_device(module: nn.Module, dtype: torch.dtype | None, skip: frozenset[int] = frozenset()) -> None:
+    """Cast device-resident floating parameters in place (their storage is the only copy)."""
+    if dtype is None:
+        return
+    for param in module.parameters():
+        if id(param) not in skip and param.dtype.is_floating_point and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
+def _buffers_to(module: nn.Module, device: torch.device) -> None:
+    for dotted, buf in module.named_buffers():
+        owner = module
+        *path, last = dotted.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        owner._buffers[last] = buf.to(device)
+
+
+class ResidentStrategy(ResidencyStrategy):
+    """Stays on the device. A use's dtype casts it in place (narrowing loses precision)."""
+
+    def attach(self, manager: ResidencyManager, component: ComponentState) -> None:
+        component.module.to(manager.device)
+
+    def load(self, manager: ResidencyManager, component: ComponentState, stream: Any | None) -> int:
+        _cast_on_device(component.module, component.dtype)
+        return 0
+
+
+class OffloadStrategy(ResidencyStrategy):
+    """The whole module moves host <-> device through one pinned buffer (buffers stay on the device)."""
+
+    prefetchable = True
+    keepable = True
+
+    def __init__(self) -> None:
+        self.block: WeightBlock | None = None
+
+    def _block(self) -> WeightBlock:
+        if self.block is None:
+            raise RuntimeError("this OffloadStrategy is not attached to a component")
+        return self.block
+
+    def check(self, component: ComponentState) -> None:
+        if self.block is not None:
+            raise ValueError(f"this OffloadStrategy already serves a component; pass a new one for "
+                             f"{component.name!r}")
+
+    def attach(self, manager: ResidencyManager, component: ComponentState) -> None:
+        _buffers_to(component.module, manager.device)
+        self.block = WeightBlock(list(component.module.parameters()), manager.platform, manager.device)
+
+    def load(self, manager: ResidencyManager, component: ComponentState, stream: Any | None) -> int:
+        block = self._block()
+        want = component.dtype or block.dtype
+        if block.on_device and block.device_dtype == want:
+            return 0
+        block.release()  # loaded in another dtype (e.g. prepared before this request's uses were known)
+        block.load(stream, dtype=want)
+        return block.nbytes
+
+    def wait(self, manager: ResidencyManager, component: ComponentState) -> bool:
+        return self._block().wait()
+
+    def release(self, manager: ResidencyManager, component: ComponentState) -> int:
+        return self._block().release()
+
+    def on_device(self, component: ComponentState) -> bool:
+        return self._block().on_device
+
+
+def _lookup(module: nn.Module, dotted: str) -> Any:
+    owner: Any = module
+    for part in dotted.split("."):
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return None
+    return owner
+
+
+class LayerwiseStrategy(ResidencyStrategy):
+    """One or more layer stacks streamed through a ring of p + 1 device buffers; other weights stay.
+
+    `layers_attr` names the nn.ModuleList(s) to stream (dotted paths allowed), in the
+    order they run: e.g. ("transformer_blocks", "single_transformer_blocks"). A hook
+    before layer i waits for its copy (or loads it) and prefetches the next p layers on
+    the side stream; a hook after layer i releases it.
+    """
+
+    def __init__(self, prefetch_layers: int = 1, layers_attr: str | Sequence[str] = "layers") -> None:
+        if isinstance(prefetch_layers, bool) or not isinstance(prefetch_layers, int):
+            raise ValueError(
+                f"prefetch_layers must be an int (layers copied ahead of the running one), "
+                f"got {prefetch_layers!r}; use e.g. prefetch_layers=1"
+            )
+        if prefetch_layers < 0:
+            raise ValueError(f"prefetch_layers {prefetch_layers} must be >= 0 (0: load each layer when it runs)")
+        names = (layers_attr,) if isinstance(layers_attr, str) else tuple(layers_attr)
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(
+                f"layers_attr must name the nn.ModuleList(s) to stream (a str or a sequence of str), "
+                f"got {layers_attr!r}"
+            )
+        self.prefetch_layers = prefetch_layers
+        self.layers_attr: tuple[str, ...] = names
+        self.layers: list[nn.Module] = []  # every streamed layer, in run order
+        self.blocks: list[WeightBlock] = []  # one per layer
+        self.ring: list[torch.Tensor] = []  # p + 1 reusable device buffers while in use
+        self.released_bytes = 0  # bytes streamed out since the run of uses began
+        self.hooks: list[Any] = []
+
+    def _find_layers(self, component: ComponentState) -> list[nn.Module]:
+        layers: list[nn.Module] = []
+        for name in self.layers_attr:
+            stack = _lookup(component.module, name)
+            if not isinstance(stack, nn.ModuleList) or len(stack) == 0:
+                raise ValueError(
+                    f"component {component.name!r} is layerwise but has no non-empty nn.ModuleList "
+                    f"{name!r}; name its layer list(s) with layers_attr"
+                )
+            layers.extend(stack)
+        return layers
+
+    def check(self, component: ComponentState) -> None:
+        layers = self._find_layers(component)
+        if self.prefetch_layers >= len(layers):
+            raise ValueError(
+                f"prefetch_layers={self.prefetch_layers} for {component.name!r}, which streams "
+                f"{len(layers)} layers: at most {len(layers) - 1} can be ahead of a running one "
+                f"(each costs a device buffer of one layer); use prefetch_layers <= {len(layers) - 1}"
+            )
+        if self.hooks:
+            raise ValueError(f"this LayerwiseStrategy already serves a component; pass a new one for "
+                             f"{component.name!r}")
+
+    def attach(self, manager: ResidencyManager, component: ComponentState) -> None:
+        module = component.module
+        layers = self._find_layers(component)
+        layer_params = {id(p) for layer in layers for p in layer.parameters()}
+        for p in module.parameters():  # non-layer parameters stay resident
+            if id(p) not in layer_params:
+                p.data = p.data.to(manager.device)
+        _buffers_to(module, manager.device)
+        self.layers = layers
+        self.blocks = [WeightBlock(list(layer.parameters()), manager.platform, manager.device) for layer in layers]
+        for index, layer in enumerate(layers):
+            self.hooks.append(layer.register_forward_pre_hook(self._before_layer(manager, component, index)))
+            self.hooks.append(layer.register_forward_hook(self._after_layer(index)))
+
+    def load(self, manager: ResidencyManager, component: ComponentState, stream: Any | None) -> int:
+        skip = frozenset(id(p) for layer in self.layers for p in layer.parameters())
+        _cast_on_device(component.module, component.dtype, skip=skip)
+        return 0  # layers stream in as they run
+
+    def release(self, manager: ResidencyManager, component: ComponentState) -> int:
+        released = self.released_bytes + sum(block.release() for block in self.blocks)
+        self.released_bytes = 0
+        self.ring = []  # the next use is another component: give the ring back
+        return released
+
+    def on_device(self, component: ComponentState) -> bool:
+        return all(b.on_device for b in self.blocks)
+
+    def detach(self, manager: ResidencyManager, component: ComponentState) -> None:
+        super().detach(manager, component)
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
+
+    def _before_layer(self, manager: ResidencyManager, component: ComponentState, index: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            block = self.blocks[index]
+            if block.on_device:
+                if block.wait():
+                    manager.event("wait", component.name, layer=index)
+            else:
+                block.load(None, self._ring_slot(component.dtype, index), component.dtype)
+                manager.event("prepare", component.name, layer=index, nbytes=block.nbytes)
+            for ahead in range(index + 1, min(index + 1 + self.prefetch_layers, len(self.blocks))):
+                if not self.blocks[ahead].on_device:
+                    self.blocks[ahead].load(manager.side_stream, self._ring_slot(component.dtype, ahead),
+                                            component.dtype)
+            return None
+
+        return hook
+
+    def _ring_slot(self, dtype: torch.dtype | None, index: int) -> torch.Tensor:
+        """Layer `index` streams into ring slot index % (p + 1): with layer i running and
+        p layers ahead in flight, the slot of layer i - 1 (already released) is the free one."""
+        dtype = dtype or self.blocks[0].dtype
+        if not self.ring or self.ring[0].dtype != dtype:
+            numel = max(b.numel for b in self.blocks)
+            device = self.blocks[0].device
+            self.ring = [torch.empty(numel, dtype=dtype, device=device) for _ in range(self.prefetch_layers + 1)]
+        return self.ring[index % len(self.ring)]
+
+    def _after_layer(self, index: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self.released_bytes += self.blocks[index].release()
+            return None
+
+        return hook
+
+
+_BUILTIN: dict[Strategy, type[ResidencyStrategy]] = {
+    Strategy.RESIDENT: ResidentStrategy,
+    Strategy.OFFLOAD: OffloadStrategy,
+    Strategy.LAYERWISE: LayerwiseStrategy,
+}
+
+
+def strategy_for(name: str, placement: ResidencyStrategy | Strategy | str) -> ResidencyStrategy:
+    """The strategy object for one component: an instance as given, or a new built-in by name."""
+    if isinstance(placement, ResidencyStrategy):
+        return placement
+    if isinstance(placement, type) and issubclass(placement, ResidencyStrategy):
+        return placement()
+    try:
+        return _BUILTIN[Strategy(placement)]()
+    except ValueError:
+        names = ", ".join(s.value for s in Strategy)
+        raise ValueError(
+            f"component {name!r}: unknown strategy {placement!r}; "
+            f"use one of {names} or a ResidencyStrategy instance"
+        ) from None
