@@ -151,8 +151,9 @@ def test_weight_update_validates_before_applying():
     e = engine()
     before = {k: v.clone() for k, v in e.model.state_dict().items()}
     good = torch.zeros_like(e.model.lm_head.weight)
-    with pytest.raises(ValueError, match="nothing applied.*'model.layers.0.self_attn.q_proj.weight' has shape \\(3, 3\\)"):
-        e.update_weights_from_tensors({"lm_head.weight": good, "model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 3)})
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(ValueError, match=f"nothing applied.*'{q_proj}' has shape \\(3, 3\\)"):
+        e.update_weights_from_tensors({"lm_head.weight": good, q_proj: torch.zeros(3, 3)})
     with pytest.raises(ValueError, match="unknown weight 'nope'"):
         e.update_weights_from_tensors([("lm_head.weight", good), ("nope", good)])
     with pytest.raises(ValueError, match="dtype torch.int64"):
