@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 from tests.hf_models import FAMILIES, PROMPTS, Generate, direct_greedy, hf_greedy, make_hf_model, save_hf_model
 from torchhal._generate import make_engine
+from torchhal.cli import main
 from torchhal.core.model import LlamaDecoder
 from torchhal.core.model.checkpoint import (
     CheckpointError,
@@ -227,12 +227,24 @@ def save_word_tokenizer(directory: Path, vocab_size: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0").save_pretrained(directory)
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "torchhal.cli", "generate", *args], capture_output=True,
-                          text=True, timeout=120)
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
 
 
-def test_generate_command_with_text_and_ids(saved, tmp_path):
+@pytest.fixture
+def run_cli(capsys: pytest.CaptureFixture[str]):
+    def run(*args: str) -> Ran:
+        code = main(["generate", *args])
+        out = capsys.readouterr()
+        return Ran(code, out.out, out.err)
+
+    return run
+
+
+def test_generate_command_with_text_and_ids(saved, run_cli):
     directory, expected = saved["mistral"]
     by_ids = run_cli("--model", str(directory), "--prompt-ids", ",".join(map(str, PROMPTS[1])), "--json")
     assert by_ids.returncode == 0, by_ids.stderr
@@ -251,7 +263,7 @@ def test_generate_command_with_text_and_ids(saved, tmp_path):
     assert lines[2].startswith("8 tokens in ") and lines[2].endswith(" tokens/s")
 
 
-def test_generate_command_refuses_bad_ids(saved):
+def test_generate_command_refuses_bad_ids(saved, run_cli):
     bad = run_cli("--model", str(saved["mistral"][0]), "--prompt-ids", "1,x")
     assert bad.returncode == 2 and "--prompt-ids '1,x' must be comma-separated integers" in bad.stderr
 
