@@ -68,3 +68,19 @@ def test_sleep_and_wake_serve_the_same_tokens(checkpoints):
     engine.resume_memory_occupation()
     assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight  # still tied
     assert [list(r.output) for r in engine.generate(PROMPTS, NEW_TOKENS)] == expected
+
+
+def test_graph_runner_path_serves_the_same_tokens(checkpoints):
+    """The graph runner's bucketed, padded path (emulated: no graphs on CPU) over the loaded model."""
+    from torchhal.core.graphs import GraphRunner
+
+    directory, expected = checkpoints["a"]
+    model, _ = load_checkpoint(directory)
+
+    def graphs(engine: GenerationEngine) -> GraphRunner:
+        return GraphRunner(engine.model, engine.platform, engine.device_index, hidden_size=model.config.hidden_size,
+                           dtype=torch.float32, buckets=(8, 16, 64), emulate=True)
+
+    engine = make_engine(model, torch.float32, max_kv_slots=1024, runner_factory=graphs)
+    assert isinstance(engine.runner, GraphRunner)
+    assert [list(r.output) for r in engine.generate(PROMPTS, NEW_TOKENS)] == expected
