@@ -171,7 +171,7 @@ def test_weight_update_applies_post_processing_and_changes_outputs(empties):
     assert result.weight_version == 1 and result.flush.flushed
     assert empties == [ReleasePoint.WEIGHT_UPDATE]
     attn = e.model.model.layers[0].self_attn
-    assert torch.equal(attn.qkv_weight[: attn.q_proj.weight.shape[0]], attn.q_proj.weight)  # re-fused
+    assert torch.equal(attn.fused_weight[: attn.q_proj.weight.shape[0]], attn.q_proj.weight)  # fused
     assert e.generate([PROMPTS[1]], 6)[0].output == expected
 
 

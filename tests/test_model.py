@@ -54,7 +54,7 @@ def test_parameter_names_mirror_hugging_face():
         *(f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
     }
     # derived weights are buffers, not in the state dict: a checkpoint never carries them
-    assert not any("qkv" in k or "gate_up" in k for k in ReferenceDecoder(ModelConfig()).state_dict())
+    assert not any("fused" in k for k in ReferenceDecoder(ModelConfig()).state_dict())
 
 
 def test_kv_cache_sizes_by_kv_heads_and_head_dim():
@@ -104,17 +104,24 @@ def test_sliding_window_limits_what_a_query_sees():
     assert not torch.allclose(out[0][2:], out[1][2:])  # later ones no longer see position 0
 
 
-def test_process_weights_rebuilds_fused_weights_in_place():
-    model = ReferenceDecoder(ModelConfig(attention_bias=True))
+def test_hf_named_projections_are_views_of_the_fused_weights():
+    """Writing q/k/v or gate/up by name is writing the fused weight: no second copy, no re-fusion,
+    fused addresses unchanged (graph-safe); moves and casts keep the views."""
+    model = ReferenceDecoder(ModelConfig(attention_bias=True)).to(torch.float64)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    addresses = [attn.qkv_weight.data_ptr(), attn.qkv_bias.data_ptr(), mlp.gate_up_weight.data_ptr()]
+    addresses = [attn.fused_weight.data_ptr(), attn.fused_bias.data_ptr(), mlp.fused_weight.data_ptr()]
     with torch.no_grad():
         attn.v_proj.bias.fill_(2.0)
         mlp.up_proj.weight.fill_(3.0)
-    model.process_weights()
-    assert [attn.qkv_weight.data_ptr(), attn.qkv_bias.data_ptr(), mlp.gate_up_weight.data_ptr()] == addresses
-    assert torch.all(attn.qkv_bias[-attn.v_proj.bias.numel():] == 2.0)
-    assert torch.all(mlp.gate_up_weight[mlp.gate_proj.weight.shape[0]:] == 3.0)
+    assert [attn.fused_weight.data_ptr(), attn.fused_bias.data_ptr(), mlp.fused_weight.data_ptr()] == addresses
+    assert attn.fused_weight.dtype == attn.q_proj.weight.dtype == torch.float64
+    assert torch.all(attn.fused_bias[-attn.v_proj.bias.numel():] == 2.0)
+    assert torch.all(mlp.fused_weight[mlp.gate_proj.weight.shape[0]:] == 3.0)
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.fused_weight.untyped_storage().data_ptr()
+    params = sum(p.numel() for p in model.parameters())
+    stored = sum(t.untyped_storage().nbytes() for t in {p.untyped_storage().data_ptr(): p for p in
+                                                        [*model.parameters(), *model.buffers()]}.values())
+    assert stored <= params * 8 + model.model.rotary_emb.inv_freq.numel() * 4  # nothing held twice
 
 
 def test_rotary_frequencies_stay_fp32_when_the_model_is_cast():

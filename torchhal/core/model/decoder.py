@@ -1,9 +1,10 @@
 """The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3) with a token-slot KV pool.
 
 Module and parameter names mirror Hugging Face's (`model.layers.N.self_attn.q_proj.weight`, ...),
-so an HF state dict loads by name and weight updates use HF names. Derived weights (fused
-QKV with its bias, fused gate-up) are non-persistent buffers rebuilt in place by
-`process_weights()`, so graph-captured addresses stay valid across weight updates.
+so an HF state dict loads by name and weight updates use HF names. The fused QKV (with its
+bias) and gate-up weights are the storage: the HF-named q/k/v and gate/up parameters are row
+views into them, so a load or update by name fills the fused weight in place (graph-captured
+addresses stay valid) and the fused layout costs no second copy of those weights.
 The layer stack is exposed explicitly (`layer_program()`), with attention marked as a
 breakable op, for the graph runner.
 """
@@ -204,51 +205,78 @@ class RMSNorm(nn.Module):
         return self.weight * (x.float() * scale).to(x.dtype)
 
 
-class Attention(nn.Module):
-    """HF-named q/k/v/o projections (+ optional q/k norms); the fused QKV is derived."""
+class FusedSlice(nn.Module):
+    """An HF-named projection (`weight`, optional `bias`) whose tensors are row views into its
+    owner's fused weight: loading or updating it by name writes the fused weight directly, so
+    the fused layout costs no second copy. The owner converts and re-views it on every move."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FusedSlice:
+        return self  # the owner converts the fused storage once and re-views these
+
+
+class FusedProjections(nn.Module):
+    """Row blocks of one fused projection, exposed as HF-named children (`q_proj`, `k_proj`, ...)."""
+
+    def __init__(self, blocks: dict[str, int], in_features: int, bias: bool) -> None:
+        super().__init__()
+        self.blocks = blocks
+        rows = sum(blocks.values())
+        self.fused_weight: torch.Tensor
+        self.fused_bias: torch.Tensor | None
+        self.register_buffer("fused_weight", torch.empty(rows, in_features), persistent=False)
+        self.register_buffer("fused_bias", torch.empty(rows) if bias else None, persistent=False)
+        self.slices: dict[str, FusedSlice] = {}
+        self._view()
+
+    def _view(self) -> None:
+        start = 0
+        for name, rows in self.blocks.items():
+            weight = self.fused_weight[start : start + rows]
+            bias = self.fused_bias[start : start + rows] if self.fused_bias is not None else None
+            if name in self.slices:  # new parameters: `.data =` cannot cross from meta to a device
+                piece = self.slices[name]
+                piece.weight = nn.Parameter(weight)
+                if bias is not None:
+                    piece.bias = nn.Parameter(bias)
+            else:
+                self.slices[name] = FusedSlice(weight, bias)
+                self.add_module(name, self.slices[name])
+            start += rows
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FusedProjections:
+        super()._apply(fn, recurse)
+        self._view()
+        return self
+
+
+class Attention(FusedProjections):
+    """HF-named q/k/v/o projections (+ optional q/k norms); q/k/v are views of the fused QKV."""
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
         h, d = config.hidden_size, config.head_dim
         q_size, kv_size = config.num_heads * d, config.num_kv_heads * d
-        self.q_proj = nn.Linear(h, q_size, bias=config.attention_bias)
-        self.k_proj = nn.Linear(h, kv_size, bias=config.attention_bias)
-        self.v_proj = nn.Linear(h, kv_size, bias=config.attention_bias)
+        super().__init__({"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, h, config.attention_bias)
         self.o_proj = nn.Linear(q_size, h, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_eps)
             self.k_norm = RMSNorm(d, config.rms_eps)
-        self.qkv_weight: torch.Tensor
-        self.qkv_bias: torch.Tensor | None
-        self.register_buffer("qkv_weight", torch.empty(q_size + 2 * kv_size, h), persistent=False)
-        bias = torch.empty(q_size + 2 * kv_size) if config.attention_bias else None
-        self.register_buffer("qkv_bias", bias, persistent=False)
-
-    def process_weights(self) -> None:
-        with torch.no_grad():
-            self.qkv_weight.copy_(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
-            if self.qkv_bias is not None:
-                self.qkv_bias.copy_(torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]))
 
 
-class MLP(nn.Module):
-    """SwiGLU with HF-named projections; the fused gate-up weight is derived."""
+class MLP(FusedProjections):
+    """SwiGLU with HF-named projections; gate/up are views of the fused gate-up weight."""
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
+        super().__init__({"gate_proj": i, "up_proj": i}, h, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
-        self.gate_up_weight: torch.Tensor
-        self.register_buffer("gate_up_weight", torch.empty(2 * i, h), persistent=False)
-
-    def process_weights(self) -> None:
-        with torch.no_grad():
-            self.gate_up_weight.copy_(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        gate, up = F.linear(x, self.fused_weight).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -261,9 +289,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def process_weights(self) -> None:
-        """Post-load processing: rebuild derived weights *in place* (graph addresses stay valid)."""
-        self.self_attn.process_weights()
-        self.mlp.process_weights()
+        """Post-load processing, in place (graph addresses stay valid). The fused QKV and
+        gate-up need none: their HF-named parameters are views into them."""
 
 
 class RotaryEmbedding(nn.Module):
@@ -362,7 +389,7 @@ class LlamaDecoder(nn.Module):
                 state["residual"] = state["hidden"]
             x = layer.input_layernorm(state["residual"])
             t = x.shape[0]
-            q, k, v = F.linear(x, attn.qkv_weight, attn.qkv_bias).split(sizes, dim=-1)
+            q, k, v = F.linear(x, attn.fused_weight, attn.fused_bias).split(sizes, dim=-1)
             q = q.reshape(t, config.num_heads, config.head_dim)
             k = k.reshape(t, config.num_kv_heads, config.head_dim)
             if config.qk_norm:

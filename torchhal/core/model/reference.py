@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from torchhal.core.model.decoder import AttentionMetadata, KVCache, LlamaDecoder, ModelConfig
+from torchhal.core.model.decoder import AttentionMetadata, FusedSlice, KVCache, LlamaDecoder, ModelConfig
 
 __all__ = ["AttentionMetadata", "KVCache", "ModelConfig", "ReferenceDecoder"]
 
@@ -27,8 +27,10 @@ class ReferenceDecoder(LlamaDecoder):
             for module in self.modules():
                 if isinstance(module, nn.Embedding):
                     module.weight.normal_(generator=generator)
-                elif isinstance(module, nn.Linear) and not (module is self.lm_head and config.tie_word_embeddings):
-                    module.weight.normal_(std=1.0 / math.sqrt(module.in_features), generator=generator)
+                elif isinstance(module, (nn.Linear, FusedSlice)) and not (
+                    module is self.lm_head and config.tie_word_embeddings
+                ):
+                    module.weight.normal_(std=1.0 / math.sqrt(module.weight.shape[1]), generator=generator)
                     if module.bias is not None:
                         module.bias.normal_(std=0.02, generator=generator)
         self.process_weights()
