@@ -212,6 +212,14 @@ def _check(model: LlamaDecoder, headers: dict[str, tuple[Path, tuple[int, ...], 
         raise CheckpointError(f"{files[0].parent}: checkpoint refused, nothing loaded: " + "; ".join(shown))
 
 
+def _allocate(model: LlamaDecoder, device: torch.device) -> LlamaDecoder:
+    """Uninitialised storage on `device` for a meta-built model: the one device allocation.
+    (`Module.to_empty` would do it through `empty_like`, whose meta path imports the compiler stack.)"""
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    model.tie_weights()  # the move made new parameters: share the embedding again
+    return model
+
+
 def load_checkpoint(
     path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str | None = None
 ) -> tuple[LlamaDecoder, LoadReport]:
@@ -231,8 +239,7 @@ def load_checkpoint(
     with torch.device("meta"):
         model = LlamaDecoder(config).to(dtype)
     _check(model, headers, files)  # before the device sees a byte
-    model = model.to_empty(device=target)
-    model.tie_weights()  # to_empty makes new parameters: share the embedding again
+    model = _allocate(model, target)
     params = dict(model.named_parameters())
     bytes_read = tensors = 0
     with torch.no_grad():

@@ -91,7 +91,9 @@ class ModelConfig:
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Rotary inverse frequencies in fp32, as Hugging Face computes them (incl. `llama3` scaling)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # On the host even inside a meta-device context (meta arithmetic imports the compiler stack).
+    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (config.rope_theta ** (steps / dim))
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
@@ -194,6 +196,21 @@ class KVCache:
         return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
 
 
+class Linear(nn.Linear):
+    """`nn.Linear` without the random init: weights are loaded or set by the caller (and
+    drawing random numbers on the meta device is slow: it pulls in the compiler stack)."""
+
+    def reset_parameters(self) -> None:
+        return None
+
+
+class Embedding(nn.Embedding):
+    """`nn.Embedding` without the random init (see `Linear`)."""
+
+    def reset_parameters(self) -> None:
+        return None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -261,7 +278,7 @@ class Attention(FusedProjections):
         h, d = config.hidden_size, config.head_dim
         q_size, kv_size = config.num_heads * d, config.num_kv_heads * d
         super().__init__({"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, h, config.attention_bias)
-        self.o_proj = nn.Linear(q_size, h, bias=config.o_proj_bias)
+        self.o_proj = Linear(q_size, h, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_eps)
             self.k_norm = RMSNorm(d, config.rms_eps)
@@ -273,7 +290,7 @@ class MLP(FusedProjections):
     def __init__(self, config: ModelConfig) -> None:
         h, i = config.hidden_size, config.intermediate_size
         super().__init__({"gate_proj": i, "up_proj": i}, h, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
+        self.down_proj = Linear(i, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.fused_weight).chunk(2, dim=-1)
@@ -332,7 +349,7 @@ class DecoderStack(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
         self.rotary_emb = RotaryEmbedding(config)
@@ -345,7 +362,7 @@ class LlamaDecoder(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderStack(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.kv: KVCache | None = None
 

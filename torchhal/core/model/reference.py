@@ -19,9 +19,7 @@ class ReferenceDecoder(LlamaDecoder):
     """`LlamaDecoder` whose weights are drawn from `config.seed` (the global RNG is left as it was)."""
 
     def __init__(self, config: ModelConfig) -> None:
-        rng_state = torch.random.get_rng_state()
         super().__init__(config)
-        torch.random.set_rng_state(rng_state)  # the modules' default init drew from the global RNG
         generator = torch.Generator().manual_seed(config.seed)
         with torch.no_grad():
             for module in self.modules():
