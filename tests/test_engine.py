@@ -151,8 +151,9 @@ def test_weight_update_validates_before_applying():
     e = engine()
     before = {k: v.clone() for k, v in e.model.state_dict().items()}
     good = torch.zeros_like(e.model.lm_head.weight)
-    with pytest.raises(ValueError, match="nothing applied.*'layers.0.q_proj.weight' has shape \\(3, 3\\)"):
-        e.update_weights_from_tensors({"lm_head.weight": good, "layers.0.q_proj.weight": torch.zeros(3, 3)})
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(ValueError, match=f"nothing applied.*'{q_proj}' has shape \\(3, 3\\)"):
+        e.update_weights_from_tensors({"lm_head.weight": good, q_proj: torch.zeros(3, 3)})
     with pytest.raises(ValueError, match="unknown weight 'nope'"):
         e.update_weights_from_tensors([("lm_head.weight", good), ("nope", good)])
     with pytest.raises(ValueError, match="dtype torch.int64"):
@@ -169,8 +170,8 @@ def test_weight_update_applies_post_processing_and_changes_outputs(empties):
     result = e.update_weights_from_tensors(other.model.named_parameters(), flush_cache=True)
     assert result.weight_version == 1 and result.flush.flushed
     assert empties == [ReleasePoint.WEIGHT_UPDATE]
-    layer = e.model.layers[0]
-    assert torch.equal(layer.qkv_weight[: layer.q_proj.weight.shape[0]], layer.q_proj.weight)  # re-fused
+    attn = e.model.model.layers[0].self_attn
+    assert torch.equal(attn.fused_weight[: attn.q_proj.weight.shape[0]], attn.q_proj.weight)  # fused
     assert e.generate([PROMPTS[1]], 6)[0].output == expected
 
 

@@ -1,8 +1,10 @@
-"""The reference decoder: causal attention through the KV pool, and its metadata."""
+"""The Llama-family decoder (seeded reference instance): attention through the KV pool, its metadata,
+its variants (GQA, head_dim, biases, q/k norms, sliding window, llama3 rope) and HF parameter names."""
 
+import pytest
 import torch
 
-from torchhal.core.model import AttentionMetadata, KVCache, ModelConfig, ReferenceDecoder
+from torchhal.core.model import AttentionMetadata, KVCache, Llama3RopeScaling, ModelConfig, ReferenceDecoder
 
 CPU = torch.device("cpu")
 
@@ -39,3 +41,98 @@ def test_weights_are_seeded_and_deterministic():
     c = ReferenceDecoder(ModelConfig(seed=4))
     assert torch.equal(a.lm_head.weight, b.lm_head.weight)
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
+
+
+def test_parameter_names_mirror_hugging_face():
+    names = set(dict(ReferenceDecoder(ModelConfig(num_layers=1, attention_bias=True, qk_norm=True)).named_parameters()))
+    assert names == {
+        "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+        "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
+        *(f"model.layers.0.self_attn.{p}_proj.{w}" for p in "qkv" for w in ("weight", "bias")),
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight",
+        *(f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+    }
+    # derived weights are buffers, not in the state dict: a checkpoint never carries them
+    assert not any("fused" in k for k in ReferenceDecoder(ModelConfig()).state_dict())
+
+
+def test_kv_cache_sizes_by_kv_heads_and_head_dim():
+    gqa = ModelConfig(hidden_size=128, num_heads=8, num_kv_heads=2, head_dim=24)
+    assert KVCache.bytes_per_slot(gqa, torch.float32) == 2 * gqa.num_layers * 2 * 24 * 4
+    cache = KVCache(gqa, 10, CPU, torch.bfloat16)
+    assert cache.k.shape == (gqa.num_layers, 10, 2, 24) and cache.v.dtype == torch.bfloat16
+    model = ReferenceDecoder(gqa)
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == (8 * 24, 128)
+    assert model.model.layers[0].self_attn.k_proj.weight.shape == (2 * 24, 128)
+
+
+def test_config_defaults_and_refusals():
+    plain = ModelConfig(hidden_size=64, num_heads=4)
+    assert (plain.head_dim, plain.num_kv_heads) == (16, 4)
+    with pytest.raises(ValueError, match="hidden_size 100 is not divisible by num_heads 8; give head_dim"):
+        ModelConfig(hidden_size=100, num_heads=8)
+    assert ModelConfig(hidden_size=100, num_heads=8, head_dim=16).head_dim == 16
+    with pytest.raises(ValueError, match="num_heads 6 is not a multiple of num_kv_heads 4"):
+        ModelConfig(hidden_size=96, num_heads=6, num_kv_heads=4)
+    with pytest.raises(ValueError, match="head_dim = 15 must be a positive even int"):
+        ModelConfig(head_dim=15)
+
+
+@pytest.mark.parametrize("config", [
+    ModelConfig(num_heads=4, num_kv_heads=2, head_dim=24, attention_bias=True, qk_norm=True),
+    ModelConfig(sliding_window=3, tie_word_embeddings=True, rope_scaling=Llama3RopeScaling(original_max_position=8)),
+], ids=["gqa-bias-qknorm", "window-tied-llama3"])
+def test_prefill_equals_decode_for_every_variant(config):
+    model = ReferenceDecoder(config)
+    model.kv = KVCache(config, 64, CPU, torch.float32)
+    tokens = [3, 1, 4, 1, 5, 9, 2]
+    prefill = model(torch.tensor(tokens), AttentionMetadata.build([list(range(len(tokens)))], [len(tokens)], CPU))
+    stepwise = [model(torch.tensor([t]), AttentionMetadata.build([list(range(20, 21 + i))], [1], CPU))
+                for i, t in enumerate(tokens)]
+    torch.testing.assert_close(torch.cat(stepwise), prefill, atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_window_limits_what_a_query_sees():
+    windowed = ReferenceDecoder(ModelConfig(sliding_window=2))
+    full = ReferenceDecoder(ModelConfig())
+    out = []
+    for model in (windowed, full):
+        model.kv = KVCache(model.config, 16, CPU, torch.float32)
+        out.append(model(torch.tensor([7, 8, 9, 10]), AttentionMetadata.build([[0, 1, 2, 3]], [4], CPU)))
+    torch.testing.assert_close(out[0][:2], out[1][:2])  # the first two positions see all they would anyway
+    assert not torch.allclose(out[0][2:], out[1][2:])  # later ones no longer see position 0
+
+
+def test_hf_named_projections_are_views_of_the_fused_weights():
+    """Writing q/k/v or gate/up by name is writing the fused weight: no second copy, no re-fusion,
+    fused addresses unchanged (graph-safe); moves and casts keep the views."""
+    model = ReferenceDecoder(ModelConfig(attention_bias=True)).to(torch.float64)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    addresses = [attn.fused_weight.data_ptr(), attn.fused_bias.data_ptr(), mlp.fused_weight.data_ptr()]
+    with torch.no_grad():
+        attn.v_proj.bias.fill_(2.0)
+        mlp.up_proj.weight.fill_(3.0)
+    assert [attn.fused_weight.data_ptr(), attn.fused_bias.data_ptr(), mlp.fused_weight.data_ptr()] == addresses
+    assert attn.fused_weight.dtype == attn.q_proj.weight.dtype == torch.float64
+    assert torch.all(attn.fused_bias[-attn.v_proj.bias.numel():] == 2.0)
+    assert torch.all(mlp.fused_weight[mlp.gate_proj.weight.shape[0]:] == 3.0)
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.fused_weight.untyped_storage().data_ptr()
+    params = sum(p.numel() for p in model.parameters())
+    stored = sum(t.untyped_storage().nbytes() for t in {p.untyped_storage().data_ptr(): p for p in
+                                                        [*model.parameters(), *model.buffers()]}.values())
+    assert stored <= params * 8 + model.model.rotary_emb.inv_freq.numel() * 4  # nothing held twice
+
+
+def test_rotary_frequencies_stay_fp32_when_the_model_is_cast():
+    model = ReferenceDecoder(ModelConfig()).to(torch.bfloat16)
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    fp32 = ReferenceDecoder(ModelConfig())
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, fp32.model.rotary_emb.inv_freq)
+
+
+def test_seeding_leaves_the_global_rng_alone():
+    state = torch.random.get_rng_state()
+    ReferenceDecoder(ModelConfig(seed=5))
+    assert torch.equal(torch.random.get_rng_state(), state)

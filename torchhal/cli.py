@@ -10,6 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 import torchhal
+from torchhal._generate import add_generate_command
 from torchhal.platforms import PlatformError, current_platform, how_resolved, list_platforms, registry
 
 GiB = 1 << 30
@@ -144,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--junit", help="write a JUnit XML report to this path")
     conf.add_argument("-k", help="only tests matching this pytest -k expression")
     conf.set_defaults(func=cmd_conformance)
+    add_generate_command(sub)
     return parser
 
 

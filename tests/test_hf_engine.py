@@ -1,0 +1,86 @@
+"""The engine serving loaded HF checkpoints: pause/continue, weight updates by HF name, sleep/wake,
+all token-exact against transformers' greedy generate (fp32, CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.hf_models import PROMPTS, hf_greedy, save_hf_model
+from torchhal._generate import make_engine
+from torchhal.core.engine import GenerationEngine
+from torchhal.core.model.checkpoint import iter_checkpoint_tensors, load_checkpoint
+
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[list[int]]]]:
+    """Two Qwen3 checkpoints (q/k norms, GQA, tied head) of the same shape, different weights."""
+    out = {}
+    for name, seed in (("a", 0), ("b", 1)):
+        directory = tmp_path_factory.mktemp(f"qwen3_{name}")
+        hf = save_hf_model("qwen3", directory, seed=seed)
+        out[name] = (directory, hf_greedy(hf, PROMPTS, NEW_TOKENS))
+    assert out["a"][1] != out["b"][1]
+    return out
+
+
+def serve(directory: Path) -> GenerationEngine:
+    model, _ = load_checkpoint(directory)
+    return make_engine(model, torch.float32, max_kv_slots=1024)
+
+
+def run_all(engine: GenerationEngine, rids: list[int]) -> list[list[int]]:
+    while any(rid not in engine.results for rid in rids):
+        engine.step()
+    return [list(engine.results.pop(rid).output) for rid in rids]
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_pause_and_continue_mid_flight_keeps_tokens_exact(checkpoints, mode):
+    directory, expected = checkpoints["a"]
+    engine = serve(directory)
+    rids = [engine.add_request(p, NEW_TOKENS) for p in PROMPTS[:2]]
+    for _ in range(5):
+        engine.step()
+    engine.pause_generation(mode)
+    assert engine.step() == []  # paused: nothing runs
+    engine.continue_generation()
+    rids += [engine.add_request(p, NEW_TOKENS) for p in PROMPTS[2:]]  # join after the pause
+    assert run_all(engine, rids) == expected
+
+
+def test_weight_update_from_a_second_checkpoint_by_hf_name(checkpoints):
+    engine = serve(checkpoints["a"][0])
+    assert engine.generate(PROMPTS, NEW_TOKENS)[0].output == tuple(checkpoints["a"][1][0])
+    result = engine.update_weights_from_tensors(iter_checkpoint_tensors(checkpoints["b"][0]), flush_cache=True)
+    assert result.weight_version == 1
+    assert [list(r.output) for r in engine.generate(PROMPTS, NEW_TOKENS)] == checkpoints["b"][1]
+
+
+def test_sleep_and_wake_serve_the_same_tokens(checkpoints):
+    directory, expected = checkpoints["a"]
+    engine = serve(directory)
+    engine.release_memory_occupation()
+    engine.resume_memory_occupation()
+    assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight  # still tied
+    assert [list(r.output) for r in engine.generate(PROMPTS, NEW_TOKENS)] == expected
+
+
+def test_graph_runner_path_serves_the_same_tokens(checkpoints):
+    """The graph runner's bucketed, padded path (emulated: no graphs on CPU) over the loaded model."""
+    from torchhal.core.graphs import GraphRunner
+
+    directory, expected = checkpoints["a"]
+    model, _ = load_checkpoint(directory)
+
+    def graphs(engine: GenerationEngine) -> GraphRunner:
+        return GraphRunner(engine.model, engine.platform, engine.device_index, hidden_size=model.config.hidden_size,
+                           dtype=torch.float32, buckets=(8, 16, 64), emulate=True)
+
+    engine = make_engine(model, torch.float32, max_kv_slots=1024, runner_factory=graphs)
+    assert isinstance(engine.runner, GraphRunner)
+    assert [list(r.output) for r in engine.generate(PROMPTS, NEW_TOKENS)] == expected

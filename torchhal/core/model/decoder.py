@@ -1,0 +1,478 @@
+"""The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3) with a token-slot KV pool.
+
+Module and parameter names mirror Hugging Face's (`model.layers.N.self_attn.q_proj.weight`, ...),
+so an HF state dict loads by name and weight updates use HF names. The fused QKV (with its
+bias) and gate-up weights are the storage: the HF-named q/k/v and gate/up parameters are row
+views into them, so a load or update by name fills the fused weight in place (graph-captured
+addresses stay valid) and the fused layout costs no second copy of those weights.
+The layer stack is exposed explicitly (`layer_program()`), with attention marked as a
+breakable op, for the graph runner.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from torchhal.core.graphs.program import BreakStep, GraphStep, StackState, Step, run_eager
+
+_SHAPE_FREE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1 frequency-dependent rotary scaling (HF `rope_type: llama3`)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder.
+
+    `num_kv_heads` 0 means one KV head per query head (no GQA); `head_dim` 0 means
+    `hidden_size // num_heads`. `attention_bias` puts biases on q/k/v (Qwen2),
+    `o_proj_bias` on the output projection; `qk_norm` adds per-head RMSNorms on q and k
+    (Qwen3); `sliding_window` limits every layer's attention to the last N positions (Mistral).
+    `seed` only matters for the seeded reference weights.
+    """
+
+    vocab_size: int = 512
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 344
+    max_position: int = 4096
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    seed: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    attention_bias: bool = False
+    o_proj_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    rope_scaling: Llama3RopeScaling | None = None
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{name} = {value!r} must be a positive int")
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; "
+                    "give head_dim explicitly"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim = {self.head_dim} must be a positive even int (rotary pairs)")
+        if self.num_kv_heads == 0:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads} (GQA groups)"
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"ModelConfig.sliding_window = {self.sliding_window!r} must be >= 1 or None")
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies in fp32, as Hugging Face computes them (incl. `llama3` scaling)."""
+    dim = config.head_dim
+    # On the host even inside a meta-device context (meta arithmetic imports the compiler stack).
+    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (config.rope_theta ** (steps / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    low_freq_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-batch facts attention needs, built once on the host for the live batch
+    and shared by every layer.
+
+    out_slots:   [T] KV slot written by each token.
+    kv_slots:    [B, Lmax] slots of each sequence's context (padded with 0).
+    query_index: [B, Qmax] token index of each sequence's queries (padded with 0).
+    attn_mask:   [B, 1, Qmax, Lmax] causal mask over each sequence's real context.
+    positions:   [T] absolute positions (also the rotary positions).
+    token_seq, token_query: [T] the (sequence, query) slot of each token, in token order,
+        so attention scatters its output back without boolean indexing (which would sync).
+    """
+
+    out_slots: torch.Tensor
+    kv_slots: torch.Tensor
+    query_index: torch.Tensor
+    attn_mask: torch.Tensor
+    positions: torch.Tensor
+    token_seq: torch.Tensor
+    token_query: torch.Tensor
+
+    @classmethod
+    def build(
+        cls, seq_slots: list[list[int]], query_counts: list[int], device: torch.device
+    ) -> AttentionMetadata:
+        """`seq_slots[i]`: all KV slots of sequence i after this step; its last
+        `query_counts[i]` tokens are this step's queries."""
+        batch = len(seq_slots)
+        lmax = max(len(s) for s in seq_slots)
+        qmax = max(query_counts)
+        kv_slots = torch.zeros(batch, lmax, dtype=torch.long)
+        query_index = torch.zeros(batch, qmax, dtype=torch.long)
+        mask = torch.zeros(batch, 1, qmax, lmax, dtype=torch.bool)
+        kv_pos = torch.arange(lmax)
+        out_slots: list[int] = []
+        positions: list[int] = []
+        token_seq: list[int] = []
+        token_query: list[int] = []
+        token = 0
+        for i, (slots, count) in enumerate(zip(seq_slots, query_counts, strict=True)):
+            length = len(slots)
+            kv_slots[i, :length] = torch.tensor(slots)
+            query_index[i, :count] = torch.arange(token, token + count)
+            query_pos = torch.arange(length - count, length)
+            mask[i, 0, :count] = (kv_pos[None, :] <= query_pos[:, None]) & (kv_pos[None, :] < length)
+            out_slots.extend(slots[length - count :])
+            positions.extend(range(length - count, length))
+            token_seq.extend([i] * count)
+            token_query.extend(range(count))
+            token += count
+        mask[:, 0, :, 0] |= ~mask.any(-1)[:, 0]  # padded query rows: attend to one slot, never to nothing
+
+        def to_device(values: list[int] | torch.Tensor) -> torch.Tensor:
+            tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
+            return tensor.to(device, non_blocking=True)
+
+        return cls(
+            out_slots=to_device(out_slots),
+            kv_slots=to_device(kv_slots),
+            query_index=to_device(query_index),
+            attn_mask=to_device(mask),
+            positions=to_device(positions),
+            token_seq=to_device(token_seq),
+            token_query=to_device(token_query),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.out_slots.numel())
+
+
+class KVCache:
+    """Token-slot KV storage for every layer (KV heads only, so GQA shrinks it), preallocated once."""
+
+    def __init__(self, config: ModelConfig, num_slots: int, device: torch.device, dtype: torch.dtype) -> None:
+        shape = (config.num_layers, num_slots, config.num_kv_heads, config.head_dim)
+        self.num_slots = num_slots
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    @staticmethod
+    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` without the random init: weights are loaded or set by the caller (and
+    drawing random numbers on the meta device is slow: it pulls in the compiler stack)."""
+
+    def reset_parameters(self) -> None:
+        return None
+
+
+class Embedding(nn.Embedding):
+    """`nn.Embedding` without the random init (see `Linear`)."""
+
+    def reset_parameters(self) -> None:
+        return None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * (x.float() * scale).to(x.dtype)
+
+
+class FusedSlice(nn.Module):
+    """An HF-named projection (`weight`, optional `bias`) whose tensors are row views into its
+    owner's fused weight: loading or updating it by name writes the fused weight directly, so
+    the fused layout costs no second copy. The owner converts and re-views it on every move."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FusedSlice:
+        return self  # the owner converts the fused storage once and re-views these
+
+
+class FusedProjections(nn.Module):
+    """Row blocks of one fused projection, exposed as HF-named children (`q_proj`, `k_proj`, ...)."""
+
+    def __init__(self, blocks: dict[str, int], in_features: int, bias: bool) -> None:
+        super().__init__()
+        self.blocks = blocks
+        rows = sum(blocks.values())
+        self.fused_weight: torch.Tensor
+        self.fused_bias: torch.Tensor | None
+        self.register_buffer("fused_weight", torch.empty(rows, in_features), persistent=False)
+        self.register_buffer("fused_bias", torch.empty(rows) if bias else None, persistent=False)
+        self.slices: dict[str, FusedSlice] = {}
+        self._view()
+
+    def _view(self) -> None:
+        start = 0
+        for name, rows in self.blocks.items():
+            weight = self.fused_weight[start : start + rows]
+            bias = self.fused_bias[start : start + rows] if self.fused_bias is not None else None
+            if name in self.slices:  # new parameters: `.data =` cannot cross from meta to a device
+                piece = self.slices[name]
+                piece.weight = nn.Parameter(weight)
+                if bias is not None:
+                    piece.bias = nn.Parameter(bias)
+            else:
+                self.slices[name] = FusedSlice(weight, bias)
+                self.add_module(name, self.slices[name])
+            start += rows
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FusedProjections:
+        super()._apply(fn, recurse)
+        self._view()
+        return self
+
+
+class Attention(FusedProjections):
+    """HF-named q/k/v/o projections (+ optional q/k norms); q/k/v are views of the fused QKV."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        h, d = config.hidden_size, config.head_dim
+        q_size, kv_size = config.num_heads * d, config.num_kv_heads * d
+        super().__init__({"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, h, config.attention_bias)
+        self.o_proj = Linear(q_size, h, bias=config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_eps)
+            self.k_norm = RMSNorm(d, config.rms_eps)
+
+
+class MLP(FusedProjections):
+    """SwiGLU with HF-named projections; gate/up are views of the fused gate-up weight."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        h, i = config.hidden_size, config.intermediate_size
+        super().__init__({"gate_proj": i, "up_proj": i}, h, bias=False)
+        self.down_proj = Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.fused_weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.mlp = MLP(config)
+
+    def process_weights(self) -> None:
+        """Post-load processing, in place (graph addresses stay valid). The fused QKV and
+        gate-up need none: their HF-named parameters are views into them."""
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the fp32 inverse frequencies; cos/sin are computed per token, as HF does."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> RotaryEmbedding:
+        # Follow device moves but stay fp32 (a bf16 cast would shift every angle), and
+        # recompute rather than convert, so a meta-built model gets real frequencies.
+        super()._apply(fn, recurse)
+        device = self.inv_freq.device
+        self.inv_freq = rope_inv_freq(self.config).to(device) if device.type != "meta" else self.inv_freq.float()
+        return self
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's non-interleaved rotary layout on [T, H, D] with per-token cos/sin [T, D]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return x * cos + rotate_half(x) * sin
+
+
+class DecoderStack(nn.Module):
+    """HF's `model`: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+class LlamaDecoder(nn.Module):
+    """One decoder for the Llama family; weights start uninitialised (load or init them)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.kv: KVCache | None = None
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head when the config ties them (after a move, too)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return list(self.model.layers)  # type: ignore[arg-type]  # ModuleList items are typed Module
+
+    def process_weights(self) -> None:
+        for layer in self.decoder_layers:
+            layer.process_weights()
+
+    # -- the layer stack, as a program for runners --------------------------------
+    def layer_program(self) -> list[Step]:
+        """Graph-safe steps and breakable attention ops for the whole layer stack.
+
+        Inputs in the state: "hidden" [T, H] (embedded tokens), "positions" [T].
+        Output: "hidden" [T, H] after the final norm.
+        """
+        steps: list[Step] = []
+        layers = self.decoder_layers
+        for index, layer in enumerate(layers):
+            steps.append(GraphStep(f"layer{index}.pre_attention", self._pre_attention(layer, first=index == 0)))
+            steps.append(BreakStep(f"layer{index}.attention", self._attention(index)))
+            last = index == len(layers) - 1
+            steps.append(GraphStep(f"layer{index}.post_attention", self._post_attention(layer, last)))
+        return steps
+
+    def _pre_attention(self, layer: DecoderLayer, first: bool) -> Callable[[StackState], None]:
+        config = self.config
+        attn = layer.self_attn
+        sizes = [config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim]
+        sizes.append(sizes[1])
+
+        def run(state: StackState) -> None:
+            if first:
+                state["residual"] = state["hidden"]
+            x = layer.input_layernorm(state["residual"])
+            t = x.shape[0]
+            q, k, v = F.linear(x, attn.fused_weight, attn.fused_bias).split(sizes, dim=-1)
+            q = q.reshape(t, config.num_heads, config.head_dim)
+            k = k.reshape(t, config.num_kv_heads, config.head_dim)
+            if config.qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            cos, sin = self.model.rotary_emb(state["positions"], x.dtype)
+            state["q"], state["k"] = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            state["v"] = v.reshape(t, config.num_kv_heads, config.head_dim).contiguous()
+            state["attn_out"] = torch.empty_like(state["q"])  # written in place by attention
+
+        return run
+
+    def _attention(self, index: int) -> Callable[[StackState, int, AttentionMetadata], None]:
+        config = self.config
+        groups = config.num_heads // config.num_kv_heads
+
+        def expand_kv(x: torch.Tensor) -> torch.Tensor:
+            """[B, L, Hkv, D] -> [B, L, H, D]; query head i reads KV head i // groups (HF's repeat_kv)."""
+            if groups == 1:
+                return x
+            b, length, hkv, d = x.shape
+            return x[:, :, :, None, :].expand(b, length, hkv, groups, d).reshape(b, length, hkv * groups, d)
+
+        def run(state: StackState, num_tokens: int, meta: AttentionMetadata) -> None:
+            assert self.kv is not None, "allocate the KV cache before running the model"
+            k_cache, v_cache = self.kv.k[index], self.kv.v[index]
+            k_cache.index_copy_(0, meta.out_slots, state["k"][:num_tokens])
+            v_cache.index_copy_(0, meta.out_slots, state["v"][:num_tokens])
+            q = state["q"][meta.query_index]  # [B, Qmax, H, D]
+            keys, values = expand_kv(k_cache[meta.kv_slots]), expand_kv(v_cache[meta.kv_slots])  # [B, L, H, D]
+            mask = meta.attn_mask
+            if config.sliding_window is not None:
+                # Position j of a sequence sits at column j; a query sees the last `window` positions.
+                query_pos = meta.positions[meta.query_index]  # [B, Qmax]
+                kv_pos = torch.arange(mask.shape[-1], device=mask.device)
+                mask = mask & (kv_pos[None, None, None, :] > query_pos[:, None, :, None] - config.sliding_window)
+                mask[:, 0, :, 0] |= ~mask.any(-1)[:, 0]
+            # Backends that do not build a plan per shape: decode grows the context every
+            # step, and a per-shape plan build (measured: 13 ms a call on an H100) dominates.
+            with sdpa_kernel(_SHAPE_FREE_SDPA):
+                out = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask
+                ).transpose(1, 2)  # [B, Qmax, H, D]
+            state["attn_out"][:num_tokens].copy_(out[meta.token_seq, meta.token_query])
+
+        return run
+
+    def _post_attention(self, layer: DecoderLayer, last: bool) -> Callable[[StackState], None]:
+        def run(state: StackState) -> None:
+            t = state["attn_out"].shape[0]
+            residual = state["residual"] + layer.self_attn.o_proj(state["attn_out"].reshape(t, -1))
+            residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
+            state["residual"] = residual
+            if last:
+                state["hidden"] = self.model.norm(residual)
+
+        return run
+
+    # -- eager forward ------------------------------------------------------------------
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def logits(self, hidden: torch.Tensor, last_token_index: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden.index_select(0, last_token_index)).float()
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        state: StackState = {"hidden": self.embed_tokens(input_ids), "positions": meta.positions}
+        run_eager(self.layer_program(), state, input_ids.numel(), meta)
+        return state["hidden"]
