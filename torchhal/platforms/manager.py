@@ -249,9 +249,9 @@ class PlatformRegistry:
                 PluginFailure(
                     source,
                     "version",
-                    f"{cls} targets torchhal SPI {major}.{minor}, but this torchhal implements SPI "
-                    f"{ours}; install a {item.name!r} plugin release built for SPI {SPI_VERSION[0]}.x, "
-                    f"or a torchhal release implementing SPI {major}.x",
+                    f"{cls} (platform {item.name!r}) targets torchhal SPI {major}.{minor}, but this "
+                    f"torchhal implements SPI {ours}; install a {item.name!r} plugin release built "
+                    f"for SPI {SPI_VERSION[0]}.x, or a torchhal release implementing SPI {major}.x",
                     dist,
                 )
             )
