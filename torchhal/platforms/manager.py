@@ -21,6 +21,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, TypeVar
 
 import pluggy
@@ -76,6 +77,13 @@ def isolated(call: Callable[..., _T], *args: Any) -> tuple[_T | None, BaseExcept
         raise
     except BaseException as exc:  # noqa: BLE001 - isolation is the point
         return None, exc
+
+
+def _describe_plugin(plugin: object) -> str:
+    if isinstance(plugin, ModuleType):
+        empty = " (a namespace package: no __init__.py)" if getattr(plugin, "__file__", None) is None else ""
+        return f"module {plugin.__name__!r}{empty}"
+    return repr(plugin)
 
 
 def detect_timeout_from_env() -> float | None:
@@ -153,7 +161,7 @@ class PlatformRegistry:
                 PluginFailure(
                     name,
                     "register",
-                    f"{plugin!r} implements no torchhal hook, so it registers nothing; point the "
+                    f"{_describe_plugin(plugin)} implements no torchhal hook, so it registers nothing; point the "
                     "entry point at the module that defines torchhal_register_platforms "
                     "(decorated with torchhal.hookimpl)",
                     distribution,
