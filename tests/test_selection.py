@@ -5,7 +5,6 @@ import pytest
 
 import torchhal
 from torchhal.platforms import (
-    AmbiguousPlatformError,
     Availability,
     PlatformUnavailableError,
     UnknownPlatformError,
@@ -51,10 +50,11 @@ def test_highest_priority_available_wins_and_unavailable_is_skipped(make_registr
     assert "over cpu (0)" in torchhal.how_resolved()[0]
 
 
-def test_equal_priority_is_an_error_naming_both(make_registry):
-    make_registry(plugin_module(fake_platform("alpha", 10), fake_platform("beta", 10)))
-    with pytest.raises(AmbiguousPlatformError, match="'alpha' and 'beta'.*TORCHHAL_PLATFORM"):
-        torchhal.current_platform()
+def test_equal_priority_resolves_by_the_tie_rule_and_says_so(make_registry):
+    # Was an AmbiguousPlatformError for every engine; now deterministic (TIE_RULE).
+    make_registry(plugin_module(fake_platform("beta", 10), fake_platform("alpha", 10)))
+    assert torchhal.current_platform().name == "alpha"
+    assert f"tied with beta: broken by the tie rule ({torchhal.TIE_RULE})" in torchhal.how_resolved()[0]
 
 
 def test_env_selects_by_name(make_registry, monkeypatch):

@@ -6,12 +6,20 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 import torchhal
 from torchhal._generate import add_generate_command
-from torchhal.platforms import PlatformError, current_platform, how_resolved, list_platforms, registry
+from torchhal.platforms import (
+    SPI_VERSION,
+    PlatformError,
+    current_platform,
+    how_resolved,
+    list_platforms,
+    registry,
+)
 
 GiB = 1 << 30
 
@@ -21,57 +29,120 @@ def _environment(platform_env: tuple[str, ...] = ()) -> dict[str, str]:
     return {k: os.environ[k] for k in names if k in os.environ}
 
 
+def _plugin_query(reg: Any, platform: Any, label: str, call: Callable[..., Any], *args: Any) -> tuple[Any, bool]:
+    """(result, True), or (None, False) with a "query" failure recorded: a plugin never ends `info`."""
+    from torchhal.platforms.manager import describe_error, isolated
+    from torchhal.platforms.records import PluginFailure
+
+    result, error = isolated(call, *args)
+    if error is None:
+        return result, True
+    failure = PluginFailure(platform.name, "query", f"{label}: {describe_error(error)}", platform.distribution)
+    reg.record_failure(failure)
+    return None, False
+
+
+def _device_rows(reg: Any, platform: Any) -> list[dict[str, Any]]:
+    from torchhal.platforms.records import DeviceInfo
+
+    def count() -> int:
+        n = platform.device_count()
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise TypeError(f"returned {n!r}; it must be an int >= 0")
+        return n
+
+    def device_info(index: int) -> dict[str, Any]:
+        d = platform.device_info(index)
+        if not isinstance(d, DeviceInfo):
+            raise TypeError(f"returned {type(d).__name__} {d!r}; it must return a torchhal.DeviceInfo")
+        return asdict(d)
+
+    def memory_info(index: int) -> dict[str, Any]:
+        return asdict(platform.memory_info(index))
+
+    n, ok = _plugin_query(reg, platform, "device_count()", count)
+    devices = []
+    for index in range(n if ok else 0):
+        d, d_ok = _plugin_query(reg, platform, f"device_info({index})", device_info, index)
+        m, m_ok = _plugin_query(reg, platform, f"memory_info({index})", memory_info, index)
+        devices.append({"index": index, "device": d if d_ok else None, "memory": m if m_ok else None})
+    return devices
+
+
 def collect_info() -> dict[str, Any]:
-    """Everything `torchhal info` shows, as plain data. Raises PlatformError if none resolves."""
+    """Everything `torchhal info` shows, as plain data.
+
+    A plugin's misbehaviour (raising, exiting, wrong types) becomes a plugin error in
+    the data, never an exception; "current" is None with "error" set when no
+    platform resolves. Raises PlatformError only for a bad torchhal setting.
+    """
     import torch
 
     reg = registry()
     info: dict[str, Any] = {
         "torchhal": torchhal.__version__,
         "torch": torch.__version__,
+        "spi_version": ".".join(map(str, SPI_VERSION)),
         "platforms": [asdict(s) for s in list_platforms()],
+        "current": None,
+        "error": None,
     }
-    platform = current_platform()
-    how, where = how_resolved()
-    devices = []
-    for index in range(platform.device_count()):
-        d = platform.device_info(index)
-        m = platform.memory_info(index)
-        devices.append({"device": asdict(d), "memory": asdict(m)})
-    graphs, ipc = platform.graph_support, platform.ipc_support
-    info["current"] = {
-        "name": platform.name,
-        "how": how,
-        "resolved_at": where,
-        "distribution": platform.distribution,
-        "version": platform.version,
-        "runtime": platform.runtime_version(),
-        "dist_backend": platform.dist_backend,
-        "environment": _environment(platform.visible_devices_env),
-        "devices": devices,
-        "capabilities": {
-            "graphs": graphs.graph_class.__name__ if graphs else None,
-            "ipc": ({"peer_redirect": ipc.peer_redirect, "note": ipc.note} if ipc else None),
-        },
-    }
-    # Read last: detection above can add errors.
-    info["plugin_errors"] = [asdict(f) for f in reg.failures]
+    try:
+        platform = current_platform()
+    except PlatformError as exc:
+        info["error"] = str(exc)
+        platform = None
+    if platform is not None:
+        how, where = how_resolved()
+        runtime, _ = _plugin_query(reg, platform, "runtime_version()", platform.runtime_version)
+        graphs, graphs_ok = _plugin_query(reg, platform, "graph_support()", lambda: platform.graph_support)
+        ipc, ipc_ok = _plugin_query(reg, platform, "ipc_support()", lambda: platform.ipc_support)
+        info["current"] = {
+            "name": platform.name,
+            "how": how,
+            "resolved_at": where,
+            "distribution": platform.distribution,
+            "version": platform.version,
+            "runtime": runtime,
+            "dist_backend": platform.dist_backend,
+            "environment": _environment(platform.visible_devices_env),
+            "devices": _device_rows(reg, platform),
+            "capabilities": {
+                "graphs": getattr(getattr(graphs, "graph_class", None), "__name__", None) if graphs_ok else None,
+                "ipc": (
+                    {"peer_redirect": getattr(ipc, "peer_redirect", None), "note": getattr(ipc, "note", "")}
+                    if ipc_ok and ipc
+                    else None
+                ),
+            },
+        }
+    # Read last: detection and the queries above can add errors.
+    info["plugin_errors"] = [{**asdict(f), "failed_to": f.failed_to} for f in reg.failures]
+    info["plugin_notices"] = list(reg.notices)
     return info
 
 
 def _print_info(info: dict[str, Any]) -> None:
-    print(f"torchhal {info['torchhal']}  (torch {info['torch']})")
+    print(f"torchhal {info['torchhal']}  (torch {info['torch']}, plugin SPI {info['spi_version']})")
     print("\nRegistered platforms:")
     for p in info["platforms"]:
         state = "available" if p["available"] else f"unavailable: {p['reason']}"
         print(f"  {p['name']:<6} priority {p['priority']:>3}  {p['distribution']} {p['version']}"
               f"  [{p['source']}]  {state}")
+    if not info["platforms"]:
+        print("  (none)")
     if info["plugin_errors"]:
         print("\nPlugin errors:")
         for e in info["plugin_errors"]:
             dist = f" ({e['distribution']})" if e["distribution"] else ""
-            print(f"  {e['plugin']}{dist}: failed to {e['stage']}: {e['error']}")
+            print(f"  {e['plugin']}{dist}: failed to {e['failed_to']}: {e['error']}")
+    if info["plugin_notices"]:
+        print("\nPlugin notices:")
+        for notice in info["plugin_notices"]:
+            print(f"  {notice}")
     cur = info["current"]
+    if cur is None:
+        return
     print(f"\nCurrent platform: {cur['name']}  ({cur['how']})")
     print(f"  resolved at: {cur['resolved_at']}")
     print(f"  runtime: {cur['runtime']}  dist backend: {cur['dist_backend']}")
@@ -79,9 +150,13 @@ def _print_info(info: dict[str, Any]) -> None:
         print(f"  {k}={v}")
     for d in cur["devices"]:
         dev, mem = d["device"], d["memory"]
-        line = f"  device {dev['index']}: {dev['name']}  free {mem['free'] / GiB:.1f} / {mem['total'] / GiB:.1f} GiB"
-        if mem["reserved"] is not None:
-            line += f"  reserved {mem['reserved'] / GiB:.2f} GiB"
+        line = f"  device {d['index']}: " + (dev["name"] if dev else "(device_info failed: see plugin errors)")
+        if mem is None:
+            line += "  memory: (memory_info failed: see plugin errors)"
+        else:
+            line += f"  free {mem['free'] / GiB:.1f} / {mem['total'] / GiB:.1f} GiB"
+            if mem["reserved"] is not None:
+                line += f"  reserved {mem['reserved'] / GiB:.2f} GiB"
         print(line)
     caps = cur["capabilities"]
     print(f"  graphs: {caps['graphs'] or 'unsupported'}")
@@ -90,9 +165,10 @@ def _print_info(info: dict[str, Any]) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    """Exit 0 when a platform resolves (plugin errors are shown, not fatal), else 2."""
     try:
         info = collect_info()
-    except PlatformError as exc:
+    except PlatformError as exc:  # a bad torchhal setting, e.g. TORCHHAL_DETECT_TIMEOUT
         print(f"torchhal: {exc}", file=sys.stderr)
         return 2
     if args.json:
@@ -100,6 +176,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         print()
     else:
         _print_info(info)
+    if info["error"] is not None:
+        print(f"torchhal: {info['error']}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -11,13 +11,27 @@ from torchhal.platforms.errors import (
     PlatformError,
     PlatformUnavailableError,
     PluginConflictError,
+    PluginContractError,
     TorchhalPluginWarning,
     UnknownPlatformError,
 )
 from torchhal.platforms.hookspecs import hookimpl, hookspec
-from torchhal.platforms.manager import DEFAULT_PLUGINS, ENTRY_POINT_GROUP, PlatformRegistry, RegisteredPlatform
+from torchhal.platforms.manager import (
+    DEFAULT_PLUGINS,
+    DETECT_TIMEOUT_ENV,
+    ENTRY_POINT_GROUP,
+    PlatformRegistry,
+    RegisteredPlatform,
+)
 from torchhal.platforms.platform import Platform
-from torchhal.platforms.plugin import SPI_ATTRIBUTES, SPI_METHODS, PlatformPlugin
+from torchhal.platforms.plugin import (
+    DEPRECATED_MEMBERS,
+    SPI_ATTRIBUTES,
+    SPI_METHODS,
+    SPI_VERSION,
+    Deprecation,
+    PlatformPlugin,
+)
 from torchhal.platforms.records import (
     Availability,
     DeviceInfo,
@@ -31,6 +45,7 @@ from torchhal.platforms.records import (
 )
 from torchhal.platforms.selection import (
     PLATFORM_ENV,
+    TIE_RULE,
     PlatformStatus,
     current_platform,
     get_platform,
@@ -42,12 +57,17 @@ from torchhal.platforms.selection import (
 
 __all__ = [
     "DEFAULT_PLUGINS",
+    "DEPRECATED_MEMBERS",
+    "DETECT_TIMEOUT_ENV",
     "ENTRY_POINT_GROUP",
     "PLATFORM_ENV",
     "SPI_ATTRIBUTES",
     "SPI_METHODS",
+    "SPI_VERSION",
+    "TIE_RULE",
     "AmbiguousPlatformError",
     "Availability",
+    "Deprecation",
     "DeviceInfo",
     "GraphSupport",
     "IpcHandle",
@@ -62,6 +82,7 @@ __all__ = [
     "PlatformStatus",
     "PlatformUnavailableError",
     "PluginConflictError",
+    "PluginContractError",
     "PluginFailure",
     "RegisteredPlatform",
     "ReleasePoint",

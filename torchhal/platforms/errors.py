@@ -14,11 +14,15 @@ class PlatformUnavailableError(PlatformError):
 
 
 class AmbiguousPlatformError(PlatformError):
-    """Two available platforms of equal priority, and no TORCHHAL_PLATFORM to choose."""
+    """Kept for compatibility: no longer raised, a priority tie now resolves by a fixed rule."""
 
 
 class PluginConflictError(PlatformError):
     """Two distributions registered the same platform name."""
+
+
+class PluginContractError(PlatformError, TypeError):
+    """A plugin returned a value of the wrong type from an SPI call."""
 
 
 class IpcHandleError(PlatformError, ValueError):

@@ -17,20 +17,25 @@ import importlib
 import importlib.metadata as metadata
 import os
 import re
+import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import Any, TypeVar
 
 import pluggy
 
 from torchhal.platforms import hookspecs
-from torchhal.platforms.errors import TorchhalPluginWarning
-from torchhal.platforms.plugin import PlatformPlugin
+from torchhal.platforms.errors import PlatformError, TorchhalPluginWarning
+from torchhal.platforms.plugin import SPI_VERSION, PlatformPlugin, deprecated_overrides
 from torchhal.platforms.records import Availability, PluginFailure
 
 ENTRY_POINT_GROUP = "torchhal"
 ALLOW_LIST_ENV = "TORCHHAL_PLUGINS"
+DETECT_TIMEOUT_ENV = "TORCHHAL_DETECT_TIMEOUT"
+#: Seconds one plugin's `is_available()` may take before it counts as "no".
+DEFAULT_DETECT_TIMEOUT = 10.0
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "torchhal.plugins.cpu",
     "torchhal.plugins.cuda",
@@ -39,7 +44,8 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "torchhal.plugins.npu",
     "torchhal.plugins.musa",
 )
-_NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]*$")
+_NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]*")  # used with fullmatch: no trailing newline
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,51 @@ class RegisteredPlatform:
     source: str  # the pluggy plugin name: module path or entry-point name
     distribution: str
     version: str
+    builtin: bool = False  # registered by a module of DEFAULT_PLUGINS
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for a plugin's exception; sys.exit() is named as such."""
+    if isinstance(exc, SystemExit):
+        return f"called sys.exit({exc.code!r})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def isolated(call: Callable[..., _T], *args: Any) -> tuple[_T | None, BaseException | None]:
+    """Run a plugin's code `call(*args)`: (result, None), or (None, what it raised). Only Ctrl-C passes.
+
+    SystemExit and other BaseExceptions are caught: a plugin must never end the host.
+    """
+    try:
+        return call(*args), None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - isolation is the point
+        return None, exc
+
+
+def _describe_plugin(plugin: object) -> str:
+    if isinstance(plugin, ModuleType):
+        empty = " (a namespace package: no __init__.py)" if getattr(plugin, "__file__", None) is None else ""
+        return f"module {plugin.__name__!r}{empty}"
+    return repr(plugin)
+
+
+def detect_timeout_from_env() -> float | None:
+    """Seconds from TORCHHAL_DETECT_TIMEOUT (default 10); None (no limit) for 0 or less."""
+    raw = os.environ.get(DETECT_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_DETECT_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if seconds != seconds or seconds == float("inf"):
+        raise PlatformError(
+            f"{DETECT_TIMEOUT_ENV}={raw!r} is not a number of seconds; set it to e.g. "
+            f"{DEFAULT_DETECT_TIMEOUT:g}, or 0 for no limit"
+        )
+    return seconds if seconds > 0 else None
 
 
 def _torchhal_version() -> str:
@@ -70,24 +121,52 @@ def allow_list_from_env() -> frozenset[str] | None:
 class PlatformRegistry:
     """Registered platforms by name, the plugin failures met on the way, and detection."""
 
-    def __init__(self, pm: pluggy.PluginManager) -> None:
+    def __init__(self, pm: pluggy.PluginManager, detect_timeout: float | None = DEFAULT_DETECT_TIMEOUT) -> None:
         self.pm = pm
         self.platforms: dict[str, RegisteredPlatform] = {}
         self.failures: list[PluginFailure] = []
+        #: Warnings about plugins that still work (deprecated members, a newer SPI minor).
+        self.notices: list[str] = []
+        #: Entry points that TORCHHAL_PLUGINS left out: name -> distribution.
+        self.excluded: dict[str, str] = {}
+        self.allow: frozenset[str] | None = None
+        self.detect_timeout = detect_timeout
         self._availability: dict[str, Availability] = {}
         self._provenance: dict[str, tuple[str, str]] = {}  # pluggy name -> (dist, version)
+        self._builtins: set[str] = set()  # pluggy names of the built-in modules
+        self._lock = threading.Lock()
 
     # -- loading ---------------------------------------------------------------
     def _record_failure(self, failure: PluginFailure) -> None:
         self.failures.append(failure)
         warnings.warn(str(failure), TorchhalPluginWarning, stacklevel=3)
 
+    def record_failure(self, failure: PluginFailure) -> None:
+        """Record and warn about a plugin failure met outside loading (e.g. a query in `info`)."""
+        self._record_failure(failure)
+
+    def _notice(self, message: str) -> None:
+        self.notices.append(message)
+        warnings.warn(message, TorchhalPluginWarning, stacklevel=3)
+
     def add_plugin(self, plugin: object, name: str, distribution: str, version: str) -> bool:
-        """Register one pluggy plugin (module or object); reject unknown hooks."""
-        try:
-            self.pm.register(plugin, name=name)
-        except Exception as exc:  # pluggy raises ValueError / PluginValidationError
-            self._record_failure(PluginFailure(name, "register", f"{type(exc).__name__}: {exc}", distribution))
+        """Register one pluggy plugin (module or object); reject unknown hooks and no hooks."""
+        _, error = isolated(lambda: self.pm.register(plugin, name=name))
+        if error is not None:  # pluggy raises ValueError / PluginValidationError
+            self._record_failure(PluginFailure(name, "register", describe_error(error), distribution))
+            return False
+        if not self.pm.get_hookcallers(plugin):
+            self.pm.unregister(plugin)
+            self._record_failure(
+                PluginFailure(
+                    name,
+                    "register",
+                    f"{_describe_plugin(plugin)} implements no torchhal hook, so it registers nothing; point the "
+                    "entry point at the module that defines torchhal_register_platforms "
+                    "(decorated with torchhal.hookimpl)",
+                    distribution,
+                )
+            )
             return False
         unknown = [
             caller.name
@@ -111,25 +190,26 @@ class PlatformRegistry:
     def load_builtins(self, modules: Iterable[str]) -> None:
         version = _torchhal_version()
         for module_name in modules:
-            try:
-                module = importlib.import_module(module_name)
-            except Exception as exc:
-                self._record_failure(PluginFailure(module_name, "import", f"{type(exc).__name__}: {exc}", "torchhal"))
+            module, error = isolated(importlib.import_module, module_name)
+            if error is not None:
+                self._record_failure(PluginFailure(module_name, "import", describe_error(error), "torchhal"))
                 continue
-            self.add_plugin(module, module_name, "torchhal", version)
+            if self.add_plugin(module, module_name, "torchhal", version):
+                self._builtins.add(module_name)
 
     def load_entry_points(self, allow: frozenset[str] | None) -> None:
         seen: set[str] = set()
+        self.allow = allow
         for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            dist = ep.dist.name if ep.dist is not None else "<unknown distribution>"
             if allow is not None and ep.name not in allow:
+                self.excluded[ep.name] = dist
                 continue
             seen.add(ep.name)
-            dist = ep.dist.name if ep.dist is not None else "<unknown distribution>"
             version = ep.dist.version if ep.dist is not None else "?"
-            try:
-                plugin = ep.load()
-            except Exception as exc:
-                self._record_failure(PluginFailure(ep.name, "import", f"{type(exc).__name__}: {exc}", dist))
+            plugin, error = isolated(ep.load)
+            if error is not None:
+                self._record_failure(PluginFailure(ep.name, "import", describe_error(error), dist))
                 continue
             self.add_plugin(plugin, ep.name, dist, version)
         for missing in sorted((allow or frozenset()) - seen):
@@ -147,21 +227,51 @@ class PlatformRegistry:
         candidates: dict[str, list[RegisteredPlatform]] = {}
         for impl in self.pm.hook.torchhal_register_platforms.get_hookimpls():
             dist, version = self._provenance.get(impl.plugin_name, ("<unknown distribution>", "?"))
-            try:
-                result = impl.function()
-            except Exception as exc:
-                self._record_failure(PluginFailure(impl.plugin_name, "register", f"{type(exc).__name__}: {exc}", dist))
+            result, error = isolated(impl.function)
+            if error is not None:
+                self._record_failure(PluginFailure(impl.plugin_name, "register", describe_error(error), dist))
                 continue
             for item in result if isinstance(result, (list, tuple)) else [result]:
-                problem = _validate_platform_object(item)
+                problem, error = isolated(_validate_platform_object, item)
+                if error is not None:  # e.g. a `name` property that raises
+                    problem = f"reading its class attributes raised {describe_error(error)}"
                 if problem:
                     self._record_failure(PluginFailure(impl.plugin_name, "validate", problem, dist))
                     continue
                 assert isinstance(item, PlatformPlugin)
+                if not self._spi_compatible(item, impl.plugin_name, dist):
+                    continue
+                builtin = impl.plugin_name in self._builtins
                 candidates.setdefault(item.name, []).append(
-                    RegisteredPlatform(item, impl.plugin_name, dist, version)
+                    RegisteredPlatform(item, impl.plugin_name, dist, version, builtin)
                 )
         self._resolve_conflicts(candidates)
+
+    def _spi_compatible(self, item: PlatformPlugin, source: str, dist: str) -> bool:
+        """Refuse another SPI major; note a newer minor and deprecated members."""
+        cls = type(item).__name__
+        major, minor = item.spi_version
+        ours = ".".join(map(str, SPI_VERSION))
+        if major != SPI_VERSION[0]:
+            self._record_failure(
+                PluginFailure(
+                    source,
+                    "version",
+                    f"{cls} (platform {item.name!r}) targets torchhal SPI {major}.{minor}, but this "
+                    f"torchhal implements SPI {ours}; install a {item.name!r} plugin release built "
+                    f"for SPI {SPI_VERSION[0]}.x, or a torchhal release implementing SPI {major}.x",
+                    dist,
+                )
+            )
+            return False
+        if minor > SPI_VERSION[1]:
+            self._notice(
+                f"plugin {source!r} ({dist}): {cls} targets SPI {major}.{minor}, newer than this "
+                f"torchhal's SPI {ours}; members added after {ours} are not called. Upgrade torchhal"
+            )
+        for entry in deprecated_overrides(item):
+            self._notice(f"plugin {source!r} ({dist}): " + entry.message(cls, "defines"))
+        return True
 
     def _resolve_conflicts(self, candidates: dict[str, list[RegisteredPlatform]]) -> None:
         replaced = {
@@ -176,6 +286,22 @@ class PlatformRegistry:
                 if winner.plugin.name != name:
                     continue  # replaced by a platform of another name
                 regs = [winner]
+            builtin = next((r for r in regs if r.builtin), None)
+            if builtin is not None and len(regs) > 1:
+                # A built-in is displaced only through `replaces`: impostors are dropped.
+                for impostor in regs:
+                    if impostor is not builtin:
+                        self._record_failure(
+                            PluginFailure(
+                                impostor.source,
+                                "conflict",
+                                f"registers platform name {name!r}, which is torchhal's built-in "
+                                f"{name!r} platform; the built-in is kept and this one dropped. "
+                                f"Rename it, or declare `replaces = {name!r}` to replace the built-in",
+                                impostor.distribution,
+                            )
+                        )
+                regs = [builtin]
             if len(regs) > 1:
                 who = " and ".join(f"{r.source} (distribution {r.distribution})" for r in regs)
                 self._record_failure(
@@ -198,23 +324,59 @@ class PlatformRegistry:
         return next((f for f in self.failures if f.stage == "conflict" and f.plugin == name), None)
 
     def availability(self, name: str) -> Availability:
-        """Detect once per registry; an `is_available` that raises counts as 'no'."""
+        """Detect once per registry, isolated and time-limited; a failure counts as 'no'."""
         cached = self._availability.get(name)
         if cached is not None:
             return cached
-        reg = self.platforms[name]
-        try:
-            result = reg.plugin.is_available()
-            if not isinstance(result, Availability):
-                raise TypeError(
+        with self._lock:
+            cached = self._availability.get(name)
+            if cached is not None:
+                return cached
+            reg = self.platforms[name]
+            result, error = self._detect(reg.plugin)
+            if error is None and not isinstance(result, Availability):
+                error = TypeError(
                     f"is_available() returned {type(result).__name__}; "
                     "return Availability.yes() or Availability.no(reason)"
                 )
-        except Exception as exc:
-            self._record_failure(PluginFailure(name, "detect", f"{type(exc).__name__}: {exc}", reg.distribution))
-            result = Availability.no(f"detection failed: {type(exc).__name__}: {exc}")
-        self._availability[name] = result
-        return result
+            if isinstance(error, TimeoutError):
+                self._record_failure(PluginFailure(name, "detect", str(error), reg.distribution))
+                result = Availability.no(f"detection timed out: {error}")
+            elif error is not None:
+                self._record_failure(PluginFailure(name, "detect", describe_error(error), reg.distribution))
+                result = Availability.no(f"detection failed: {describe_error(error)}")
+            assert isinstance(result, Availability)
+            self._availability[name] = result
+            return result
+
+    def _detect(self, plugin: PlatformPlugin) -> tuple[object, BaseException | None]:
+        """`plugin.is_available()` in a daemon thread, waited for `detect_timeout` seconds.
+
+        A probe that hangs is abandoned, not killed (Python cannot stop a thread): it
+        keeps running in the background and does not hold the process open at exit.
+        """
+        if self.detect_timeout is None:
+            return isolated(plugin.is_available)
+        outcome: list[tuple[object, BaseException | None]] = []
+
+        def probe() -> None:
+            try:
+                outcome.append(isolated(plugin.is_available))
+            except KeyboardInterrupt as exc:  # re-raised in the caller's thread
+                outcome.append((None, exc))
+
+        thread = threading.Thread(target=probe, name=f"torchhal-detect-{plugin.name}", daemon=True)
+        thread.start()
+        thread.join(self.detect_timeout)
+        if not outcome:
+            return None, TimeoutError(
+                f"is_available() did not return within {self.detect_timeout:g} s "
+                f"({DETECT_TIMEOUT_ENV}); the probe was abandoned, still running"
+            )
+        result, error = outcome[0]
+        if isinstance(error, KeyboardInterrupt):
+            raise error
+        return result, error
 
 
 def _validate_platform_object(item: Any) -> str | None:
@@ -225,12 +387,19 @@ def _validate_platform_object(item: Any) -> str | None:
         )
     cls = type(item).__name__
     name = getattr(item, "name", None)
-    if not isinstance(name, str) or not _NAME_PATTERN.match(name):
+    if not isinstance(name, str) or not _NAME_PATTERN.fullmatch(name):
         return f"{cls}.name is {name!r}; use a lowercase identifier such as 'myaccel'"
     for attr, kind in (("device_type", str), ("dist_backend", str), ("priority", int)):
         value = getattr(item, attr, None)
         if not isinstance(value, kind) or isinstance(value, bool):
             return f"{cls}.{attr} is {value!r}; it must be a {kind.__name__}"
+    version = getattr(item, "spi_version", None)
+    if not (
+        isinstance(version, tuple)
+        and len(version) == 2
+        and all(isinstance(part, int) and not isinstance(part, bool) and part >= 0 for part in version)
+    ):
+        return f"{cls}.spi_version is {version!r}; it must be (major, minor), e.g. {SPI_VERSION!r}"
     return None
 
 
@@ -248,7 +417,7 @@ def build_registry(
     extra: Iterable[tuple[object, str]] = (),
 ) -> PlatformRegistry:
     """Make a fresh registry. Tests pass `extra=[(plugin_obj, name)]` and no globals leak."""
-    registry = PlatformRegistry(new_plugin_manager())
+    registry = PlatformRegistry(new_plugin_manager(), detect_timeout_from_env())
     registry.load_builtins(builtins)
     if entry_points:
         registry.load_entry_points(allow_list_from_env() if allow == "env" else allow)  # type: ignore[arg-type]

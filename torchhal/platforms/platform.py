@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar,
 import pluggy
 import torch
 
-from torchhal.platforms.errors import TorchhalPluginWarning
+from torchhal.platforms.errors import PluginContractError, TorchhalPluginWarning
 from torchhal.platforms.plugin import PlatformPlugin
 from torchhal.platforms.records import DeviceInfo, MemoryInfo, PeakMemory, ReleasePoint
 
@@ -147,7 +147,13 @@ class Platform:
     # -- memory ----------------------------------------------------------------------
     def memory_info(self, index: int | None = None) -> MemoryInfo:
         """Observe one device's memory. Never empties the cache, never synchronizes."""
-        return self._plugin.memory_info(self.current_device() if index is None else index)
+        info = self._plugin.memory_info(self.current_device() if index is None else index)
+        if type(info) is not MemoryInfo and not isinstance(info, MemoryInfo):  # exact type first: cheap
+            raise PluginContractError(
+                f"platform {self.name!r} ({self.distribution}): memory_info() returned "
+                f"{type(info).__name__} {info!r}; it must return a torchhal.MemoryInfo"
+            )
+        return info
 
     def empty_cache(self, reason: ReleasePoint, index: int | None = None) -> int | None:
         """Empty the allocator cache at a named release point; fires `torchhal_cache_emptied`."""

@@ -20,13 +20,17 @@ Rules (checked by the conformance suite):
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+import functools
+import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
 
+from torchhal.platforms.errors import TorchhalPluginWarning
 from torchhal.platforms.records import (
     Availability,
     DeviceInfo,
@@ -35,6 +39,58 @@ from torchhal.platforms.records import (
     MemoryInfo,
     PeakMemory,
 )
+
+#: The SPI version this torchhal implements: (major, minor). A minor release only adds
+#: members, each with a default; a major release may remove or change members.
+#: docs/vendor-guide.md ("Compatibility") states the policy.
+SPI_VERSION: tuple[int, int] = (1, 0)
+
+
+@dataclass(frozen=True)
+class Deprecation:
+    """One deprecated SPI member: since which SPI version, its replacement, and its removal."""
+
+    member: str
+    since: tuple[int, int]
+    removed_in: tuple[int, int]
+    replacement: str
+
+    def message(self, plugin_class: str, how: str) -> str:
+        since, removed = ".".join(map(str, self.since)), ".".join(map(str, self.removed_in))
+        return (
+            f"{plugin_class} {how} {self.member!r}, deprecated since SPI {since} and removed in "
+            f"SPI {removed}; use {self.replacement} instead"
+        )
+
+
+#: Deprecated SPI members by name. The registry warns (TorchhalPluginWarning) when a
+#: plugin class defines one of them; a default the host still provides warns when
+#: called (`deprecated_member`). An entry stays for at least one minor release
+#: before its member is removed in the next major. Empty in SPI 1.0.
+DEPRECATED_MEMBERS: dict[str, Deprecation] = {}
+
+
+def deprecated_member(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a `PlatformPlugin` default as deprecated: a call warns with its table entry."""
+
+    @functools.wraps(method)
+    def warn_then_call(self: PlatformPlugin, *args: Any, **kwargs: Any) -> Any:
+        entry = DEPRECATED_MEMBERS.get(method.__name__)
+        if entry is not None:
+            warnings.warn(entry.message(type(self).__name__, "calls"), TorchhalPluginWarning, stacklevel=2)
+        return method(self, *args, **kwargs)
+
+    return warn_then_call
+
+
+def deprecated_overrides(plugin: PlatformPlugin) -> list[Deprecation]:
+    """The deprecated members `plugin`'s own classes (not PlatformPlugin) define."""
+    own = [cls for cls in type(plugin).__mro__ if cls not in (PlatformPlugin, abc.ABC, object)]
+    return [
+        entry
+        for member, entry in DEPRECATED_MEMBERS.items()
+        if any(member in vars(cls) for cls in own) or member in vars(plugin)
+    ]
 
 
 class PlatformPlugin(abc.ABC):
@@ -54,6 +110,10 @@ class PlatformPlugin(abc.ABC):
     #: exists (see `IpcSupport.peer_redirect`). `Platform.set_ipc_peer_redirect(False)`
     #: turns it off for one process, to compare with torch's default open.
     ipc_peer_redirect: ClassVar[bool] = False
+    #: The SPI version (major, minor) this plugin was written against. The host refuses a
+    #: major other than its own and accepts any minor (see SPI_VERSION). Undeclared, a
+    #: plugin targets (current major, 0): it uses only members every 1.x host provides.
+    spi_version: ClassVar[tuple[int, int]] = (SPI_VERSION[0], 0)
 
     # -- detection ----------------------------------------------------------
     @abc.abstractmethod

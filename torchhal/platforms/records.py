@@ -62,6 +62,22 @@ class MemoryInfo:
     allocated: int | None = None
     estimated: bool = False
 
+    def __post_init__(self) -> None:
+        # Validated where the record is made, so a plugin's bad value is caught at its
+        # source. The common case is six plain checks (this runs on every memory query).
+        reserved, allocated = self.reserved, self.allocated
+        if not (
+            type(self.device) is int
+            and type(self.free) is int
+            and type(self.total) is int
+            and self.free >= 0
+            and self.total >= 0
+            and (reserved is None or (type(reserved) is int and reserved >= 0))
+            and (allocated is None or (type(allocated) is int and allocated >= 0))
+            and type(self.estimated) is bool
+        ):
+            _reject_fields(self, ("device", "free", "total"), ("reserved", "allocated"))
+
     @property
     def used(self) -> int:
         return self.total - self.free
@@ -77,6 +93,37 @@ class PeakMemory:
     device: int
     reserved: int | None
     allocated: int | None
+
+    def __post_init__(self) -> None:
+        reserved, allocated = self.reserved, self.allocated
+        if not (
+            type(self.device) is int
+            and (reserved is None or (type(reserved) is int and reserved >= 0))
+            and (allocated is None or (type(allocated) is int and allocated >= 0))
+        ):
+            _reject_fields(self, ("device",), ("reserved", "allocated"))
+
+
+def _reject_fields(record: object, required: tuple[str, ...], optional: tuple[str, ...]) -> None:
+    """Raise naming the first bad field; int subclasses (IntEnum …) are stored as plain ints."""
+    cls = type(record).__name__
+    for name in (*required, *optional):
+        value = getattr(record, name)
+        if value is None and name in optional:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            allowed = "an int" + (" or None" if name in optional else "")
+            raise TypeError(
+                f"{cls}.{name} is {value!r} ({type(value).__name__}); it must be {allowed} "
+                "(bytes, or the device index): convert with int(...)"
+            )
+        if value < 0:
+            raise ValueError(f"{cls}.{name} is {value}; it must be >= 0")
+        if type(value) is not int:  # an int subclass (IntEnum): store a plain int
+            object.__setattr__(record, name, int(value))
+    estimated = getattr(record, "estimated", False)
+    if not isinstance(estimated, bool):
+        raise TypeError(f"{cls}.estimated is {estimated!r}; it must be True or False")
 
 
 @dataclass(frozen=True)
@@ -142,13 +189,21 @@ class IpcSupport:
 
 @dataclass(frozen=True)
 class PluginFailure:
-    """Record of a plugin that failed to import, register, validate or detect (not an exception)."""
+    """Record of a plugin that failed to import, register, validate, detect or answer (not an exception)."""
 
     plugin: str
-    stage: str  # "import" | "register" | "validate" | "detect" | "conflict"
+    stage: str  # "import" | "register" | "validate" | "version" | "conflict" | "detect" | "query"
     error: str
     distribution: str | None = None
 
+    @property
+    def failed_to(self) -> str:
+        """What the plugin failed to do, for messages ("failed to detect")."""
+        return _FAILED_TO.get(self.stage, self.stage)
+
     def __str__(self) -> str:
         dist = f" (distribution {self.distribution})" if self.distribution else ""
-        return f"plugin {self.plugin!r}{dist} failed to {self.stage}: {self.error}"
+        return f"plugin {self.plugin!r}{dist} failed to {self.failed_to}: {self.error}"
+
+
+_FAILED_TO = {"version": "match the SPI version", "conflict": "register a unique name", "query": "answer a query"}

@@ -13,14 +13,12 @@ import traceback
 from dataclasses import dataclass
 
 from torchhal.platforms.errors import (
-    AmbiguousPlatformError,
     PlatformUnavailableError,
     PluginConflictError,
     UnknownPlatformError,
 )
-from torchhal.platforms.manager import PlatformRegistry, build_registry
+from torchhal.platforms.manager import ALLOW_LIST_ENV, PlatformRegistry, build_registry
 from torchhal.platforms.platform import Platform, notify_observers
-from torchhal.platforms.records import Availability
 
 PLATFORM_ENV = "TORCHHAL_PLATFORM"
 
@@ -119,9 +117,30 @@ def _require_known(reg: PlatformRegistry, name: str) -> None:
     conflict = reg.conflict_for(name)
     if conflict is not None:
         raise PluginConflictError(conflict.error)
+    known = f"registered platforms: {', '.join(reg.names()) or 'none'}"
+    # A plugin that was installed but not loaded: say why, not "install it".
+    failed = [f for f in reg.failures if f.stage in ("import", "register", "version")
+              and (name in (f.plugin, f.plugin.rsplit(".", 1)[-1]) or f"(platform {name!r})" in f.error)]
+    if failed:
+        raise UnknownPlatformError(
+            f"platform {name!r} is not registered: " + "; ".join(str(f) for f in failed) + f". {known}"
+        )
+    if name in reg.excluded:
+        allowed = ",".join(sorted(reg.allow or ())) or "(empty)"
+        raise UnknownPlatformError(
+            f"platform {name!r} is not registered: entry point {name!r} of distribution "
+            f"{reg.excluded[name]} is installed but excluded by {ALLOW_LIST_ENV}={allowed}; "
+            f"add {name!r} to {ALLOW_LIST_ENV}, or unset it. {known}"
+        )
+    hints = []
+    loading = [str(f) for f in reg.failures if f.stage in ("import", "register", "version")]
+    if loading:
+        hints.append("plugins that failed to load, which may provide it: " + "; ".join(loading))
+    if reg.excluded:
+        hints.append(f"entry points excluded by {ALLOW_LIST_ENV}: {', '.join(sorted(reg.excluded))}")
     raise UnknownPlatformError(
-        f"unknown platform {name!r}; registered platforms: {', '.join(reg.names()) or 'none'}. "
-        f"Set {PLATFORM_ENV} to one of them, or install the plugin that provides {name!r}"
+        f"unknown platform {name!r}; {known}. Set {PLATFORM_ENV} to one of them, or install the "
+        f"plugin that provides {name!r}" + "".join(f". Note: {hint}" for hint in hints)
     )
 
 
@@ -144,23 +163,27 @@ def _select_current() -> Platform:
     return platform
 
 
+#: How a tie of the highest priority is broken (stated by `torchhal info`).
+TIE_RULE = "built-in platforms first, then name order"
+
+
 def _by_priority(reg: PlatformRegistry) -> tuple[Platform, str]:
-    found: list[tuple[int, str, Availability]] = []
+    found: list[tuple[int, bool, str]] = []
     for name in reg.names():
-        availability = reg.availability(name)
-        if availability:
-            found.append((reg.platforms[name].plugin.priority, name, availability))
+        if reg.availability(name):
+            entry = reg.platforms[name]
+            found.append((entry.plugin.priority, entry.builtin, name))
     if not found:
         reasons = "; ".join(f"{n}: {reg.availability(n).reason}" for n in reg.names())
         raise PlatformUnavailableError(f"no platform is available ({reasons or 'none registered'})")
-    found.sort(key=lambda item: -item[0])
-    best_priority, best, _ = found[0]
-    ties = [name for priority, name, _ in found if priority == best_priority]
-    if len(ties) > 1:
-        raise AmbiguousPlatformError(
-            f"platforms {' and '.join(repr(t) for t in ties)} are both available with priority "
-            f"{best_priority}; choose one with {PLATFORM_ENV}={ties[0]} (or {ties[1]})"
-        )
-    others = ", ".join(f"{n} ({p})" for p, n, _ in found[1:])
-    how = f"highest priority available: {best} ({best_priority})" + (f" over {others}" if others else "")
+    # Highest priority; a tie goes to a built-in, then to the first name: deterministic.
+    found.sort(key=lambda item: (-item[0], not item[1], item[2]))
+    best_priority, _, best = found[0]
+    ties = [name for priority, _, name in found[1:] if priority == best_priority]
+    others = ", ".join(f"{n} ({p})" for p, _, n in found[1:] if n not in ties)
+    how = f"highest priority available: {best} ({best_priority})"
+    if ties:
+        how += f", tied with {', '.join(ties)}: broken by the tie rule ({TIE_RULE})"
+    if others:
+        how += f" over {others}"
     return _platform(reg, best), how

@@ -1,0 +1,333 @@
+"""The plugin host: one bad plugin never takes the host down, and is always named.
+
+Hostile plugins run in-process through `make_registry`, and through a real entry
+point (tests/plugin_dist/hostile, mode from TORCHHAL_HOSTILE_MODE) under `torchhal info`.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import torchhal
+from torchhal.platforms import (
+    Availability,
+    MemoryInfo,
+    PeakMemory,
+    PluginContractError,
+    TorchhalPluginWarning,
+    UnknownPlatformError,
+    hookimpl,
+    manager,
+)
+from torchhal.platforms.testing import plugin_under_test
+from torchhal.plugins.cpu import CpuPlatform
+
+from .conftest import PLUGIN_DIST
+from .test_selection import fake_platform, plugin_module
+
+HOSTILE = PLUGIN_DIST / "hostile"
+
+
+def run_info(mode: str, *args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+    """`torchhal info` in a fresh process with the hostile distribution installed."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHHAL_")}
+    full_env["PYTHONPATH"] = os.pathsep.join([str(HOSTILE), full_env.get("PYTHONPATH", "")])
+    full_env["TORCHHAL_HOSTILE_MODE"] = mode
+    full_env.update(env)
+    return subprocess.run(
+        [sys.executable, "-m", "torchhal.cli", "info", *args],
+        capture_output=True, text=True, env=full_env, timeout=timeout,
+    )
+
+
+def errors_of(reg, stage=None):
+    return [f for f in reg.failures if stage is None or f.stage == stage]
+
+
+# -- BaseException isolation --------------------------------------------------------------
+
+
+class Exiting(CpuPlatform):
+    name = "exiting"
+    priority = 50
+
+    def is_available(self):
+        sys.exit(5)
+
+
+def test_sys_exit_in_is_available_is_isolated_and_named(make_registry):
+    reg = make_registry(plugin_module(Exiting()))
+    with pytest.warns(TorchhalPluginWarning, match=r"'exiting'.*detect: called sys.exit\(5\)"):
+        assert torchhal.current_platform().name == "cpu"
+    assert [f.plugin for f in errors_of(reg, "detect")] == ["exiting"]
+
+
+def test_sys_exit_in_the_register_hook_is_isolated(make_registry):
+    class ExitsOnRegister:
+        @hookimpl
+        def torchhal_register_platforms(self):
+            raise SystemExit("no licence")
+
+    with pytest.warns(TorchhalPluginWarning, match="called sys.exit\\('no licence'\\)"):
+        reg = make_registry(ExitsOnRegister())
+    assert errors_of(reg, "register")[0].plugin == "test-plugin-0"
+    assert reg.names() == ["cpu"]
+
+
+def test_a_builtin_that_exits_at_import_is_isolated(make_registry, tmp_path, monkeypatch):
+    (tmp_path / "exits_at_import.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(TorchhalPluginWarning, match=r"exits_at_import.*import: called sys.exit\(3\)"):
+        reg = make_registry(builtins=("torchhal.plugins.cpu", "exits_at_import"))
+    assert reg.names() == ["cpu"]
+
+
+def test_keyboard_interrupt_is_not_swallowed(make_registry):
+    class Interrupted(CpuPlatform):
+        name = "interrupted"
+        priority = 50
+
+        def is_available(self):
+            raise KeyboardInterrupt
+
+    make_registry(plugin_module(Interrupted()))
+    with pytest.raises(KeyboardInterrupt):
+        torchhal.current_platform()
+
+
+def test_a_hanging_detection_times_out_by_name(make_registry, monkeypatch):
+    monkeypatch.setenv("TORCHHAL_DETECT_TIMEOUT", "0.2")
+
+    class Hanging(CpuPlatform):
+        name = "hanging"
+        priority = 50
+
+        def is_available(self):
+            import threading
+
+            threading.Event().wait(5)  # longer than the limit; a daemon thread, abandoned
+            return Availability.yes()
+
+    reg = make_registry(plugin_module(Hanging()))
+    timed_out = r"'hanging'.*did not return within 0.2 s \(TORCHHAL_DETECT_TIMEOUT\)"
+    with pytest.warns(TorchhalPluginWarning, match=timed_out):
+        assert torchhal.current_platform().name == "cpu"
+    status = {s.name: s for s in torchhal.list_platforms()}["hanging"]
+    assert not status.available and "timed out" in status.reason
+    assert reg.detect_timeout == 0.2
+
+
+@pytest.mark.parametrize("raw", ["soon", "nan", "inf"])
+def test_a_bad_detect_timeout_is_a_clear_error(monkeypatch, raw):
+    monkeypatch.setenv("TORCHHAL_DETECT_TIMEOUT", raw)
+    with pytest.raises(torchhal.PlatformError, match=f"TORCHHAL_DETECT_TIMEOUT='{raw}' is not a number"):
+        manager.build_registry(entry_points=False)
+
+
+def test_detect_timeout_zero_means_no_limit(monkeypatch):
+    monkeypatch.setenv("TORCHHAL_DETECT_TIMEOUT", "0")
+    assert manager.build_registry(("torchhal.plugins.cpu",), entry_points=False).detect_timeout is None
+
+
+# -- names: built-ins, impostors, ties, validation --------------------------------------------
+
+
+def test_a_third_party_cpu_does_not_displace_the_builtin(make_registry):
+    impostor = fake_platform("cpu", 100)
+    with pytest.warns(TorchhalPluginWarning, match="built-in 'cpu' platform; the built-in is kept"):
+        reg = make_registry(plugin_module(impostor))
+    assert reg.platforms["cpu"].builtin and reg.platforms["cpu"].distribution == "torchhal"
+    [conflict] = errors_of(reg, "conflict")
+    assert conflict.plugin == "test-plugin-0" and "replaces = 'cpu'" in conflict.error
+    assert torchhal.current_platform().name == "cpu"
+    assert type(plugin_under_test(torchhal.current_platform())) is CpuPlatform
+
+
+def test_replaces_still_displaces_a_builtin(make_registry):
+    better = fake_platform("cpu", 0)
+    type(better).replaces = "cpu"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg = make_registry(plugin_module(better))
+    assert not reg.platforms["cpu"].builtin
+
+
+def test_equal_priority_ties_go_to_the_first_name(make_registry):
+    make_registry(plugin_module(fake_platform("beta", 10), fake_platform("alpha", 10)))
+    assert torchhal.current_platform().name == "alpha"
+    how = torchhal.how_resolved()[0]
+    assert "tied with beta" in how and torchhal.TIE_RULE in how and "over cpu (0)" in how
+
+
+def test_equal_priority_ties_go_to_the_builtin_first(make_registry):
+    make_registry(plugin_module(fake_platform("aaa", 0)))  # sorts before "cpu", same priority
+    assert torchhal.current_platform().name == "cpu"
+    assert "tied with aaa: broken by the tie rule (built-in platforms first" in torchhal.how_resolved()[0]
+
+
+@pytest.mark.parametrize("bad", ["evil\n", "Evil", "1abc", "a-b", ""])
+def test_names_must_match_in_full(make_registry, bad):
+    with pytest.warns(TorchhalPluginWarning, match="name is"):
+        reg = make_registry(plugin_module(fake_platform(bad, 1)))
+    assert reg.names() == ["cpu"]
+
+
+def test_an_object_with_no_hooks_is_reported(make_registry):
+    class Nothing:
+        pass
+
+    with pytest.warns(TorchhalPluginWarning, match="implements no torchhal hook"):
+        reg = make_registry(Nothing())
+    assert errors_of(reg, "register")[0].plugin == "test-plugin-0"
+
+
+def test_unknown_platform_after_a_failed_import_says_so(make_registry, monkeypatch):
+    with pytest.warns(TorchhalPluginWarning):
+        make_registry(builtins=("torchhal.plugins.cpu", "torchhal.plugins.nonexistent"))
+    monkeypatch.setenv("TORCHHAL_PLATFORM", "nonexistent")
+    says = "'nonexistent' is not registered: .*failed to import: ModuleNotFoundError"
+    with pytest.raises(UnknownPlatformError, match=says) as err:
+        torchhal.current_platform()
+    assert "install the plugin" not in str(err.value)
+
+
+# -- records are validated where they enter -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "message"),
+    [
+        ({"free": 1.5}, TypeError, r"MemoryInfo.free is 1.5 \(float\); it must be an int"),
+        ({"total": None}, TypeError, "MemoryInfo.total is None"),
+        ({"free": "1"}, TypeError, "MemoryInfo.free is '1'"),
+        ({"free": -1}, ValueError, "MemoryInfo.free is -1; it must be >= 0"),
+        ({"reserved": -5}, ValueError, "MemoryInfo.reserved is -5"),
+        ({"allocated": 2.0}, TypeError, "MemoryInfo.allocated is 2.0"),
+        ({"free": True}, TypeError, "MemoryInfo.free is True"),
+        ({"estimated": 1}, TypeError, "MemoryInfo.estimated is 1"),
+    ],
+)
+def test_memory_info_rejects_wrong_fields(fields, error, message):
+    with pytest.raises(error, match=message):
+        MemoryInfo(**{"device": 0, "free": 1, "total": 2, **fields})
+
+
+def test_records_accept_good_values_and_store_int_subclasses_as_int():
+    import enum
+
+    class Size(enum.IntEnum):
+        GIB = 1 << 30
+
+    info = MemoryInfo(0, Size.GIB, 2 << 30, None, 0, estimated=True)
+    assert type(info.free) is int and info.free == 1 << 30
+    assert MemoryInfo(0, 0, 0).used == 0
+    with pytest.raises(ValueError, match="PeakMemory.reserved is -1"):
+        PeakMemory(0, -1, None)
+    assert PeakMemory(0, None, None).reserved is None
+
+
+def test_memory_info_of_the_wrong_type_is_a_named_plugin_error(make_registry, monkeypatch):
+    class Sloppy(CpuPlatform):
+        name = "sloppy"
+        priority = 50
+
+        def memory_info(self, index):
+            return {"free": 1}
+
+    make_registry(plugin_module(Sloppy()))
+    with pytest.raises(PluginContractError, match=r"platform 'sloppy' \(<in-process>\): memory_info\(\) returned dict"):
+        torchhal.current_platform().memory_info(0)
+
+
+# -- torchhal info under hostile plugins (real entry points) ----------------------------------
+
+
+def test_info_survives_sys_exit_at_import_and_names_it():
+    out = run_info("exit-import", "--json")
+    assert out.returncode == 0, out.stderr
+    errors = {(e["plugin"], e["stage"]): e["error"] for e in json.loads(out.stdout)["plugin_errors"]}
+    assert errors[("hostile", "import")] == "called sys.exit(3)"
+
+
+@pytest.mark.parametrize(("mode", "stage", "code"), [("exit-register", "register", 4), ("exit-detect", "detect", 5)])
+def test_info_survives_sys_exit_in_register_and_detect(mode, stage, code):
+    out = run_info(mode)
+    assert out.returncode == 0, out.stderr
+    assert f"hostile (torchhal-hostile): failed to {stage}: called sys.exit({code})" in out.stdout
+    assert "Current platform: cpu" in out.stdout
+
+
+def test_info_reports_a_hanging_detection_by_name_within_the_limit():
+    # The probe sleeps 30 s; with a 1 s limit info finishes long before (the subprocess
+    # timeout turns a hang into a failure).
+    out = run_info("hang-detect", timeout=25, TORCHHAL_DETECT_TIMEOUT="1")
+    assert out.returncode == 0, out.stderr
+    assert "hostile (torchhal-hostile): failed to detect: is_available() did not return within 1 s" in out.stdout
+    assert "Current platform: cpu" in out.stdout
+
+
+def test_info_keeps_the_builtin_cpu_against_an_impostor():
+    out = run_info("impostor-cpu")
+    assert out.returncode == 0, out.stderr
+    assert "Current platform: cpu" in out.stdout
+    assert "hostile (torchhal-hostile): failed to register a unique name: registers platform name 'cpu'" in out.stdout
+
+
+def test_info_names_an_entry_point_that_registers_nothing():
+    out = run_info("ok", "--json")
+    info = json.loads(out.stdout)
+    [empty] = [e for e in info["plugin_errors"] if e["plugin"] == "emptyns"]
+    assert empty["distribution"] == "torchhal-hostile"
+    assert empty["error"].startswith("module 'torchhal_emptyns' (a namespace package: no __init__.py) implements no")
+    assert info["current"]["name"] == "hostile"
+
+
+@pytest.mark.parametrize(
+    ("mode", "says"),
+    [
+        ("memory-str", "memory_info(0): PluginContractError: platform 'hostile' (torchhal-hostile): "
+                       "memory_info() returned str 'lots'"),
+        ("memory-none", "memory_info() returned NoneType None"),
+        ("memory-float", "MemoryInfo.free is 1610612736.0 (float)"),
+        ("memory-negative", "MemoryInfo.free is -1; it must be >= 0"),
+        ("memory-raises", "memory_info(0): RuntimeError: hostile memory query crashed"),
+        ("memory-exit", "memory_info(0): called sys.exit(6)"),
+        ("count-raises", "device_count(): RuntimeError: hostile driver lost its devices"),
+    ],
+)
+def test_info_never_prints_a_traceback_for_bad_answers(mode, says):
+    out = run_info(mode)
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    assert "Registered platforms:" in out.stdout and "Current platform: hostile" in out.stdout
+    assert "hostile (torchhal-hostile): failed to answer a query: " in out.stdout
+    assert says in out.stdout
+
+
+def test_info_with_no_platform_still_shows_the_table_and_errors():
+    out = run_info("ok", TORCHHAL_PLATFORM="emptyns")
+    assert out.returncode == 2
+    assert "Registered platforms:" in out.stdout and "emptyns (torchhal-hostile)" in out.stdout
+    says = "'emptyns' is not registered: plugin 'emptyns' (distribution torchhal-hostile) failed to register"
+    assert says in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_platform_env_for_an_entry_point_excluded_by_the_allow_list_says_so():
+    out = run_info("ok", TORCHHAL_PLATFORM="hostile", TORCHHAL_PLUGINS="emptyns")
+    assert out.returncode == 2
+    assert ("entry point 'hostile' of distribution torchhal-hostile is installed but excluded by "
+            "TORCHHAL_PLUGINS=emptyns") in out.stderr
+    assert "install the plugin" not in out.stderr
+
+
+def test_platform_env_for_a_plugin_whose_import_failed_gives_the_import_error():
+    out = run_info("exit-import", TORCHHAL_PLATFORM="hostile")
+    assert out.returncode == 2
+    says = "'hostile' is not registered: plugin 'hostile' (distribution torchhal-hostile) failed to import"
+    assert says + ": called sys.exit(3)" in out.stderr
+    assert "install the plugin" not in out.stderr
