@@ -88,6 +88,14 @@ class TensorMessage:
             size = itemsize(check_view(values["dtype"], values["shape"], values["stride"], 0, values["nbytes"]))
         except IpcHandleError as exc:
             raise TransportError(f"message view is invalid: {exc}") from exc
+        numel = 1
+        for n in values["shape"]:
+            numel *= n
+        if numel * size > values["nbytes"]:  # e.g. stride 0: a copy would allocate more than was sent
+            raise TransportError(
+                f"view of {numel} x {size} bytes (shape {values['shape']}, stride {values['stride']}) is larger "
+                f"than the {values['nbytes']} bytes the message names"
+            )
         if values["offset"] % size or values["nbytes"] % size:
             raise TransportError(
                 f"offset {values['offset']} and nbytes {values['nbytes']} must be multiples of the "
