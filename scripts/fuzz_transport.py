@@ -151,7 +151,7 @@ class Fuzzer:
                             "platform"])
         if field == "dtype":
             data["dtype"] = rng.choice(["float32", "int64", "float64", "bool", "uint8"])
-            if rng.random() < 0.5 and data["dtype"] in ("float32", "int64", "float64"):
+            if rng.random() < 0.5 and isinstance(data.get("storage_nbytes"), int):
                 data["shape"] = [data["storage_nbytes"] // 8]
         elif field in ("shape", "stride"):
             data[field] = [rng.choice(SIZES[:14])]
@@ -194,7 +194,8 @@ class Fuzzer:
             if field in ("offset_bytes", "storage_nbytes"):
                 changes[field] = rng.choice(SIZES + [-4, True])
             elif field in ("shape", "stride"):
-                changes[field] = tuple(rng.choice([0, 1, 2, 100, 1008, 1009, 2**40, -1]) for _ in range(rng.randint(0, 2)))
+                dims = rng.randint(0, 2)
+                changes[field] = tuple(rng.choice([0, 1, 2, 100, 1008, 1009, 2**40, -1]) for _ in range(dims))
             elif field == "dtype":
                 changes["dtype"] = rng.choice(list(DTYPES) + ["object"])
             elif field == "storage":
@@ -247,7 +248,8 @@ class Fuzzer:
         self.counts["open_accepted"] += 1
         itemsize = tensor.element_size()
         if tensor.numel() > 1 << 20:  # a broadcast (stride 0) view: check its extent, do not materialise it
-            last = tensor.storage_offset() + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+            steps = zip(tensor.shape, tensor.stride(), strict=True)
+            last = tensor.storage_offset() + sum((n - 1) * s for n, s in steps)
             assert (last + 1) * itemsize <= len(self.handle_bytes), (handle, "open extent")
             return
         storage_bytes = self.handle_bytes[: handle.storage_nbytes]

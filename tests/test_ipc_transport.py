@@ -242,3 +242,12 @@ def test_fuzzed_numbers_through_receive_never_read_out_of_bounds():
     assert received > 0  # some mutations stay valid, and those read inside their slice
     producer.close()
     consumer.close()
+
+
+def test_copy_on_a_side_stream_returns_the_same_values():
+    producer, consumer = Producer(small()), Consumer(0, copy_stream=True)
+    for tensor in tensors():
+        got = consumer.receive(producer.send(tensor))
+        assert torch.equal(got, tensor) and got.untyped_storage().nbytes() != producer.pool_bytes
+    producer.close()
+    consumer.close()

@@ -203,7 +203,7 @@ def reclaim_orphans(directory: str | None = None) -> list[str]:
     file whose pid was reused by a live process is kept until that process exits.
     """
     directory = directory or SHM_DIR
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:

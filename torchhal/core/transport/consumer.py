@@ -32,7 +32,7 @@ class _OpenProducer:
 
 class Consumer:
     def __init__(self, rank: int = 0, platform: Platform | None = None, device_index: int | None = None,
-                 max_producers: int = MAX_OPEN_PRODUCERS) -> None:
+                 max_producers: int = MAX_OPEN_PRODUCERS, copy_stream: bool = False) -> None:
         if max_producers < 1:
             raise ValueError(f"max_producers {max_producers} must be >= 1")
         self.rank = rank
@@ -40,6 +40,10 @@ class Consumer:
         self.device_index = self.platform.current_device() if device_index is None else device_index
         self.max_producers = max_producers
         self._open: OrderedDict[str, _OpenProducer] = OrderedDict()  # by control-block name
+        # copy_stream: copies run on a side stream the caller's stream then waits for (an
+        # event, no host synchronisation), so they can overlap work already queued.
+        self._side = self.platform.new_stream(self.device_index) if copy_stream else None
+        self._copied = self.platform.new_event() if copy_stream else None
         self._lock = threading.Lock()
 
     def receive(self, message: Any, copy: bool = True) -> torch.Tensor:
@@ -78,9 +82,22 @@ class Consumer:
             # Bytes [offset, offset + nbytes) and nothing else; the view was checked to fit them.
             tensor = pool[msg.offset : msg.offset + msg.nbytes].view(dtype).as_strided(msg.shape, msg.stride)
             if copy:
-                tensor = tensor.clone()
+                tensor = self._copy(tensor)
         control.ack(msg.slot, self.rank, msg.generation)
         return tensor
+
+    def _copy(self, view: torch.Tensor) -> torch.Tensor:
+        home = self.platform.device(self.device_index)
+        if self._side is None or self._copied is None or (view.device.type, view.device.index or 0) != (
+            home.type, home.index or 0
+        ):
+            return view.clone()  # not on this consumer's device (no peer redirect): copy where it is
+        out = torch.empty(view.shape, dtype=view.dtype, device=view.device)  # owned by the caller's stream
+        with self.platform.use_stream(self._side):
+            out.copy_(view)
+            self._copied.record(self._side)
+        self._copied.wait(self.platform.current_stream(self.device_index))
+        return out
 
     # producers ------------------------------------------------------------------------------
     def _producer(self, msg: TensorMessage) -> _OpenProducer:

@@ -68,6 +68,7 @@ class Producer:
         self._host_blocks: dict[int, SharedFile] = {}
         self._free_slots = list(range(config.max_slices - 1, -1, -1))
         self._warned_full = False
+        self._copied = self.platform.new_event()  # marks the end of each send's copy into the pool
         self._lock = threading.Lock()
 
     # slices -------------------------------------------------------------------------------
@@ -137,7 +138,10 @@ class Producer:
             generation = self.control.bump(slot)
             if offset is not None and self.pool is not None:
                 self.pool[offset : offset + nbytes].view(source.dtype).view(source.shape).copy_(source)
-                self.platform.synchronize(self.device_index)  # consumers read after the message arrives
+                # Consumers read after the message arrives: wait for this copy (the pool device's
+                # current stream), not for everything queued on the device.
+                self._copied.record(self.platform.current_stream(self.device_index))
+                self._copied.synchronize()
                 self._used[slot] = (offset, nbytes, None)
                 kind, block_name = "pool", None
             else:
