@@ -1,8 +1,18 @@
-"""IPC transport on two GPUs: context MiB on the producer GPU, throughput, flat memory.
+"""IPC transport on two GPUs, against its anchors: in-process GPU0 -> GPU1 copy and
+torch.multiprocessing CUDA tensor sharing.
 
-    python benchmarks/ipc_transport.py [--out results] [--transfers 10000]
+    python benchmarks/ipc_transport.py [--out results] [--transfers 10000] [--repeats 20]
 
-Producer on GPU 0 (this process); consumer processes on GPU 1.
+Producer on GPU 0 (this process); consumer processes on GPU 1. Reports, in one run:
+- MiB a consumer takes on the producer GPU (redirected open vs torch's default open);
+- per size (4 KiB .. 256 MiB): in-process cuda:0 -> cuda:1 copy; torchhal transport with
+  copy=True and copy=False (producer send -> consumer tensor ready, round trip); the
+  torch.multiprocessing path engines use (a CUDA tensor through a torch.multiprocessing
+  queue, the consumer copies it to its GPU); ratios against both anchors;
+- where the transport's time goes (producer send, consumer receive, consumer sync);
+- small messages: latency vs a torch.multiprocessing queue round trip of a small object;
+- memory over --transfers transfers (producer and consumer reserved, pool fragments).
+Finishes in a few minutes on 2 x H200 (goal: < 8 min).
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -23,7 +34,9 @@ from _harness import write_json  # noqa: E402
 import torchhal  # noqa: E402
 from torchhal.core.transport import Consumer, Producer, TransportConfig  # noqa: E402
 
-MiB = 1 << 20
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
+SMALL = [s for s in SIZES if s <= MiB]
 
 
 def consumer_loop(redirect: bool, inbox, outbox, device: int = 1) -> None:
@@ -40,13 +53,29 @@ def consumer_loop(redirect: bool, inbox, outbox, device: int = 1) -> None:
         item = inbox.get()
         if item is None:
             break
-        kind, payload = item
-        if kind == "message":
+        kind, payload = item[0], item[1]
+        t0 = time.perf_counter()
+        if kind == "message":  # torchhal transport, copy=True
             tensor = consumer.receive(payload)
+        elif kind == "view":  # torchhal transport, copy=False
+            tensor = consumer.receive(payload, copy=False)
+        elif kind == "cuda":  # torch.multiprocessing CUDA tensor: copy to this GPU (what engines do)
+            tensor = payload.to(platform.device(device))
         elif kind == "host":  # torch.multiprocessing host tensor
             tensor = payload.to(platform.device(device), non_blocking=False)
+        elif kind == "ping":  # a small Python object: the queue's own round trip
+            outbox.put(("pong", payload, None))
+            continue
+        t1 = time.perf_counter()
         platform.synchronize(device)
-        outbox.put(("done", float(tensor.view(-1)[-1].float().item()), torch.cuda.memory_reserved(device)))
+        t2 = time.perf_counter()
+        if len(item) > 2 and item[2] == "check":  # correctness, outside the timed path
+            outbox.put(("checked", float(tensor.reshape(-1)[-1].float().item()), None))
+        elif len(item) > 2 and item[2] == "stats":
+            outbox.put(("stats", None, torch.cuda.memory_reserved(device)))
+        else:
+            outbox.put(("done", (t1 - t0, t2 - t1), None))
+        del tensor
 
 
 def smi_mib(pid: int) -> dict[int, int]:
@@ -63,23 +92,73 @@ def start_consumer(ctx, redirect: bool, queue_ctx):
     return proc, inbox, outbox, pid
 
 
+def median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def gib_s(nbytes: int, ms: float) -> float:
+    return nbytes / (1 << 30) / (ms / 1e3)
+
+
+def in_process_copy_ms(nbytes: int, repeats: int) -> float:
+    """Anchor 1: cuda:0 -> cuda:1 copy of the same size in this process."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0").random_(0, 255)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    samples = []
+    for i in range(repeats + 3):
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(1)
+        if i >= 3:
+            samples.append(time.perf_counter() - t0)
+    del src, dst
+    return median_ms(samples)
+
+
+def round_trips(inbox, outbox, make_item, repeats: int, producer: Producer | None = None) -> dict[str, Any]:
+    """Median round trip (send -> consumer tensor ready -> reply) and its parts."""
+    total, send, receive, sync = [], [], [], []
+    for i in range(repeats + 3):
+        if producer is not None:
+            producer.reclaim()
+        torch.cuda.synchronize(0)
+        t0 = time.perf_counter()
+        item = make_item()
+        t1 = time.perf_counter()
+        inbox.put(item)
+        _, parts, _ = outbox.get(timeout=120)
+        t2 = time.perf_counter()
+        if i >= 3:
+            total.append(t2 - t0)
+            send.append(t1 - t0)
+            receive.append(parts[0])
+            sync.append(parts[1])
+    return {"ms": median_ms(total), "send_ms": median_ms(send), "consumer_receive_ms": median_ms(receive),
+            "consumer_sync_ms": median_ms(sync)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="results")
     parser.add_argument("--transfers", type=int, default=10_000)
+    parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
+    started = time.perf_counter()
     platform = torchhal.get_platform("cuda")
     platform.set_device(0)
     ctx = mp.get_context("spawn")
     tmp = __import__("torch.multiprocessing", fromlist=["get_context"]).get_context("spawn")
-    results: dict = {"context_mib_on_producer_gpu": {}, "throughput": [], "flat": {}}
+    results: dict[str, Any] = {"context_mib_on_producer_gpu": {}, "sizes": [], "small_latency": {}, "flat": {},
+                               "peer_access_0_1": torch.cuda.can_device_access_peer(0, 1)}
 
     producer = Producer(TransportConfig(budget_bytes=1 << 30, consumers=1), platform, 0)
     # 1. context on the producer's GPU, redirected vs torch's default open
     for redirect in (True, False):
         proc, inbox, outbox, pid = start_consumer(ctx, redirect, tmp)
         value = torch.arange(MiB, dtype=torch.float32, device="cuda:0")
-        inbox.put(("message", producer.send(value)))
+        inbox.put(("message", producer.send(value), "check"))
         status, last, _ = outbox.get(timeout=120)
         time.sleep(1.0)
         usage = smi_mib(pid)
@@ -91,44 +170,74 @@ def main() -> None:
         proc.join(60)
         producer.reclaim()
 
-    # 2. throughput: transport vs host tensors through torch.multiprocessing
+    # 2. per size: anchors and the transport (one transport consumer, one torch.multiprocessing consumer)
     proc, inbox, outbox, pid = start_consumer(ctx, True, tmp)
-    for size_mib in (1, 4, 16, 64):
-        tensor = torch.randn(size_mib * MiB // 4, device="cuda:0")
-        timings = {"transport": [], "torch_mp_host": []}
-        for _ in range(12):
-            for mode in timings:
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                if mode == "transport":
-                    inbox.put(("message", producer.send(tensor)))
-                else:
-                    inbox.put(("host", tensor.cpu()))
-                outbox.get(timeout=120)
-                timings[mode].append(time.perf_counter() - t0)
-                producer.reclaim()
-        row = {"mib": size_mib}
-        for mode, samples in timings.items():
-            median = statistics.median(samples[2:])
-            row[f"{mode}_ms"] = median * 1e3
-            row[f"{mode}_gib_s"] = size_mib / 1024 / median
-        row["speedup"] = row["torch_mp_host_ms"] / row["transport_ms"]
+    mp_proc, mp_inbox, mp_outbox, mp_pid = start_consumer(ctx, True, tmp)
+    for nbytes in SIZES:
+        tensor = torch.arange(nbytes // 4, dtype=torch.float32, device="cuda:0")
+        inbox.put(("message", producer.send(tensor), "check"))
+        correct = outbox.get(timeout=120)[1] == float(nbytes // 4 - 1)
+        mp_inbox.put(("cuda", tensor, "check"))
+        mp_correct = mp_outbox.get(timeout=120)[1] == float(nbytes // 4 - 1)
+        row: dict[str, Any] = {"bytes": nbytes, "data_correct": correct and mp_correct}
+        row["in_process_copy_ms"] = in_process_copy_ms(nbytes, args.repeats)
+        row["transport_copy"] = round_trips(inbox, outbox, lambda t=tensor: ("message", producer.send(t)),
+                                            args.repeats, producer)
+        row["transport_view"] = round_trips(inbox, outbox, lambda t=tensor: ("view", producer.send(t)),
+                                            args.repeats, producer)
+        row["torch_mp_cuda"] = round_trips(mp_inbox, mp_outbox, lambda t=tensor: ("cuda", t), args.repeats)
+        for key in ("transport_copy", "transport_view", "torch_mp_cuda"):
+            row[key]["gib_s"] = gib_s(nbytes, row[key]["ms"])
+        row["in_process_copy_gib_s"] = gib_s(nbytes, row["in_process_copy_ms"])
+        row["transport_copy_vs_in_process"] = row["in_process_copy_ms"] / row["transport_copy"]["ms"]
+        row["transport_copy_vs_torch_mp"] = row["torch_mp_cuda"]["ms"] / row["transport_copy"]["ms"]
+        row["transport_view_vs_torch_mp"] = row["torch_mp_cuda"]["ms"] / row["transport_view"]["ms"]
         print(row, flush=True)
-        results["throughput"].append(row)
+        results["sizes"].append(row)
+        producer.reclaim()
+        del tensor
+    time.sleep(1.0)
+    results["context_mib_on_producer_gpu"]["torch_mp_cuda"] = {"gpu0_mib": smi_mib(mp_pid).get(0, 0)}
+    results["context_mib_on_producer_gpu"]["transport_consumer"] = {"gpu0_mib": smi_mib(pid).get(0, 0)}
 
-    # 3. memory flat over many transfers
+    # 3. small messages: transport latency vs a torch.multiprocessing queue round trip of a small object
+    pings = []
+    for i in range(200 + 10):
+        t0 = time.perf_counter()
+        inbox.put(("ping", i))
+        outbox.get(timeout=60)
+        if i >= 10:
+            pings.append(time.perf_counter() - t0)
+    queue_ms = median_ms(pings)
+    results["small_latency"] = {"torch_mp_queue_round_trip_ms": queue_ms, "by_size": []}
+    for row in results["sizes"]:
+        if row["bytes"] in SMALL:
+            results["small_latency"]["by_size"].append({
+                "bytes": row["bytes"],
+                "transport_copy_ms": row["transport_copy"]["ms"],
+                "transport_view_ms": row["transport_view"]["ms"],
+                "transport_copy_vs_queue": row["transport_copy"]["ms"] / queue_ms,
+                "transport_view_vs_queue": row["transport_view"]["ms"] / queue_ms,
+            })
+    print(results["small_latency"], flush=True)
+
+    # 4. memory flat over many transfers (copy and view alternating, sizes cycling)
     torch.cuda.synchronize()
     reserved_start = torch.cuda.memory_reserved(0)
     consumer_reserved = []
-    small = torch.randn(16 * 1024, device="cuda:0")
+    payloads = [torch.randn(n // 4, device="cuda:0") for n in (4 * KiB, 64 * KiB, 1 * MiB, 4 * KiB + 512)]
+    flat_started = time.perf_counter()
     for i in range(args.transfers):
-        inbox.put(("message", producer.send(small)))
+        kind = "message" if i % 2 else "view"
+        stats = i % 1000 == 0
+        inbox.put((kind, producer.send(payloads[i % len(payloads)]), "stats" if stats else ""))
         _, _, reserved = outbox.get(timeout=60)
-        if i % 1000 == 0:
+        if stats:
             consumer_reserved.append(reserved)
     producer.reclaim()
     results["flat"] = {
         "transfers": args.transfers,
+        "seconds": time.perf_counter() - flat_started,
         "producer_reserved_start_end": [reserved_start, torch.cuda.memory_reserved(0)],
         "consumer_reserved_every_1000": consumer_reserved,
         "pool_free_bytes_end": producer.free_bytes,
@@ -136,9 +245,11 @@ def main() -> None:
         "pool_free_fragments_end": len(producer._free),
     }
     print(results["flat"], flush=True)
-    inbox.put(None)
-    proc.join(60)
+    for queue, process in ((inbox, proc), (mp_inbox, mp_proc)):
+        queue.put(None)
+        process.join(60)
     producer.close()
+    results["seconds"] = time.perf_counter() - started
     write_json("ipc_transport", results, args.out)
 
 

@@ -169,6 +169,12 @@ def test_cuda_detection_reports_a_failing_driver(monkeypatch):
 # -- IPC mapping ------------------------------------------------------------------------
 
 
+# The ref-counter handle names a real torch shared-memory file: the open checks it exists
+# (a regular file of this user) before any native call would map it.
+_REF_COUNTER = torch.zeros(128, dtype=torch.int64)
+RC_NAME = bytes(_REF_COUNTER.untyped_storage()._share_filename_cpu_()[1])
+
+
 class FakeStorage:
     def __init__(self, method, device):
         self.method, self.device = method, device
@@ -176,7 +182,7 @@ class FakeStorage:
     def __getattr__(self, name):
         if name != self.method:
             raise AttributeError(name)
-        return lambda: (self.device, b"\x01" * 64, 4096, 256, b"/rc", 8, b"\x02" * 64, True)
+        return lambda: (self.device, b"\x01" * 64, 4096, 256, RC_NAME, 8, b"\x02" * 64, True)
 
 
 def fake_device_tensor(device_type, method, device=1):
@@ -217,7 +223,7 @@ def test_ipc_share_and_open_mapping(name, share, open_, peer, expect_device, mon
     assert handle.offset_bytes == 64 and handle.shape == (4, 8)
     tensor = support.open(handle, 0)
     assert opened[0][0] == expect_device
-    assert opened[0][1] == (b"\x01" * 64, 4096, 256, b"/rc", 8, b"\x02" * 64, True)
+    assert opened[0][1] == (b"\x01" * 64, 4096, 256, RC_NAME, 8, b"\x02" * 64, True)
     assert ("device:enter", expect_device) in module.calls
     assert tensor.shape == (4, 8) and tensor.storage_offset() == 16
 

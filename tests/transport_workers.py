@@ -1,5 +1,7 @@
 """Processes for the transport tests (spawned, so importable at top level). Plain data out."""
 
+import warnings
+
 import torch
 
 import torchhal
@@ -21,8 +23,12 @@ def consume(rank, inbox, outbox):
     consumer.close()
 
 
-def produce_then_exit(outbox, release):
+def produce_then_exit(outbox, release, with_host_block=False):
     producer = Producer(TransportConfig(budget_bytes=0, pool_floor_bytes=1 << 20))
+    if with_host_block:  # a tensor over the 1 MiB pool leaves a host block too
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            producer.send(torch.zeros(2 << 20, dtype=torch.uint8))
     outbox.put(producer.send(torch.arange(16, dtype=torch.float32)))
     release.wait(60)
     # exit without close(): as a crashed worker would

@@ -15,6 +15,8 @@ import contextlib
 import importlib
 import importlib.util
 import os
+import re
+import stat
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any, ClassVar
@@ -31,7 +33,7 @@ from torchhal.platforms import (
     MemoryInfo,
     PlatformPlugin,
 )
-from torchhal.platforms.ipc import describe, tensor_from_storage, validate_handle
+from torchhal.platforms.ipc import MAX_BYTES, describe, tensor_from_storage, validate_handle
 
 #: What a probe catches: a vendor runtime that is absent, half-installed
 #: (torch_npu without CANN raises RuntimeError/OSError) or refuses this torch.
@@ -226,27 +228,62 @@ class AcceleratorPlatform(PlatformPlugin):
         return producer
 
     def ipc_open(self, handle: IpcHandle, device: int) -> torch.Tensor:
+        if not isinstance(handle, IpcHandle):
+            raise IpcHandleError(f"expected an IpcHandle, got {type(handle).__name__}")
         if handle.platform != self.name:
             raise IpcHandleError(f"handle is from platform {handle.platform!r}; this is {self.name!r}")
         fields = handle.storage
         types = (int, bytes, int, bytes, int, bytes, bool)
-        if len(fields) != len(types) or not all(
+        if not isinstance(fields, tuple) or len(fields) != len(types) or not all(
             isinstance(v, t) and not (t is int and isinstance(v, bool)) for v, t in zip(fields, types, strict=True)
         ):
-            raise IpcHandleError(f"{self.name} IPC storage fields are malformed: {fields!r}")
+            raise IpcHandleError(f"{self.name} IPC storage fields are malformed: {fields!r:.200}")
         producer, raw, offset, rc_handle, rc_offset, event_handle, event_sync = fields
         assert isinstance(producer, int) and isinstance(offset, int) and isinstance(rc_offset, int)
-        if not 0 <= producer < self.device_count() or not 0 <= device < self.device_count():
+        assert isinstance(raw, bytes) and isinstance(rc_handle, bytes) and isinstance(event_handle, bytes)
+        if not isinstance(device, int) or isinstance(device, bool) or not (
+            0 <= producer < self.device_count() and 0 <= device < self.device_count()
+        ):
             raise IpcHandleError(
-                f"IPC device {producer} (producer) or {device} (consumer) is not a visible "
+                f"IPC device {producer} (producer) or {device!r} (consumer) is not a visible "
                 f"{self.name} device (0..{self.device_count() - 1})"
             )
+        # Every field below reaches native code: bound it first.
+        if not 0 < len(raw) <= _IPC_BLOB_MAX or len(event_handle) > _IPC_BLOB_MAX:
+            raise IpcHandleError(
+                f"{self.name} IPC memory/event handle of {len(raw)}/{len(event_handle)} bytes is not a handle"
+            )
+        if not 0 <= offset < MAX_BYTES:
+            raise IpcHandleError(f"{self.name} IPC allocation offset {offset} is out of range")
+        _check_refcount_file(rc_handle, rc_offset)
         dtype = validate_handle(handle)
         target = self.ipc_target_device(producer, device)
         module = self.device_module()
-        with module.device(target):
-            storage = getattr(torch.UntypedStorage, self.ipc_open_method or "")(
-                target, raw, handle.storage_nbytes, offset, rc_handle, rc_offset,
-                event_handle or None, event_sync,
-            )
-        return tensor_from_storage(storage, handle, dtype)
+        try:
+            with module.device(target):
+                storage = getattr(torch.UntypedStorage, self.ipc_open_method or "")(
+                    target, raw, handle.storage_nbytes, offset, rc_handle, rc_offset,
+                    event_handle or None, event_sync,
+                )
+            return tensor_from_storage(storage, handle, dtype)
+        except Exception as exc:  # the driver refused the handle: still the one documented error type
+            raise IpcHandleError(f"{self.name} IPC open failed: {type(exc).__name__}: {exc}") from exc
+
+
+_IPC_BLOB_MAX = 256  # driver IPC memory/event handles are tens of bytes
+_REFCOUNT_NAME = re.compile(rb"/torch_\d{1,10}_\d{1,10}_\d{1,20}")
+_REFCOUNT_CELLS = 10_000  # torch's CUDA IPC ref-counter file holds this many int64 cells
+
+
+def _check_refcount_file(name: bytes, offset: int) -> None:
+    """The ref-counter handle is a shared-memory file name the native open maps and writes:
+    only torch's own names, of a regular file of this user (no symlink), with the cell inside."""
+    if not _REFCOUNT_NAME.fullmatch(name) or not 0 <= offset < _REFCOUNT_CELLS:
+        raise IpcHandleError(f"IPC ref-counter {name[:128]!r} at cell {offset} is not a torch ref-counter handle")
+    path = "/dev/shm" + name.decode("ascii")
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        raise IpcHandleError(f"IPC ref-counter {path!r} is gone: its producer freed it or exited") from exc
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_size < 8 * (offset + 1):
+        raise IpcHandleError(f"IPC ref-counter {path!r} is not a regular file of this user holding cell {offset}")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+import re
+import stat
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -156,27 +158,76 @@ def _share(tensor: torch.Tensor) -> IpcHandle:
     )
 
 
-def _shm_size(name: bytes) -> int:
-    """Size of the shared-memory object, read from the OS, not from the handle."""
-    text = name.decode("utf-8", "strict")
-    if not text.startswith("/") or "/" in text[1:] or ".." in text:
-        raise IpcHandleError(f"shared-memory name {text!r} is not a plain /name")
+#: torch's process-wide shared-memory names and its shared-memory manager's socket.
+_SHM_NAME = re.compile(rb"/torch_\d{1,10}_\d{1,10}_\d{1,20}")
+_MANAGER_SOCKET = re.compile(rb"(/[A-Za-z0-9._-]{1,64}){0,8}/torch-shm-dir-[A-Za-z0-9]{6}/manager\.sock")
+_UNIX_PATH_MAX = 107  # sockaddr_un.sun_path, less the terminating NUL
+_REFCOUNT_BYTES = 64  # torch's shared storages carry a refcount header after the data
+
+
+def _checked_object(path: str, kind: str, is_type: Callable[[int], bool]) -> os.stat_result:
+    """Stat without following a symlink: this user's own object of the expected type."""
     try:
-        return os.stat(_SHM_DIR + text).st_size
+        info = os.lstat(path)
     except FileNotFoundError:
-        raise IpcHandleError(
-            f"shared memory {text!r} no longer exists: its producer freed it or exited"
-        ) from None
+        raise IpcHandleError(f"shared {kind} {path!r} no longer exists: its producer freed it or exited") from None
+    except OSError as exc:
+        raise IpcHandleError(f"shared {kind} {path!r} cannot be inspected: {exc}") from exc
+    if not is_type(info.st_mode) or info.st_uid != os.geteuid():
+        raise IpcHandleError(f"{path!r} is not a {kind} of this user (a symlink or another user's object)")
+    return info
+
+
+def _shm_size(name: bytes) -> int:
+    """Size of the shared-memory object, read from the OS (not from the handle), after
+    checking its name, type and owner: only torch's own shared-memory files qualify."""
+    if not _SHM_NAME.fullmatch(name):
+        raise IpcHandleError(f"shared-memory name {name!r} is not a plain /torch_<pid>_<n>_<n> name")
+    path = _SHM_DIR + name.decode("ascii")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise IpcHandleError(f"shared memory {path!r} no longer exists: its producer freed it or exited") from None
+    except OSError as exc:
+        raise IpcHandleError(f"shared memory {path!r} cannot be opened safely: {exc}") from exc
+    try:
+        info = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_nlink != 1:
+        raise IpcHandleError(f"shared memory {path!r} is not a regular file of this user with one link")
+    return max(info.st_size - _REFCOUNT_BYTES, 0)
+
+
+def _check_manager(manager: bytes) -> None:
+    """The manager handle is a socket path the native open connects to: only torch's own
+    manager sockets (pattern, length, a socket owned by this user) are accepted."""
+    if len(manager) > _UNIX_PATH_MAX or not _MANAGER_SOCKET.fullmatch(manager):
+        raise IpcHandleError(f"shared-memory manager {manager[:128]!r} is not a torch manager socket path")
+    _checked_object(manager.decode("ascii"), "manager socket", stat.S_ISSOCK)
 
 
 def _open(handle: IpcHandle, device: int) -> torch.Tensor:
-    if len(handle.storage) != 2 or not all(isinstance(x, bytes) for x in handle.storage):
-        raise IpcHandleError(f"CPU IPC handle storage must be (manager, name) bytes; got {handle.storage!r}")
+    if not isinstance(handle, IpcHandle):
+        raise IpcHandleError(f"expected an IpcHandle, got {type(handle).__name__}")
+    if handle.platform != "cpu" or handle.device != 0 or device != 0:
+        raise IpcHandleError(
+            f"CPU IPC opens cpu handles of device 0 on device 0; got {handle.platform!r} device "
+            f"{handle.device!r} onto {device!r}"
+        )
+    if (not isinstance(handle.storage, tuple) or len(handle.storage) != 2
+            or not all(isinstance(x, bytes) for x in handle.storage)):
+        raise IpcHandleError(f"CPU IPC handle storage must be (manager, name) bytes; got {handle.storage!r:.200}")
     manager, name = handle.storage
     assert isinstance(manager, bytes) and isinstance(name, bytes)
     dtype = validate_handle(handle, storage_nbytes=_shm_size(name))
-    storage = torch.UntypedStorage._new_shared_filename_cpu(manager, name, handle.storage_nbytes)
-    return tensor_from_storage(storage, handle, dtype)
+    _check_manager(manager)
+    try:
+        # Maps at most the file's real size (checked above), so nothing grows /dev/shm.
+        storage = torch.UntypedStorage._new_shared_filename_cpu(manager, name, handle.storage_nbytes)
+        return tensor_from_storage(storage, handle, dtype)
+    except Exception as exc:  # e.g. the object vanished between the check and the open
+        raise IpcHandleError(f"CPU IPC open of {name!r} failed: {type(exc).__name__}: {exc}") from exc
 
 
 @hookimpl

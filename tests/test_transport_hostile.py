@@ -1,0 +1,403 @@
+"""The transport and platform IPC under hostile input: a message is untrusted data from
+another process. One test (at least) per class of attack; each failed on the code before
+the hardening (native-reaching fields, trusted sizes, element indexing, followed
+symlinks, leaked files, stray error types)."""
+
+import base64
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import struct
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchhal
+from torchhal.core.transport import Consumer, Producer, TransportConfig, TransportError, pool_size
+from torchhal.platforms import IpcHandleError
+
+from . import transport_workers
+
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parents[1]
+SHM = "/dev/shm"
+
+
+def small(**overrides):
+    return TransportConfig(**{"budget_bytes": 0, "pool_floor_bytes": 1 * MiB, **overrides})
+
+
+def b64(raw: bytes) -> dict:
+    return {"b64": base64.b64encode(raw).decode()}
+
+
+def map_count() -> int:
+    return len(Path("/proc/self/maps").read_text().splitlines())
+
+
+def cpu_open(handle):
+    return torchhal.get_platform("cpu").ipc_support.open(handle, 0)
+
+
+def run_isolated(code: str) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter: a native crash shows as a negative return code."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+
+
+# -- native crash: every field that reaches a native call is validated first ----------------
+
+@pytest.mark.parametrize(
+    "manager",
+    [b"/tmp/torchhal-no-such.sock", b"", b"/" + b"a" * 400, b"relative.sock", b"/tmp/\x00x", "/tmp/é".encode()],
+)
+def test_cpu_open_never_hands_an_unchecked_manager_socket_to_native_code(manager):
+    code = f"""
+import dataclasses, torch, torchhal
+from torchhal.platforms import IpcHandleError
+support = torchhal.get_platform("cpu").ipc_support
+tensor = torch.arange(16.0)
+handle = support.share(tensor)
+bad = dataclasses.replace(handle, storage=({manager!r}, handle.storage[1]))
+try:
+    support.open(bad, 0)
+    print("ACCEPTED")
+except IpcHandleError as exc:
+    print("IpcHandleError", exc)
+except Exception as exc:
+    print("WRONG", type(exc).__name__, exc)
+"""
+    result = run_isolated(code)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.startswith("IpcHandleError") and "manager" in result.stdout, result.stdout
+
+
+def test_cpu_open_refuses_a_symlink_to_a_real_manager_socket(tmp_path):
+    support = torchhal.get_platform("cpu").ipc_support
+    tensor = torch.arange(16.0)
+    handle = support.share(tensor)
+    manager = handle.storage[0]
+    link_dir = Path(f"/tmp/torch-shm-dir-{uuid.uuid4().hex[:6]}")
+    link_dir.mkdir()
+    try:
+        (link_dir / "manager.sock").symlink_to(manager.decode())
+        bad = dataclasses.replace(handle, storage=(str(link_dir / "manager.sock").encode(), handle.storage[1]))
+        with pytest.raises(IpcHandleError, match="symlink|manager socket"):
+            support.open(bad, 0)
+    finally:
+        (link_dir / "manager.sock").unlink()
+        link_dir.rmdir()
+
+
+def test_device_open_validates_native_fields_before_the_driver_call(monkeypatch):
+    from .test_vendor_mapping import MusaPlatform, fake_device_tensor, install_extension, make_device_module
+
+    install_extension(monkeypatch, "torch_musa", "musa", make_device_module("musa", graph_class="MUSAGraph"))
+    opened = []
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_musa", staticmethod(lambda *a: opened.append(a)),
+                        raising=False)
+    plugin = MusaPlatform()
+    handle = plugin.ipc_share(fake_device_tensor("musa", "_share_musa_"))
+    fields = handle.storage
+    for storage, match in [
+        ((*fields[:3], b"/etc/passwd", *fields[4:]), "ref-counter"),  # a file the open would map and write
+        ((*fields[:3], b"/torch_1_2_3", *fields[4:]), "ref-counter"),  # a torch name, but not a real file
+        ((*fields[:4], 10**6, *fields[5:]), "ref-counter"),  # a cell past the file
+        ((fields[0], b"", *fields[2:]), "not a handle"),
+        ((fields[0], b"\x01" * 100_000, *fields[2:]), "not a handle"),
+        ((*fields[:2], -5, *fields[3:]), "offset"),
+    ]:
+        with pytest.raises(IpcHandleError, match=match):
+            plugin.ipc_open(dataclasses.replace(handle, storage=storage), 0)
+    assert opened == []
+
+
+def test_device_open_reports_a_driver_refusal_as_an_ipc_handle_error(monkeypatch):
+    from .test_vendor_mapping import MusaPlatform, fake_device_tensor, install_extension, make_device_module
+
+    install_extension(monkeypatch, "torch_musa", "musa", make_device_module("musa", graph_class="MUSAGraph"))
+
+    def refuse(*args):
+        raise RuntimeError("invalid device pointer")
+
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_musa", staticmethod(refuse), raising=False)
+    plugin = MusaPlatform()
+    handle = plugin.ipc_share(fake_device_tensor("musa", "_share_musa_"))
+    with pytest.raises(IpcHandleError, match="invalid device pointer") as info:
+        plugin.ipc_open(handle, 0)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+# -- resource growth: sizes are checked against the real object; opened pools are bounded ----
+
+def test_a_handle_claiming_more_than_the_object_neither_maps_nor_grows_it():
+    support = torchhal.get_platform("cpu").ipc_support
+    tensor = torch.zeros(MiB, dtype=torch.uint8)
+    handle = support.share(tensor)
+    path = SHM + handle.storage[1].decode()
+    before = os.lstat(path).st_size
+    with pytest.raises(IpcHandleError, match="claims a storage of"):
+        cpu_open(dataclasses.replace(handle, storage_nbytes=64 * MiB))
+    assert os.lstat(path).st_size == before
+
+
+def test_a_message_claiming_a_bigger_pool_does_not_grow_shared_memory():
+    producer, consumer = Producer(small()), Consumer(0)
+    message = json.loads(json.dumps(producer.send(torch.arange(16.0))))
+    path = SHM + base64.b64decode(message["pool_handle"]["storage"][1]["b64"]).decode()
+    before = os.lstat(path).st_size
+    message["pool_handle"]["storage_nbytes"] = 64 * MiB
+    with pytest.raises(TransportError):
+        consumer.receive(message)
+    assert os.lstat(path).st_size == before
+    producer.close()
+    consumer.close()
+
+
+def test_fresh_pool_ids_do_not_open_fresh_mappings():
+    producer, consumer = Producer(small()), Consumer(0)
+    good = producer.send(torch.arange(16.0))
+    consumer.receive(good)
+    start = map_count()
+    for _ in range(300):
+        message = {**good, "pool_id": f"{os.getpid()}-{uuid.uuid4().hex[:12]}"}
+        try:
+            consumer.receive(message)
+        except TransportError:
+            pass
+    assert map_count() - start <= 16
+    producer.close()
+    consumer.close()
+
+
+def test_open_producers_are_bounded_and_dropped_when_they_close():
+    producers = [Producer(small()) for _ in range(4)]
+    consumer = Consumer(0, max_producers=2)
+    for _ in range(2):
+        for index, producer in enumerate(producers):
+            assert consumer.receive(producer.send(torch.full((8,), float(index)))).tolist() == [index] * 8
+            assert consumer.open_producers <= 2
+    last = producers[0].send(torch.ones(2))
+    for producer in producers[:3]:
+        producer.close()
+    with pytest.raises(TransportError, match="closed|gone"):
+        consumer.receive(last)
+    survivor = producers[3].send(torch.ones(3))
+    assert consumer.receive(survivor).tolist() == [1.0] * 3
+    producers[3].close()
+    consumer.close()
+    with pytest.raises(ValueError, match="max_producers 0"):
+        Consumer(0, max_producers=0)
+
+
+# -- reading outside the named bytes: the pool is indexed in bytes, always ---------------------
+
+def test_a_non_byte_pool_handle_cannot_read_past_the_named_slice():
+    producer, consumer = Producer(small(alignment=512)), Consumer(0)
+    messages = [producer.send(torch.full((128,), float(i))) for i in range(6)]  # 512 bytes each, back to back
+    target = json.loads(json.dumps(messages[1]))  # slice [512, 1024)
+    handle = target["pool_handle"]
+    handle.update(dtype="float32", shape=[handle["storage_nbytes"] // 4])
+    try:
+        tensor = consumer.receive(target)
+    except TransportError:
+        tensor = None
+    if tensor is not None:  # accepted: it must hold exactly the bytes the message names
+        assert tensor.tolist() == [1.0] * 128
+    producer.close()
+    consumer.close()
+
+
+def test_a_broadcast_view_cannot_make_the_consumer_allocate_more_than_was_sent():
+    producer, consumer = Producer(small()), Consumer(0)
+    message = {**producer.send(torch.arange(4.0)), "shape": [1 << 30], "stride": [0]}
+    with pytest.raises(TransportError, match="larger than the 16 bytes"):
+        consumer.receive(message)
+    producer.close()
+    consumer.close()
+
+
+# -- filesystem: no-follow, this user's regular files, only the sender's names ------------------
+
+def _fake_control(path: Path, pid: int) -> bytes:
+    """A file shaped like a control block: alive, pid, 1 slot, 1 consumer, generation 0, no ack yet."""
+    cells = [1, pid, 1, 1, 0, -1] + [-1] * 8
+    data = struct.pack(f"{len(cells)}q", *cells)
+    path.write_bytes(data)
+    return data
+
+
+def test_a_symlinked_control_block_is_refused_and_not_written(tmp_path):
+    producer, consumer = Producer(small()), Consumer(0)
+    good = producer.send(torch.arange(16.0))
+    target = tmp_path / "victim"
+    original = _fake_control(target, os.getpid())
+    token = uuid.uuid4().hex[:12]
+    link = Path(SHM) / f"torchhal-{os.getpid()}-{token}-ctl"
+    link.symlink_to(target)
+    try:
+        forged = {**good, "pool_id": f"{os.getpid()}-{token}", "control": link.name, "slot": 0, "generation": 0}
+        with pytest.raises(TransportError):
+            consumer.receive(forged)
+        assert target.read_bytes() == original
+    finally:
+        link.unlink()
+    producer.close()
+    consumer.close()
+
+
+def test_a_fifo_named_like_a_host_block_does_not_hang_the_consumer():
+    producer, consumer = Producer(small()), Consumer(0)
+    good = producer.send(torch.arange(16.0))
+    name = f"torchhal-{good['pool_id']}-h{good['slot']}-g{good['generation']}"
+    os.mkfifo(os.path.join(SHM, name), 0o600)
+    try:
+        with pytest.raises(TransportError, match="regular file"):
+            consumer.receive({**good, "kind": "host", "host_name": name})
+    finally:
+        os.unlink(os.path.join(SHM, name))
+    producer.close()
+    consumer.close()
+
+
+def test_a_message_may_only_name_its_own_producers_files():
+    sender, other = Producer(small()), Producer(small())
+    consumer = Consumer(0)
+    theirs = other.send(torch.arange(4.0))
+    acks_before = bytes(other.control.shm.map)
+    ours = sender.send(torch.arange(4.0))
+    for forged in (
+        {**ours, "control": theirs["control"], "slot": theirs["slot"], "generation": theirs["generation"]},
+        {**theirs, "producer_pid": 1},
+        {**ours, "kind": "host", "host_name": theirs["control"]},
+    ):
+        with pytest.raises(TransportError):
+            consumer.receive(forged)
+    assert bytes(other.control.shm.map) == acks_before  # nothing acknowledged on the other's behalf
+    sender.close()
+    other.close()
+    consumer.close()
+
+
+# -- leaks after a crash: files of dead producers are reclaimed --------------------------------
+
+def _crashed_producer_files() -> list[str]:
+    ctx = mp.get_context("spawn")
+    outbox, release = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=transport_workers.produce_then_exit, args=(outbox, release, True))
+    proc.start()
+    message = outbox.get(timeout=120)
+    release.set()
+    deadline = time.monotonic() + 60
+    while proc.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = message["producer_pid"]
+    files = [name for name in os.listdir(SHM) if name.startswith(f"torchhal-{pid}-")]
+    assert message["control"] in files and len(files) >= 2  # control block and a host block were left
+    return files
+
+
+def test_the_next_producer_reclaims_files_of_a_crashed_one():
+    files = _crashed_producer_files()
+    producer = Producer(small())
+    assert not set(files) & set(os.listdir(SHM))
+    producer.close()
+
+
+def test_the_reclaim_command_removes_files_of_a_crashed_one():
+    files = _crashed_producer_files()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-m", "torchhal.core.transport", "reclaim"], capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    assert not set(files) & set(os.listdir(SHM))
+    assert all(f"removed {name}" in result.stdout for name in files)
+
+
+def test_reclaim_keeps_live_producers_and_foreign_files():
+    producer = Producer(small())
+    from torchhal.core.transport import reclaim_orphans
+
+    reclaim_orphans()
+    assert producer.control.name in os.listdir(SHM)  # alive: kept
+    producer.close()
+
+
+# -- one error type -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "storage",
+    [
+        [b64(b"/tmp/x"), b64(b"/torch_1_2_3")],  # a vanished object: IpcHandleError inside
+        [b64(b"/tmp/x"), b64("/torch_é".encode())],
+        ["a", "b"],
+        [1, 2],
+    ],
+)
+def test_receive_raises_only_transport_errors_with_the_cause_chained(storage):
+    producer, consumer = Producer(small()), Consumer(0)
+    message = json.loads(json.dumps(producer.send(torch.arange(16.0))))
+    message["pool_handle"]["storage"] = storage
+    with pytest.raises(TransportError):
+        consumer.receive(message)
+    producer.close()
+    consumer.close()
+
+
+def test_platform_open_failure_inside_receive_is_a_transport_error_with_cause(monkeypatch):
+    producer, consumer = Producer(small()), Consumer(0)
+    message = producer.send(torch.arange(16.0))
+    support = torchhal.get_platform("cpu").ipc_support
+
+    def failing_open(handle, device):
+        raise IpcHandleError("shared memory vanished")
+
+    platform = consumer.platform
+    monkeypatch.setattr(type(platform), "ipc_support",
+                        property(lambda self: dataclasses.replace(support, open=failing_open)))
+    with pytest.raises(TransportError, match="vanished") as info:
+        consumer.receive(message)
+    assert isinstance(info.value.__cause__, IpcHandleError)
+    producer.close()
+    consumer.close()
+
+
+# -- the budget and the workers split -----------------------------------------------------------
+
+def test_default_budget_is_one_gib_for_one_worker():
+    config = TransportConfig()
+    assert (config.budget_bytes, config.workers, config.pool_floor_bytes) == (1 << 30, 1, 128 * MiB)
+    assert pool_size(config.budget_bytes, config.workers, config.pool_floor_bytes) == 1 << 30
+
+
+def test_producer_pool_is_its_share_of_the_budget():
+    producer = Producer(TransportConfig(budget_bytes=8 * MiB, workers=4, pool_floor_bytes=MiB))
+    assert producer.pool_bytes == 2 * MiB and producer.pool is not None and producer.pool.numel() == 2 * MiB
+    assert producer.pool_handle is not None and producer.pool_handle.shape == (2 * MiB,)
+    with pytest.warns(UserWarning, match=r"Raise TransportConfig.budget_bytes \(now 8 MiB for 4 worker\(s\)\)"):
+        producer.send(torch.zeros(3 * MiB, dtype=torch.uint8))  # over the share: host fallback names the knob
+    producer.close()
+    floor = Producer(TransportConfig(budget_bytes=8 * MiB, workers=16, pool_floor_bytes=MiB))
+    assert floor.pool_bytes == MiB  # 512 KiB share raised to the floor
+    floor.close()
+
+
+# -- the fuzz test: bounded, seeded, in a subprocess so a crash is caught ----------------------
+
+def test_fuzzed_receive_and_open_against_real_pools():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "fuzz_transport.py"), "--cases", "20000", "--seed", "13"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert result.returncode == 0, (result.returncode, result.stdout[-3000:], result.stderr[-3000:])
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["cases"] == 20000
+    assert summary["accepted"] > 100 and summary["rejected"] > 1000 and summary["open_accepted"] > 10
+    assert summary["shm_growth_bytes"] <= summary["shm_bound"] and summary["maps_growth"] <= summary["maps_bound"]

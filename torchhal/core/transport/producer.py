@@ -1,0 +1,182 @@
+"""The producer side: one device pool per worker, best-fit slices, host fallback.
+
+A producer worker owns one device buffer (its pool) whose IPC handle is taken once;
+tensors are copied into best-fit slices and sent as plain-data messages. A slice is
+recycled when every expected consumer has acknowledged its current generation. A full
+pool, or a platform without IPC, falls back to host shared memory with the same API.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchhal.core.transport._shm import Control, SharedFile, host_name, new_pool_id, reclaim_orphans
+from torchhal.core.transport.messages import TensorMessage, handle_fingerprint
+from torchhal.platforms import IpcHandle, Platform, current_platform
+from torchhal.platforms.ipc import dtype_name
+
+MiB = 1 << 20
+POOL_FLOOR_BYTES = 128 * MiB
+BUDGET_SETTING = "TransportConfig.budget_bytes"
+
+
+def pool_size(budget_bytes: int, workers: int, floor: int = POOL_FLOOR_BYTES) -> int:
+    """Each producer's share of the total budget, never below the floor."""
+    if workers < 1 or budget_bytes < 0:
+        raise ValueError(f"workers {workers} must be >= 1 and budget_bytes {budget_bytes} >= 0")
+    return max(budget_bytes // workers, floor)
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    budget_bytes: int = 1 << 30  # total for all producer workers
+    workers: int = 1
+    consumers: int = 1  # acknowledgements needed before a slice is reused
+    max_slices: int = 1024
+    pool_floor_bytes: int = POOL_FLOOR_BYTES
+    alignment: int = 512
+
+
+class Producer:
+    def __init__(self, config: TransportConfig = TransportConfig(), platform: Platform | None = None,
+                 device_index: int | None = None) -> None:
+        self.config = config
+        self.platform = platform or current_platform()
+        self.device_index = self.platform.current_device() if device_index is None else device_index
+        self.pool_bytes = pool_size(config.budget_bytes, config.workers, config.pool_floor_bytes)
+        self.reclaimed_orphans = reclaim_orphans()  # files of producers that died without close()
+        self.pool_id = new_pool_id()
+        ipc = self.platform.ipc_support
+        self.pool: torch.Tensor | None = None
+        self.pool_handle: IpcHandle | None = None
+        if ipc is not None:
+            self.pool = torch.empty(self.pool_bytes, dtype=torch.uint8, device=self.platform.device(self.device_index))
+            self.pool_handle = ipc.share(self.pool)  # taken once for the pool's lifetime
+        fingerprint = handle_fingerprint(self.pool_handle) if self.pool_handle is not None else bytes(32)
+        self.control = Control.create(
+            self.pool_id, config.max_slices, config.consumers, self.pool_bytes if self.pool is not None else 0,
+            fingerprint,
+        )
+        self._free: list[tuple[int, int]] = [(0, self.pool_bytes)]  # (offset, size), sorted by offset
+        self._used: dict[int, tuple[int, int, str | None]] = {}  # slot -> (offset, size, host block name)
+        self._host_blocks: dict[int, SharedFile] = {}
+        self._free_slots = list(range(config.max_slices - 1, -1, -1))
+        self._warned_full = False
+        self._copied = self.platform.new_event()  # marks the end of each send's copy into the pool
+        self._lock = threading.Lock()
+
+    # slices -------------------------------------------------------------------------------
+    def _allocate(self, nbytes: int) -> int | None:
+        size = -(-max(nbytes, 1) // self.config.alignment) * self.config.alignment
+        best = None
+        for i, (_, free) in enumerate(self._free):
+            if free >= size and (best is None or free < self._free[best][1]):
+                best = i
+        if best is None:
+            return None
+        offset, free = self._free[best]
+        if free == size:
+            del self._free[best]
+        else:
+            self._free[best] = (offset + size, free - size)
+        return offset
+
+    def _release_range(self, offset: int, size: int) -> None:
+        size = -(-max(size, 1) // self.config.alignment) * self.config.alignment
+        self._free.append((offset, size))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for off, sz in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == off:
+                merged[-1] = (merged[-1][0], merged[-1][1] + sz)
+            else:
+                merged.append((off, sz))
+        self._free = merged
+
+    def reclaim(self) -> int:
+        """Free every slice all consumers acknowledged; returns how many."""
+        freed = 0
+        with self._lock:
+            for slot, (start, size, host) in list(self._used.items()):
+                if not self.control.all_acked(slot):
+                    continue
+                del self._used[slot]
+                self._free_slots.append(slot)
+                if host is None:
+                    self._release_range(start, size)
+                else:
+                    block = self._host_blocks.pop(slot)
+                    block.close()
+                    block.unlink()
+                freed += 1
+        return freed
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(size for _, size in self._free)
+
+    # sending -------------------------------------------------------------------------------
+    def send(self, tensor: torch.Tensor) -> dict[str, Any]:
+        """Copy `tensor` into the pool (or host memory) and return the plain-data message."""
+        self.reclaim()
+        source = tensor.detach().contiguous()
+        nbytes = source.numel() * source.element_size()
+        with self._lock:
+            if not self._free_slots:
+                raise RuntimeError(
+                    f"all {self.config.max_slices} slices are awaiting acknowledgement; consumers must ack, "
+                    "or raise TransportConfig.max_slices"
+                )
+            slot = self._free_slots.pop()
+            offset = self._allocate(nbytes) if self.pool is not None else None
+            generation = self.control.bump(slot)
+            if offset is not None and self.pool is not None:
+                self.pool[offset : offset + nbytes].view(source.dtype).view(source.shape).copy_(source)
+                # Consumers read after the message arrives: wait for this copy (the pool device's
+                # current stream), not for everything queued on the device.
+                self._copied.record(self.platform.current_stream(self.device_index))
+                self._copied.synchronize()
+                self._used[slot] = (offset, nbytes, None)
+                kind, block_name = "pool", None
+            else:
+                block_name = self._to_host(slot, generation, source, nbytes)
+                self._used[slot] = (0, nbytes, block_name)
+                offset, kind = 0, "host"
+        message = TensorMessage(
+            kind=kind, pool_id=self.pool_id, slot=slot, generation=generation, offset=offset, nbytes=nbytes,
+            dtype=dtype_name(source.dtype), shape=tuple(source.shape), stride=tuple(source.stride()),
+            control=self.control.name, producer_pid=os.getpid(),
+            pool_handle=self.pool_handle if kind == "pool" else None, host_name=block_name,
+        )
+        return message.to_dict()
+
+    def _to_host(self, slot: int, generation: int, source: torch.Tensor, nbytes: int) -> str:
+        if self.pool is not None and not self._warned_full:
+            self._warned_full = True
+            warnings.warn(
+                f"IPC pool full: a tensor of {nbytes / MiB:.1f} MiB does not fit the {self.pool_bytes / MiB:.0f} MiB "
+                f"pool ({self.free_bytes / MiB:.1f} MiB free); sending through host shared memory. Raise "
+                f"{BUDGET_SETTING} (now {self.config.budget_bytes / MiB:.0f} MiB for {self.config.workers} worker(s))",
+                stacklevel=3,
+            )
+        block = SharedFile(host_name(self.pool_id, slot, generation), nbytes)
+        if nbytes:
+            window = torch.frombuffer(block.map, dtype=torch.uint8, count=nbytes)
+            window.copy_(source.reshape(-1).view(torch.uint8).cpu())
+            del window  # the map cannot close while a tensor still exports it
+        self._host_blocks[slot] = block
+        return block.name
+
+    def close(self) -> None:
+        for block in self._host_blocks.values():
+            block.close()
+            block.unlink()
+        self._host_blocks.clear()
+        self.control.close(unlink=True)
+        self.pool = None
