@@ -267,6 +267,7 @@ class DecodeGraphRunner:
         self.scratch_slot, self.emulate = scratch_slot, emulate
         self.device = platform.device(device_index)
         self.report: DecodeCaptureReport | None = None
+        self.steps = 0  # decode steps run (replayed or emulated)
         self._graphs: dict[tuple[int, int], Any] = {}
         self.slots = SlotTable(self.batch_buckets[-1], self.context_buckets[-1], scratch_slot, self.device)
         self.next_tokens = torch.zeros(self.batch_buckets[-1], dtype=torch.long, device=self.device)
@@ -324,6 +325,7 @@ class DecodeGraphRunner:
                 self._step(padded, context)
         else:
             graph.replay()
+        self.steps += 1
         tokens = self.next_tokens[:padded].tolist()
         return [tokens[row] for row in rows]
 
