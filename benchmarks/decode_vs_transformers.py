@@ -63,37 +63,45 @@ PREFILL_BUCKETS = (8, 16, 32, 64, 128, 256, 512)
 def engine_step(engine: GenerationEngine, decode: DecodeGraphRunner | None) -> None:
     """One scheduler step of `engine`; a pure decode step goes to `decode` as one graph replay.
 
-    Mirrors `GenerationEngine.step()`; the engine will call the decode runner itself once
-    integrated, and this function then goes away.
+    Mirrors `GenerationEngine.step()` (the single-class engine, or the split one with a
+    `scheduler`); once the engine calls the decode runner itself, this function goes away.
     """
     if decode is None or engine.paused is not None or engine.asleep:
         engine.step()
         return
-    decodes = engine._reserve_decode_slots()
-    prefills = engine._admit(budget=engine.config.max_batch_tokens - len(decodes))
+    split: Any = getattr(engine, "scheduler", None)
+    if split is not None:
+        plan = split.plan()
+        decodes, prefills = plan.decodes, plan.prefills
+        finish, fail_unservable = engine.requests.finish, engine.requests.fail_unservable  # type: ignore[attr-defined]
+    else:
+        decodes = engine._reserve_decode_slots()
+        prefills = engine._admit(budget=engine.config.max_batch_tokens - len(decodes))
+        finish, fail_unservable = engine._finish, engine._fail_unservable
     batch = decodes + prefills
     if not batch:
-        engine._fail_unservable()
+        fail_unservable()
         return
     longest = max(len(r.slots) for r in decodes) if decodes else 0
-    if not prefills and decode.can_run(len(decodes), longest):
-        next_tokens = decode.decode([(r.rid, r.tokens[-1], r.slots) for r in decodes])
-    else:
-        ids: list[int] = []
-        counts: list[int] = []
-        for request in batch:
-            fresh = request.tokens if request in prefills else request.tokens[-1:]
-            ids.extend(fresh)
-            counts.append(len(fresh))
-        meta = AttentionMetadata.build([r.slots for r in batch], counts, engine.device)
-        last = torch.tensor([sum(counts[: i + 1]) - 1 for i in range(len(batch))], device=engine.device)
-        hidden = engine.runner.forward(torch.tensor(ids, dtype=torch.long, device=engine.device), meta)
-        next_tokens = engine.model.logits(hidden, last).argmax(-1).tolist()
+    with torch.no_grad():
+        if not prefills and decode.can_run(len(decodes), longest):
+            next_tokens = decode.decode([(r.rid, r.tokens[-1], r.slots) for r in decodes])
+        else:
+            ids: list[int] = []
+            counts: list[int] = []
+            for request in batch:
+                fresh = request.tokens if request in prefills else request.tokens[-1:]
+                ids.extend(fresh)
+                counts.append(len(fresh))
+            meta = AttentionMetadata.build([r.slots for r in batch], counts, engine.device)
+            last = torch.tensor([sum(counts[: i + 1]) - 1 for i in range(len(batch))], device=engine.device)
+            hidden = engine.runner.forward(torch.tensor(ids, dtype=torch.long, device=engine.device), meta)
+            next_tokens = engine.model.logits(hidden, last).argmax(-1).tolist()
     engine._steps += 1
     for request, token in zip(batch, next_tokens, strict=True):
         request.output.append(int(token))
         if len(request.output) >= request.max_new_tokens or token == engine.config.eos_token:
-            engine._finish(request, RequestState.FINISHED)
+            finish(request, RequestState.FINISHED)
 
 
 def new_decode_runner(engine: GenerationEngine, emulate: bool = False, **buckets: Any) -> DecodeGraphRunner:
