@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchhal.core.graphs.program import BreakStep, StackState, Step
 from torchhal.platforms import Platform
@@ -34,6 +36,8 @@ from torchhal.platforms import Platform
 DecodeRow = tuple[Hashable, int, Sequence[int]]
 """(request key, input token, every KV slot of the request including this step's)."""
 
+# Backends without a plan per shape (as the eager attention path uses); flash declines masks.
+_SHAPE_FREE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _ATTENTION_NAME = re.compile(r"layer(\d+)\.attention")
 
 
@@ -67,20 +71,30 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query per row over that row's KV slots; static shapes, so it can be captured.
 
-    q [B, Hq, D]; k_cache, v_cache [S, Hkv, D] with Hq a multiple of Hkv (GQA);
-    slot_table [B, C] KV slots (entries past a row's length must still be valid slots);
-    valid [B, C] True where the entry belongs to the row's sequence. Scores and
-    softmax in float32. Returns [B, Hq, D] in q's dtype.
+    q [B, Hq, D]; k_cache, v_cache [S, Hkv, D] with Hq a multiple of Hkv (GQA: query head
+    i reads KV head i // (Hq / Hkv)); slot_table [B, C] KV slots (entries past a row's
+    length must still be valid slots); valid [B, C] True where the entry belongs to the
+    row's sequence (every row needs one). Returns [B, Hq, D].
+
+    The gather reads only the context bucket C, not the pool. SDPA with the same backends
+    as the eager attention path, so decode numerics follow the eager path's kernel.
     """
     batch, q_heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = q_heads // kv_heads
-    keys = k_cache[slot_table].float().permute(0, 2, 3, 1)  # [B, Hkv, D, C]
-    values = v_cache[slot_table].float().transpose(1, 2)  # [B, Hkv, C, D]
-    scores = torch.matmul(q.float().view(batch, kv_heads, group, dim), keys) * scale  # [B, Hkv, G, C]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    out = torch.matmul(scores.softmax(-1), values)  # [B, Hkv, G, D]
-    return out.reshape(batch, q_heads, dim).to(q.dtype)
+    keys, values = k_cache[slot_table], v_cache[slot_table]  # [B, C, Hkv, D]
+    if group > 1:
+        context = keys.shape[1]
+        keys = keys[:, :, :, None, :].expand(batch, context, kv_heads, group, dim).reshape(batch, context, q_heads, dim)
+        values = values[:, :, :, None, :].expand(batch, context, kv_heads, group, dim).reshape(
+            batch, context, q_heads, dim
+        )
+    with sdpa_kernel(_SHAPE_FREE_SDPA):
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid[:, None, None, :],
+            scale=scale,
+        )  # [B, Hq, 1, D]
+    return out[:, :, 0, :]
 
 
 class SlotTable:
