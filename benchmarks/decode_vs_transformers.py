@@ -236,8 +236,14 @@ def compare(rows: list[list[int]], reference: list[list[int]]) -> dict[str, Any]
 
 # -- one shape -----------------------------------------------------------------------------------------
 class Budget:
+    """A deadline; a shape may spend its share of what is left (what one shape leaves, the next gets)."""
+
     def __init__(self, seconds: float) -> None:
-        self.deadline = time.perf_counter() + seconds
+        self.start = time.perf_counter()
+        self.deadline = self.start + seconds
+
+    def share(self, parts: int) -> Budget:
+        return Budget((self.deadline - time.perf_counter()) / max(parts, 1))
 
     def left(self) -> bool:
         return time.perf_counter() < self.deadline
@@ -381,7 +387,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed runs per row")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes; runs on the host (graph rows skipped)")
     parser.add_argument("--float32", action="store_true", help="float32 instead of bfloat16 on a GPU")
-    parser.add_argument("--budget-s", type=float, default=450.0, help="skip remaining rows after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=450.0,
+                        help="skip remaining rows after this many seconds (split between shapes)")
     parser.add_argument("--shapes", nargs="*", help="subset of shape names")
     args = parser.parse_args(argv)
     budget = Budget(args.budget_s)
@@ -396,14 +403,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"platform": platform.name, "prompt_tokens": PROMPT_LEN, "new_tokens": NEW_TOKENS,
                                "batches": list(BATCHES), "quick": args.quick, "tiny": args.tiny,
                                "copy_bandwidth_GBps": copy_bw / 1e9 if copy_bw else None, "shapes": {}}
-    for name, shape in chosen.items():
-        result = bench_shape(name, shape, args, budget)
+    for index, (name, shape) in enumerate(chosen.items()):
+        result = bench_shape(name, shape, args, budget.share(len(chosen) - index))
         bandwidth_summary(result, copy_bw)
         results["shapes"][name] = result
         gc.collect()
         if hasattr(torch, "_dynamo"):
             torch._dynamo.reset()  # compiled code of a freed model must not count against the next one
-    results["total_s"] = time.perf_counter() - (budget.deadline - args.budget_s)
+    results["total_s"] = time.perf_counter() - budget.start
     write_json("decode_vs_transformers" + ("_tiny" if args.tiny else ""), results, args.out)
     return results
 
