@@ -76,25 +76,18 @@ def paged_decode_attention(
     length must still be valid slots); valid [B, C] True where the entry belongs to the
     row's sequence (every row needs one). Returns [B, Hq, D].
 
-    The gather reads only the context bucket C, not the pool. SDPA with the same backends
-    as the eager attention path, so decode numerics follow the eager path's kernel.
+    The gather reads only the context bucket C, not the pool. GQA without copying K/V per
+    query head: a KV head's G query heads attend as G queries of that head (one query each,
+    same keys, same mask). SDPA with the eager attention path's backends.
     """
     batch, q_heads, dim = q.shape
     kv_heads = k_cache.shape[1]
-    group = q_heads // kv_heads
-    keys, values = k_cache[slot_table], v_cache[slot_table]  # [B, C, Hkv, D]
-    if group > 1:
-        context = keys.shape[1]
-        keys = keys[:, :, :, None, :].expand(batch, context, kv_heads, group, dim).reshape(batch, context, q_heads, dim)
-        values = values[:, :, :, None, :].expand(batch, context, kv_heads, group, dim).reshape(
-            batch, context, q_heads, dim
-        )
+    keys = k_cache[slot_table].transpose(1, 2)  # [B, Hkv, C, D]
+    values = v_cache[slot_table].transpose(1, 2)
+    queries = q.reshape(batch, kv_heads, q_heads // kv_heads, dim)  # head i -> (i // G, i % G)
     with sdpa_kernel(_SHAPE_FREE_SDPA):
-        out = F.scaled_dot_product_attention(
-            q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid[:, None, None, :],
-            scale=scale,
-        )  # [B, Hq, 1, D]
-    return out[:, :, 0, :]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=valid[:, None, None, :], scale=scale)
+    return out.reshape(batch, q_heads, dim)
 
 
 class SlotTable:
