@@ -168,6 +168,8 @@ def test_models_it_cannot_graph_say_why():
     assert "break step 'router' is not attention" in str(unsupported_reason(model))
     model.layer_program = lambda: [GraphStep("g", lambda s: None)]  # type: ignore[method-assign]
     assert unsupported_reason(model) is None
+    model.decode_graph_refusal = "soft-capped attention"  # type: ignore[assignment]
+    assert unsupported_reason(model) == "soft-capped attention"
 
 
 def eager_prefill(model: ReferenceDecoder, prompts: list[list[int]], seqs: list[list[int]]) -> list[int]:

@@ -232,13 +232,21 @@ class _Attention:
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
-    """Why this model's decode step cannot be one graph, or None when it can."""
+    """Why this model's decode step cannot be one graph, or None when it can.
+
+    The decode graph replaces each attention break with plain softmax attention over the
+    request's slots (optionally a sliding window from `model.config.sliding_window`, scale
+    `model.attention_scale` or 1/sqrt(head_dim)). A model whose attention differs says so
+    with a `decode_graph_refusal` string attribute."""
     missing = [name for name in ("layer_program", "embed_tokens", "logits") if not callable(getattr(model, name, None))]
     if missing:
         return (
             f"{type(model).__name__} lacks {', '.join(missing)}(); "
             "full-graph decode needs the explicit layer program"
         )
+    refusal = getattr(model, "decode_graph_refusal", None)  # a model whose attention is not plain softmax
+    if refusal:
+        return str(refusal)
     if getattr(model, "kv", None) is None:
         return f"{type(model).__name__}.kv is not allocated; allocate the KV pool before building the decode runner"
     program: list[Step] = getattr(model, "layer_program")()  # noqa: B009  # an nn.Module attribute, typed Tensor
