@@ -1,6 +1,7 @@
-"""Where a scheduler step's time goes: metadata, layer stack, logits+sampling.
+"""Where a scheduler step's time goes: metadata, layer stack, logits+sampling; and one decode
+step before/after full-graph decode (breakable graphs vs one replay per step).
 
-    python benchmarks/step_breakdown.py [--out results]
+    python benchmarks/step_breakdown.py [--out results] [--profile]
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 from _harness import write_json  # noqa: E402
+from decode_vs_transformers import engine_step, new_decode_runner  # noqa: E402
 from graph_runner import BUCKETS, SIZES, make_factory  # noqa: E402
 
 from torchhal.core.engine import EngineConfig, GenerationEngine  # noqa: E402
@@ -70,14 +72,76 @@ def profile_eager_decode(batch: int = 8, steps: int = 10) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40)
 
 
+def decode_step(batch: int, steps: int = 20) -> dict:
+    """Median ms of one scheduler decode step: breakable graphs vs full-graph decode, interleaved
+    on the same engine and requests; for full-graph, also the host's share (slot-table update)."""
+    config = SIZES["h1024_l8"]
+    engine = GenerationEngine(EngineConfig(model=config, dtype=torch.bfloat16, max_kv_slots=64 * 1024,
+                                           kv_fraction=0.2), runner_factory=make_factory(BUCKETS))
+    decode = new_decode_runner(engine, batch_buckets=(1, 2, 4, 8, 16, 32), context_buckets=(128, 256))
+    sync = engine.platform.synchronize
+    prepare_s: list[float] = []
+    prepare = decode.slots.prepare
+
+    def timed_prepare(*args, **kwargs):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        rows = prepare(*args, **kwargs)
+        prepare_s.append(time.perf_counter() - start)
+        return rows
+
+    decode.slots.prepare = timed_prepare  # type: ignore[method-assign]
+    for i in range(batch):
+        engine.add_request([(7 * i + j) % 1000 for j in range(16)], 2 * steps + 10)
+    for _ in range(5):
+        engine_step(engine, decode)  # prefill, then decode warm-up
+    samples: dict[str, list[float]] = {"breakable": [], "full_graph": []}
+    for _ in range(steps):
+        for name, runner in (("breakable", None), ("full_graph", decode)):
+            sync()
+            start = time.perf_counter()
+            engine_step(engine, runner)
+            sync()
+            samples[name].append(time.perf_counter() - start)
+    breakable, full = (statistics.median(samples[k]) * 1e3 for k in ("breakable", "full_graph"))
+    report = decode.report
+    return {"breakable_step_ms": breakable, "full_graph_step_ms": full, "speedup": breakable / full,
+            "full_graph_host_update_ms": statistics.median(prepare_s[-steps:]) * 1e3 if prepare_s else None,
+            "decode_graphs": report.graphs if report else None, "capture_s": report.seconds if report else None,
+            "pool_bytes": report.pool_bytes if report else None, "graphs_enabled": decode.graphs_enabled,
+            "reason": decode.unsupported}
+
+
+def profile_decode(full_graph: bool, batch: int = 8, steps: int = 10) -> str:
+    """Profiler table of decode steps through the breakable runner or full-graph decode."""
+    config = SIZES["h1024_l8"]
+    engine = GenerationEngine(EngineConfig(model=config, dtype=torch.bfloat16, max_kv_slots=64 * 1024,
+                                           kv_fraction=0.2), runner_factory=make_factory(BUCKETS))
+    decode = new_decode_runner(engine, batch_buckets=(8,), context_buckets=(128,)) if full_graph else None
+    for i in range(batch):
+        engine.add_request([(7 * i + j) % 1000 for j in range(16)], 200)
+    for _ in range(5):
+        engine_step(engine, decode)
+    with torch.profiler.profile(activities=list(torch.profiler.supported_activities())) as prof:
+        for _ in range(steps):
+            engine_step(engine, decode)
+        engine.platform.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="results")
-    parser.add_argument("--profile", action="store_true", help="also print a profile of eager decode steps")
+    parser.add_argument("--profile", action="store_true", help="also print profiles of decode steps")
     args = parser.parse_args()
     if args.profile:
         print(profile_eager_decode())
-    results = {"unit": "ms (median of 20 decode steps, batch 8)", "eager": breakdown(False), "graphs": breakdown(True)}
+        for full_graph in (False, True):
+            print(f"decode steps, {'full-graph decode' if full_graph else 'breakable graphs'}, batch 8")
+            print(profile_decode(full_graph))
+    results = {"unit": "ms; eager/graphs: median of 20 decode steps at batch 8; decode_step: median of 20 "
+                       "interleaved steps per batch (breakable graphs vs full-graph decode, same engine)",
+               "eager": breakdown(False), "graphs": breakdown(True),
+               "decode_step": {f"batch{b}": decode_step(b) for b in (1, 8, 32)}}
     write_json("step_breakdown", results, args.out)
 
 

@@ -1,11 +1,15 @@
 """Layer programs and the graph runners that replay them."""
 
+from torchhal.core.graphs.decode import DecodeCaptureReport, DecodeGraphRunner, DecodeRow
 from torchhal.core.graphs.program import BreakStep, GraphStep, StackState, Step, run_eager, split_segments
 from torchhal.core.graphs.runner import CaptureReport, GraphRunner, ResolvedStack, resolve_layer_stack
 
 __all__ = [
     "BreakStep",
     "CaptureReport",
+    "DecodeCaptureReport",
+    "DecodeGraphRunner",
+    "DecodeRow",
     "GraphRunner",
     "GraphStep",
     "ResolvedStack",

@@ -27,10 +27,16 @@ class GraphStep:
 
 @dataclass(frozen=True)
 class BreakStep:
-    """Runs eagerly with the live batch's metadata: `run(state, num_tokens, metadata)`."""
+    """Runs eagerly with the live batch's metadata: `run(state, num_tokens, metadata)`.
+
+    `layer`: for attention, the index of its layer's KV pool; lets a full-graph decode
+    runner put its own capturable attention in this step's place (None: not attention,
+    or unknown; such runners then fall back to the name `layer{N}.attention`).
+    """
 
     name: str
     run: Callable[[StackState, int, Any], None]
+    layer: int | None = None
 
 
 Step = GraphStep | BreakStep

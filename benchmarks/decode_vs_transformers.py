@@ -1,0 +1,419 @@
+"""torchhal decode vs transformers' `generate`, side by side in one run, on the same weights.
+
+    python benchmarks/decode_vs_transformers.py [--out results] [--quick] [--tiny] [--budget-s 450]
+
+For each model shape (8-layer hidden-1024 Llama; Llama-3.2-1B-shaped with GQA), a random-weight
+`LlamaForCausalLM` is saved and loaded into torchhal, then greedy generation of 64 new tokens
+from 16-token prompts at batch 1, 8, 32 is timed (median of >= 3 runs after warm-up) for:
+transformers eager `generate`; transformers `generate(cache_implementation="static")` (compiled
+decode on a GPU; its compile is timed apart); torchhal engine eager, breakable graphs, and
+full-graph decode. Also: HBM copy bandwidth and the batch-1 fraction of it that decode reaches
+(weight bytes read per step / step time), graph capture time and pool memory, and per-row token
+checks (torchhal paths against each other and against transformers' greedy output).
+
+`--tiny` runs tiny shapes on whatever device there is (CPU: float32, no compile, graph rows
+skipped with their reason and full-graph decode emulated), so the script is checked end to end
+before it meets a GPU. `--budget-s` skips the remaining rows (with that reason) once spent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+from _harness import write_json  # noqa: E402
+
+import torchhal  # noqa: E402
+from torchhal.core.engine import EagerRunner, GenerationEngine, RequestState  # noqa: E402
+from torchhal.core.graphs import GraphRunner  # noqa: E402
+from torchhal.core.graphs.decode import DecodeGraphRunner  # noqa: E402
+from torchhal.core.model import AttentionMetadata  # noqa: E402
+
+PROMPT_LEN, NEW_TOKENS = 16, 64
+BATCHES = (1, 8, 32)
+SHAPES: dict[str, dict[str, int]] = {
+    "llama_h1024_l8": dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+                           num_key_value_heads=16, intermediate_size=2816),
+    "llama32_1b_shape": dict(vocab_size=128256, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                             num_key_value_heads=8, intermediate_size=8192),
+}
+TINY_SHAPES: dict[str, dict[str, int]] = {
+    "tiny_mha": dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=4, intermediate_size=128),
+    "tiny_gqa": dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, intermediate_size=128),
+}
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+CONTEXT_BUCKETS = (128, 256)
+PREFILL_BUCKETS = (8, 16, 32, 64, 128, 256, 512)
+
+
+# -- the engine with full-graph decode (until the engine routes decode steps itself) ------------
+def engine_step(engine: GenerationEngine, decode: DecodeGraphRunner | None) -> None:
+    """One scheduler step of `engine`; a pure decode step goes to `decode` as one graph replay.
+
+    Mirrors `GenerationEngine.step()` (the single-class engine, or the split one with a
+    `scheduler`); once the engine calls the decode runner itself, this function goes away.
+    """
+    if decode is None or engine.paused is not None or engine.asleep:
+        engine.step()
+        return
+    split: Any = getattr(engine, "scheduler", None)
+    if split is not None:
+        plan = split.plan()
+        decodes, prefills = plan.decodes, plan.prefills
+        finish, fail_unservable = engine.requests.finish, engine.requests.fail_unservable  # type: ignore[attr-defined]
+    else:
+        decodes = engine._reserve_decode_slots()
+        prefills = engine._admit(budget=engine.config.max_batch_tokens - len(decodes))
+        finish, fail_unservable = engine._finish, engine._fail_unservable
+    batch = decodes + prefills
+    if not batch:
+        fail_unservable()
+        return
+    longest = max(len(r.slots) for r in decodes) if decodes else 0
+    with torch.no_grad():
+        if not prefills and decode.can_run(len(decodes), longest):
+            next_tokens = decode.decode([(r.rid, r.tokens[-1], r.slots) for r in decodes])
+        else:
+            ids: list[int] = []
+            counts: list[int] = []
+            for request in batch:
+                fresh = request.tokens if request in prefills else request.tokens[-1:]
+                ids.extend(fresh)
+                counts.append(len(fresh))
+            meta = AttentionMetadata.build([r.slots for r in batch], counts, engine.device)
+            last = torch.tensor([sum(counts[: i + 1]) - 1 for i in range(len(batch))], device=engine.device)
+            hidden = engine.runner.forward(torch.tensor(ids, dtype=torch.long, device=engine.device), meta)
+            next_tokens = engine.model.logits(hidden, last).argmax(-1).tolist()
+    engine._steps += 1
+    for request, token in zip(batch, next_tokens, strict=True):
+        request.output.append(int(token))
+        if len(request.output) >= request.max_new_tokens or token == engine.config.eos_token:
+            finish(request, RequestState.FINISHED)
+
+
+def new_decode_runner(engine: GenerationEngine, emulate: bool = False, **buckets: Any) -> DecodeGraphRunner:
+    """A decode runner for `engine`, with a KV slot taken from its pool as the scratch slot."""
+    scratch = engine.slots.allocate(1)
+    assert scratch is not None, "the KV pool has no free slot for the decode scratch slot"
+    return DecodeGraphRunner(engine.model, engine.platform, engine.device_index, scratch_slot=scratch[0],
+                             emulate=emulate, **buckets)
+
+
+def run_engine(engine: GenerationEngine, prompts: list[list[int]], new_tokens: int,
+               decode: DecodeGraphRunner | None) -> tuple[list[list[int]], float, float]:
+    """Outputs, total seconds, and seconds after the first (prefill) step."""
+    rids = [engine.add_request(p, new_tokens) for p in prompts]
+    engine.platform.synchronize()
+    start = time.perf_counter()
+    engine_step(engine, decode)
+    engine.platform.synchronize()
+    after_prefill = time.perf_counter()
+    while any(rid not in engine.results for rid in rids):
+        engine_step(engine, decode)
+    engine.platform.synchronize()
+    end = time.perf_counter()
+    return [list(engine.results.pop(rid).output) for rid in rids], end - start, end - after_prefill
+
+
+# -- model construction ----------------------------------------------------------------------------
+def hf_model(shape: dict[str, int], dtype: torch.dtype, device: torch.device, seed: int = 0) -> Any:
+    """A random-weight LlamaForCausalLM whose greedy choices are decisive (weights with spread)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**shape, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                continue
+            noise = torch.randn(param.shape, generator=generator, device=device, dtype=torch.float32)
+            scale = 0.1 if "embed_tokens" in name else 1 / math.sqrt(param.shape[1])
+            param.copy_(noise * scale)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def torchhal_engine(hf: Any, dtype: torch.dtype, max_kv_slots: int) -> tuple[GenerationEngine, str]:
+    """A torchhal engine serving `hf`'s weights, and how they got there.
+
+    With the checkpoint loader: save_pretrained + load_checkpoint. Without it (older tree): an
+    engine of the same shape whose weights are copied by name (HF -> torchhal names).
+    """
+    try:
+        from torchhal._generate import make_engine  # type: ignore[import-not-found,unused-ignore]
+        from torchhal.core.model.checkpoint import load_checkpoint  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return _engine_by_names(hf, dtype, max_kv_slots), "weights copied by name (no checkpoint loader)"
+    platform = torchhal.current_platform()
+    with tempfile.TemporaryDirectory() as directory:
+        hf.save_pretrained(directory)
+        model, _ = load_checkpoint(directory, dtype=dtype, device=platform.device(platform.current_device()))
+    return make_engine(model, dtype, max_kv_slots=max_kv_slots), "save_pretrained + load_checkpoint"
+
+
+_LEGACY_NAMES = (  # HF name part -> torchhal reference decoder name part (before HF naming)
+    ("model.embed_tokens.", "embed."), ("model.norm.", "norm."), ("model.layers.", "layers."),
+    ("self_attn.", ""), ("mlp.", ""), ("input_layernorm.", "input_norm."), ("post_attention_layernorm.", "post_norm."),
+)
+
+
+def _engine_by_names(hf: Any, dtype: torch.dtype, max_kv_slots: int) -> GenerationEngine:
+    from torchhal.core.engine import EngineConfig
+    from torchhal.core.model import ModelConfig
+
+    c = hf.config
+    if c.num_key_value_heads != c.num_attention_heads:
+        raise RuntimeError("this torchhal model has no GQA; it needs the HF-family decoder (checkpoint loader)")
+    config = ModelConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
+                         num_heads=c.num_attention_heads, intermediate_size=c.intermediate_size,
+                         max_position=c.max_position_embeddings, rms_eps=c.rms_norm_eps)
+    engine = GenerationEngine(EngineConfig(model=config, dtype=dtype, max_kv_slots=max_kv_slots))
+    params = dict(engine.model.named_parameters())
+    weights = {}
+    for name, tensor in hf.state_dict().items():
+        for old, new in _LEGACY_NAMES if name not in params else ():
+            name = name.replace(old, new)
+        weights[name] = tensor
+    engine.update_weights_from_tensors(weights)
+    return engine
+
+
+# -- timing ------------------------------------------------------------------------------------------
+def median_run(fn: Callable[[], Any], warmups: int, reps: int, sync: Callable[[], None]) -> tuple[float, Any]:
+    out = None
+    for _ in range(warmups):
+        out = fn()
+    samples = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        out = fn()
+        sync()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples), out
+
+
+def copy_bandwidth(device: torch.device, sync: Callable[[], None]) -> float | None:
+    """Device memory bandwidth in bytes/s from a 1 GiB copy (read + write); None on the host."""
+    if device.type == "cpu":
+        return None
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds, _ = median_run(lambda: dst.copy_(src), 3, 10, sync)
+    return 2 * (1 << 30) / seconds
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int:
+    """Index of the first differing token; -1 when identical."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return -1 if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare(rows: list[list[int]], reference: list[list[int]]) -> dict[str, Any]:
+    firsts = [first_mismatch(r, e) for r, e in zip(rows, reference, strict=True)]
+    return {"identical": all(f == -1 for f in firsts), "rows_identical": sum(f == -1 for f in firsts),
+            "first_mismatch_per_row": firsts}
+
+
+# -- one shape -----------------------------------------------------------------------------------------
+class Budget:
+    """A deadline; a shape may spend its share of what is left (what one shape leaves, the next gets)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.start = time.perf_counter()
+        self.deadline = self.start + seconds
+
+    def share(self, parts: int) -> Budget:
+        return Budget((self.deadline - time.perf_counter()) / max(parts, 1))
+
+    def left(self) -> bool:
+        return time.perf_counter() < self.deadline
+
+
+def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, budget: Budget) -> dict[str, Any]:
+    platform = torchhal.current_platform()
+    device = platform.device(platform.current_device())
+    sync = platform.synchronize
+    on_gpu = device.type != "cpu"
+    dtype = torch.bfloat16 if on_gpu and not args.float32 else torch.float32
+    warmups, reps = (1, 3) if args.quick or args.tiny else (2, 5)
+    result: dict[str, Any] = {"shape": shape, "dtype": str(dtype).removeprefix("torch."), "rows": {}}
+    started = time.perf_counter()
+    hf = hf_model(shape, dtype, device)
+    params = sum(p.numel() * p.element_size() for p in hf.parameters())
+    embed = hf.model.embed_tokens.weight
+    weight_bytes = params - embed.numel() * embed.element_size()  # decode reads all but the embedding table
+    result["weight_bytes_read_per_step"] = weight_bytes
+    max_slots = max(BATCHES) * (PROMPT_LEN + NEW_TOKENS) * 2 + 64
+    try:
+        engine, how = torchhal_engine(hf, dtype, max_slots)
+    except RuntimeError as exc:
+        result["skipped"] = str(exc)
+        return result
+    result["weights"] = how
+    result["setup_s"] = time.perf_counter() - started
+    generator = torch.Generator().manual_seed(1)
+    prompts = {b: torch.randint(0, shape["vocab_size"], (b, PROMPT_LEN), generator=generator).tolist()
+               for b in BATCHES}
+
+    # torchhal runners: eager, breakable graphs (prefill + decode), and full-graph decode.
+    eager_runner = EagerRunner(engine.model)
+    graph_runner = GraphRunner(engine.model, engine.platform, engine.device_index,
+                               hidden_size=engine.model.config.hidden_size, dtype=dtype, buckets=PREFILL_BUCKETS)
+    decode_runner = new_decode_runner(engine, emulate=not on_gpu, batch_buckets=BATCH_BUCKETS,
+                                      context_buckets=CONTEXT_BUCKETS)
+    result["breakable_graphs"] = (
+        {"reason_eager": graph_runner.eager_reason} if graph_runner.report is None else
+        {"graphs": graph_runner.report.graphs, "capture_s": graph_runner.report.seconds,
+         "pool_bytes": graph_runner.report.pool_bytes})
+    result["full_graph_decode"] = (
+        {"unsupported": decode_runner.unsupported, "emulated": decode_runner.emulate}
+        if decode_runner.report is None else
+        {"graphs": decode_runner.report.graphs, "batch_buckets": list(decode_runner.report.batch_buckets),
+         "context_buckets": list(decode_runner.report.context_buckets), "capture_s": decode_runner.report.seconds,
+         "pool_bytes": decode_runner.report.pool_bytes})
+    modes: dict[str, tuple[Any, DecodeGraphRunner | None]] = {
+        "torchhal_eager": (eager_runner, None),
+        "torchhal_breakable_graphs": (graph_runner, None),
+        "torchhal_full_graph_decode": (graph_runner, decode_runner),
+    }
+    full_graph_real = decode_runner.graphs_enabled
+    for batch in BATCHES:
+        row: dict[str, Any] = {}
+        result["rows"][f"batch{batch}"] = row
+        if not budget.left():
+            row["skipped"] = "time budget spent (--budget-s)"
+            continue
+        batch_prompts = prompts[batch]
+        ids = torch.tensor(batch_prompts, device=device)
+        mask = torch.ones_like(ids)
+        outputs: dict[str, list[list[int]]] = {}
+
+        def hf_generate(new: int = NEW_TOKENS, ids: torch.Tensor = ids, mask: torch.Tensor = mask,
+                        **kw: Any) -> list[list[int]]:
+            with torch.no_grad():
+                out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **kw)
+            return out[:, PROMPT_LEN:].tolist()
+
+        seconds, outputs["transformers_eager"] = median_run(hf_generate, warmups, reps, sync)
+        row["transformers_eager"] = {"tok_s": batch * NEW_TOKENS / seconds, "s": seconds}
+
+        compile_start = time.perf_counter()
+        hf_generate(cache_implementation="static")
+        sync()
+        compile_s = time.perf_counter() - compile_start
+        seconds, outputs["transformers_static"] = median_run(
+            lambda: hf_generate(cache_implementation="static"), warmups, reps, sync)
+        one_token_s, _ = median_run(lambda: hf_generate(1, cache_implementation="static"), 1, reps, sync)
+        row["transformers_static"] = {
+            "tok_s": batch * NEW_TOKENS / seconds, "s": seconds, "first_call_s": compile_s,
+            "compiled": on_gpu, "decode_step_ms": (seconds - one_token_s) / (NEW_TOKENS - 1) * 1e3}
+
+        for mode, (runner, decode) in modes.items():
+            if mode == "torchhal_breakable_graphs" and graph_runner.report is None:
+                row[mode] = {"skipped": graph_runner.eager_reason}
+            if mode == "torchhal_full_graph_decode" and not full_graph_real:
+                row[mode] = {"skipped": decode_runner.unsupported or "graphs emulated on this device (tokens only)"}
+            engine.runner = runner
+
+            def run(decode: DecodeGraphRunner | None = decode,
+                    prompts: list[list[int]] = batch_prompts) -> tuple[list[list[int]], float, float]:
+                return run_engine(engine, prompts, NEW_TOKENS, decode)
+
+            seconds, (outputs[mode], total, decode_s) = median_run(run, warmups, reps, sync)
+            if mode in row:  # skipped rows still produce tokens (eager or emulated) for the checks
+                continue
+            row[mode] = {"tok_s": batch * NEW_TOKENS / seconds, "s": seconds,
+                         "decode_step_ms": decode_s / (NEW_TOKENS - 1) * 1e3}
+        peer = row["transformers_static"]["tok_s"]
+        for mode in modes:
+            if "tok_s" in row[mode]:
+                row[mode]["x_transformers_static"] = row[mode]["tok_s"] / peer
+        reference = outputs["transformers_eager"]
+        row["tokens"] = {mode: compare(outputs[mode], reference) for mode in outputs if mode != "transformers_eager"}
+        row["tokens"]["torchhal_full_graph_vs_eager"] = compare(outputs["torchhal_full_graph_decode"],
+                                                                outputs["torchhal_eager"])
+        row["tokens"]["torchhal_breakable_vs_eager"] = compare(outputs["torchhal_breakable_graphs"],
+                                                               outputs["torchhal_eager"])
+        print(f"{name} batch {batch}: " + ", ".join(
+            f"{mode} {row[mode]['tok_s']:.0f}" for mode in row if isinstance(row[mode], dict) and "tok_s" in row[mode]
+        ) + " tok/s", flush=True)
+    result["seconds"] = time.perf_counter() - started
+    return result  # the models go with this frame; main collects before the next shape
+
+
+def bandwidth_summary(result: dict[str, Any], copy_bw: float | None) -> None:
+    """Batch-1 decode: weight bytes per step / step time, as a fraction of copy bandwidth."""
+    row = result.get("rows", {}).get("batch1", {})
+    weight_bytes = result.get("weight_bytes_read_per_step")
+    if copy_bw is None or weight_bytes is None:
+        result["bandwidth"] = {"skipped": "no device copy bandwidth (host run)"}
+        return
+    floor_ms = weight_bytes / copy_bw * 1e3
+    summary: dict[str, Any] = {"copy_bandwidth_GBps": copy_bw / 1e9, "floor_step_ms": floor_ms}
+    for mode in ("transformers_static", "torchhal_breakable_graphs", "torchhal_full_graph_decode"):
+        step_ms = row.get(mode, {}).get("decode_step_ms")
+        if step_ms:
+            summary[mode] = {"step_ms": step_ms, "fraction_of_copy_bandwidth": floor_ms / step_ms}
+    peer = summary.get("transformers_static")
+    if peer:
+        # 1.5x the peer's step rate needs a step of peer/1.5; below the floor that cannot happen.
+        summary["goal_1_5x_feasible_at_batch1"] = peer["step_ms"] / 1.5 >= floor_ms
+    result["bandwidth"] = summary
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--out", default="results")
+    parser.add_argument("--quick", action="store_true", help="1 warm-up and 3 timed runs per row")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes; runs on the host (graph rows skipped)")
+    parser.add_argument("--float32", action="store_true", help="float32 instead of bfloat16 on a GPU")
+    parser.add_argument("--budget-s", type=float, default=450.0,
+                        help="skip remaining rows after this many seconds (split between shapes)")
+    parser.add_argument("--shapes", nargs="*", help="subset of shape names")
+    args = parser.parse_args(argv)
+    budget = Budget(args.budget_s)
+    for limit in ("recompile_limit", "cache_size_limit"):  # one compile per model and batch size
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, 64)
+    platform = torchhal.current_platform()
+    device = platform.device(platform.current_device())
+    copy_bw = copy_bandwidth(device, platform.synchronize)
+    shapes = TINY_SHAPES if args.tiny else SHAPES
+    chosen = {k: v for k, v in shapes.items() if not args.shapes or k in args.shapes}
+    results: dict[str, Any] = {"platform": platform.name, "prompt_tokens": PROMPT_LEN, "new_tokens": NEW_TOKENS,
+                               "batches": list(BATCHES), "quick": args.quick, "tiny": args.tiny,
+                               "copy_bandwidth_GBps": copy_bw / 1e9 if copy_bw else None, "shapes": {}}
+    for index, (name, shape) in enumerate(chosen.items()):
+        result = bench_shape(name, shape, args, budget.share(len(chosen) - index))
+        bandwidth_summary(result, copy_bw)
+        results["shapes"][name] = result
+        gc.collect()
+        if hasattr(torch, "_dynamo"):
+            torch._dynamo.reset()  # compiled code of a freed model must not count against the next one
+    results["total_s"] = time.perf_counter() - budget.start
+    write_json("decode_vs_transformers" + ("_tiny" if args.tiny else ""), results, args.out)
+    return results
+
+
+if __name__ == "__main__":
+    main()

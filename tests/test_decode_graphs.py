@@ -1,0 +1,241 @@
+"""Full-graph decode on CPU: buckets, the in-place slot table, the scratch slot, the reasons
+it refuses a batch, and (graphs emulated: the same padded static step run eagerly) tokens
+identical to the eager engine while requests finish and join. Replay itself is covered on
+a GPU by benchmarks/decode_vs_transformers.py (tokens checked per row)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchhal
+from torchhal.core.engine import EngineConfig, GenerationEngine
+from torchhal.core.graphs.decode import (
+    DecodeGraphRunner,
+    SlotTable,
+    attention_layer,
+    paged_decode_attention,
+    pick_bucket,
+    unsupported_reason,
+)
+from torchhal.core.graphs.program import BreakStep, GraphStep
+from torchhal.core.model import AttentionMetadata, KVCache, ModelConfig, ReferenceDecoder
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+from decode_vs_transformers import engine_step, new_decode_runner  # noqa: E402
+
+SCRATCH = 63
+CPU = torch.device("cpu")
+
+
+def table(max_rows: int = 4, max_context: int = 8) -> SlotTable:
+    return SlotTable(max_rows, max_context, SCRATCH, CPU)
+
+
+# -- buckets and step names ------------------------------------------------------------------------
+def test_pick_bucket_is_the_smallest_that_fits():
+    buckets = [1, 2, 4, 8, 32]
+    assert [pick_bucket(buckets, n) for n in (1, 2, 3, 4, 5, 8, 9, 32)] == [1, 2, 4, 4, 8, 8, 32, 32]
+    assert pick_bucket(buckets, 33) is None
+
+
+def test_attention_layer_from_field_or_name():
+    run = lambda s, n, m: None  # noqa: E731
+    assert attention_layer(BreakStep("anything", run, layer=5)) == 5
+    assert attention_layer(BreakStep("layer12.attention", run)) == 12
+    assert attention_layer(BreakStep("layer1.moe_dispatch", run)) is None
+
+
+# -- the slot table --------------------------------------------------------------------------------
+def test_joining_rows_are_written_whole_and_padded_rows_point_at_the_scratch_slot():
+    slots = table()
+    rows = slots.prepare([("a", 11, [3, 4, 5]), ("b", 12, [7, 8])], padded_rows=4)
+    assert rows == [0, 1] and slots.rows_written == 2
+    assert slots.table[0, :3].tolist() == [3, 4, 5] and slots.table[1, :2].tolist() == [7, 8]
+    assert slots.step_inputs[:, :4].tolist() == [[11, 12, 0, 0], [2, 1, 0, 0], [5, 8, SCRATCH, SCRATCH]]
+
+
+def test_a_continuing_row_only_gets_this_steps_inputs():
+    slots = table()
+    slots.prepare([("a", 11, [3, 4, 5]), ("b", 12, [7, 8])], padded_rows=2)
+    slots.table[0, 3] = -1  # the graph appends the slot itself; prepare must not rewrite the row
+    rows = slots.prepare([("a", 21, [3, 4, 5, 9]), ("b", 22, [7, 8, 10])], padded_rows=2)
+    assert rows == [0, 1] and slots.rows_written == 2
+    assert slots.table[0, 3].item() == -1
+    assert slots.step_inputs[:, :2].tolist() == [[21, 22], [3, 2], [9, 10]]
+
+
+def test_a_leaving_request_frees_its_row_and_the_highest_row_moves_into_it():
+    slots = table()
+    slots.prepare([("a", 1, [1]), ("b", 2, [2, 3]), ("c", 3, [4, 5, 6])], padded_rows=4)
+    rows = slots.prepare([("c", 3, [4, 5, 6, 7]), ("b", 2, [2, 3, 8])], padded_rows=2)
+    assert rows == [0, 1] and slots.rows_moved == 1 and slots.rows_written == 3  # moved, not rewritten
+    assert slots.table[0, :3].tolist() == [4, 5, 6]
+    assert slots.row_of("a") is None and slots.live == 2
+    joined = slots.prepare([("c", 3, [4, 5, 6, 7, 9]), ("b", 2, [2, 3, 8, 10]), ("d", 4, [11, 12])], 4)
+    assert joined == [0, 1, 2] and slots.table[2, :2].tolist() == [11, 12]
+
+
+def test_a_request_whose_slots_changed_gets_its_row_rewritten():
+    slots = table()
+    slots.prepare([("a", 1, [3, 4, 5])], padded_rows=1)
+    slots.prepare([("a", 1, [20, 21, 22, 23])], padded_rows=1)  # retracted, admitted again elsewhere
+    assert slots.rows_written == 2 and slots.table[0, :4].tolist() == [20, 21, 22, 23]
+
+
+@pytest.mark.parametrize(
+    "batch, padded, message",
+    [
+        ([("a", 1, [1]), ("a", 2, [2])], 2, "request 'a' appears twice"),
+        ([("a", 1, list(range(9)))], 1, "request 'a' has 9 KV slots; a decode row holds 1..8"),
+        ([("a", 1, [])], 1, "request 'a' has 0 KV slots"),
+        ([("a", 1, [1]), ("b", 1, [2])], 1, "a decode batch of 2 padded to 1 rows"),
+        ([("a", 1, [1])], 5, "padded to 5 rows does not fit 1..4"),
+    ],
+)
+def test_bad_batches_are_refused_and_leave_the_table_intact(batch, padded, message):
+    slots = table()
+    slots.prepare([("x", 1, [1, 2])], padded_rows=1)
+    before = (slots.table.clone(), slots.step_inputs.clone(), slots.row_of("x"))
+    with pytest.raises(ValueError, match=message.replace("(", "\\(").replace(".", "\\.")):
+        slots.prepare(batch, padded)
+    assert torch.equal(slots.table, before[0]) and torch.equal(slots.step_inputs, before[1])
+    assert slots.row_of("x") == before[2]
+
+
+# -- decode attention ------------------------------------------------------------------------------
+@pytest.mark.parametrize("q_heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_paged_decode_attention_matches_sdpa_over_each_rows_slots(q_heads, kv_heads):
+    torch.manual_seed(0)
+    dim, num_slots = 8, 40
+    k_cache, v_cache = torch.randn(num_slots, kv_heads, dim), torch.randn(num_slots, kv_heads, dim)
+    seqs = [[3, 9, 1], [5], [30, 31, 32, 33, 34, 2]]
+    context = 8
+    slot_table = torch.full((3, context), 39)
+    for row, seq in enumerate(seqs):
+        slot_table[row, : len(seq)] = torch.tensor(seq)
+    lengths = torch.tensor([len(s) for s in seqs])
+    valid = torch.arange(context)[None, :] < lengths[:, None]
+    q = torch.randn(3, q_heads, dim)
+    got = paged_decode_attention(q, k_cache, v_cache, slot_table, valid, dim**-0.5)
+    for row, seq in enumerate(seqs):
+        keys = k_cache[seq].repeat_interleave(q_heads // kv_heads, dim=1).transpose(0, 1)  # [H, L, D]
+        values = v_cache[seq].repeat_interleave(q_heads // kv_heads, dim=1).transpose(0, 1)
+        expected = F.scaled_dot_product_attention(q[row][:, None], keys, values)[:, 0]
+        torch.testing.assert_close(got[row], expected, atol=1e-5, rtol=1e-5)
+
+
+# -- the runner ------------------------------------------------------------------------------------
+def small_model(num_slots: int = 64) -> ReferenceDecoder:
+    model = ReferenceDecoder(ModelConfig(num_layers=2)).eval()
+    model.kv = KVCache(model.config, num_slots, CPU, torch.float32)
+    return model
+
+
+def test_reasons_it_refuses(make_registry):
+    make_registry()
+    platform = torchhal.current_platform()
+    model = small_model()
+    plain = DecodeGraphRunner(model, platform, 0, scratch_slot=SCRATCH)
+    assert plain.unsupported == "platform 'cpu' declares no graph support"
+    assert plain.reason(1, 1) == plain.unsupported and not plain.can_run(1, 1)
+    with pytest.raises(RuntimeError, match="full-graph decode is unavailable: platform 'cpu'"):
+        plain.decode([("a", 1, [1])])
+    runner = DecodeGraphRunner(model, platform, 0, scratch_slot=SCRATCH, batch_buckets=(2, 4),
+                               context_buckets=(16,), emulate=True)
+    assert runner.reason(4, 16) is None and runner.can_run(3, 9)
+    assert runner.reason(5, 3) == "decode batch 5 exceeds the largest batch bucket 4"
+    assert runner.reason(1, 17) == "context of 17 tokens exceeds the largest context bucket 16"
+    assert runner.buckets_for(3, 9) == (4, 16) and runner.buckets_for(1, 1) == (2, 16)
+    with pytest.raises(ValueError, match="scratch_slot 64 is outside the KV pool of 64 slots"):
+        DecodeGraphRunner(model, platform, 0, scratch_slot=64, emulate=True)
+    with pytest.raises(ValueError, match=r"batch_buckets \(0, 4\) must be"):
+        DecodeGraphRunner(model, platform, 0, scratch_slot=SCRATCH, batch_buckets=(0, 4))
+
+
+def test_models_it_cannot_graph_say_why():
+    assert "lacks layer_program, embed_tokens, logits()" in str(unsupported_reason(torch.nn.Linear(2, 2)))
+    model = small_model()
+    model.kv = None
+    assert "kv is not allocated" in str(unsupported_reason(model))
+    model = small_model()
+    program = model.layer_program()
+    model.layer_program = lambda: [*program, BreakStep("router", lambda s, n, m: None)]  # type: ignore[method-assign]
+    assert "break step 'router' is not attention" in str(unsupported_reason(model))
+    model.layer_program = lambda: [GraphStep("g", lambda s: None)]  # type: ignore[method-assign]
+    assert unsupported_reason(model) is None
+    model.decode_graph_refusal = "soft-capped attention"  # type: ignore[assignment]
+    assert unsupported_reason(model) == "soft-capped attention"
+
+
+def eager_prefill(model: ReferenceDecoder, prompts: list[list[int]], seqs: list[list[int]]) -> list[int]:
+    meta = AttentionMetadata.build(seqs, [len(p) for p in prompts], CPU)
+    hidden = model(torch.tensor([t for p in prompts for t in p]), meta)
+    last = torch.tensor([sum(len(p) for p in prompts[: i + 1]) - 1 for i in range(len(prompts))])
+    return model.logits(hidden, last).argmax(-1).tolist()
+
+
+def test_padded_rows_write_only_the_scratch_slot_and_tokens_match_eager(make_registry):
+    make_registry()
+    model = small_model()
+    runner = DecodeGraphRunner(model, torchhal.current_platform(), 0, scratch_slot=SCRATCH,
+                               batch_buckets=(4,), context_buckets=(16,), emulate=True)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    seqs = [[0, 1, 2], [3, 4], [5, 6, 7, 8]]  # slot 0 belongs to a request: padded rows must not touch it
+    tokens = eager_prefill(model, prompts, seqs)
+    seqs = [s + [10 + i] for i, s in enumerate(seqs)]
+    assert model.kv is not None
+    before_k, before_v = model.kv.k.clone(), model.kv.v.clone()
+    # The eager decode step on a copy of the pool is the reference.
+    reference = small_model()
+    reference.load_state_dict(model.state_dict())
+    assert reference.kv is not None
+    reference.kv.k.copy_(before_k)
+    reference.kv.v.copy_(before_v)
+    meta = AttentionMetadata.build(seqs, [1, 1, 1], CPU)
+    expected = reference.logits(reference(torch.tensor(tokens), meta), torch.arange(3)).argmax(-1).tolist()
+    got = runner.decode([(i, tokens[i], seqs[i]) for i in range(3)])  # 3 requests padded to 4 rows
+    assert got == expected
+    changed = ((model.kv.k != before_k) | (model.kv.v != before_v)).flatten(2).any(-1).any(0)
+    assert set(changed.nonzero().flatten().tolist()) == {10, 11, 12, SCRATCH}
+
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 10, [300, 3], [7] * 20, [2], [11, 12, 13, 14]]
+NEW_TOKENS = [6, 3, 9, 5, 7, 4, 8]
+
+
+def run_engine(engine: GenerationEngine, decode: DecodeGraphRunner | None) -> list[tuple[int, ...]]:
+    rids = [engine.add_request(p, n) for p, n in zip(PROMPTS, NEW_TOKENS, strict=True)]
+    while any(rid not in engine.results for rid in rids):
+        engine_step(engine, decode)
+    return [engine.results.pop(rid).output for rid in rids]
+
+
+CONFIG = EngineConfig(max_kv_slots=512, max_running=3)  # 3 running: the rest join as others finish
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[tuple[int, ...]]:
+    return run_engine(GenerationEngine(CONFIG), None)
+
+
+def test_emulated_full_graph_decode_matches_eager_while_requests_finish_and_join(reference):
+    engine = GenerationEngine(CONFIG)
+    runner = new_decode_runner(engine, emulate=True, batch_buckets=(1, 2, 4), context_buckets=(8, 16, 32))
+    got = run_engine(engine, runner)
+    assert got == reference
+    assert [len(o) for o in got] == NEW_TOKENS
+    # The decode path really ran, rows moved as requests left, and joiners were written once each.
+    assert runner.steps >= 10 and runner.slots.rows_moved >= 1
+    assert len(PROMPTS) <= runner.slots.rows_written <= 2 * len(PROMPTS)
+
+
+def test_emulated_decode_beyond_the_largest_context_bucket_falls_back_and_stays_exact(reference):
+    engine = GenerationEngine(CONFIG)
+    runner = new_decode_runner(engine, emulate=True, batch_buckets=(4,), context_buckets=(8,))
+    assert run_engine(engine, runner) == reference
+    assert runner.steps >= 1  # short requests used the graph path; long ones fell back

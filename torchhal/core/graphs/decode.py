@@ -1,0 +1,437 @@
+"""Full-graph decode: one graph replay per decode step.
+
+A decode step of B running requests is padded to a batch bucket and a context
+bucket, and the whole step (embedding, every layer with a capturable paged
+attention in place of each attention break, final norm, logits, greedy argmax)
+is one captured graph reading static buffers:
+
+    step_inputs [3, rows]   this step's input token, position and new KV slot per row
+    slot_table  [rows, C]   each row's KV slots; the graph appends the new slot itself
+
+Each running request keeps its row between steps, so a step's host work is one
+small copy of `step_inputs`; a request's full slot list is written once, when it
+joins (or moves row after others finish). Padded rows write their K/V into a
+scratch slot that no request owns. Prefill and mixed batches stay on the
+breakable runner (`GraphRunner`); `reason(...)` says when this runner cannot
+take a batch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from torchhal.core.graphs.program import BreakStep, StackState, Step
+from torchhal.platforms import Platform
+
+DecodeRow = tuple[Hashable, int, Sequence[int]]
+"""(request key, input token, every KV slot of the request including this step's)."""
+
+# Backends without a plan per shape (as the eager attention path uses); flash declines masks.
+_SHAPE_FREE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_ATTENTION_NAME = re.compile(r"layer(\d+)\.attention")
+
+
+def attention_layer(step: BreakStep) -> int | None:
+    """The KV-pool layer of an attention break: its `layer` field, else its name."""
+    if step.layer is not None:
+        return step.layer
+    match = _ATTENTION_NAME.fullmatch(step.name)
+    return int(match.group(1)) if match else None
+
+
+def pick_bucket(buckets: Sequence[int], size: int) -> int | None:
+    """The smallest bucket >= size (buckets sorted ascending), or None if none fits."""
+    index = bisect.bisect_left(buckets, size)
+    return buckets[index] if index < len(buckets) else None
+
+
+def _check_buckets(label: str, buckets: Sequence[int]) -> list[int]:
+    if not buckets or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets):
+        raise ValueError(f"{label} {tuple(buckets)!r} must be a non-empty list of positive ints, e.g. (1, 8, 32)")
+    return sorted(set(buckets))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_table: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per row over that row's KV slots; static shapes, so it can be captured.
+
+    q [B, Hq, D]; k_cache, v_cache [S, Hkv, D] with Hq a multiple of Hkv (GQA: query head
+    i reads KV head i // (Hq / Hkv)); slot_table [B, C] KV slots (entries past a row's
+    length must still be valid slots); valid [B, C] True where the entry belongs to the
+    row's sequence (every row needs one). Returns [B, Hq, D].
+
+    The gather reads only the context bucket C, not the pool. GQA without copying K/V per
+    query head: a KV head's G query heads attend as G queries of that head (one query each,
+    same keys, same mask). SDPA with the eager attention path's backends.
+    """
+    batch, q_heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    keys = k_cache[slot_table].transpose(1, 2)  # [B, Hkv, C, D]
+    values = v_cache[slot_table].transpose(1, 2)
+    queries = q.reshape(batch, kv_heads, q_heads // kv_heads, dim)  # head i -> (i // G, i % G)
+    with sdpa_kernel(_SHAPE_FREE_SDPA):
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=valid[:, None, None, :], scale=scale)
+    return out.reshape(batch, q_heads, dim)
+
+
+class SlotTable:
+    """Rows of the padded decode batch and their KV slots, on the device, updated in place.
+
+    Live rows are kept dense in [0, live): when a request leaves, the highest live
+    rows move into the holes (a device row copy), so the batch bucket follows the
+    live count. The host keeps, per row, the request key, its length and its first
+    and last slot, to tell a request that merely appended a slot from one whose
+    slots changed (retracted and admitted again), which gets its row rewritten.
+    """
+
+    def __init__(self, max_rows: int, max_context: int, scratch_slot: int, device: torch.device) -> None:
+        self.max_rows, self.max_context, self.scratch_slot = max_rows, max_context, scratch_slot
+        self.table = torch.full((max_rows, max_context), scratch_slot, dtype=torch.long, device=device)
+        self.step_inputs = torch.zeros(3, max_rows, dtype=torch.long, device=device)  # token, position, slot
+        self._row_of: dict[Hashable, int] = {}
+        self._key: list[Hashable | None] = [None] * max_rows
+        self._length = [0] * max_rows
+        self._ends: list[tuple[int, int]] = [(scratch_slot, scratch_slot)] * max_rows
+        self.rows_written = 0  # full row writes (join or retract); appends are not counted
+        self.rows_moved = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """No request holds a row; every row's step inputs are padding (token 0, position 0, scratch)."""
+        for key in list(self._row_of):
+            self.forget(key)
+        self.step_inputs.zero_()
+        self.step_inputs[2].fill_(self.scratch_slot)
+
+    @property
+    def live(self) -> int:
+        return len(self._row_of)
+
+    def row_of(self, key: Hashable) -> int | None:
+        return self._row_of.get(key)
+
+    def forget(self, key: Hashable) -> None:
+        """Drop a request's row (finished, aborted or retracted); unknown keys are ignored."""
+        row = self._row_of.pop(key, None)
+        if row is not None:
+            self._key[row] = None
+
+    def prepare(self, batch: Sequence[DecodeRow], padded_rows: int) -> list[int]:
+        """Place every request of a decode step in a row and fill this step's inputs.
+
+        Returns the row of each request, in batch order. Rows in [len(batch), padded_rows)
+        get token 0 at position 0 writing the scratch slot. Requests absent from the batch
+        lose their rows. Raises ValueError (nothing changed) on a bad batch.
+        """
+        self._validate(batch, padded_rows)
+        keys = {key for key, _, _ in batch}
+        for key in [k for k in self._row_of if k not in keys]:
+            self.forget(key)
+        fresh: list[DecodeRow] = []
+        for row_data in batch:
+            key, _, slots = row_data
+            row = self._row_of.get(key)
+            if row is not None and not self._continues(row, slots):
+                self.forget(key)
+            if key not in self._row_of:
+                fresh.append(row_data)
+        self._compact(self.live)
+        free_rows = iter(sorted(set(range(len(batch))) - set(self._row_of.values())))
+        for key, _, slots in fresh:
+            row = next(free_rows)
+            self._row_of[key], self._key[row] = row, key
+            self._write_row(row, slots)
+        rows: list[int] = []
+        inputs = [[0] * padded_rows, [0] * padded_rows, [self.scratch_slot] * padded_rows]
+        for key, token, slots in batch:
+            row = self._row_of[key]
+            rows.append(row)
+            self._length[row] = len(slots)
+            self._ends[row] = (slots[0], slots[-1])
+            inputs[0][row], inputs[1][row], inputs[2][row] = token, len(slots) - 1, slots[-1]
+        # A pageable host tensor: the copy has read it by the time copy_ returns.
+        self.step_inputs[:, :padded_rows].copy_(torch.tensor(inputs, dtype=torch.long))
+        return rows
+
+    def _validate(self, batch: Sequence[DecodeRow], padded_rows: int) -> None:
+        if not 1 <= len(batch) <= padded_rows <= self.max_rows:
+            raise ValueError(
+                f"a decode batch of {len(batch)} padded to {padded_rows} rows does not fit 1..{self.max_rows} rows"
+            )
+        seen: set[Hashable] = set()
+        for key, token, slots in batch:
+            if key in seen:
+                raise ValueError(f"request {key!r} appears twice in one decode batch")
+            seen.add(key)
+            if not 1 <= len(slots) <= self.max_context:
+                raise ValueError(
+                    f"request {key!r} has {len(slots)} KV slots; a decode row holds 1..{self.max_context}"
+                )
+            if not isinstance(token, int):
+                raise ValueError(f"request {key!r} has input token {token!r}; expected an int")
+
+    def _continues(self, row: int, slots: Sequence[int]) -> bool:
+        """True when `slots` is this row's sequence with one more slot appended."""
+        length = self._length[row]
+        first, last = self._ends[row]
+        return len(slots) == length + 1 and slots[0] == first and slots[length - 1] == last
+
+    def _compact(self, live: int) -> None:
+        """Move live rows at or above `live` into the free rows below it."""
+        holes = sorted(set(range(live)) - set(self._row_of.values()))
+        movers = sorted(row for row in self._row_of.values() if row >= live)
+        if not movers:
+            return
+        src = torch.tensor(movers, dtype=torch.long, device=self.table.device)
+        dst = torch.tensor(holes, dtype=torch.long, device=self.table.device)
+        self.table.index_copy_(0, dst, self.table.index_select(0, src))
+        for old, new in zip(movers, holes, strict=True):
+            key = self._key[old]
+            assert key is not None
+            self._row_of[key], self._key[new], self._key[old] = new, key, None
+            self._length[new], self._ends[new] = self._length[old], self._ends[old]
+        self.rows_moved += len(movers)
+
+    def _write_row(self, row: int, slots: Sequence[int]) -> None:
+        self.table[row, : len(slots)].copy_(torch.tensor(list(slots), dtype=torch.long))
+        self.rows_written += 1
+
+
+@dataclass(frozen=True)
+class DecodeCaptureReport:
+    batch_buckets: tuple[int, ...]
+    context_buckets: tuple[int, ...]
+    graphs: int
+    seconds: float
+    pool_bytes: int | None
+
+
+@dataclass(frozen=True)
+class _Attention:
+    """What every layer's decode attention of one step reads."""
+
+    slot_table: torch.Tensor  # [B, C]
+    valid: torch.Tensor  # [B, C]
+    out_slots: torch.Tensor  # [B]
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why this model's decode step cannot be one graph, or None when it can.
+
+    The decode graph replaces each attention break with plain softmax attention over the
+    request's slots (optionally a sliding window from `model.config.sliding_window`, scale
+    `model.attention_scale` or 1/sqrt(head_dim)). A model whose attention differs says so
+    with a `decode_graph_refusal` string attribute."""
+    missing = [name for name in ("layer_program", "embed_tokens", "logits") if not callable(getattr(model, name, None))]
+    if missing:
+        return (
+            f"{type(model).__name__} lacks {', '.join(missing)}(); "
+            "full-graph decode needs the explicit layer program"
+        )
+    refusal = getattr(model, "decode_graph_refusal", None)  # a model whose attention is not plain softmax
+    if refusal:
+        return str(refusal)
+    if getattr(model, "kv", None) is None:
+        return f"{type(model).__name__}.kv is not allocated; allocate the KV pool before building the decode runner"
+    program: list[Step] = getattr(model, "layer_program")()  # noqa: B009  # an nn.Module attribute, typed Tensor
+    for step in program:
+        if isinstance(step, BreakStep) and attention_layer(step) is None:
+            return (
+                f"break step {step.name!r} is not attention (no layer index, name is not 'layer<N>.attention'); "
+                "only attention breaks are replaced in a decode graph"
+            )
+    return None
+
+
+class DecodeGraphRunner:
+    """Runs pure decode steps as one graph replay each; `emulate=True` runs the same
+    padded static path eagerly (CPU tests, debugging)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        platform: Platform,
+        device_index: int,
+        *,
+        scratch_slot: int,
+        batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+        context_buckets: Sequence[int] = (128, 256, 512, 1024, 2048, 4096),
+        emulate: bool = False,
+    ) -> None:
+        self.batch_buckets = _check_buckets("batch_buckets", batch_buckets)
+        self.context_buckets = _check_buckets("context_buckets", context_buckets)
+        if not isinstance(scratch_slot, int) or scratch_slot < 0:
+            raise ValueError(f"scratch_slot {scratch_slot!r} must be a KV slot index that no request owns")
+        self.model, self.platform, self.device_index = model, platform, device_index
+        self.scratch_slot, self.emulate = scratch_slot, emulate
+        self.device = platform.device(device_index)
+        self.report: DecodeCaptureReport | None = None
+        self.steps = 0  # decode steps run (replayed or emulated)
+        self._graphs: dict[tuple[int, int], Any] = {}
+        self.slots = SlotTable(self.batch_buckets[-1], self.context_buckets[-1], scratch_slot, self.device)
+        self.next_tokens = torch.zeros(self.batch_buckets[-1], dtype=torch.long, device=self.device)
+        self._row_index = torch.arange(self.batch_buckets[-1], device=self.device)
+        self._context_index = torch.arange(self.context_buckets[-1], device=self.device)
+        window = getattr(getattr(model, "config", None), "sliding_window", None)
+        self._sliding_window: int | None = int(window) if window else None
+        self.unsupported: str | None = unsupported_reason(model)
+        if self.unsupported is None and platform.graph_support is None and not emulate:
+            self.unsupported = f"platform {platform.name!r} declares no graph support"
+        if self.unsupported is None:
+            kv: Any = model.kv
+            num_slots = int(kv.k[0].shape[0])
+            if scratch_slot >= num_slots:
+                raise ValueError(f"scratch_slot {scratch_slot} is outside the KV pool of {num_slots} slots")
+            if not emulate:
+                self.capture()
+
+    # -- what it can take ------------------------------------------------------------------
+    def reason(self, batch_size: int, max_length: int) -> str | None:
+        """Why a pure decode step of `batch_size` requests, the longest holding `max_length`
+        KV slots (this step's included), must run elsewhere; None when this runner takes it."""
+        if self.unsupported is not None:
+            return self.unsupported
+        if batch_size > self.batch_buckets[-1]:
+            return f"decode batch {batch_size} exceeds the largest batch bucket {self.batch_buckets[-1]}"
+        if max_length > self.context_buckets[-1]:
+            return f"context of {max_length} tokens exceeds the largest context bucket {self.context_buckets[-1]}"
+        return None
+
+    def can_run(self, batch_size: int, max_length: int) -> bool:
+        return batch_size >= 1 and self.reason(batch_size, max_length) is None
+
+    def buckets_for(self, batch_size: int, max_length: int) -> tuple[int, int]:
+        batch = pick_bucket(self.batch_buckets, batch_size)
+        context = pick_bucket(self.context_buckets, max_length)
+        if batch is None or context is None:
+            raise ValueError(str(self.reason(batch_size, max_length)))
+        return batch, context
+
+    # -- a decode step -------------------------------------------------------------------------
+    def decode(self, batch: Sequence[DecodeRow]) -> list[int]:
+        """Greedy next token of each request, in batch order (one replay; syncs to read them)."""
+        if self.unsupported is not None:
+            raise RuntimeError(f"full-graph decode is unavailable: {self.unsupported}")
+        max_length = max((len(slots) for _, _, slots in batch), default=0)
+        problem = self.reason(len(batch), max_length)
+        if problem is not None or not batch:
+            raise ValueError(problem or "a decode batch needs at least one request")
+        padded, context = self.buckets_for(len(batch), max_length)
+        rows = self.slots.prepare(batch, padded)
+        graph = self._graphs.get((padded, context))
+        if graph is None:
+            with torch.no_grad():
+                self._step(padded, context)
+        else:
+            graph.replay()
+        self.steps += 1
+        tokens = self.next_tokens[:padded].tolist()
+        return [tokens[row] for row in rows]
+
+    def forget(self, key: Hashable) -> None:
+        """The request left the running batch (finished, aborted, retracted)."""
+        self.slots.forget(key)
+
+    def _step(self, batch: int, context: int) -> None:
+        """The whole decode step for a (batch, context) bucket on the static buffers."""
+        model: Any = self.model
+        tokens, positions, out_slots = self.slots.step_inputs[:, :batch]
+        table = self.slots.table[:batch]
+        table.scatter_(1, positions[:, None], out_slots[:, None])  # append this step's slot
+        columns = self._context_index[None, :context]  # column j of a row holds its position j
+        valid = columns <= positions[:, None]
+        if self._sliding_window is not None:
+            valid = valid & (columns > positions[:, None] - self._sliding_window)
+        attention = _Attention(slot_table=table[:, :context], valid=valid, out_slots=out_slots)
+        state: StackState = {"hidden": model.embed_tokens(tokens), "positions": positions}
+        for step in self._program():
+            if isinstance(step, BreakStep):
+                self._attend(step, state, attention)
+            else:
+                step.run(state)
+        logits = model.logits(state["hidden"], self._row_index[:batch])
+        self.next_tokens[:batch].copy_(logits.argmax(-1))
+
+    def _program(self) -> list[Step]:
+        program: list[Step] = self.model.layer_program()  # type: ignore[operator]
+        return program
+
+    def _attend(self, step: BreakStep, state: StackState, attention: _Attention) -> None:
+        layer = attention_layer(step)
+        assert layer is not None  # checked in unsupported_reason
+        kv: Any = self.model.kv
+        k_cache, v_cache = kv.k[layer], kv.v[layer]
+        k_cache.index_copy_(0, attention.out_slots, state["k"])
+        v_cache.index_copy_(0, attention.out_slots, state["v"])
+        q = state["q"]
+        scale = getattr(self.model, "attention_scale", None) or q.shape[-1] ** -0.5
+        out = paged_decode_attention(q, k_cache, v_cache, attention.slot_table, attention.valid, scale)
+        state["attn_out"].copy_(out)
+
+    # -- capture ---------------------------------------------------------------------------------
+    def capture(self) -> DecodeCaptureReport:
+        """Capture every (batch, context) bucket into one pool. Run it while no request
+        holds a row: warm-up and capture write the scratch slot into every row's first entry."""
+        support = self.platform.graph_support
+        if support is None or self.unsupported is not None:
+            raise RuntimeError(f"cannot capture decode graphs: {self.unsupported or 'no graph support'}")
+        before = self.platform.memory_info(self.device_index).reserved
+        started = time.perf_counter()
+        pool = support.new_pool()
+        stream = self.platform.new_stream(self.device_index)
+        current = self.platform.current_stream(self.device_index)
+        self._graphs = {}
+        self.slots.reset()  # warm-up and capture then touch only the scratch slot
+        with torch.no_grad():
+            # Largest first, so smaller graphs reuse the pool's blocks.
+            for batch in reversed(self.batch_buckets):
+                for context in reversed(self.context_buckets):
+                    stream.wait_stream(current)
+                    with self.platform.use_stream(stream):  # warm-up: lazy library init off the capture
+                        self._step(batch, context)
+                    current.wait_stream(stream)
+                    self.platform.synchronize(self.device_index)
+                    graph = support.graph_class()
+                    with support.capture(graph, pool, stream):
+                        self._step(batch, context)
+                    self._graphs[(batch, context)] = graph
+        self.platform.synchronize(self.device_index)
+        after = self.platform.memory_info(self.device_index).reserved
+        pool_bytes = after - before if after is not None and before is not None else None
+        self.report = DecodeCaptureReport(
+            tuple(self.batch_buckets), tuple(self.context_buckets), len(self._graphs),
+            time.perf_counter() - started, pool_bytes,
+        )
+        return self.report
+
+    @property
+    def graphs_enabled(self) -> bool:
+        return bool(self._graphs)
+
+    # -- lifecycle (sleep / wake) ----------------------------------------------------------------
+    def release(self) -> None:
+        """Drop the graphs and every row (the KV pool goes away with sleep)."""
+        self._graphs = {}
+        self.slots.reset()
+
+    def resume(self) -> None:
+        """Recapture after wake; the model's KV pool is a new tensor, so graphs must be new too."""
+        if self.unsupported is None and not self.emulate:
+            self.capture()
+
