@@ -150,6 +150,25 @@ def test_a_conversion_that_fails_while_staging_changes_nothing():
     assert_unchanged(e, before)
 
 
+def test_a_tensor_subclass_that_cannot_be_copied_changes_nothing():
+    e = engine()
+    before = snapshot(e)
+
+    class RefusesToBeCopied(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.copy_:
+                raise RuntimeError("this tensor cannot be copied")
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    late = torch.zeros_like(e.model.lm_head.weight).as_subclass(RefusesToBeCopied)
+    with pytest.raises(ValueError, match="nothing applied: 'lm_head.weight'.*cannot be copied"):
+        e.update_weights_from_tensors([("embed.weight", torch.zeros_like(e.model.embed.weight)),
+                                       ("lm_head.weight", late)])
+    assert e.weight_version == 0
+    assert_unchanged(e, before)
+
+
 def test_a_write_that_fails_part_way_refuses_generation_until_rewritten(monkeypatch):
     e = engine()
     other = engine(model=ModelConfig(seed=5))

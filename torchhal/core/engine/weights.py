@@ -125,6 +125,12 @@ class WeightUpdater:
             value = tensor if tensor.dtype == param.dtype else tensor.to(param.dtype)
         else:
             value = tensor.to(param.device, param.dtype)
+        if type(value) not in (torch.Tensor, torch.nn.Parameter):
+            # A tensor subclass copies by its own rules: copy it into a plain tensor now, so that
+            # anything it raises happens before the first write (a transient of its size).
+            plain = torch.empty(value.shape, dtype=param.dtype, device=value.device)
+            plain.copy_(value)
+            value = plain
         if value.dtype != param.dtype or value.shape != param.shape or value.layout != torch.strided:
             raise TypeError(f"staged as {value.dtype} {tuple(value.shape)} {value.layout}")
         return value
