@@ -7,13 +7,14 @@ and `GraphRunner` without editing either; `ReferenceDecoder` is one implementati
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # annotations only: this file depends on no model implementation at run time
+    import torch
+    from torch import nn
 
-from torchhal.core.graphs.program import Step
-from torchhal.core.model.reference import AttentionMetadata, KVCache, ModelConfig
+    from torchhal.core.graphs.program import Step
+    from torchhal.core.model import AttentionMetadata, KVCache, ModelConfig
 
 # Members checked when a model is handed to the engine (a clear error beats an AttributeError mid-step).
 MODEL_MEMBERS = (
