@@ -61,10 +61,11 @@ def slot_state(e):
 # -- a step is all-or-nothing -----------------------------------------------------------------
 @pytest.mark.parametrize("where", ["metadata", "forward", "logits"])
 def test_a_failed_step_gives_back_what_it_reserved_and_the_run_continues_unchanged(monkeypatch, reference, where):
-    e = engine(max_running=3)  # two requests still wait: the failing step also admits a prefill
-    rids = [e.add_request(p, 6) for p in PROMPTS]
+    e = engine()
+    rids = [e.add_request(p, 6) for p in PROMPTS[:3]]
     e.step()
     e.step()
+    rids += [e.add_request(p, 6) for p in PROMPTS[3:]]  # the failing step decodes 3 and admits 2 prefills
     before = slot_state(e)
     error = ValueError(f"simulated failure in {where}")
     if where == "metadata":
@@ -76,6 +77,7 @@ def test_a_failed_step_gives_back_what_it_reserved_and_the_run_continues_unchang
     with pytest.raises(ValueError, match=f"simulated failure in {where}"):
         e.step()
     assert slot_state(e) == before  # no decode slot kept, no prefill left admitted
+    assert [r.state for r in e.waiting] == [RequestState.WAITING] * 2
     while any(rid not in e.results for rid in rids):
         e.step()
     assert [e.results[rid].output for rid in rids] == reference
