@@ -2,6 +2,8 @@
 updates atomic, the newest weights survive sleep, refused calls leave no state, and
 nothing the engine runs records autograd history."""
 
+import re
+
 import pytest
 import torch
 
@@ -107,31 +109,38 @@ def test_oom_while_building_the_batch_is_handled_like_oom_in_forward(empties, mo
 
 
 # -- weight updates are atomic --------------------------------------------------------------------
+def params(e):
+    return dict(e.model.named_parameters())
+
+
+def early_zeros(e, count=2):
+    """The first weights of the model, zeroed: a valid start of a batch that must not land."""
+    return [(name, torch.zeros_like(p)) for name, p in list(params(e).items())[:count]]
+
+
 def snapshot(e):
-    return {k: v.detach().clone() for k, v in e.model.state_dict().items()}
+    state = {name: p.detach().clone() for name, p in e.model.named_parameters()}
+    state.update({f"buffer {name}": b.clone() for name, b in e.model.named_buffers()})  # derived weights too
+    return state
 
 
 def assert_unchanged(e, before):
-    for name, value in e.model.state_dict().items():
+    now = snapshot(e)
+    for name, value in now.items():
         assert torch.equal(value, before[name]), f"{name} changed by a refused update"
-    for layer in e.model.layers:  # derived weights agree with the (old) parameters
-        fused = torch.cat([layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight])
-        assert torch.equal(layer.qkv_weight, fused)
+    e.model.process_weights()  # derived weights were consistent with the (old) parameters
+    for name, value in snapshot(e).items():
+        assert torch.equal(value, now[name]), f"{name} was stale"
 
 
 @pytest.mark.parametrize("bad", ["sparse", "meta"])
 def test_an_uncopyable_tensor_late_in_a_batch_changes_nothing(bad):
     e = engine()
     before, outputs = snapshot(e), outputs_of(e, PROMPTS[:2])
-    shape = e.model.layers[1].q_proj.weight.shape
-    late = torch.eye(*shape).to_sparse() if bad == "sparse" else torch.empty(shape, device="meta")
-    batch = [
-        ("lm_head.weight", torch.zeros_like(e.model.lm_head.weight)),
-        ("layers.0.q_proj.weight", torch.zeros(shape)),
-        ("layers.1.q_proj.weight", late),
-    ]
-    with pytest.raises(ValueError, match=f"nothing applied.*'layers.1.q_proj.weight'.*{bad}"):
-        e.update_weights_from_tensors(batch)
+    name, target = [(n, p) for n, p in params(e).items() if p.dim() == 2][-1]
+    late = torch.ones(target.shape).to_sparse() if bad == "sparse" else torch.empty(target.shape, device="meta")
+    with pytest.raises(ValueError, match=f"nothing applied.*'{re.escape(name)}'.*{bad}"):
+        e.update_weights_from_tensors([*early_zeros(e), (name, late)])
     assert e.weight_version == 0
     assert_unchanged(e, before)
     assert outputs_of(e, PROMPTS[:2]) == outputs
@@ -140,21 +149,22 @@ def test_an_uncopyable_tensor_late_in_a_batch_changes_nothing(bad):
 def test_a_conversion_that_fails_while_staging_changes_nothing():
     e = engine(dtype=torch.float32)
     before = snapshot(e)
+    name, target = list(params(e).items())[-1]
 
     class Unconvertible(torch.Tensor):
         def to(self, *args, **kwargs):
             raise RuntimeError("cannot leave its storage")
 
-    late = torch.zeros(e.model.lm_head.weight.shape, dtype=torch.float64).as_subclass(Unconvertible)
-    with pytest.raises(ValueError, match="nothing applied: 'lm_head.weight' cannot be converted.*cannot leave"):
-        e.update_weights_from_tensors([("embed.weight", torch.zeros_like(e.model.embed.weight)),
-                                       ("lm_head.weight", late)])
+    late = torch.zeros(target.shape, dtype=torch.float64).as_subclass(Unconvertible)
+    with pytest.raises(ValueError, match=f"nothing applied: '{re.escape(name)}' cannot be converted.*cannot leave"):
+        e.update_weights_from_tensors([*early_zeros(e), (name, late)])
     assert_unchanged(e, before)
 
 
 def test_a_tensor_subclass_that_cannot_be_copied_changes_nothing():
     e = engine()
     before = snapshot(e)
+    name, target = list(params(e).items())[-1]
 
     class RefusesToBeCopied(torch.Tensor):
         @classmethod
@@ -163,10 +173,9 @@ def test_a_tensor_subclass_that_cannot_be_copied_changes_nothing():
                 raise RuntimeError("this tensor cannot be copied")
             return super().__torch_function__(func, types, args, kwargs or {})
 
-    late = torch.zeros_like(e.model.lm_head.weight).as_subclass(RefusesToBeCopied)
-    with pytest.raises(ValueError, match="nothing applied: 'lm_head.weight'.*cannot be copied"):
-        e.update_weights_from_tensors([("embed.weight", torch.zeros_like(e.model.embed.weight)),
-                                       ("lm_head.weight", late)])
+    late = torch.zeros_like(target).as_subclass(RefusesToBeCopied)
+    with pytest.raises(ValueError, match=f"nothing applied: '{re.escape(name)}'.*cannot be copied"):
+        e.update_weights_from_tensors([*early_zeros(e), (name, late)])
     assert e.weight_version == 0
     assert_unchanged(e, before)
 
@@ -189,17 +198,18 @@ def test_a_write_that_fails_part_way_refuses_generation_until_rewritten(monkeypa
 
 
 def test_finite_check_is_optional_and_rejects_nan_when_on():
-    nan = torch.full_like(engine().model.lm_head.weight, float("nan"))
-    assert engine().update_weights_from_tensors({"lm_head.weight": nan}).weight_version == 1  # off by default
+    default = engine()
+    name, target = list(params(default).items())[-1]
+    nan = torch.full_like(target, float("nan"))
+    assert default.update_weights_from_tensors({name: nan}).weight_version == 1  # off by default
     e = engine(check_finite_weights=True)
     before = snapshot(e)
-    with pytest.raises(ValueError, match="nothing applied: 'lm_head.weight' holds NaN or infinite"):
-        e.update_weights_from_tensors([("embed.weight", torch.zeros_like(e.model.embed.weight)),
-                                       ("lm_head.weight", nan)])
+    with pytest.raises(ValueError, match=f"nothing applied: '{re.escape(name)}' holds NaN or infinite"):
+        e.update_weights_from_tensors([*early_zeros(e), (name, nan)])
     assert_unchanged(e, before)
-    huge = torch.full(e.model.lm_head.weight.shape, 1e300, dtype=torch.float64)  # finite, inf once in fp32
+    huge = torch.full(target.shape, 1e300, dtype=torch.float64)  # finite, inf once in fp32
     with pytest.raises(ValueError, match="NaN or infinite"):
-        e.update_weights_from_tensors({"lm_head.weight": huge})
+        e.update_weights_from_tensors({name: huge})
 
 
 # -- sleep / update / wake ----------------------------------------------------------------------
