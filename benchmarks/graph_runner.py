@@ -56,7 +56,7 @@ def paired(eager_fn, graph_fn, platform, iters: int) -> tuple[float, float, floa
 def make_factory(buckets):
     def make(engine):
         return GraphRunner(engine.model, engine.platform, engine.device_index,
-                           hidden_size=engine.config.model.hidden_size, dtype=engine.config.dtype, buckets=buckets)
+                           hidden_size=engine.model_config.hidden_size, dtype=engine.config.dtype, buckets=buckets)
 
     return make
 

@@ -49,7 +49,8 @@ def breakdown(graphs: bool, batch: int = 8) -> dict:
         sync()
         t3 = time.perf_counter()
         last = torch.arange(len(seqs), device=engine.device)
-        engine.model.logits(hidden, last).argmax(-1).tolist()
+        with torch.no_grad():  # as in GenerationEngine.step
+            engine.model.logits(hidden, last).argmax(-1).tolist()
         t4 = time.perf_counter()
         phases["metadata"].append(t2 - t1)
         phases["stack"].append(t3 - t2)

@@ -4,7 +4,7 @@ with and without the continue-time empty_cache.
     python benchmarks/weight_update_loop.py [--out results] [--iterations 100]
 
 Each iteration keeps one request in flight (KV kept across the in-place pause),
-updates every weight (the staged device copies are transient allocations), and
+updates every weight (timed: validation, staging, the write and post-processing), and
 runs post-update processing that allocates odd-size transient tensors, as
 quantisation repacking does. Reports peak reserved vs live allocated, and
 whether the in-flight request's tokens equal an uninterrupted run's.
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -58,11 +60,15 @@ def run(iterations: int, empty_on_continue: bool, growth_mib: int) -> dict:
     platform.reset_peak_memory(device)
     rid = engine.add_request(PROMPT, iterations + 8)
     engine.step()
-    reserved_trace, allocated_trace = [], []
+    reserved_trace, allocated_trace, update_seconds = [], [], []
     for iteration in range(iterations):
         engine.step()
         engine.pause_generation("in_place")
+        platform.synchronize(device)
+        started = time.perf_counter()
         engine.update_weights_from_tensors(host_weights)  # same values: tokens must not change
+        platform.synchronize(device)
+        update_seconds.append(time.perf_counter() - started)  # validate, stage, write, process_weights
         post_processing_transients(engine, iteration, growth_mib)
         engine.continue_generation(empty_cache=empty_on_continue)
         mem = platform.memory_info(device)
@@ -88,6 +94,7 @@ def run(iterations: int, empty_on_continue: bool, growth_mib: int) -> dict:
         "reserved_first_last": [reserved_trace[0], reserved_trace[-1]],
         "reserved_growth_bytes": reserved_trace[-1] - reserved_trace[0],
         "tokens_identical_to_uninterrupted": list(tokens) == list(reference),
+        "weight_update_ms_median": statistics.median(update_seconds) * 1e3,
         "reserved_trace_mib": [r // MiB for r in reserved_trace],
     }
 

@@ -16,7 +16,7 @@ PROMPTS = [[1 + i, 2, 3 + i] * (1 + i % 4) for i in range(16)]
 def graph_factory(buckets=(16, 32, 64, 128, 256)):
     def make(engine):
         return GraphRunner(engine.model, engine.platform, engine.device_index,
-                           hidden_size=engine.config.model.hidden_size, dtype=engine.config.dtype, buckets=buckets)
+                           hidden_size=engine.model_config.hidden_size, dtype=engine.config.dtype, buckets=buckets)
 
     return make
 
@@ -73,3 +73,67 @@ def test_sleep_wake_recaptures_and_keeps_outputs():
     engine.resume_memory_occupation()
     assert engine.runner.graphs_enabled
     assert [r.output for r in engine.generate(PROMPTS[:4], 6)] == [r.output for r in before]
+
+
+def test_weight_update_while_asleep_survives_wake_with_graphs():
+    # On a GPU pin_memory copies: wake must bring back the update, not the copy taken at sleep.
+    config = EngineConfig(max_kv_slots=4096)
+    expected = GenerationEngine(EngineConfig(model=ModelConfig(seed=7), max_kv_slots=4096)).generate(PROMPTS[:4], 6)
+    engine = GenerationEngine(config, runner_factory=graph_factory((16, 64)))
+    assert [r.output for r in engine.generate(PROMPTS[:4], 6)] != [r.output for r in expected]
+    new_weights = {name: t.detach().to("cpu") for name, t in
+                   GenerationEngine(EngineConfig(model=ModelConfig(seed=7), max_kv_slots=64)).model.named_parameters()}
+    allocated_awake = torch.cuda.memory_allocated()
+    engine.release_memory_occupation()
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in engine.model.parameters())
+    assert torch.cuda.memory_allocated() < allocated_awake
+    engine.update_weights_from_tensors(new_weights)
+    engine.resume_memory_occupation()
+    assert all(p.device.type == "cuda" for p in engine.model.parameters())
+    assert [r.output for r in engine.generate(PROMPTS[:4], 6)] == [r.output for r in expected]
+
+
+def test_a_failed_step_with_graphs_rolls_back_and_continues_unchanged(monkeypatch):
+    config = EngineConfig(max_kv_slots=4096)
+    reference = GenerationEngine(config).generate(PROMPTS, 8)
+    engine = GenerationEngine(config, runner_factory=graph_factory())
+    rids = [engine.add_request(p, 8) for p in PROMPTS]
+    engine.step()
+    engine.step()
+    before = (engine.slots.available, [(r.rid, len(r.slots)) for r in engine.running])
+    real_forward = engine.runner.forward
+    calls = {"n": 0}
+
+    def fail_first(ids, meta):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated kernel failure")
+        return real_forward(ids, meta)
+
+    monkeypatch.setattr(engine.runner, "forward", fail_first)
+    with pytest.raises(RuntimeError, match="simulated kernel failure"):
+        engine.step()
+    assert (engine.slots.available, [(r.rid, len(r.slots)) for r in engine.running]) == before
+    while any(rid not in engine.results for rid in rids):
+        engine.step()
+    assert [engine.results[rid].output for rid in rids] == [r.output for r in reference]
+
+
+def test_graph_replay_and_logits_record_no_autograd_history():
+    engine = GenerationEngine(EngineConfig(max_kv_slots=4096), runner_factory=graph_factory((16, 64)))
+    from torchhal.core.model import AttentionMetadata
+
+    meta = AttentionMetadata.build([[0, 1, 2]], [3], engine.device)
+    hidden = engine.runner.forward(torch.tensor([1, 2, 3], device=engine.device), meta)
+    assert not hidden.requires_grad
+    recorded = []
+    real_logits = engine.model.logits
+
+    def logits(h, index):
+        out = real_logits(h, index)
+        recorded.append(out.requires_grad)
+        return out
+
+    engine.model.logits = logits
+    engine.generate(PROMPTS[:2], 3)
+    assert recorded and not any(recorded)

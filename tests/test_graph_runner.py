@@ -24,7 +24,7 @@ def runner_factory(**kwargs):
     def make(engine):
         return GraphRunner(
             engine.model, engine.platform, engine.device_index,
-            hidden_size=engine.config.model.hidden_size, dtype=engine.config.dtype, **kwargs,
+            hidden_size=engine.model_config.hidden_size, dtype=engine.config.dtype, **kwargs,
         )
 
     return make

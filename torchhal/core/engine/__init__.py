@@ -1,18 +1,28 @@
-"""The engine: continuous-batching scheduler, request lifecycle, weight updates, sleep/wake."""
+"""The engine: continuous-batching scheduler, request lifecycle, weight updates, sleep/wake.
 
-from torchhal.core.engine.engine import (
+`GenerationEngine` is the public face; each of its parts has one job:
+`RequestBook` (requests and results), `Scheduler` (batches and their rollback),
+`WeightUpdater`, `MemoryOccupation` (sleep/wake) and a `ModelRunner`.
+"""
+
+from torchhal.core.engine.engine import GenerationEngine
+from torchhal.core.engine.occupation import MemoryOccupation
+from torchhal.core.engine.records import (
     ContinueReport,
-    EagerRunner,
     EngineConfig,
     FlushResult,
-    GenerationEngine,
     GenerationResult,
-    ModelRunner,
     PauseMode,
     Request,
     RequestState,
+    WeightUpdateIncomplete,
+    WeightUpdateRejected,
     WeightUpdateResult,
 )
+from torchhal.core.engine.requests import RequestBook
+from torchhal.core.engine.runners import EagerRunner, ModelRunner
+from torchhal.core.engine.scheduler import Scheduler, StepPlan
+from torchhal.core.engine.weights import WeightUpdater
 
 __all__ = [
     "ContinueReport",
@@ -21,9 +31,16 @@ __all__ = [
     "FlushResult",
     "GenerationEngine",
     "GenerationResult",
+    "MemoryOccupation",
     "ModelRunner",
     "PauseMode",
     "Request",
+    "RequestBook",
     "RequestState",
+    "Scheduler",
+    "StepPlan",
+    "WeightUpdateIncomplete",
+    "WeightUpdateRejected",
     "WeightUpdateResult",
+    "WeightUpdater",
 ]

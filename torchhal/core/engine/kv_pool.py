@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchhal.core.model.reference import KVCache, ModelConfig
+from torchhal.core.model import KVCache, ModelConfig
 from torchhal.platforms import Platform
 
 

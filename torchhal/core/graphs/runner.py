@@ -14,13 +14,16 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from torchhal.core.graphs.program import BreakStep, GraphStep, StackState, Step, run_eager, split_segments
 from torchhal.platforms import Platform
+
+if TYPE_CHECKING:  # core.model imports core.graphs.program: a runtime import here would be circular
+    from torchhal.core.model import Model
 
 _warned_guesses: set[str] = set()
 
@@ -32,10 +35,10 @@ class ResolvedStack:
     how: str
 
 
-def resolve_layer_stack(model: nn.Module) -> ResolvedStack | str:
+def resolve_layer_stack(model: Model | nn.Module) -> ResolvedStack | str:
     """The model's layer stack, or the reason there is none.
 
-    Explicit protocol: `model.layer_program()` and `model.embed_tokens()`.
+    A `torchhal.core.model.Model`: `model.layer_program()` and `model.embed_tokens()`.
     Guessed layouts (`model.model.layers`, `model.language_model.model.layers`)
     are captured layer by layer with no breaks, which is only right for layers
     that need no per-batch metadata; the guess is warned about once.
@@ -101,18 +104,25 @@ class GraphRunner:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: Model | nn.Module,
         platform: Platform,
         device_index: int,
         *,
-        hidden_size: int,
+        hidden_size: int | None = None,
         dtype: torch.dtype,
         buckets: Sequence[int] = (8, 16, 32, 64, 128, 256, 512),
         emulate: bool = False,
     ) -> None:
-        """`emulate=True` runs the bucketed, padded path without graphs (CPU tests, debugging)."""
+        """`hidden_size` defaults to `model.config.hidden_size`. `emulate=True` runs the
+        bucketed, padded path without graphs (CPU tests, debugging)."""
         if not buckets or any(not isinstance(b, int) or b < 1 for b in buckets):
             raise ValueError(f"buckets {tuple(buckets)!r} must be positive token counts")
+        if hidden_size is None:
+            hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
+            if not isinstance(hidden_size, int):
+                raise ValueError(
+                    f"GraphRunner cannot read hidden_size from {type(model).__name__}.config; pass hidden_size="
+                )
         self.model, self.platform, self.device_index = model, platform, device_index
         self.hidden_size, self.dtype = hidden_size, dtype
         self.bucket_sizes = sorted(set(buckets))
@@ -197,9 +207,14 @@ class GraphRunner:
     def forward(self, input_ids: torch.Tensor, meta: Any) -> torch.Tensor:
         """Hidden states [T, H] for the batch. With graphs, a view of a static buffer:
         consume it before the next forward."""
+        # no_grad, not inference_mode: the static buffers written here persist across calls.
+        with torch.no_grad():
+            return self._forward(input_ids, meta)
+
+    def _forward(self, input_ids: torch.Tensor, meta: Any) -> torch.Tensor:
         num_tokens = input_ids.numel()
         if self.stack is None:
-            return self.model(input_ids, meta)
+            return self.model.forward(input_ids, meta)
         hidden = self.stack.embed(input_ids)
         if not self.can_run(num_tokens):
             state: StackState = {"hidden": hidden, "positions": meta.positions}

@@ -1,0 +1,322 @@
+"""Engine guarantees under faults and misuse (CPU): steps are all-or-nothing, weight
+updates atomic, the newest weights survive sleep, refused calls leave no state, and
+nothing the engine runs records autograd history."""
+
+import re
+
+import pytest
+import torch
+
+import torchhal
+from torchhal.core.engine import EngineConfig, GenerationEngine, RequestState
+from torchhal.core.graphs import GraphRunner
+from torchhal.core.model import AttentionMetadata, ModelConfig
+from torchhal.platforms import ReleasePoint, hookimpl
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 10, [300, 3], [17, 18, 19, 20]]
+
+
+@pytest.fixture
+def empties(make_registry):
+    seen = []
+
+    class Observer:
+        @hookimpl
+        def torchhal_cache_emptied(self, reason):
+            seen.append(reason)
+
+    make_registry(Observer())
+    return seen
+
+
+def engine(platform=None, **overrides):
+    return GenerationEngine(EngineConfig(**{"max_kv_slots": 512, **overrides}), platform=platform)
+
+
+def outputs_of(e, prompts=PROMPTS, new_tokens=6):
+    return [r.output for r in e.generate(prompts, new_tokens)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return outputs_of(engine())
+
+
+def fail_once(monkeypatch, owner, name, error):
+    """Make owner.name raise `error` on its next call only."""
+    real = getattr(owner, name)
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise error
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, flaky)
+
+
+def slot_state(e):
+    return (e.slots.available, [(r.rid, len(r.slots)) for r in e.running], [r.rid for r in e.waiting])
+
+
+# -- a step is all-or-nothing -----------------------------------------------------------------
+@pytest.mark.parametrize("where", ["metadata", "forward", "logits"])
+def test_a_failed_step_gives_back_what_it_reserved_and_the_run_continues_unchanged(monkeypatch, reference, where):
+    e = engine()
+    rids = [e.add_request(p, 6) for p in PROMPTS[:3]]
+    e.step()
+    e.step()
+    rids += [e.add_request(p, 6) for p in PROMPTS[3:]]  # the failing step decodes 3 and admits 2 prefills
+    before = slot_state(e)
+    error = ValueError(f"simulated failure in {where}")
+    if where == "metadata":
+        fail_once(monkeypatch, AttentionMetadata, "build", error)
+    elif where == "forward":
+        fail_once(monkeypatch, e.runner, "forward", error)
+    else:
+        fail_once(monkeypatch, e.model, "logits", error)
+    with pytest.raises(ValueError, match=f"simulated failure in {where}"):
+        e.step()
+    assert slot_state(e) == before  # no decode slot kept, no prefill left admitted
+    assert [r.state for r in e.waiting] == [RequestState.WAITING] * 2
+    while any(rid not in e.results for rid in rids):
+        e.step()
+    assert [e.results[rid].output for rid in rids] == reference
+
+
+def test_a_step_interrupted_by_the_user_rolls_back_too(monkeypatch):
+    e = engine()
+    e.add_request(PROMPTS[0], 4)
+    e.step()
+    before = slot_state(e)
+    fail_once(monkeypatch, e.runner, "forward", KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        e.step()
+    assert slot_state(e) == before
+
+
+def test_oom_while_building_the_batch_is_handled_like_oom_in_forward(empties, monkeypatch, reference):
+    e = engine()
+    rids = [e.add_request(p, 6) for p in PROMPTS]
+    e.step()
+    fail_once(monkeypatch, AttentionMetadata, "build", torch.OutOfMemoryError("simulated: metadata copy"))
+    assert e.step() == []  # no exception: the batch is retracted and retried
+    assert empties == [ReleasePoint.OOM]
+    while any(rid not in e.results for rid in rids):
+        e.step()
+    assert [e.results[rid].output for rid in rids] == reference
+
+
+# -- weight updates are atomic --------------------------------------------------------------------
+def params(e):
+    return dict(e.model.named_parameters())
+
+
+def early_zeros(e, count=2):
+    """The first weights of the model, zeroed: a valid start of a batch that must not land."""
+    return [(name, torch.zeros_like(p)) for name, p in list(params(e).items())[:count]]
+
+
+def snapshot(e):
+    state = {name: p.detach().clone() for name, p in e.model.named_parameters()}
+    state.update({f"buffer {name}": b.clone() for name, b in e.model.named_buffers()})  # derived weights too
+    return state
+
+
+def assert_unchanged(e, before):
+    now = snapshot(e)
+    for name, value in now.items():
+        assert torch.equal(value, before[name]), f"{name} changed by a refused update"
+    e.model.process_weights()  # derived weights were consistent with the (old) parameters
+    for name, value in snapshot(e).items():
+        assert torch.equal(value, now[name]), f"{name} was stale"
+
+
+@pytest.mark.parametrize("bad", ["sparse", "meta"])
+def test_an_uncopyable_tensor_late_in_a_batch_changes_nothing(bad):
+    e = engine()
+    before, outputs = snapshot(e), outputs_of(e, PROMPTS[:2])
+    name, target = [(n, p) for n, p in params(e).items() if p.dim() == 2][-1]
+    late = torch.ones(target.shape).to_sparse() if bad == "sparse" else torch.empty(target.shape, device="meta")
+    with pytest.raises(ValueError, match=f"nothing applied.*'{re.escape(name)}'.*{bad}"):
+        e.update_weights_from_tensors([*early_zeros(e), (name, late)])
+    assert e.weight_version == 0
+    assert_unchanged(e, before)
+    assert outputs_of(e, PROMPTS[:2]) == outputs
+
+
+def test_a_conversion_that_fails_while_staging_changes_nothing():
+    e = engine(dtype=torch.float32)
+    before = snapshot(e)
+    name, target = list(params(e).items())[-1]
+
+    class Unconvertible(torch.Tensor):
+        def to(self, *args, **kwargs):
+            raise RuntimeError("cannot leave its storage")
+
+    late = torch.zeros(target.shape, dtype=torch.float64).as_subclass(Unconvertible)
+    with pytest.raises(ValueError, match=f"nothing applied: '{re.escape(name)}' cannot be converted.*cannot leave"):
+        e.update_weights_from_tensors([*early_zeros(e), (name, late)])
+    assert_unchanged(e, before)
+
+
+def test_a_tensor_subclass_that_cannot_be_copied_changes_nothing():
+    e = engine()
+    before = snapshot(e)
+    name, target = list(params(e).items())[-1]
+
+    class RefusesToBeCopied(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.copy_:
+                raise RuntimeError("this tensor cannot be copied")
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    late = torch.zeros_like(target).as_subclass(RefusesToBeCopied)
+    with pytest.raises(ValueError, match=f"nothing applied: '{re.escape(name)}'.*cannot be copied"):
+        e.update_weights_from_tensors([*early_zeros(e), (name, late)])
+    assert e.weight_version == 0
+    assert_unchanged(e, before)
+
+
+def test_a_write_that_fails_part_way_refuses_generation_until_rewritten(monkeypatch):
+    e = engine()
+    other = engine(model=ModelConfig(seed=5))
+    expected = outputs_of(other, PROMPTS[:2])
+    new_weights = {k: v.detach().clone() for k, v in other.model.named_parameters()}
+    fail_once(monkeypatch, e.model, "process_weights", RuntimeError("simulated device fault"))
+    with pytest.raises(RuntimeError, match="failed part-way.*simulated device fault"):
+        e.update_weights_from_tensors(new_weights)
+    assert e.weight_version == 0
+    with pytest.raises(RuntimeError, match="half-written"):
+        e.generate(PROMPTS[:2], 6)
+    assert e.pending() is None  # the refused generate queued nothing
+    e.update_weights_from_tensors(new_weights)
+    assert e.weight_version == 1
+    assert outputs_of(e, PROMPTS[:2]) == expected
+
+
+def test_finite_check_is_optional_and_rejects_nan_when_on():
+    default = engine()
+    name, target = list(params(default).items())[-1]
+    nan = torch.full_like(target, float("nan"))
+    assert default.update_weights_from_tensors({name: nan}).weight_version == 1  # off by default
+    e = engine(check_finite_weights=True)
+    before = snapshot(e)
+    with pytest.raises(ValueError, match=f"nothing applied: '{re.escape(name)}' holds NaN or infinite"):
+        e.update_weights_from_tensors([*early_zeros(e), (name, nan)])
+    assert_unchanged(e, before)
+    huge = torch.full(target.shape, 1e300, dtype=torch.float64)  # finite, inf once in fp32
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        e.update_weights_from_tensors({name: huge})
+
+
+# -- sleep / update / wake ----------------------------------------------------------------------
+class CopyingPinPlatform:
+    """The CPU platform, but `pin_memory` returns a copy (as on every accelerator)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def pin_memory(self, tensor):
+        return tensor.clone()
+
+
+@pytest.mark.parametrize("copying_pin", [True, False])
+def test_a_weight_update_made_while_asleep_survives_wake(make_registry, copying_pin):
+    make_registry()
+    platform = torchhal.current_platform()
+    e = engine(platform=CopyingPinPlatform(platform) if copying_pin else platform)
+    other = engine(model=ModelConfig(seed=9))
+    expected = outputs_of(other, PROMPTS[:3])
+    assert outputs_of(e, PROMPTS[:3]) != expected
+    e.release_memory_occupation()
+    e.update_weights_from_tensors(other.model.named_parameters())
+    e.resume_memory_occupation()
+    assert outputs_of(e, PROMPTS[:3]) == expected
+    e.release_memory_occupation()  # and a plain sleep/wake keeps them
+    e.resume_memory_occupation()
+    assert outputs_of(e, PROMPTS[:3]) == expected
+
+
+# -- refused calls change nothing ------------------------------------------------------------------
+def test_generate_while_asleep_is_refused_and_queues_nothing(empties):
+    e = engine()
+    e.release_memory_occupation()
+    with pytest.raises(RuntimeError, match="asleep"):
+        e.generate(PROMPTS[:2], 4)
+    assert e.pending() is None and e.results == {}
+    e.resume_memory_occupation()
+    assert e.flush_cache().flushed  # not blocked by a leftover request
+    e.release_memory_occupation()
+    assert empties == [ReleasePoint.SLEEP, ReleasePoint.USER, ReleasePoint.SLEEP]
+
+
+def test_malformed_prompts_fail_alone_with_a_clear_message(reference):
+    e = engine()
+    batch = [PROMPTS[0], None, PROMPTS[1], 5, torch.tensor([1, 2]), [1, 2.0], "abc", PROMPTS[2]]
+    results = e.generate(batch, 6)
+    assert [r.state for r in results] == [
+        RequestState.FINISHED, RequestState.FAILED, RequestState.FINISHED, RequestState.FAILED,
+        RequestState.FAILED, RequestState.FAILED, RequestState.FAILED, RequestState.FINISHED,
+    ]
+    assert [results[i].output for i in (0, 2, 7)] == reference[:3]
+    assert "prompt None is a NoneType" in results[1].error and "list of int token ids" in results[1].error
+    assert "prompt 5 is a int" in results[3].error
+    assert "torch.Tensor" in results[4].error and "tolist()" in results[4].error
+    assert "token 2.0 at position 1 is a float" in results[5].error
+    assert "str" in results[6].error
+    assert e.pending() is None and e.results == {} and e.slots.available == e.slots.num_slots
+
+
+def test_add_request_refuses_malformed_prompts_with_type_errors():
+    e = engine()
+    for bad in (None, 7, torch.tensor([1]), [1, None]):
+        with pytest.raises(TypeError, match="int token id"):
+            e.add_request(bad, 3)
+    assert e.pending() is None
+
+
+def test_a_generate_whose_step_raises_leaves_nothing_behind(monkeypatch, reference):
+    e = engine()
+    fail_once(monkeypatch, e.runner, "forward", RuntimeError("simulated kernel failure"))
+    with pytest.raises(RuntimeError, match="simulated kernel failure"):
+        e.generate(PROMPTS, 6)
+    assert e.pending() is None and e.results == {} and e.slots.available == e.slots.num_slots
+    assert outputs_of(e) == reference
+
+
+# -- no autograd in inference paths -------------------------------------------------------------------
+@pytest.mark.parametrize("runner", ["eager", "graph_runner_fallback", "graph_runner_emulated"])
+def test_nothing_the_engine_runs_records_autograd_history(monkeypatch, runner):
+    factories = {
+        "eager": None,
+        "graph_runner_fallback": lambda e: GraphRunner(e.model, e.platform, e.device_index,
+                                                       hidden_size=e.model.config.hidden_size, dtype=e.config.dtype),
+        "graph_runner_emulated": lambda e: GraphRunner(e.model, e.platform, e.device_index,
+                                                       hidden_size=e.model.config.hidden_size, dtype=e.config.dtype,
+                                                       buckets=(16,), emulate=True),
+    }
+    e = GenerationEngine(EngineConfig(max_kv_slots=512), runner_factory=factories[runner])
+    seen = []
+    real_forward, real_logits = e.runner.forward, e.model.logits
+
+    def forward(ids, meta):
+        hidden = real_forward(ids, meta)
+        seen.append(("hidden", hidden.requires_grad, hidden.grad_fn is not None))
+        return hidden
+
+    def logits(hidden, index):
+        out = real_logits(hidden, index)
+        seen.append(("logits", out.requires_grad, out.grad_fn is not None))
+        return out
+
+    monkeypatch.setattr(e.runner, "forward", forward)
+    monkeypatch.setattr(e.model, "logits", logits)
+    e.generate(PROMPTS[:2], 3)
+    assert seen and all(not tracked and not graph for _, tracked, graph in seen), seen
+    assert e.model.kv.k.grad_fn is None and not e.model.kv.k.requires_grad

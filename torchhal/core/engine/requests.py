@@ -1,0 +1,134 @@
+"""The request lifecycle: queue, admit, retract, finish; the results nobody collected yet."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+import torch
+
+from torchhal.core.engine.kv_pool import SlotAllocator
+from torchhal.core.engine.records import GenerationResult, Request, RequestState
+
+
+def check_prompt(prompt: object, max_new_tokens: object, vocab_size: int, max_position: int) -> list[int]:
+    """The prompt as a list of token ids; TypeError/ValueError naming what is wrong."""
+    if isinstance(prompt, torch.Tensor):
+        raise TypeError("prompt is a torch.Tensor; pass a list of int token ids (prompt.tolist())")
+    if not isinstance(prompt, (list, tuple)):
+        raise TypeError(f"prompt {prompt!r} is a {type(prompt).__name__}; pass a list of int token ids")
+    if not prompt:
+        raise ValueError("prompt is empty; pass at least one token id")
+    for position, token in enumerate(prompt):
+        if not isinstance(token, int):
+            raise TypeError(f"token {token!r} at position {position} is a {type(token).__name__}, not an int token id")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]!r} is outside the vocabulary 0..{vocab_size - 1}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens {max_new_tokens!r} must be a positive int")
+    needed = len(prompt) + max_new_tokens
+    if needed > max_position:
+        raise ValueError(f"prompt + max_new_tokens = {needed} exceeds max_position {max_position}")
+    return list(prompt)
+
+
+def prompt_as_tuple(prompt: object) -> tuple[int, ...]:
+    """A failed result's prompt: the tokens when there is a sequence, else empty."""
+    return tuple(prompt) if isinstance(prompt, (list, tuple)) else ()
+
+
+class RequestBook:
+    """Owns every request from queueing to result, and the KV slots they hold."""
+
+    def __init__(self, slots: SlotAllocator, vocab_size: int, max_position: int) -> None:
+        self.slots = slots
+        self.vocab_size, self.max_position = vocab_size, max_position
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.results: dict[int, GenerationResult] = {}
+        self._next_rid = 0
+
+    def add(self, prompt: list[int], max_new_tokens: int) -> int:
+        """Queue a prompt; raises TypeError/ValueError naming a bad token or length (nothing queued)."""
+        tokens = check_prompt(prompt, max_new_tokens, self.vocab_size, self.max_position)
+        rid = self._new_rid()
+        self.waiting.append(Request(rid, tokens, max_new_tokens))
+        return rid
+
+    def fail_unqueued(self, prompt: object, error: str) -> int:
+        """A result for a prompt that was never queued."""
+        rid = self._new_rid()
+        self.results[rid] = GenerationResult(rid, prompt_as_tuple(prompt), (), RequestState.FAILED, error)
+        return rid
+
+    def admit_next(self, slots: list[int]) -> Request:
+        """The first waiting request starts running on `slots`."""
+        request = self.waiting.popleft()
+        request.slots, request.state = slots, RequestState.RUNNING
+        self.running.append(request)
+        return request
+
+    def retract(self, request: Request) -> None:
+        """Free the request's KV; it waits at the front and prefills again."""
+        self.slots.free(request.slots)
+        request.slots, request.state = [], RequestState.WAITING
+        self.running.remove(request)
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, state: RequestState) -> GenerationResult:
+        self.slots.free(request.slots)
+        request.slots, request.state = [], state
+        if request in self.running:
+            self.running.remove(request)
+        result = GenerationResult(request.rid, tuple(request.prompt), tuple(request.output), state, request.error)
+        self.results[request.rid] = result
+        return result
+
+    def fail_unservable(self) -> list[GenerationResult]:
+        """With nothing running, a waiting request that still cannot be admitted never will be."""
+        if self.running or not self.waiting:
+            return []
+        request = self.waiting.popleft()
+        request.error = (
+            f"request {request.rid} needs {len(request.tokens)} KV slots but the pool has "
+            f"{self.slots.num_slots}; raise kv_fraction or shorten the prompt"
+        )
+        return [self.finish(request, RequestState.FAILED)]
+
+    def abort_all(self, reason: str) -> list[GenerationResult]:
+        ended = []
+        for request in [*self.running, *self.waiting]:
+            request.error = reason
+            ended.append(self.finish(request, RequestState.ABORTED))
+        self.waiting.clear()
+        return ended
+
+    def retract_all(self) -> None:
+        for request in reversed(list(self.running)):
+            self.retract(request)
+
+    def discard(self, rids: Iterable[int]) -> None:
+        """Forget these requests wherever they are (queued, running, or finished), freeing their KV."""
+        wanted = set(rids)
+        for request in [r for r in self.running if r.rid in wanted]:
+            self.slots.free(request.slots)
+            request.slots = []
+            self.running.remove(request)
+        self.waiting = deque(r for r in self.waiting if r.rid not in wanted)
+        for rid in wanted:
+            self.results.pop(rid, None)
+
+    def pending(self) -> str | None:
+        """What keeps the engine from being idle, in words; None when idle."""
+        parts = []
+        if self.running:
+            parts.append(f"{len(self.running)} running")
+        if self.waiting:
+            parts.append(f"{len(self.waiting)} waiting")
+        return ", ".join(parts) if parts else None
+
+    def _new_rid(self) -> int:
+        rid = self._next_rid
+        self._next_rid += 1
+        return rid

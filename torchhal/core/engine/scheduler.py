@@ -1,0 +1,99 @@
+"""Continuous batching: which requests run this step, their slots, and the batch tensors.
+
+A step's reservations (one decode slot per running request, the slots of admitted
+prefills) are recorded in a `StepPlan`, so a step that fails can give them all back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from torchhal.core.engine.records import Request, RequestState
+from torchhal.core.engine.requests import RequestBook
+from torchhal.core.model import AttentionMetadata
+
+
+@dataclass
+class StepPlan:
+    decodes: list[Request]  # running requests, each holding one new slot for this step
+    prefills: list[Request]  # admitted this step, holding slots for their whole prompt
+
+    @property
+    def batch(self) -> list[Request]:
+        return self.decodes + self.prefills
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] this step's tokens, request by request
+    meta: AttentionMetadata
+    last_index: torch.Tensor  # [B] each request's last token in input_ids
+
+
+class Scheduler:
+    def __init__(self, book: RequestBook, max_batch_tokens: int, max_running: int) -> None:
+        self.book = book
+        self.max_batch_tokens, self.max_running = max_batch_tokens, max_running
+
+    def plan(self) -> StepPlan:
+        """Reserve a decode slot per running request and admit prefills within the token budget."""
+        decodes = self._reserve_decode_slots()
+        prefills = self._admit(budget=self.max_batch_tokens - len(decodes))
+        return StepPlan(decodes, prefills)
+
+    def rollback(self, plan: StepPlan) -> None:
+        """Give back exactly what `plan()` reserved, in reverse order (the free list ends as it was)."""
+        book = self.book
+        for request in reversed(plan.prefills):
+            book.slots.free(request.slots)
+            request.slots, request.state = [], RequestState.WAITING
+            book.running.remove(request)
+            book.waiting.appendleft(request)
+        for request in reversed(plan.decodes):
+            book.slots.free([request.slots.pop()])
+
+    @staticmethod
+    def build_inputs(plan: StepPlan, device: torch.device) -> StepInputs:
+        ids: list[int] = []
+        counts: list[int] = []
+        for request in plan.decodes:
+            ids.append(request.tokens[-1])
+            counts.append(1)
+        for request in plan.prefills:
+            ids.extend(request.tokens)
+            counts.append(len(request.tokens))
+        batch = plan.batch
+        meta = AttentionMetadata.build([r.slots for r in batch], counts, device)
+        ends, total = [], 0
+        for count in counts:
+            total += count
+            ends.append(total - 1)
+        last_index = torch.tensor(ends, dtype=torch.long, device=device)
+        return StepInputs(torch.tensor(ids, dtype=torch.long, device=device), meta, last_index)
+
+    def _reserve_decode_slots(self) -> list[Request]:
+        """One new slot per running request; retract the newest ones if the pool is short."""
+        book = self.book
+        while book.running and book.slots.available < len(book.running):
+            book.retract(book.running[-1])
+        for request in book.running:
+            slot = book.slots.allocate(1)
+            assert slot is not None
+            request.slots.extend(slot)
+        return list(book.running)
+
+    def _admit(self, budget: int) -> list[Request]:
+        book = self.book
+        admitted: list[Request] = []
+        while book.waiting and len(book.running) < self.max_running:
+            need = len(book.waiting[0].tokens)
+            if need > budget and (admitted or book.running):
+                break
+            slots = book.slots.allocate(need)
+            if slots is None:
+                break
+            admitted.append(book.admit_next(slots))
+            budget -= need
+        return admitted

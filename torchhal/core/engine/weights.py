@@ -1,0 +1,136 @@
+"""Weight updates: validate and stage every tensor first, then write; derived weights follow.
+
+Everything that depends on the input (names, shapes, dtypes, layouts, values when
+asked, conversion and placement) is checked and prepared before the first write, so a
+bad batch leaves the old weights and derived weights untouched. The write phase is
+then only same-shape, same-dtype dense copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from torchhal.core.engine.records import WeightUpdateIncomplete, WeightUpdateRejected
+from torchhal.core.model import Model
+
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+class WeightUpdater:
+    def __init__(self, model: Model, check_finite: bool = False) -> None:
+        self.model = model
+        self.check_finite = check_finite
+        self.version = 0
+        # Weights a failed write may have left half-updated; generation is refused until
+        # an update covering them succeeds (the old values cannot be restored without a
+        # model-sized copy, which every update would pay for).
+        self.incomplete: set[str] = set()
+
+    def apply(self, named_tensors: NamedTensors) -> int:
+        """Replace the named weights all together and rebuild derived weights; returns the count."""
+        items = self._items(named_tensors)
+        params = dict(self.model.named_parameters())
+        problems = self._problems(items, params)
+        if problems:
+            raise WeightUpdateRejected("weight update rejected, nothing applied: " + "; ".join(problems))
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name, tensor in items:
+            try:
+                value = self._stage(tensor, params[name])
+            except Exception as exc:
+                raise WeightUpdateRejected(
+                    f"weight update rejected, nothing applied: {name!r} cannot be converted to "
+                    f"{params[name].dtype} on {params[name].device}: {exc}"
+                ) from exc
+            if self.check_finite and not bool(torch.isfinite(value).all()):
+                raise WeightUpdateRejected(
+                    f"weight update rejected, nothing applied: {name!r} holds NaN or infinite values "
+                    f"(in {params[name].dtype})"
+                )
+            staged.append((params[name], value))
+        names = [name for name, _ in items]
+        try:
+            with torch.no_grad():
+                for param, value in staged:
+                    param.copy_(value)
+                del staged
+                self.model.process_weights()
+        except BaseException as exc:
+            self.incomplete.update(names)
+            raise WeightUpdateIncomplete(
+                f"writing the validated weights failed part-way ({type(exc).__name__}: {exc}); generation is "
+                "refused until an update of every weight in this batch succeeds"
+            ) from exc
+        self.incomplete.difference_update(names)
+        self.version += 1
+        return len(items)
+
+    def refusal(self) -> str | None:
+        """Why the model must not run (a failed write), or None."""
+        if not self.incomplete:
+            return None
+        shown = ", ".join(sorted(self.incomplete)[:5]) + (", ..." if len(self.incomplete) > 5 else "")
+        return (
+            f"{len(self.incomplete)} weight(s) may be half-written by a failed update ({shown}); "
+            "update them again before generating"
+        )
+
+    @staticmethod
+    def _items(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+        if isinstance(named_tensors, Mapping):
+            return list(named_tensors.items())
+        items = []
+        for entry in named_tensors:
+            if not isinstance(entry, tuple) or len(entry) != 2:
+                raise WeightUpdateRejected(
+                    f"weight update rejected, nothing applied: {entry!r} is not a (name, tensor) pair"
+                )
+            items.append(entry)
+        return items
+
+    @staticmethod
+    def _problems(items: list[tuple[str, torch.Tensor]], params: dict[str, torch.nn.Parameter]) -> list[str]:
+        problems = []
+        seen: set[str] = set()
+        for name, tensor in items:
+            if name in seen:
+                problems.append(f"{name!r} given twice")
+            seen.add(name)
+            target = params.get(name) if isinstance(name, str) else None
+            if target is None:
+                problems.append(f"unknown weight {name!r}")
+            elif not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(target.shape):
+                shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                problems.append(f"{name!r} has shape {shape}, expected {tuple(target.shape)}")
+            elif not tensor.dtype.is_floating_point:
+                problems.append(f"{name!r} has dtype {tensor.dtype}, expected a floating dtype like {target.dtype}")
+            elif tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
+                problems.append(f"{name!r} is not a dense tensor (layout {tensor.layout}); pass tensor.to_dense()")
+            elif tensor.is_meta:
+                problems.append(f"{name!r} is a meta tensor and holds no values")
+        return problems
+
+    @staticmethod
+    def _stage(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """The source in the parameter's dtype, without a device copy of the whole model.
+
+        Host tensors are converted on the host and copied straight into the parameter;
+        tensors already on the parameter's device are used as they are (converted there
+        only when their dtype differs). Staging every weight on the device first would
+        add a model-sized transient to every update.
+        """
+        if tensor.device == param.device or tensor.device.type == "cpu":
+            value = tensor if tensor.dtype == param.dtype else tensor.to(param.dtype)
+        else:
+            value = tensor.to(param.device, param.dtype)
+        if type(value) not in (torch.Tensor, torch.nn.Parameter):
+            # A tensor subclass copies by its own rules: copy it into a plain tensor now, so that
+            # anything it raises happens before the first write (a transient of its size).
+            plain = torch.empty(value.shape, dtype=param.dtype, device=value.device)
+            plain.copy_(value)
+            value = plain
+        if value.dtype != param.dtype or value.shape != param.shape or value.layout != torch.strided:
+            raise TypeError(f"staged as {value.dtype} {tuple(value.shape)} {value.layout}")
+        return value

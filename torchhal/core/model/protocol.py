@@ -1,0 +1,87 @@
+"""The `Model` protocol: what the engine and the graph runner need from a model.
+
+Any `nn.Module` with these members plugs into `GenerationEngine(config, model=...)`
+and `GraphRunner` without editing either; `ReferenceDecoder` is one implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # annotations only: this file depends on no model implementation at run time
+    import torch
+    from torch import nn
+
+    from torchhal.core.graphs.program import Step
+    from torchhal.core.model import AttentionMetadata, KVCache, ModelConfig
+
+# Members checked when a model is handed to the engine (a clear error beats an AttributeError mid-step).
+MODEL_MEMBERS = (
+    "config",
+    "layer_program",
+    "embed_tokens",
+    "logits",
+    "forward",
+    "process_weights",
+    "named_parameters",
+    "state_dict",
+    "load_state_dict",
+    "to",
+    "eval",
+)
+
+
+@runtime_checkable
+class Model(Protocol):
+    """A decoder the engine can run.
+
+    `config` gives the model facts: the engine reads `vocab_size` and `max_position`
+    and sizes the KV pool through `KVCache.bytes_per_slot(config, dtype)`. The engine
+    sets `kv` (and clears it while asleep). Weights are updated in place through
+    `named_parameters()`; after every update the engine calls `process_weights()`,
+    which must rebuild derived weights (fused projections, ...) *in place*, so that
+    captured graphs keep reading valid addresses.
+    """
+
+    config: ModelConfig
+    kv: KVCache | None
+
+    def layer_program(self) -> list[Step]:
+        """The layer stack as graph steps and breakable steps (see `graphs.program`).
+
+        State in: "hidden" [T, H] (embedded tokens) and "positions" [T];
+        state out: "hidden" [T, H], ready for `logits`."""
+        ...
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> [T, H] hidden states."""
+        ...
+
+    def logits(self, hidden: torch.Tensor, last_token_index: torch.Tensor) -> torch.Tensor:
+        """[T, H] hidden states and [B] token indices -> [B, vocab] float logits."""
+        ...
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Eager layer stack: [T] ids -> [T, H] hidden states (writes this step's KV)."""
+        ...
+
+    def process_weights(self) -> None:
+        """Rebuild derived weights in place from the current parameters."""
+        ...
+
+    # The nn.Module methods the engine uses.
+    def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any: ...
+
+    def to(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def eval(self) -> Any: ...
+
+
+def missing_model_members(model: object) -> list[str]:
+    """The protocol members `model` lacks (empty when it conforms)."""
+    return [name for name in MODEL_MEMBERS if not hasattr(model, name)]
