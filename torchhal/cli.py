@@ -103,11 +103,27 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_conformance(args: argparse.Namespace) -> int:
+    """Run the suite; the exit code is the verdict's (torchhal.conformance_tests.EXIT_CODES)."""
     import importlib.metadata as metadata
 
     import pytest
 
     from torchhal import conformance_tests
+    from torchhal.conformance_tests import EXIT_CODES
+    from torchhal.conformance_tests import plugin as suite_plugin
+    from torchhal.conformance_tests.plugin import ConformanceUsageError, check_report_path, load_expectations
+
+    # Bad inputs are one line now, not a pytest INTERNALERROR or a traceback after the verdict.
+    try:
+        if args.expect:
+            load_expectations(args.expect)
+        if args.json:
+            check_report_path(args.json, "--json")
+        if args.junit:
+            check_report_path(args.junit, "--junit")
+    except ConformanceUsageError as exc:
+        print(f"torchhal conformance: {exc}", file=sys.stderr)
+        return EXIT_CODES["USAGE ERROR"]
 
     package_dir = os.path.dirname(conformance_tests.__file__)
     argv = [package_dir, "-c", os.devnull, "--rootdir", package_dir, "-p", "no:cacheprovider", "-v",
@@ -125,7 +141,12 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     if args.k:
         argv += ["-k", args.k]
     code = pytest.main(argv)
-    return 0 if code == 0 else 1
+    outcome = suite_plugin.finished_outcome()
+    if outcome is not None:
+        return EXIT_CODES[outcome[0]]
+    if code == pytest.ExitCode.USAGE_ERROR:
+        return EXIT_CODES["USAGE ERROR"]
+    return EXIT_CODES["SUITE ERROR"]  # no verdict: pytest said why above
 
 
 def build_parser() -> argparse.ArgumentParser:
