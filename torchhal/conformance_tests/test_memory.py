@@ -116,9 +116,12 @@ def _query_worker():
 def test_empty_cache_releases_down_to_allocated(platform, device_index, measure):
     nbytes = 256 * MiB
     fill_cache(platform, device_index, nbytes)
-    before = platform.memory_info(device_index)
+    with spies(platform, ("empty_cache",)) as calls:
+        before = platform.memory_info(device_index)
     if before.reserved is None:
         pytest.skip("not applicable: the platform has no allocator cache (reserved is None)")
+    if calls:  # one bug, one failure: test_memory_info_never_empties_the_cache reports it
+        pytest.skip("could not check: memory_info itself empties the cache, so no cached block can be observed")
     # Without a cached block there is nothing to release, and a reserved that never moves would pass.
     cached = before.reserved - (before.allocated or 0)
     measure["cached_before_bytes"] = cached
