@@ -1,4 +1,4 @@
-"""`torchhal info | conformance`: the command line."""
+"""`torchhal info | conformance | plugin new`: the command line."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torchhal
@@ -149,6 +150,19 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     return EXIT_CODES["SUITE ERROR"]  # no verdict: pytest said why above
 
 
+def cmd_plugin_new(args: argparse.Namespace) -> int:
+    from torchhal.plugin_template import TemplateError, write_plugin
+
+    try:
+        target = write_plugin(args.name, args.dir)
+    except (TemplateError, OSError) as exc:
+        print(f"torchhal plugin new: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote the {args.name} plugin distribution to {target}")
+    print(f"next: fill in the TODOs, pip install -e {target}, torchhal conformance --platform {args.name}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torchhal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -165,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--junit", help="write a JUnit XML report to this path")
     conf.add_argument("-k", help="only tests matching this pytest -k expression")
     conf.set_defaults(func=cmd_conformance)
+    plugin = sub.add_parser("plugin", help="tools for plugin authors")
+    plugin_sub = plugin.add_subparsers(dest="plugin_command", required=True)
+    new = plugin_sub.add_parser("new", help="write a platform plugin distribution to start from")
+    new.add_argument("name", help="platform name, a lowercase identifier (e.g. myaccel)")
+    new.add_argument("--dir", type=Path, help="where to write it (default: ./torchhal-NAME)")
+    new.set_defaults(func=cmd_plugin_new)
     return parser
 
 

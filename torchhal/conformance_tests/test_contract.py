@@ -96,7 +96,9 @@ def test_platform_names_are_unique():
 
 def test_capability_records_have_the_right_types(platform):
     graphs, ipc = platform.graph_support, platform.ipc_support
-    assert graphs is None or isinstance(graphs, GraphSupport), f"graph_support() returned {graphs!r}, not a GraphSupport"
+    assert graphs is None or isinstance(graphs, GraphSupport), (
+        f"graph_support() returned {graphs!r}, not a GraphSupport"
+    )
     assert ipc is None or isinstance(ipc, IpcSupport), f"ipc_support() returned {ipc!r}, not an IpcSupport"
     types = platform.oom_error_types
     assert types and all(isinstance(t, type) and issubclass(t, BaseException) for t in types), (

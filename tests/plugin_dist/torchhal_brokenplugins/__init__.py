@@ -11,7 +11,8 @@ tests/test_conformance_suite.py checks that exactly that clause's test fails.
 import time
 
 import torch
-from torchhal_simaccel import SimAccelPlatform, device as sim_device
+from torchhal_simaccel import SimAccelPlatform
+from torchhal_simaccel import device as sim_device
 
 from torchhal.platforms import MemoryInfo, hookimpl
 from torchhal.plugins.cpu import CpuPlatform
