@@ -1,10 +1,16 @@
 """The conformance suite passes a good plugin and fails each broken one on exactly the right test."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
+from torchhal.conformance_tests import EXIT_CODES
+
 from .conftest import run_cli
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 def run_suite(tmp_path, *args):
@@ -44,13 +50,148 @@ def test_reference_simulated_cache_is_conformant(tmp_path):
         ("broken_ipc_bounds", ("--profile", "full", "-k", "ipc"), ["ipc::test_malformed_handles_are_rejected"]),
         ("broken_detect_raises", ("-k", "contract"), ["contract::test_is_available_never_raises_and_is_idempotent"]),
         ("broken_missing_method", (), ["contract::test_spi_methods_present_with_signatures"]),
+        # Mutants of the simulated caching-allocator platform (tests/plugin_dist/torchhal_simaccel).
+        ("broken_float_counters", (), ["memory::test_memory_info_fields"]),
+        ("broken_reserved_frozen", (), ["memory::test_empty_cache_releases_down_to_allocated"]),
+        ("broken_allocated_stuck", (), ["memory::test_allocating_and_freeing_moves_the_counters"]),
+        ("broken_detect_initialises", (), ["contract::test_is_available_creates_no_device_context"]),
+        ("broken_oom_unrecognised", (), ["device::test_oversized_allocation_raises_the_oom_type"]),
+        ("broken_slow_memory_info", (), ["memory::test_memory_info_cost"]),
+        ("broken_device_info", (), ["device::test_device_module_matches_the_platform"]),
+        ("broken_env_list", (), ["contract::test_spi_attributes_have_the_right_types"]),
+        ("broken_graph_record", (), ["contract::test_capability_records_have_the_right_types"]),
     ],
 )
 def test_broken_plugins_fail_exactly_the_right_tests(tmp_path, platform, args, expected_failures):
     out, data, failed = run_suite(tmp_path, "--platform", platform, *args)
     assert failed == expected_failures, out.stdout[-3000:]
-    assert out.returncode == 1
+    assert out.returncode == EXIT_CODES["NOT CONFORMANT"] == 1
     assert data["conformant"] is False and data["verdict"].startswith("NOT CONFORMANT")
+    assert data["exit_code"] == 1 and data["verdict_class"] == "NOT CONFORMANT"
+    # The failure says what is wrong in the assertion's own words, in the summary and the JSON.
+    message = next(t["message"] for t in data["tests"] if t["id"] == expected_failures[0])
+    assert message and not re.search(r"\.py:\d+", message) and message != "AssertionError", message
+    assert f"FAILED {expected_failures[0]}: {message}" in out.stdout
+
+
+def test_simulated_caching_allocator_is_conformant_and_accounts_real_allocations(tmp_path):
+    out, data, failed = run_suite(tmp_path, "--platform", "simaccel")
+    assert failed == [] and data["verdict"] == "CONFORMANT (core)", out.stdout[-3000:]
+    assert out.returncode == 0
+    tests = {t["id"]: t for t in data["tests"]}
+    # Its counters are exercised, not skipped: allocated moved, and empty_cache released the cached block.
+    assert tests["memory::test_allocating_and_freeing_moves_the_counters"]["outcome"] == "passed"
+    emptied = tests["memory::test_empty_cache_releases_down_to_allocated"]
+    assert emptied["outcome"] == "passed"
+    assert emptied["measured"]["bytes_released"] >= 128 << 20
+    assert emptied["measured"]["cached_before_bytes"] >= 128 << 20
+
+
+def test_failure_message_is_the_assertions_own(tmp_path):
+    out, data, failed = run_suite(tmp_path, "--platform", "broken_query_empties")
+    message = next(t["message"] for t in data["tests"] if t["id"] in failed)
+    assert message.startswith("memory_info called ['"), message
+    assert "empty_cache" in message and "AssertionError" not in message
+    assert f"FAILED memory::test_memory_info_never_empties_the_cache: {message}" in out.stdout
+
+
+def test_plugin_failures_lead_the_report_and_fail_an_automatic_run(tmp_path):
+    report = tmp_path / "report.json"
+    out = run_cli("conformance", "-k", "contract", "--json", str(report), with_test_dist=True,
+                  env={"TORCHHAL_TESTPLUGIN_MODE": "import"})
+    assert out.returncode == EXIT_CODES["PLUGIN FAILURES"], out.stdout[-3000:]
+    section = out.stdout[out.stdout.index("torchhal conformance ="):]
+    assert section.index("PLUGIN FAILURES") < section.index("group"), section  # before the table
+    assert "plugin 'testaccel' (distribution torchhal-testplugin) failed to import" in section
+    assert "VERDICT: PLUGIN FAILURES (core)" in out.stdout and "cpu was tested instead" in out.stdout
+    data = json.loads(report.read_text())
+    assert data["conformant"] is False and data["verdict_class"] == "PLUGIN FAILURES"
+    assert data["exit_code"] == EXIT_CODES["PLUGIN FAILURES"]
+    assert any(f["plugin"] == "testaccel" and f["stage"] == "import" for f in data["plugin_failures"])
+
+
+def test_ci_command_on_a_cpu_host_is_conformant_with_exit_0(tmp_path):
+    """README command 1, CI's main job: no --platform, no third-party plugins."""
+    report = tmp_path / "results" / "conformance.json"
+    out = run_cli("conformance", "--json", str(report))
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "VERDICT: CONFORMANT (core)" in out.stdout and "PLUGIN FAILURES" not in out.stdout
+    data = json.loads(report.read_text())
+    assert data["conformant"] is True and data["plugin_failures"] == [] and data["exit_code"] == 0
+
+
+def test_incomplete_verdict_has_its_own_nonzero_exit_code(tmp_path):
+    # testaccel registers but is unavailable: the tests needing its device cannot run.
+    out, data, failed = run_suite(tmp_path, "--platform", "testaccel")
+    assert failed == [] and data["verdict"].startswith("INCOMPLETE (core)"), out.stdout[-3000:]
+    assert out.returncode == EXIT_CODES["INCOMPLETE"] != 0
+    assert data["conformant"] is False and data["exit_code"] == EXIT_CODES["INCOMPLETE"]
+
+
+def test_no_tests_ran_has_its_own_exit_code(tmp_path):
+    out = run_cli("conformance", "--platform", "cpu", "-k", "no_such_test_anywhere")
+    assert out.returncode == EXIT_CODES["NO TESTS RAN"], out.stdout[-2000:]
+    assert "VERDICT: NO TESTS RAN" in out.stdout
+
+
+def test_exit_codes_are_distinct_and_documented():
+    assert len(set(EXIT_CODES.values())) == len(EXIT_CODES)
+    text = (DOCS / "conformance.md").read_text()
+    for name, code in EXIT_CODES.items():
+        assert f"| {code} | `{name}` |" in text, f"document exit code {code} ({name}) in docs/conformance.md"
+
+
+BAD_EXPECT_FILES = [
+    ("missing.toml", None, "no such file"),
+    ("broken.toml", '["memory::test_memory_info_cost"\nreason = \n', "not valid TOML"),
+    ("broken.yaml", "a: [unclosed\n", "not valid YAML"),
+    ("list.yaml", "- memory::test_memory_info_cost\n", "the top level is a list"),
+    ("scalar.yaml", "just text\n", "the top level is a str"),
+    ("badkey.toml", '[memory]\nreason = "x"\n', "key 'memory' is not a test id"),
+    ("noreason.toml", '["memory::test_memory_info_cost"]\ncategory = "temporary"\n', "needs a 'reason'"),
+]
+
+
+def assert_one_clear_line(out, expected):
+    assert out.returncode == EXIT_CODES["USAGE ERROR"], out.stdout[-2000:] + out.stderr[-2000:]
+    assert expected in out.stderr
+    assert "Traceback" not in out.stdout + out.stderr and "INTERNALERROR" not in out.stdout + out.stderr
+    assert "PASSED" not in out.stdout and "VERDICT" not in out.stdout  # nothing ran
+    assert len([line for line in out.stderr.splitlines() if line.strip()]) == 1, out.stderr
+
+
+@pytest.mark.parametrize("name, content, expected", BAD_EXPECT_FILES, ids=[c[0] for c in BAD_EXPECT_FILES])
+def test_bad_expectation_file_is_one_clear_line_before_any_test(tmp_path, name, content, expected):
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    out = run_cli("conformance", "--platform", "cpu", "--expect", str(path))
+    assert_one_clear_line(out, expected)
+    assert f"--expect {path}" in out.stderr
+
+
+@pytest.mark.parametrize("option", ["--json", "--junit"])
+def test_unwritable_report_path_is_one_clear_line_before_any_test(tmp_path, option):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = run_cli("conformance", "--platform", "cpu", option, str(blocker / "report.out"))
+    assert_one_clear_line(out, f"{option} {blocker / 'report.out'}: cannot write the report there")
+    out = run_cli("conformance", "--platform", "cpu", option, str(tmp_path))
+    assert_one_clear_line(out, "is a directory")
+
+
+def test_plain_pytest_reports_a_bad_expectation_file_as_a_usage_error(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "torchhal.conformance_tests", "--torchhal-platform", "cpu",
+         "-p", "no:cacheprovider", "--torchhal-expect", str(tmp_path / "missing.toml")],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )
+    assert out.returncode == 4  # pytest's own usage-error code
+    assert f"--expect {tmp_path / 'missing.toml'}: no such file" in out.stderr
+    assert "INTERNALERROR" not in out.stdout + out.stderr and "Traceback" not in out.stdout + out.stderr
 
 
 def test_expectation_file_marks_known_failures_and_is_strict(tmp_path):
@@ -75,8 +216,7 @@ def test_yaml_expectation_file_with_a_bad_category_is_a_usage_error(tmp_path):
     expect = tmp_path / "expect.yaml"
     expect.write_text("memory::test_memory_info_cost:\n  reason: slow\n  category: someday\n")
     out = run_cli("conformance", "--platform", "cpu", "--expect", str(expect))
-    assert out.returncode != 0
-    assert "category 'someday'" in out.stdout + out.stderr
+    assert_one_clear_line(out, "category 'someday'")
 
 
 def test_junit_output(tmp_path):

@@ -1,4 +1,4 @@
-"""`torchhal info | conformance`: the command line."""
+"""`torchhal info | conformance | plugin new`: the command line."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torchhal
@@ -183,11 +184,27 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_conformance(args: argparse.Namespace) -> int:
+    """Run the suite; the exit code is the verdict's (torchhal.conformance_tests.EXIT_CODES)."""
     import importlib.metadata as metadata
 
     import pytest
 
     from torchhal import conformance_tests
+    from torchhal.conformance_tests import EXIT_CODES
+    from torchhal.conformance_tests import plugin as suite_plugin
+    from torchhal.conformance_tests.plugin import ConformanceUsageError, check_report_path, load_expectations
+
+    # Bad inputs are one line now, not a pytest INTERNALERROR or a traceback after the verdict.
+    try:
+        if args.expect:
+            load_expectations(args.expect)
+        if args.json:
+            check_report_path(args.json, "--json")
+        if args.junit:
+            check_report_path(args.junit, "--junit")
+    except ConformanceUsageError as exc:
+        print(f"torchhal conformance: {exc}", file=sys.stderr)
+        return EXIT_CODES["USAGE ERROR"]
 
     package_dir = os.path.dirname(conformance_tests.__file__)
     argv = [package_dir, "-c", os.devnull, "--rootdir", package_dir, "-p", "no:cacheprovider", "-v",
@@ -205,7 +222,25 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     if args.k:
         argv += ["-k", args.k]
     code = pytest.main(argv)
-    return 0 if code == 0 else 1
+    outcome = suite_plugin.finished_outcome()
+    if outcome is not None:
+        return EXIT_CODES[outcome[0]]
+    if code == pytest.ExitCode.USAGE_ERROR:
+        return EXIT_CODES["USAGE ERROR"]
+    return EXIT_CODES["SUITE ERROR"]  # no verdict: pytest said why above
+
+
+def cmd_plugin_new(args: argparse.Namespace) -> int:
+    from torchhal.plugin_template import TemplateError, write_plugin
+
+    try:
+        target = write_plugin(args.name, args.dir)
+    except (TemplateError, OSError) as exc:
+        print(f"torchhal plugin new: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote the {args.name} plugin distribution to {target}")
+    print(f"next: fill in the TODOs, pip install -e {target}, torchhal conformance --platform {args.name}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -225,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("-k", help="only tests matching this pytest -k expression")
     conf.set_defaults(func=cmd_conformance)
     add_generate_command(sub)
+    plugin = sub.add_parser("plugin", help="tools for plugin authors")
+    plugin_sub = plugin.add_subparsers(dest="plugin_command", required=True)
+    new = plugin_sub.add_parser("new", help="write a platform plugin distribution to start from")
+    new.add_argument("name", help="platform name, a lowercase identifier (e.g. myaccel)")
+    new.add_argument("--dir", type=Path, help="where to write it (default: ./torchhal-NAME)")
+    new.set_defaults(func=cmd_plugin_new)
     return parser
 
 

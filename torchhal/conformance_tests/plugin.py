@@ -13,7 +13,7 @@ import platform as host
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import torchhal
-from torchhal.conformance_tests import GROUPS, NOT_REQUIRED_PREFIXES, PROFILES, SUITE_VERSION
+from torchhal.conformance_tests import EXIT_CODES, GROUPS, NOT_REQUIRED_PREFIXES, PROFILES, SUITE_VERSION
 from torchhal.platforms import Platform, PlatformError, RegisteredPlatform
 
 EXPECT_CATEGORIES = ("temporary", "unsupported", "permanent")
@@ -46,6 +46,17 @@ class SuiteState:
     expectations: dict[str, dict[str, str]]
     records: dict[str, Record] = field(default_factory=dict)
     header: dict[str, Any] = field(default_factory=dict)
+    #: (verdict class, verdict line), set when the session finishes with conformance tests.
+    outcome: tuple[str, str] | None = None
+    json_error: str | None = None
+
+    @property
+    def platform_chosen_automatically(self) -> bool:
+        return not self.platform_name
+
+
+class ConformanceUsageError(ValueError):
+    """A bad --expect file or report path: said in one line before any test runs."""
 
 
 STATE_KEY = pytest.StashKey[SuiteState]()
@@ -66,38 +77,93 @@ def pytest_configure(config: pytest.Config) -> None:
     name = config.getoption("--torchhal-platform") or os.environ.get("TORCHHAL_PLATFORM") or ""
     global _STATE
     expect_path = config.getoption("--torchhal-expect")
+    try:
+        expectations = load_expectations(expect_path) if expect_path else {}
+        for option in ("--torchhal-json", "--junitxml"):
+            path = config.getoption(option, default=None)
+            if path:
+                check_report_path(path, option)
+    except ConformanceUsageError as exc:
+        raise pytest.UsageError(str(exc)) from None
     config.stash[STATE_KEY] = _STATE = SuiteState(
         platform_name=name,
         device=config.getoption("--torchhal-device"),
         profile=config.getoption("--torchhal-profile"),
-        expectations=load_expectations(expect_path) if expect_path else {},
+        expectations=expectations,
     )
 
 
 def load_expectations(path: str) -> dict[str, dict[str, str]]:
-    """Test id -> {reason, category}. TOML or YAML, chosen by the file's extension."""
-    text = Path(path).read_text()
-    if path.endswith((".yaml", ".yml")):
-        import yaml
+    """Test id -> {reason, category}. TOML or YAML, chosen by the file's extension.
 
-        data = yaml.safe_load(text) or {}
+    Raises ConformanceUsageError, naming the file and what to fix, for a missing,
+    unreadable, malformed or wrong-shaped file.
+    """
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConformanceUsageError(f"--expect {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConformanceUsageError(f"--expect {path}: cannot read it ({exc})") from None
+    data: Any
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError:
+            raise ConformanceUsageError(
+                f"--expect {path}: YAML needs PyYAML (pip install pyyaml), or write the file as TOML"
+            ) from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            reason = " ".join(str(exc).split())
+            raise ConformanceUsageError(f"--expect {path}: not valid YAML: {reason}") from None
     else:
         if sys.version_info >= (3, 11):
             import tomllib
         else:  # pragma: no cover
             import tomli as tomllib
-        data = tomllib.loads(text)
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConformanceUsageError(f"--expect {path}: not valid TOML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConformanceUsageError(
+            f"--expect {path}: the top level is a {type(data).__name__}; it must map test ids "
+            "('group::test_name') to entries with a 'reason' and a 'category'"
+        )
     out = {}
     for test_id, entry in data.items():
+        if not isinstance(test_id, str) or "::" not in test_id:
+            raise ConformanceUsageError(
+                f"--expect {path}: key {test_id!r} is not a test id; write it as 'group::test_name'"
+            )
         if not isinstance(entry, dict) or not entry.get("reason"):
-            raise pytest.UsageError(f"{path}: entry {test_id!r} needs a 'reason' (and a 'category')")
+            raise ConformanceUsageError(f"--expect {path}: entry {test_id!r} needs a 'reason' (and a 'category')")
         category = entry.get("category", "temporary")
         if category not in EXPECT_CATEGORIES:
-            raise pytest.UsageError(
-                f"{path}: entry {test_id!r} has category {category!r}; use one of {', '.join(EXPECT_CATEGORIES)}"
+            raise ConformanceUsageError(
+                f"--expect {path}: entry {test_id!r} has category {category!r}; "
+                f"use one of {', '.join(EXPECT_CATEGORIES)}"
             )
         out[test_id] = {"reason": str(entry["reason"]), "category": category}
     return out
+
+
+def check_report_path(path: str, option: str) -> None:
+    """Fail now, before any test runs, if a report cannot be written to `path`."""
+    target = Path(path)
+    if target.is_dir():
+        raise ConformanceUsageError(f"{option} {path}: is a directory; give a file path")
+    existed = target.exists()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with target.open("a"):
+            pass
+    except OSError as exc:
+        raise ConformanceUsageError(f"{option} {path}: cannot write the report there ({exc.strerror or exc})") from None
+    if not existed:
+        target.unlink()  # only probed: the report itself is written at the end
 
 
 def conformance_id(item: pytest.Item) -> str | None:
@@ -245,9 +311,26 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             record.message = "expected to fail (expectation file) but passed: remove the entry"
         else:
             record.outcome = "failed" if report.when == "call" else "error"
-            record.message = str(report.longrepr).strip().splitlines()[-1][:500] if report.longrepr else None
+            record.message = failure_message(report)
     elif report.passed and report.when == "call" and record.outcome not in ("failed", "error"):
         record.outcome = "passed"
+
+
+def failure_message(report: pytest.TestReport) -> str | None:
+    """The assertion's or exception's own message, not pytest's `file:line: AssertionError`."""
+    if not report.longrepr:
+        return None
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = crash.message if crash is not None and crash.message else str(report.longrepr)
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return None
+    first = lines[0]
+    for prefix in ("AssertionError: ", "Failed: "):
+        first = first.removeprefix(prefix)
+    if first == "AssertionError" and len(lines) > 1:  # a bare assert: pytest's explanation follows
+        first = lines[1]
+    return first[:500]
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
@@ -313,27 +396,78 @@ def header_facts(state: SuiteState) -> dict[str, Any]:
     return facts
 
 
-def verdict(state: SuiteState) -> tuple[bool, str]:
+def plugin_failures() -> list[str]:
+    """Every plugin that failed to import, register, validate or detect, as one line each."""
+    return [str(f) for f in torchhal.registry().failures]
+
+
+def verdict_class(state: SuiteState, failures: list[str]) -> tuple[str, str]:
+    """(class, verdict line); the class is a key of EXIT_CODES."""
     records = list(state.records.values())
     bad = [r for r in records if r.outcome in ("failed", "error", "xpassed")]
     incomplete = [
         r for r in records if r.outcome == "skipped" and not (r.skip_reason or "").startswith(NOT_REQUIRED_PREFIXES)
     ]
     if not records:
-        return False, "NO TESTS RAN"
+        return "NO TESTS RAN", "NO TESTS RAN"
     if bad:
-        return False, f"NOT CONFORMANT ({state.profile}): {len(bad)} required test(s) failed"
+        return "NOT CONFORMANT", f"NOT CONFORMANT ({state.profile}): {len(bad)} required test(s) failed"
+    if failures and state.platform_chosen_automatically:
+        # The platform was picked without a failed plugin that may have been the one meant.
+        tested = state.header.get("platform", "?") if state.header else "?"
+        return "PLUGIN FAILURES", (
+            f"PLUGIN FAILURES ({state.profile}): {len(failures)} installed plugin(s) failed, so "
+            f"{tested} was tested instead; fix them or name the platform with --platform"
+        )
     if incomplete:
-        return False, f"INCOMPLETE ({state.profile}): {len(incomplete)} required test(s) could not run"
-    return True, f"CONFORMANT ({state.profile})"
+        return "INCOMPLETE", f"INCOMPLETE ({state.profile}): {len(incomplete)} required test(s) could not run"
+    return "CONFORMANT", f"CONFORMANT ({state.profile})"
+
+
+def finished_outcome() -> tuple[str, str] | None:
+    """The (verdict class, line) of the last conformance session in this process, if it reached one."""
+    return _STATE.outcome if _STATE is not None else None
+
+
+def verdict(state: SuiteState) -> tuple[bool, str]:
+    cls, text = verdict_class(state, plugin_failures())
+    return cls == "CONFORMANT", text
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Decide the verdict, write the JSON report, and exit with the verdict's code."""
+    state = session.config.stash.get(STATE_KEY, None)
+    if state is None or not (state.records or _collecting_conformance(session.config)):
+        return  # not a conformance run
+    if exitstatus in (pytest.ExitCode.INTERRUPTED, pytest.ExitCode.INTERNAL_ERROR, pytest.ExitCode.USAGE_ERROR):
+        return  # no verdict: pytest's own code says why
+    if not state.header:
+        state.header = header_facts(state)
+    failures = plugin_failures()
+    state.outcome = verdict_class(state, failures)
+    json_path = session.config.getoption("--torchhal-json")
+    if json_path:
+        try:
+            write_report(state, json_path)
+        except OSError as exc:
+            state.json_error = f"cannot write the JSON report to {json_path}: {exc.strerror or exc}"
+    session.exitstatus = EXIT_CODES[state.outcome[0]]
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     state = config.stash.get(STATE_KEY, None)
-    if state is None or not state.records:
+    if state is None or state.outcome is None:
         return
     tr = terminalreporter
     tr.section("torchhal conformance")
+    failures = plugin_failures()
+    if failures:
+        # First: a failed plugin may be the platform the vendor meant to test.
+        tr.write_line(f"PLUGIN FAILURES ({len(failures)}):", red=True, bold=True)
+        for line in failures:
+            tr.write_line(f"  {line}", red=True)
+        tr.write_line("")
     columns = ("passed", "failed", "skipped", "xfailed", "total")
     tr.write_line(f"{'group':<12}" + "".join(f"{c:>9}" for c in columns))
     for group in GROUPS:
@@ -353,23 +487,31 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             tr.write_line(f"  skipped {r.id}: {r.skip_reason}")
         elif r.outcome in ("failed", "error", "xpassed"):
             tr.write_line(f"  {r.outcome.upper()} {r.id}: {r.message}")
-    ok, text = verdict(state)
+    cls, text = state.outcome
+    ok = cls == "CONFORMANT"
     tr.write_line("")
     tr.write_line(f"VERDICT: {text}", bold=True, green=ok, red=not ok)
+    tr.write_line(f"exit code: {EXIT_CODES[cls]}")
     json_path = config.getoption("--torchhal-json")
-    if json_path:
-        write_report(state, json_path, ok, text)
+    if state.json_error:
+        tr.write_line(f"torchhal conformance: {state.json_error}", red=True)
+    elif json_path:
         tr.write_line(f"JSON report: {json_path}")
 
 
-def write_report(state: SuiteState, path: str, ok: bool, text: str) -> None:
+def write_report(state: SuiteState, path: str) -> None:
+    assert state.outcome is not None
+    cls, text = state.outcome
     report = {
         "suite_version": SUITE_VERSION,
         "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "environment": state.header or header_facts(state),
         "profile": state.profile,
-        "conformant": ok,
+        "conformant": cls == "CONFORMANT",
         "verdict": text,
+        "verdict_class": cls,
+        "exit_code": EXIT_CODES[cls],
+        "plugin_failures": [{**asdict(f), "message": str(f)} for f in torchhal.registry().failures],
         "tests": [vars(r) for r in state.records.values()],
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)

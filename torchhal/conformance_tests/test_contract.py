@@ -35,17 +35,25 @@ def test_spi_methods_present_with_signatures(registered):
         actual = list(inspect.signature(method).parameters)
         if actual != expected:
             problems.append(f"{name}{tuple(actual)} should take {tuple(expected)}")
-    assert problems == []
+    assert problems == [], "; ".join(problems)
 
 
 def test_spi_attributes_have_the_right_types(registered):
     plugin = registered.plugin
-    for name in SPI_ATTRIBUTES:
-        assert hasattr(plugin, name), f"missing attribute {name}"
-    assert isinstance(plugin.name, str) and isinstance(plugin.device_type, str)
-    assert isinstance(plugin.priority, int) and isinstance(plugin.dist_backend, str)
-    assert plugin.replaces is None or isinstance(plugin.replaces, str)
-    assert isinstance(plugin.visible_devices_env, tuple) and all(isinstance(v, str) for v in plugin.visible_devices_env)
+    missing = [name for name in SPI_ATTRIBUTES if not hasattr(plugin, name)]
+    assert missing == [], f"missing SPI attribute(s): {', '.join(missing)}"
+    checks = {
+        "name": isinstance(plugin.name, str),
+        "device_type": isinstance(plugin.device_type, str),
+        "priority": isinstance(plugin.priority, int) and not isinstance(plugin.priority, bool),
+        "dist_backend": isinstance(plugin.dist_backend, str),
+        "replaces": plugin.replaces is None or isinstance(plugin.replaces, str),
+        "visible_devices_env": isinstance(plugin.visible_devices_env, tuple)
+        and all(isinstance(v, str) for v in plugin.visible_devices_env),
+        "ipc_peer_redirect": isinstance(plugin.ipc_peer_redirect, bool),
+    }
+    wrong = [f"{name}={getattr(plugin, name)!r}" for name, ok in checks.items() if not ok]
+    assert wrong == [], f"SPI attribute(s) of the wrong type (see docs/spi-reference.md): {', '.join(wrong)}"
 
 
 def test_is_available_never_raises_and_is_idempotent(registered, measure):
@@ -76,7 +84,9 @@ def test_is_available_creates_no_device_context(registered, measure):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "clean"
+    assert out.stdout.strip().splitlines()[-1] == "clean", (
+        "is_available() initialised the device runtime (device_module().is_initialized() turned True)"
+    )
 
 
 def test_platform_names_are_unique():
@@ -85,7 +95,12 @@ def test_platform_names_are_unique():
 
 
 def test_capability_records_have_the_right_types(platform):
-    assert platform.graph_support is None or isinstance(platform.graph_support, GraphSupport)
-    assert platform.ipc_support is None or isinstance(platform.ipc_support, IpcSupport)
+    graphs, ipc = platform.graph_support, platform.ipc_support
+    assert graphs is None or isinstance(graphs, GraphSupport), (
+        f"graph_support() returned {graphs!r}, not a GraphSupport"
+    )
+    assert ipc is None or isinstance(ipc, IpcSupport), f"ipc_support() returned {ipc!r}, not an IpcSupport"
     types = platform.oom_error_types
-    assert types and all(isinstance(t, type) and issubclass(t, BaseException) for t in types)
+    assert types and all(isinstance(t, type) and issubclass(t, BaseException) for t in types), (
+        f"oom_error_types() returned {types!r}; return a non-empty tuple of exception classes"
+    )

@@ -29,7 +29,8 @@ def test_device_module_matches_the_platform(platform, device_index):
     assert tensor.device.type == platform.device_type
     assert (tensor.device.index or 0) == device_index
     info = platform.device_info(device_index)
-    assert isinstance(info, DeviceInfo) and info.total_memory > 0 and info.name
+    assert isinstance(info, DeviceInfo), f"device_info returned {type(info).__name__}, not DeviceInfo"
+    assert info.total_memory > 0 and info.name, f"device_info needs a name and total_memory > 0: {info!r}"
 
 
 def test_synchronize_waits_for_queued_work(platform, device_index):

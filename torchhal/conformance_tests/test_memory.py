@@ -14,9 +14,20 @@ from ._helpers import MiB, fill_cache, receive, spawn_context, spies, wait_exit
 pytestmark = pytest.mark.conformance("memory")
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def test_memory_info_fields(platform, device_index):
     mem = platform.memory_info(device_index)
-    assert isinstance(mem, MemoryInfo)
+    assert isinstance(mem, MemoryInfo), f"memory_info returned {type(mem).__name__}, not MemoryInfo"
+    wrong = [
+        f"{name}={getattr(mem, name)!r} ({type(getattr(mem, name)).__name__})"
+        for name in ("device", "free", "total", "reserved", "allocated")
+        if not _is_int(getattr(mem, name)) and not (name in ("reserved", "allocated") and getattr(mem, name) is None)
+    ]
+    assert wrong == [], f"MemoryInfo fields must be int bytes (reserved/allocated may be None): {', '.join(wrong)}"
+    assert isinstance(mem.estimated, bool), f"MemoryInfo.estimated={mem.estimated!r} must be a bool"
     assert mem.device == device_index
     assert 0 <= mem.free <= mem.total and mem.total > 0
     if mem.reserved is not None and mem.allocated is not None:
@@ -32,9 +43,15 @@ def test_allocating_and_freeing_moves_the_counters(platform, device_index, measu
     del block
     after = platform.memory_info(device_index)
     measure["allocated_delta_bytes"] = during.allocated - before.allocated
-    assert during.allocated - before.allocated >= 64 * MiB
-    assert during.reserved is not None and during.reserved >= during.allocated
-    assert after.allocated == before.allocated
+    assert during.allocated - before.allocated >= 64 * MiB, (
+        f"allocating 64 MiB moved allocated by {during.allocated - before.allocated} bytes"
+    )
+    assert during.reserved is not None and during.reserved >= during.allocated, (
+        f"reserved {during.reserved} is below allocated {during.allocated}"
+    )
+    assert after.allocated == before.allocated, (
+        f"allocated is {after.allocated} after the free, {before.allocated} before the allocation"
+    )
     assert after.reserved == during.reserved, "freeing must keep the block cached (reserved unchanged)"
 
 
@@ -97,10 +114,21 @@ def _query_worker():
 
 
 def test_empty_cache_releases_down_to_allocated(platform, device_index, measure):
-    fill_cache(platform, device_index)
-    before = platform.memory_info(device_index)
+    nbytes = 256 * MiB
+    fill_cache(platform, device_index, nbytes)
+    with spies(platform, ("empty_cache",)) as calls:
+        before = platform.memory_info(device_index)
     if before.reserved is None:
         pytest.skip("not applicable: the platform has no allocator cache (reserved is None)")
+    if calls:  # one bug, one failure: test_memory_info_never_empties_the_cache reports it
+        pytest.skip("could not check: memory_info itself empties the cache, so no cached block can be observed")
+    # Without a cached block there is nothing to release, and a reserved that never moves would pass.
+    cached = before.reserved - (before.allocated or 0)
+    measure["cached_before_bytes"] = cached
+    assert cached >= nbytes // 2, (
+        f"a freed {nbytes // MiB} MiB block was not kept cached before empty_cache: reserved {before.reserved} "
+        f"- allocated {before.allocated or 0} = {cached} bytes"
+    )
     released = platform.empty_cache(ReleasePoint.USER, device_index)
     after = platform.memory_info(device_index)
     allocated = after.allocated or 0
