@@ -13,7 +13,7 @@ import re
 import textwrap
 from pathlib import Path
 
-from torchhal.platforms.plugin import SPI_ATTRIBUTES, SPI_METHODS, PlatformPlugin
+from torchhal.platforms.plugin import SPI_ATTRIBUTES, SPI_METHODS, SPI_VERSION, PlatformPlugin
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
@@ -26,6 +26,7 @@ ATTRIBUTE_GUIDANCE: dict[str, tuple[str, str]] = {
     "dist_backend": ('"gloo"', "TODO: your torch.distributed backend (e.g. your collective library)"),
     "visible_devices_env": ('("{upper}",)', "TODO: variables that restrict which devices the runtime sees"),
     "ipc_peer_redirect": ("False", "True if your IPC open maps handles through the consumer's own device"),
+    "spi_version": (repr(tuple(SPI_VERSION)), "the torchhal SPI this plugin was written for (docs/vendor-guide.md)"),
 }
 
 #: Method -> TODO text. Required (abstract) members raise NotImplementedError with it until
