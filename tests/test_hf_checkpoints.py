@@ -11,8 +11,8 @@ import torch
 
 from tests.hf_models import FAMILIES, PROMPTS, Generate, direct_greedy, hf_greedy, make_hf_model, save_hf_model
 from torchhal._generate import eos_tokens_of, make_engine
-from torchhal.core.engine import DecodeGraphConfig
 from torchhal.cli import main
+from torchhal.core.engine import DecodeGraphConfig
 from torchhal.core.model import LlamaDecoder, checkpoint
 from torchhal.core.model.checkpoint import (
     CheckpointError,
