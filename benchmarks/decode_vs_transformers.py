@@ -35,10 +35,11 @@ import torch  # noqa: E402
 from _harness import write_json  # noqa: E402
 
 import torchhal  # noqa: E402
-from torchhal.core.engine import EagerRunner, GenerationEngine, RequestState  # noqa: E402
+from torchhal._generate import make_engine  # noqa: E402
+from torchhal.core.engine import DecodeGraphConfig, EagerRunner, GenerationEngine  # noqa: E402
 from torchhal.core.graphs import GraphRunner  # noqa: E402
 from torchhal.core.graphs.decode import DecodeGraphRunner  # noqa: E402
-from torchhal.core.model import AttentionMetadata  # noqa: E402
+from torchhal.core.model.checkpoint import load_checkpoint  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS = 16, 64
 BATCHES = (1, 8, 32)
@@ -59,70 +60,17 @@ CONTEXT_BUCKETS = (128, 256)
 PREFILL_BUCKETS = (8, 16, 32, 64, 128, 256, 512)
 
 
-# -- the engine with full-graph decode (until the engine routes decode steps itself) ------------
-def engine_step(engine: GenerationEngine, decode: DecodeGraphRunner | None) -> None:
-    """One scheduler step of `engine`; a pure decode step goes to `decode` as one graph replay.
-
-    Mirrors `GenerationEngine.step()` (the single-class engine, or the split one with a
-    `scheduler`); once the engine calls the decode runner itself, this function goes away.
-    """
-    if decode is None or engine.paused is not None or engine.asleep:
-        engine.step()
-        return
-    split: Any = getattr(engine, "scheduler", None)
-    if split is not None:
-        plan = split.plan()
-        decodes, prefills = plan.decodes, plan.prefills
-        finish, fail_unservable = engine.requests.finish, engine.requests.fail_unservable  # type: ignore[attr-defined]
-    else:
-        decodes = engine._reserve_decode_slots()
-        prefills = engine._admit(budget=engine.config.max_batch_tokens - len(decodes))
-        finish, fail_unservable = engine._finish, engine._fail_unservable
-    batch = decodes + prefills
-    if not batch:
-        fail_unservable()
-        return
-    longest = max(len(r.slots) for r in decodes) if decodes else 0
-    with torch.no_grad():
-        if not prefills and decode.can_run(len(decodes), longest):
-            next_tokens = decode.decode([(r.rid, r.tokens[-1], r.slots) for r in decodes])
-        else:
-            ids: list[int] = []
-            counts: list[int] = []
-            for request in batch:
-                fresh = request.tokens if request in prefills else request.tokens[-1:]
-                ids.extend(fresh)
-                counts.append(len(fresh))
-            meta = AttentionMetadata.build([r.slots for r in batch], counts, engine.device)
-            last = torch.tensor([sum(counts[: i + 1]) - 1 for i in range(len(batch))], device=engine.device)
-            hidden = engine.runner.forward(torch.tensor(ids, dtype=torch.long, device=engine.device), meta)
-            next_tokens = engine.model.logits(hidden, last).argmax(-1).tolist()
-    engine._steps += 1
-    for request, token in zip(batch, next_tokens, strict=True):
-        request.output.append(int(token))
-        if len(request.output) >= request.max_new_tokens or token == engine.config.eos_token:
-            finish(request, RequestState.FINISHED)
-
-
-def new_decode_runner(engine: GenerationEngine, emulate: bool = False, **buckets: Any) -> DecodeGraphRunner:
-    """A decode runner for `engine`, with a KV slot taken from its pool as the scratch slot."""
-    scratch = engine.slots.allocate(1)
-    assert scratch is not None, "the KV pool has no free slot for the decode scratch slot"
-    return DecodeGraphRunner(engine.model, engine.platform, engine.device_index, scratch_slot=scratch[0],
-                             emulate=emulate, **buckets)
-
-
-def run_engine(engine: GenerationEngine, prompts: list[list[int]], new_tokens: int,
-               decode: DecodeGraphRunner | None) -> tuple[list[list[int]], float, float]:
+def run_engine(engine: GenerationEngine, prompts: list[list[int]], new_tokens: int) -> tuple[
+        list[list[int]], float, float]:
     """Outputs, total seconds, and seconds after the first (prefill) step."""
     rids = [engine.add_request(p, new_tokens) for p in prompts]
     engine.platform.synchronize()
     start = time.perf_counter()
-    engine_step(engine, decode)
+    engine.step()
     engine.platform.synchronize()
     after_prefill = time.perf_counter()
     while any(rid not in engine.results for rid in rids):
-        engine_step(engine, decode)
+        engine.step()
     engine.platform.synchronize()
     end = time.perf_counter()
     return [list(engine.results.pop(rid).output) for rid in rids], end - start, end - after_prefill
@@ -150,49 +98,15 @@ def hf_model(shape: dict[str, int], dtype: torch.dtype, device: torch.device, se
     return model.eval()
 
 
-def torchhal_engine(hf: Any, dtype: torch.dtype, max_kv_slots: int) -> tuple[GenerationEngine, str]:
-    """A torchhal engine serving `hf`'s weights, and how they got there.
-
-    With the checkpoint loader: save_pretrained + load_checkpoint. Without it (older tree): an
-    engine of the same shape whose weights are copied by name (HF -> torchhal names).
-    """
-    try:
-        from torchhal._generate import make_engine  # type: ignore[import-not-found,unused-ignore]
-        from torchhal.core.model.checkpoint import load_checkpoint  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return _engine_by_names(hf, dtype, max_kv_slots), "weights copied by name (no checkpoint loader)"
+def torchhal_engine(hf: Any, dtype: torch.dtype, max_kv_slots: int, decode_graphs: DecodeGraphConfig) -> tuple[
+        GenerationEngine, str]:
+    """A torchhal engine serving `hf`'s weights (save_pretrained + load_checkpoint), and how they got there."""
     platform = torchhal.current_platform()
     with tempfile.TemporaryDirectory() as directory:
         hf.save_pretrained(directory)
         model, _ = load_checkpoint(directory, dtype=dtype, device=platform.device(platform.current_device()))
-    return make_engine(model, dtype, max_kv_slots=max_kv_slots), "save_pretrained + load_checkpoint"
-
-
-_LEGACY_NAMES = (  # HF name part -> torchhal reference decoder name part (before HF naming)
-    ("model.embed_tokens.", "embed."), ("model.norm.", "norm."), ("model.layers.", "layers."),
-    ("self_attn.", ""), ("mlp.", ""), ("input_layernorm.", "input_norm."), ("post_attention_layernorm.", "post_norm."),
-)
-
-
-def _engine_by_names(hf: Any, dtype: torch.dtype, max_kv_slots: int) -> GenerationEngine:
-    from torchhal.core.engine import EngineConfig
-    from torchhal.core.model import ModelConfig
-
-    c = hf.config
-    if c.num_key_value_heads != c.num_attention_heads:
-        raise RuntimeError("this torchhal model has no GQA; it needs the HF-family decoder (checkpoint loader)")
-    config = ModelConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
-                         num_heads=c.num_attention_heads, intermediate_size=c.intermediate_size,
-                         max_position=c.max_position_embeddings, rms_eps=c.rms_norm_eps)
-    engine = GenerationEngine(EngineConfig(model=config, dtype=dtype, max_kv_slots=max_kv_slots))
-    params = dict(engine.model.named_parameters())
-    weights = {}
-    for name, tensor in hf.state_dict().items():
-        for old, new in _LEGACY_NAMES if name not in params else ():
-            name = name.replace(old, new)
-        weights[name] = tensor
-    engine.update_weights_from_tensors(weights)
-    return engine
+    engine = make_engine(model, dtype, max_kv_slots=max_kv_slots, decode_graphs=decode_graphs)
+    return engine, "save_pretrained + load_checkpoint"
 
 
 # -- timing ------------------------------------------------------------------------------------------
@@ -264,11 +178,8 @@ def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, budg
     weight_bytes = params - embed.numel() * embed.element_size()  # decode reads all but the embedding table
     result["weight_bytes_read_per_step"] = weight_bytes
     max_slots = max(BATCHES) * (PROMPT_LEN + NEW_TOKENS) * 2 + 64
-    try:
-        engine, how = torchhal_engine(hf, dtype, max_slots)
-    except RuntimeError as exc:
-        result["skipped"] = str(exc)
-        return result
+    decode_graphs = DecodeGraphConfig(batch_buckets=BATCH_BUCKETS, context_buckets=CONTEXT_BUCKETS, emulate=not on_gpu)
+    engine, how = torchhal_engine(hf, dtype, max_slots, decode_graphs)
     result["weights"] = how
     result["setup_s"] = time.perf_counter() - started
     generator = torch.Generator().manual_seed(1)
@@ -279,8 +190,8 @@ def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, budg
     eager_runner = EagerRunner(engine.model)
     graph_runner = GraphRunner(engine.model, engine.platform, engine.device_index,
                                hidden_size=engine.model.config.hidden_size, dtype=dtype, buckets=PREFILL_BUCKETS)
-    decode_runner = new_decode_runner(engine, emulate=not on_gpu, batch_buckets=BATCH_BUCKETS,
-                                      context_buckets=CONTEXT_BUCKETS)
+    decode_runner = engine.decode_runner  # the engine's; modes without it detach it for their runs
+    assert decode_runner is not None
     result["breakable_graphs"] = (
         {"reason_eager": graph_runner.eager_reason} if graph_runner.report is None else
         {"graphs": graph_runner.report.graphs, "capture_s": graph_runner.report.seconds,
@@ -333,11 +244,10 @@ def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, budg
                 row[mode] = {"skipped": graph_runner.eager_reason}
             if mode == "torchhal_full_graph_decode" and not full_graph_real:
                 row[mode] = {"skipped": decode_runner.unsupported or "graphs emulated on this device (tokens only)"}
-            engine.runner = runner
+            engine.runner, engine.decode_runner = runner, decode
 
-            def run(decode: DecodeGraphRunner | None = decode,
-                    prompts: list[list[int]] = batch_prompts) -> tuple[list[list[int]], float, float]:
-                return run_engine(engine, prompts, NEW_TOKENS, decode)
+            def run(prompts: list[list[int]] = batch_prompts) -> tuple[list[list[int]], float, float]:
+                return run_engine(engine, prompts, NEW_TOKENS)
 
             seconds, (outputs[mode], total, decode_s) = median_run(run, warmups, reps, sync)
             if mode in row:  # skipped rows still produce tokens (eager or emulated) for the checks

@@ -16,10 +16,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 from _harness import write_json  # noqa: E402
-from decode_vs_transformers import engine_step, new_decode_runner  # noqa: E402
 from graph_runner import BUCKETS, SIZES, make_factory  # noqa: E402
 
-from torchhal.core.engine import EngineConfig, GenerationEngine  # noqa: E402
+from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine  # noqa: E402
 from torchhal.core.model import AttentionMetadata  # noqa: E402
 
 
@@ -77,9 +76,11 @@ def decode_step(batch: int, steps: int = 20) -> dict:
     """Median ms of one scheduler decode step: breakable graphs vs full-graph decode, interleaved
     on the same engine and requests; for full-graph, also the host's share (slot-table update)."""
     config = SIZES["h1024_l8"]
+    graphs = DecodeGraphConfig(batch_buckets=(1, 2, 4, 8, 16, 32), context_buckets=(128, 256))
     engine = GenerationEngine(EngineConfig(model=config, dtype=torch.bfloat16, max_kv_slots=64 * 1024,
-                                           kv_fraction=0.2), runner_factory=make_factory(BUCKETS))
-    decode = new_decode_runner(engine, batch_buckets=(1, 2, 4, 8, 16, 32), context_buckets=(128, 256))
+                                           kv_fraction=0.2, decode_graphs=graphs), runner_factory=make_factory(BUCKETS))
+    decode = engine.decode_runner
+    assert decode is not None
     sync = engine.platform.synchronize
     prepare_s: list[float] = []
     prepare = decode.slots.prepare
@@ -94,13 +95,14 @@ def decode_step(batch: int, steps: int = 20) -> dict:
     for i in range(batch):
         engine.add_request([(7 * i + j) % 1000 for j in range(16)], 2 * steps + 10)
     for _ in range(5):
-        engine_step(engine, decode)  # prefill, then decode warm-up
+        engine.step()  # prefill, then decode warm-up
     samples: dict[str, list[float]] = {"breakable": [], "full_graph": []}
     for _ in range(steps):
         for name, runner in (("breakable", None), ("full_graph", decode)):
+            engine.decode_runner = runner  # detached: the step runs on the breakable runner
             sync()
             start = time.perf_counter()
-            engine_step(engine, runner)
+            engine.step()
             sync()
             samples[name].append(time.perf_counter() - start)
     breakable, full = (statistics.median(samples[k]) * 1e3 for k in ("breakable", "full_graph"))
@@ -115,16 +117,16 @@ def decode_step(batch: int, steps: int = 20) -> dict:
 def profile_decode(full_graph: bool, batch: int = 8, steps: int = 10) -> str:
     """Profiler table of decode steps through the breakable runner or full-graph decode."""
     config = SIZES["h1024_l8"]
+    graphs = DecodeGraphConfig(batch_buckets=(8,), context_buckets=(128,)) if full_graph else None
     engine = GenerationEngine(EngineConfig(model=config, dtype=torch.bfloat16, max_kv_slots=64 * 1024,
-                                           kv_fraction=0.2), runner_factory=make_factory(BUCKETS))
-    decode = new_decode_runner(engine, batch_buckets=(8,), context_buckets=(128,)) if full_graph else None
+                                           kv_fraction=0.2, decode_graphs=graphs), runner_factory=make_factory(BUCKETS))
     for i in range(batch):
         engine.add_request([(7 * i + j) % 1000 for j in range(16)], 200)
     for _ in range(5):
-        engine_step(engine, decode)
+        engine.step()
     with torch.profiler.profile(activities=list(torch.profiler.supported_activities())) as prof:
         for _ in range(steps):
-            engine_step(engine, decode)
+            engine.step()
         engine.platform.synchronize()
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40)
 

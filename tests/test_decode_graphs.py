@@ -5,15 +5,12 @@ a GPU by benchmarks/decode_vs_transformers.py (tokens checked per row)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import torchhal
-from torchhal.core.engine import EngineConfig, GenerationEngine
+from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine, PauseMode
 from torchhal.core.graphs.decode import (
     DecodeGraphRunner,
     SlotTable,
@@ -24,9 +21,6 @@ from torchhal.core.graphs.decode import (
 )
 from torchhal.core.graphs.program import BreakStep, GraphStep
 from torchhal.core.model import AttentionMetadata, KVCache, ModelConfig, ReferenceDecoder
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-from decode_vs_transformers import engine_step, new_decode_runner  # noqa: E402
 
 SCRATCH = 63
 CPU = torch.device("cpu")
@@ -208,34 +202,121 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 10, [300, 3], [7] * 20, [2], [11, 1
 NEW_TOKENS = [6, 3, 9, 5, 7, 4, 8]
 
 
-def run_engine(engine: GenerationEngine, decode: DecodeGraphRunner | None) -> list[tuple[int, ...]]:
+def run_engine(engine: GenerationEngine) -> list[tuple[int, ...]]:
     rids = [engine.add_request(p, n) for p, n in zip(PROMPTS, NEW_TOKENS, strict=True)]
     while any(rid not in engine.results for rid in rids):
-        engine_step(engine, decode)
+        engine.step()
     return [engine.results.pop(rid).output for rid in rids]
 
 
 CONFIG = EngineConfig(max_kv_slots=512, max_running=3)  # 3 running: the rest join as others finish
+EMULATED = DecodeGraphConfig(batch_buckets=(1, 2, 4), context_buckets=(8, 16, 32), emulate=True)
+
+
+def graph_engine(settings: DecodeGraphConfig = EMULATED, **overrides: object) -> GenerationEngine:
+    return GenerationEngine(EngineConfig(**{"max_kv_slots": 512, "max_running": 3, **overrides},
+                                         decode_graphs=settings))
 
 
 @pytest.fixture(scope="module")
 def reference() -> list[tuple[int, ...]]:
-    return run_engine(GenerationEngine(CONFIG), None)
+    return run_engine(GenerationEngine(CONFIG))
 
 
 def test_emulated_full_graph_decode_matches_eager_while_requests_finish_and_join(reference):
-    engine = GenerationEngine(CONFIG)
-    runner = new_decode_runner(engine, emulate=True, batch_buckets=(1, 2, 4), context_buckets=(8, 16, 32))
-    got = run_engine(engine, runner)
+    engine = graph_engine()
+    runner = engine.decode_runner
+    assert runner is not None
+    got = run_engine(engine)
     assert got == reference
     assert [len(o) for o in got] == NEW_TOKENS
     # The decode path really ran, rows moved as requests left, and joiners were written once each.
     assert runner.steps >= 10 and runner.slots.rows_moved >= 1
     assert len(PROMPTS) <= runner.slots.rows_written <= 2 * len(PROMPTS)
+    assert runner.slots.live == 0  # every finished request gave its row back
 
 
 def test_emulated_decode_beyond_the_largest_context_bucket_falls_back_and_stays_exact(reference):
-    engine = GenerationEngine(CONFIG)
-    runner = new_decode_runner(engine, emulate=True, batch_buckets=(4,), context_buckets=(8,))
-    assert run_engine(engine, runner) == reference
-    assert runner.steps >= 1  # short requests used the graph path; long ones fell back
+    engine = graph_engine(DecodeGraphConfig(batch_buckets=(4,), context_buckets=(8,), emulate=True))
+    assert run_engine(engine) == reference
+    assert engine.decode_runner is not None and engine.decode_runner.steps >= 1  # short requests used graphs
+
+
+def test_the_scratch_slot_is_in_the_pool_but_never_handed_out():
+    engine = graph_engine()
+    assert engine.model.kv is not None and engine.model.kv.num_slots == engine.slots.num_slots + 1
+    assert engine.scratch_slot == engine.slots.num_slots
+    every = engine.slots.allocate(engine.slots.available)
+    assert every is not None and engine.scratch_slot not in every
+
+
+def test_without_graph_support_every_step_falls_back_to_the_runner(reference):
+    engine = graph_engine(DecodeGraphConfig(batch_buckets=(1, 2, 4), context_buckets=(32,)))  # CPU: no graphs
+    assert engine.decode_runner is not None and engine.decode_runner.unsupported is not None
+    assert run_engine(engine) == reference
+    assert engine.decode_runner.steps == 0
+
+
+def test_decode_graph_settings_are_checked():
+    with pytest.raises(ValueError, match=r"batch_buckets = \(\) must be a non-empty tuple"):
+        DecodeGraphConfig(batch_buckets=())
+    with pytest.raises(ValueError, match="context_buckets"):
+        DecodeGraphConfig(context_buckets=(0, 8))
+    with pytest.raises(TypeError, match="must be a DecodeGraphConfig or None"):
+        EngineConfig(decode_graphs=True)  # type: ignore[arg-type]
+
+
+def test_rows_are_forgotten_when_requests_leave_by_retract_abort_and_finish():
+    engine = graph_engine()
+    runner = engine.decode_runner
+    assert runner is not None
+    rids = [engine.add_request(p, 8) for p in PROMPTS[:3]]
+    engine.step()  # prefill
+    engine.step()  # a decode replay: 3 rows
+    assert runner.slots.live == 3 and all(runner.slots.row_of(rid) is not None for rid in rids)
+    engine.pause_generation(PauseMode.RETRACT)
+    assert runner.slots.live == 0
+    engine.continue_generation()
+    engine.step()
+    engine.step()
+    assert runner.slots.live == 3
+    engine.pause_generation(PauseMode.ABORT)
+    assert runner.slots.live == 0
+
+
+def test_lifecycle_with_decode_graphs_gives_the_same_tokens_as_without(tmp_path):
+    """Pause/continue in every mode, a weight update (in memory and from disk), and
+    sleep/wake, each with requests in flight where allowed: tokens identical to eager."""
+    other = ReferenceDecoder(ModelConfig(seed=5))
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in other.state_dict().items()}, str(tmp_path / "other.safetensors"))
+
+    def scenario(engine: GenerationEngine) -> list[tuple[int, ...]]:
+        outputs: list[tuple[int, ...]] = []
+        for mode in PauseMode:
+            rids = [engine.add_request(p, n) for p, n in zip(PROMPTS, NEW_TOKENS, strict=True)]
+            for _ in range(3):
+                engine.step()
+            engine.pause_generation(mode)
+            engine.continue_generation()
+            while any(rid not in engine.results for rid in rids):
+                engine.step()
+            outputs += [engine.results.pop(rid).output for rid in rids]
+        outputs += [r.output for r in engine.generate(PROMPTS, 6)]
+        engine.update_weights_from_tensors(other.named_parameters())
+        outputs += [r.output for r in engine.generate(PROMPTS, 6)]
+        engine.release_memory_occupation()
+        engine.update_weights_from_disk(str(tmp_path / "other.safetensors"))
+        engine.resume_memory_occupation()
+        outputs += [r.output for r in engine.generate(PROMPTS, 6)]
+        return outputs
+
+    eager = scenario(GenerationEngine(CONFIG))
+    engine = graph_engine()
+    graphs = scenario(engine)
+    assert graphs == eager
+    assert engine.decode_runner is not None and engine.decode_runner.steps >= 20
+    n = len(PROMPTS)
+    before_update, after_update, after_wake = eager[-3 * n:-2 * n], eager[-2 * n:-n], eager[-n:]
+    assert after_update != before_update and after_wake != before_update  # the updates changed the tokens

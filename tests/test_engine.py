@@ -262,3 +262,16 @@ def test_weight_update_converts_other_float_dtypes_on_the_host():
     e.update_weights_from_tensors({"lm_head.weight": target})
     assert e.model.lm_head.weight.dtype == torch.float32
     torch.testing.assert_close(e.model.lm_head.weight.detach(), target.float())
+
+
+def test_a_request_ends_on_any_of_the_eos_tokens():
+    full = engine().generate(PROMPTS[:1], 8)[0].output
+    stop_a, stop_b = full[2], full[5]
+    first_a = full.index(stop_a)
+    assert engine(eos_tokens=(stop_a,)).generate(PROMPTS[:1], 8)[0].output == full[: first_a + 1]
+    assert engine(eos_token=stop_a).generate(PROMPTS[:1], 8)[0].output == full[: first_a + 1]
+    unrelated = next(t for t in range(512) if t not in full)
+    both = engine(eos_tokens=(unrelated, stop_b)).generate(PROMPTS[:1], 8)[0].output
+    assert both == full[: full.index(stop_b) + 1]
+    with pytest.raises(ValueError, match=r"eos_tokens = \[2\] must be a tuple"):
+        EngineConfig(eos_tokens=[2])  # type: ignore[arg-type]

@@ -226,6 +226,42 @@ class CopyingPinPlatform:
         return tensor.clone()
 
 
+class TaggingPinPlatform(CopyingPinPlatform):
+    """Copies like an accelerator's pin and remembers the storage of every "pinned" copy."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.pinned: set[int] = set()
+
+    def pin_memory(self, tensor):
+        copy = tensor.clone()
+        self.pinned.add(copy.untyped_storage().data_ptr())
+        return copy
+
+    def is_pinned(self, tensor):
+        return tensor.untyped_storage().data_ptr() in self.pinned
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_sleep_leaves_every_parameter_in_pinned_host_memory(make_registry, tied):
+    # The decoder's q/k/v and gate/up parameters are views into fused storage: pinning
+    # them one by one pinned detached copies and the move re-viewed unpinned storage.
+    make_registry()
+    platform = TaggingPinPlatform(torchhal.current_platform())
+    e = GenerationEngine(EngineConfig(model=ModelConfig(tie_word_embeddings=tied), max_kv_slots=512),
+                         platform=platform)
+    before = outputs_of(e, PROMPTS[:3])
+    e.release_memory_occupation()
+    unpinned = [name for name, p in e.model.named_parameters() if not platform.is_pinned(p)]
+    assert unpinned == []
+    layer = e.model.model.layers[0]
+    assert layer.self_attn.q_proj.weight.untyped_storage().data_ptr() == \
+        layer.self_attn.fused_weight.untyped_storage().data_ptr()  # still views of the fused weight
+    assert (e.model.lm_head.weight is e.model.model.embed_tokens.weight) == tied
+    e.resume_memory_occupation()
+    assert outputs_of(e, PROMPTS[:3]) == before
+
+
 @pytest.mark.parametrize("copying_pin", [True, False])
 def test_a_weight_update_made_while_asleep_survives_wake(make_registry, copying_pin):
     make_registry()

@@ -1,68 +1,124 @@
-"""Full-graph decode replayed on a real GPU (marker gpu; skipped without one)."""
+"""Full-graph decode inside the engine, replayed on a real GPU (marker gpu; skipped without one)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from dataclasses import replace
 
 import pytest
 import torch
 
-from torchhal.core.engine import EngineConfig, GenerationEngine
+from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine, PauseMode
 from torchhal.core.graphs import GraphRunner
 from torchhal.core.model import ModelConfig
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-from decode_vs_transformers import engine_step, new_decode_runner  # noqa: E402
 
 has_gpu = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu, reason="needs a GPU with graph support (none here)")]
 
 PROMPTS = [[1 + i, 2, 3 + i] * (1 + i % 4) for i in range(12)]
 NEW_TOKENS = [4 + (5 * i) % 11 for i in range(12)]
-CONFIG = EngineConfig(model=ModelConfig(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=688),
-                      max_kv_slots=8192, max_running=6)
+MODEL = ModelConfig(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=688)
+CONFIG = EngineConfig(model=MODEL, max_kv_slots=8192, max_running=6)
+
+
+def with_graphs(batch_buckets: tuple[int, ...] = (1, 2, 4, 8), context_buckets: tuple[int, ...] = (32, 64),
+                **overrides: object) -> EngineConfig:
+    settings = DecodeGraphConfig(batch_buckets=batch_buckets, context_buckets=context_buckets)
+    return EngineConfig(**{"model": MODEL, "max_kv_slots": 8192, "max_running": 6, **overrides},
+                        decode_graphs=settings)
 
 
 def prefill_graphs(engine: GenerationEngine) -> GraphRunner:
     return GraphRunner(engine.model, engine.platform, engine.device_index,
-                       hidden_size=engine.config.model.hidden_size, dtype=engine.config.dtype, buckets=(16, 64, 256))
+                       hidden_size=engine.model_config.hidden_size, dtype=engine.config.dtype, buckets=(16, 64, 256))
 
 
-def run(engine: GenerationEngine, decode) -> list[tuple[int, ...]]:  # type: ignore[no-untyped-def]
+def run(engine: GenerationEngine) -> list[tuple[int, ...]]:
     rids = [engine.add_request(p, n) for p, n in zip(PROMPTS, NEW_TOKENS, strict=True)]
     while any(rid not in engine.results for rid in rids):
-        engine_step(engine, decode)
+        engine.step()
     return [engine.results.pop(rid).output for rid in rids]
 
 
+def decode_runner(engine: GenerationEngine):  # type: ignore[no-untyped-def]
+    runner = engine.decode_runner
+    assert runner is not None
+    return runner
+
+
 def test_replayed_decode_matches_eager_tokens_while_requests_finish_and_join():
-    reference = run(GenerationEngine(CONFIG), None)
-    engine = GenerationEngine(CONFIG, runner_factory=prefill_graphs)
-    decode = new_decode_runner(engine, batch_buckets=(1, 2, 4, 8), context_buckets=(32, 64))
+    reference = run(GenerationEngine(CONFIG))
+    engine = GenerationEngine(with_graphs(), runner_factory=prefill_graphs)
+    decode = decode_runner(engine)
     assert decode.graphs_enabled and decode.report is not None and decode.report.graphs == 4 * 2
-    assert run(engine, decode) == reference
-    assert decode.steps >= 10 and decode.slots.rows_moved >= 1
+    assert run(engine) == reference
+    assert decode.steps >= 10 and decode.slots.rows_moved >= 1 and decode.slots.live == 0
 
 
 def test_decode_capture_does_not_empty_the_cache_and_reports_pool_memory():
-    engine = GenerationEngine(CONFIG)
     block = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     del block
     reserved = torch.cuda.memory_reserved()
-    decode = new_decode_runner(engine, batch_buckets=(1, 8), context_buckets=(64,))
+    engine = GenerationEngine(with_graphs((1, 8), (64,)))
     assert torch.cuda.memory_reserved() >= reserved
-    assert decode.report is not None and decode.report.seconds > 0 and decode.report.pool_bytes is not None
+    report = decode_runner(engine).report
+    assert report is not None and report.seconds > 0 and report.pool_bytes is not None
 
 
-def test_sleep_wake_recaptures_decode_graphs():
-    engine = GenerationEngine(CONFIG)
-    decode = new_decode_runner(engine, batch_buckets=(4, 16), context_buckets=(64,))
-    before = run(engine, decode)
+def test_sleep_wake_recaptures_decode_graphs_and_the_scratch_slot_stays_out_of_the_allocator():
+    engine = GenerationEngine(with_graphs((4, 16), (64,)))
+    decode = decode_runner(engine)
+    before = run(engine)
+    steps = decode.steps
     engine.release_memory_occupation()
-    decode.release()
+    assert not decode.graphs_enabled
     engine.resume_memory_occupation()
-    assert engine.slots.allocate(1) == [decode.scratch_slot]  # the allocator was reset: take the scratch slot again
-    decode.resume()
     assert decode.graphs_enabled
-    assert run(engine, decode) == before
+    assert run(engine) == before and decode.steps > steps
+    every = engine.slots.allocate(engine.slots.available)
+    assert every is not None and engine.scratch_slot not in every
+    assert engine.model.kv is not None and engine.model.kv.num_slots == engine.slots.num_slots + 1
+
+
+def test_in_place_weight_update_keeps_the_captured_graphs_valid():
+    expected = run(GenerationEngine(EngineConfig(model=replace(MODEL, seed=7),
+                                                 max_kv_slots=8192, max_running=6)))
+    new_weights = {name: t.detach().cpu() for name, t in GenerationEngine(
+        EngineConfig(model=replace(MODEL, seed=7), max_kv_slots=64)).model.named_parameters()}
+    engine = GenerationEngine(with_graphs())
+    decode = decode_runner(engine)
+    assert run(engine) != expected
+    graphs = dict(decode._graphs)
+    steps = decode.steps
+    engine.update_weights_from_tensors(new_weights)
+    assert decode._graphs == graphs  # no recapture: the update wrote the captured weights in place
+    assert run(engine) == expected and decode.steps > steps
+
+
+def test_pause_continue_mid_flight_with_decode_graphs():
+    reference = run(GenerationEngine(CONFIG))
+    engine = GenerationEngine(with_graphs())
+    for mode in PauseMode:
+        if mode is PauseMode.ABORT:
+            continue  # aborted requests have no tokens to compare
+        rids = [engine.add_request(p, n) for p, n in zip(PROMPTS, NEW_TOKENS, strict=True)]
+        for _ in range(4):
+            engine.step()
+        engine.pause_generation(mode)
+        engine.continue_generation()
+        while any(rid not in engine.results for rid in rids):
+            engine.step()
+        assert [engine.results.pop(rid).output for rid in rids] == reference
+
+
+def test_weight_update_while_asleep_with_decode_graphs_pins_and_survives_wake():
+    expected = run(GenerationEngine(EngineConfig(model=replace(MODEL, seed=7),
+                                                 max_kv_slots=8192, max_running=6)))
+    new_weights = {name: t.detach().cpu() for name, t in GenerationEngine(
+        EngineConfig(model=replace(MODEL, seed=7), max_kv_slots=64)).model.named_parameters()}
+    engine = GenerationEngine(with_graphs())
+    run(engine)
+    engine.release_memory_occupation()
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in engine.model.parameters())
+    engine.update_weights_from_tensors(new_weights)
+    engine.resume_memory_occupation()
+    assert run(engine) == expected

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from tests.hf_models import FAMILIES, PROMPTS, Generate, direct_greedy, hf_greedy, make_hf_model, save_hf_model
-from torchhal._generate import make_engine
+from torchhal._generate import eos_tokens_of, make_engine
 from torchhal.cli import main
+from torchhal.core.engine import DecodeGraphConfig
 from torchhal.core.model import LlamaDecoder, checkpoint
 from torchhal.core.model.checkpoint import (
     CheckpointError,
@@ -35,7 +36,23 @@ def engine_greedy(model: LlamaDecoder, prompts: list[list[int]], new_tokens: int
     return [list(engine.results[rid].output) for rid in rids]
 
 
-GENERATORS: dict[str, Generate] = {"direct": direct_greedy, "engine": engine_greedy}
+def engine_decode_graphs_greedy(model: LlamaDecoder, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """The engine with full-graph decode (emulated on CPU: the same padded static step, eagerly)."""
+    graphs = DecodeGraphConfig(batch_buckets=(1, 2, 4), context_buckets=(16, 64), emulate=True)
+    engine = make_engine(model, torch.float32, max_kv_slots=1024, decode_graphs=graphs)
+    rids = []
+    for prompt in prompts:
+        rids.append(engine.add_request(prompt, new_tokens))
+        engine.step()
+    while any(rid not in engine.results for rid in rids):
+        engine.step()
+    assert engine.decode_runner is not None and engine.decode_runner.steps >= new_tokens - len(prompts)
+    return [list(engine.results[rid].output) for rid in rids]
+
+
+GENERATORS: dict[str, Generate] = {
+    "direct": direct_greedy, "engine": engine_greedy, "engine_decode_graphs": engine_decode_graphs_greedy,
+}
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +278,23 @@ def test_generate_command_with_text_and_ids(saved, run_cli):
     lines = by_text.stdout.splitlines()
     assert lines[1] == " ".join(f"w{t}" for t in expected[1][:8])
     assert lines[2].startswith("8 tokens in ") and lines[2].endswith(" tokens/s")
+
+
+def test_generate_command_graphs_flag(saved, run_cli):
+    directory, expected = saved["llama3"]
+    ran = run_cli("--model", str(directory), "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--graphs", "--json")
+    assert ran.returncode == 0, ran.stderr
+    out = json.loads(ran.stdout)
+    assert out["output_ids"] == expected[0]
+    graphs = out["decode_graphs"]
+    assert "declares no graph support" in graphs["unavailable"] and graphs["replays"] == 0  # CPU: eager
+    plain = run_cli("--model", str(directory), "--prompt-ids", "1,2", "--max-new-tokens", "3", "--graphs")
+    assert plain.returncode == 0 and "full-graph decode unavailable" in plain.stdout
+
+
+def test_every_eos_id_of_the_config_ends_generation():
+    assert eos_tokens_of({"eos_token_id": [128001, 128008, 128009]}) == (128001, 128008, 128009)
+    assert eos_tokens_of({"eos_token_id": 2}) == (2,) and eos_tokens_of({}) == ()
 
 
 def test_generate_command_refuses_bad_ids(saved, run_cli):

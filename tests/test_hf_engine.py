@@ -61,6 +61,20 @@ def test_weight_update_from_a_second_checkpoint_by_hf_name(checkpoints):
     assert [list(r.output) for r in engine.generate(PROMPTS, NEW_TOKENS)] == checkpoints["b"][1]
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_weight_update_from_disk_reads_a_checkpoint_directory(checkpoints, tmp_path, sharded):
+    engine = serve(checkpoints["a"][0])
+    assert [list(r.output) for r in engine.generate(PROMPTS, NEW_TOKENS)] == checkpoints["a"][1]
+    second = checkpoints["b"][0]
+    if sharded:  # the same weights as "b", saved in shards
+        second = tmp_path / "b_sharded"
+        save_hf_model("qwen3", second, seed=1, max_shard_size="20KB")
+        assert (second / "model.safetensors.index.json").is_file()
+    result = engine.update_weights_from_disk(str(second))
+    assert result.updated == len(list(engine.model.named_parameters()))
+    assert [list(r.output) for r in engine.generate(PROMPTS, NEW_TOKENS)] == checkpoints["b"][1]
+
+
 def test_sleep_and_wake_serve_the_same_tokens(checkpoints):
     directory, expected = checkpoints["a"]
     engine = serve(directory)

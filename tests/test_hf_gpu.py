@@ -137,3 +137,29 @@ def test_graph_runner_equals_eager_on_loaded_models(saved, family):
         seqs = [s + [s[-1] + 1] for s in seqs]
         counts = [1] * len(PROMPTS)
         ids = torch.arange(len(PROMPTS), device=engine.device) + 5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_graph_decode_equals_eager_on_loaded_models(saved, family):
+    """fp32: replayed decode graphs (every family, incl. Mistral's sliding window) give eager's tokens."""
+    from torchhal.core.engine import DecodeGraphConfig
+
+    eager = [r.output for r in make_engine(load_checkpoint(saved[family], device="cuda")[0], torch.float32,
+                                           max_kv_slots=4096).generate(PROMPTS, 32)]
+    graphs = DecodeGraphConfig(batch_buckets=(1, 2, 4), context_buckets=(64,))
+    engine = make_engine(load_checkpoint(saved[family], device="cuda")[0], torch.float32, max_kv_slots=4096,
+                         decode_graphs=graphs)
+    assert engine.decode_runner is not None and engine.decode_runner.graphs_enabled
+    assert [r.output for r in engine.generate(PROMPTS, 32)] == eager
+    assert engine.decode_runner.steps >= 31
+
+
+def test_generate_command_with_graphs_replays_and_matches_eager(saved):
+    from torchhal._generate import generate_from_checkpoint
+
+    ids = PROMPTS[1]
+    plain = generate_from_checkpoint(saved["llama3"], prompt_ids=ids, max_new_tokens=24, dtype_name="float32")
+    graphs = generate_from_checkpoint(saved["llama3"], prompt_ids=ids, max_new_tokens=24, dtype_name="float32",
+                                      graphs=True)
+    assert graphs["output_ids"] == plain["output_ids"]
+    assert graphs["decode_graphs"]["unavailable"] is None and graphs["decode_graphs"]["replays"] == 23

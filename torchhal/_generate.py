@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import inspect
 import json
 import sys
 import time
@@ -15,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from torchhal.core.engine import GenerationEngine, ModelRunner
+    from torchhal.core.engine import DecodeGraphConfig, GenerationEngine, ModelRunner
     from torchhal.core.model import LlamaDecoder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -26,26 +24,16 @@ def make_engine(
     model: LlamaDecoder,
     dtype: torch.dtype,
     max_kv_slots: int = 1 << 16,
-    eos_token: int | None = None,
+    eos_tokens: tuple[int, ...] = (),
     runner_factory: Callable[[GenerationEngine], ModelRunner] | None = None,
+    decode_graphs: DecodeGraphConfig | None = None,
 ) -> GenerationEngine:
-    """A `GenerationEngine` serving `model` (already on the platform's device) in `dtype`."""
-    from torchhal.core.engine import EagerRunner, EngineConfig, GenerationEngine
+    """A `GenerationEngine` serving `model`; load it in `dtype` on the platform's device, so the
+    engine's move is a no-op (no second copy of the weights)."""
+    from torchhal.core.engine import EngineConfig, GenerationEngine
 
-    if "model" in inspect.signature(GenerationEngine).parameters:  # the engine takes its model from outside
-        config = EngineConfig(dtype=dtype, max_kv_slots=max_kv_slots, eos_token=eos_token)
-        return GenerationEngine(config, model=model, runner_factory=runner_factory)  # type: ignore[call-arg]
-    # Transitional, until the engine takes the model: it builds a seeded model of the same
-    # shape, which is swapped for the loaded one (its KV pool is kept, it sizes by config).
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    assert "model" in fields, "EngineConfig without a model config needs GenerationEngine(model=...)"
-    engine = GenerationEngine(EngineConfig(model=model.config, dtype=dtype, max_kv_slots=max_kv_slots,
-                                           eos_token=eos_token))
-    kv = engine.model.kv
-    engine.model = model.to(engine.device, dtype).eval()  # type: ignore[assignment]
-    engine.model.kv = kv
-    engine.runner = runner_factory(engine) if runner_factory else EagerRunner(engine.model)
-    return engine
+    config = EngineConfig(dtype=dtype, max_kv_slots=max_kv_slots, eos_tokens=eos_tokens, decode_graphs=decode_graphs)
+    return GenerationEngine(config, model=model, runner_factory=runner_factory)
 
 
 def load_tokenizer(path: Path) -> Any | None:
@@ -60,11 +48,12 @@ def load_tokenizer(path: Path) -> Any | None:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def _eos(hf: dict[str, Any]) -> int | None:
+def eos_tokens_of(hf: dict[str, Any]) -> tuple[int, ...]:
+    """Every end-of-sequence id of a config.json (Llama 3 lists several)."""
     eos = hf.get("eos_token_id")
-    if isinstance(eos, list):  # the engine stops on one token; the first is the main one
-        return int(eos[0]) if eos else None
-    return int(eos) if eos is not None else None
+    if eos is None:
+        return ()
+    return tuple(int(t) for t in eos) if isinstance(eos, list) else (int(eos),)
 
 
 def generate_from_checkpoint(
@@ -73,8 +62,12 @@ def generate_from_checkpoint(
     prompt_ids: list[int] | None = None,
     max_new_tokens: int = 32,
     dtype_name: str | None = None,
+    graphs: bool = False,
 ) -> dict[str, Any]:
-    """Load, generate greedily on the current platform, and report what `torchhal generate` prints."""
+    """Load, generate greedily on the current platform, and report what `torchhal generate` prints.
+
+    `graphs`: full-graph decode (one graph replay per decode step) where the platform can
+    capture graphs; elsewhere every step runs eagerly and the report says why."""
     import torch
 
     from torchhal.core.model.checkpoint import CheckpointError, load_checkpoint, read_hf_config
@@ -96,8 +89,14 @@ def generate_from_checkpoint(
     device = platform.device(platform.current_device())
     dtype = getattr(torch, dtype_name) if dtype_name else None
     model, report = load_checkpoint(root, dtype=dtype, device=device)
-    engine = make_engine(model, report.dtype, max_kv_slots=len(prompt_ids) + max_new_tokens + 1,
-                         eos_token=_eos(read_hf_config(root)))
+    context = len(prompt_ids) + max_new_tokens
+    decode_graphs = None
+    if graphs:
+        from torchhal.core.engine import DecodeGraphConfig
+
+        decode_graphs = DecodeGraphConfig(batch_buckets=(1,), context_buckets=(context,))  # one graph: this run
+    engine = make_engine(model, report.dtype, max_kv_slots=context + 1, eos_tokens=eos_tokens_of(read_hf_config(root)),
+                         decode_graphs=decode_graphs)
     platform.synchronize(engine.device_index)
     start = time.perf_counter()
     result = engine.generate([prompt_ids], max_new_tokens)[0]
@@ -120,6 +119,18 @@ def generate_from_checkpoint(
         "new_tokens": len(output),
         "seconds": seconds,
         "tokens_per_s": len(output) / seconds if seconds > 0 else None,
+        "decode_graphs": _graph_report(engine) if graphs else None,
+    }
+
+
+def _graph_report(engine: GenerationEngine) -> dict[str, Any]:
+    runner = engine.decode_runner
+    assert runner is not None
+    capture = runner.report
+    return {
+        "replays": runner.steps,
+        "unavailable": runner.unsupported,
+        "capture_seconds": capture.seconds if capture is not None else None,
     }
 
 
@@ -133,7 +144,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        out = generate_from_checkpoint(args.model, args.prompt, ids, args.max_new_tokens, args.dtype)
+        out = generate_from_checkpoint(args.model, args.prompt, ids, args.max_new_tokens, args.dtype, args.graphs)
     except (CheckpointError, ValueError) as exc:
         print(f"torchhal: {exc}", file=sys.stderr)
         return 2
@@ -146,6 +157,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"file(s), loaded in {load['seconds']:.2f} s onto {out['device']} ({out['dtype']})")
     print(out["text"] if out["text"] is not None else " ".join(map(str, out["output_ids"])))
     print(f"{out['new_tokens']} tokens in {out['seconds']:.2f} s: {out['tokens_per_s'] or 0:.1f} tokens/s")
+    graphs = out["decode_graphs"]
+    if graphs is not None:
+        print(f"full-graph decode: {graphs['replays']} replay(s)" if graphs["unavailable"] is None
+              else f"full-graph decode unavailable ({graphs['unavailable']}); ran eagerly")
     return 0
 
 
@@ -158,5 +173,7 @@ def add_generate_command(sub: Any) -> None:
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated: 1,2,3")
     gen.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     gen.add_argument("--dtype", choices=DTYPES, help="override the checkpoint's dtype")
+    gen.add_argument("--graphs", action="store_true",
+                     help="full-graph decode (one graph replay per decode step) where the platform captures graphs")
     gen.add_argument("--json", action="store_true", help="machine-readable output")
     gen.set_defaults(func=cmd_generate)

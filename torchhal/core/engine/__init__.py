@@ -9,6 +9,7 @@ from torchhal.core.engine.engine import GenerationEngine
 from torchhal.core.engine.occupation import MemoryOccupation
 from torchhal.core.engine.records import (
     ContinueReport,
+    DecodeGraphConfig,
     EngineConfig,
     FlushResult,
     GenerationResult,
@@ -26,6 +27,7 @@ from torchhal.core.engine.weights import WeightUpdater
 
 __all__ = [
     "ContinueReport",
+    "DecodeGraphConfig",
     "EagerRunner",
     "EngineConfig",
     "FlushResult",

@@ -25,6 +25,7 @@ from torchhal.core.engine.kv_pool import KVPoolSizing, SlotAllocator, size_kv_po
 from torchhal.core.engine.occupation import MemoryOccupation
 from torchhal.core.engine.records import (
     ContinueReport,
+    DecodeGraphConfig,
     EngineConfig,
     FlushResult,
     GenerationResult,
@@ -36,8 +37,9 @@ from torchhal.core.engine.records import (
 )
 from torchhal.core.engine.requests import RequestBook
 from torchhal.core.engine.runners import EagerRunner, ModelRunner
-from torchhal.core.engine.scheduler import Scheduler
+from torchhal.core.engine.scheduler import Scheduler, StepPlan
 from torchhal.core.engine.weights import NamedTensors, WeightUpdater
+from torchhal.core.graphs.decode import DecodeGraphRunner
 from torchhal.core.model import KVCache, Model, ModelConfig, ReferenceDecoder
 from torchhal.core.model.protocol import missing_model_members
 from torchhal.platforms import Platform, ReleasePoint, current_platform
@@ -52,7 +54,10 @@ class GenerationEngine:
         runner_factory: Callable[[GenerationEngine], ModelRunner] | None = None,
     ) -> None:
         """`model`: any `Model` (moved to the engine's device and `config.dtype`); None builds
-        `ReferenceDecoder(config.model)`. Model facts always come from `model.config`."""
+        `ReferenceDecoder(config.model)`. Model facts always come from `model.config`.
+
+        The KV pool holds one slot more than the allocator hands out: the scratch slot
+        where padded rows of a full-graph decode step write (`config.decode_graphs`)."""
         if model is not None and missing_model_members(model):
             raise TypeError(
                 f"model {type(model).__name__} lacks {', '.join(missing_model_members(model))} of the "
@@ -83,6 +88,29 @@ class GenerationEngine:
         self._idle_since: float | None = None
         self._idle_emptied = False
         self.runner: ModelRunner = runner_factory(self) if runner_factory else EagerRunner(self.model)
+        eos = set(config.eos_tokens) | ({config.eos_token} if config.eos_token is not None else set())
+        self._eos: frozenset[int] = frozenset(eos)
+        self.decode_runner: DecodeGraphRunner | None = None
+        if config.decode_graphs is not None:
+            self.decode_runner = self._new_decode_runner(config.decode_graphs)
+            self.requests.on_leave = self.decode_runner.forget
+
+    def _new_decode_runner(self, settings: DecodeGraphConfig) -> DecodeGraphRunner:
+        """Built after the KV pool exists: capture needs it (and the scratch slot in it)."""
+        return DecodeGraphRunner(
+            self.model,  # type: ignore[arg-type]  # the Model protocol is satisfied by nn.Modules
+            self.platform,
+            self.device_index,
+            scratch_slot=self.scratch_slot,
+            batch_buckets=settings.batch_buckets,
+            context_buckets=settings.context_buckets,
+            emulate=settings.emulate,
+        )
+
+    @property
+    def scratch_slot(self) -> int:
+        """The KV slot no request owns (the last one of the pool)."""
+        return self.kv_sizing.num_slots
 
     # -- views of the parts ---------------------------------------------------------------
     @property
@@ -163,10 +191,11 @@ class GenerationEngine:
         self._idle_since, self._idle_emptied = None, False
         try:
             with torch.no_grad():  # not inference_mode: the KV pool and graph buffers persist across steps
-                inputs = self.scheduler.build_inputs(plan, self.device)
-                hidden = self.runner.forward(inputs.input_ids, inputs.meta)
-                next_tokens = self.model.logits(hidden, inputs.last_index).argmax(-1).tolist()
+                next_tokens = self._run(plan)
         except BaseException as exc:
+            if self.decode_runner is not None:  # rows this step touched are rewritten next time
+                for request in plan.batch:
+                    self.decode_runner.forget(request.rid)
             if isinstance(exc, Exception) and self.platform.is_out_of_memory(exc):
                 return self._handle_oom(plan.batch, exc)
             self.scheduler.rollback(plan)
@@ -175,9 +204,22 @@ class GenerationEngine:
         done = []
         for request, token in zip(plan.batch, next_tokens, strict=True):
             request.output.append(int(token))
-            if len(request.output) >= request.max_new_tokens or token == self.config.eos_token:
+            if len(request.output) >= request.max_new_tokens or token in self._eos:
                 done.append(self.requests.finish(request, RequestState.FINISHED))
         return done
+
+    def _run(self, plan: StepPlan) -> list[int]:
+        """This step's next token per request: one decode graph replay for a pure decode
+        batch that fits the buckets, else the engine's runner."""
+        decode = self.decode_runner
+        if decode is not None and not plan.prefills:
+            longest = max(len(r.slots) for r in plan.decodes)  # this step's slot included
+            if decode.can_run(len(plan.decodes), longest):
+                return decode.decode([(r.rid, r.tokens[-1], r.slots) for r in plan.decodes])
+        inputs = self.scheduler.build_inputs(plan, self.device)
+        hidden = self.runner.forward(inputs.input_ids, inputs.meta)
+        tokens: list[int] = self.model.logits(hidden, inputs.last_index).argmax(-1).tolist()
+        return tokens
 
     def _check_can_run(self) -> None:
         if self.asleep:
@@ -263,11 +305,12 @@ class GenerationEngine:
         return WeightUpdateResult(count, self.weight_version, self.flush_cache_after_weight_update(flush_cache))
 
     def update_weights_from_disk(self, path: str, flush_cache: bool = False) -> WeightUpdateResult:
-        try:
-            from safetensors.torch import load_file
-        except ImportError as exc:  # pragma: no cover - safetensors is in the test extra
-            raise RuntimeError("update_weights_from_disk needs safetensors: pip install safetensors") from exc
-        return self.update_weights_from_tensors(load_file(path, device="cpu"), flush_cache)
+        """Weights by Hugging Face name from a checkpoint directory (single or sharded
+        safetensors) or one safetensors file; validated and applied like
+        `update_weights_from_tensors` (all or nothing)."""
+        from torchhal.core.model.checkpoint import iter_checkpoint_tensors
+
+        return self.update_weights_from_tensors(iter_checkpoint_tensors(path), flush_cache)
 
     def flush_cache_after_weight_update(self, requested: bool) -> FlushResult | None:
         """The one place every weight-update path flushes, when the caller asked."""
@@ -280,6 +323,8 @@ class GenerationEngine:
         pending = self.pending()
         if pending or self.asleep:
             raise RuntimeError(f"cannot sleep: {pending or 'already asleep'}")
+        if self.decode_runner is not None:
+            self.decode_runner.release()
         self.occupation.sleep(self.model, self.runner)
         return self.events.empty(ReleasePoint.SLEEP)
 
@@ -288,6 +333,9 @@ class GenerationEngine:
             raise RuntimeError("the engine is not asleep")
         self.occupation.wake(self.model, self.runner, self._new_kv_cache)
         self.slots.reset()
+        if self.decode_runner is not None:  # recapture on the new KV pool
+            self.decode_runner.resume()
 
     def _new_kv_cache(self) -> KVCache:
-        return KVCache(self.model_config, self.kv_sizing.num_slots, self.device, self.config.dtype)
+        # One slot more than the allocator hands out: the scratch slot.
+        return KVCache(self.model_config, self.kv_sizing.num_slots + 1, self.device, self.config.dtype)

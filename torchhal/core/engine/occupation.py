@@ -24,12 +24,17 @@ class MemoryOccupation:
 
     def sleep(self, model: Model, runner: ModelRunner) -> None:
         runner.release()
+        pin = self.platform.pin_memory
+
+        def to_pinned_host(tensor: torch.Tensor) -> torch.Tensor:
+            return pin(tensor.to(HOST))
+
         with torch.no_grad():
-            # Each parameter moves into pinned host memory in place (tied parameters are
-            # one object, so they stay tied); buffers follow with the module move below.
-            for _, param in model.named_parameters():
-                param.data = self.platform.pin_memory(param.data.to(HOST))
-        model.to(HOST)
+            # The module's own move (what `.to()` runs), pinning each tensor as it lands:
+            # parameters move in place (tied ones are one object, so they stay tied) and a
+            # model's `_apply` override sees the move. Pinning parameters one by one would
+            # miss storage they merely view (the decoder's fused QKV / gate-up weights).
+            model._apply(to_pinned_host)
         model.kv = None
         self.asleep = True
 

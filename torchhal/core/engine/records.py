@@ -80,6 +80,33 @@ class WeightUpdateIncomplete(RuntimeError):
 
 
 @dataclass(frozen=True)
+class DecodeGraphConfig:
+    """Full-graph decode: a pure decode step (no prefill in the batch) whose batch and
+    longest context fit a bucket runs as one graph replay; every other step runs on the
+    engine's runner. One graph is captured per (batch, context) bucket pair, at engine
+    construction and again after wake. `emulate` runs the same padded static step
+    eagerly (platforms without graph support, CPU tests); without it, a platform that
+    cannot capture graphs runs every step on the engine's runner."""
+
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    context_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
+    emulate: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("batch_buckets", "context_buckets"):
+            buckets = getattr(self, name)
+            if (
+                not isinstance(buckets, tuple)
+                or not buckets
+                or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets)
+            ):
+                raise ValueError(
+                    f"DecodeGraphConfig.{name} = {buckets!r} must be a non-empty tuple of positive ints, "
+                    "e.g. (1, 8, 32)"
+                )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()  # used only when the engine builds its own ReferenceDecoder
     dtype: torch.dtype = torch.float32
@@ -89,13 +116,24 @@ class EngineConfig:
     max_batch_tokens: int = 4096
     max_running: int = 256
     idle_empty_after_s: float | None = None
-    eos_token: int | None = None
+    eos_token: int | None = None  # a request ends on this token or on any of eos_tokens
+    eos_tokens: tuple[int, ...] = ()  # Hugging Face configs often list several (Llama 3)
     check_finite_weights: bool = False  # reject weight updates holding NaN/inf (one device sync per tensor)
+    decode_graphs: DecodeGraphConfig | None = None  # full-graph decode, off by default (see DecodeGraphConfig)
 
     def __post_init__(self) -> None:
         for name in ("max_kv_slots", "max_batch_tokens", "max_running"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} = {value!r} must be a positive int")
+        if not isinstance(self.eos_tokens, tuple) or any(
+            not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.eos_tokens
+        ):
+            raise ValueError(f"EngineConfig.eos_tokens = {self.eos_tokens!r} must be a tuple of token ids, e.g. (2,)")
+        if self.decode_graphs is not None and not isinstance(self.decode_graphs, DecodeGraphConfig):
+            raise TypeError(
+                f"EngineConfig.decode_graphs = {self.decode_graphs!r} must be a DecodeGraphConfig or None; "
+                "e.g. decode_graphs=DecodeGraphConfig() to turn full-graph decode on"
+            )
         if self.idle_empty_after_s is not None and self.idle_empty_after_s < 0:
             raise ValueError(f"EngineConfig.idle_empty_after_s = {self.idle_empty_after_s!r} must be >= 0 or None")

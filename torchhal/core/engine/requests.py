@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -48,6 +48,13 @@ class RequestBook:
         self.running: list[Request] = []
         self.results: dict[int, GenerationResult] = {}
         self._next_rid = 0
+        # Called with the rid of every request that leaves the running batch (finished,
+        # aborted, failed, retracted, discarded): per-request state elsewhere is dropped.
+        self.on_leave: Callable[[int], None] | None = None
+
+    def _left(self, request: Request) -> None:
+        if self.on_leave is not None:
+            self.on_leave(request.rid)
 
     def add(self, prompt: list[int], max_new_tokens: int) -> int:
         """Queue a prompt; raises TypeError/ValueError naming a bad token or length (nothing queued)."""
@@ -75,12 +82,14 @@ class RequestBook:
         request.slots, request.state = [], RequestState.WAITING
         self.running.remove(request)
         self.waiting.appendleft(request)
+        self._left(request)
 
     def finish(self, request: Request, state: RequestState) -> GenerationResult:
         self.slots.free(request.slots)
         request.slots, request.state = [], state
         if request in self.running:
             self.running.remove(request)
+        self._left(request)
         result = GenerationResult(request.rid, tuple(request.prompt), tuple(request.output), state, request.error)
         self.results[request.rid] = result
         return result
@@ -115,6 +124,7 @@ class RequestBook:
             self.slots.free(request.slots)
             request.slots = []
             self.running.remove(request)
+            self._left(request)
         self.waiting = deque(r for r in self.waiting if r.rid not in wanted)
         for rid in wanted:
             self.results.pop(rid, None)

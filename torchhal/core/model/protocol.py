@@ -6,7 +6,7 @@ and `GraphRunner` without editing either; `ReferenceDecoder` is one implementati
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # annotations only: this file depends on no model implementation at run time
@@ -28,6 +28,7 @@ MODEL_MEMBERS = (
     "state_dict",
     "load_state_dict",
     "to",
+    "_apply",
     "eval",
 )
 
@@ -78,6 +79,11 @@ class Model(Protocol):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any: ...
 
     def to(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """What `.to()` runs on every tensor; sleep runs it with a move into pinned host memory.
+        Override it (calling super) when parameters view storage of their own (fused weights)."""
+        ...
 
     def eval(self) -> Any: ...
 
