@@ -11,6 +11,11 @@ full-graph decode. Also: HBM copy bandwidth and the batch-1 fraction of it that 
 (weight bytes read per step / step time), graph capture time and pool memory, and per-row token
 checks (torchhal paths against each other and against transformers' greedy output).
 
+transformers runs in a child process on the saved checkpoint: its compiled decode captures
+CUDA graphs through inductor's graph trees, which corrupted graphs captured beforehand by
+torch.cuda.graph in the same process (seen on the H100: an illegal address at the next
+replay of torchhal's graphs). Separate processes keep both sides' allocators apart.
+
 `--tiny` runs tiny shapes on whatever device there is (CPU: float32, no compile, graph rows
 skipped with their reason and full-graph decode emulated), so the script is checked end to end
 before it meets a GPU. `--budget-s` skips the remaining rows (with that reason) once spent.
@@ -20,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -98,15 +105,77 @@ def hf_model(shape: dict[str, int], dtype: torch.dtype, device: torch.device, se
     return model.eval()
 
 
-def torchhal_engine(hf: Any, dtype: torch.dtype, max_kv_slots: int, decode_graphs: DecodeGraphConfig) -> tuple[
-        GenerationEngine, str]:
-    """A torchhal engine serving `hf`'s weights (save_pretrained + load_checkpoint), and how they got there."""
+def torchhal_engine(directory: str, dtype: torch.dtype, max_kv_slots: int,
+                    decode_graphs: DecodeGraphConfig) -> GenerationEngine:
+    """A torchhal engine serving the checkpoint in `directory` (written by save_pretrained)."""
     platform = torchhal.current_platform()
-    with tempfile.TemporaryDirectory() as directory:
-        hf.save_pretrained(directory)
-        model, _ = load_checkpoint(directory, dtype=dtype, device=platform.device(platform.current_device()))
-    engine = make_engine(model, dtype, max_kv_slots=max_kv_slots, decode_graphs=decode_graphs)
-    return engine, "save_pretrained + load_checkpoint"
+    model, _ = load_checkpoint(directory, dtype=dtype, device=platform.device(platform.current_device()))
+    return make_engine(model, dtype, max_kv_slots=max_kv_slots, decode_graphs=decode_graphs)
+
+
+# -- the peer, in its own process ----------------------------------------------------------------------
+def run_peers(directory: str, dtype: torch.dtype, prompts: dict[int, list[list[int]]], warmups: int, reps: int,
+              budget_s: float) -> dict[str, Any]:
+    """transformers eager and static-cache `generate` on the checkpoint, in a child process."""
+    job = Path(directory) / "peer_job.json"
+    answer = Path(directory) / "peer_answer.json"
+    job.write_text(json.dumps({"directory": directory, "dtype": str(dtype).removeprefix("torch."),
+                               "prompts": {str(b): p for b, p in prompts.items()}, "warmups": warmups,
+                               "reps": reps, "budget_s": budget_s}))
+    done = subprocess.run([sys.executable, __file__, "--peer-job", str(job), "--peer-answer", str(answer)],
+                          check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the transformers child process failed (exit {done.returncode})")
+    answer_data: dict[str, Any] = json.loads(answer.read_text())
+    return answer_data
+
+
+def peer_child(job_path: str, answer_path: str) -> None:
+    """Child: load the checkpoint in transformers and time eager and static-cache generate per batch."""
+    from transformers import LlamaForCausalLM
+
+    job = json.loads(Path(job_path).read_text())
+    platform = torchhal.current_platform()
+    device = platform.device(platform.current_device())
+    sync = platform.synchronize
+    on_gpu = device.type != "cpu"
+    for limit in ("recompile_limit", "cache_size_limit"):  # one compile per batch size
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, 64)
+    hf = LlamaForCausalLM.from_pretrained(job["directory"], dtype=getattr(torch, job["dtype"])).to(device).eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    started, rows = time.perf_counter(), {}
+    for batch, batch_prompts in job["prompts"].items():
+        if time.perf_counter() - started > job["budget_s"]:
+            rows[batch] = {"skipped": "time budget spent (--budget-s)"}
+            continue
+        ids = torch.tensor(batch_prompts, device=device)
+        mask = torch.ones_like(ids)
+
+        def hf_generate(new: int = NEW_TOKENS, ids: torch.Tensor = ids, mask: torch.Tensor = mask,
+                        **kw: Any) -> list[list[int]]:
+            with torch.no_grad():
+                out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **kw)
+            return out[:, PROMPT_LEN:].tolist()
+
+        b = len(batch_prompts)
+        eager_s, eager_out = median_run(hf_generate, job["warmups"], job["reps"], sync)
+        compile_start = time.perf_counter()
+        hf_generate(cache_implementation="static")
+        sync()
+        compile_s = time.perf_counter() - compile_start
+        static_s, static_out = median_run(lambda: hf_generate(cache_implementation="static"),
+                                          job["warmups"], job["reps"], sync)
+        one_token_s, _ = median_run(lambda: hf_generate(1, cache_implementation="static"), 1, job["reps"], sync)
+        rows[batch] = {
+            "transformers_eager": {"tok_s": b * NEW_TOKENS / eager_s, "s": eager_s},
+            "transformers_static": {"tok_s": b * NEW_TOKENS / static_s, "s": static_s, "first_call_s": compile_s,
+                                    "compiled": on_gpu,
+                                    "decode_step_ms": (static_s - one_token_s) / (NEW_TOKENS - 1) * 1e3},
+            "outputs": {"transformers_eager": eager_out, "transformers_static": static_out},
+        }
+    Path(answer_path).write_text(json.dumps(rows))
 
 
 # -- timing ------------------------------------------------------------------------------------------
@@ -162,6 +231,9 @@ class Budget:
     def left(self) -> bool:
         return time.perf_counter() < self.deadline
 
+    def remaining(self) -> float:
+        return max(self.deadline - time.perf_counter(), 0.0)
+
 
 def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, budget: Budget) -> dict[str, Any]:
     platform = torchhal.current_platform()
@@ -172,19 +244,25 @@ def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, budg
     warmups, reps = (1, 3) if args.quick or args.tiny else (2, 5)
     result: dict[str, Any] = {"shape": shape, "dtype": str(dtype).removeprefix("torch."), "rows": {}}
     started = time.perf_counter()
-    hf = hf_model(shape, dtype, device)
-    params = sum(p.numel() * p.element_size() for p in hf.parameters())
-    embed = hf.model.embed_tokens.weight
-    weight_bytes = params - embed.numel() * embed.element_size()  # decode reads all but the embedding table
-    result["weight_bytes_read_per_step"] = weight_bytes
-    max_slots = max(BATCHES) * (PROMPT_LEN + NEW_TOKENS) * 2 + 64
-    decode_graphs = DecodeGraphConfig(batch_buckets=BATCH_BUCKETS, context_buckets=CONTEXT_BUCKETS, emulate=not on_gpu)
-    engine, how = torchhal_engine(hf, dtype, max_slots, decode_graphs)
-    result["weights"] = how
-    result["setup_s"] = time.perf_counter() - started
     generator = torch.Generator().manual_seed(1)
     prompts = {b: torch.randint(0, shape["vocab_size"], (b, PROMPT_LEN), generator=generator).tolist()
                for b in BATCHES}
+    with tempfile.TemporaryDirectory() as directory:
+        hf = hf_model(shape, dtype, device)
+        params = sum(p.numel() * p.element_size() for p in hf.parameters())
+        embed = hf.model.embed_tokens.weight
+        result["weight_bytes_read_per_step"] = params - embed.numel() * embed.element_size()  # all but embeddings
+        hf.save_pretrained(directory)
+        del hf, embed
+        gc.collect()
+        platform.empty_cache(torchhal.ReleasePoint.USER)
+        peers = run_peers(directory, dtype, prompts, warmups, reps, budget.remaining() * 0.5)
+        max_slots = max(BATCHES) * (PROMPT_LEN + NEW_TOKENS) * 2 + 64
+        decode_graphs = DecodeGraphConfig(batch_buckets=BATCH_BUCKETS, context_buckets=CONTEXT_BUCKETS,
+                                          emulate=not on_gpu)
+        engine = torchhal_engine(directory, dtype, max_slots, decode_graphs)
+    result["weights"] = "save_pretrained; transformers from_pretrained (child process), torchhal load_checkpoint"
+    result["setup_s"] = time.perf_counter() - started
 
     # torchhal runners: eager, breakable graphs (prefill + decode), and full-graph decode.
     eager_runner = EagerRunner(engine.model)
@@ -215,29 +293,13 @@ def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, budg
             row["skipped"] = "time budget spent (--budget-s)"
             continue
         batch_prompts = prompts[batch]
-        ids = torch.tensor(batch_prompts, device=device)
-        mask = torch.ones_like(ids)
-        outputs: dict[str, list[list[int]]] = {}
-
-        def hf_generate(new: int = NEW_TOKENS, ids: torch.Tensor = ids, mask: torch.Tensor = mask,
-                        **kw: Any) -> list[list[int]]:
-            with torch.no_grad():
-                out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **kw)
-            return out[:, PROMPT_LEN:].tolist()
-
-        seconds, outputs["transformers_eager"] = median_run(hf_generate, warmups, reps, sync)
-        row["transformers_eager"] = {"tok_s": batch * NEW_TOKENS / seconds, "s": seconds}
-
-        compile_start = time.perf_counter()
-        hf_generate(cache_implementation="static")
-        sync()
-        compile_s = time.perf_counter() - compile_start
-        seconds, outputs["transformers_static"] = median_run(
-            lambda: hf_generate(cache_implementation="static"), warmups, reps, sync)
-        one_token_s, _ = median_run(lambda: hf_generate(1, cache_implementation="static"), 1, reps, sync)
-        row["transformers_static"] = {
-            "tok_s": batch * NEW_TOKENS / seconds, "s": seconds, "first_call_s": compile_s,
-            "compiled": on_gpu, "decode_step_ms": (seconds - one_token_s) / (NEW_TOKENS - 1) * 1e3}
+        peer_row = peers.get(str(batch), {"skipped": "no transformers figures"})
+        if "skipped" in peer_row:
+            row["skipped"] = peer_row["skipped"]
+            continue
+        outputs: dict[str, list[list[int]]] = dict(peer_row["outputs"])
+        row["transformers_eager"] = peer_row["transformers_eager"]
+        row["transformers_static"] = peer_row["transformers_static"]
 
         for mode, (runner, decode) in modes.items():
             if mode == "torchhal_breakable_graphs" and graph_runner.report is None:
@@ -300,7 +362,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--budget-s", type=float, default=450.0,
                         help="skip remaining rows after this many seconds (split between shapes)")
     parser.add_argument("--shapes", nargs="*", help="subset of shape names")
+    parser.add_argument("--peer-job", help=argparse.SUPPRESS)  # internal: the transformers child process
+    parser.add_argument("--peer-answer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.peer_job:
+        peer_child(args.peer_job, args.peer_answer)
+        return {}
     budget = Budget(args.budget_s)
     for limit in ("recompile_limit", "cache_size_limit"):  # one compile per model and batch size
         if hasattr(torch._dynamo.config, limit):
