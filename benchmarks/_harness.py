@@ -56,6 +56,27 @@ def paired_overhead_ns(
             "calls_per_sample": number, "pairs": pairs}
 
 
+def paired_ratio(
+    fn: Callable[[], Any], baseline: Callable[[], Any], *, number: int = 2_000, pairs: int = 31
+) -> dict[str, float]:
+    """Median over `pairs` of (time per call of `fn`) / (time per call of `baseline`), timed
+    back to back in each pair (see `paired_overhead_ns`)."""
+    for _ in range(min(number, 200)):
+        fn()
+        baseline()
+    ratios = []
+    for _ in range(pairs):
+        timed = []
+        for call in (fn, baseline):
+            start = time.perf_counter_ns()
+            for _ in range(number):
+                call()
+            timed.append((time.perf_counter_ns() - start) / number)
+        ratios.append(timed[0] / timed[1])
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+            "calls_per_sample": number, "pairs": pairs}
+
+
 def environment() -> dict[str, Any]:
     clock = time.get_clock_info("perf_counter")
     env: dict[str, Any] = {
