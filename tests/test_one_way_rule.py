@@ -1,4 +1,4 @@
-"""The one-way import rule (DESIGN.md): engine code never names a vendor."""
+"""The one-way import rule (docs/design-notes.md, Architecture): engine code never names a vendor."""
 
 import ast
 from pathlib import Path
