@@ -17,12 +17,15 @@ has_cuda = torch.cuda.is_available() and torch.version.cuda is not None
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_cuda, reason="needs a CUDA GPU (none here)")]
 
 
-def test_device_pool_round_trip_across_processes():
+# CUDA IPC cannot open an allocation in the process that made it, so every consumer
+# here is another process.
+@pytest.mark.parametrize(("copy", "copy_stream"), [(True, False), (True, True), (False, False)])
+def test_device_pool_round_trip_across_processes(copy, copy_stream):
     platform = torchhal.get_platform("cuda")
     producer = Producer(TransportConfig(budget_bytes=64 * MiB, pool_floor_bytes=MiB), platform, 0)
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=transport_workers.consume, args=(0, inbox, outbox))
+    proc = ctx.Process(target=transport_workers.consume, args=(0, inbox, outbox, copy, copy_stream))
     proc.start()
     sent = [torch.arange(4096, dtype=torch.float32, device="cuda:0").reshape(64, 64).t(),
             torch.arange(300, dtype=torch.int64, device="cuda:0"),
@@ -38,21 +41,9 @@ def test_device_pool_round_trip_across_processes():
     finally:
         inbox.put(None)
         proc.join(60)
-    assert producer.reclaim() == len(sent)
+    producer.reclaim()  # each send reclaims what was acknowledged before it; this takes the last
+    assert producer.free_bytes() == producer.pool_bytes
     producer.close()
-
-
-@pytest.mark.parametrize("copy_stream", [False, True])
-def test_device_receive_copy_and_view_in_process(copy_stream):
-    platform = torchhal.get_platform("cuda")
-    producer = Producer(TransportConfig(budget_bytes=16 * MiB, pool_floor_bytes=MiB), platform, 0)
-    consumer = Consumer(0, platform, 0, copy_stream=copy_stream)
-    tensor = torch.randn(1000, 33, device="cuda:0")
-    assert torch.equal(consumer.receive(producer.send(tensor)), tensor)
-    view = consumer.receive(producer.send(tensor), copy=False)
-    assert torch.equal(view, tensor) and view.device == tensor.device
-    producer.close()
-    consumer.close()
 
 
 def test_forged_device_handle_fields_are_transport_errors():

@@ -8,14 +8,14 @@ import torchhal
 from torchhal.core.transport import Consumer, Producer, TransportConfig, TransportError
 
 
-def consume(rank, inbox, outbox):
-    consumer = Consumer(rank, torchhal.current_platform())
+def consume(rank, inbox, outbox, copy=True, copy_stream=False):
+    consumer = Consumer(rank, torchhal.current_platform(), copy_stream=copy_stream)
     while True:
         message = inbox.get(timeout=120)
         if message is None:
             break
         try:
-            tensor = consumer.receive(message)
+            tensor = consumer.receive(message, copy=copy)
             same_dtype = tensor.dtype == getattr(torch, message["dtype"])
             outbox.put(("ok", rank, same_dtype, tensor.to(torch.float64).flatten().tolist()))
         except TransportError as exc:
