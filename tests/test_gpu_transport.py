@@ -42,7 +42,7 @@ def test_device_pool_round_trip_across_processes(copy, copy_stream):
         inbox.put(None)
         proc.join(60)
     producer.reclaim()  # each send reclaims what was acknowledged before it; this takes the last
-    assert producer.free_bytes() == producer.pool_bytes
+    assert producer.free_bytes == producer.pool_bytes
     producer.close()
 
 
