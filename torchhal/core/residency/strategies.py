@@ -10,16 +10,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
 
 from torchhal.core.residency.declarations import Strategy
 from torchhal.core.residency.weights import WeightBlock
+from torchhal.platforms import Platform
 
-if TYPE_CHECKING:
-    from torchhal.core.residency.manager import ResidencyManager
+
+class StrategyHost(Protocol):
+    """What a strategy may use of the manager that drives it (the manager keeps the decisions)."""
+
+    device: torch.device
+    platform: Platform
+    side_stream: Any
+
+    def event(self, kind: str, component: str | None, **fields: Any) -> None: ...
 
 
 @dataclass
@@ -43,7 +51,7 @@ class ResidencyStrategy:
     a strategy decides *how*. To add one, subclass this and pass an instance as the
     component's placement; one instance serves one component and keeps its state.
     From the manager a strategy may use `device`, `platform`, `side_stream` and
-    `event(kind, component, **fields)`.
+    `event(kind, component, **fields)` (the `StrategyHost` protocol above, which the manager keeps).
     """
 
     #: The whole weights can be loaded ahead of a use on the side stream.
@@ -54,26 +62,26 @@ class ResidencyStrategy:
     def check(self, component: ComponentState) -> None:
         """Before any component moves: raise ValueError if this strategy cannot serve it."""
 
-    def attach(self, manager: ResidencyManager, component: ComponentState) -> None:
+    def attach(self, manager: StrategyHost, component: ComponentState) -> None:
         """At registration: place what stays on the device, set up host copies and hooks."""
 
-    def load(self, manager: ResidencyManager, component: ComponentState, stream: Any | None) -> int:
+    def load(self, manager: StrategyHost, component: ComponentState, stream: Any | None) -> int:
         """Make the component ready for a use in `component.dtype` (`stream`: a prefetch on
         the side stream; None: now, in compute order). Bytes moved to the device."""
         return 0
 
-    def wait(self, manager: ResidencyManager, component: ComponentState) -> bool:
+    def wait(self, manager: StrategyHost, component: ComponentState) -> bool:
         """Make compute wait for a prefetch of this component; True if there was one."""
         return False
 
-    def release(self, manager: ResidencyManager, component: ComponentState) -> int:
+    def release(self, manager: StrategyHost, component: ComponentState) -> int:
         """The run of uses is over: give device memory back. Bytes that left the device."""
         return 0
 
     def on_device(self, component: ComponentState) -> bool:
         return True
 
-    def detach(self, manager: ResidencyManager, component: ComponentState) -> None:
+    def detach(self, manager: StrategyHost, component: ComponentState) -> None:
         """close(): everything back to host memory, hooks removed."""
         self.release(manager, component)
         component.module.to("cpu")
@@ -100,10 +108,10 @@ def _buffers_to(module: nn.Module, device: torch.device) -> None:
 class ResidentStrategy(ResidencyStrategy):
     """Stays on the device. A use's dtype casts it in place (narrowing loses precision)."""
 
-    def attach(self, manager: ResidencyManager, component: ComponentState) -> None:
+    def attach(self, manager: StrategyHost, component: ComponentState) -> None:
         component.module.to(manager.device)
 
-    def load(self, manager: ResidencyManager, component: ComponentState, stream: Any | None) -> int:
+    def load(self, manager: StrategyHost, component: ComponentState, stream: Any | None) -> int:
         _cast_on_device(component.module, component.dtype)
         return 0
 
@@ -127,11 +135,11 @@ class OffloadStrategy(ResidencyStrategy):
             raise ValueError(f"this OffloadStrategy already serves a component; pass a new one for "
                              f"{component.name!r}")
 
-    def attach(self, manager: ResidencyManager, component: ComponentState) -> None:
+    def attach(self, manager: StrategyHost, component: ComponentState) -> None:
         _buffers_to(component.module, manager.device)
         self.block = WeightBlock(list(component.module.parameters()), manager.platform, manager.device)
 
-    def load(self, manager: ResidencyManager, component: ComponentState, stream: Any | None) -> int:
+    def load(self, manager: StrategyHost, component: ComponentState, stream: Any | None) -> int:
         block = self._block()
         want = component.dtype or block.dtype
         if block.on_device and block.device_dtype == want:
@@ -140,10 +148,10 @@ class OffloadStrategy(ResidencyStrategy):
         block.load(stream, dtype=want)
         return block.nbytes
 
-    def wait(self, manager: ResidencyManager, component: ComponentState) -> bool:
+    def wait(self, manager: StrategyHost, component: ComponentState) -> bool:
         return self._block().wait()
 
-    def release(self, manager: ResidencyManager, component: ComponentState) -> int:
+    def release(self, manager: StrategyHost, component: ComponentState) -> int:
         return self._block().release()
 
     def on_device(self, component: ComponentState) -> bool:
@@ -214,7 +222,7 @@ class LayerwiseStrategy(ResidencyStrategy):
             raise ValueError(f"this LayerwiseStrategy already serves a component; pass a new one for "
                              f"{component.name!r}")
 
-    def attach(self, manager: ResidencyManager, component: ComponentState) -> None:
+    def attach(self, manager: StrategyHost, component: ComponentState) -> None:
         module = component.module
         layers = self._find_layers(component)
         layer_params = {id(p) for layer in layers for p in layer.parameters()}
@@ -228,12 +236,12 @@ class LayerwiseStrategy(ResidencyStrategy):
             self.hooks.append(layer.register_forward_pre_hook(self._before_layer(manager, component, index)))
             self.hooks.append(layer.register_forward_hook(self._after_layer(index)))
 
-    def load(self, manager: ResidencyManager, component: ComponentState, stream: Any | None) -> int:
+    def load(self, manager: StrategyHost, component: ComponentState, stream: Any | None) -> int:
         skip = frozenset(id(p) for layer in self.layers for p in layer.parameters())
         _cast_on_device(component.module, component.dtype, skip=skip)
         return 0  # layers stream in as they run
 
-    def release(self, manager: ResidencyManager, component: ComponentState) -> int:
+    def release(self, manager: StrategyHost, component: ComponentState) -> int:
         released = self.released_bytes + sum(block.release() for block in self.blocks)
         self.released_bytes = 0
         self.ring = []  # the next use is another component: give the ring back
@@ -242,13 +250,13 @@ class LayerwiseStrategy(ResidencyStrategy):
     def on_device(self, component: ComponentState) -> bool:
         return all(b.on_device for b in self.blocks)
 
-    def detach(self, manager: ResidencyManager, component: ComponentState) -> None:
+    def detach(self, manager: StrategyHost, component: ComponentState) -> None:
         super().detach(manager, component)
         for handle in self.hooks:
             handle.remove()
         self.hooks = []
 
-    def _before_layer(self, manager: ResidencyManager, component: ComponentState, index: int) -> Any:
+    def _before_layer(self, manager: StrategyHost, component: ComponentState, index: int) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
             block = self.blocks[index]
             if block.on_device:
