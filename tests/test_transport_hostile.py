@@ -401,3 +401,22 @@ def test_fuzzed_receive_and_open_against_real_pools():
     assert summary["cases"] == 20000
     assert summary["accepted"] > 100 and summary["rejected"] > 1000 and summary["open_accepted"] > 10
     assert summary["shm_growth_bytes"] <= summary["shm_bound"] and summary["maps_growth"] <= summary["maps_bound"]
+
+
+def test_ref_counter_names_are_torch_names_not_the_drivers_ipc_files():
+    # torch's CUDA ref-counter files come from the same name generator as a CPU filename
+    # storage; the /dev/shm/cuda.shm.* files the driver makes for IPC events are not ref-counters.
+    from torchhal.plugins._accelerator import _check_refcount_file
+
+    counter = torch.zeros(10_000, dtype=torch.int64)
+    torch_name = bytes(counter.untyped_storage()._share_filename_cpu_()[1])
+    _check_refcount_file(torch_name, 9_999)  # a real torch name of a live file: accepted
+    driver_file = f"cuda.shm.{os.geteuid()}.{os.getpid():x}.1"
+    with open(f"/dev/shm/{driver_file}", "wb") as f:
+        f.truncate(8 * 10_000)
+    try:
+        for name in (f"/{driver_file}".encode(), driver_file.encode(), torch_name + b"/../" + driver_file.encode()):
+            with pytest.raises(IpcHandleError, match="not a torch ref-counter"):
+                _check_refcount_file(name, 0)
+    finally:
+        os.unlink(f"/dev/shm/{driver_file}")

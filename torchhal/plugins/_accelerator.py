@@ -271,6 +271,9 @@ class AcceleratorPlatform(PlatformPlugin):
 
 
 _IPC_BLOB_MAX = 256  # driver IPC memory/event handles are tens of bytes
+# torch names every ref-counter file "/torch_<pid>_<random>_<counter>" (at::NewProcessWideShmHandle,
+# the generator its CUDA IPC ref-counters and CPU filename storages share). The driver's own
+# "cuda.shm.<uid>.<pid hex>.<n>" files in /dev/shm (IPC events) are not ref-counters: refused.
 _REFCOUNT_NAME = re.compile(rb"/torch_\d{1,10}_\d{1,10}_\d{1,20}")
 _REFCOUNT_CELLS = 10_000  # torch's CUDA IPC ref-counter file holds this many int64 cells
 
