@@ -163,10 +163,15 @@ class SlotTable:
         row_of, live = self._row_of, len(batch)
         if len(row_of) != live:
             return False
+        lengths, ends = self._length, self._ends
         for key, _, slots in batch:
             row = row_of.get(key)
             # A row at or above `live` (a hole left by a forgotten request) needs compaction.
-            if row is None or row >= live or not self._continues(row, slots):
+            if row is None or row >= live:
+                return False
+            length = lengths[row]  # inlined _continues: this loop runs per request per step
+            first, last = ends[row]
+            if len(slots) != length + 1 or slots[0] != first or slots[length - 1] != last:
                 return False
         return True
 
@@ -196,11 +201,12 @@ class SlotTable:
                 f"a decode batch of {len(batch)} padded to {padded_rows} rows does not fit 1..{self.max_rows} rows"
             )
         seen: set[Hashable] = set()
+        max_context = self.max_context
         for key, token, slots in batch:
             if key in seen:
                 raise ValueError(f"request {key!r} appears twice in one decode batch")
             seen.add(key)
-            if not 1 <= len(slots) <= self.max_context:
+            if not 1 <= len(slots) <= max_context:
                 raise ValueError(
                     f"request {key!r} has {len(slots)} KV slots; a decode row holds 1..{self.max_context}"
                 )
