@@ -215,7 +215,7 @@ class GenerationEngine:
         if decode is not None and not plan.prefills:
             longest = max(len(r.slots) for r in plan.decodes)  # this step's slot included
             if decode.can_run(len(plan.decodes), longest):
-                return decode.decode([(r.rid, r.tokens[-1], r.slots) for r in plan.decodes])
+                return decode.decode([(r.rid, r.last_token, r.slots) for r in plan.decodes])
         inputs = self.scheduler.build_inputs(plan, self.device)
         hidden = self.runner.forward(inputs.input_ids, inputs.meta)
         tokens: list[int] = self.model.logits(hidden, inputs.last_index).argmax(-1).tolist()

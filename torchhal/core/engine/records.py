@@ -39,6 +39,11 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    @property
+    def last_token(self) -> int:
+        """The newest token (what a decode step feeds), without building `tokens`."""
+        return self.output[-1] if self.output else self.prompt[-1]
+
 
 @dataclass(frozen=True)
 class GenerationResult:

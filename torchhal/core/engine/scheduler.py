@@ -59,7 +59,7 @@ class Scheduler:
         ids: list[int] = []
         counts: list[int] = []
         for request in plan.decodes:
-            ids.append(request.tokens[-1])
+            ids.append(request.last_token)
             counts.append(1)
         for request in plan.prefills:
             ids.extend(request.tokens)
@@ -78,10 +78,11 @@ class Scheduler:
         book = self.book
         while book.running and book.slots.available < len(book.running):
             book.retract(book.running[-1])
-        for request in book.running:
-            slot = book.slots.allocate(1)
-            assert slot is not None
-            request.slots.extend(slot)
+        # One allocation for all: the same slots, in the same order, as one allocate(1) per request.
+        new_slots = book.slots.allocate(len(book.running))
+        assert new_slots is not None
+        for request, slot in zip(book.running, new_slots, strict=True):
+            request.slots.append(slot)
         return list(book.running)
 
     def _admit(self, budget: int) -> list[Request]:

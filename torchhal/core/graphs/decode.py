@@ -140,6 +140,43 @@ class SlotTable:
         lose their rows. Raises ValueError (nothing changed) on a bad batch.
         """
         self._validate(batch, padded_rows)
+        if not self._all_continue(batch):
+            self._place(batch)
+        # One flat host list -> one small tensor -> one copy: token, position, out slot rows.
+        row_of, lengths, ends = self._row_of, self._length, self._ends
+        tokens, positions, out_slots = [0] * padded_rows, [0] * padded_rows, [self.scratch_slot] * padded_rows
+        rows: list[int] = []
+        for key, token, slots in batch:
+            row = row_of[key]
+            rows.append(row)
+            length, last = len(slots), slots[-1]
+            lengths[row] = length
+            ends[row] = (slots[0], last)
+            tokens[row], positions[row], out_slots[row] = token, length - 1, last
+        # A pageable host tensor: the copy has read it by the time copy_ returns.
+        host = torch.tensor(tokens + positions + out_slots, dtype=torch.long).view(3, padded_rows)
+        self.step_inputs[:, :padded_rows].copy_(host)
+        return rows
+
+    def _all_continue(self, batch: Sequence[DecodeRow]) -> bool:
+        """True when the batch is exactly the live rows, dense in [0, len(batch)), each one slot longer."""
+        row_of, live = self._row_of, len(batch)
+        if len(row_of) != live:
+            return False
+        lengths, ends = self._length, self._ends
+        for key, _, slots in batch:
+            row = row_of.get(key)
+            # A row at or above `live` (a hole left by a forgotten request) needs compaction.
+            if row is None or row >= live:
+                return False
+            length = lengths[row]  # inlined _continues: this loop runs per request per step
+            first, last = ends[row]
+            if len(slots) != length + 1 or slots[0] != first or slots[length - 1] != last:
+                return False
+        return True
+
+    def _place(self, batch: Sequence[DecodeRow]) -> None:
+        """Drop absent or changed requests, compact the live rows, and give new requests rows."""
         keys = {key for key, _, _ in batch}
         for key in [k for k in self._row_of if k not in keys]:
             self.forget(key)
@@ -157,17 +194,6 @@ class SlotTable:
             row = next(free_rows)
             self._row_of[key], self._key[row] = row, key
             self._write_row(row, slots)
-        rows: list[int] = []
-        inputs = [[0] * padded_rows, [0] * padded_rows, [self.scratch_slot] * padded_rows]
-        for key, token, slots in batch:
-            row = self._row_of[key]
-            rows.append(row)
-            self._length[row] = len(slots)
-            self._ends[row] = (slots[0], slots[-1])
-            inputs[0][row], inputs[1][row], inputs[2][row] = token, len(slots) - 1, slots[-1]
-        # A pageable host tensor: the copy has read it by the time copy_ returns.
-        self.step_inputs[:, :padded_rows].copy_(torch.tensor(inputs, dtype=torch.long))
-        return rows
 
     def _validate(self, batch: Sequence[DecodeRow], padded_rows: int) -> None:
         if not 1 <= len(batch) <= padded_rows <= self.max_rows:
@@ -175,11 +201,12 @@ class SlotTable:
                 f"a decode batch of {len(batch)} padded to {padded_rows} rows does not fit 1..{self.max_rows} rows"
             )
         seen: set[Hashable] = set()
+        max_context = self.max_context
         for key, token, slots in batch:
             if key in seen:
                 raise ValueError(f"request {key!r} appears twice in one decode batch")
             seen.add(key)
-            if not 1 <= len(slots) <= self.max_context:
+            if not 1 <= len(slots) <= max_context:
                 raise ValueError(
                     f"request {key!r} has {len(slots)} KV slots; a decode row holds 1..{self.max_context}"
                 )
