@@ -32,26 +32,32 @@ def per_call_ns(fn: Callable[[], Any], *, number: int = 10_000, repeat: int = 15
             "calls_per_sample": number, "samples": repeat}
 
 
-def paired_overhead_ns(
-    fn: Callable[[], Any], baseline: Callable[[], Any], *, number: int = 20_000, pairs: int = 31
-) -> dict[str, float]:
-    """Median over `pairs` of (ns per call of `fn`) - (ns per call of `baseline`).
-
-    The two are timed back to back in each pair, so clock and host drift (which moves
-    separate medians by hundreds of ns on a busy host) hits both sides alike.
-    """
+def _alternating(
+    fn: Callable[[], Any], baseline: Callable[[], Any], number: int, pairs: int
+) -> list[tuple[float, float]]:
+    """(ns per call of `fn`, ns per call of `baseline`) for each pair, timed back to back so
+    clock and host drift (which moves separate medians by hundreds of ns on a busy host)
+    hits both sides alike."""
     for _ in range(min(number, 1000)):
         fn()
         baseline()
-    differences = []
+    timed = []
     for _ in range(pairs):
-        timed = []
+        pair = []
         for call in (fn, baseline):
             start = time.perf_counter_ns()
             for _ in range(number):
                 call()
-            timed.append((time.perf_counter_ns() - start) / number)
-        differences.append(timed[0] - timed[1])
+            pair.append((time.perf_counter_ns() - start) / number)
+        timed.append((pair[0], pair[1]))
+    return timed
+
+
+def paired_overhead_ns(
+    fn: Callable[[], Any], baseline: Callable[[], Any], *, number: int = 20_000, pairs: int = 31
+) -> dict[str, float]:
+    """Median over `pairs` of (ns per call of `fn`) - (ns per call of `baseline`)."""
+    differences = [a - b for a, b in _alternating(fn, baseline, number, pairs)]
     return {"median_ns": statistics.median(differences), "min_ns": min(differences), "max_ns": max(differences),
             "calls_per_sample": number, "pairs": pairs}
 
@@ -59,20 +65,8 @@ def paired_overhead_ns(
 def paired_ratio(
     fn: Callable[[], Any], baseline: Callable[[], Any], *, number: int = 2_000, pairs: int = 31
 ) -> dict[str, float]:
-    """Median over `pairs` of (time per call of `fn`) / (time per call of `baseline`), timed
-    back to back in each pair (see `paired_overhead_ns`)."""
-    for _ in range(min(number, 200)):
-        fn()
-        baseline()
-    ratios = []
-    for _ in range(pairs):
-        timed = []
-        for call in (fn, baseline):
-            start = time.perf_counter_ns()
-            for _ in range(number):
-                call()
-            timed.append((time.perf_counter_ns() - start) / number)
-        ratios.append(timed[0] / timed[1])
+    """Median over `pairs` of (time per call of `fn`) / (time per call of `baseline`)."""
+    ratios = [a / b for a, b in _alternating(fn, baseline, number, pairs)]
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
             "calls_per_sample": number, "pairs": pairs}
 
