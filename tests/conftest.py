@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import torchhal
-from torchhal.platforms import manager, selection
+from torchhal.platforms import hookimpl, manager, selection
 
 TESTS = Path(__file__).parent
 PLUGIN_DIST = TESTS / "plugin_dist"
@@ -41,6 +41,20 @@ def make_registry() -> Callable[..., manager.PlatformRegistry]:
         return reg
 
     return make
+
+
+@pytest.fixture
+def empties(make_registry: Callable[..., manager.PlatformRegistry]) -> list[object]:
+    """The reasons of every cache empty, in order, seen through the observer hook."""
+    seen: list[object] = []
+
+    class Observer:
+        @hookimpl
+        def torchhal_cache_emptied(self, reason: object) -> None:
+            seen.append(reason)
+
+    make_registry(Observer())
+    return seen
 
 
 def run_cli(

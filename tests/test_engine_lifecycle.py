@@ -11,22 +11,9 @@ import torchhal
 from torchhal.core.engine import EngineConfig, GenerationEngine, RequestState
 from torchhal.core.graphs import GraphRunner
 from torchhal.core.model import AttentionMetadata, ModelConfig
-from torchhal.platforms import ReleasePoint, hookimpl
+from torchhal.platforms import ReleasePoint
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 10, [300, 3], [17, 18, 19, 20]]
-
-
-@pytest.fixture
-def empties(make_registry):
-    seen = []
-
-    class Observer:
-        @hookimpl
-        def torchhal_cache_emptied(self, reason):
-            seen.append(reason)
-
-    make_registry(Observer())
-    return seen
 
 
 def engine(platform=None, **overrides):

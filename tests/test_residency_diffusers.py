@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 from torchhal.core.residency import LayerwiseStrategy, RequestFailed, Strategy  # noqa: E402
 from torchhal.core.residency.diffusers import ManagedPipeline, guess_block_lists  # noqa: E402
-from torchhal.platforms import ReleasePoint, hookimpl  # noqa: E402
+from torchhal.platforms import ReleasePoint  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from diffusers_flux import call_kwargs, flux_pipeline  # noqa: E402
@@ -29,19 +29,6 @@ BLOCKS = ("transformer_blocks", "single_transformer_blocks")
 @pytest.fixture(scope="module")
 def reference_image():
     return flux_pipeline()(**call_kwargs()).images
-
-
-@pytest.fixture
-def empties(make_registry):
-    seen = []
-
-    class Observer:
-        @hookimpl
-        def torchhal_cache_emptied(self, reason):
-            seen.append(reason)
-
-    make_registry(Observer())
-    return seen
 
 
 @pytest.mark.parametrize("transformer", ["resident", "offload", "layerwise-1", "layerwise-2"])
