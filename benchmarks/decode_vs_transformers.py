@@ -6,10 +6,12 @@ For each model shape (8-layer hidden-1024 Llama; Llama-3.2-1B-shaped with GQA), 
 `LlamaForCausalLM` is saved and loaded into torchhal, then greedy generation of 64 new tokens
 from 16-token prompts at batch 1, 8, 32 is timed (median of >= 3 runs after warm-up) for:
 transformers eager `generate`; transformers `generate(cache_implementation="static")` (compiled
-decode on a GPU; its compile is timed apart); torchhal engine eager, breakable graphs, and
-full-graph decode. Also: HBM copy bandwidth and the batch-1 fraction of it that decode reaches
-(weight bytes read per step / step time), graph capture time and pool memory, and per-row token
-checks (torchhal paths against each other and against transformers' greedy output).
+decode on a GPU; its compile is timed apart); torchhal engine eager, breakable graphs, full-graph
+decode reading tokens back every step, and full-graph decode in windows of 8 steps per read-back
+(`DecodeGraphConfig.steps_per_sync`, same runner and graphs). Also: HBM copy bandwidth and the
+batch-1 fraction of it that decode reaches (weight bytes read per step / step time), graph
+capture time and pool memory, and per-row token checks (torchhal paths against each other and
+against transformers' greedy output).
 
 transformers runs in a child process on the saved checkpoint: its compiled decode captures
 CUDA graphs through inductor's graph trees, which corrupted graphs captured beforehand by
@@ -65,6 +67,7 @@ TINY_SHAPES: dict[str, dict[str, int]] = {
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 CONTEXT_BUCKETS = (128, 256)
 PREFILL_BUCKETS = (8, 16, 32, 64, 128, 256, 512)
+WINDOW = 8  # decode steps per token read-back in the windowed mode
 
 
 def run_engine(engine: GenerationEngine, prompts: list[list[int]], new_tokens: int) -> tuple[
@@ -259,7 +262,7 @@ def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, budg
         peers = run_peers(directory, dtype, prompts, warmups, reps, budget.remaining() * 0.5)
         max_slots = max(BATCHES) * (PROMPT_LEN + NEW_TOKENS) * 2 + 64
         decode_graphs = DecodeGraphConfig(batch_buckets=BATCH_BUCKETS, context_buckets=CONTEXT_BUCKETS,
-                                          emulate=not on_gpu)
+                                          steps_per_sync=WINDOW, emulate=not on_gpu)
         engine = torchhal_engine(directory, dtype, max_slots, decode_graphs)
     result["weights"] = "save_pretrained; transformers from_pretrained (child process), torchhal load_checkpoint"
     result["setup_s"] = time.perf_counter() - started
@@ -280,10 +283,11 @@ def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, budg
         {"graphs": decode_runner.report.graphs, "batch_buckets": list(decode_runner.report.batch_buckets),
          "context_buckets": list(decode_runner.report.context_buckets), "capture_s": decode_runner.report.seconds,
          "pool_bytes": decode_runner.report.pool_bytes})
-    modes: dict[str, tuple[Any, DecodeGraphRunner | None]] = {
-        "torchhal_eager": (eager_runner, None),
-        "torchhal_breakable_graphs": (graph_runner, None),
-        "torchhal_full_graph_decode": (graph_runner, decode_runner),
+    modes: dict[str, tuple[Any, DecodeGraphRunner | None, int]] = {  # runner, decode runner, steps per sync
+        "torchhal_eager": (eager_runner, None, 1),
+        "torchhal_breakable_graphs": (graph_runner, None, 1),
+        "torchhal_full_graph_decode": (graph_runner, decode_runner, 1),
+        "torchhal_full_graph_window": (graph_runner, decode_runner, WINDOW),
     }
     full_graph_real = decode_runner.graphs_enabled
     for batch in BATCHES:
@@ -301,12 +305,13 @@ def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, budg
         row["transformers_eager"] = peer_row["transformers_eager"]
         row["transformers_static"] = peer_row["transformers_static"]
 
-        for mode, (runner, decode) in modes.items():
+        for mode, (runner, decode, steps_per_sync) in modes.items():
             if mode == "torchhal_breakable_graphs" and graph_runner.report is None:
                 row[mode] = {"skipped": graph_runner.eager_reason}
-            if mode == "torchhal_full_graph_decode" and not full_graph_real:
+            if decode is not None and not full_graph_real:
                 row[mode] = {"skipped": decode_runner.unsupported or "graphs emulated on this device (tokens only)"}
             engine.runner, engine.decode_runner = runner, decode
+            decode_runner.steps_per_sync = steps_per_sync
 
             def run(prompts: list[list[int]] = batch_prompts) -> tuple[list[list[int]], float, float]:
                 return run_engine(engine, prompts, NEW_TOKENS)
@@ -324,6 +329,8 @@ def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, budg
         row["tokens"] = {mode: compare(outputs[mode], reference) for mode in outputs if mode != "transformers_eager"}
         row["tokens"]["torchhal_full_graph_vs_eager"] = compare(outputs["torchhal_full_graph_decode"],
                                                                 outputs["torchhal_eager"])
+        row["tokens"]["torchhal_window_vs_eager"] = compare(outputs["torchhal_full_graph_window"],
+                                                            outputs["torchhal_eager"])
         row["tokens"]["torchhal_breakable_vs_eager"] = compare(outputs["torchhal_breakable_graphs"],
                                                                outputs["torchhal_eager"])
         print(f"{name} batch {batch}: " + ", ".join(
@@ -342,7 +349,8 @@ def bandwidth_summary(result: dict[str, Any], copy_bw: float | None) -> None:
         return
     floor_ms = weight_bytes / copy_bw * 1e3
     summary: dict[str, Any] = {"copy_bandwidth_GBps": copy_bw / 1e9, "floor_step_ms": floor_ms}
-    for mode in ("transformers_static", "torchhal_breakable_graphs", "torchhal_full_graph_decode"):
+    for mode in ("transformers_static", "torchhal_breakable_graphs", "torchhal_full_graph_decode",
+                 "torchhal_full_graph_window"):
         step_ms = row.get(mode, {}).get("decode_step_ms")
         if step_ms:
             summary[mode] = {"step_ms": step_ms, "fraction_of_copy_bandwidth": floor_ms / step_ms}

@@ -21,6 +21,8 @@ from graph_runner import BUCKETS, SIZES, make_factory  # noqa: E402
 from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine  # noqa: E402
 from torchhal.core.model import AttentionMetadata  # noqa: E402
 
+WINDOW = 8  # decode steps per token read-back in the windowed rows
+
 
 def breakdown(graphs: bool, batch: int = 8) -> dict:
     config = SIZES["h1024_l8"]
@@ -76,7 +78,8 @@ def decode_step(batch: int, steps: int = 20) -> dict:
     """Median ms of one scheduler decode step: breakable graphs vs full-graph decode, interleaved
     on the same engine and requests; for full-graph, also the host's share (slot-table update)."""
     config = SIZES["h1024_l8"]
-    graphs = DecodeGraphConfig(batch_buckets=(1, 2, 4, 8, 16, 32), context_buckets=(128, 256))
+    graphs = DecodeGraphConfig(batch_buckets=(1, 2, 4, 8, 16, 32), context_buckets=(128, 256, 512),
+                               steps_per_sync=WINDOW)
     engine = GenerationEngine(EngineConfig(model=config, dtype=torch.bfloat16, max_kv_slots=64 * 1024,
                                            kv_fraction=0.2, decode_graphs=graphs), runner_factory=make_factory(BUCKETS))
     decode = engine.decode_runner
@@ -93,31 +96,36 @@ def decode_step(batch: int, steps: int = 20) -> dict:
 
     decode.slots.prepare = timed_prepare  # type: ignore[method-assign]
     for i in range(batch):
-        engine.add_request([(7 * i + j) % 1000 for j in range(16)], 2 * steps + 10)
+        engine.add_request([(7 * i + j) % 1000 for j in range(16)], (2 + WINDOW) * steps + 10)
     for _ in range(5):
         engine.step()  # prefill, then decode warm-up
-    samples: dict[str, list[float]] = {"breakable": [], "full_graph": []}
+    samples: dict[str, list[float]] = {"breakable": [], "full_graph": [], "full_graph_window": []}
+    modes = (("breakable", None, 1), ("full_graph", decode, 1), ("full_graph_window", decode, WINDOW))
     for _ in range(steps):
-        for name, runner in (("breakable", None), ("full_graph", decode)):
+        for name, runner, window in modes:
             engine.decode_runner = runner  # detached: the step runs on the breakable runner
+            decode.steps_per_sync = window
             sync()
             start = time.perf_counter()
             engine.step()
             sync()
-            samples[name].append(time.perf_counter() - start)
-    breakable, full = (statistics.median(samples[k]) * 1e3 for k in ("breakable", "full_graph"))
+            samples[name].append((time.perf_counter() - start) / window)  # per decode step
+    breakable, full, windowed = (statistics.median(samples[k]) * 1e3 for k, _, _ in modes)
     report = decode.report
     return {"breakable_step_ms": breakable, "full_graph_step_ms": full, "speedup": breakable / full,
+            "full_graph_window_step_ms": windowed, "window": WINDOW,
             "full_graph_host_update_ms": statistics.median(prepare_s[-steps:]) * 1e3 if prepare_s else None,
             "decode_graphs": report.graphs if report else None, "capture_s": report.seconds if report else None,
             "pool_bytes": report.pool_bytes if report else None, "graphs_enabled": decode.graphs_enabled,
             "reason": decode.unsupported}
 
 
-def profile_decode(full_graph: bool, batch: int = 8, steps: int = 10) -> str:
-    """Profiler table of decode steps through the breakable runner or full-graph decode."""
+def profile_decode(full_graph: bool, batch: int = 8, steps: int = 10, window: int = 1) -> str:
+    """Profiler table of engine steps through the breakable runner or full-graph decode
+    (`window` decode steps per engine step and token read-back)."""
     config = SIZES["h1024_l8"]
-    graphs = DecodeGraphConfig(batch_buckets=(8,), context_buckets=(128,)) if full_graph else None
+    graphs = (DecodeGraphConfig(batch_buckets=(8,), context_buckets=(128, 256), steps_per_sync=window)
+              if full_graph else None)
     engine = GenerationEngine(EngineConfig(model=config, dtype=torch.bfloat16, max_kv_slots=64 * 1024,
                                            kv_fraction=0.2, decode_graphs=graphs), runner_factory=make_factory(BUCKETS))
     for i in range(batch):
@@ -138,11 +146,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.profile:
         print(profile_eager_decode())
-        for full_graph in (False, True):
-            print(f"decode steps, {'full-graph decode' if full_graph else 'breakable graphs'}, batch 8")
-            print(profile_decode(full_graph))
+        for full_graph, window in ((False, 1), (True, 1), (True, WINDOW)):
+            label = f"full-graph decode, {window} step(s) per read-back" if full_graph else "breakable graphs"
+            print(f"10 engine steps, {label}, batch 8")
+            print(profile_decode(full_graph, window=window))
     results = {"unit": "ms; eager/graphs: median of 20 decode steps at batch 8; decode_step: median of 20 "
-                       "interleaved steps per batch (breakable graphs vs full-graph decode, same engine)",
+                       "interleaved steps per batch (breakable graphs, full-graph decode, and full-graph "
+                       f"windows of {WINDOW} steps per read-back divided by {WINDOW}; same engine)",
                "eager": breakdown(False), "graphs": breakdown(True),
                "decode_step": {f"batch{b}": decode_step(b) for b in (1, 8, 32)}}
     write_json("step_breakdown", results, args.out)

@@ -5,6 +5,9 @@ a GPU by benchmarks/decode_vs_transformers.py (tokens checked per row)."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,7 +50,7 @@ def test_attention_layer_from_field_or_name():
 # -- the slot table --------------------------------------------------------------------------------
 def test_joining_rows_are_written_whole_and_padded_rows_point_at_the_scratch_slot():
     slots = table()
-    rows = slots.prepare([("a", 11, [3, 4, 5]), ("b", 12, [7, 8])], padded_rows=4)
+    rows = slots.prepare([("a", 11, [3, 4, 5], 1), ("b", 12, [7, 8], 1)], padded_rows=4)
     assert rows == [0, 1] and slots.rows_written == 2
     assert slots.table[0, :3].tolist() == [3, 4, 5] and slots.table[1, :2].tolist() == [7, 8]
     assert slots.step_inputs[:, :4].tolist() == [[11, 12, 0, 0], [2, 1, 0, 0], [5, 8, SCRATCH, SCRATCH]]
@@ -55,9 +58,9 @@ def test_joining_rows_are_written_whole_and_padded_rows_point_at_the_scratch_slo
 
 def test_a_continuing_row_only_gets_this_steps_inputs():
     slots = table()
-    slots.prepare([("a", 11, [3, 4, 5]), ("b", 12, [7, 8])], padded_rows=2)
+    slots.prepare([("a", 11, [3, 4, 5], 1), ("b", 12, [7, 8], 1)], padded_rows=2)
     slots.table[0, 3] = -1  # the graph appends the slot itself; prepare must not rewrite the row
-    rows = slots.prepare([("a", 21, [3, 4, 5, 9]), ("b", 22, [7, 8, 10])], padded_rows=2)
+    rows = slots.prepare([("a", 21, [3, 4, 5, 9], 1), ("b", 22, [7, 8, 10], 1)], padded_rows=2)
     assert rows == [0, 1] and slots.rows_written == 2
     assert slots.table[0, 3].item() == -1
     assert slots.step_inputs[:, :2].tolist() == [[21, 22], [3, 2], [9, 10]]
@@ -65,37 +68,37 @@ def test_a_continuing_row_only_gets_this_steps_inputs():
 
 def test_a_leaving_request_frees_its_row_and_the_highest_row_moves_into_it():
     slots = table()
-    slots.prepare([("a", 1, [1]), ("b", 2, [2, 3]), ("c", 3, [4, 5, 6])], padded_rows=4)
-    rows = slots.prepare([("c", 3, [4, 5, 6, 7]), ("b", 2, [2, 3, 8])], padded_rows=2)
+    slots.prepare([("a", 1, [1], 1), ("b", 2, [2, 3], 1), ("c", 3, [4, 5, 6], 1)], padded_rows=4)
+    rows = slots.prepare([("c", 3, [4, 5, 6, 7], 1), ("b", 2, [2, 3, 8], 1)], padded_rows=2)
     assert rows == [0, 1] and slots.rows_moved == 1 and slots.rows_written == 3  # moved, not rewritten
     assert slots.table[0, :3].tolist() == [4, 5, 6]
     assert slots.row_of("a") is None and slots.live == 2
-    joined = slots.prepare([("c", 3, [4, 5, 6, 7, 9]), ("b", 2, [2, 3, 8, 10]), ("d", 4, [11, 12])], 4)
+    joined = slots.prepare([("c", 3, [4, 5, 6, 7, 9], 1), ("b", 2, [2, 3, 8, 10], 1), ("d", 4, [11, 12], 1)], 4)
     assert joined == [0, 1, 2] and slots.table[2, :2].tolist() == [11, 12]
 
 
 def test_a_request_whose_slots_changed_gets_its_row_rewritten():
     slots = table()
-    slots.prepare([("a", 1, [3, 4, 5])], padded_rows=1)
-    slots.prepare([("a", 1, [20, 21, 22, 23])], padded_rows=1)  # retracted, admitted again elsewhere
+    slots.prepare([("a", 1, [3, 4, 5], 1)], padded_rows=1)
+    slots.prepare([("a", 1, [20, 21, 22, 23], 1)], padded_rows=1)  # retracted, admitted again elsewhere
     assert slots.rows_written == 2 and slots.table[0, :4].tolist() == [20, 21, 22, 23]
 
 
 @pytest.mark.parametrize(
     "batch, padded, message",
     [
-        ([("a", 1, [1]), ("a", 2, [2])], 2, "request 'a' appears twice"),
-        ([("a", 1, list(range(9)))], 1, "request 'a' has 9 KV slots; a decode row holds 1..8"),
-        ([("a", 1, [])], 1, "request 'a' has 0 KV slots"),
-        ([("a", 1, [1]), ("b", 1, [2])], 1, "a decode batch of 2 padded to 1 rows"),
-        ([("a", 1, [1])], 5, "padded to 5 rows does not fit 1..4"),
+        ([("a", 1, [1], 1), ("a", 2, [2], 1)], 2, "request 'a' appears twice"),
+        ([("a", 1, list(range(9)), 1)], 1, "request 'a' has 9 KV slots (1 new) and a window of 1 steps"),
+        ([("a", 1, [], 1)], 1, "request 'a' has 1 new slots; a window of 1 steps takes 1..1"),
+        ([("a", 1, [1], 1), ("b", 1, [2], 1)], 1, "a decode batch of 2 padded to 1 rows"),
+        ([("a", 1, [1], 1)], 5, "padded to 5 rows does not fit 1..4"),
     ],
 )
 def test_bad_batches_are_refused_and_leave_the_table_intact(batch, padded, message):
     slots = table()
-    slots.prepare([("x", 1, [1, 2])], padded_rows=1)
+    slots.prepare([("x", 1, [1, 2], 1)], padded_rows=1)
     before = (slots.table.clone(), slots.step_inputs.clone(), slots.row_of("x"))
-    with pytest.raises(ValueError, match=message.replace("(", "\\(").replace(".", "\\.")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         slots.prepare(batch, padded)
     assert torch.equal(slots.table, before[0]) and torch.equal(slots.step_inputs, before[1])
     assert slots.row_of("x") == before[2]
@@ -192,8 +195,8 @@ def test_padded_rows_write_only_the_scratch_slot_and_tokens_match_eager(make_reg
     reference.kv.v.copy_(before_v)
     meta = AttentionMetadata.build(seqs, [1, 1, 1], CPU)
     expected = reference.logits(reference(torch.tensor(tokens), meta), torch.arange(3)).argmax(-1).tolist()
-    got = runner.decode([(i, tokens[i], seqs[i]) for i in range(3)])  # 3 requests padded to 4 rows
-    assert got == expected
+    got = runner.decode([(i, tokens[i], seqs[i], 1) for i in range(3)])  # 3 requests padded to 4 rows
+    assert got == [[token] for token in expected]
     changed = ((model.kv.k != before_k) | (model.kv.v != before_v)).flatten(2).any(-1).any(0)
     assert set(changed.nonzero().flatten().tolist()) == {10, 11, 12, SCRATCH}
 
@@ -211,6 +214,7 @@ def run_engine(engine: GenerationEngine) -> list[tuple[int, ...]]:
 
 CONFIG = EngineConfig(max_kv_slots=512, max_running=3)  # 3 running: the rest join as others finish
 EMULATED = DecodeGraphConfig(batch_buckets=(1, 2, 4), context_buckets=(8, 16, 32), emulate=True)
+SINGLE_STEPS = replace(EMULATED, steps_per_sync=1)
 
 
 def graph_engine(settings: DecodeGraphConfig = EMULATED, **overrides: object) -> GenerationEngine:
@@ -224,7 +228,7 @@ def reference() -> list[tuple[int, ...]]:
 
 
 def test_emulated_full_graph_decode_matches_eager_while_requests_finish_and_join(reference):
-    engine = graph_engine()
+    engine = graph_engine(SINGLE_STEPS)
     runner = engine.decode_runner
     assert runner is not None
     got = run_engine(engine)
@@ -234,6 +238,113 @@ def test_emulated_full_graph_decode_matches_eager_while_requests_finish_and_join
     assert runner.steps >= 10 and runner.slots.rows_moved >= 1
     assert len(PROMPTS) <= runner.slots.rows_written <= 2 * len(PROMPTS)
     assert runner.slots.live == 0  # every finished request gave its row back
+
+
+# -- decode windows: several steps per token read-back ---------------------------------------------
+def free_list(engine: GenerationEngine) -> list[int]:
+    return list(engine.slots._free)
+
+
+@pytest.mark.parametrize("steps", [2, 3, 8])
+def test_windows_give_the_tokens_of_single_steps_with_fewer_read_backs(reference, steps):
+    engine = graph_engine(replace(EMULATED, steps_per_sync=steps))
+    runner = engine.decode_runner
+    assert runner is not None
+    assert run_engine(engine) == reference
+    assert runner.windows < runner.steps  # some windows ran several steps
+    assert engine.slots.available == engine.slots.num_slots and runner.slots.live == 0
+
+
+def test_a_window_runs_only_the_steps_its_requests_still_need_and_none_while_others_wait():
+    engine = graph_engine(replace(EMULATED, steps_per_sync=4), max_running=1)
+    runner = engine.decode_runner
+    assert runner is not None
+    first, second = engine.add_request([1, 2, 3], 10), engine.add_request([4, 5], 10)
+    while first not in engine.results:
+        engine.step()
+    # The second request waited the whole time: 9 single steps, 9 read-backs.
+    assert (runner.steps, runner.windows) == (9, 9)
+    while second not in engine.results:
+        engine.step()
+    # Alone: 9 tokens after its prefill in windows of 4, 4 and 1.
+    assert (runner.steps, runner.windows) == (18, 12)
+    eager = GenerationEngine(EngineConfig(max_kv_slots=512, max_running=1))
+    assert [r.output for r in eager.generate([[1, 2, 3], [4, 5]], 10)] == [
+        engine.results.pop(first).output, engine.results.pop(second).output
+    ]
+
+
+def test_a_stop_token_inside_a_window_ends_the_request_there_and_frees_every_slot(reference):
+    # A token some request produces mid-way (not its first), so windows must cut after it.
+    stop = next(out[3] for out in reference if len(out) > 5)
+    eager = run_engine(GenerationEngine(replace(CONFIG, eos_token=stop)))
+    engine = graph_engine(replace(EMULATED, steps_per_sync=8), eos_token=stop)
+    got = run_engine(engine)
+    assert got == eager
+    assert any(len(out) < n for out, n in zip(got, NEW_TOKENS, strict=True))  # some request was cut
+    assert all(out[-1] == stop or len(out) == n for out, n in zip(got, NEW_TOKENS, strict=True))
+    assert engine.slots.available == engine.slots.num_slots
+
+
+def test_a_window_that_fails_gives_back_every_slot_it_reserved_and_is_recomputed(reference):
+    engine = graph_engine(replace(EMULATED, steps_per_sync=4), max_running=4)
+    runner = engine.decode_runner
+    assert runner is not None
+    rids = [engine.add_request(p, n) for p, n in zip(PROMPTS[:4], NEW_TOKENS[:4], strict=True)]
+    engine.step()  # every prompt prefilled; the next step is a window
+    slots_before = {r.rid: list(r.slots) for r in engine.running}
+    free_before, outputs_before = free_list(engine), {r.rid: list(r.output) for r in engine.running}
+    step = runner._step
+    calls = []
+
+    def failing(batch: int, context: int) -> None:
+        calls.append(1)
+        if len(calls) == 2:  # the second step of the window
+            raise RuntimeError("device fault")
+        step(batch, context)
+
+    runner._step = failing  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="device fault"):
+        engine.step()
+    assert free_list(engine) == free_before
+    assert {r.rid: list(r.slots) for r in engine.running} == slots_before
+    assert {r.rid: list(r.output) for r in engine.running} == outputs_before
+    runner._step = step  # type: ignore[method-assign]
+    while any(rid not in engine.results for rid in rids):
+        engine.step()
+    assert [engine.results.pop(rid).output for rid in rids] == reference[:4]
+    assert runner.windows < runner.steps
+
+
+def test_a_pool_too_short_for_the_window_runs_single_steps_with_the_same_tokens():
+    config = EngineConfig(max_kv_slots=12, max_running=2)  # two requests of 3 + 6: no room for 2 x 4 extra
+    prompts = [[1, 2, 3], [4, 5, 6]]
+    eager = [r.output for r in GenerationEngine(config).generate(prompts, 6)]
+    engine = GenerationEngine(replace(config, decode_graphs=replace(EMULATED, steps_per_sync=5)))
+    free_before = engine.slots.available
+    assert [r.output for r in engine.generate(prompts, 6)] == eager
+    assert engine.decode_runner is not None and engine.decode_runner.windows == engine.decode_runner.steps
+    assert engine.slots.available == free_before
+
+
+def test_window_settings_are_checked():
+    with pytest.raises(ValueError, match=r"steps_per_sync = 0 must be a positive int"):
+        DecodeGraphConfig(steps_per_sync=0)
+    slots = SlotTable(2, 8, SCRATCH, CPU, max_steps=2)
+    with pytest.raises(ValueError, match=re.escape("a decode window of 3 steps does not fit 1..2 steps")):
+        slots.prepare([("a", 1, [1, 2], 1)], 1, steps=3)
+    with pytest.raises(ValueError, match=re.escape("request 'a' has 3 new slots")):
+        slots.prepare([("a", 1, [1, 2, 3], 3)], 1, steps=2)
+
+
+def test_a_window_fills_the_future_slots_and_rows_needing_fewer_steps_get_scratch():
+    slots = SlotTable(4, 16, SCRATCH, CPU, max_steps=3)
+    slots.prepare([("a", 11, [3, 4, 5, 6, 7], 3), ("b", 12, [8, 9], 1)], padded_rows=2, steps=3)
+    assert slots.step_inputs[:, :2].tolist() == [[11, 12], [2, 1], [5, 9]]
+    assert slots.future[:, :2].tolist() == [[6, SCRATCH], [7, SCRATCH], [SCRATCH, SCRATCH]]
+    # The next window: "a" continues with 3 more slots, "b" with 1.
+    slots.prepare([("a", 21, [3, 4, 5, 6, 7, 10, 11, 12], 3), ("b", 22, [8, 9, 13], 1)], padded_rows=2, steps=3)
+    assert slots.rows_written == 2 and slots.step_inputs[:, :2].tolist() == [[21, 22], [5, 2], [10, 13]]
 
 
 def test_emulated_decode_beyond_the_largest_context_bucket_falls_back_and_stays_exact(reference):
@@ -270,9 +381,9 @@ def test_rows_are_forgotten_when_requests_leave_by_retract_abort_and_finish():
     engine = graph_engine()
     runner = engine.decode_runner
     assert runner is not None
-    rids = [engine.add_request(p, 8) for p in PROMPTS[:3]]
+    rids = [engine.add_request(p, 20) for p in PROMPTS[:3]]
     engine.step()  # prefill
-    engine.step()  # a decode replay: 3 rows
+    engine.step()  # a decode window: 3 rows
     assert runner.slots.live == 3 and all(runner.slots.row_of(rid) is not None for rid in rids)
     engine.pause_generation(PauseMode.RETRACT)
     assert runner.slots.live == 0

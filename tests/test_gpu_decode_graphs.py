@@ -21,8 +21,9 @@ CONFIG = EngineConfig(model=MODEL, max_kv_slots=8192, max_running=6)
 
 
 def with_graphs(batch_buckets: tuple[int, ...] = (1, 2, 4, 8), context_buckets: tuple[int, ...] = (32, 64),
-                **overrides: object) -> EngineConfig:
-    settings = DecodeGraphConfig(batch_buckets=batch_buckets, context_buckets=context_buckets)
+                steps_per_sync: int = 8, **overrides: object) -> EngineConfig:
+    settings = DecodeGraphConfig(batch_buckets=batch_buckets, context_buckets=context_buckets,
+                                 steps_per_sync=steps_per_sync)
     return EngineConfig(**{"model": MODEL, "max_kv_slots": 8192, "max_running": 6, **overrides},
                         decode_graphs=settings)
 
@@ -45,13 +46,28 @@ def decode_runner(engine: GenerationEngine):  # type: ignore[no-untyped-def]
     return runner
 
 
-def test_replayed_decode_matches_eager_tokens_while_requests_finish_and_join():
+@pytest.mark.parametrize("steps_per_sync", [1, 8])
+def test_replayed_decode_matches_eager_tokens_while_requests_finish_and_join(steps_per_sync):
     reference = run(GenerationEngine(CONFIG))
-    engine = GenerationEngine(with_graphs(), runner_factory=prefill_graphs)
+    engine = GenerationEngine(with_graphs(steps_per_sync=steps_per_sync), runner_factory=prefill_graphs)
     decode = decode_runner(engine)
     assert decode.graphs_enabled and decode.report is not None and decode.report.graphs == 4 * 2
     assert run(engine) == reference
-    assert decode.steps >= 10 and decode.slots.rows_moved >= 1 and decode.slots.live == 0
+    assert decode.steps >= 10 and decode.slots.live == 0
+    assert engine.slots.available == engine.slots.num_slots
+    if steps_per_sync == 1:
+        assert decode.slots.rows_moved >= 1 and decode.windows == decode.steps
+    else:
+        assert decode.windows < decode.steps  # replays ran back to back between read-backs
+
+
+def test_replayed_windows_stop_at_an_eos_token_like_single_steps():
+    reference = run(GenerationEngine(CONFIG))
+    stop = next(out[2] for out in reference if len(out) > 6)
+    eager = run(GenerationEngine(replace(CONFIG, eos_token=stop)))
+    engine = GenerationEngine(with_graphs(steps_per_sync=8, eos_token=stop), runner_factory=prefill_graphs)
+    assert run(engine) == eager
+    assert engine.slots.available == engine.slots.num_slots
 
 
 def test_decode_capture_does_not_empty_the_cache_and_reports_pool_memory():

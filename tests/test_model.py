@@ -136,3 +136,25 @@ def test_seeding_leaves_the_global_rng_alone():
     state = torch.random.get_rng_state()
     ReferenceDecoder(ModelConfig(seed=5))
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_and_rms_norm_equal_hugging_faces_bit_for_bit(dtype):
+    """The fewer-kernel forms (roll with a signed sin table, fused rms_norm) are HF's numbers."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    from torchhal.core.model.decoder import RMSNorm, apply_rotary, signed_sin
+
+    generator = torch.Generator().manual_seed(0)
+    tokens, heads, dim = 5, 3, 16
+    q = torch.randn(tokens, heads, dim, generator=generator).to(dtype)
+    angles = torch.randn(tokens, dim // 2, generator=generator)
+    cos, sin = torch.cat((angles, angles), -1).cos().to(dtype), torch.cat((angles, angles), -1).sin().to(dtype)
+    expected, _ = apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None], cos[None], sin[None])
+    assert torch.equal(apply_rotary(q, cos, signed_sin(sin)), expected[0].transpose(0, 1))
+
+    x = torch.randn(tokens, 32, generator=generator).to(dtype)
+    ours, theirs = RMSNorm(32, 1e-6), LlamaRMSNorm(32, eps=1e-6)
+    weight = torch.randn(32, generator=generator).to(dtype)
+    ours.weight.data, theirs.weight.data = weight.clone(), weight.clone()
+    assert torch.equal(ours(x), theirs(x))

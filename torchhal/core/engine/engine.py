@@ -104,6 +104,7 @@ class GenerationEngine:
             scratch_slot=self.scratch_slot,
             batch_buckets=settings.batch_buckets,
             context_buckets=settings.context_buckets,
+            steps_per_sync=settings.steps_per_sync,
             emulate=settings.emulate,
         )
 
@@ -202,24 +203,32 @@ class GenerationEngine:
             raise
         self._steps += 1
         done = []
-        for request, token in zip(plan.batch, next_tokens, strict=True):
-            request.output.append(int(token))
-            if len(request.output) >= request.max_new_tokens or token in self._eos:
-                done.append(self.requests.finish(request, RequestState.FINISHED))
+        eos = self._eos
+        for request, tokens in zip(plan.batch, next_tokens, strict=True):
+            output = request.output
+            for token in tokens:  # a window's tokens past a stop are dropped (their slots go with the request)
+                output.append(token)
+                if len(output) >= request.max_new_tokens or token in eos:
+                    done.append(self.requests.finish(request, RequestState.FINISHED))
+                    break
         return done
 
-    def _run(self, plan: StepPlan) -> list[int]:
-        """This step's next token per request: one decode graph replay for a pure decode
-        batch that fits the buckets, else the engine's runner."""
+    def _run(self, plan: StepPlan) -> list[list[int]]:
+        """This step's new tokens per request: a window of decode graph replays for a pure
+        decode batch that fits the buckets, else one token each from the engine's runner."""
         decode = self.decode_runner
         if decode is not None and not plan.prefills:
             longest = max(len(r.slots) for r in plan.decodes)  # this step's slot included
             if decode.can_run(len(plan.decodes), longest):
-                return decode.decode([(r.rid, r.last_token, r.slots) for r in plan.decodes])
+                # Waiting requests are admitted between steps: run single steps until they are.
+                steps = 1 if self.requests.waiting else decode.window_for(longest)
+                new = self.scheduler.widen(plan, steps)
+                rows = [(r.rid, r.last_token, r.slots, n) for r, n in zip(plan.decodes, new, strict=True)]
+                return decode.decode(rows, max(new))
         inputs = self.scheduler.build_inputs(plan, self.device)
         hidden = self.runner.forward(inputs.input_ids, inputs.meta)
         tokens: list[int] = self.model.logits(hidden, inputs.last_index).argmax(-1).tolist()
-        return tokens
+        return [[token] for token in tokens]
 
     def _check_can_run(self) -> None:
         if self.asleep:

@@ -91,10 +91,18 @@ class DecodeGraphConfig:
     engine's runner. One graph is captured per (batch, context) bucket pair, at engine
     construction and again after wake. `emulate` runs the same padded static step
     eagerly (platforms without graph support, CPU tests); without it, a platform that
-    cannot capture graphs runs every step on the engine's runner."""
+    cannot capture graphs runs every step on the engine's runner.
+
+    `steps_per_sync`: while no request waits for admission, one engine step runs a
+    window of up to this many decode steps back to back on the device (each step's
+    token feeds the next) and reads the tokens back once, so the host's per-step work is
+    paid once per window. Tokens are identical to single steps; a request that stops
+    early (EOS) costs up to `steps_per_sync - 1` discarded steps of its row. 1 reads back
+    every step."""
 
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     context_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
+    steps_per_sync: int = 8
     emulate: bool = False
 
     def __post_init__(self) -> None:
@@ -109,6 +117,11 @@ class DecodeGraphConfig:
                     f"DecodeGraphConfig.{name} = {buckets!r} must be a non-empty tuple of positive ints, "
                     "e.g. (1, 8, 32)"
                 )
+        steps = self.steps_per_sync
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(
+                f"DecodeGraphConfig.steps_per_sync = {steps!r} must be a positive int; 1 reads tokens back every step"
+            )
 
 
 @dataclass(frozen=True)

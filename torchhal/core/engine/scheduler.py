@@ -6,7 +6,7 @@ prefills) are recorded in a `StepPlan`, so a step that fails can give them all b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,8 +17,9 @@ from torchhal.core.model import AttentionMetadata
 
 @dataclass
 class StepPlan:
-    decodes: list[Request]  # running requests, each holding one new slot for this step
+    decodes: list[Request]  # running requests, each holding new slots for this step (one, or a window's)
     prefills: list[Request]  # admitted this step, holding slots for their whole prompt
+    new_slots: list[int] = field(default_factory=list)  # per decode request: slots reserved this step
 
     @property
     def batch(self) -> list[Request]:
@@ -41,7 +42,26 @@ class Scheduler:
         """Reserve a decode slot per running request and admit prefills within the token budget."""
         decodes = self._reserve_decode_slots()
         prefills = self._admit(budget=self.max_batch_tokens - len(decodes))
-        return StepPlan(decodes, prefills)
+        return StepPlan(decodes, prefills, [1] * len(decodes))
+
+    def widen(self, plan: StepPlan, steps: int) -> list[int]:
+        """Turn a pure decode plan into a window of up to `steps` steps: each request gets
+        one slot per token it still needs, up to `steps`. Returns the new slot count per
+        request (recorded in the plan, so `rollback` frees them). A pool too short for the
+        whole window leaves every request at one slot."""
+        want = [min(steps, r.max_new_tokens - len(r.output)) for r in plan.decodes]
+        extra = sum(want) - len(want)
+        if steps <= 1 or extra <= 0:
+            return plan.new_slots
+        taken = self.book.slots.allocate(extra) if extra <= self.book.slots.available else None
+        if taken is None:
+            return plan.new_slots
+        start = 0
+        for request, count in zip(plan.decodes, want, strict=True):
+            request.slots.extend(taken[start : start + count - 1])
+            start += count - 1
+        plan.new_slots = want
+        return want
 
     def rollback(self, plan: StepPlan) -> None:
         """Give back exactly what `plan()` reserved, in reverse order (the free list ends as it was)."""
@@ -51,6 +71,11 @@ class Scheduler:
             request.slots, request.state = [], RequestState.WAITING
             book.running.remove(request)
             book.waiting.appendleft(request)
+        # The window's extra slots were allocated after the one-per-request: free them first.
+        for request, count in zip(reversed(plan.decodes), reversed(plan.new_slots), strict=True):
+            if count > 1:
+                book.slots.free(request.slots[-(count - 1) :])
+                del request.slots[-(count - 1) :]
         for request in reversed(plan.decodes):
             book.slots.free([request.slots.pop()])
 

@@ -6,10 +6,18 @@ attention in place of each attention break, final norm, logits, greedy argmax)
 is one captured graph reading static buffers:
 
     step_inputs [3, rows]   this step's input token, position and new KV slot per row
+    future      [W, rows]   the new KV slot of each later step of the window
     slot_table  [rows, C]   each row's KV slots; the graph appends the new slot itself
 
-Each running request keeps its row between steps, so a step's host work is one
-small copy of `step_inputs`; a request's full slot list is written once, when it
+The graph ends by feeding itself: its greedy token becomes the next input, the
+position advances and the next slot comes from `future`. So a window of up to W
+steps is W replays back to back with one host copy before and one token read-back
+after: the host's per-step work (scheduling, results) is paid once per window, not
+once per token. A request needing fewer tokens than the window gets fewer slots;
+its extra steps write the scratch slot and their tokens are dropped.
+
+Each running request keeps its row between windows, so a window's host work is
+one small copy of the inputs; a request's full slot list is written once, when it
 joins (or moves row after others finish). Padded rows write their K/V into a
 scratch slot that no request owns. Prefill and mixed batches stay on the
 breakable runner (`GraphRunner`); `reason(...)` says when this runner cannot
@@ -33,8 +41,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torchhal.core.graphs.program import BreakStep, StackState, Step
 from torchhal.platforms import Platform
 
-DecodeRow = tuple[Hashable, int, Sequence[int]]
-"""(request key, input token, every KV slot of the request including this step's)."""
+DecodeRow = tuple[Hashable, int, Sequence[int], int]
+"""(request key, input token, every KV slot of the request including this window's new
+ones, how many of them are new: the tokens it wants from this window, 1..steps)."""
 
 # Backends without a plan per shape (as the eager attention path uses); flash declines masks.
 _SHAPE_FREE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -66,15 +75,16 @@ def paged_decode_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_table: torch.Tensor,
-    valid: torch.Tensor,
+    mask: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """One query per row over that row's KV slots; static shapes, so it can be captured.
 
     q [B, Hq, D]; k_cache, v_cache [S, Hkv, D] with Hq a multiple of Hkv (GQA: query head
     i reads KV head i // (Hq / Hkv)); slot_table [B, C] KV slots (entries past a row's
-    length must still be valid slots); valid [B, C] True where the entry belongs to the
-    row's sequence (every row needs one). Returns [B, Hq, D].
+    length must still be valid slots); mask [B, C]: boolean, True where the entry belongs
+    to the row's sequence, or additive (0 there, -inf elsewhere); every row needs one
+    entry. Returns [B, Hq, D].
 
     The gather reads only the context bucket C, not the pool. GQA without copying K/V per
     query head: a KV head's G query heads attend as G queries of that head (one query each,
@@ -86,7 +96,7 @@ def paged_decode_attention(
     values = v_cache[slot_table].transpose(1, 2)
     queries = q.reshape(batch, kv_heads, q_heads // kv_heads, dim)  # head i -> (i // G, i % G)
     with sdpa_kernel(_SHAPE_FREE_SDPA):
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=valid[:, None, None, :], scale=scale)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
     return out.reshape(batch, q_heads, dim)
 
 
@@ -96,14 +106,22 @@ class SlotTable:
     Live rows are kept dense in [0, live): when a request leaves, the highest live
     rows move into the holes (a device row copy), so the batch bucket follows the
     live count. The host keeps, per row, the request key, its length and its first
-    and last slot, to tell a request that merely appended a slot from one whose
+    and last slot, to tell a request that merely appended slots from one whose
     slots changed (retracted and admitted again), which gets its row rewritten.
     """
 
-    def __init__(self, max_rows: int, max_context: int, scratch_slot: int, device: torch.device) -> None:
+    def __init__(
+        self, max_rows: int, max_context: int, scratch_slot: int, device: torch.device, max_steps: int = 1
+    ) -> None:
+        if not isinstance(max_steps, int) or max_steps < 1:
+            raise ValueError(f"max_steps {max_steps!r} must be a positive int (decode steps per window)")
         self.max_rows, self.max_context, self.scratch_slot = max_rows, max_context, scratch_slot
+        self.max_steps = max_steps
         self.table = torch.full((max_rows, max_context), scratch_slot, dtype=torch.long, device=device)
-        self.step_inputs = torch.zeros(3, max_rows, dtype=torch.long, device=device)  # token, position, slot
+        # One buffer, so a window's inputs are one host-to-device copy.
+        self.inputs = torch.zeros(3 + max_steps, max_rows, dtype=torch.long, device=device)
+        self.step_inputs = self.inputs[:3]  # token, position, slot
+        self.future = self.inputs[3:]  # future[j]: the slot of window step j + 1 (scratch past a row's new slots)
         self._row_of: dict[Hashable, int] = {}
         self._key: list[Hashable | None] = [None] * max_rows
         self._length = [0] * max_rows
@@ -113,11 +131,14 @@ class SlotTable:
         self.reset()
 
     def reset(self) -> None:
-        """No request holds a row; every row's step inputs are padding (token 0, position 0, scratch)."""
+        """No request holds a row; every row's inputs are padding (token 0, position 0, scratch)."""
         for key in list(self._row_of):
             self.forget(key)
-        self.step_inputs.zero_()
-        self.step_inputs[2].fill_(self.scratch_slot)
+        self.reset_inputs()
+
+    def reset_inputs(self) -> None:
+        self.inputs.zero_()
+        self.inputs[2:].fill_(self.scratch_slot)
 
     @property
     def live(self) -> int:
@@ -132,92 +153,107 @@ class SlotTable:
         if row is not None:
             self._key[row] = None
 
-    def prepare(self, batch: Sequence[DecodeRow], padded_rows: int) -> list[int]:
-        """Place every request of a decode step in a row and fill this step's inputs.
+    def prepare(self, batch: Sequence[DecodeRow], padded_rows: int, steps: int = 1) -> list[int]:
+        """Place every request of a decode window of `steps` steps in a row and fill its inputs.
 
         Returns the row of each request, in batch order. Rows in [len(batch), padded_rows)
         get token 0 at position 0 writing the scratch slot. Requests absent from the batch
         lose their rows. Raises ValueError (nothing changed) on a bad batch.
         """
-        self._validate(batch, padded_rows)
+        self._validate(batch, padded_rows, steps)
         if not self._all_continue(batch):
             self._place(batch)
-        # One flat host list -> one small tensor -> one copy: token, position, out slot rows.
-        row_of, lengths, ends = self._row_of, self._length, self._ends
-        tokens, positions, out_slots = [0] * padded_rows, [0] * padded_rows, [self.scratch_slot] * padded_rows
+        # One flat host list -> one small tensor -> one copy: token, position, slot, future rows.
+        row_of, lengths, ends, scratch = self._row_of, self._length, self._ends, self.scratch_slot
+        tokens, positions, out_slots = [0] * padded_rows, [0] * padded_rows, [scratch] * padded_rows
+        future = [[scratch] * padded_rows for _ in range(steps)]  # the last row stays scratch
         rows: list[int] = []
-        for key, token, slots in batch:
+        for key, token, slots, new in batch:
             row = row_of[key]
             rows.append(row)
-            length, last = len(slots), slots[-1]
+            length = len(slots)
+            position = length - new
             lengths[row] = length
-            ends[row] = (slots[0], last)
-            tokens[row], positions[row], out_slots[row] = token, length - 1, last
+            ends[row] = (slots[0], slots[-1])
+            tokens[row], positions[row], out_slots[row] = token, position, slots[position]
+            for step in range(1, new):
+                future[step - 1][row] = slots[position + step]
+        flat = tokens + positions + out_slots
+        for later in future:
+            flat += later
         # A pageable host tensor: the copy has read it by the time copy_ returns.
-        host = torch.tensor(tokens + positions + out_slots, dtype=torch.long).view(3, padded_rows)
-        self.step_inputs[:, :padded_rows].copy_(host)
+        host = torch.tensor(flat, dtype=torch.long).view(3 + steps, padded_rows)
+        self.inputs[: 3 + steps, :padded_rows].copy_(host)
         return rows
 
     def _all_continue(self, batch: Sequence[DecodeRow]) -> bool:
-        """True when the batch is exactly the live rows, dense in [0, len(batch)), each one slot longer."""
+        """True when the batch is exactly the live rows, dense in [0, len(batch)), each only appended to."""
         row_of, live = self._row_of, len(batch)
         if len(row_of) != live:
             return False
         lengths, ends = self._length, self._ends
-        for key, _, slots in batch:
+        for key, _, slots, new in batch:
             row = row_of.get(key)
             # A row at or above `live` (a hole left by a forgotten request) needs compaction.
             if row is None or row >= live:
                 return False
-            length = lengths[row]  # inlined _continues: this loop runs per request per step
+            length = lengths[row]  # inlined _continues: this loop runs per request per window
             first, last = ends[row]
-            if len(slots) != length + 1 or slots[0] != first or slots[length - 1] != last:
+            if len(slots) != length + new or slots[0] != first or slots[length - 1] != last:
                 return False
         return True
 
     def _place(self, batch: Sequence[DecodeRow]) -> None:
         """Drop absent or changed requests, compact the live rows, and give new requests rows."""
-        keys = {key for key, _, _ in batch}
+        keys = {row_data[0] for row_data in batch}
         for key in [k for k in self._row_of if k not in keys]:
             self.forget(key)
         fresh: list[DecodeRow] = []
         for row_data in batch:
-            key, _, slots = row_data
+            key, _, slots, new = row_data
             row = self._row_of.get(key)
-            if row is not None and not self._continues(row, slots):
+            if row is not None and not self._continues(row, slots, new):
                 self.forget(key)
             if key not in self._row_of:
                 fresh.append(row_data)
         self._compact(self.live)
         free_rows = iter(sorted(set(range(len(batch))) - set(self._row_of.values())))
-        for key, _, slots in fresh:
+        for key, _, slots, _ in fresh:
             row = next(free_rows)
             self._row_of[key], self._key[row] = row, key
             self._write_row(row, slots)
 
-    def _validate(self, batch: Sequence[DecodeRow], padded_rows: int) -> None:
+    def _validate(self, batch: Sequence[DecodeRow], padded_rows: int, steps: int) -> None:
         if not 1 <= len(batch) <= padded_rows <= self.max_rows:
             raise ValueError(
                 f"a decode batch of {len(batch)} padded to {padded_rows} rows does not fit 1..{self.max_rows} rows"
             )
+        if not isinstance(steps, int) or not 1 <= steps <= self.max_steps:
+            raise ValueError(f"a decode window of {steps!r} steps does not fit 1..{self.max_steps} steps")
         seen: set[Hashable] = set()
-        max_context = self.max_context
-        for key, token, slots in batch:
+        for key, token, slots, new in batch:
             if key in seen:
                 raise ValueError(f"request {key!r} appears twice in one decode batch")
             seen.add(key)
-            if not 1 <= len(slots) <= max_context:
+            if not isinstance(new, int) or not 1 <= new <= min(steps, len(slots)):
                 raise ValueError(
-                    f"request {key!r} has {len(slots)} KV slots; a decode row holds 1..{self.max_context}"
+                    f"request {key!r} has {new!r} new slots; a window of {steps} steps takes 1..{steps} "
+                    "of the request's slots"
+                )
+            # The window's last step writes table column len(slots) - new + steps - 1.
+            if not 1 <= len(slots) - new + steps <= self.max_context:
+                raise ValueError(
+                    f"request {key!r} has {len(slots)} KV slots ({new} new) and a window of {steps} steps; "
+                    f"a decode row holds 1..{self.max_context} positions"
                 )
             if not isinstance(token, int):
                 raise ValueError(f"request {key!r} has input token {token!r}; expected an int")
 
-    def _continues(self, row: int, slots: Sequence[int]) -> bool:
-        """True when `slots` is this row's sequence with one more slot appended."""
+    def _continues(self, row: int, slots: Sequence[int], new: int) -> bool:
+        """True when `slots` is this row's sequence with `new` more slots appended."""
         length = self._length[row]
         first, last = self._ends[row]
-        return len(slots) == length + 1 and slots[0] == first and slots[length - 1] == last
+        return len(slots) == length + new and slots[0] == first and slots[length - 1] == last
 
     def _compact(self, live: int) -> None:
         """Move live rows at or above `live` into the free rows below it."""
@@ -254,7 +290,7 @@ class _Attention:
     """What every layer's decode attention of one step reads."""
 
     slot_table: torch.Tensor  # [B, C]
-    valid: torch.Tensor  # [B, C]
+    mask: torch.Tensor  # [B, C] additive: 0 where the entry belongs to the row's sequence, -inf elsewhere
     out_slots: torch.Tensor  # [B]
 
 
@@ -299,6 +335,7 @@ class DecodeGraphRunner:
         scratch_slot: int,
         batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
         context_buckets: Sequence[int] = (128, 256, 512, 1024, 2048, 4096),
+        steps_per_sync: int = 1,
         emulate: bool = False,
     ) -> None:
         self.batch_buckets = _check_buckets("batch_buckets", batch_buckets)
@@ -309,10 +346,16 @@ class DecodeGraphRunner:
         self.scratch_slot, self.emulate = scratch_slot, emulate
         self.device = platform.device(device_index)
         self.report: DecodeCaptureReport | None = None
+        if not isinstance(steps_per_sync, int) or isinstance(steps_per_sync, bool) or steps_per_sync < 1:
+            raise ValueError(f"steps_per_sync {steps_per_sync!r} must be a positive int, e.g. 8")
+        self.steps_per_sync = steps_per_sync  # may be lowered later (the window buffers keep their size)
         self.steps = 0  # decode steps run (replayed or emulated)
+        self.windows = 0  # token read-backs: one per window of up to steps_per_sync steps
         self._graphs: dict[tuple[int, int], Any] = {}
-        self.slots = SlotTable(self.batch_buckets[-1], self.context_buckets[-1], scratch_slot, self.device)
-        self.next_tokens = torch.zeros(self.batch_buckets[-1], dtype=torch.long, device=self.device)
+        max_rows = self.batch_buckets[-1]
+        self.slots = SlotTable(max_rows, self.context_buckets[-1], scratch_slot, self.device, steps_per_sync)
+        self.history = torch.zeros(steps_per_sync, max_rows, dtype=torch.long, device=self.device)  # tokens
+        self._cursor = torch.zeros(1, dtype=torch.long, device=self.device)  # the window step being run
         self._row_index = torch.arange(self.batch_buckets[-1], device=self.device)
         self._context_index = torch.arange(self.context_buckets[-1], device=self.device)
         window = getattr(getattr(model, "config", None), "sliding_window", None)
@@ -343,6 +386,13 @@ class DecodeGraphRunner:
     def can_run(self, batch_size: int, max_length: int) -> bool:
         return batch_size >= 1 and self.reason(batch_size, max_length) is None
 
+    def window_for(self, max_length: int) -> int:
+        """The most steps a window may run when its longest request holds `max_length` slots
+        with one new: bounded by `steps_per_sync` and by the room left in the largest
+        context bucket (0 when there is none)."""
+        steps = min(self.steps_per_sync, self.slots.max_steps)
+        return max(0, min(steps, self.context_buckets[-1] - max_length + 1))
+
     def buckets_for(self, batch_size: int, max_length: int) -> tuple[int, int]:
         batch = pick_bucket(self.batch_buckets, batch_size)
         context = pick_bucket(self.context_buckets, max_length)
@@ -350,26 +400,34 @@ class DecodeGraphRunner:
             raise ValueError(str(self.reason(batch_size, max_length)))
         return batch, context
 
-    # -- a decode step -------------------------------------------------------------------------
-    def decode(self, batch: Sequence[DecodeRow]) -> list[int]:
-        """Greedy next token of each request, in batch order (one replay; syncs to read them)."""
+    # -- a decode window ------------------------------------------------------------------------
+    def decode(self, batch: Sequence[DecodeRow], steps: int = 1) -> list[list[int]]:
+        """Greedy tokens of each request, in batch order: `new` of them for a row with `new`
+        new slots. Runs `steps` steps back to back (one replay each) and syncs once to read
+        the tokens back."""
         if self.unsupported is not None:
             raise RuntimeError(f"full-graph decode is unavailable: {self.unsupported}")
-        max_length = max((len(slots) for _, _, slots in batch), default=0)
-        problem = self.reason(len(batch), max_length)
-        if problem is not None or not batch:
-            raise ValueError(problem or "a decode batch needs at least one request")
-        padded, context = self.buckets_for(len(batch), max_length)
-        rows = self.slots.prepare(batch, padded)
+        if not batch:
+            raise ValueError("a decode batch needs at least one request")
+        # The window's last step reads positions up to len(slots) - new + steps - 1.
+        reach = max((len(slots) - new + steps for _, _, slots, new in batch), default=0)
+        problem = self.reason(len(batch), reach)
+        if problem is not None:
+            raise ValueError(problem)
+        padded, context = self.buckets_for(len(batch), reach)
+        rows = self.slots.prepare(batch, padded, steps)
+        self._cursor.zero_()
         graph = self._graphs.get((padded, context))
-        if graph is None:
-            with torch.no_grad():
-                self._step(padded, context)
-        else:
-            graph.replay()
-        self.steps += 1
-        tokens = self.next_tokens[:padded].tolist()
-        return [tokens[row] for row in rows]
+        for _ in range(steps):
+            if graph is None:
+                with torch.no_grad():
+                    self._step(padded, context)
+            else:
+                graph.replay()
+        self.steps += steps
+        self.windows += 1
+        by_step = self.history[:steps, :padded].tolist()
+        return [[by_step[step][row] for step in range(new)] for row, (_, _, _, new) in zip(rows, batch, strict=True)]
 
     def forget(self, key: Hashable) -> None:
         """The request left the running batch (finished, aborted, retracted)."""
@@ -380,20 +438,30 @@ class DecodeGraphRunner:
         model: Any = self.model
         tokens, positions, out_slots = self.slots.step_inputs[:, :batch]
         table = self.slots.table[:batch]
-        table.scatter_(1, positions[:, None], out_slots[:, None])  # append this step's slot
+        # Append this step's slot. The host keeps positions inside the bucket; the clamp only
+        # keeps a wrong one from indexing past the table (a device fault), never reached.
+        table.scatter_(1, positions.clamp(max=self.slots.max_context - 1)[:, None], out_slots[:, None])
         columns = self._context_index[None, :context]  # column j of a row holds its position j
         valid = columns <= positions[:, None]
         if self._sliding_window is not None:
             valid = valid & (columns > positions[:, None] - self._sliding_window)
-        attention = _Attention(slot_table=table[:, :context], valid=valid, out_slots=out_slots)
+        # Additive, built once per step: a boolean mask would be converted in every layer's attention.
+        kv: Any = model.kv
+        mask = torch.zeros(valid.shape, dtype=kv.k.dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
+        attention = _Attention(slot_table=table[:, :context], mask=mask, out_slots=out_slots)
         state: StackState = {"hidden": model.embed_tokens(tokens), "positions": positions}
         for step in self._program():
             if isinstance(step, BreakStep):
                 self._attend(step, state, attention)
             else:
                 step.run(state)
-        logits = model.logits(state["hidden"], self._row_index[:batch])
-        self.next_tokens[:batch].copy_(logits.argmax(-1))
+        next_tokens = model.logits(state["hidden"], self._row_index[:batch]).argmax(-1)
+        # Feed the next step of the window: its token, position and slot, all on the device.
+        self.history[:, :batch].index_copy_(0, self._cursor, next_tokens[None])
+        tokens.copy_(next_tokens)
+        positions.add_(1)
+        out_slots.copy_(self.slots.future[:, :batch].index_select(0, self._cursor)[0])
+        self._cursor.add_(1).remainder_(self.slots.max_steps)  # never indexes past the window buffers
 
     def _program(self) -> list[Step]:
         program: list[Step] = self.model.layer_program()  # type: ignore[operator]
@@ -408,8 +476,7 @@ class DecodeGraphRunner:
         v_cache.index_copy_(0, attention.out_slots, state["v"])
         q = state["q"]
         scale = getattr(self.model, "attention_scale", None) or q.shape[-1] ** -0.5
-        out = paged_decode_attention(q, k_cache, v_cache, attention.slot_table, attention.valid, scale)
-        state["attn_out"].copy_(out)
+        state["attn_out"] = paged_decode_attention(q, k_cache, v_cache, attention.slot_table, attention.mask, scale)
 
     # -- capture ---------------------------------------------------------------------------------
     def capture(self) -> DecodeCaptureReport:
@@ -434,6 +501,7 @@ class DecodeGraphRunner:
                         self._step(batch, context)
                     current.wait_stream(stream)
                     self.platform.synchronize(self.device_index)
+                    self.slots.reset_inputs()  # the warm-up advanced them; capture reads padding
                     graph = support.graph_class()
                     with support.capture(graph, pool, stream):
                         self._step(batch, context)

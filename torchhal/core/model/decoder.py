@@ -218,8 +218,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * (x.float() * scale).to(x.dtype)
+        # HF's formula (fp32 mean of squares, rsqrt, cast back, then the weight), as one
+        # normalisation kernel where the platform fuses it: decode steps are launch-bound.
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class FusedSlice(nn.Module):
@@ -333,15 +335,17 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated, computed once per step for `apply_rotary`."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's non-interleaved rotary layout on [T, H, D] with per-token cos/sin [T, D]."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return x * cos + rotate_half(x) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """HF's non-interleaved rotary layout on [T, H, D] with per-token cos and `signed_sin(sin)`
+    [T, D]. HF's `rotate_half(x) * sin` equals `x.roll(D / 2) * signed_sin(sin)` bit for bit
+    (a negation is exact), in two kernels fewer per call."""
+    return x * cos[:, None, :] + x.roll(x.shape[-1] // 2, -1) * sin_signed[:, None, :]
 
 
 class DecoderStack(nn.Module):
@@ -401,20 +405,31 @@ class LlamaDecoder(nn.Module):
         sizes = [config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim]
         sizes.append(sizes[1])
 
+        heads = config.num_heads
+
         def run(state: StackState) -> None:
             if first:
                 state["residual"] = state["hidden"]
+                # The rotary tables depend only on the positions: once per step, for every layer.
+                cos, sin = self.model.rotary_emb(state["positions"], state["hidden"].dtype)
+                state["rotary_cos"], state["rotary_sin"] = cos, signed_sin(sin)
             x = layer.input_layernorm(state["residual"])
             t = x.shape[0]
-            q, k, v = F.linear(x, attn.fused_weight, attn.fused_bias).split(sizes, dim=-1)
-            q = q.reshape(t, config.num_heads, config.head_dim)
-            k = k.reshape(t, config.num_kv_heads, config.head_dim)
+            qkv = F.linear(x, attn.fused_weight, attn.fused_bias)
+            cos, sin = state["rotary_cos"], state["rotary_sin"]
             if config.qk_norm:
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            cos, sin = self.model.rotary_emb(state["positions"], x.dtype)
-            state["q"], state["k"] = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+                q, k, v = qkv.split(sizes, dim=-1)
+                q = attn.q_norm(q.reshape(t, heads, config.head_dim))
+                k = attn.k_norm(k.reshape(t, config.num_kv_heads, config.head_dim))
+                state["q"], state["k"] = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            else:
+                # q and k rotate together: they are adjacent in the fused projection's output.
+                qk_heads = heads + config.num_kv_heads
+                qk = apply_rotary(qkv[:, : sizes[0] + sizes[1]].reshape(t, qk_heads, config.head_dim), cos, sin)
+                state["q"], state["k"] = qk[:, :heads], qk[:, heads:]
+                v = qkv[:, sizes[0] + sizes[1] :]
             state["v"] = v.reshape(t, config.num_kv_heads, config.head_dim).contiguous()
-            state["attn_out"] = torch.empty_like(state["q"])  # written in place by attention
+            state["attn_out"] = torch.empty(t, heads, config.head_dim, dtype=x.dtype, device=x.device)
 
         return run
 
