@@ -7,9 +7,9 @@ For each model shape (8-layer hidden-1024 Llama; Llama-3.2-1B-shaped with GQA), 
 from 16-token prompts at batch 1, 8, 32 is timed (median of >= 3 runs after warm-up) for:
 transformers eager `generate`; transformers `generate(cache_implementation="static")` (compiled
 decode on a GPU; its compile is timed apart); torchhal engine eager, breakable graphs, full-graph
-decode reading tokens back every step, and full-graph decode in windows of 8 steps per read-back
-(`DecodeGraphConfig.steps_per_sync`, same runner and graphs). Also: HBM copy bandwidth and the
-batch-1 fraction of it that decode reaches (weight bytes read per step / step time), graph
+decode reading tokens back every step, and full-graph decode in windows of `--window` (8)
+steps per read-back (`DecodeGraphConfig.steps_per_sync`, same runner and graphs). Also: HBM
+copy bandwidth and the batch-1 fraction of it that decode reaches (weight bytes read per step / step time), graph
 capture time and pool memory, and per-row token checks (torchhal paths against each other and
 against transformers' greedy output).
 
@@ -67,7 +67,6 @@ TINY_SHAPES: dict[str, dict[str, int]] = {
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 CONTEXT_BUCKETS = (128, 256)
 PREFILL_BUCKETS = (8, 16, 32, 64, 128, 256, 512)
-WINDOW = 8  # decode steps per token read-back in the windowed mode
 
 
 def run_engine(engine: GenerationEngine, prompts: list[list[int]], new_tokens: int) -> tuple[
@@ -262,7 +261,7 @@ def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, budg
         peers = run_peers(directory, dtype, prompts, warmups, reps, budget.remaining() * 0.5)
         max_slots = max(BATCHES) * (PROMPT_LEN + NEW_TOKENS) * 2 + 64
         decode_graphs = DecodeGraphConfig(batch_buckets=BATCH_BUCKETS, context_buckets=CONTEXT_BUCKETS,
-                                          steps_per_sync=WINDOW, emulate=not on_gpu)
+                                          steps_per_sync=args.window, emulate=not on_gpu)
         engine = torchhal_engine(directory, dtype, max_slots, decode_graphs)
     result["weights"] = "save_pretrained; transformers from_pretrained (child process), torchhal load_checkpoint"
     result["setup_s"] = time.perf_counter() - started
@@ -287,7 +286,7 @@ def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, budg
         "torchhal_eager": (eager_runner, None, 1),
         "torchhal_breakable_graphs": (graph_runner, None, 1),
         "torchhal_full_graph_decode": (graph_runner, decode_runner, 1),
-        "torchhal_full_graph_window": (graph_runner, decode_runner, WINDOW),
+        "torchhal_full_graph_window": (graph_runner, decode_runner, args.window),
     }
     full_graph_real = decode_runner.graphs_enabled
     for batch in BATCHES:
@@ -370,6 +369,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--budget-s", type=float, default=450.0,
                         help="skip remaining rows after this many seconds (split between shapes)")
     parser.add_argument("--shapes", nargs="*", help="subset of shape names")
+    parser.add_argument("--window", type=int, default=8, help="steps_per_sync of the windowed mode")
     parser.add_argument("--peer-job", help=argparse.SUPPRESS)  # internal: the transformers child process
     parser.add_argument("--peer-answer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -385,7 +385,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     copy_bw = copy_bandwidth(device, platform.synchronize)
     shapes = TINY_SHAPES if args.tiny else SHAPES
     chosen = {k: v for k, v in shapes.items() if not args.shapes or k in args.shapes}
-    results: dict[str, Any] = {"platform": platform.name, "prompt_tokens": PROMPT_LEN, "new_tokens": NEW_TOKENS,
+    results: dict[str, Any] = {"platform": platform.name, "window": args.window,
+                               "prompt_tokens": PROMPT_LEN, "new_tokens": NEW_TOKENS,
                                "batches": list(BATCHES), "quick": args.quick, "tiny": args.tiny,
                                "copy_bandwidth_GBps": copy_bw / 1e9 if copy_bw else None, "shapes": {}}
     for index, (name, shape) in enumerate(chosen.items()):
