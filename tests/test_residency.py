@@ -435,9 +435,11 @@ def test_layer_buffers_are_a_ring_of_the_largest_layer_or_each_layers_own_size(o
         strategy = LayerwiseStrategy(prefetch_layers=1, buffers=buffers)
         manager = ResidencyManager({"transformer": transformer}, {"transformer": strategy})
         seen[buffers] = []
-        hooks = [layer.register_forward_pre_hook(
-            lambda m, a, i=i, s=strategy, b=buffers: seen[b].append(s.blocks[i].device_buffer.untyped_storage().nbytes()))
-            for i, layer in enumerate(transformer.layers)]
+        def storage_bytes(module, args, i, s=strategy, b=buffers):
+            seen[b].append(s.blocks[i].device_buffer.untyped_storage().nbytes())
+
+        hooks = [layer.register_forward_pre_hook(lambda m, a, i=i, f=storage_bytes: f(m, a, i))
+                 for i, layer in enumerate(transformer.layers)]
         stage = [Stage("s", (ComponentUse("transformer", memory_intensive=True),))]
         with manager.request(stage), manager.use_component("transformer") as module:
             module(torch.randn(2, 256))
