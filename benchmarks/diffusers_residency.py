@@ -6,12 +6,18 @@
 Same pipeline (random weights, no download), prompt, steps and resolution for every row:
 fully resident; diffusers enable_model_cpu_offload / enable_sequential_cpu_offload (need
 accelerate); diffusers group offloading, block level and leaf level, each with a stream;
-torchhal offload; torchhal layerwise (prefetch 1 and 2). Per request: median time of the
-measured requests, peak allocated / reserved device memory, host RSS, cache empties,
-host->device bytes (modelled from component sizes and calls, see `h2d_bytes_model`),
-and time / (bytes / pinned host->device bandwidth measured in this run). Also a PNG with
-the memory timeline of one request per row. Device peaks come from torch.cuda here (the
-benchmark's own measurement); torchhal itself only goes through the platform API.
+torchhal offload; torchhal layerwise (prefetch 1 and 2: the transformer's blocks through a
+ring, its other weights on call; the VAE decoder's up blocks streamed at their own sizes,
+as diffusers' group offloading streams them). Per request: median time of the measured
+requests, peak allocated / reserved device memory, host RSS, cache empties, host->device
+bytes, and time / (bytes / pinned host->device bandwidth measured in this run). The bytes
+of torchhal rows are counted (what its strategies copied in the last request,
+`ResidencyManager.last_request_h2d_bytes`); those of diffusers rows are modelled from
+component sizes and calls (`h2d_bytes_model`: diffusers does not count them). The JSON
+holds every row's events of the last request with the allocator's state at each (per
+pool on a GPU), and a PNG the memory timeline of one request per row. Device peaks come
+from torch.cuda here (the benchmark's own measurement); torchhal itself only goes through
+the platform API.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from torchhal.core.residency import LayerwiseStrategy, ResidencyTrace, Strategy,
 from torchhal.core.residency.diffusers import ManagedPipeline  # noqa: E402
 
 BLOCKS = ("transformer_blocks", "single_transformer_blocks")
+VAE_BLOCKS = ("decoder.up_blocks",)
 ENCODERS_AND_VAE = ("text_encoder", "text_encoder_2", "vae")
 GiB = 1 << 30
 HAS_GPU = torch.cuda.is_available()
@@ -145,14 +152,21 @@ def diffusers_row(setup: Callable[[Any, torch.device], None]) -> Row:
     return build
 
 
-def torchhal_row(transformer: Any) -> Row:
+def torchhal_row(transformer: Any, vae: Any = lambda: Strategy.OFFLOAD) -> Row:
     def build(pipe: Any, platform: Any) -> tuple[Callable[..., Any], Callable[[], None], Any]:
-        placements = {name: Strategy.OFFLOAD for name in ENCODERS_AND_VAE}
+        placements = {"text_encoder": Strategy.OFFLOAD, "text_encoder_2": Strategy.OFFLOAD, "vae": vae()}
         managed = ManagedPipeline(pipe, {**placements, "transformer": transformer()}, platform=platform,
                                   device_index=0)
         return managed, managed.close, managed.manager.trace
 
     return build
+
+
+def layerwise(prefetch: int) -> Row:
+    """The transformer's blocks through a ring, its other weights loaded on call and released with
+    it; the VAE decoder's up blocks at their own sizes (the encoder, never called, never loads)."""
+    return torchhal_row(lambda: LayerwiseStrategy(prefetch, BLOCKS, rest="on_call"),
+                        lambda: LayerwiseStrategy(1, VAE_BLOCKS, buffers="exact", rest="on_call"))
 
 
 ROWS: dict[str, tuple[Row, str | None]] = {
@@ -166,8 +180,8 @@ ROWS: dict[str, tuple[Row, str | None]] = {
     "diffusers_group_leaf_stream": (diffusers_row(lambda p, d: p.enable_group_offload(
         onload_device=d, offload_type="leaf_level", use_stream=True)), "gpu"),
     "torchhal_offload": (torchhal_row(lambda: Strategy.OFFLOAD), None),
-    "torchhal_layerwise_p1": (torchhal_row(lambda: LayerwiseStrategy(1, BLOCKS)), None),
-    "torchhal_layerwise_p2": (torchhal_row(lambda: LayerwiseStrategy(2, BLOCKS)), None),
+    "torchhal_layerwise_p1": (layerwise(1), None),
+    "torchhal_layerwise_p2": (layerwise(2), None),
 }
 
 
@@ -178,16 +192,17 @@ RUN_ORDER = ("resident", "torchhal_offload", "diffusers_model_cpu_offload", "tor
 assert sorted(RUN_ORDER) == sorted(ROWS)
 
 
-def h2d_bytes_model(row: str, sizes: dict[str, int], layer_bytes: int, steps: int) -> int:
-    """Weights a strategy must move host -> device in one request (inputs are negligible)."""
-    once = sum(sizes[n] for n in ENCODERS_AND_VAE)
+def h2d_bytes_model(row: str, sizes: dict[str, int], steps: int) -> int:
+    """Weights a diffusers row must move host -> device in one request (inputs are negligible);
+    torchhal rows count theirs instead. `sizes` has "vae_decoder": decoding calls only the decoder."""
+    encoders = sizes["text_encoder"] + sizes["text_encoder_2"]
     if row == "resident":
         return 0
-    if row in ("diffusers_model_cpu_offload", "torchhal_offload"):
-        return once + sizes["transformer"]  # each component once; the transformer stays for every step
-    if row.startswith("torchhal_layerwise"):
-        return once + steps * layer_bytes  # non-layer weights stay on the device
-    return once + steps * sizes["transformer"]  # sequential / group: every weight onloaded at every call
+    if row == "diffusers_model_cpu_offload":
+        return encoders + sizes["vae"] + sizes["transformer"]  # each whole component once a request
+    # sequential / group offloading: the modules each call runs are onloaded at every call (the
+    # transformer every step), and the VAE's encoder, never called, is never onloaded
+    return encoders + steps * sizes["transformer"] + sizes["vae_decoder"]
 
 
 def skip_reason(requirement: str | None) -> str | None:
@@ -207,6 +222,7 @@ def run_row(name: str, build: Row, reference: Any, platform: Any, kwargs: Callab
             counter: EmptyCounter) -> tuple[dict[str, Any], list[dict[str, Any]], torch.Tensor | None]:
     pipe = fresh(reference)
     call, teardown, trace = build(pipe, platform)
+    record_allocator_pools(trace)
     counter.trace = trace if not name.startswith("torchhal") else None
     try:
         call(**kwargs())  # warm-up: first-use allocations, pinning, kernels
@@ -222,6 +238,7 @@ def run_row(name: str, build: Row, reference: Any, platform: Any, kwargs: Callab
             times.append(time.perf_counter() - t0)
         events = trace.events[start_events:]
         row = {"median_s": statistics.median(times), "times_s": times, **device_peaks(), **host_memory(),
+               **h2d_counted(call),
                "cache_empties_per_request": counter.count / reps,
                "empties_by_where_last_request": _count(e.get("where", "?") for e in events
                                                        if e["kind"] == "empty_cache")}
@@ -233,6 +250,43 @@ def run_row(name: str, build: Row, reference: Any, platform: Any, kwargs: Callab
         gc.collect()
         platform.empty_cache(torchhal.ReleasePoint.USER)
     return row, events, None if image is None else image.float().cpu()
+
+
+def h2d_counted(call: Any) -> dict[str, Any]:
+    """A torchhal row's host -> device bytes of the last request, as its strategies counted them."""
+    manager = getattr(call, "manager", None)
+    if manager is None:
+        return {}
+    by_component = dict(manager.last_request_h2d_bytes)
+    return {"h2d_bytes": sum(by_component.values()), "h2d_bytes_by_component": by_component,
+            "h2d_bytes_source": "counted"}
+
+
+POOL_STATS = ("allocated_bytes.large_pool.current", "allocated_bytes.small_pool.current",
+              "reserved_bytes.large_pool.current", "reserved_bytes.small_pool.current",
+              "segment.large_pool.current", "segment.small_pool.current")
+
+
+def record_allocator_pools(trace: Any) -> None:
+    """Benchmark only: every event of `trace` also carries the caching allocator's per-pool state,
+    so the JSON shows where reserved memory sits (large/small pool, how many segments)."""
+    if not HAS_GPU:
+        return
+    original = trace.event
+
+    def event(kind: str, component: str | None, **fields: Any) -> None:
+        original(kind, component, **fields)
+        if trace.events:
+            stats = torch.cuda.memory_stats()
+            trace.events[-1]["pools"] = {key: stats.get(key, 0) for key in POOL_STATS}
+
+    trace.event = event
+
+
+def compact(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The last request's events for the JSON, time relative to its first event."""
+    t0 = events[0]["t"] if events else 0.0
+    return [{**{k: v for k, v in e.items() if k != "t"}, "t": round(e["t"] - t0, 6)} for e in events]
 
 
 def _count(items: Any) -> dict[str, int]:
@@ -256,6 +310,7 @@ def main() -> None:
     dtype = torch.float32 if args.tiny else torch.bfloat16
     reference = flux_pipeline(size, dtype)
     sizes = {name: nbytes(getattr(reference, name)) for name in (*ENCODERS_AND_VAE, "transformer")}
+    sizes["vae_decoder"] = nbytes(reference.vae.decoder)
     layer_bytes = sum(nbytes(getattr(reference.transformer, b)) for b in BLOCKS)
     bandwidth = pinned_h2d_bandwidth(platform, (64 << 20) if args.tiny else GiB)
     print(f"built in {time.perf_counter() - started:.1f}s; component bytes {sizes}; "
@@ -285,8 +340,10 @@ def main() -> None:
             results["rows"][name] = {"failed": f"{type(exc).__name__}: {exc}"[:500]}
             traceback.print_exc()
             continue
-        moved = h2d_bytes_model(name, sizes, layer_bytes, steps)
-        row["h2d_bytes_model"] = moved
+        if "h2d_bytes" not in row:  # a diffusers row: modelled, not counted
+            row["h2d_bytes"] = h2d_bytes_model(name, sizes, steps)
+            row["h2d_bytes_source"] = "modelled"
+        moved = row["h2d_bytes"]
         row["transfer_floor_s"] = moved / bandwidth
         row["time_over_transfer_floor"] = row["median_s"] / row["transfer_floor_s"] if moved else None
         if resident_image is None and name == "resident":
@@ -294,9 +351,10 @@ def main() -> None:
         if resident_image is not None and image is not None:
             row["max_abs_diff_vs_resident"] = float((image - resident_image).abs().max())
         row["row_wall_s"] = time.perf_counter() - t_row
+        row["events_last_request"] = compact(events)
         results["rows"][name] = row
         timelines[name] = events
-        print(name, {k: v for k, v in row.items() if k != "times_s"}, flush=True)
+        print(name, {k: v for k, v in row.items() if k not in ("times_s", "events_last_request")}, flush=True)
     results["total_wall_s"] = time.perf_counter() - started
     path = write_json("diffusers_residency", results, args.out)
     try:

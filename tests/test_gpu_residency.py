@@ -114,3 +114,34 @@ def test_a_diffusers_pipeline_under_the_manager_matches_resident_on_the_device()
         assert pipe.vae.decoder.conv_in.weight.device.type == "cpu"
         assert pipe.transformer.single_transformer_blocks[0].proj_out.weight.device.type == "cpu"
         managed.close()
+
+
+def test_a_diffusers_pipeline_with_weights_on_call_matches_resident_and_leaves_nothing_behind():
+    pytest.importorskip("diffusers")
+    from diffusers_flux import call_kwargs, flux_pipeline
+
+    from torchhal.core.residency.diffusers import ManagedPipeline
+
+    expected = flux_pipeline().to("cuda")(**call_kwargs()).images
+    pipe = flux_pipeline()
+    managed = ManagedPipeline(pipe, {
+        "text_encoder": "offload", "text_encoder_2": "offload",
+        "transformer": LayerwiseStrategy(1, ("transformer_blocks", "single_transformer_blocks"), rest="on_call"),
+        "vae": LayerwiseStrategy(1, ("decoder.up_blocks",), buffers="exact", rest="on_call")})
+    seen = {}
+    # while the decoder's last up block runs, its weights are on the device and the encoder's are not
+    hook = pipe.vae.decoder.up_blocks[-1].register_forward_pre_hook(lambda m, a: seen.update(
+        up=next(m.parameters()).device.type, mid=pipe.vae.decoder.mid_block.resnets[0].conv1.weight.device.type,
+        encoder=pipe.vae.encoder.conv_in.weight.device.type,
+        embedder=pipe.transformer.x_embedder.weight.device.type))
+    for _ in range(2):
+        image = managed(**call_kwargs()).images
+        torch.testing.assert_close(image, expected, rtol=0, atol=1e-5)
+        # the transformer's non-block weights and the VAE decoder left with their components
+        assert pipe.transformer.x_embedder.weight.device.type == "cpu"
+        assert pipe.vae.decoder.mid_block.resnets[0].conv1.weight.device.type == "cpu"
+    hook.remove()
+    assert seen == {"up": "cuda", "mid": "cuda", "encoder": "cpu", "embedder": "cpu"}
+    assert managed.manager.last_request_h2d_bytes["vae"] == sum(
+        p.numel() * p.element_size() for p in pipe.vae.decoder.parameters())
+    managed.close()

@@ -236,6 +236,8 @@ def test_a_custom_strategy_plugs_in_and_gets_the_same_decisions(observed):
     assert events[release + 1]["kind"] == "empty_cache"  # its release is a release point
     vae_moves = [(destination, nbytes) for component, destination, nbytes in observed["moves"] if component == "vae"]
     assert vae_moves == [(str(manager.device), 100), ("host", 100)]
+    # it does not count its own copies: the manager counts what its load calls returned
+    assert manager.last_request_h2d_bytes["vae"] == 100
 
 
 def test_an_unknown_strategy_name_is_refused_clearly(observed):
@@ -422,3 +424,58 @@ def test_another_error_inside_a_use_keeps_its_release_point_and_the_manager_serv
     monkeypatch.setattr(components["vae"], "forward", real_forward)
     torch.testing.assert_close(run_request(manager, torch.randn(4, 256).zero_(), 2),
                                resident_reference(torch.zeros(4, 256), 2))
+
+
+def test_layer_buffers_are_a_ring_of_the_largest_layer_or_each_layers_own_size(observed):
+    components = make_components(layers=4)
+    transformer = components["transformer"]
+    transformer.layers[3] = torch.nn.LayerNorm(256)  # layers of different sizes: the last one is small
+    seen: dict[str, list[int]] = {}
+    for buffers in ("ring", "exact"):
+        strategy = LayerwiseStrategy(prefetch_layers=1, buffers=buffers)
+        manager = ResidencyManager({"transformer": transformer}, {"transformer": strategy})
+        seen[buffers] = []
+        def storage_bytes(module, args, i, s=strategy, b=buffers):
+            seen[b].append(s.blocks[i].device_buffer.untyped_storage().nbytes())
+
+        hooks = [layer.register_forward_pre_hook(lambda m, a, i=i, f=storage_bytes: f(m, a, i))
+                 for i, layer in enumerate(transformer.layers)]
+        stage = [Stage("s", (ComponentUse("transformer", memory_intensive=True),))]
+        with manager.request(stage), manager.use_component("transformer") as module:
+            module(torch.randn(2, 256))
+        for h in hooks:
+            h.remove()
+        sizes = [b.numel * 4 for b in strategy.blocks]
+        assert not any(b.on_device for b in strategy.blocks) and strategy.ring == []
+        manager.close()
+        if buffers == "ring":  # every layer lands in a slot of the largest layer
+            assert seen["ring"] == [max(sizes)] * 4
+        else:
+            assert seen["exact"] == sizes and sizes[3] < sizes[0]
+
+
+def test_a_released_block_waits_for_a_prefetch_nobody_waited_for(observed):
+    from torchhal.core.residency import WeightBlock
+    from torchhal.platforms import current_platform
+
+    platform = current_platform()
+    block = WeightBlock([torch.nn.Parameter(torch.randn(8))], platform, platform.device(0))
+
+    class Pending:
+        waited_on = None
+
+        def wait(self, stream):
+            Pending.waited_on = stream
+
+    block.load(platform.new_stream(0))
+    block.ready = Pending()
+    assert block.release() == 32
+    assert Pending.waited_on is not None  # compute waited before the buffer went back to the allocator
+    assert block.copied_bytes == 32
+
+
+def test_layerwise_refuses_unknown_buffer_and_rest_modes():
+    with pytest.raises(ValueError, match="buffers='rings': use 'ring'.*or 'exact'"):
+        LayerwiseStrategy(1, buffers="rings")
+    with pytest.raises(ValueError, match="rest='lazy': use 'resident'.*or 'on_call'"):
+        LayerwiseStrategy(1, rest="lazy")

@@ -31,13 +31,16 @@ def reference_image():
     return flux_pipeline()(**call_kwargs()).images
 
 
-@pytest.mark.parametrize("transformer", ["resident", "offload", "layerwise-1", "layerwise-2"])
+@pytest.mark.parametrize("transformer", ["resident", "offload", "layerwise-1", "layerwise-2", "layerwise-on_call"])
 def test_each_strategy_gives_the_unmanaged_image_bit_for_bit(reference_image, empties, transformer):
-    if transformer.startswith("layerwise"):
+    encoders = {} if transformer == "resident" else ENCODERS
+    if transformer == "layerwise-on_call":  # non-layer weights on call, the VAE decoder streamed too
+        placement: object = LayerwiseStrategy(1, BLOCKS, rest="on_call")
+        encoders = {**ENCODERS, "vae": streamed_vae()}
+    elif transformer.startswith("layerwise"):
         placement = LayerwiseStrategy(int(transformer[-1]), BLOCKS)
     else:
         placement = Strategy(transformer)
-    encoders = {} if transformer == "resident" else ENCODERS
     pipe = flux_pipeline()
     managed = ManagedPipeline(pipe, {**encoders, "transformer": placement})
     for _ in range(2):  # a second request reuses what the first left behind
@@ -54,7 +57,7 @@ def test_each_strategy_gives_the_unmanaged_image_bit_for_bit(reference_image, em
         assert used == ["text_encoder", "text_encoder_2", "transformer", "vae"]
     if transformer.startswith("layerwise"):
         layers = [e for e in trace.last_request() if e["kind"] in ("prepare", "wait") and "layer" in e]
-        assert {e["layer"] for e in layers} == set(range(3))  # 1 double + 2 single blocks streamed
+        assert {e["layer"] for e in layers if e["component"] == "transformer"} == set(range(3))  # 1 double + 2 single
     managed.close()
     # closed: a plain pipeline again, still giving the same image
     assert "forward" not in pipe.transformer.__dict__ and not hasattr(pipe.vae, "_hf_hook")
@@ -134,3 +137,71 @@ def test_importing_the_residency_package_does_not_import_diffusers():
             "print('diffusers' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def _nbytes(module):
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def streamed_vae():
+    return LayerwiseStrategy(1, ("decoder.up_blocks",), buffers="exact", rest="on_call")
+
+
+def test_non_layer_weights_follow_the_uses_and_an_uncalled_encoder_never_loads(reference_image, empties):
+    pipe = flux_pipeline()
+    transformer = LayerwiseStrategy(1, BLOCKS, rest="on_call")
+    placements = {"text_encoder": Strategy.OFFLOAD, "text_encoder_2": Strategy.OFFLOAD,
+                  "transformer": transformer, "vae": streamed_vae()}
+    managed = ManagedPipeline(pipe, placements)
+    vae = managed.manager.components["vae"].strategy
+    assert set(transformer.rest_blocks) == {"time_text_embed", "context_embedder", "x_embedder", "norm_out",
+                                            "proj_out"}  # pos_embed has no weights; no weights at the top
+    assert set(vae.rest_blocks) == {"encoder", "decoder.conv_in", "decoder.mid_block", "decoder.conv_norm_out",
+                                    "decoder.conv_out"}
+    loaded_before_last_block: list[set[str]] = []
+
+    def loaded(strategy):
+        return {name for name, blocks in strategy.rest_blocks.items() if all(b.on_device for b in blocks)}
+
+    hook = pipe.transformer.single_transformer_blocks[-1].register_forward_pre_hook(
+        lambda m, a: loaded_before_last_block.append(loaded(transformer)))
+    for _ in range(2):
+        assert torch.equal(managed(**call_kwargs()).images, reference_image)
+        # released with the component: nothing of either stays on the device between requests
+        assert loaded(transformer) == set() and loaded(vae) == set()
+    hook.remove()
+    # the modules called before the last block were loaded at their call; norm_out and proj_out run after it
+    assert loaded_before_last_block[0] == {"time_text_embed", "context_embedder", "x_embedder"}
+    assert all(b.copied_bytes == 0 for b in vae.rest_blocks["encoder"])  # decode never calls the encoder
+    # counted copies: the transformer's non-layer weights once a request, its layers every step, the
+    # VAE's decoder (not its encoder) once, the text encoders whole
+    steps = call_kwargs()["num_inference_steps"]
+    layers = sum(_nbytes(getattr(pipe.transformer, b)) for b in BLOCKS)
+    expected = {"text_encoder": _nbytes(pipe.text_encoder), "text_encoder_2": _nbytes(pipe.text_encoder_2),
+                "transformer": steps * layers + _nbytes(pipe.transformer) - layers,
+                "vae": _nbytes(pipe.vae.decoder)}
+    assert managed.manager.last_request_h2d_bytes == expected
+    end = managed.manager.trace.last_request()[-1]
+    assert end["kind"] == "request_end" and end["h2d_bytes"] == sum(expected.values())
+    managed.close()
+    assert torch.equal(pipe(**call_kwargs()).images, reference_image)  # unwrapped: a plain pipeline again
+
+
+def test_offload_counts_each_component_once_a_request(empties):
+    pipe = flux_pipeline()
+    managed = ManagedPipeline(pipe, {**ENCODERS, "transformer": Strategy.OFFLOAD})
+    for _ in range(2):  # the second request's prefetches are counted in it, not in the first
+        managed(**call_kwargs())
+        assert managed.manager.last_request_h2d_bytes == {
+            name: _nbytes(getattr(pipe, name)) for name in ("text_encoder", "text_encoder_2", "transformer", "vae")}
+    managed.close()
+
+
+def test_a_bare_layerwise_streams_the_denoiser_through_a_ring_and_others_at_their_own_size():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        managed = ManagedPipeline(flux_pipeline(), {"transformer": "layerwise", "vae": "layerwise"})
+    transformer, vae = (managed.manager.components[n].strategy for n in ("transformer", "vae"))
+    assert (transformer.layers_attr, transformer.buffers, transformer.rest) == (BLOCKS, "ring", "on_call")
+    assert (vae.layers_attr, vae.buffers, vae.rest) == (("decoder.up_blocks",), "exact", "on_call")
+    managed.close()

@@ -36,6 +36,7 @@ BLOCK_LIST_CANDIDATES = (
     "encoder.block",  # T5 encoders
     "text_model.encoder.layers",  # CLIP text encoders
     "encoder.layers",
+    "decoder.up_blocks",  # AutoencoderKL and other VAEs: the decoder's up blocks (decode runs them)
 )
 _ENTRY_METHODS = ("forward", "encode", "decode")
 _warned: set[tuple[str, str, tuple[str, ...]]] = set()
@@ -89,7 +90,11 @@ class ManagedPipeline:
 
     `placements` maps component names (as in `pipeline.components`) to a strategy name
     or object; unnamed components are resident. A bare "layerwise" streams the block
-    lists guessed by `guess_block_lists`. `denoiser` is the component called once per
+    lists guessed by `guess_block_lists`, with the weights outside them loaded as their
+    submodules are called and released with the component (rest="on_call"), the denoiser
+    through a ring of buffers (its blocks stream every step), any other component through
+    buffers of each block's own size (buffers="exact": it runs once a request, and its
+    blocks differ in size, as a VAE decoder's do). `denoiser` is the component called once per
     step (default: "transformer" or "unet", whichever the pipeline has) and
     `calls_per_step` how often (2 with true classifier-free guidance).
     """
@@ -116,7 +121,8 @@ class ManagedPipeline:
         strategies: dict[str, PlacementSpec] = {}
         for name, spec in placements.items():
             if not isinstance(spec, ResidencyStrategy) and name in modules and _is_layerwise(spec):
-                spec = LayerwiseStrategy(1, guess_block_lists(modules[name], name))
+                spec = LayerwiseStrategy(1, guess_block_lists(modules[name], name), rest="on_call",
+                                         buffers="ring" if name == denoiser else "exact")
             strategies[name] = spec
         self.pipeline, self.denoiser, self.calls_per_step, self.prefetch = pipeline, denoiser, calls_per_step, prefetch
         self.manager = ResidencyManager(modules, strategies, platform, device_index, record_trace=record_trace, log=log)

@@ -83,6 +83,20 @@ class ResidencyManager:
         self._oom_handled_by_request = False
         self._closed = False
         self._active: ComponentUse | None = None
+        # bytes that load() reported, for strategies that do not count their own copies
+        self._loaded_bytes = dict.fromkeys(self.components, 0)
+        self._copied_at_request_start: dict[str, int] = {}
+        #: host -> device bytes copied in the last finished request, per component (counted, not modelled)
+        self.last_request_h2d_bytes: dict[str, int] = {}
+
+    def copied_bytes(self) -> dict[str, int]:
+        """Host -> device bytes each component's strategy has copied since registration: its own
+        count (`ResidencyStrategy.copied_bytes`), else the bytes its `load` calls returned."""
+        counts = {}
+        for name, state in self.components.items():
+            own = state.strategy.copied_bytes()
+            counts[name] = self._loaded_bytes[name] if own is None else own
+        return counts
 
     @property
     def in_use(self) -> str | None:
@@ -127,6 +141,7 @@ class ResidencyManager:
             raise ValueError(f"stages use unknown components {unknown}; registered: {sorted(known)}")
         self._timeline, self._cursor, self._prefetched = timeline, 0, False
         self._warmup, self._in_request = warmup, True
+        self._copied_at_request_start = self.copied_bytes()
         self.event("request_start", None, uses=len(timeline), warmup=warmup)
 
     def begin_use(self, component: str, phase: str | None = None) -> None:
@@ -208,7 +223,10 @@ class ResidencyManager:
                 released_any |= self._release(state)
         if released_any:
             self._empty(where="request_end")
-        self.event("request_end", None)
+        now = self.copied_bytes()
+        self.last_request_h2d_bytes = {name: now[name] - self._copied_at_request_start.get(name, 0) for name in now}
+        self.event("request_end", None, h2d_bytes=sum(self.last_request_h2d_bytes.values()),
+                   h2d_bytes_by_component=dict(self.last_request_h2d_bytes))
         self._in_request, self._timeline = False, []
 
     def close(self) -> int | None:
@@ -286,6 +304,8 @@ class ResidencyManager:
         return released
 
     def _note_moved(self, state: ComponentState, source: str, destination: str, nbytes: int) -> None:
+        if source == "host":
+            self._loaded_bytes[state.name] += nbytes
         self.platform.notify_component_moved(state.name, source, destination, nbytes)
 
 

@@ -81,6 +81,12 @@ class ResidencyStrategy:
     def on_device(self, component: ComponentState) -> bool:
         return True
 
+    def copied_bytes(self) -> int | None:
+        """Bytes this strategy has copied host -> device since attach (every copy it issued,
+        prefetches included), or None if it does not count them: the manager then counts
+        the bytes its `load` calls return."""
+        return None
+
     def detach(self, manager: StrategyHost, component: ComponentState) -> None:
         """close(): everything back to host memory, hooks removed."""
         self.release(manager, component)
@@ -107,6 +113,9 @@ def _buffers_to(module: nn.Module, device: torch.device) -> None:
 
 class ResidentStrategy(ResidencyStrategy):
     """Stays on the device. A use's dtype casts it in place (narrowing loses precision)."""
+
+    def copied_bytes(self) -> int | None:
+        return 0  # placed once at registration, never copied per request
 
     def attach(self, manager: StrategyHost, component: ComponentState) -> None:
         component.module.to(manager.device)
@@ -157,6 +166,9 @@ class OffloadStrategy(ResidencyStrategy):
     def on_device(self, component: ComponentState) -> bool:
         return self._block().on_device
 
+    def copied_bytes(self) -> int | None:
+        return 0 if self.block is None else self.block.copied_bytes
+
 
 def _lookup(module: nn.Module, dotted: str) -> Any:
     owner: Any = module
@@ -168,15 +180,33 @@ def _lookup(module: nn.Module, dotted: str) -> Any:
 
 
 class LayerwiseStrategy(ResidencyStrategy):
-    """One or more layer stacks streamed through a ring of p + 1 device buffers; other weights stay.
+    """One or more layer stacks streamed block by block; the other weights stay or follow the uses.
 
     `layers_attr` names the nn.ModuleList(s) to stream (dotted paths allowed), in the
     order they run: e.g. ("transformer_blocks", "single_transformer_blocks"). A hook
     before layer i waits for its copy (or loads it) and prefetches the next p layers on
     the side stream; a hook after layer i releases it.
+
+    `buffers` says where a streamed layer lands on the device:
+      - "ring" (default): a ring of p + 1 device buffers, each the size of the largest
+        layer, kept while the run of uses lasts; no allocator traffic per layer, so it
+        pays off for a component run many times a request (a denoiser).
+      - "exact": a buffer of the layer's own size from the caching allocator, given back
+        when the layer is released; the device holds only the layers in flight, at their
+        own sizes (blocks of very different sizes, a component run once a request).
+    `rest` says where the weights outside the streamed layers live:
+      - "resident" (default): on the device from registration on.
+      - "on_call": each submodule outside the layers is copied in when it is first called
+        in a run of uses, and leaves with the layers at the release; a submodule never
+        called (a VAE's encoder while decoding) never reaches the device. Weights owned
+        directly by a module that contains streamed layers load at the start of the use.
     """
 
-    def __init__(self, prefetch_layers: int = 1, layers_attr: str | Sequence[str] = "layers") -> None:
+    BUFFERS = ("ring", "exact")
+    REST = ("resident", "on_call")
+
+    def __init__(self, prefetch_layers: int = 1, layers_attr: str | Sequence[str] = "layers", *,
+                 buffers: str = "ring", rest: str = "resident") -> None:
         if isinstance(prefetch_layers, bool) or not isinstance(prefetch_layers, int):
             raise ValueError(
                 f"prefetch_layers must be an int (layers copied ahead of the running one), "
@@ -190,11 +220,21 @@ class LayerwiseStrategy(ResidencyStrategy):
                 f"layers_attr must name the nn.ModuleList(s) to stream (a str or a sequence of str), "
                 f"got {layers_attr!r}"
             )
+        if buffers not in self.BUFFERS:
+            raise ValueError(f"buffers={buffers!r}: use 'ring' (p + 1 buffers of the largest layer, kept) "
+                             f"or 'exact' (one buffer per layer at its own size, given back at its release)")
+        if rest not in self.REST:
+            raise ValueError(f"rest={rest!r}: use 'resident' (non-layer weights stay on the device) or "
+                             f"'on_call' (each non-layer submodule loads when called, leaves at the release)")
         self.prefetch_layers = prefetch_layers
         self.layers_attr: tuple[str, ...] = names
+        self.buffers, self.rest = buffers, rest
         self.layers: list[nn.Module] = []  # every streamed layer, in run order
         self.blocks: list[WeightBlock] = []  # one per layer
-        self.ring: list[torch.Tensor] = []  # p + 1 reusable device buffers while in use
+        self.ring: list[torch.Tensor] = []  # buffers="ring": p + 1 reusable device buffers while in use
+        #: rest="on_call": (dotted name, its blocks) per non-layer submodule; "" holds the weights
+        #: owned directly by modules that contain layers (loaded at the start of a use)
+        self.rest_blocks: dict[str, list[WeightBlock]] = {}
         self.released_bytes = 0  # bytes streamed out since the run of uses began
         self.hooks: list[Any] = []
 
@@ -226,23 +266,33 @@ class LayerwiseStrategy(ResidencyStrategy):
         module = component.module
         layers = self._find_layers(component)
         layer_params = {id(p) for layer in layers for p in layer.parameters()}
-        for p in module.parameters():  # non-layer parameters stay resident
-            if id(p) not in layer_params:
-                p.data = p.data.to(manager.device)
+        if self.rest == "on_call":
+            self.rest_blocks = _rest_groups(module, layers, layer_params, manager)
+        else:
+            for p in module.parameters():  # non-layer parameters stay resident
+                if id(p) not in layer_params:
+                    p.data = p.data.to(manager.device)
         _buffers_to(module, manager.device)
         self.layers = layers
         self.blocks = [WeightBlock(list(layer.parameters()), manager.platform, manager.device) for layer in layers]
         for index, layer in enumerate(layers):
             self.hooks.append(layer.register_forward_pre_hook(self._before_layer(manager, component, index)))
             self.hooks.append(layer.register_forward_hook(self._after_layer(index)))
+        for name in self.rest_blocks:
+            if name:
+                owner = _lookup(module, name)
+                self.hooks.append(owner.register_forward_pre_hook(self._before_rest(manager, component, name)))
 
     def load(self, manager: StrategyHost, component: ComponentState, stream: Any | None) -> int:
+        if self.rest == "on_call":  # only the weights no submodule call would bring in
+            return self._load_rest(manager, component, "")
         skip = frozenset(id(p) for layer in self.layers for p in layer.parameters())
         _cast_on_device(component.module, component.dtype, skip=skip)
         return 0  # layers stream in as they run
 
     def release(self, manager: StrategyHost, component: ComponentState) -> int:
-        released = self.released_bytes + sum(block.release() for block in self.blocks)
+        rest = sum(block.release() for blocks in self.rest_blocks.values() for block in blocks)
+        released = self.released_bytes + rest + sum(block.release() for block in self.blocks)
         self.released_bytes = 0
         self.ring = []  # the next use is another component: give the ring back
         return released
@@ -250,11 +300,34 @@ class LayerwiseStrategy(ResidencyStrategy):
     def on_device(self, component: ComponentState) -> bool:
         return all(b.on_device for b in self.blocks)
 
+    def copied_bytes(self) -> int | None:
+        rest = sum(block.copied_bytes for blocks in self.rest_blocks.values() for block in blocks)
+        return rest + sum(block.copied_bytes for block in self.blocks)
+
     def detach(self, manager: StrategyHost, component: ComponentState) -> None:
         super().detach(manager, component)
         for handle in self.hooks:
             handle.remove()
         self.hooks = []
+
+    def _load_rest(self, manager: StrategyHost, component: ComponentState, name: str) -> int:
+        moved = 0
+        for block in self.rest_blocks.get(name, ()):
+            if block.on_device and block.device_dtype != (component.dtype or block.dtype):
+                self.released_bytes += block.release()  # loaded for a use in another dtype
+            if not block.on_device:
+                block.load(None, None, component.dtype)
+                moved += block.nbytes
+        if moved and name:
+            manager.event("prepare", component.name, part=name, nbytes=moved)
+        return moved
+
+    def _before_rest(self, manager: StrategyHost, component: ComponentState, name: str) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._load_rest(manager, component, name)
+            return None
+
+        return hook
 
     def _before_layer(self, manager: StrategyHost, component: ComponentState, index: int) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
@@ -263,19 +336,22 @@ class LayerwiseStrategy(ResidencyStrategy):
                 if block.wait():
                     manager.event("wait", component.name, layer=index)
             else:
-                block.load(None, self._ring_slot(component.dtype, index), component.dtype)
+                block.load(None, self._slot(component.dtype, index), component.dtype)
                 manager.event("prepare", component.name, layer=index, nbytes=block.nbytes)
             for ahead in range(index + 1, min(index + 1 + self.prefetch_layers, len(self.blocks))):
                 if not self.blocks[ahead].on_device:
-                    self.blocks[ahead].load(manager.side_stream, self._ring_slot(component.dtype, ahead),
+                    self.blocks[ahead].load(manager.side_stream, self._slot(component.dtype, ahead),
                                             component.dtype)
             return None
 
         return hook
 
-    def _ring_slot(self, dtype: torch.dtype | None, index: int) -> torch.Tensor:
-        """Layer `index` streams into ring slot index % (p + 1): with layer i running and
-        p layers ahead in flight, the slot of layer i - 1 (already released) is the free one."""
+    def _slot(self, dtype: torch.dtype | None, index: int) -> torch.Tensor | None:
+        """buffers="ring": layer `index` streams into ring slot index % (p + 1): with layer i
+        running and p layers ahead in flight, the slot of layer i - 1 (already released) is
+        the free one. buffers="exact": None, the block allocates a buffer of its own size."""
+        if self.buffers == "exact":
+            return None
         dtype = dtype or self.blocks[0].dtype
         if not self.ring or self.ring[0].dtype != dtype:
             numel = max(b.numel for b in self.blocks)
@@ -289,6 +365,42 @@ class LayerwiseStrategy(ResidencyStrategy):
             return None
 
         return hook
+
+
+def _rest_groups(module: nn.Module, layers: list[nn.Module], layer_params: set[int],
+                 manager: StrategyHost) -> dict[str, list[WeightBlock]]:
+    """Blocks of the weights outside the streamed layers, one group per submodule that holds
+    no layer (keyed by its dotted name), and "" for weights owned by modules that hold layers."""
+    layer_ids = {id(layer) for layer in layers}
+    holders = {id(m) for m in module.modules() if any(id(sub) in layer_ids for sub in m.modules())}
+    seen = set(layer_params)  # a tied weight belongs to the first group that names it
+    groups: dict[str, list[nn.Parameter]] = {}
+
+    def take(key: str, params: Any) -> None:
+        for p in params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                groups.setdefault(key, []).append(p)
+
+    def walk(owner: nn.Module, prefix: str) -> None:
+        take("", owner.parameters(recurse=False))
+        for name, child in owner.named_children():
+            if id(child) in layer_ids:
+                continue
+            dotted = f"{prefix}{name}"
+            if id(child) in holders:
+                walk(child, dotted + ".")
+            else:
+                take(dotted, child.parameters())
+
+    walk(module, "")
+    blocks: dict[str, list[WeightBlock]] = {}
+    for key, params in groups.items():
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        blocks[key] = [WeightBlock(ps, manager.platform, manager.device) for ps in by_dtype.values()]
+    return blocks
 
 
 _BUILTIN: dict[Strategy, type[ResidencyStrategy]] = {

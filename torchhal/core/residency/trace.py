@@ -34,7 +34,7 @@ class ResidencyTrace:
             return
         event: dict[str, Any] = {"kind": kind, "t": time.monotonic(), "component": component, **fields}
         memory = self.platform.memory_info(self.device_index)
-        event["reserved"], event["used"] = memory.reserved, memory.used
+        event["reserved"], event["allocated"], event["used"] = memory.reserved, memory.allocated, memory.used
         if self.record:
             self.events.append(event)
         self.platform.emit_event(event)

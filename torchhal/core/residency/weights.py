@@ -27,6 +27,8 @@ class WeightBlock:
         self._views(self.host, copy_from_params=False)
         self.device_buffer: torch.Tensor | None = None
         self.ready: Any = None  # event recorded after the copy, or None when loaded synchronously
+        #: bytes this block has copied host -> device since it was made (every load counts)
+        self.copied_bytes = 0
 
     @property
     def nbytes(self) -> int:
@@ -76,6 +78,7 @@ class WeightBlock:
                 self.ready = self.platform.new_event()
                 self.ready.record(stream)
         self.device_buffer = buffer
+        self.copied_bytes += self.numel * buffer.element_size()
         self._views(buffer, copy_from_params=False)
 
     def wait(self) -> bool:
@@ -90,6 +93,9 @@ class WeightBlock:
         """Point the parameters back at host memory and drop the device copy; bytes dropped."""
         if self.device_buffer is None:
             return 0
+        # A prefetch nobody waited for may still be copying into the buffer: compute waits
+        # for it first, so the allocator cannot hand the memory out under a running copy.
+        self.wait()
         nbytes = self.nbytes
         self._views(self.host, copy_from_params=False)
         self.device_buffer, self.ready = None, None
