@@ -252,6 +252,8 @@ def test_windows_give_the_tokens_of_single_steps_with_fewer_read_backs(reference
     assert runner is not None
     assert run_engine(engine) == reference
     assert runner.windows < runner.steps  # some windows ran several steps
+    if steps < 8:  # windows of 8 cover these requests' tokens at once: nothing to chain
+        assert runner.chained >= 1  # some were queued before the previous one's tokens landed
     assert engine.slots.available == engine.slots.num_slots and runner.slots.live == 0
 
 
@@ -283,6 +285,44 @@ def test_a_stop_token_inside_a_window_ends_the_request_there_and_frees_every_slo
     assert got == eager
     assert any(len(out) < n for out, n in zip(got, NEW_TOKENS, strict=True))  # some request was cut
     assert all(out[-1] == stop or len(out) == n for out, n in zip(got, NEW_TOKENS, strict=True))
+    assert engine.slots.available == engine.slots.num_slots
+
+
+def test_chained_windows_keep_tokens_and_slots_exact_through_a_stop_token():
+    prompts, new_tokens = PROMPTS[:3], 20
+    plain = [r.output for r in GenerationEngine(CONFIG).generate(prompts, new_tokens)]
+    stop = plain[1][9]  # deep in a chained window of request 1
+    eager = [r.output for r in GenerationEngine(replace(CONFIG, eos_token=stop)).generate(prompts, new_tokens)]
+    engine = graph_engine(replace(EMULATED, steps_per_sync=4), eos_token=stop)
+    runner = engine.decode_runner
+    assert runner is not None
+    assert [r.output for r in engine.generate(prompts, new_tokens)] == eager
+    assert runner.chained >= 2 and engine.slots.available == engine.slots.num_slots
+    assert any(len(out) < new_tokens for out in eager)  # the stop cut a request short
+
+
+def test_a_window_that_fails_to_land_gives_back_both_windows_and_is_recomputed():
+    prompts, new_tokens = PROMPTS[:3], 20
+    expected = [r.output for r in GenerationEngine(CONFIG).generate(prompts, new_tokens)]
+    engine = graph_engine(replace(EMULATED, steps_per_sync=4))
+    runner = engine.decode_runner
+    assert runner is not None
+    rids = [engine.add_request(p, new_tokens) for p in prompts]
+    engine.step()  # prefill
+    engine.step()  # a window launched; its tokens land at the next step
+    assert engine._in_flight is not None
+    collect = runner.collect
+    runner.collect = lambda window: (_ for _ in ()).throw(RuntimeError("device fault"))  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="device fault"):
+        engine.step()  # chains the next window, then fails to read the first
+    assert engine._in_flight is None
+    # Every running request holds exactly the slots of its landed tokens (none of either window).
+    for request in engine.running:
+        assert len(request.slots) == len(request.prompt) + len(request.output) - 1
+    runner.collect = collect  # type: ignore[method-assign]
+    while any(rid not in engine.results for rid in rids):
+        engine.step()
+    assert [engine.results.pop(rid).output for rid in rids] == expected
     assert engine.slots.available == engine.slots.num_slots
 
 

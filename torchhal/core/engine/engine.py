@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,10 +40,25 @@ from torchhal.core.engine.requests import RequestBook
 from torchhal.core.engine.runners import EagerRunner, ModelRunner
 from torchhal.core.engine.scheduler import Scheduler, StepPlan
 from torchhal.core.engine.weights import NamedTensors, WeightUpdater
-from torchhal.core.graphs.decode import DecodeGraphRunner
+from torchhal.core.graphs.decode import DecodeGraphRunner, DecodeWindow
 from torchhal.core.model import KVCache, Model, ModelConfig, ReferenceDecoder
 from torchhal.core.model.protocol import missing_model_members
 from torchhal.platforms import Platform, ReleasePoint, current_platform
+
+
+@dataclass
+class _Window:
+    """A decode window on the device: its requests, the slots each reserved (= tokens it
+    wants), and the runner's handle to read the tokens back."""
+
+    requests: list[Request]
+    new: list[int]
+    window: DecodeWindow | None  # None only while it is being launched
+
+    @property
+    def launched(self) -> DecodeWindow:
+        assert self.window is not None
+        return self.window
 
 
 class GenerationEngine:
@@ -91,6 +107,7 @@ class GenerationEngine:
         eos = set(config.eos_tokens) | ({config.eos_token} if config.eos_token is not None else set())
         self._eos: frozenset[int] = frozenset(eos)
         self.decode_runner: DecodeGraphRunner | None = None
+        self._in_flight: _Window | None = None  # a launched decode window whose tokens have not landed
         if config.decode_graphs is not None:
             self.decode_runner = self._new_decode_runner(config.decode_graphs)
             self.requests.on_leave = self.decode_runner.forget
@@ -170,6 +187,7 @@ class GenerationEngine:
             while any(rid not in self.results for rid in rids):
                 self.step()
         except BaseException:
+            self._drop_in_flight()
             self.requests.discard(rids)
             raise
         return [self.results.pop(rid) for rid in rids]
@@ -178,6 +196,11 @@ class GenerationEngine:
     def step(self) -> list[GenerationResult]:
         """One continuous-batching step: decode the running batch, admit prefills.
 
+        With full-graph decode, a decode window is launched and its tokens land at the
+        next step (which first queues the following window on the device when the same
+        requests continue): the host's work overlaps the device's, and a step may return
+        requests finished by the window before it.
+
         All or nothing: if anything in the step raises, the slots it reserved are given
         back and admitted requests wait again, so the next step computes what this one
         would have. An out-of-memory error anywhere in the step retracts the batch and
@@ -185,10 +208,15 @@ class GenerationEngine:
         if self.paused is not None:
             return []
         self._check_can_run()
+        done: list[GenerationResult] = []
+        if self._in_flight is not None:
+            done = self._advance(self._in_flight)
+            if self._in_flight is not None:  # the next window is already on the device
+                return done
         plan = self.scheduler.plan()
         if not plan.batch:
             self._idle_tick()
-            return self.requests.fail_unservable()
+            return done + self.requests.fail_unservable()
         self._idle_since, self._idle_emptied = None, False
         try:
             with torch.no_grad():  # not inference_mode: the KV pool and graph buffers persist across steps
@@ -198,13 +226,21 @@ class GenerationEngine:
                 for request in plan.batch:
                     self.decode_runner.forget(request.rid)
             if isinstance(exc, Exception) and self.platform.is_out_of_memory(exc):
-                return self._handle_oom(plan.batch, exc)
+                return done + self._handle_oom(plan.batch, exc)
             self.scheduler.rollback(plan)
             raise
+        if next_tokens is None:  # a decode window is on the device; its tokens land next step
+            return done
         self._steps += 1
+        return done + self._append(plan.batch, next_tokens)
+
+    def _append(self, batch: list[Request], next_tokens: list[list[int]]) -> list[GenerationResult]:
+        """Give each request its new tokens; finish those that reach a stop."""
         done = []
         eos = self._eos
-        for request, tokens in zip(plan.batch, next_tokens, strict=True):
+        for request, tokens in zip(batch, next_tokens, strict=True):
+            if request.state is not RequestState.RUNNING:
+                continue  # ended by an earlier window's stop while this window was in flight
             output = request.output
             for token in tokens:  # a window's tokens past a stop are dropped (their slots go with the request)
                 output.append(token)
@@ -213,9 +249,10 @@ class GenerationEngine:
                     break
         return done
 
-    def _run(self, plan: StepPlan) -> list[list[int]]:
-        """This step's new tokens per request: a window of decode graph replays for a pure
-        decode batch that fits the buckets, else one token each from the engine's runner."""
+    def _run(self, plan: StepPlan) -> list[list[int]] | None:
+        """This step's new tokens per request, one each from the engine's runner; or None
+        when a pure decode batch that fits the buckets was launched as a decode window
+        (its tokens land at the next step)."""
         decode = self.decode_runner
         if decode is not None and not plan.prefills:
             longest = max(len(r.slots) for r in plan.decodes)  # this step's slot included
@@ -224,11 +261,96 @@ class GenerationEngine:
                 steps = 1 if self.requests.waiting else decode.window_for(longest)
                 new = self.scheduler.widen(plan, steps)
                 rows = [(r.rid, r.last_token, r.slots, n) for r, n in zip(plan.decodes, new, strict=True)]
-                return decode.decode(rows, max(new))
+                self._in_flight = _Window(list(plan.decodes), list(new), decode.launch(rows, max(new)))
+                return None
         inputs = self.scheduler.build_inputs(plan, self.device)
         hidden = self.runner.forward(inputs.input_ids, inputs.meta)
         tokens: list[int] = self.model.logits(hidden, inputs.last_index).argmax(-1).tolist()
         return [[token] for token in tokens]
+
+    def _advance(self, flight: _Window) -> list[GenerationResult]:
+        """Queue the window after `flight` when the same requests all continue, then land
+        `flight`'s tokens. If either fails, both windows' slots are given back (the
+        tokens are computed again) and the error propagates."""
+        decode = self.decode_runner
+        assert decode is not None
+        self._in_flight = chained = None
+        try:
+            with torch.no_grad():
+                chained = self._chain(flight)
+            tokens = decode.collect(flight.launched)
+        except BaseException:
+            for window in (chained, flight):
+                if window is not None:
+                    self._give_back(window)
+            raise
+        self._in_flight = chained
+        self._steps += 1
+        return self._append(flight.requests, tokens)
+
+    def _chain(self, flight: _Window) -> _Window | None:
+        """The next window of `flight`'s requests, queued behind it before its tokens are
+        read; None when that cannot be right or useful: a request waits for admission,
+        the running batch changed, a request ends by length within `flight` (its row's
+        last token is not its next input), or slots or context run out."""
+        decode = self.decode_runner
+        requests = flight.requests
+        running = self.requests.running
+        if (decode is None or self.requests.waiting or len(running) != len(requests)
+                or any(a is not b for a, b in zip(running, requests, strict=True))):
+            return None
+        remaining = [r.max_new_tokens - len(r.output) - n for r, n in zip(requests, flight.new, strict=True)]
+        if min(remaining) < 1:
+            return None
+        steps = decode.window_for(max(len(r.slots) for r in requests) + 1)
+        if steps < 1:
+            return None
+        want = [min(steps, left) for left in remaining]
+        fresh = self.slots.allocate(sum(want)) if sum(want) <= self.slots.available else None
+        if fresh is None:
+            return None
+        start = 0
+        for request, count in zip(requests, want, strict=True):
+            request.slots.extend(fresh[start : start + count])
+            start += count
+        window = _Window(requests, want, None)
+        # The input token (0 here) is ignored: each row's is on the device, left by `flight`.
+        rows = [(r.rid, 0, r.slots, n) for r, n in zip(requests, want, strict=True)]
+        try:
+            window.window = decode.launch(rows, max(want), chained=True)
+        except BaseException:
+            self._give_back(window)
+            raise
+        return window
+
+    def _give_back(self, window: _Window) -> None:
+        """Free the slots a window reserved and drop its rows (they are rewritten next time)."""
+        decode = self.decode_runner
+        for request, count in zip(reversed(window.requests), reversed(window.new), strict=True):
+            if request.state is RequestState.RUNNING and count:
+                self.slots.free(request.slots[-count:])
+                del request.slots[-count:]
+            if decode is not None:
+                decode.forget(request.rid)
+
+    def _drop_in_flight(self) -> None:
+        """Give back a launched window's slots without its tokens (they are computed again)."""
+        if self._in_flight is not None:
+            flight, self._in_flight = self._in_flight, None
+            self._give_back(flight)
+
+    def _land_in_flight(self) -> None:
+        """Land a launched decode window (its finished requests go to `results`)."""
+        if self._in_flight is not None:
+            flight, self._in_flight = self._in_flight, None
+            assert self.decode_runner is not None
+            try:
+                tokens = self.decode_runner.collect(flight.launched)
+            except BaseException:
+                self._give_back(flight)
+                raise
+            self._steps += 1
+            self._append(flight.requests, tokens)
 
     def _check_can_run(self) -> None:
         if self.asleep:
@@ -284,6 +406,7 @@ class GenerationEngine:
         mode = PauseMode(mode)
         if self.paused is not None:
             raise RuntimeError(f"already paused ({self.paused.value}); call continue_generation() first")
+        self._land_in_flight()  # tokens already computed are kept, whatever the mode
         ended: list[GenerationResult] = []
         if mode is PauseMode.ABORT:
             ended = self.requests.abort_all("aborted by pause_generation(abort)")
@@ -309,6 +432,7 @@ class GenerationEngine:
 
         Raises WeightUpdateRejected (a ValueError) with nothing applied. Allowed while
         paused and while asleep (the update is what wake brings back)."""
+        self._land_in_flight()  # every token launched with the old weights lands first
         count = self.weights.apply(named_tensors)
         self.events.record("weights_updated", count=count, version=self.weight_version)
         return WeightUpdateResult(count, self.weight_version, self.flush_cache_after_weight_update(flush_cache))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 import re
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,12 +111,21 @@ class SlotTable:
     """
 
     def __init__(
-        self, max_rows: int, max_context: int, scratch_slot: int, device: torch.device, max_steps: int = 1
+        self,
+        max_rows: int,
+        max_context: int,
+        scratch_slot: int,
+        device: torch.device,
+        max_steps: int = 1,
+        pin: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
+        """pin: puts a host tensor in page-locked memory (the platform's `pin_memory`), so the
+        inputs' copy does not wait for the device to finish queued work."""
         if not isinstance(max_steps, int) or max_steps < 1:
             raise ValueError(f"max_steps {max_steps!r} must be a positive int (decode steps per window)")
         self.max_rows, self.max_context, self.scratch_slot = max_rows, max_context, scratch_slot
         self.max_steps = max_steps
+        self._pin = pin
         self.table = torch.full((max_rows, max_context), scratch_slot, dtype=torch.long, device=device)
         # One buffer, so a window's inputs are one host-to-device copy.
         self.inputs = torch.zeros(3 + max_steps, max_rows, dtype=torch.long, device=device)
@@ -153,15 +162,21 @@ class SlotTable:
         if row is not None:
             self._key[row] = None
 
-    def prepare(self, batch: Sequence[DecodeRow], padded_rows: int, steps: int = 1) -> list[int]:
+    def prepare(
+        self, batch: Sequence[DecodeRow], padded_rows: int, steps: int = 1, keep_tokens: bool = False
+    ) -> list[int]:
         """Place every request of a decode window of `steps` steps in a row and fill its inputs.
 
         Returns the row of each request, in batch order. Rows in [len(batch), padded_rows)
         get token 0 at position 0 writing the scratch slot. Requests absent from the batch
-        lose their rows. Raises ValueError (nothing changed) on a bad batch.
+        lose their rows. keep_tokens: every request continues in its row and its input
+        token is already on the device (left by the previous window); only positions and
+        slots are written. Raises ValueError (nothing changed) on a bad batch.
         """
         self._validate(batch, padded_rows, steps)
         if not self._all_continue(batch):
+            if keep_tokens:
+                raise ValueError("a chained decode window must continue every row of the previous one in place")
             self._place(batch)
         # One flat host list -> one small tensor -> one copy: token, position, slot, future rows.
         row_of, lengths, ends, scratch = self._row_of, self._length, self._ends, self.scratch_slot
@@ -183,7 +198,11 @@ class SlotTable:
             flat += later
         # A pageable host tensor: the copy has read it by the time copy_ returns.
         host = torch.tensor(flat, dtype=torch.long).view(3 + steps, padded_rows)
-        self.inputs[: 3 + steps, :padded_rows].copy_(host)
+        first = 1 if keep_tokens else 0
+        if self._pin is not None:  # async: the host may run ahead of a window still on the device
+            self.inputs[first : 3 + steps, :padded_rows].copy_(self._pin(host[first:]), non_blocking=True)
+        else:  # pageable: the copy has read the host tensor by the time copy_ returns
+            self.inputs[first : 3 + steps, :padded_rows].copy_(host[first:])
         return rows
 
     def _all_continue(self, batch: Sequence[DecodeRow]) -> bool:
@@ -277,6 +296,16 @@ class SlotTable:
 
 
 @dataclass(frozen=True)
+class DecodeWindow:
+    """A launched decode window: its rows, the tokens each wants, and their host copy."""
+
+    rows: list[int]
+    new: list[int]
+    tokens: torch.Tensor  # [steps, padded] on the host, valid once `done` has completed
+    done: Any  # the platform event recorded after the copy
+
+
+@dataclass(frozen=True)
 class DecodeCaptureReport:
     batch_buckets: tuple[int, ...]
     context_buckets: tuple[int, ...]
@@ -351,9 +380,12 @@ class DecodeGraphRunner:
         self.steps_per_sync = steps_per_sync  # may be lowered later (the window buffers keep their size)
         self.steps = 0  # decode steps run (replayed or emulated)
         self.windows = 0  # token read-backs: one per window of up to steps_per_sync steps
+        self.chained = 0  # windows queued behind the previous one before its tokens were read
         self._graphs: dict[tuple[int, int], Any] = {}
         max_rows = self.batch_buckets[-1]
-        self.slots = SlotTable(max_rows, self.context_buckets[-1], scratch_slot, self.device, steps_per_sync)
+        self.slots = SlotTable(
+            max_rows, self.context_buckets[-1], scratch_slot, self.device, steps_per_sync, pin=platform.pin_memory
+        )
         self.history = torch.zeros(steps_per_sync, max_rows, dtype=torch.long, device=self.device)  # tokens
         self._cursor = torch.zeros(1, dtype=torch.long, device=self.device)  # the window step being run
         self._row_index = torch.arange(self.batch_buckets[-1], device=self.device)
@@ -405,6 +437,17 @@ class DecodeGraphRunner:
         """Greedy tokens of each request, in batch order: `new` of them for a row with `new`
         new slots. Runs `steps` steps back to back (one replay each) and syncs once to read
         the tokens back."""
+        return self.collect(self.launch(batch, steps))
+
+    def launch(self, batch: Sequence[DecodeRow], steps: int = 1, *, chained: bool = False) -> DecodeWindow:
+        """Queue a window of `steps` decode steps and the copy of its tokens to the host;
+        returns at once (the device may still be running the window before). `collect`
+        reads the tokens.
+
+        chained=True continues the window queued last on exactly the same rows, each with
+        `steps` new slots: the input tokens are the ones that window's last step left on
+        the device (the host does not know them yet), so only positions and slots are
+        written. Raises ValueError (nothing queued) when a row is not such a continuation."""
         if self.unsupported is not None:
             raise RuntimeError(f"full-graph decode is unavailable: {self.unsupported}")
         if not batch:
@@ -415,7 +458,7 @@ class DecodeGraphRunner:
         if problem is not None:
             raise ValueError(problem)
         padded, context = self.buckets_for(len(batch), reach)
-        rows = self.slots.prepare(batch, padded, steps)
+        rows = self.slots.prepare(batch, padded, steps, keep_tokens=chained)
         self._cursor.zero_()
         graph = self._graphs.get((padded, context))
         for _ in range(steps):
@@ -426,8 +469,19 @@ class DecodeGraphRunner:
                 graph.replay()
         self.steps += steps
         self.windows += 1
-        by_step = self.history[:steps, :padded].tolist()
-        return [[by_step[step][row] for step in range(new)] for row, (_, _, _, new) in zip(rows, batch, strict=True)]
+        self.chained += chained
+        # A host buffer per window: the next window may be queued before this one is read.
+        host = self.platform.pin_memory(torch.empty(steps, padded, dtype=torch.long))
+        host.copy_(self.history[:steps, :padded], non_blocking=True)
+        done = self.platform.new_event()
+        done.record(self.platform.current_stream(self.device_index))
+        return DecodeWindow(rows, [new for _, _, _, new in batch], host, done)
+
+    def collect(self, window: DecodeWindow) -> list[list[int]]:
+        """Wait for a launched window and return each request's `new` tokens, in batch order."""
+        window.done.synchronize()
+        by_step = window.tokens.tolist()
+        return [[by_step[step][row] for step in range(new)] for row, new in zip(window.rows, window.new, strict=True)]
 
     def forget(self, key: Hashable) -> None:
         """The request left the running batch (finished, aborted, retracted)."""
