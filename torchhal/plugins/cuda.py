@@ -20,6 +20,7 @@ class CudaPlatform(AcceleratorPlatform):
     ipc_share_method = "_share_cuda_"
     ipc_open_method = "_new_shared_cuda"
     ipc_peer_redirect = True
+    ipc_event_handle_nbytes = 64  # cudaIpcEventHandle_t (hipIpcEventHandle_t is 64 bytes too)
 
     def runtime_missing(self) -> str | None:
         if getattr(torch.version, "hip", None):
