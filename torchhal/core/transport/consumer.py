@@ -37,6 +37,7 @@ class _OpenProducer:
     pool: torch.Tensor | None = None  # the opened pool as flat bytes
     #: slot -> (event handle, opened event); at most one per slot of this producer.
     events: dict[int, tuple[bytes, Any]] = field(default_factory=dict)
+    typed: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # the pool viewed as each dtype
 
 
 class Consumer:
@@ -98,7 +99,7 @@ class Consumer:
             if msg.offset + msg.nbytes > pool.numel():
                 raise TransportError(f"slice exceeds the opened pool of {pool.numel()} bytes")
             # Bytes [offset, offset + nbytes) and nothing else; the view was checked to fit them.
-            tensor = pool[msg.offset : msg.offset + msg.nbytes].view(dtype).as_strided(msg.shape, msg.stride)
+            tensor = self._view(entry, pool, msg, dtype)
             ready = self._slot_event(entry, msg) if msg.event is not None else None
             pool_index = pool.device.index or 0
             side = copy and self._side is not None and pool_index == self.device_index
@@ -110,6 +111,17 @@ class Consumer:
         # only after every consumer acknowledged, and a queued wait keeps the record it saw.
         control.ack(msg.slot, self.rank, msg.generation)
         return tensor
+
+    @staticmethod
+    def _view(entry: _OpenProducer, pool: torch.Tensor, msg: TensorMessage, dtype: torch.dtype) -> torch.Tensor:
+        size = dtype.itemsize  # msg.offset is a multiple of it (checked by the decoder)
+        typed = entry.typed.get(dtype)
+        if typed is None:
+            if pool.numel() % size:
+                return pool[msg.offset : msg.offset + msg.nbytes].view(dtype).as_strided(msg.shape, msg.stride)
+            typed = entry.typed[dtype] = pool.view(dtype)
+        # The same bytes as slicing [offset, offset + nbytes) and viewing: one strided view.
+        return typed.as_strided(msg.shape, msg.stride, typed.storage_offset() + msg.offset // size)
 
     def _copy_on_side(self, view: torch.Tensor) -> torch.Tensor:
         assert self._side is not None and self._copied is not None
@@ -193,6 +205,7 @@ class Consumer:
     @staticmethod
     def _close_entry(entry: _OpenProducer) -> None:
         entry.pool = None  # views handed out keep their own reference to the storage
+        entry.typed.clear()
         entry.events.clear()  # waits already queued keep what they wait for
         entry.control.close(unlink=False)
 

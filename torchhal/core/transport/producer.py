@@ -83,6 +83,7 @@ class Producer:
         self._events: IpcEvents | None = (
             ipc.events if ipc is not None and self.pool is not None and config.interprocess_events else None
         )
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the pool viewed as each dtype sent
         self._slot_events: dict[int, tuple[Any, str]] = {}  # slot -> (interprocess event, handle text)
         self._sends_since_reclaim = 0
         self._pid = os.getpid()
@@ -175,7 +176,7 @@ class Producer:
             generation = self.control.bump(slot)
             event_text = None
             if offset is not None and self.pool is not None:
-                self.pool[offset : offset + nbytes].view(source.dtype).view(source.shape).copy_(source)
+                self._slice(offset, nbytes, source).copy_(source)
                 stream = self.platform.current_stream(self.device_index)
                 if self._events is not None:
                     # Re-recording a slot's event cannot race a reader of its previous
@@ -208,6 +209,18 @@ class Producer:
         else:
             message["host_name"] = block_name
         return message
+
+    def _slice(self, offset: int, nbytes: int, source: torch.Tensor) -> torch.Tensor:
+        """Pool bytes [offset, offset + nbytes) as a tensor shaped like (contiguous) `source`."""
+        assert self.pool is not None
+        size = source.element_size()
+        typed = self._typed.get(source.dtype)
+        if typed is None and self.pool_bytes % size == 0:
+            typed = self._typed[source.dtype] = self.pool.view(source.dtype)
+        if typed is None or offset % size:
+            return self.pool[offset : offset + nbytes].view(source.dtype).view(source.shape)
+        # One strided view of the pool (no slice, no reinterpretation per send).
+        return typed.as_strided(source.shape, source.stride(), typed.storage_offset() + offset // size)
 
     def _record_slot_event(self, slot: int, stream: Any, events: IpcEvents) -> str:
         """Record the slot's interprocess event on `stream` (made on first use); its handle text."""
@@ -248,3 +261,4 @@ class Producer:
         self._host_blocks.clear()
         self.control.close(unlink=True)
         self.pool = None
+        self._typed.clear()
