@@ -31,6 +31,7 @@ class Log:
         self.calls: list[tuple[Any, ...]] = []
         self.exported: dict[bytes, FakeIpcEvent] = {}
         self.opened: weakref.WeakSet[OpenedEvent] = weakref.WeakSet()
+        self.device_done = True  # False: the device has not yet run the work queued so far
 
     def names(self) -> list[str]:
         return [call[0] for call in self.calls]
@@ -71,7 +72,8 @@ class OpenedEvent:
 
 
 class CountingEvent:
-    """`new_event()`: counts host synchronizes (the path without interprocess events)."""
+    """`new_event()`: counts host synchronizes (the path without interprocess events). Its
+    work is done once `log.device_done` is True (a host synchronize waits for that)."""
 
     def __init__(self, log: Log) -> None:
         self.log = log
@@ -84,9 +86,10 @@ class CountingEvent:
 
     def synchronize(self) -> None:
         self.log.calls.append(("host-synchronize", "copy"))
+        self.log.device_done = True
 
     def query(self) -> bool:
-        return True
+        return self.log.device_done
 
 
 def make_plugin(log: Log, with_events: bool) -> object:
@@ -348,3 +351,28 @@ def test_fuzzed_event_fields_only_ever_raise_transport_errors(platform, log):
         assert message["event"] is None and got.tolist() == list(range(64))  # absent: no wait asked
     producer.close()
     consumer.close()
+
+
+def test_a_copy_is_acknowledged_only_once_it_ran_on_the_device(platform, log):
+    """The producer may overwrite a slice as soon as it is acknowledged, so a copy=True
+    receive acknowledges only when its copy has run; a view is acknowledged at once."""
+    producer = Producer(config(), platform, 0)
+    consumer = Consumer(0, platform, 0)
+    log.device_done = False  # copies queued from now on have not run yet
+    consumer.receive(producer.send(torch.arange(4.0)))
+    assert producer.reclaim() == 0
+    consumer.receive(producer.send(torch.arange(4.0)), copy=False)
+    assert producer.reclaim() == 1  # the view, not the pending copy
+    log.device_done = True
+    consumer.receive(producer.send(torch.arange(4.0)))  # checks the pending copy first
+    assert producer.reclaim() == 2
+    log.device_done = False
+    consumer.receive(producer.send(torch.arange(4.0)))
+    assert producer.reclaim() == 0
+    assert consumer.flush_acks(wait=False) == 0 and producer.reclaim() == 0
+    assert consumer.flush_acks() == 1 and producer.reclaim() == 1  # waits for the copy
+    log.device_done = False
+    consumer.receive(producer.send(torch.arange(4.0)))
+    consumer.close()  # waits for copies in flight and acknowledges them
+    assert producer.reclaim() == 1
+    producer.close()

@@ -12,7 +12,7 @@ makes its stream wait on it before reading, so the producer never waits on the h
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,9 @@ from torchhal.platforms.ipc import DTYPES, handle_to_data
 
 #: producers whose control block and pool a consumer keeps open at once (least recently used go).
 MAX_OPEN_PRODUCERS = 64
+#: copies whose acknowledgement waits for the copy to finish on the device; past this the
+#: oldest is waited for on the host (a consumer that receives faster than its device copies).
+MAX_PENDING_ACKS = 64
 
 
 @dataclass
@@ -54,13 +57,19 @@ class Consumer:
         # event, no host synchronisation), so they can overlap work already queued.
         self._side = self.platform.new_stream(self.device_index) if copy_stream else None
         self._copied = self.platform.new_event() if copy_stream else None
+        # copy=True acknowledgements wait until the copy ran (the producer may overwrite the
+        # slice as soon as it is acknowledged): (copy-done event, control, slot, generation).
+        self._pending: deque[tuple[Any, Control, int, int]] = deque()
+        self._spare_events: list[Any] = []
         self._lock = threading.Lock()
 
     def receive(self, message: Any, copy: bool = True) -> torch.Tensor:
         """Rebuild the tensor on this consumer's device and acknowledge it.
 
-        copy=True (default) returns a fresh tensor; copy=False a zero-copy view of the
-        producer's slice, valid until it is recycled (acknowledged here already).
+        copy=True (default) returns a fresh tensor; its slice is acknowledged once the copy
+        has run on the device (checked without waiting at the next `receive`, or by
+        `flush_acks`). copy=False returns a zero-copy view of the producer's slice, valid
+        until it is recycled (acknowledged here already).
         The tensor is ready in stream order on the caller's current stream (where the
         message carries the producer's event, that stream already waits on it): like the
         output of any torch op, use it on that stream, or synchronize it before host reads.
@@ -77,6 +86,8 @@ class Consumer:
             raise TransportError(f"message cannot be received: {type(exc).__name__}: {exc}") from exc
 
     def _receive(self, message: Any, copy: bool) -> torch.Tensor:
+        if self._pending:
+            self.flush_acks(wait=False)
         known = None
         if type(message) is dict:  # a pool handle equal to one already opened is not decoded again
             name = message.get("control")
@@ -107,10 +118,46 @@ class Consumer:
                 ready.wait(self._side if side else self.platform.current_stream(pool_index))
             if copy:
                 tensor = self._copy_on_side(tensor) if side else tensor.clone()
+                # The producer may overwrite the slice once it is acknowledged: ack when the
+                # copy has run (at once where it already has, e.g. in-order host platforms).
+                self._ack_when_done(self._side if side else self.platform.current_stream(pool_index),
+                                    control, msg.slot, msg.generation)
+                return tensor
         # Acknowledged after the wait was queued: the producer re-records this slot's event
         # only after every consumer acknowledged, and a queued wait keeps the record it saw.
         control.ack(msg.slot, self.rank, msg.generation)
         return tensor
+
+    def _ack_when_done(self, stream: Any, control: Control, slot: int, generation: int) -> None:
+        done = self._spare_events.pop() if self._spare_events else self.platform.new_event()
+        done.record(stream)
+        if not self._pending and done.query():
+            control.ack(slot, self.rank, generation)
+            self._spare_events.append(done)
+            return
+        self._pending.append((done, control, slot, generation))
+        if len(self._pending) > MAX_PENDING_ACKS:
+            self._ack_oldest(wait=True)
+
+    def _ack_oldest(self, wait: bool) -> bool:
+        done, control, slot, generation = self._pending[0]
+        if wait:
+            done.synchronize()
+        elif not done.query():
+            return False
+        self._pending.popleft()
+        control.ack(slot, self.rank, generation)
+        self._spare_events.append(done)
+        return True
+
+    def flush_acks(self, wait: bool = True) -> int:
+        """Acknowledge received copies whose device copy has finished (wait=True: wait for
+        all of them); returns how many. A consumer that stops receiving calls this so its
+        producers can recycle the last slices it copied."""
+        acked = 0
+        while self._pending and self._ack_oldest(wait):
+            acked += 1
+        return acked
 
     @staticmethod
     def _view(entry: _OpenProducer, pool: torch.Tensor, msg: TensorMessage, dtype: torch.dtype) -> torch.Tensor:
@@ -202,8 +249,9 @@ class Consumer:
             if entry is not None:
                 self._close_entry(entry)
 
-    @staticmethod
-    def _close_entry(entry: _OpenProducer) -> None:
+    def _close_entry(self, entry: _OpenProducer) -> None:
+        if any(pending[1] is entry.control for pending in self._pending):
+            self.flush_acks(wait=True)  # rare: an evicted or closed producer with copies in flight
         entry.pool = None  # views handed out keep their own reference to the storage
         entry.typed.clear()
         entry.events.clear()  # waits already queued keep what they wait for
@@ -251,6 +299,7 @@ class Consumer:
         return host.to(self.platform.device(self.device_index)).contiguous()
 
     def close(self) -> None:
+        self.flush_acks(wait=True)  # the copies already returned are done: let producers recycle them
         with self._lock:
             for entry in self._open.values():
                 self._close_entry(entry)
