@@ -376,3 +376,83 @@ def test_a_copy_is_acknowledged_only_once_it_ran_on_the_device(platform, log):
     consumer.close()  # waits for copies in flight and acknowledges them
     assert producer.reclaim() == 1
     producer.close()
+
+
+# -- the CUDA plugin's mapping onto torch.cuda's interprocess events (a fake torch.cuda) ----
+
+
+def cuda_plugin_with_fake_events(peer_access: bool = True, refuse: bool = False, handle_size: int = 64):
+    from torchhal.plugins.cuda import CudaPlatform
+
+    from .fakes import make_device_module
+
+    module = make_device_module("cuda", count=2, peer_access=peer_access)
+
+    class FakeCudaEvent:
+        def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+            module.calls.append(("Event", interprocess, enable_timing))
+
+        def ipc_handle(self) -> bytes:
+            return b"h" * handle_size
+
+        @classmethod
+        def from_ipc_handle(cls, device: Any, handle: bytes) -> str:
+            module.calls.append(("from_ipc_handle", device, handle))
+            if refuse:
+                raise RuntimeError("CUDA error: invalid resource handle")
+            return "opened"
+
+    module.Event = FakeCudaEvent
+    plugin = CudaPlatform()
+    plugin.__dict__["_device_module"] = module
+    return plugin, module
+
+
+def test_cuda_events_map_onto_torch_cuda_interprocess_events():
+    plugin, module = cuda_plugin_with_fake_events()
+    events = plugin.ipc_events()
+    assert events is not None and events.handle_nbytes == 64
+    event = events.new(1)
+    assert module.calls[-3:] == [("device:enter", 1), ("Event", True, False), ("device:exit", 1)]  # no timing
+    assert events.export(event) == b"h" * 64
+    module.calls.clear()
+    assert events.open(b"e" * 64, 0, 1) == "opened"
+    # Opened on the consumer's device (peers allow), inside that device's context.
+    assert module.calls[-3:] == [("device:enter", 1), ("from_ipc_handle", 1, b"e" * 64), ("device:exit", 1)]
+
+
+def test_cuda_events_open_on_the_producer_device_without_peer_access():
+    plugin, module = cuda_plugin_with_fake_events(peer_access=False)
+    plugin.ipc_events().open(b"e" * 64, 0, 1)
+    assert ("from_ipc_handle", 0, b"e" * 64) in module.calls
+
+
+@pytest.mark.parametrize(("handle", "producer", "consumer", "match"), [
+    (b"e" * 63, 0, 1, "is not 64 bytes"),
+    (b"e" * 65, 0, 1, "is not 64 bytes"),
+    ("e" * 64, 0, 1, "is not 64 bytes"),
+    (b"e" * 64, 0, 2, "consumer device 2 is not a visible"),
+    (b"e" * 64, -1, 1, "producer device -1 is not a visible"),
+    (b"e" * 64, True, 1, "producer device True is not a visible"),
+])
+def test_cuda_event_open_checks_the_handle_before_the_driver_call(handle, producer, consumer, match):
+    plugin, module = cuda_plugin_with_fake_events()
+    with pytest.raises(IpcHandleError, match=match):
+        plugin.ipc_events().open(handle, producer, consumer)
+    assert "from_ipc_handle" not in [call[0] for call in module.calls]
+
+
+def test_cuda_event_driver_refusals_and_odd_exports_are_ipc_handle_errors():
+    plugin, _ = cuda_plugin_with_fake_events(refuse=True)
+    with pytest.raises(IpcHandleError, match="invalid resource handle"):
+        plugin.ipc_events().open(b"e" * 64, 0, 1)
+    plugin, _ = cuda_plugin_with_fake_events(handle_size=32)
+    events = plugin.ipc_events()
+    with pytest.raises(IpcHandleError, match="is not 64 bytes"):
+        events.export(events.new(0))
+
+
+def test_a_cuda_event_class_without_ipc_means_no_events():
+    plugin, module = cuda_plugin_with_fake_events()
+    del module.Event.from_ipc_handle  # e.g. a torch without interprocess events
+    assert plugin.ipc_events() is None

@@ -59,10 +59,6 @@ class AcceleratorPlatform(PlatformPlugin):
     #: UntypedStorage methods that export / import a device storage across processes.
     ipc_share_method: ClassVar[str | None] = None
     ipc_open_method: ClassVar[str | None] = None
-    #: Size of the runtime's interprocess event handle, where `Event(interprocess=True)`,
-    #: `event.ipc_handle()` and `Event.from_ipc_handle(device, handle)` exist; None: no
-    #: interprocess events (the transport's producer then host-synchronizes each send).
-    ipc_event_handle_nbytes: ClassVar[int | None] = None
 
     # -- detection -----------------------------------------------------------------
     def is_available(self) -> Availability:
@@ -203,46 +199,8 @@ class AcceleratorPlatform(PlatformPlugin):
         )
 
     def ipc_events(self) -> IpcEvents | None:
-        """Interprocess events, where the runtime's event class has them (see `ipc_event_handle_nbytes`)."""
-        event_class = getattr(self.device_module(), "Event", None)
-        if not self.ipc_event_handle_nbytes or not hasattr(event_class, "from_ipc_handle"):
-            return None
-        return IpcEvents(
-            new=self.ipc_event_new, export=self.ipc_event_export, open=self.ipc_event_open,
-            handle_nbytes=self.ipc_event_handle_nbytes,
-        )
-
-    def ipc_event_new(self, index: int) -> Any:
-        module = self.device_module()
-        with module.device(index):
-            return module.Event(interprocess=True)  # interprocess events never time
-
-    def ipc_event_export(self, event: Any) -> bytes:
-        handle = event.ipc_handle()
-        if not isinstance(handle, bytes) or len(handle) != self.ipc_event_handle_nbytes:
-            raise IpcHandleError(
-                f"{self.name} event handle {handle!r:.80} is not {self.ipc_event_handle_nbytes} bytes"
-            )
-        return handle
-
-    def ipc_event_open(self, handle: bytes, producer: int, consumer: int) -> Any:
-        if not isinstance(handle, bytes) or len(handle) != self.ipc_event_handle_nbytes:
-            raise IpcHandleError(
-                f"{self.name} event handle {handle!r:.80} is not {self.ipc_event_handle_nbytes} bytes"
-            )
-        count = self.device_count()
-        for label, index in (("producer", producer), ("consumer", consumer)):
-            if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count:
-                raise IpcHandleError(
-                    f"IPC event {label} device {index!r} is not a visible {self.name} device (0..{count - 1})"
-                )
-        target = self.ipc_target_device(producer, consumer)
-        module = self.device_module()
-        try:
-            with module.device(target):
-                return module.Event.from_ipc_handle(target, handle)
-        except Exception as exc:  # the driver refused the handle
-            raise IpcHandleError(f"{self.name} IPC event open failed: {type(exc).__name__}: {exc}") from exc
+        """Interprocess events (`IpcSupport.events`), or None: the CUDA plugin has them."""
+        return None
 
     def ipc_share(self, tensor: torch.Tensor) -> IpcHandle:
         if tensor.device.type != self.device_type:

@@ -59,8 +59,8 @@ class Consumer:
         self._copied = self.platform.new_event() if copy_stream else None
         # copy=True acknowledgements wait until the copy ran (the producer may overwrite the
         # slice as soon as it is acknowledged): (copy-done event, control, slot, generation).
-        self._pending: deque[tuple[Any, Control, int, int]] = deque()
-        self._spare_events: list[Any] = []
+        self._pending: deque[tuple[Any, int, Control, int, int]] = deque()  # (event, device, ...)
+        self._spare_events: dict[int, list[Any]] = {}  # done events to reuse, by device (events keep theirs)
         self._lock = threading.Lock()
 
     def receive(self, message: Any, copy: bool = True) -> torch.Tensor:
@@ -121,33 +121,34 @@ class Consumer:
                 # The producer may overwrite the slice once it is acknowledged: ack when the
                 # copy has run (at once where it already has, e.g. in-order host platforms).
                 self._ack_when_done(self._side if side else self.platform.current_stream(pool_index),
-                                    control, msg.slot, msg.generation)
+                                    pool_index, control, msg.slot, msg.generation)
                 return tensor
         # Acknowledged after the wait was queued: the producer re-records this slot's event
         # only after every consumer acknowledged, and a queued wait keeps the record it saw.
         control.ack(msg.slot, self.rank, msg.generation)
         return tensor
 
-    def _ack_when_done(self, stream: Any, control: Control, slot: int, generation: int) -> None:
-        done = self._spare_events.pop() if self._spare_events else self.platform.new_event()
+    def _ack_when_done(self, stream: Any, index: int, control: Control, slot: int, generation: int) -> None:
+        spare = self._spare_events.setdefault(index, [])
+        done = spare.pop() if spare else self.platform.new_event()
         done.record(stream)
         if not self._pending and done.query():
             control.ack(slot, self.rank, generation)
-            self._spare_events.append(done)
+            spare.append(done)
             return
-        self._pending.append((done, control, slot, generation))
+        self._pending.append((done, index, control, slot, generation))
         if len(self._pending) > MAX_PENDING_ACKS:
             self._ack_oldest(wait=True)
 
     def _ack_oldest(self, wait: bool) -> bool:
-        done, control, slot, generation = self._pending[0]
+        done, index, control, slot, generation = self._pending[0]
         if wait:
             done.synchronize()
         elif not done.query():
             return False
         self._pending.popleft()
         control.ack(slot, self.rank, generation)
-        self._spare_events.append(done)
+        self._spare_events[index].append(done)
         return True
 
     def flush_acks(self, wait: bool = True) -> int:
@@ -250,7 +251,7 @@ class Consumer:
                 self._close_entry(entry)
 
     def _close_entry(self, entry: _OpenProducer) -> None:
-        if any(pending[1] is entry.control for pending in self._pending):
+        if any(pending[2] is entry.control for pending in self._pending):
             self.flush_acks(wait=True)  # rare: an evicted or closed producer with copies in flight
         entry.pool = None  # views handed out keep their own reference to the storage
         entry.typed.clear()

@@ -89,8 +89,10 @@ class Producer:
         self._pid = os.getpid()
         self._control_name = self.control.name
         # The parts every pool message repeats, built once (the pool handle never changes).
-        # Messages share this pool_handle dict: copy a message before changing it in place.
-        self._pool_handle_data = handle_to_data(self.pool_handle) if self.pool_handle is not None else None
+        # Messages get a copy of this dict but share its lists: copy a message before changing those.
+        self._pool_handle_data: dict[str, Any] = (
+            handle_to_data(self.pool_handle) if self.pool_handle is not None else {}
+        )
         self._lock = threading.Lock()
 
     # slices -------------------------------------------------------------------------------
@@ -203,7 +205,7 @@ class Producer:
             "stride": list(source.stride()), "control": self._control_name, "producer_pid": self._pid,
         }
         if kind == "pool":
-            message["pool_handle"] = self._pool_handle_data
+            message["pool_handle"] = dict(self._pool_handle_data)  # its lists are shared: see __init__
             if event_text is not None:
                 message["event"] = event_text
         else:
