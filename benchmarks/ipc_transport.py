@@ -70,6 +70,9 @@ def consumer_loop(redirect: bool, inbox, outbox, device: int = 1) -> None:
         elif kind == "ping":  # a small Python object: the queue's own round trip
             outbox.put(("pong", payload, None))
             continue
+        elif kind == "flush":  # acknowledge the copies still pending (each is acked at the next receive)
+            outbox.put(("flushed", consumer.flush_acks(), None))
+            continue
         t1 = time.perf_counter()
         platform.current_stream(device).synchronize()  # the tensor is ready in this stream's order
         t2 = time.perf_counter()
@@ -248,6 +251,8 @@ def main() -> None:
         _, _, reserved = outbox.get(timeout=60)
         if stats:
             consumer_reserved.append(reserved)
+    inbox.put(("flush", None))
+    outbox.get(timeout=60)
     producer.reclaim()
     results["flat"] = {
         "transfers": args.transfers,
