@@ -8,8 +8,12 @@ Producer on GPU 0 (this process); consumer processes on GPU 1. Reports, in one r
 - per size (4 KiB .. 256 MiB): in-process cuda:0 -> cuda:1 copy; torchhal transport with
   copy=True and copy=False (producer send -> consumer tensor ready, round trip); the
   torch.multiprocessing path engines use (a CUDA tensor through a torch.multiprocessing
-  queue, the consumer copies it to its GPU); ratios against both anchors;
-- where the transport's time goes (producer send, consumer receive, consumer sync);
+  queue, the consumer copies it to its GPU); ratios against both anchors; and the
+  transport with interprocess events off (`send` host-synchronizes its copy: the path
+  before them, and the path of platforms without them);
+- where the transport's time goes: producer `send`, consumer `receive`, and
+  `consumer_wait` (the consumer synchronizes its stream, which waits on the producer's
+  interprocess event then runs the copy: "tensor ready"; a stream, not device, synchronize);
 - small messages: latency vs a torch.multiprocessing queue round trip of a small object;
 - memory over --transfers transfers (producer and consumer reserved, pool fragments).
 Finishes in a few minutes on 2 x H200 (goal: < 8 min).
@@ -66,8 +70,11 @@ def consumer_loop(redirect: bool, inbox, outbox, device: int = 1) -> None:
         elif kind == "ping":  # a small Python object: the queue's own round trip
             outbox.put(("pong", payload, None))
             continue
+        elif kind == "flush":  # acknowledge the copies still pending (each is acked at the next receive)
+            outbox.put(("flushed", consumer.flush_acks(), None))
+            continue
         t1 = time.perf_counter()
-        platform.synchronize(device)
+        platform.current_stream(device).synchronize()  # the tensor is ready in this stream's order
         t2 = time.perf_counter()
         if len(item) > 2 and item[2] == "check":  # correctness, outside the timed path
             outbox.put(("checked", float(tensor.reshape(-1)[-1].float().item()), None))
@@ -119,7 +126,7 @@ def in_process_copy_ms(nbytes: int, repeats: int) -> float:
 
 def round_trips(inbox, outbox, make_item, repeats: int, producer: Producer | None = None) -> dict[str, Any]:
     """Median round trip (send -> consumer tensor ready -> reply) and its parts."""
-    total, send, receive, sync = [], [], [], []
+    total, send, receive, wait = [], [], [], []
     for i in range(repeats + 3):
         if producer is not None:
             producer.reclaim()
@@ -134,9 +141,9 @@ def round_trips(inbox, outbox, make_item, repeats: int, producer: Producer | Non
             total.append(t2 - t0)
             send.append(t1 - t0)
             receive.append(parts[0])
-            sync.append(parts[1])
+            wait.append(parts[1])
     return {"ms": median_ms(total), "send_ms": median_ms(send), "consumer_receive_ms": median_ms(receive),
-            "consumer_sync_ms": median_ms(sync)}
+            "consumer_wait_ms": median_ms(wait)}
 
 
 def main() -> None:
@@ -154,6 +161,10 @@ def main() -> None:
                                "peer_access_0_1": torch.cuda.can_device_access_peer(0, 1)}
 
     producer = Producer(TransportConfig(budget_bytes=1 << 30, consumers=1), platform, 0)
+    # The path without interprocess events, for comparison (each send host-synchronizes its copy).
+    synced = Producer(TransportConfig(budget_bytes=1 << 30, consumers=1, interprocess_events=False), platform, 0)
+    ipc = platform.ipc_support
+    results["interprocess_events"] = ipc is not None and ipc.events is not None
     # 1. context on the producer's GPU, redirected vs torch's default open
     for redirect in (True, False):
         proc, inbox, outbox, pid = start_consumer(ctx, redirect, tmp)
@@ -186,16 +197,21 @@ def main() -> None:
                                             args.repeats, producer)
         row["transport_view"] = round_trips(inbox, outbox, lambda t=tensor: ("view", producer.send(t)),
                                             args.repeats, producer)
+        row["transport_copy_host_sync"] = round_trips(
+            inbox, outbox, lambda t=tensor: ("message", synced.send(t)), args.repeats, synced
+        )
         row["torch_mp_cuda"] = round_trips(mp_inbox, mp_outbox, lambda t=tensor: ("cuda", t), args.repeats)
-        for key in ("transport_copy", "transport_view", "torch_mp_cuda"):
+        for key in ("transport_copy", "transport_view", "transport_copy_host_sync", "torch_mp_cuda"):
             row[key]["gib_s"] = gib_s(nbytes, row[key]["ms"])
         row["in_process_copy_gib_s"] = gib_s(nbytes, row["in_process_copy_ms"])
         row["transport_copy_vs_in_process"] = row["in_process_copy_ms"] / row["transport_copy"]["ms"]
         row["transport_copy_vs_torch_mp"] = row["torch_mp_cuda"]["ms"] / row["transport_copy"]["ms"]
         row["transport_view_vs_torch_mp"] = row["torch_mp_cuda"]["ms"] / row["transport_view"]["ms"]
+        row["events_speedup_copy"] = row["transport_copy_host_sync"]["ms"] / row["transport_copy"]["ms"]
         print(row, flush=True)
         results["sizes"].append(row)
         producer.reclaim()
+        synced.reclaim()
         del tensor
     time.sleep(1.0)
     results["context_mib_on_producer_gpu"]["torch_mp_cuda"] = {"gpu0_mib": smi_mib(mp_pid).get(0, 0)}
@@ -235,6 +251,8 @@ def main() -> None:
         _, _, reserved = outbox.get(timeout=60)
         if stats:
             consumer_reserved.append(reserved)
+    inbox.put(("flush", None))
+    outbox.get(timeout=60)
     producer.reclaim()
     results["flat"] = {
         "transfers": args.transfers,
@@ -250,6 +268,7 @@ def main() -> None:
         queue.put(None)
         process.join(60)
     producer.close()
+    synced.close()
     results["seconds"] = time.perf_counter() - started
     write_json("ipc_transport", results, args.out)
 

@@ -56,3 +56,73 @@ def test_forged_device_handle_fields_are_transport_errors():
         with pytest.raises(TransportError):
             Consumer(0, platform, 0).receive(message)
     producer.close()
+
+
+class CountingEvent:
+    """Wraps the producer's copy event: counts host synchronizes."""
+
+    def __init__(self, event):
+        self.event, self.synchronizes = event, 0
+
+    def record(self, stream=None):
+        self.event.record(stream)
+
+    def synchronize(self):
+        self.synchronizes += 1
+        self.event.synchronize()
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_interprocess_events_order_the_consumer_after_a_late_producer_copy(copy):
+    """The producer never waits on the host; its copy runs behind ~100 ms of queued GPU work,
+    and the consumer (another process, on GPU 1 where there are two) still reads the new
+    values: its stream waits on the slot's interprocess event."""
+    platform = torchhal.get_platform("cuda")
+    ipc = platform.ipc_support
+    assert ipc is not None and ipc.events is not None and ipc.events.handle_nbytes == 64
+    producer = Producer(TransportConfig(budget_bytes=64 * MiB, pool_floor_bytes=MiB, max_slices=4), platform, 0)
+    counting = CountingEvent(producer._copied)
+    producer._copied = counting
+    device = 1 if torch.cuda.device_count() > 1 else 0
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=transport_workers.consume, args=(0, inbox, outbox, copy, False, device))
+    proc.start()
+    try:
+        for value in range(1, 9):  # 8 sends over 4 slots: every slot's event re-recorded
+            tensor = torch.full((65536,), float(value), device="cuda:0")
+            torch.cuda._sleep(200_000_000)  # the copy below waits behind this on the stream
+            message = producer.send(tensor)
+            assert message["kind"] == "pool" and isinstance(message["event"], str)
+            inbox.put(json.loads(json.dumps(message)))
+            status, _, _, values = outbox.get(timeout=180)
+            assert status == "ok", values
+            assert set(values) == {float(value)}, f"consumer read stale bytes for send {value}"
+            producer.reclaim()
+    finally:
+        inbox.put(None)
+        proc.join(60)
+    assert counting.synchronizes == 0
+    producer.close()
+
+
+def test_forged_event_handles_are_transport_errors():
+    platform = torchhal.get_platform("cuda")
+    producer = Producer(TransportConfig(budget_bytes=16 * MiB, pool_floor_bytes=MiB), platform, 0)
+    good = json.loads(json.dumps(producer.send(torch.ones(16, device="cuda:0"))))
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=transport_workers.consume, args=(0, inbox, outbox))
+    proc.start()
+    try:
+        for event in ["A" * 86 + "==", "AAAA", 17]:  # 64 zero bytes (the driver refuses), short, not text
+            inbox.put({**good, "event": event})
+            status, _, _, text = outbox.get(timeout=180)
+            assert status == "error" and "event" in text, text
+        inbox.put(good)
+        status, _, _, values = outbox.get(timeout=180)
+        assert status == "ok" and values == [1.0] * 16
+    finally:
+        inbox.put(None)
+        proc.join(60)
+    producer.close()

@@ -8,8 +8,11 @@ import torchhal
 from torchhal.core.transport import Consumer, Producer, TransportConfig, TransportError
 
 
-def consume(rank, inbox, outbox, copy=True, copy_stream=False):
-    consumer = Consumer(rank, torchhal.current_platform(), copy_stream=copy_stream)
+def consume(rank, inbox, outbox, copy=True, copy_stream=False, device=None):
+    platform = torchhal.current_platform()
+    if device is not None:
+        platform.set_device(device)
+    consumer = Consumer(rank, platform, device_index=device, copy_stream=copy_stream)
     while True:
         message = inbox.get(timeout=120)
         if message is None:

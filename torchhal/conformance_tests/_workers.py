@@ -56,6 +56,24 @@ def _report_and_hold(name: str, device: int, queue: Any, release: Any, work: Any
         queue.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
+def wait_event_then_read(
+    name: str, producer: int, device: int, handle: Any, event_handle: bytes, queue: Any
+) -> None:
+    """Open the producer's memory and event on `device`; the current stream waits on the
+    event, then sums the memory; report the sum."""
+    try:
+        platform = _platform(name)
+        platform.set_device(device)
+        ipc = platform.ipc_support
+        assert ipc is not None and ipc.events is not None
+        tensor = ipc.open(handle, device)
+        event = ipc.events.open(event_handle, producer, device)
+        event.wait(platform.current_stream(tensor.device.index or 0))
+        queue.put(("ok", float(tensor.sum().to("cpu"))))
+    except BaseException as exc:  # report, never hang the parent
+        queue.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
 def open_and_hold(name: str, device: int, handle: Any, queue: Any, release: Any) -> None:
     """Open a handle on `device`, do a little work there, and hold it until told to exit."""
 

@@ -9,7 +9,15 @@ import sys
 import pytest
 
 import torchhal
-from torchhal.platforms import SPI_ATTRIBUTES, SPI_METHODS, Availability, GraphSupport, IpcSupport, PlatformPlugin
+from torchhal.platforms import (
+    SPI_ATTRIBUTES,
+    SPI_METHODS,
+    Availability,
+    GraphSupport,
+    IpcEvents,
+    IpcSupport,
+    PlatformPlugin,
+)
 
 pytestmark = pytest.mark.conformance("contract")
 
@@ -100,6 +108,10 @@ def test_capability_records_have_the_right_types(platform):
         f"graph_support() returned {graphs!r}, not a GraphSupport"
     )
     assert ipc is None or isinstance(ipc, IpcSupport), f"ipc_support() returned {ipc!r}, not an IpcSupport"
+    events = ipc.events if ipc is not None else None
+    assert events is None or (
+        isinstance(events, IpcEvents) and type(events.handle_nbytes) is int and 0 < events.handle_nbytes <= 256
+    ), f"IpcSupport.events is {events!r}; use None or an IpcEvents with handle_nbytes in 1..256"
     types = platform.oom_error_types
     assert types and all(isinstance(t, type) and issubclass(t, BaseException) for t in types), (
         f"oom_error_types() returned {types!r}; return a non-empty tuple of exception classes"

@@ -128,3 +128,58 @@ def test_producer_exit_does_not_crash_the_consumer(platform, device_index):
     assert float(copy.sum().to("cpu")) == float(sum(range(1024)))
     assert float((torch.ones(16, device=platform.device(device_index)) * 2).sum().to("cpu")) == 32.0
     del opened
+
+
+def events_or_skip(platform):
+    events = platform.ipc_support.events
+    if events is None:
+        pytest.skip("undeclared: the platform declares no interprocess events (IpcSupport.events)")
+    return events
+
+
+def test_interprocess_event_handles_are_plain_bytes_and_checked(platform, device_index):
+    events = events_or_skip(platform)
+    event = events.new(device_index)
+    event.record(platform.current_stream(device_index))
+    handle = events.export(event)
+    assert isinstance(handle, bytes) and len(handle) == events.handle_nbytes
+    bad = {
+        "short": handle[:-1],
+        "long": handle + b"\0",
+        "not bytes": handle.hex(),
+        "device past the last": handle,
+    }
+    refused = []
+    for label, value in bad.items():
+        consumer = platform.device_count() if label == "device past the last" else device_index
+        try:
+            events.open(value, device_index, consumer)
+        except IpcHandleError:
+            refused.append(label)
+        except Exception as exc:  # a crash-like error is not a clear rejection
+            refused.append(f"{label}: raised {type(exc).__name__} instead of IpcHandleError")
+    assert refused == list(bad)
+    event.synchronize()
+
+
+def test_a_consumer_stream_waits_on_the_producer_event_across_processes(platform, device_index, measure):
+    events = events_or_skip(platform)
+    device = platform.device(device_index)
+    tensor = torch.zeros(1 << 20, device=device)
+    handle = platform.ipc_support.share(tensor)
+    tensor.fill_(3.0)  # queued: the consumer must wait for it through the event
+    event = events.new(device_index)
+    event.record(platform.current_stream(device_index))
+    consumer = consumer_device(platform, device_index)
+    ctx = spawn_context()
+    q = ctx.Queue()
+    from ._workers import wait_event_then_read
+
+    proc = ctx.Process(
+        target=wait_event_then_read, args=(platform.name, device_index, consumer, handle, events.export(event), q)
+    )
+    proc.start()
+    total = receive(q, "IPC event consumer")
+    wait_exit(proc)
+    measure["consumer_device"] = consumer
+    assert total == 3.0 * (1 << 20)

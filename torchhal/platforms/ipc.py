@@ -49,7 +49,7 @@ def _check_int(label: str, value: object, minimum: int = 0) -> int:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def view_extent_bytes(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:

@@ -172,6 +172,26 @@ class IpcHandle:
 
 
 @dataclass(frozen=True)
+class IpcEvents:
+    """Events one process records and another waits on (optional part of `IpcSupport`).
+
+    new:    device index -> an interprocess event (no timing) that streams of that device
+            can `record`; it has `record(stream)` and `wait(stream)` like `new_event()`'s.
+    export: event -> its handle as plain bytes (`handle_nbytes` long), called after the
+            event's first record.
+    open:   (handle bytes, producer device, consumer device) -> an event the consumer's
+            streams can `wait` on, opened where the memory open would map (the consumer's
+            device where peers allow); validates the bytes first, raises `IpcHandleError`.
+    handle_nbytes: the exact length of an exported handle (the driver's handle size).
+    """
+
+    new: Callable[[int], Any]
+    export: Callable[[Any], bytes]
+    open: Callable[[bytes, int, int], Any]
+    handle_nbytes: int
+
+
+@dataclass(frozen=True)
 class IpcSupport:
     """How a platform shares device tensors across processes (contract 5).
 
@@ -179,12 +199,15 @@ class IpcSupport:
     open:  (handle, consumer device) -> tensor on the consumer's device; validates
            the handle first. Where `peer_redirect` is True the open maps the memory
            through the consumer's own device, so no context lands on the producer's.
+    events: interprocess events (`IpcEvents`), or None: then a producer host-synchronizes
+           its copy before a message leaves instead of the consumer waiting on the device.
     """
 
     share: Callable[[torch.Tensor], IpcHandle]
     open: Callable[[IpcHandle, int], torch.Tensor]
     peer_redirect: bool
     note: str = ""
+    events: IpcEvents | None = None
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from torchhal.platforms import (
     Availability,
     DeviceInfo,
     GraphSupport,
+    IpcEvents,
     IpcHandle,
     IpcHandleError,
     IpcSupport,
@@ -194,7 +195,12 @@ class AcceleratorPlatform(PlatformPlugin):
             peer_redirect=self.ipc_peer_redirect,
             note=f"{self.name} IPC memory handles"
             + ("; opened through the consumer's device when peer access exists" if self.ipc_peer_redirect else ""),
+            events=self.ipc_events(),
         )
+
+    def ipc_events(self) -> IpcEvents | None:
+        """Interprocess events (`IpcSupport.events`), or None: the CUDA plugin has them."""
+        return None
 
     def ipc_share(self, tensor: torch.Tensor) -> IpcHandle:
         if tensor.device.type != self.device_type:

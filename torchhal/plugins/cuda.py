@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from torchhal.platforms import MemoryInfo, PlatformPlugin, hookimpl
+from torchhal.platforms import IpcEvents, IpcHandleError, MemoryInfo, PlatformPlugin, hookimpl
 from torchhal.plugins._accelerator import AcceleratorPlatform
 
 
@@ -45,6 +45,41 @@ class CudaPlatform(AcceleratorPlatform):
         stats = torch._C._cuda_memoryStats(index)
         return int(stats["reserved_bytes"]["all"]["current"]), int(stats["allocated_bytes"]["all"]["current"])
 
+    # -- interprocess events: torch.cuda.Event(interprocess=True), ipc_handle, from_ipc_handle --
+    def ipc_events(self) -> IpcEvents | None:
+        if not hasattr(self.device_module().Event, "from_ipc_handle"):
+            return None
+        return IpcEvents(
+            new=self.ipc_event_new, export=self.ipc_event_export, open=self.ipc_event_open,
+            handle_nbytes=IPC_EVENT_HANDLE_NBYTES,
+        )
+
+    def ipc_event_new(self, index: int) -> Any:
+        module = self.device_module()
+        with module.device(index):
+            return module.Event(interprocess=True)  # interprocess events never time
+
+    def ipc_event_export(self, event: Any) -> bytes:
+        return _checked_event_handle(self.name, event.ipc_handle())
+
+    def ipc_event_open(self, handle: bytes, producer: int, consumer: int) -> Any:
+        _checked_event_handle(self.name, handle)
+        count = self.device_count()
+        for label, index in (("producer", producer), ("consumer", consumer)):
+            if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count:
+                raise IpcHandleError(
+                    f"IPC event {label} device {index!r} is not a visible {self.name} device (0..{count - 1})"
+                )
+        # Opened where the memory open maps (the consumer's device where peers allow), so the
+        # consumer makes no context on the producer's device.
+        target = self.ipc_target_device(producer, consumer)
+        module = self.device_module()
+        try:
+            with module.device(target):
+                return module.Event.from_ipc_handle(target, handle)
+        except Exception as exc:  # the driver refused the handle
+            raise IpcHandleError(f"{self.name} IPC event open failed: {type(exc).__name__}: {exc}") from exc
+
     def runtime_version(self) -> str | None:
         text = f"CUDA runtime {torch.version.cuda}"
         try:
@@ -56,6 +91,16 @@ class CudaPlatform(AcceleratorPlatform):
         except Exception:  # nvidia-ml-py is optional (the `cuda` extra)
             pass
         return text
+
+
+#: cudaIpcEventHandle_t (hipIpcEventHandle_t, behind torch.cuda on ROCm, is 64 bytes too).
+IPC_EVENT_HANDLE_NBYTES = 64
+
+
+def _checked_event_handle(platform: str, handle: object) -> bytes:
+    if not isinstance(handle, bytes) or len(handle) != IPC_EVENT_HANDLE_NBYTES:
+        raise IpcHandleError(f"{platform} IPC event handle {handle!r:.80} is not {IPC_EVENT_HANDLE_NBYTES} bytes")
+    return handle
 
 
 @hookimpl

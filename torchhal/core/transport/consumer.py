@@ -3,31 +3,44 @@
 A consumer opens each producer's control block and pool once per device (redirected
 to its own device where peers allow), rebuilds the tensor from the bytes the message
 names, and acknowledges. Anything wrong with a message is a `TransportError`.
+
+A pool message may carry the handle of the producer slot's interprocess event: the
+consumer opens it once per slot (kept with the producer's entry, dropped with it) and
+makes its stream wait on it before reading, so the producer never waits on the host.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from torchhal.core.transport._shm import POOL_ID, Control, SharedFile, control_name, host_name, pid_alive
 from torchhal.core.transport.messages import TensorMessage, TransportError, handle_fingerprint
-from torchhal.platforms import IpcHandle, Platform, current_platform
-from torchhal.platforms.ipc import DTYPES
+from torchhal.platforms import IpcHandle, IpcHandleError, Platform, current_platform
+from torchhal.platforms.ipc import DTYPES, handle_to_data
 
 #: producers whose control block and pool a consumer keeps open at once (least recently used go).
 MAX_OPEN_PRODUCERS = 64
+#: copies whose acknowledgement waits for the copy to finish on the device; past this the
+#: oldest is waited for on the host (a consumer that receives faster than its device copies).
+MAX_PENDING_ACKS = 64
 
 
 @dataclass
 class _OpenProducer:
     control: Control
+    pool_id: str  # the pool id and pid the control block was checked against
+    producer_pid: int
     handle: IpcHandle | None = None  # the pool handle checked against the control's fingerprint
+    handle_data: object = None  # its plain data, as messages carry it
     pool: torch.Tensor | None = None  # the opened pool as flat bytes
+    #: slot -> (event handle, opened event); at most one per slot of this producer.
+    events: dict[int, tuple[bytes, Any]] = field(default_factory=dict)
+    typed: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # the pool viewed as each dtype
 
 
 class Consumer:
@@ -44,13 +57,22 @@ class Consumer:
         # event, no host synchronisation), so they can overlap work already queued.
         self._side = self.platform.new_stream(self.device_index) if copy_stream else None
         self._copied = self.platform.new_event() if copy_stream else None
+        # copy=True acknowledgements wait until the copy ran (the producer may overwrite the
+        # slice as soon as it is acknowledged): (copy-done event, control, slot, generation).
+        self._pending: deque[tuple[Any, int, Control, int, int]] = deque()  # (event, device, ...)
+        self._spare_events: dict[int, list[Any]] = {}  # done events to reuse, by device (events keep theirs)
         self._lock = threading.Lock()
 
     def receive(self, message: Any, copy: bool = True) -> torch.Tensor:
         """Rebuild the tensor on this consumer's device and acknowledge it.
 
-        copy=True (default) returns a fresh tensor; copy=False a zero-copy view of the
-        producer's slice, valid until it is recycled (acknowledged here already).
+        copy=True (default) returns a fresh tensor; its slice is acknowledged once the copy
+        has run on the device (checked without waiting at the next `receive`, or by
+        `flush_acks`). copy=False returns a zero-copy view of the producer's slice, valid
+        until it is recycled (acknowledged here already).
+        The tensor is ready in stream order on the caller's current stream (where the
+        message carries the producer's event, that stream already waits on it): like the
+        output of any torch op, use it on that stream, or synchronize it before host reads.
         Any problem with the message raises `TransportError` (the cause chained); only an
         out-of-memory error of the copy itself propagates as the platform's OOM error.
         """
@@ -64,7 +86,15 @@ class Consumer:
             raise TransportError(f"message cannot be received: {type(exc).__name__}: {exc}") from exc
 
     def _receive(self, message: Any, copy: bool) -> torch.Tensor:
-        msg = TensorMessage.from_dict(message)
+        if self._pending:
+            self.flush_acks(wait=False)
+        known = None
+        if type(message) is dict:  # a pool handle equal to one already opened is not decoded again
+            name = message.get("control")
+            cached = self._open.get(name) if type(name) is str else None
+            if cached is not None and cached.handle is not None:
+                known = (cached.handle_data, cached.handle)
+        msg = TensorMessage.from_dict(message, known)
         entry = self._producer(msg)
         control = entry.control
         if control.generation(msg.slot) != msg.generation:
@@ -80,18 +110,69 @@ class Consumer:
             if msg.offset + msg.nbytes > pool.numel():
                 raise TransportError(f"slice exceeds the opened pool of {pool.numel()} bytes")
             # Bytes [offset, offset + nbytes) and nothing else; the view was checked to fit them.
-            tensor = pool[msg.offset : msg.offset + msg.nbytes].view(dtype).as_strided(msg.shape, msg.stride)
+            tensor = self._view(entry, pool, msg, dtype)
+            ready = self._slot_event(entry, msg) if msg.event is not None else None
+            pool_index = pool.device.index or 0
+            side = copy and self._side is not None and pool_index == self.device_index
+            if ready is not None:  # the stream that reads the slice waits for the producer's copy
+                ready.wait(self._side if side else self.platform.current_stream(pool_index))
             if copy:
-                tensor = self._copy(tensor)
+                tensor = self._copy_on_side(tensor) if side else tensor.clone()
+                # The producer may overwrite the slice once it is acknowledged: ack when the
+                # copy has run (at once where it already has, e.g. in-order host platforms).
+                self._ack_when_done(self._side if side else self.platform.current_stream(pool_index),
+                                    pool_index, control, msg.slot, msg.generation)
+                return tensor
+        # Acknowledged after the wait was queued: the producer re-records this slot's event
+        # only after every consumer acknowledged, and a queued wait keeps the record it saw.
         control.ack(msg.slot, self.rank, msg.generation)
         return tensor
 
-    def _copy(self, view: torch.Tensor) -> torch.Tensor:
-        home = self.platform.device(self.device_index)
-        if self._side is None or self._copied is None or (view.device.type, view.device.index or 0) != (
-            home.type, home.index or 0
-        ):
-            return view.clone()  # not on this consumer's device (no peer redirect): copy where it is
+    def _ack_when_done(self, stream: Any, index: int, control: Control, slot: int, generation: int) -> None:
+        spare = self._spare_events.setdefault(index, [])
+        done = spare.pop() if spare else self.platform.new_event()
+        done.record(stream)
+        if not self._pending and done.query():
+            control.ack(slot, self.rank, generation)
+            spare.append(done)
+            return
+        self._pending.append((done, index, control, slot, generation))
+        if len(self._pending) > MAX_PENDING_ACKS:
+            self._ack_oldest(wait=True)
+
+    def _ack_oldest(self, wait: bool) -> bool:
+        done, index, control, slot, generation = self._pending[0]
+        if wait:
+            done.synchronize()
+        elif not done.query():
+            return False
+        self._pending.popleft()
+        control.ack(slot, self.rank, generation)
+        self._spare_events[index].append(done)
+        return True
+
+    def flush_acks(self, wait: bool = True) -> int:
+        """Acknowledge received copies whose device copy has finished (wait=True: wait for
+        all of them); returns how many. A consumer that stops receiving calls this so its
+        producers can recycle the last slices it copied."""
+        acked = 0
+        while self._pending and self._ack_oldest(wait):
+            acked += 1
+        return acked
+
+    @staticmethod
+    def _view(entry: _OpenProducer, pool: torch.Tensor, msg: TensorMessage, dtype: torch.dtype) -> torch.Tensor:
+        size = dtype.itemsize  # msg.offset is a multiple of it (checked by the decoder)
+        typed = entry.typed.get(dtype)
+        if typed is None:
+            if pool.numel() % size:
+                return pool[msg.offset : msg.offset + msg.nbytes].view(dtype).as_strided(msg.shape, msg.stride)
+            typed = entry.typed[dtype] = pool.view(dtype)
+        # The same bytes as slicing [offset, offset + nbytes) and viewing: one strided view.
+        return typed.as_strided(msg.shape, msg.stride, typed.storage_offset() + msg.offset // size)
+
+    def _copy_on_side(self, view: torch.Tensor) -> torch.Tensor:
+        assert self._side is not None and self._copied is not None
         out = torch.empty(view.shape, dtype=view.dtype, device=view.device)  # owned by the caller's stream
         with self.platform.use_stream(self._side):
             out.copy_(view)
@@ -99,23 +180,51 @@ class Consumer:
         self._copied.wait(self.platform.current_stream(self.device_index))
         return out
 
+    def _slot_event(self, entry: _OpenProducer, msg: TensorMessage) -> Any:
+        """The producer slot's event, opened once per slot (a changed handle is opened anew)."""
+        handle = msg.event
+        assert handle is not None and entry.handle is not None
+        known = entry.events.get(msg.slot)
+        if known is not None and known[0] == handle:
+            return known[1]
+        ipc = self.platform.ipc_support
+        events = ipc.events if ipc is not None else None
+        if events is None:
+            raise TransportError(
+                f"message carries an event handle but platform {self.platform.name!r} cannot open interprocess "
+                "events; producer and consumer must run the same platform"
+            )
+        if len(handle) != events.handle_nbytes:
+            raise TransportError(
+                f"event handle of {len(handle)} bytes is not a {self.platform.name} event handle "
+                f"({events.handle_nbytes} bytes)"
+            )
+        try:
+            opened = events.open(handle, entry.handle.device, self.device_index)
+        except IpcHandleError as exc:
+            raise TransportError(f"event handle of slot {msg.slot} cannot be opened: {exc}") from exc
+        with self._lock:
+            entry.events[msg.slot] = (handle, opened)  # one per slot: bounded by the producer's slots
+        return opened
+
     # producers ------------------------------------------------------------------------------
     def _producer(self, msg: TensorMessage) -> _OpenProducer:
         if not pid_alive(msg.producer_pid):
             raise TransportError(f"producer pid {msg.producer_pid} has exited; its pool {msg.pool_id} is gone")
-        match = POOL_ID.fullmatch(msg.pool_id)
-        if match is None or int(match.group(1)) != msg.producer_pid:
-            raise TransportError(f"pool id {msg.pool_id!r} is not one of producer pid {msg.producer_pid}")
-        if msg.control != control_name(msg.pool_id):
-            raise TransportError(f"control block {msg.control!r} is not the one of pool {msg.pool_id!r}")
         with self._lock:
             entry = self._open.get(msg.control)
-            if entry is None:
-                self._prune()
-                entry = _OpenProducer(Control.open(msg.control, msg.producer_pid))
-                self._open[msg.control] = entry
+            if entry is not None and entry.pool_id == msg.pool_id and entry.producer_pid == msg.producer_pid:
+                self._open.move_to_end(msg.control)  # the names were checked when it was opened
             else:
-                self._open.move_to_end(msg.control)
+                match = POOL_ID.fullmatch(msg.pool_id)
+                if match is None or int(match.group(1)) != msg.producer_pid:
+                    raise TransportError(f"pool id {msg.pool_id!r} is not one of producer pid {msg.producer_pid}")
+                if msg.control != control_name(msg.pool_id):
+                    raise TransportError(f"control block {msg.control!r} is not the one of pool {msg.pool_id!r}")
+                assert entry is None  # its name is control_name(pool_id), so pool id and pid matched
+                self._prune()
+                entry = _OpenProducer(Control.open(msg.control, msg.producer_pid), msg.pool_id, msg.producer_pid)
+                self._open[msg.control] = entry
         control = entry.control
         if not control.alive:
             self._forget(msg.control)
@@ -141,9 +250,12 @@ class Consumer:
             if entry is not None:
                 self._close_entry(entry)
 
-    @staticmethod
-    def _close_entry(entry: _OpenProducer) -> None:
+    def _close_entry(self, entry: _OpenProducer) -> None:
+        if any(pending[2] is entry.control for pending in self._pending):
+            self.flush_acks(wait=True)  # rare: an evicted or closed producer with copies in flight
         entry.pool = None  # views handed out keep their own reference to the storage
+        entry.typed.clear()
+        entry.events.clear()  # waits already queued keep what they wait for
         entry.control.close(unlink=False)
 
     @property
@@ -168,6 +280,7 @@ class Consumer:
                 raise TransportError(f"platform {self.platform.name!r} cannot open device pools")
             opened = ipc.open(handle, self.device_index)
             entry.pool, entry.handle = opened.reshape(-1).view(torch.uint8), handle  # index in bytes, always
+            entry.handle_data = handle_to_data(handle)
             return entry.pool
 
     def _from_host(self, msg: TensorMessage, dtype: torch.dtype) -> torch.Tensor:
@@ -187,6 +300,7 @@ class Consumer:
         return host.to(self.platform.device(self.device_index)).contiguous()
 
     def close(self) -> None:
+        self.flush_acks(wait=True)  # the copies already returned are done: let producers recycle them
         with self._lock:
             for entry in self._open.values():
                 self._close_entry(entry)

@@ -4,6 +4,11 @@ A producer worker owns one device buffer (its pool) whose IPC handle is taken on
 tensors are copied into best-fit slices and sent as plain-data messages. A slice is
 recycled when every expected consumer has acknowledged its current generation. A full
 pool, or a platform without IPC, falls back to host shared memory with the same API.
+
+Where the platform has interprocess events (`IpcSupport.events`), each slot has one: the
+copy into the pool is recorded on it and the message carries its handle, so `send` returns
+without waiting and the consumer's stream waits on the device. Without them, `send` waits
+for its own copy (an event synchronize) before the message leaves.
 """
 
 from __future__ import annotations
@@ -17,13 +22,16 @@ from typing import Any
 import torch
 
 from torchhal.core.transport._shm import Control, SharedFile, host_name, new_pool_id, reclaim_orphans
-from torchhal.core.transport.messages import TensorMessage, handle_fingerprint
-from torchhal.platforms import IpcHandle, Platform, current_platform
-from torchhal.platforms.ipc import dtype_name
+from torchhal.core.transport.messages import encode_event, handle_fingerprint
+from torchhal.platforms import IpcEvents, IpcHandle, Platform, current_platform
+from torchhal.platforms.ipc import dtype_name, handle_to_data
 
 MiB = 1 << 20
 POOL_FLOOR_BYTES = 128 * MiB
 BUDGET_SETTING = "TransportConfig.budget_bytes"
+#: sends between reclaim scans while slots and pool space last (a full pool or slot table
+#: reclaims at once): the scan reads every used slot's acks, so not on every send.
+RECLAIM_EVERY = 32
 
 
 def pool_size(budget_bytes: int, workers: int, floor: int = POOL_FLOOR_BYTES) -> int:
@@ -41,6 +49,9 @@ class TransportConfig:
     max_slices: int = 1024
     pool_floor_bytes: int = POOL_FLOOR_BYTES
     alignment: int = 512
+    #: use the platform's interprocess events where it has them (False: `send` waits for its
+    #: copy on the host, as on platforms without them; for comparison).
+    interprocess_events: bool = True
 
 
 class Producer:
@@ -69,6 +80,19 @@ class Producer:
         self._free_slots = list(range(config.max_slices - 1, -1, -1))
         self._warned_full = False
         self._copied = self.platform.new_event()  # marks the end of each send's copy into the pool
+        self._events: IpcEvents | None = (
+            ipc.events if ipc is not None and self.pool is not None and config.interprocess_events else None
+        )
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the pool viewed as each dtype sent
+        self._slot_events: dict[int, tuple[Any, str]] = {}  # slot -> (interprocess event, handle text)
+        self._sends_since_reclaim = 0
+        self._pid = os.getpid()
+        self._control_name = self.control.name
+        # The parts every pool message repeats, built once (the pool handle never changes).
+        # Messages get a copy of this dict but share its lists: copy a message before changing those.
+        self._pool_handle_data: dict[str, Any] = (
+            handle_to_data(self.pool_handle) if self.pool_handle is not None else {}
+        )
         self._lock = threading.Lock()
 
     # slices -------------------------------------------------------------------------------
@@ -101,20 +125,25 @@ class Producer:
 
     def reclaim(self) -> int:
         """Free every slice all consumers acknowledged; returns how many."""
-        freed = 0
         with self._lock:
-            for slot, (start, size, host) in list(self._used.items()):
-                if not self.control.all_acked(slot):
-                    continue
-                del self._used[slot]
-                self._free_slots.append(slot)
-                if host is None:
-                    self._release_range(start, size)
-                else:
-                    block = self._host_blocks.pop(slot)
-                    block.close()
-                    block.unlink()
-                freed += 1
+            return self._reclaim_locked()
+
+    def _reclaim_locked(self) -> int:
+        freed = 0
+        self._sends_since_reclaim = 0
+        all_acked = self.control.all_acked
+        for slot, (start, size, host) in list(self._used.items()):
+            if not all_acked(slot):
+                continue
+            del self._used[slot]
+            self._free_slots.append(slot)
+            if host is None:
+                self._release_range(start, size)
+            else:
+                block = self._host_blocks.pop(slot)
+                block.close()
+                block.unlink()
+            freed += 1
         return freed
 
     @property
@@ -123,38 +152,89 @@ class Producer:
 
     # sending -------------------------------------------------------------------------------
     def send(self, tensor: torch.Tensor) -> dict[str, Any]:
-        """Copy `tensor` into the pool (or host memory) and return the plain-data message."""
-        self.reclaim()
+        """Copy `tensor` into the pool (or host memory) and return the plain-data message.
+
+        With interprocess events the copy may still be running when this returns (it is
+        queued on the pool device's current stream); the consumer's stream waits for it.
+        """
         source = tensor.detach().contiguous()
         nbytes = source.numel() * source.element_size()
         with self._lock:
+            self._sends_since_reclaim += 1
+            if not self._free_slots or self._sends_since_reclaim >= RECLAIM_EVERY:
+                self._reclaim_locked()
             if not self._free_slots:
                 raise RuntimeError(
                     f"all {self.config.max_slices} slices are awaiting acknowledgement; consumers must ack, "
                     "or raise TransportConfig.max_slices"
                 )
+            offset = None
+            if self.pool is not None:
+                offset = self._allocate(nbytes)
+                if offset is None and self._used:  # acknowledged slices may free enough room
+                    self._reclaim_locked()
+                    offset = self._allocate(nbytes)
             slot = self._free_slots.pop()
-            offset = self._allocate(nbytes) if self.pool is not None else None
             generation = self.control.bump(slot)
+            event_text = None
             if offset is not None and self.pool is not None:
-                self.pool[offset : offset + nbytes].view(source.dtype).view(source.shape).copy_(source)
-                # Consumers read after the message arrives: wait for this copy (the pool device's
-                # current stream), not for everything queued on the device.
-                self._copied.record(self.platform.current_stream(self.device_index))
-                self._copied.synchronize()
+                self._slice(offset, nbytes, source).copy_(source)
+                stream = self.platform.current_stream(self.device_index)
+                if self._events is not None:
+                    # Re-recording a slot's event cannot race a reader of its previous
+                    # generation: the slot is reused only after every consumer acknowledged
+                    # that generation, and a consumer acknowledges after queuing its wait,
+                    # which waits for the record it saw, not for later ones.
+                    event_text = self._record_slot_event(slot, stream, self._events)
+                else:
+                    # Consumers read after the message arrives: wait for this copy (the pool
+                    # device's current stream), not for everything queued on the device.
+                    self._copied.record(stream)
+                    self._copied.synchronize()
                 self._used[slot] = (offset, nbytes, None)
                 kind, block_name = "pool", None
             else:
                 block_name = self._to_host(slot, generation, source, nbytes)
                 self._used[slot] = (0, nbytes, block_name)
                 offset, kind = 0, "host"
-        message = TensorMessage(
-            kind=kind, pool_id=self.pool_id, slot=slot, generation=generation, offset=offset, nbytes=nbytes,
-            dtype=dtype_name(source.dtype), shape=tuple(source.shape), stride=tuple(source.stride()),
-            control=self.control.name, producer_pid=os.getpid(),
-            pool_handle=self.pool_handle if kind == "pool" else None, host_name=block_name,
-        )
-        return message.to_dict()
+        # The message, built directly (TensorMessage.to_dict's layout; the pool handle's
+        # plain data is built once): per-send host work is on the critical path.
+        message: dict[str, Any] = {
+            "kind": kind, "pool_id": self.pool_id, "slot": slot, "generation": generation, "offset": offset,
+            "nbytes": nbytes, "dtype": dtype_name(source.dtype), "shape": list(source.shape),
+            "stride": list(source.stride()), "control": self._control_name, "producer_pid": self._pid,
+        }
+        if kind == "pool":
+            message["pool_handle"] = dict(self._pool_handle_data)  # its lists are shared: see __init__
+            if event_text is not None:
+                message["event"] = event_text
+        else:
+            message["host_name"] = block_name
+        return message
+
+    def _slice(self, offset: int, nbytes: int, source: torch.Tensor) -> torch.Tensor:
+        """Pool bytes [offset, offset + nbytes) as a tensor shaped like (contiguous) `source`."""
+        assert self.pool is not None
+        size = source.element_size()
+        typed = self._typed.get(source.dtype)
+        if typed is None and self.pool_bytes % size == 0:
+            typed = self._typed[source.dtype] = self.pool.view(source.dtype)
+        if typed is None or offset % size:
+            return self.pool[offset : offset + nbytes].view(source.dtype).view(source.shape)
+        # One strided view of the pool (no slice, no reinterpretation per send).
+        return typed.as_strided(source.shape, source.stride(), typed.storage_offset() + offset // size)
+
+    def _record_slot_event(self, slot: int, stream: Any, events: IpcEvents) -> str:
+        """Record the slot's interprocess event on `stream` (made on first use); its handle text."""
+        known = self._slot_events.get(slot)
+        if known is not None:
+            known[0].record(stream)
+            return known[1]
+        event = events.new(self.device_index)
+        event.record(stream)
+        text = encode_event(events.export(event))  # after the first record: the event exists
+        self._slot_events[slot] = (event, text)
+        return text
 
     def _to_host(self, slot: int, generation: int, source: torch.Tensor, nbytes: int) -> str:
         if self.pool is not None and not self._warned_full:
@@ -174,9 +254,13 @@ class Producer:
         return block.name
 
     def close(self) -> None:
+        for event, _ in self._slot_events.values():
+            event.synchronize()  # its last copy done before the event (and the pool) go away
+        self._slot_events.clear()
         for block in self._host_blocks.values():
             block.close()
             block.unlink()
         self._host_blocks.clear()
         self.control.close(unlink=True)
         self.pool = None
+        self._typed.clear()
