@@ -103,6 +103,7 @@ def decode_step(batch: int, steps: int = 20) -> dict:
     modes = (("breakable", None, 1), ("full_graph", decode, 1), ("full_graph_window", decode, WINDOW))
     for _ in range(steps):
         for name, runner, window in modes:
+            engine.drain()  # the previous mode's window lands before the runner changes
             engine.decode_runner = runner  # detached: the step runs on the breakable runner
             decode.steps_per_sync = window
             sync()

@@ -299,6 +299,8 @@ def test_chained_windows_keep_tokens_and_slots_exact_through_a_stop_token():
     assert [r.output for r in engine.generate(prompts, new_tokens)] == eager
     assert runner.chained >= 2 and engine.slots.available == engine.slots.num_slots
     assert any(len(out) < new_tokens for out in eager)  # the stop cut a request short
+    # A window still queued for requests that all stopped is landed by the lifecycle calls.
+    assert engine.flush_cache(empty_cache=False).flushed and engine._in_flight is None
 
 
 def test_a_window_that_fails_to_land_gives_back_both_windows_and_is_recomputed():

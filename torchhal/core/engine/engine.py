@@ -339,8 +339,11 @@ class GenerationEngine:
             flight, self._in_flight = self._in_flight, None
             self._give_back(flight)
 
-    def _land_in_flight(self) -> None:
-        """Land a launched decode window (its finished requests go to `results`)."""
+    def drain(self) -> None:
+        """Land a decode window still on the device: its tokens are appended and the
+        requests it finished go to `results`. `step()` does this itself; call it before
+        timing or inspecting requests between steps. Pause, weight updates, flush and sleep
+        drain first."""
         if self._in_flight is not None:
             flight, self._in_flight = self._in_flight, None
             assert self.decode_runner is not None
@@ -394,6 +397,7 @@ class GenerationEngine:
 
     def flush_cache(self, empty_cache: bool = True, reason: ReleasePoint = ReleasePoint.USER) -> FlushResult:
         """Clear the KV pool (there is no prefix cache), only when fully idle."""
+        self.drain()
         pending = self.pending()
         if pending:
             return FlushResult(False, f"cannot flush while busy: {pending} still pending")
@@ -406,7 +410,7 @@ class GenerationEngine:
         mode = PauseMode(mode)
         if self.paused is not None:
             raise RuntimeError(f"already paused ({self.paused.value}); call continue_generation() first")
-        self._land_in_flight()  # tokens already computed are kept, whatever the mode
+        self.drain()  # tokens already computed are kept, whatever the mode
         ended: list[GenerationResult] = []
         if mode is PauseMode.ABORT:
             ended = self.requests.abort_all("aborted by pause_generation(abort)")
@@ -432,7 +436,7 @@ class GenerationEngine:
 
         Raises WeightUpdateRejected (a ValueError) with nothing applied. Allowed while
         paused and while asleep (the update is what wake brings back)."""
-        self._land_in_flight()  # every token launched with the old weights lands first
+        self.drain()  # every token launched with the old weights lands first
         count = self.weights.apply(named_tensors)
         self.events.record("weights_updated", count=count, version=self.weight_version)
         return WeightUpdateResult(count, self.weight_version, self.flush_cache_after_weight_update(flush_cache))
@@ -453,6 +457,7 @@ class GenerationEngine:
 
     def release_memory_occupation(self) -> int | None:
         """Sleep: weights and KV pool leave the device. Only when idle."""
+        self.drain()
         pending = self.pending()
         if pending or self.asleep:
             raise RuntimeError(f"cannot sleep: {pending or 'already asleep'}")
