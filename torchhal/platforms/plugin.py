@@ -43,7 +43,7 @@ from torchhal.platforms.records import (
 #: The SPI version this torchhal implements: (major, minor). A minor release only adds
 #: members, each with a default; a major release may remove or change members.
 #: docs/vendor-guide.md ("Compatibility") states the policy.
-SPI_VERSION: tuple[int, int] = (1, 0)
+SPI_VERSION: tuple[int, int] = (1, 1)  # 1.1: IpcSupport.events (interprocess events)
 
 
 @dataclass(frozen=True)
