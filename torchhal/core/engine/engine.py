@@ -306,13 +306,8 @@ class GenerationEngine:
         if steps < 1:
             return None
         want = [min(steps, left) for left in remaining]
-        fresh = self.slots.allocate(sum(want)) if sum(want) <= self.slots.available else None
-        if fresh is None:
+        if not self.scheduler.reserve(requests, want):
             return None
-        start = 0
-        for request, count in zip(requests, want, strict=True):
-            request.slots.extend(fresh[start : start + count])
-            start += count
         window = _Window(requests, want, None)
         # The input token (0 here) is ignored: each row's is on the device, left by `flight`.
         rows = [(r.rid, 0, r.slots, n) for r, n in zip(requests, want, strict=True)]

@@ -50,18 +50,21 @@ class Scheduler:
         request (recorded in the plan, so `rollback` frees them). A pool too short for the
         whole window leaves every request at one slot."""
         want = [min(steps, r.max_new_tokens - len(r.output)) for r in plan.decodes]
-        extra = sum(want) - len(want)
-        if steps <= 1 or extra <= 0:
+        if steps <= 1 or sum(want) == len(want) or not self.reserve(plan.decodes, [w - 1 for w in want]):
             return plan.new_slots
-        taken = self.book.slots.allocate(extra) if extra <= self.book.slots.available else None
-        if taken is None:
-            return plan.new_slots
-        start = 0
-        for request, count in zip(plan.decodes, want, strict=True):
-            request.slots.extend(taken[start : start + count - 1])
-            start += count - 1
         plan.new_slots = want
         return want
+
+    def reserve(self, requests: list[Request], counts: list[int]) -> bool:
+        """Append `counts[i]` new slots to request i, all or none (False: the pool is short)."""
+        taken = self.book.slots.allocate(sum(counts)) if sum(counts) <= self.book.slots.available else None
+        if taken is None:
+            return False
+        start = 0
+        for request, count in zip(requests, counts, strict=True):
+            request.slots.extend(taken[start : start + count])
+            start += count
+        return True
 
     def rollback(self, plan: StepPlan) -> None:
         """Give back exactly what `plan()` reserved, in reverse order (the free list ends as it was)."""
