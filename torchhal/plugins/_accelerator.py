@@ -12,6 +12,7 @@ really differs (CUDA and ROCm tell their builds apart; XPU may need IPEX).
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import importlib.util
 import os
@@ -167,12 +168,22 @@ class AcceleratorPlatform(PlatformPlugin):
         @contextlib.contextmanager
         def capture(graph: Any, pool: Any, stream: Any) -> Iterator[None]:
             # Unlike torch.<dev>.graph(), no synchronize + empty_cache on entry (contract 4).
-            with module.stream(stream):
-                graph.capture_begin(pool=pool)
-                try:
-                    yield
-                finally:
-                    graph.capture_end()
+            # Garbage is collected first and the cyclic collector stays off while capturing:
+            # an unreachable graph of someone else's, destroyed mid-capture, is a device call
+            # that invalidates this capture (seen on an H100 as a failed capture_end).
+            gc.collect()
+            was_enabled = gc.isenabled()
+            gc.disable()
+            try:
+                with module.stream(stream):
+                    graph.capture_begin(pool=pool)
+                    try:
+                        yield
+                    finally:
+                        graph.capture_end()
+            finally:
+                if was_enabled:
+                    gc.enable()
 
         return GraphSupport(
             graph_class=graph_class,
