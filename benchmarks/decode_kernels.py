@@ -1,6 +1,6 @@
 """Which device kernels a windowed full-graph decode step spends its time in.
 
-    python benchmarks/decode_kernels.py [--batches 8 32]
+    python benchmarks/decode_kernels.py [--batches 8 32] [--shapes llama32_1b_shape] [--compile inductor]
 
 Profiles 4 engine steps (windows of 8 decode steps, graphs replayed) per model and batch and
 prints the kernels sorted by device time, with the kernel count per decode step. For the
@@ -31,10 +31,10 @@ SHAPES = {
 WINDOW, ENGINE_STEPS = 8, 4
 
 
-def profile(config: ModelConfig, batch: int) -> str:
+def profile(config: ModelConfig, batch: int, compile_layers: str | None) -> str:
     graphs = DecodeGraphConfig(batch_buckets=(batch,), context_buckets=(128,), steps_per_sync=WINDOW)
     engine = GenerationEngine(EngineConfig(model=config, dtype=torch.bfloat16, max_kv_slots=16 * 1024,
-                                           kv_fraction=0.2, decode_graphs=graphs))
+                                           kv_fraction=0.2, decode_graphs=graphs, compile_layers=compile_layers))
     for i in range(batch):
         engine.add_request([(7 * i + j) % 1000 for j in range(16)], 1 + WINDOW * (ENGINE_STEPS + 2))
     engine.step()  # prefill
@@ -58,11 +58,15 @@ def profile(config: ModelConfig, batch: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, nargs="*", default=[8, 32])
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--compile", metavar="BACKEND", help="compiled layers (EngineConfig.compile_layers)")
     args = parser.parse_args()
-    for name, config in SHAPES.items():
+    for name in args.shapes:
         for batch in args.batches:
-            print(f"== {name}, batch {batch}, windows of {WINDOW}", flush=True)
-            print(profile(config, batch), flush=True)
+            label = f", layers compiled ({args.compile})" if args.compile else ""
+            print(f"== {name}, batch {batch}, windows of {WINDOW}{label}", flush=True)
+            print(profile(SHAPES[name], batch, args.compile), flush=True)
+            torch._dynamo.reset()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """torchhal decode vs transformers' `generate`, side by side in one run, on the same weights.
 
     python benchmarks/decode_vs_transformers.py [--out results] [--quick] [--tiny] [--budget-s 450]
+        [--compile inductor]
 
 For each model shape (8-layer hidden-1024 Llama; Llama-3.2-1B-shaped with GQA), a random-weight
 `LlamaForCausalLM` is saved and loaded into torchhal, then greedy generation of 64 new tokens
@@ -11,7 +12,9 @@ decode reading tokens back every step, and full-graph decode in windows of `--wi
 steps per read-back (`DecodeGraphConfig.steps_per_sync`, same runner and graphs). Also: HBM
 copy bandwidth and the batch-1 fraction of it that decode reaches (weight bytes read per step / step time), graph
 capture time and pool memory, and per-row token checks (torchhal paths against each other and
-against transformers' greedy output).
+against transformers' greedy output). `--compile BACKEND` then compiles torchhal's layers
+(`LlamaDecoder.compile_layers`), recaptures the decode graphs and runs eager and windows
+again in the same run (the breakable prefill graphs and the decode graphs captured again).
 
 transformers runs in a child process on the saved checkpoint: its compiled decode captures
 CUDA graphs through inductor's graph trees, which corrupted graphs captured beforehand by
@@ -289,49 +292,72 @@ def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, budg
         "torchhal_full_graph_window": (graph_runner, decode_runner, args.window),
     }
     full_graph_real = decode_runner.graphs_enabled
-    for batch in BATCHES:
-        row: dict[str, Any] = {}
-        result["rows"][f"batch{batch}"] = row
-        if not budget.left():
-            row["skipped"] = "time budget spent (--budget-s)"
-            continue
-        batch_prompts = prompts[batch]
-        peer_row = peers.get(str(batch), {"skipped": "no transformers figures"})
-        if "skipped" in peer_row:
-            row["skipped"] = peer_row["skipped"]
-            continue
-        outputs: dict[str, list[list[int]]] = dict(peer_row["outputs"])
-        row["transformers_eager"] = peer_row["transformers_eager"]
-        row["transformers_static"] = peer_row["transformers_static"]
-
-        for mode, (runner, decode, steps_per_sync) in modes.items():
-            if mode == "torchhal_breakable_graphs" and graph_runner.report is None:
-                row[mode] = {"skipped": graph_runner.eager_reason}
-            if decode is not None and not full_graph_real:
-                row[mode] = {"skipped": decode_runner.unsupported or "graphs emulated on this device (tokens only)"}
-            engine.runner, engine.decode_runner = runner, decode
-            decode_runner.steps_per_sync = steps_per_sync
-
-            def run(prompts: list[list[int]] = batch_prompts) -> tuple[list[list[int]], float, float]:
-                return run_engine(engine, prompts, NEW_TOKENS)
-
-            seconds, (outputs[mode], total, decode_s) = median_run(run, warmups, reps, sync)
-            if mode in row:  # skipped rows still produce tokens (eager or emulated) for the checks
+    phases: list[tuple[str | None, dict[str, tuple[Any, DecodeGraphRunner | None, int]]]] = [(None, modes)]
+    if args.compile:
+        # Compiled layers: the breakable prefill graphs and the decode graphs are captured again,
+        # so both hold the compiled kernels (tokens must match the compiled eager path).
+        phases.append((args.compile, {"torchhal_compiled_eager": (eager_runner, None, 1),
+                                      "torchhal_compiled_window": (graph_runner, decode_runner, args.window)}))
+    outputs_by_batch: dict[int, dict[str, list[list[int]]]] = {}
+    for backend, phase_modes in phases:
+        if backend is not None:
+            engine.runner, engine.decode_runner = eager_runner, decode_runner
+            compile_started = time.perf_counter()
+            engine.model.compile_layers(backend)  # type: ignore[operator]
+            report = decode_runner.capture() if full_graph_real else None  # compiles in the warm-ups
+            prefill = graph_runner.capture() if graph_runner.report is not None else None
+            result["compiled_layers"] = {
+                "backend": backend, "compile_and_capture_s": time.perf_counter() - compile_started,
+                "graphs": report.graphs if report else None, "pool_bytes": report.pool_bytes if report else None,
+                "prefill_graphs": prefill.graphs if prefill else None}
+        for batch in BATCHES:
+            row = result["rows"].setdefault(f"batch{batch}", {})
+            if "skipped" in row:
                 continue
-            row[mode] = {"tok_s": batch * NEW_TOKENS / seconds, "s": seconds,
-                         "decode_step_ms": decode_s / (NEW_TOKENS - 1) * 1e3}
+            if not budget.left():
+                row.setdefault("skipped_modes", []).extend(phase_modes)
+                if backend is None:
+                    row["skipped"] = "time budget spent (--budget-s)"
+                continue
+            peer_row = peers.get(str(batch), {"skipped": "no transformers figures"})
+            if "skipped" in peer_row:
+                row["skipped"] = peer_row["skipped"]
+                continue
+            outputs = outputs_by_batch.setdefault(batch, dict(peer_row["outputs"]))
+            row["transformers_eager"] = peer_row["transformers_eager"]
+            row["transformers_static"] = peer_row["transformers_static"]
+            for mode, (runner, decode, steps_per_sync) in phase_modes.items():
+                if mode == "torchhal_breakable_graphs" and graph_runner.report is None:
+                    row[mode] = {"skipped": graph_runner.eager_reason}
+                if decode is not None and not full_graph_real:
+                    row[mode] = {"skipped": decode_runner.unsupported or "graphs emulated on this device (tokens only)"}
+                engine.runner, engine.decode_runner = runner, decode
+                decode_runner.steps_per_sync = steps_per_sync
+
+                def run(prompts: list[list[int]] = prompts[batch]) -> tuple[list[list[int]], float, float]:
+                    return run_engine(engine, prompts, NEW_TOKENS)
+
+                seconds, (outputs[mode], total, decode_s) = median_run(run, warmups, reps, sync)
+                if mode in row:  # skipped rows still produce tokens (eager or emulated) for the checks
+                    continue
+                row[mode] = {"tok_s": batch * NEW_TOKENS / seconds, "s": seconds,
+                             "decode_step_ms": decode_s / (NEW_TOKENS - 1) * 1e3}
+    for batch, outputs in outputs_by_batch.items():
+        row = result["rows"][f"batch{batch}"]
         peer = row["transformers_static"]["tok_s"]
-        for mode in modes:
-            if "tok_s" in row[mode]:
+        for mode in outputs:
+            if isinstance(row.get(mode), dict) and "tok_s" in row[mode] and mode.startswith("torchhal"):
                 row[mode]["x_transformers_static"] = row[mode]["tok_s"] / peer
         reference = outputs["transformers_eager"]
         row["tokens"] = {mode: compare(outputs[mode], reference) for mode in outputs if mode != "transformers_eager"}
-        row["tokens"]["torchhal_full_graph_vs_eager"] = compare(outputs["torchhal_full_graph_decode"],
-                                                                outputs["torchhal_eager"])
-        row["tokens"]["torchhal_window_vs_eager"] = compare(outputs["torchhal_full_graph_window"],
-                                                            outputs["torchhal_eager"])
-        row["tokens"]["torchhal_breakable_vs_eager"] = compare(outputs["torchhal_breakable_graphs"],
-                                                               outputs["torchhal_eager"])
+        for graph_mode, eager_mode, label in (
+            ("torchhal_full_graph_decode", "torchhal_eager", "torchhal_full_graph_vs_eager"),
+            ("torchhal_full_graph_window", "torchhal_eager", "torchhal_window_vs_eager"),
+            ("torchhal_breakable_graphs", "torchhal_eager", "torchhal_breakable_vs_eager"),
+            ("torchhal_compiled_window", "torchhal_compiled_eager", "torchhal_compiled_window_vs_compiled_eager"),
+        ):
+            if graph_mode in outputs and eager_mode in outputs:
+                row["tokens"][label] = compare(outputs[graph_mode], outputs[eager_mode])
         print(f"{name} batch {batch}: " + ", ".join(
             f"{mode} {row[mode]['tok_s']:.0f}" for mode in row if isinstance(row[mode], dict) and "tok_s" in row[mode]
         ) + " tok/s", flush=True)
@@ -349,7 +375,7 @@ def bandwidth_summary(result: dict[str, Any], copy_bw: float | None) -> None:
     floor_ms = weight_bytes / copy_bw * 1e3
     summary: dict[str, Any] = {"copy_bandwidth_GBps": copy_bw / 1e9, "floor_step_ms": floor_ms}
     for mode in ("transformers_static", "torchhal_breakable_graphs", "torchhal_full_graph_decode",
-                 "torchhal_full_graph_window"):
+                 "torchhal_full_graph_window", "torchhal_compiled_window"):
         step_ms = row.get(mode, {}).get("decode_step_ms")
         if step_ms:
             summary[mode] = {"step_ms": step_ms, "fraction_of_copy_bandwidth": floor_ms / step_ms}
@@ -370,6 +396,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="skip remaining rows after this many seconds (split between shapes)")
     parser.add_argument("--shapes", nargs="*", help="subset of shape names")
     parser.add_argument("--window", type=int, default=8, help="steps_per_sync of the windowed mode")
+    parser.add_argument("--compile", metavar="BACKEND",
+                        help="also run torchhal eager and windows with compiled layers (e.g. inductor), "
+                             "after the uncompiled rows, in the same run")
     parser.add_argument("--peer-job", help=argparse.SUPPRESS)  # internal: the transformers child process
     parser.add_argument("--peer-answer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -385,7 +414,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     copy_bw = copy_bandwidth(device, platform.synchronize)
     shapes = TINY_SHAPES if args.tiny else SHAPES
     chosen = {k: v for k, v in shapes.items() if not args.shapes or k in args.shapes}
-    results: dict[str, Any] = {"platform": platform.name, "window": args.window,
+    results: dict[str, Any] = {"platform": platform.name, "window": args.window, "compile": args.compile,
                                "prompt_tokens": PROMPT_LEN, "new_tokens": NEW_TOKENS,
                                "batches": list(BATCHES), "quick": args.quick, "tiny": args.tiny,
                                "copy_bandwidth_GBps": copy_bw / 1e9 if copy_bw else None, "shapes": {}}

@@ -240,6 +240,32 @@ def test_emulated_full_graph_decode_matches_eager_while_requests_finish_and_join
     assert runner.slots.live == 0  # every finished request gave its row back
 
 
+def test_compiled_layers_run_in_eager_and_window_steps_with_the_same_tokens(reference):
+    """`compile_layers` routes every layer's arithmetic through torch.compile (here a backend that
+    counts what it compiles and runs it unfused: the numbers stay those of the uncompiled model)."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    engine = graph_engine(replace(EMULATED, steps_per_sync=3), compile_layers=counter)
+    runner = engine.decode_runner
+    assert runner is not None
+    assert run_engine(engine) == reference
+    assert runner.windows < runner.steps
+    # pre-attention, post-attention and the final norm, each once for one token and once for any
+    # other count (the token dimension is dynamic): prefills, padded batches and windows share them.
+    assert counter.frame_count == 6, counter.frame_count
+    torch._dynamo.reset()
+
+
+def test_compile_layers_needs_a_model_that_offers_it():
+    class Plain(ReferenceDecoder):
+        compile_layers = None  # type: ignore[assignment]
+
+    with pytest.raises(TypeError, match="has no compile_layers"):
+        GenerationEngine(EngineConfig(max_kv_slots=64, compile_layers="inductor"), model=Plain(ModelConfig()))
+
+
 # -- decode windows: several steps per token read-back ---------------------------------------------
 def free_list(engine: GenerationEngine) -> list[int]:
     return list(engine.slots._free)

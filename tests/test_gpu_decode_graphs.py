@@ -61,6 +61,21 @@ def test_replayed_decode_matches_eager_tokens_while_requests_finish_and_join(ste
         assert decode.windows < decode.steps  # replays ran back to back between read-backs
 
 
+def test_compiled_layers_give_graphs_and_eager_the_same_tokens_in_bf16():
+    """Inductor's fused kernels inside the captured windows; the same engine's eager decode
+    (decode runner detached) runs the same compiled functions, so tokens must match exactly."""
+    torch._dynamo.reset()
+    engine = GenerationEngine(replace(with_graphs(steps_per_sync=8, dtype=torch.bfloat16), compile_layers="inductor"))
+    graphs = decode_runner(engine)
+    assert graphs.graphs_enabled
+    engine.decode_runner = None
+    eager = run(engine)
+    engine.decode_runner = graphs
+    assert run(engine) == eager
+    assert graphs.steps >= 10 and engine.slots.available == engine.slots.num_slots
+    torch._dynamo.reset()
+
+
 def test_replayed_windows_stop_at_an_eos_token_like_single_steps():
     reference = run(GenerationEngine(CONFIG))
     stop = next(out[2] for out in reference if len(out) > 6)

@@ -86,6 +86,14 @@ class GenerationEngine:
         built: Model = ReferenceDecoder(config.model) if model is None else model
         built.to(self.device, config.dtype)
         built.eval()
+        if config.compile_layers is not None:
+            compile_layers = getattr(built, "compile_layers", None)
+            if compile_layers is None:
+                raise TypeError(
+                    f"EngineConfig.compile_layers = {config.compile_layers!r}, but model {type(built).__name__} "
+                    "has no compile_layers(backend); leave compile_layers None for this model"
+                )
+            compile_layers(config.compile_layers)  # before any graph is captured
         self.model: Model = built
         model_config = self.model_config
         self.kv_sizing: KVPoolSizing = size_kv_pool(

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -138,6 +140,10 @@ class EngineConfig:
     eos_tokens: tuple[int, ...] = ()  # Hugging Face configs often list several (Llama 3)
     check_finite_weights: bool = False  # reject weight updates holding NaN/inf (one device sync per tensor)
     decode_graphs: DecodeGraphConfig | None = None  # full-graph decode, off by default (see DecodeGraphConfig)
+    #: a `torch.compile` backend ("inductor") for the model's per-layer arithmetic outside
+    #: attention (`model.compile_layers`): fused kernels, the same for eager and graph paths;
+    #: numbers differ from uncompiled ones in the last bits. None (default): not compiled.
+    compile_layers: str | Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_kv_slots", "max_batch_tokens", "max_running"):
@@ -152,6 +158,12 @@ class EngineConfig:
             raise TypeError(
                 f"EngineConfig.decode_graphs = {self.decode_graphs!r} must be a DecodeGraphConfig or None; "
                 "e.g. decode_graphs=DecodeGraphConfig() to turn full-graph decode on"
+            )
+        backend = self.compile_layers
+        if backend is not None and not (isinstance(backend, str) and backend) and not callable(backend):
+            raise ValueError(
+                f"EngineConfig.compile_layers = {backend!r} must be a torch.compile backend name "
+                "(e.g. 'inductor'), a backend callable, or None"
             )
         if self.idle_empty_after_s is not None and self.idle_empty_after_s < 0:
             raise ValueError(f"EngineConfig.idle_empty_after_s = {self.idle_empty_after_s!r} must be >= 0 or None")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -218,10 +219,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # HF's numbers (x in fp32 times rsqrt of the fp32 mean of squares, cast back, then
-        # the weight): rms_norm computes in fp32 for 16-bit inputs and rounds once, as HF's
-        # cast does, in one kernel where the platform fuses it (decode is launch-bound).
-        return self.weight * F.rms_norm(x, self.weight.shape, eps=self.eps)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's numbers (x in fp32 times rsqrt of the fp32 mean of squares, cast back, then the
+    weight): rms_norm computes in fp32 for 16-bit inputs and rounds once, as HF's cast does,
+    in one kernel where the platform fuses it (decode is launch-bound)."""
+    return weight * F.rms_norm(x, weight.shape, eps=eps)
 
 
 class FusedSlice(nn.Module):
@@ -348,6 +353,84 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
     return x * cos[:, None, :] + x.roll(x.shape[-1] // 2, -1) * sin_signed[:, None, :]
 
 
+class LayerMath:
+    """A layer's arithmetic outside attention, as functions of tensors only: the weights are
+    arguments, so one function (and, compiled, one set of kernels) serves every layer.
+
+    `compile(backend)` swaps in `torch.compile`d versions. Eager and graph paths then run the
+    same fused kernels, so their tokens stay equal; the compiled numbers differ from the
+    uncompiled ones in the last bits (a fused kernel keeps intermediates in fp32), which is
+    why it is a choice and not the default. The first call of each shape compiles: graph
+    runners warm up before they capture, so no compile happens under capture.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self.backend: str | Callable[..., Any] | None = None
+        self.pre_attention: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._pre_attention
+        self.post_attention: Callable[..., torch.Tensor] = self._post_attention
+        self.final_norm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._final_norm
+
+    def compile(self, backend: str | Callable[..., Any] = "inductor") -> None:
+        if not (isinstance(backend, str) and backend) and not callable(backend):
+            raise ValueError(f"compile backend {backend!r} must be a torch.compile backend name (e.g. "
+                             "'inductor') or a backend callable")
+        def compiled(fn: Callable[..., Any], *token_args: int) -> Callable[..., Any]:
+            return _token_dim_dynamic(torch.compile(fn, backend=backend, fullgraph=True), token_args)
+
+        # The positions of the arguments with a token dimension: residual, cos, sin; residual, attn_out.
+        self.pre_attention = compiled(self._pre_attention, 0, 6, 7)
+        self.post_attention = compiled(self._post_attention, 0, 1)
+        self.final_norm = compiled(self._final_norm, 0)
+        self.backend = backend
+
+    def _pre_attention(
+        self, residual: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor,
+        qkv_bias: torch.Tensor | None, q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+        cos: torch.Tensor, sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input norm, fused QKV projection, q/k norms (Qwen3) and rotary: q [T, H, D], k and v [T, Hkv, D]."""
+        config = self.config
+        heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
+        t = residual.shape[0]
+        qkv = F.linear(rms_norm(residual, norm_weight, config.rms_eps), qkv_weight, qkv_bias)
+        q_size, kv_size = heads * dim, kv_heads * dim
+        v = qkv[:, q_size + kv_size :].reshape(t, kv_heads, dim)  # a view: attention copies it into the pool
+        if q_norm_weight is not None and k_norm_weight is not None:
+            q = rms_norm(qkv[:, :q_size].reshape(t, heads, dim), q_norm_weight, config.rms_eps)
+            k = rms_norm(qkv[:, q_size : q_size + kv_size].reshape(t, kv_heads, dim), k_norm_weight, config.rms_eps)
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        # q and k rotate together: they are adjacent in the fused projection's output.
+        qk = apply_rotary(qkv[:, : q_size + kv_size].reshape(t, heads + kv_heads, dim), cos, sin)
+        return qk[:, :heads], qk[:, heads:], v
+
+    def _post_attention(
+        self, residual: torch.Tensor, attn_out: torch.Tensor, o_weight: torch.Tensor, o_bias: torch.Tensor | None,
+        norm_weight: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
+    ) -> torch.Tensor:
+        """Output projection and residual, then the SwiGLU MLP and its residual."""
+        residual = residual + F.linear(attn_out.reshape(residual.shape[0], -1), o_weight, o_bias)
+        gate, up = F.linear(rms_norm(residual, norm_weight, self.config.rms_eps), gate_up_weight).chunk(2, dim=-1)
+        return residual + F.linear(F.silu(gate) * up, down_weight)
+
+    def _final_norm(self, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(residual, weight, self.config.rms_eps)
+
+
+def _token_dim_dynamic(compiled: Callable[..., Any], token_args: tuple[int, ...]) -> Callable[..., Any]:
+    """Call `compiled` with the token dimension (dim 0) of the arguments at `token_args` marked
+    dynamic, so every token count above 1 shares one compiled graph (one set of kernels, hence
+    the same numbers for a padded graph batch and the eager batch it stands for); a count of 1
+    gets its own."""
+
+    def call(*args: Any) -> Any:
+        for index in token_args:
+            torch._dynamo.maybe_mark_dynamic(args[index], 0)
+        return compiled(*args)
+
+    return call
+
+
 class DecoderStack(nn.Module):
     """HF's `model`: embeddings, layers, final norm."""
 
@@ -369,6 +452,14 @@ class LlamaDecoder(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.kv: KVCache | None = None
+        self.layer_math = LayerMath(config)
+
+    def compile_layers(self, backend: str | Callable[..., Any] = "inductor") -> None:
+        """Run every layer's arithmetic outside attention through `torch.compile` (see
+        `LayerMath`): fewer, fused kernels per decode step. Call it before graphs are captured
+        (the engine does, for `EngineConfig.compile_layers`); captured graphs keep the kernels
+        they were captured with."""
+        self.layer_math.compile(backend)
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head when the config ties them (after a move, too)."""
@@ -402,10 +493,8 @@ class LlamaDecoder(nn.Module):
     def _pre_attention(self, layer: DecoderLayer, first: bool) -> Callable[[StackState], None]:
         config = self.config
         attn = layer.self_attn
-        sizes = [config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim]
-        sizes.append(sizes[1])
-
-        heads = config.num_heads
+        q_norm = attn.q_norm if config.qk_norm else None
+        k_norm = attn.k_norm if config.qk_norm else None
 
         def run(state: StackState) -> None:
             if first:
@@ -413,23 +502,16 @@ class LlamaDecoder(nn.Module):
                 # The rotary tables depend only on the positions: once per step, for every layer.
                 cos, sin = self.model.rotary_emb(state["positions"], state["hidden"].dtype)
                 state["rotary_cos"], state["rotary_sin"] = cos, signed_sin(sin)
-            x = layer.input_layernorm(state["residual"])
-            t = x.shape[0]
-            qkv = F.linear(x, attn.fused_weight, attn.fused_bias)
-            cos, sin = state["rotary_cos"], state["rotary_sin"]
-            if config.qk_norm:
-                q, k, v = qkv.split(sizes, dim=-1)
-                q = attn.q_norm(q.reshape(t, heads, config.head_dim))
-                k = attn.k_norm(k.reshape(t, config.num_kv_heads, config.head_dim))
-                state["q"], state["k"] = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            else:
-                # q and k rotate together: they are adjacent in the fused projection's output.
-                qk_heads = heads + config.num_kv_heads
-                qk = apply_rotary(qkv[:, : sizes[0] + sizes[1]].reshape(t, qk_heads, config.head_dim), cos, sin)
-                state["q"], state["k"] = qk[:, :heads], qk[:, heads:]
-                v = qkv[:, sizes[0] + sizes[1] :]
-            state["v"] = v.reshape(t, config.num_kv_heads, config.head_dim)  # a view: attention copies it into the pool
-            state["attn_out"] = torch.empty(t, heads, config.head_dim, dtype=x.dtype, device=x.device)
+            residual = state["residual"]
+            state["q"], state["k"], state["v"] = self.layer_math.pre_attention(
+                residual, layer.input_layernorm.weight, attn.fused_weight, attn.fused_bias,
+                q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
+                state["rotary_cos"], state["rotary_sin"],
+            )
+            t = residual.shape[0]
+            state["attn_out"] = torch.empty(
+                t, config.num_heads, config.head_dim, dtype=residual.dtype, device=residual.device
+            )
 
         return run
 
@@ -469,13 +551,16 @@ class LlamaDecoder(nn.Module):
         return run
 
     def _post_attention(self, layer: DecoderLayer, last: bool) -> Callable[[StackState], None]:
+        attn, mlp = layer.self_attn, layer.mlp
+
         def run(state: StackState) -> None:
-            t = state["attn_out"].shape[0]
-            residual = state["residual"] + layer.self_attn.o_proj(state["attn_out"].reshape(t, -1))
-            residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
+            residual = self.layer_math.post_attention(
+                state["residual"], state["attn_out"], attn.o_proj.weight, attn.o_proj.bias,
+                layer.post_attention_layernorm.weight, mlp.fused_weight, mlp.down_proj.weight,
+            )
             state["residual"] = residual
             if last:
-                state["hidden"] = self.model.norm(residual)
+                state["hidden"] = self.layer_math.final_norm(residual, self.model.norm.weight)
 
         return run
 
