@@ -76,6 +76,40 @@ def test_close_returns_device_memory_to_where_it_started():
     assert torch.cuda.memory_reserved() <= base_reserved
 
 
+def test_a_block_loaded_without_a_buffer_allocates_what_the_modules_own_move_does():
+    # Weights of 12 MiB + 1 MiB + 10 KiB: one flat request of that size takes a 14 MiB segment
+    # whose 1 MiB remainder the caching allocator does not split off (it would count as
+    # allocated); one request per parameter, as .to(device) makes, allocates the exact bytes.
+    from torchhal.core.residency import WeightBlock
+
+    def module():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(2048, 1536), torch.nn.Linear(256, 1024))
+
+    exact = sum(p.numel() * p.element_size() for p in module().parameters())
+    assert exact == 13 * MiB + 10 * 1024
+
+    def allocated_by(move):
+        gc.collect()
+        torch.cuda.synchronize()
+        torchhal.current_platform().empty_cache(torchhal.ReleasePoint.USER)
+        before = torch.cuda.memory_allocated()
+        kept = move()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated() - before, kept
+
+    own_move, moved = allocated_by(lambda: module().to("cuda"))
+    platform = torchhal.current_platform()
+    host = module()
+    block = WeightBlock(list(host.parameters()), platform, platform.device(0))
+    loaded, _ = allocated_by(lambda: block.load(platform.new_stream(0)))
+    assert loaded == own_move == exact
+    block.wait()
+    for p, q in zip(host.parameters(), moved.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    block.release()
+
+
 def test_a_prefetched_component_arrives_in_the_dtype_its_use_asks_for():
     components = make_components(512, 4, dtype=torch.bfloat16)
     reference = {name: module.float().cuda() for name, module in make_components(512, 4, dtype=torch.bfloat16).items()}

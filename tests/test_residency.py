@@ -436,7 +436,8 @@ def test_layer_buffers_are_a_ring_of_the_largest_layer_or_each_layers_own_size(o
         manager = ResidencyManager({"transformer": transformer}, {"transformer": strategy})
         seen[buffers] = []
         def storage_bytes(module, args, i, s=strategy, b=buffers):
-            seen[b].append(s.blocks[i].device_buffer.untyped_storage().nbytes())
+            storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in s.blocks[i].params}
+            seen[b].append(sorted(storages.values()))
 
         hooks = [layer.register_forward_pre_hook(lambda m, a, i=i, f=storage_bytes: f(m, a, i))
                  for i, layer in enumerate(transformer.layers)]
@@ -448,10 +449,11 @@ def test_layer_buffers_are_a_ring_of_the_largest_layer_or_each_layers_own_size(o
         sizes = [b.numel * 4 for b in strategy.blocks]
         assert not any(b.on_device for b in strategy.blocks) and strategy.ring == []
         manager.close()
-        if buffers == "ring":  # every layer lands in a slot of the largest layer
-            assert seen["ring"] == [max(sizes)] * 4
-        else:
-            assert seen["exact"] == sizes and sizes[3] < sizes[0]
+        if buffers == "ring":  # every layer lands in one slot of the largest layer
+            assert seen["ring"] == [[max(sizes)]] * 4
+        else:  # each parameter in its own allocation, at its own size
+            own = [sorted(p.numel() * 4 for p in b.params) for b in strategy.blocks]
+            assert seen["exact"] == own and [sum(s) for s in own] == sizes and sizes[3] < sizes[0]
 
 
 def test_a_released_block_waits_for_a_prefetch_nobody_waited_for(observed):
@@ -472,6 +474,94 @@ def test_a_released_block_waits_for_a_prefetch_nobody_waited_for(observed):
     assert block.release() == 32
     assert Pending.waited_on is not None  # compute waited before the buffer went back to the allocator
     assert block.copied_bytes == 32
+
+
+def _odd_params():
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(*shape)) for shape in ((3, 5), (7,), (2, 2, 2))]
+
+
+def _storage(t):
+    return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_block_loaded_without_a_buffer_gives_each_parameter_its_own_allocation(prefetch):
+    # One flat device buffer would be rounded up to the allocator's granule; one tensor per
+    # parameter makes the requests the module's own move makes.
+    from torchhal.core.residency import WeightBlock
+    from torchhal.platforms import current_platform
+
+    platform = current_platform()
+    params = _odd_params()
+    originals = [p.detach().clone() for p in params]
+    block = WeightBlock(params, platform, platform.device(0))
+    numel = sum(p.numel() for p in params)
+    host_storage = _storage(block.host)
+    assert all(_storage(p.data) == host_storage for p in params)  # at rest: views of the pinned buffer
+
+    def load(dtype=None):
+        block.load(platform.new_stream(0) if prefetch else None, dtype=dtype)
+        block.wait()
+
+    load()
+    storages = [_storage(p.data) for p in params]
+    assert len({ptr for ptr, _ in storages}) == len(params) and host_storage not in storages
+    assert [size for _, size in storages] == [p.numel() * 4 for p in params]
+    assert [p.data.storage_offset() for p in params] == [0] * len(params)
+    assert [_storage(t) for t in block.device_tensors] == storages
+    for p, original in zip(params, originals, strict=True):
+        torch.testing.assert_close(p.data, original, rtol=0, atol=0)
+    assert block.on_device and block.device_dtype == torch.float32
+    assert block.nbytes == numel * 4 and block.copied_bytes == numel * 4
+
+    assert block.release() == numel * 4
+    assert not block.on_device and block.device_dtype is None
+    assert all(_storage(p.data) == host_storage for p in params)
+    load()  # and again after a release
+    for p, original in zip(params, originals, strict=True):
+        torch.testing.assert_close(p.data, original, rtol=0, atol=0)
+    assert block.copied_bytes == 2 * numel * 4
+    block.release()
+
+    load(torch.bfloat16)  # a converting load: own bf16 tensors, the host keeps float32
+    assert [_storage(p.data)[1] for p in params] == [p.numel() * 2 for p in params]
+    assert len({_storage(p.data)[0] for p in params}) == len(params)
+    for p, original in zip(params, originals, strict=True):
+        assert p.dtype == torch.bfloat16
+        torch.testing.assert_close(p.data, original.to(torch.bfloat16), rtol=0, atol=0)
+    assert block.device_dtype == torch.bfloat16 and block.nbytes == numel * 2
+    assert block.copied_bytes == 2 * numel * 4 + numel * 2
+    assert block.release() == numel * 2
+    assert block.host.dtype == torch.float32
+    for p, original in zip(params, originals, strict=True):
+        torch.testing.assert_close(p.data, original, rtol=0, atol=0)  # full precision back
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_block_loaded_into_a_buffer_views_it(prefetch):
+    # The layerwise ring path: the parameters are consecutive views of the given buffer.
+    from torchhal.core.residency import WeightBlock
+    from torchhal.platforms import current_platform
+
+    platform = current_platform()
+    params = _odd_params()
+    originals = [p.detach().clone() for p in params]
+    block = WeightBlock(params, platform, platform.device(0))
+    numel = sum(p.numel() for p in params)
+    slot = torch.full((numel + 9,), -1.0, dtype=torch.bfloat16)  # larger than the block, as a ring slot is
+    block.load(platform.new_stream(0) if prefetch else None, slot, torch.bfloat16)
+    block.wait()
+    offsets = [0, 15, 22]
+    assert [p.data.data_ptr() for p in params] == [slot.data_ptr() + o * 2 for o in offsets]
+    assert all(_storage(p.data) == _storage(slot) for p in params)
+    for p, original in zip(params, originals, strict=True):
+        torch.testing.assert_close(p.data, original.to(torch.bfloat16), rtol=0, atol=0)
+    assert (slot[numel:] == -1).all()  # the tail of the slot untouched
+    assert block.nbytes == numel * 2 and block.copied_bytes == numel * 2  # the block's bytes, not the slot's
+    assert block.release() == numel * 2
+    for p, original in zip(params, originals, strict=True):
+        torch.testing.assert_close(p.data, original, rtol=0, atol=0)
 
 
 def test_layerwise_refuses_unknown_buffer_and_rest_modes():
