@@ -221,7 +221,8 @@ def skip_reason(requirement: str | None) -> str | None:
 
 
 def run_row(name: str, build: Row, reference: Any, platform: Any, kwargs: Callable[[], dict], reps: int,
-            counter: EmptyCounter) -> tuple[dict[str, Any], list[dict[str, Any]], torch.Tensor | None]:
+            counter: EmptyCounter, breakdown: bool = False,
+            ) -> tuple[dict[str, Any], list[dict[str, Any]], torch.Tensor | None]:
     pipe = fresh(reference)
     call, teardown, trace = build(pipe, platform)
     record_allocator_pools(trace)
@@ -244,6 +245,8 @@ def run_row(name: str, build: Row, reference: Any, platform: Any, kwargs: Callab
                "cache_empties_per_request": counter.count / reps,
                "empties_by_where_last_request": _count(e.get("where", "?") for e in events
                                                        if e["kind"] == "empty_cache")}
+        if breakdown and HAS_GPU:
+            row["peak_breakdown"] = peak_breakdown(lambda request=call: request(**kwargs()))
     finally:
         counter.trace = None
         teardown()
@@ -252,6 +255,49 @@ def run_row(name: str, build: Row, reference: Any, platform: Any, kwargs: Callab
         gc.collect()
         platform.empty_cache(torchhal.ReleasePoint.USER)
     return row, events, None if image is None else image.float().cpu()
+
+
+def peak_breakdown(request: Callable[[], Any], top: int = 25) -> dict[str, Any]:
+    """One more request under the allocator's memory history: the blocks allocated during it
+    that are live at its peak of allocated bytes, summed by the first frame outside torch (what
+    a row holds at its peak that another does not). Diagnostic only (slow): `--peak-breakdown`."""
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    try:
+        request()
+        torch.cuda.synchronize()
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+    def where(event: dict[str, Any]) -> str:
+        for frame in event.get("frames", []):
+            name = frame.get("filename", "")
+            if "/torch/" not in name and not name.startswith("??"):
+                return f"{name.rsplit('/site-packages/', 1)[-1]}:{frame.get('line')} {frame.get('name')}"
+        return "(torch internals)"
+
+    current, peak, peak_index = 0, 0, -1
+    for index, event in enumerate(trace):
+        if event["action"] == "alloc":
+            current += event["size"]
+        elif event["action"] == "free_requested":
+            current -= event["size"]
+        if current > peak:
+            peak, peak_index = current, index
+    live: dict[int, dict[str, Any]] = {}
+    for event in trace[: peak_index + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_requested":
+            live.pop(event["addr"], None)
+    by_frame: dict[str, list[int]] = {}
+    for event in live.values():
+        entry = by_frame.setdefault(where(event), [0, 0])
+        entry[0] += event["size"]
+        entry[1] += 1
+    ranked = sorted(by_frame.items(), key=lambda item: -item[1][0])
+    return {"peak_over_request_start_bytes": peak, "live_blocks_at_peak": len(live),
+            "by_frame": [{"where": k, "bytes": v[0], "blocks": v[1]} for k, v in ranked[:top]]}
 
 
 def h2d_counted(call: Any) -> dict[str, Any]:
@@ -304,6 +350,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny sizes, 2 requests a row")
     parser.add_argument("--rows", default=",".join(RUN_ORDER), help="comma-separated subset of: " + ", ".join(ROWS))
     parser.add_argument("--budget-s", type=float, default=300.0, help="skip the remaining rows after this long")
+    parser.add_argument("--peak-breakdown", action="store_true",
+                        help="one more request per row under the allocator's memory history: what is live at "
+                             "its peak, by source line (GPU; slow)")
     args = parser.parse_args()
     started = time.perf_counter()
     platform = torchhal.current_platform()
@@ -337,7 +386,8 @@ def main() -> None:
         t_row = time.perf_counter()
         try:
             row, events, image = run_row(name, build, reference, platform,
-                                         lambda: call_kwargs(size, steps, resolution), reps, counter)
+                                         lambda: call_kwargs(size, steps, resolution), reps, counter,
+                                         args.peak_breakdown)
         except Exception as exc:  # one failing row must not lose the others
             results["rows"][name] = {"failed": f"{type(exc).__name__}: {exc}"[:500]}
             traceback.print_exc()

@@ -82,17 +82,17 @@ def test_graph_capture_uses_vendor_names_and_never_empties(vendor):
     assert "synchronize" not in names_called(vendor.module)
 
 
-def test_capture_collects_garbage_first_and_keeps_the_collector_off_until_it_ends(vendor, monkeypatch):
+def test_capture_keeps_the_collector_off_until_it_ends_without_collecting(vendor, monkeypatch):
     import gc
 
     support = vendor.plugin.graph_support()
     collected = []
-    monkeypatch.setattr(gc, "collect", lambda *args: collected.append(vendor.module.calls[-1:]) or 0)
+    monkeypatch.setattr(gc, "collect", lambda *args: collected.append(args) or 0)
     assert gc.isenabled()
     with support.capture(support.graph_class(), support.new_pool(), "side-stream"):
-        assert collected and not gc.isenabled()  # collected before capture_begin, then off
-        assert ("capture_begin", (0, 7)) not in collected[0]
+        assert not gc.isenabled()
     assert gc.isenabled()
+    assert collected == []  # a full collection per graph is slow in a large process (seconds per engine)
     with pytest.raises(RuntimeError, match="inside"), support.capture(support.graph_class(), None, "s"):
         raise RuntimeError("inside")
     assert gc.isenabled() and vendor.module.calls[-1] == ("capture_end",)

@@ -168,10 +168,11 @@ class AcceleratorPlatform(PlatformPlugin):
         @contextlib.contextmanager
         def capture(graph: Any, pool: Any, stream: Any) -> Iterator[None]:
             # Unlike torch.<dev>.graph(), no synchronize + empty_cache on entry (contract 4).
-            # Garbage is collected first and the cyclic collector stays off while capturing:
-            # an unreachable graph of someone else's, destroyed mid-capture, is a device call
-            # that invalidates this capture (seen on an H100 as a failed capture_end).
-            gc.collect()
+            # The cyclic collector stays off while capturing: an unreachable graph of someone
+            # else's, destroyed mid-capture, is a device call that invalidates this capture
+            # (seen on an H100 as a failed capture_end). No gc.collect() first, as torch's
+            # graph() does: in a process with a large heap it cost ~0.35 s a graph (119 layer
+            # graphs: 43 s instead of 0.2 s on an H100), and the collector being off is enough.
             was_enabled = gc.isenabled()
             gc.disable()
             try:
