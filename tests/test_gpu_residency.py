@@ -76,18 +76,24 @@ def test_close_returns_device_memory_to_where_it_started():
     assert torch.cuda.memory_reserved() <= base_reserved
 
 
-def test_a_block_loaded_without_a_buffer_allocates_what_the_modules_own_move_does():
-    # Weights of 12 MiB + 1 MiB + 10 KiB: one flat request of that size takes a 14 MiB segment
-    # whose 1 MiB remainder the caching allocator does not split off (it would count as
-    # allocated); one request per parameter, as .to(device) makes, allocates the exact bytes.
+@pytest.mark.parametrize("shapes", [((2048, 1536), (256, 1024)), ((1000, 3000), (1, 145_728))],
+                         ids=["whole_granules", "rounded_weight"])
+def test_a_block_loaded_without_a_buffer_allocates_no_more_than_the_modules_own_move(shapes):
+    # whole_granules: 12 MiB + 1 MiB + 10 KiB. The 12 MiB weight fills a head of 6 granules,
+    # the rest are small own tensors: every request is exact, as the module's own move's are.
+    # rounded_weight: weights of 12,000,000 and 582,912 B, biases of 12,000 and 582,912 B.
+    # The module's own move rounds the first weight's segment up to 12 MiB and keeps the
+    # remainder (< 1 MiB) inside the block, counted as allocated; packed, the two weights
+    # fill a head of exactly 6 granules, which nothing rounds.
     from torchhal.core.residency import WeightBlock
+    from torchhal.core.residency.weights import GRANULE
 
     def module():
         torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(2048, 1536), torch.nn.Linear(256, 1024))
+        return torch.nn.Sequential(*(torch.nn.Linear(*shape) for shape in shapes))
 
     exact = sum(p.numel() * p.element_size() for p in module().parameters())
-    assert exact == 13 * MiB + 10 * 1024
+    assert exact > GRANULE
 
     def allocated_by(move):
         gc.collect()
@@ -102,10 +108,18 @@ def test_a_block_loaded_without_a_buffer_allocates_what_the_modules_own_move_doe
     platform = torchhal.current_platform()
     host = module()
     block = WeightBlock(list(host.parameters()), platform, platform.device(0))
+    layout = block.layout(torch.float32)
+    assert layout.head_numel * 4 == 6 * GRANULE
     loaded, _ = allocated_by(lambda: block.load(platform.new_stream(0)))
-    assert loaded == own_move == exact
+    assert loaded <= own_move
+    if shapes[0] == (2048, 1536):
+        assert loaded == own_move == exact
     block.wait()
+    head = {p.untyped_storage().data_ptr() for p, o in zip(host.parameters(), layout.offsets, strict=True)
+            if o is not None}
+    assert len(head) == 1 and next(host.parameters()).untyped_storage().nbytes() == 6 * GRANULE
     for p, q in zip(host.parameters(), moved.parameters(), strict=True):
+        assert p.device.type == "cuda"
         torch.testing.assert_close(p, q, rtol=0, atol=0)
     block.release()
 

@@ -451,9 +451,17 @@ def test_layer_buffers_are_a_ring_of_the_largest_layer_or_each_layers_own_size(o
         manager.close()
         if buffers == "ring":  # every layer lands in one slot of the largest layer
             assert seen["ring"] == [[max(sizes)]] * 4
-        else:  # each parameter in its own allocation, at its own size
-            own = [sorted(p.numel() * 4 for p in b.params) for b in strategy.blocks]
-            assert seen["exact"] == own and [sum(s) for s in own] == sizes and sizes[3] < sizes[0]
+        else:  # each layer at its own size: a head of whole granules, the rest in own allocations
+            from torchhal.core.residency.weights import GRANULE
+
+            layouts = [b.layout(torch.float32) for b in strategy.blocks]
+            own = [sorted(([lay.head_numel * 4] if lay.head_numel else [])
+                          + [p.numel() * 4 for p, o in zip(b.params, lay.offsets, strict=True) if o is None])
+                   for b, lay in zip(strategy.blocks, layouts, strict=True)]
+            assert seen["exact"] == own and sizes[3] < sizes[0]
+            # a block layer (2 MiB + biases) packs its weights into one granule; the LayerNorm is all tail
+            assert GRANULE in seen["exact"][0] and seen["exact"][3] == sorted(p.numel() * 4 for p in
+                                                                              strategy.blocks[3].params)
 
 
 def test_a_released_block_waits_for_a_prefetch_nobody_waited_for(observed):
@@ -486,9 +494,9 @@ def _storage(t):
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_a_block_loaded_without_a_buffer_gives_each_parameter_its_own_allocation(prefetch):
-    # One flat device buffer would be rounded up to the allocator's granule; one tensor per
-    # parameter makes the requests the module's own move makes.
+def test_a_block_smaller_than_a_granule_gives_each_parameter_its_own_allocation(prefetch):
+    # Below one allocator granule there is no head to pack into: one tensor per parameter,
+    # the requests the module's own move makes.
     from torchhal.core.residency import WeightBlock
     from torchhal.platforms import current_platform
 
@@ -497,6 +505,7 @@ def test_a_block_loaded_without_a_buffer_gives_each_parameter_its_own_allocation
     originals = [p.detach().clone() for p in params]
     block = WeightBlock(params, platform, platform.device(0))
     numel = sum(p.numel() for p in params)
+    assert block.layout(torch.float32).head_numel == 0 and block.layout(torch.bfloat16).head_numel == 0
     host_storage = _storage(block.host)
     assert all(_storage(p.data) == host_storage for p in params)  # at rest: views of the pinned buffer
 
@@ -536,6 +545,95 @@ def test_a_block_loaded_without_a_buffer_gives_each_parameter_its_own_allocation
     assert block.host.dtype == torch.float32
     for p, original in zip(params, originals, strict=True):
         torch.testing.assert_close(p.data, original, rtol=0, atol=0)  # full precision back
+
+
+def _packed_params():
+    # fp32 bytes: C 1.6 MB, E 28, A 2.8 MB, D 160 kB, B 2,000,004 (not a multiple of 16): 6.56 MB,
+    # three granules. In block order, so placement must sort by size.
+    torch.manual_seed(0)
+    numels = {"C": 400_000, "E": 7, "A": 700_000, "D": 40_000, "B": 500_001}
+    return {name: torch.nn.Parameter(torch.randn(n)) for name, n in numels.items()}
+
+
+def _head_and_tail(block):
+    """(head storage (ptr, nbytes), {parameter index: byte offset in the head}, tail storages)."""
+    storages = [_storage(p.data) for p in block.params]
+    shared = [s for s in storages if storages.count(s) > 1]
+    head = shared[0] if shared else None
+    offsets = {i: p.data.data_ptr() - head[0] for i, p in enumerate(block.params) if _storage(p.data) == head}
+    tail = [s for s in storages if s != head]
+    return head, offsets, tail
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_block_over_a_granule_packs_its_largest_parameters_into_one_head_of_whole_granules(prefetch):
+    # One request of whole granules is not rounded by the caching allocator and, released,
+    # is one large segment it can carve for other work; the parameters that do not fit get
+    # their own tensors.
+    from torchhal.core.residency import WeightBlock
+    from torchhal.core.residency.weights import ALIGNMENT, GRANULE
+    from torchhal.platforms import current_platform
+
+    platform = current_platform()
+    named = _packed_params()
+    names, params = list(named), list(named.values())
+    originals = [p.detach().clone() for p in params]
+    block = WeightBlock(params, platform, platform.device(0))
+    numel = sum(p.numel() for p in params)
+    index = {name: i for i, name in enumerate(names)}
+
+    def load(dtype=None):
+        block.load(platform.new_stream(0) if prefetch else None, dtype=dtype)
+        block.wait()
+
+    def check_values(dtype):
+        for p, original in zip(params, originals, strict=True):
+            assert p.dtype == dtype and p.shape == original.shape
+            torch.testing.assert_close(p.data, original.to(dtype), rtol=0, atol=0)
+
+    for round_trip in range(2):  # load, release, load again
+        load()
+        head, offsets, tail = _head_and_tail(block)
+        # floor(6.56 MB / 2 MiB) = 3 granules. Descending first fit: A at 0, B after it, C
+        # (1.6 MB) misses the 1.49 MB left, D and E fill that hole; B ends at 4,800,004, so
+        # D starts at the next 16-byte boundary.
+        assert head[1] == 3 * GRANULE
+        assert {names[i]: o for i, o in offsets.items()} == {"A": 0, "B": 2_800_000, "D": 4_800_016, "E": 4_960_016}
+        assert all(o % ALIGNMENT == 0 for o in offsets.values())
+        assert tail == [(params[index["C"]].data.data_ptr(), 1_600_000)]  # its own storage, at its size
+        assert [_storage(t) for t in block.device_tensors] == [_storage(p.data) for p in params]
+        check_values(torch.float32)
+        assert block.nbytes == numel * 4 and block.copied_bytes == (round_trip + 1) * numel * 4
+        assert block.release() == numel * 4
+        assert all(_storage(p.data) == _storage(block.host) for p in params)
+
+    load(torch.bfloat16)  # sizes halve: the layout is recomputed for the device dtype
+    head, offsets, tail = _head_and_tail(block)
+    # floor(3.28 MB / 2 MiB) = 1 granule: A at 0; B and C miss the 697 kB left; D and E fill it
+    assert head[1] == GRANULE
+    assert {names[i]: o for i, o in offsets.items()} == {"A": 0, "D": 1_400_000, "E": 1_480_000}
+    assert sorted(size for _, size in tail) == [800_000, 1_000_002] and len({ptr for ptr, _ in tail}) == 2
+    check_values(torch.bfloat16)
+    assert block.device_dtype == torch.bfloat16 and block.nbytes == numel * 2
+    assert block.copied_bytes == 2 * numel * 4 + numel * 2
+    assert block.release() == numel * 2
+    assert block.host.dtype == torch.float32
+    check_values(torch.float32)  # full precision back
+
+
+def test_a_head_is_trimmed_to_the_granules_its_parameters_reach_and_equal_sizes_keep_their_order():
+    # Two 12 MB weights and their biases (24.0 MB: 11 granules): one weight and the biases fit,
+    # the other weight would leave an 11 MB hole in an 11-granule head; trimmed, the head is
+    # the 6 granules its parameters reach. Of the equal weights the first in block order is placed.
+    from torchhal.core.residency.weights import GRANULE, pack_layout
+
+    layout = pack_layout([3_000_000, 3_000, 3_000_000, 1_000], 4)
+    assert layout.head_numel * 4 == 6 * GRANULE
+    assert layout.offsets == (0, 3_000_000, None, 3_003_000)
+    # nothing placed: no head and every parameter its own tensor
+    assert pack_layout([10, 20], 4).head_numel == 0 and pack_layout([10, 20], 4).offsets == (None, None)
+    assert pack_layout([GRANULE // 4], 4).offsets == (0,)  # exactly one granule: all head
+    assert pack_layout([0, 5], 4).offsets == (None, None)  # an empty parameter alone makes no head
 
 
 @pytest.mark.parametrize("prefetch", [False, True])

@@ -127,7 +127,7 @@ class ResidentStrategy(ResidencyStrategy):
 
 class OffloadStrategy(ResidencyStrategy):
     """The whole module moves host <-> device through one pinned buffer (buffers stay on the device;
-    on it each parameter is its own tensor, as the module's own move would make it)."""
+    on it the parameters are packed by allocator granule, see WeightBlock)."""
 
     prefetchable = True
     keepable = True
@@ -192,11 +192,11 @@ class LayerwiseStrategy(ResidencyStrategy):
       - "ring" (default): a ring of p + 1 device buffers, each the size of the largest
         layer, kept while the run of uses lasts; no allocator traffic per layer, so it
         pays off for a component run many times a request (a denoiser).
-      - "exact": each parameter of the layer its own tensor from the caching allocator,
-        given back when the layer is released; the device holds only the layers in flight,
-        at their own sizes (blocks of very different sizes, a component run once a request),
-        and per parameter, as the module's own move would (no block-sized buffer rounded up
-        to the allocator's granule).
+      - "exact": each layer its own device storage from the caching allocator, given back
+        when the layer is released; the device holds only the layers in flight, at their
+        own sizes (blocks of very different sizes, a component run once a request), packed
+        by granule (WeightBlock: one head of whole allocator granules, not rounded, and own
+        tensors for the parameters that do not fit).
     `rest` says where the weights outside the streamed layers live:
       - "resident" (default): on the device from registration on.
       - "on_call": each submodule outside the layers is copied in when it is first called
@@ -352,7 +352,7 @@ class LayerwiseStrategy(ResidencyStrategy):
     def _slot(self, dtype: torch.dtype | None, index: int) -> torch.Tensor | None:
         """buffers="ring": layer `index` streams into ring slot index % (p + 1): with layer i
         running and p layers ahead in flight, the slot of layer i - 1 (already released) is
-        the free one. buffers="exact": None, the block allocates a tensor per parameter."""
+        the free one. buffers="exact": None, the block allocates its own packed storage."""
         if self.buffers == "exact":
             return None
         dtype = dtype or self.blocks[0].dtype

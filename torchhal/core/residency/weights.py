@@ -1,15 +1,20 @@
 """A group of parameters held in one pinned host buffer and copied to the device on demand.
 
 On the device a block's parameters live either in a buffer the caller gives (a layerwise
-ring slot, reused by layer after layer) or, without one, each in a tensor of its own. The
-caching allocator rounds a large request up to its 2 MiB granule and does not split off a
-remainder under 1 MiB, so one flat buffer for the whole block would hold up to a granule
-more than the parameters; a request per parameter, at its shape and dtype, is what the
-module's own `.to(device)` makes, so the device holds what it would.
+ring slot, reused by layer after layer) or, without one, packed by granule: one head
+buffer of a whole number of allocator granules holds the largest parameters that fit
+(descending size, first fit, 16-byte aligned offsets) and each parameter left over gets a
+tensor of its own. The caching allocator rounds a large request up to its granule and keeps
+a remainder under 1 MiB inside the block, counted as allocated, so one flat buffer for the
+whole block held up to a granule more than the parameters; a whole-granule request is not
+rounded. Per-parameter tensors were not rounded either, but when the cache is not emptied
+between pipeline stages their freed segments (tens of MiB each) could not serve the next
+stage's large activations; the head is one large segment the allocator can carve for them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,10 +22,49 @@ from torch import nn
 
 from torchhal.platforms import Platform
 
+#: Allocation granule of PyTorch's device caching allocators (CUDA, ROCm and the vendor forks
+#: of it round a large segment up to 2 MiB). A head of whole granules is not rounded; on an
+#: allocator with another granule the cost is only a hole smaller than one parameter.
+GRANULE = 2 << 20
+#: Byte alignment of each parameter in the head: vectorized loads and cuBLAS fast paths.
+ALIGNMENT = 16
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where a block's parameters go on the device for one element size."""
+
+    #: elements of the head buffer (a whole number of granules), 0 for no head
+    head_numel: int
+    #: per parameter, in block order: its element offset in the head, or None for its own tensor
+    offsets: tuple[int | None, ...]
+
+
+def pack_layout(numels: list[int], element_size: int) -> PackedLayout:
+    """Place parameters of `numels` elements into a head of whole granules: descending size
+    (stable for equal sizes), each at the first aligned offset after the last one placed if
+    it fits, else left for a tensor of its own. The head starts at floor(total / GRANULE)
+    granules and is trimmed to the granules its placed parameters reach, so its unused end
+    is less than a granule and than any parameter left out (plus the alignment)."""
+    sizes = [n * element_size for n in numels]
+    head_bytes = sum(sizes) // GRANULE * GRANULE
+    offsets: list[int | None] = [None] * len(sizes)
+    end = 0  # bytes of the head in use
+    if head_bytes:
+        for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+            start = -(-end // ALIGNMENT) * ALIGNMENT
+            if start + sizes[index] <= head_bytes:
+                offsets[index] = start // element_size
+                end = start + sizes[index]
+    head_bytes = -(-end // GRANULE) * GRANULE
+    if not head_bytes:  # nothing placed (or only empty parameters): no head at all
+        offsets = [None] * len(sizes)
+    return PackedLayout(head_bytes // element_size, tuple(offsets))
+
 
 class WeightBlock:
     """Parameters consolidated into one pinned host buffer; on the device, views of a given
-    buffer or one tensor per parameter (see the module docstring for why)."""
+    buffer or packed by granule (see the module docstring for why)."""
 
     def __init__(self, params: list[nn.Parameter], platform: Platform, device: torch.device) -> None:
         dtypes = {p.dtype for p in params}
@@ -36,12 +80,13 @@ class WeightBlock:
         self.host = platform.pin_memory(host)
         self.host_views = self._split(self.host)  # each parameter's slice of the pinned buffer
         self._point_params(self.host_views)
-        #: while loaded, each parameter's device tensor (a view of the given buffer, or its
-        #: own allocation); empty while the parameters point at the host copy
+        #: while loaded, each parameter's device tensor (a view of the given buffer or of the
+        #: head, or its own allocation); empty while the parameters point at the host copy
         self.device_tensors: list[torch.Tensor] = []
         self.ready: Any = None  # event recorded after the copy, or None when loaded synchronously
         #: bytes this block has copied host -> device since it was made (every load counts)
         self.copied_bytes = 0
+        self._layouts: dict[int, PackedLayout] = {}  # per device element size
 
     @property
     def nbytes(self) -> int:
@@ -65,6 +110,26 @@ class WeightBlock:
             offset += p.numel()
         return views
 
+    def layout(self, dtype: torch.dtype) -> PackedLayout:
+        """The packed device layout for `dtype` (sizes, hence placement, depend on it)."""
+        element_size = dtype.itemsize
+        if element_size not in self._layouts:
+            self._layouts[element_size] = pack_layout([p.numel() for p in self.params], element_size)
+        return self._layouts[element_size]
+
+    def _packed(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Fresh device tensors for the parameters: views of one head of whole granules, own
+        tensors for the rest."""
+        layout = self.layout(dtype)
+        head = torch.empty(layout.head_numel, dtype=dtype, device=self.device) if layout.head_numel else None
+        tensors = []
+        for p, offset in zip(self.params, layout.offsets, strict=True):
+            if offset is None or head is None:
+                tensors.append(torch.empty(p.shape, dtype=dtype, device=self.device))
+            else:
+                tensors.append(head[offset : offset + p.numel()].view(p.shape))
+        return tensors
+
     def _point_params(self, tensors: list[torch.Tensor]) -> None:
         for p, tensor in zip(self.params, tensors, strict=True):
             p.data = tensor
@@ -75,10 +140,10 @@ class WeightBlock:
         use never loses precision for the next one.
 
         `into` is a device buffer of that dtype to reuse (a layerwise ring slot): the
-        parameters become views of it, filled by one copy. Without it each parameter gets
-        its own tensor from the caching allocator, filled by its own copy: the same
-        requests the module's own `.to(device)` makes, so no granule rounding of one
-        block-sized buffer is added to the peak.
+        parameters become views of it, filled by one copy. Without it the parameters are
+        packed by granule for `dtype` (`layout`): views of one head buffer of whole
+        granules, which the allocator does not round and can carve for other work once
+        released, and own tensors for those that do not fit; each filled by its own copy.
         """
         if self.device_tensors:
             return
@@ -87,7 +152,7 @@ class WeightBlock:
         # Allocated (or last used) in compute order, so waiting on compute makes it safe to overwrite.
         copies: list[tuple[torch.Tensor, torch.Tensor]]  # (device destination, host source)
         if into is None:
-            tensors = [torch.empty(p.shape, dtype=dtype, device=self.device) for p in self.params]
+            tensors = self._packed(dtype)
             copies = list(zip(tensors, self.host_views, strict=True))
         else:
             buffer = into[: self.numel]
