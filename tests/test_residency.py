@@ -84,6 +84,18 @@ def test_empties_only_after_memory_intensive_releases_never_at_stage_boundaries(
     assert released == ["text_encoder", "transformer", "vae"]  # released either way
 
 
+def test_without_release_points_nothing_is_emptied_and_prefetch_still_runs(observed):
+    tokens = torch.randn(4, 256)
+    expected = resident_reference(tokens)
+    manager = ResidencyManager(make_components(), default_placements("offload"), empty_on_release=False)
+    torch.testing.assert_close(run_request(manager, tokens, 3), expected)
+    assert observed["empties"] == [] and kinds(manager, "empty_cache") == []
+    assert [e["component"] for e in kinds(manager, "release")] == ["text_encoder", "transformer", "vae"]
+    assert [p["component"] for p in kinds(manager, "prefetch")] == ["transformer", "text_encoder"]
+    with pytest.raises(ValueError, match="empty_on_release must be True or False, got 0"):
+        ResidencyManager(make_components(), {}, empty_on_release=0)  # type: ignore[arg-type]
+
+
 def test_baseline_mode_empties_after_every_use(observed):
     manager = ResidencyManager(make_components(), default_placements("layerwise"), empty_after_every_use=True)
     run_request(manager, torch.randn(4, 256), 3)

@@ -101,9 +101,10 @@ class ManagedPipeline:
     No use is a release point by default: a component that leaves the device gives its
     memory back to the allocator's cache, from which the next component and its
     activations are served, and the cache is emptied only after an out-of-memory error.
-    `empty_on_release=True` empties after every component that left (each use
-    `memory_intensive`): the device holds less between stages, at the cost of an empty
-    (tens of ms for GBs) at each stage boundary.
+    Every use is memory-intensive (the next one is prefetched); `empty_on_release=True`
+    makes their releases release points, emptying after every component that left: the
+    device holds less between stages, at the cost of an empty (tens of ms for GBs) at each
+    stage boundary.
     """
 
     def __init__(
@@ -126,8 +127,6 @@ class ManagedPipeline:
             raise ValueError(f"denoiser {denoiser!r} is not a module of the pipeline; name one of {sorted(modules)}")
         if isinstance(calls_per_step, bool) or not isinstance(calls_per_step, int) or calls_per_step < 1:
             raise ValueError(f"calls_per_step must be an int >= 1 (2 with true CFG), got {calls_per_step!r}")
-        if not isinstance(empty_on_release, bool):
-            raise ValueError(f"empty_on_release must be True or False, got {empty_on_release!r}")
         strategies: dict[str, PlacementSpec] = {}
         for name, spec in placements.items():
             if not isinstance(spec, ResidencyStrategy) and name in modules and _is_layerwise(spec):
@@ -135,8 +134,8 @@ class ManagedPipeline:
                                          buffers="ring" if name == denoiser else "exact")
             strategies[name] = spec
         self.pipeline, self.denoiser, self.calls_per_step, self.prefetch = pipeline, denoiser, calls_per_step, prefetch
-        self.empty_on_release = empty_on_release
-        self.manager = ResidencyManager(modules, strategies, platform, device_index, record_trace=record_trace, log=log)
+        self.manager = ResidencyManager(modules, strategies, platform, device_index, empty_on_release=empty_on_release,
+                                        record_trace=record_trace, log=log)
         self._wrapped: list[tuple[nn.Module, str, Any]] = []  # (module, attribute, what the instance had before)
         marker = _ExecutionDevice(self.manager.device)
         for name, module in modules.items():
@@ -157,10 +156,10 @@ class ManagedPipeline:
             )
         split = order.index(self.denoiser)
         before, after = order[:split], order[split + 1 :]
-        prefetch, empty = self.prefetch, self.empty_on_release
+        prefetch = self.prefetch
 
         def use(name: str, phase: str | None = None) -> ComponentUse:
-            return ComponentUse(name, phase=phase, memory_intensive=empty, allow_prefetch=prefetch)
+            return ComponentUse(name, phase=phase, memory_intensive=True, allow_prefetch=prefetch)
 
         steps = call_kwargs.get("num_inference_steps", self._default("num_inference_steps"))
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:

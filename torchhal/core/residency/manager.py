@@ -4,8 +4,8 @@ Pipelines declare which components each stage uses; the manager decides what
 sits on the device and when it moves (the strategies decide how), and empties
 the device cache only where memory was actually given back: after a
 memory-intensive component left the device or a layerwise release happened
-(ReleasePoint.COMPONENT_RELEASE), and after an out-of-memory error
-(ReleasePoint.OOM). Never between uses, never inside a memory query.
+(ReleasePoint.COMPONENT_RELEASE; off with `empty_on_release=False`), and after an
+out-of-memory error (ReleasePoint.OOM). Never between uses, never inside a memory query.
 """
 
 from __future__ import annotations
@@ -34,13 +34,17 @@ class ResidencyManager:
         device_index: int | None = None,
         *,
         empty_after_every_use: bool = False,
+        empty_on_release: bool = True,
         record_trace: bool = True,
         log: Any = None,
     ) -> None:
         """Components not named in `placements` are resident.
 
         `empty_after_every_use=True` reproduces the old habit of emptying the cache at
-        every boundary (for benchmarks only). Events go to `self.trace` (see ResidencyTrace).
+        every boundary (for benchmarks only). `empty_on_release=False` makes no release a
+        release point: a memory-intensive component that leaves gives its memory to the
+        allocator's cache, which serves the next use (only an out-of-memory error empties).
+        Events go to `self.trace` (see ResidencyTrace).
         """
         unknown = set(placements) - set(components)
         if unknown:
@@ -61,6 +65,9 @@ class ResidencyManager:
         self.device = self.platform.device(self.device_index)
         self.side_stream = self.platform.new_stream(self.device_index)
         self.empty_after_every_use = empty_after_every_use
+        if not isinstance(empty_on_release, bool):
+            raise ValueError(f"empty_on_release must be True or False, got {empty_on_release!r}")
+        self.empty_on_release = empty_on_release
         self.trace = ResidencyTrace(self.platform, self.device_index, record=record_trace, log=log)
         states = [ComponentState(name, module, strategies[name]) for name, module in components.items()]
         for state in states:  # every refusal before anything moves
@@ -183,7 +190,7 @@ class ResidencyManager:
             released = self._release(state)
         if self.empty_after_every_use:
             self._empty(where="every_use")
-        elif released and use.memory_intensive and release_point:
+        elif released and use.memory_intensive and release_point and self.empty_on_release:
             self._empty(where="component_release")
 
     @contextlib.contextmanager

@@ -69,8 +69,10 @@ class ResidencyTrace:
 
 
 def plot_memory_timelines(timelines: Mapping[str, Sequence[Mapping[str, Any]]], path: str) -> None:
-    """One panel per named event list: reserved memory (else used) over time, each
-    empty_cache a red line. Events are dicts with "t", "kind" and "reserved"/"used" bytes."""
+    """One panel per named event list: reserved memory (else used) over time, and allocated
+    memory where the events have it (what the weights and activations hold: it shows the
+    components moving in and out when reserved stays flat), each empty_cache a red line.
+    Events are dicts with "t", "kind" and "reserved"/"used" (and "allocated") bytes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,8 +82,11 @@ def plot_memory_timelines(timelines: Mapping[str, Sequence[Mapping[str, Any]]], 
     for ax, (title, events) in zip(axes[:, 0], timelines.items(), strict=True):
         t0 = events[0]["t"] if events else 0.0
         key = "reserved" if any(e.get("reserved") is not None for e in events) else "used"
-        points = [(e["t"] - t0, e[key] / 2**20) for e in events if e.get(key) is not None]
-        ax.step([p[0] for p in points], [p[1] for p in points], where="post", label=f"{key} (MiB)")
+        for series in (key, "allocated"):
+            points = [(e["t"] - t0, e[series] / 2**20) for e in events if e.get(series) is not None]
+            if points:
+                ax.step([p[0] for p in points], [p[1] for p in points], where="post", label=f"{series} (MiB)")
+        ax.set_ylim(bottom=0)
         for event in events:
             if event["kind"] == "empty_cache":
                 ax.axvline(event["t"] - t0, color="red", alpha=0.5, linestyle="--")
