@@ -14,7 +14,9 @@ a steady stream. A small tensor (16 floats), so the copy itself is negligible.
 unpickling time, and median round trips (put -> the consumer gets it -> reply -> get) of a
 small object (`ping`), of a message the consumer only gets (`echo`), and of the whole path
 (`send` -> put -> the consumer's `receive` -> reply: `transport`), with the consumer's
-`receive` time inside it.
+`receive` time inside it. `busy_ping`: the producer computes (a Python busy loop as long as
+a `send`) before putting a small object: the same hop with the same host work before it
+and none of the transport's, to tell the hop's cost from the message's.
 """
 
 from __future__ import annotations
@@ -123,17 +125,34 @@ def queue_round_trips(round_trips: int, repeats: int = 3) -> dict[str, Any]:
                 remote.append(inside)
         return {"round_trip_us": statistics.median(total) * 1e6, "consumer_us": statistics.median(remote) * 1e6}
 
+    send_s = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        sent = producer.send(tensor)
+        send_s.append(time.perf_counter() - t0)
+        inbox.put(("message", sent))
+        outbox.get(timeout=60)
+    busy_s = statistics.median(send_s)
+
+    def busy_ping() -> tuple[str, int]:
+        end = time.perf_counter() + busy_s
+        while time.perf_counter() < end:
+            pass
+        return ("ping", 1)
+
     # Interleaved, repeated: the host is shared, so each kind sees the same drift.
-    runs: dict[str, list[dict[str, float]]] = {"ping": [], "echo": [], "transport": []}
+    runs: dict[str, list[dict[str, float]]] = {"ping": [], "echo": [], "busy_ping": [], "transport": []}
     for _ in range(repeats):
         runs["ping"].append(timed(lambda: ("ping", 1)))
         runs["echo"].append(timed(lambda: ("echo", message)))
+        runs["busy_ping"].append(timed(busy_ping))
         runs["transport"].append(timed(lambda: ("message", producer.send(tensor))))
         producer.reclaim()
     inbox.put(None)
     process.join(60)
     producer.close()
-    out: dict[str, Any] = {"tensor_bytes": tensor.numel() * 4, "pickled": pickling(message)}
+    out: dict[str, Any] = {"tensor_bytes": tensor.numel() * 4, "pickled": pickling(message),
+                           "busy_us": busy_s * 1e6}
     for kind, samples in runs.items():
         out[kind] = {key: statistics.median(s[key] for s in samples) for key in samples[0]}
     out["transport_vs_ping"] = out["transport"]["round_trip_us"] / out["ping"]["round_trip_us"]
