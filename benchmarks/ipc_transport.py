@@ -14,7 +14,8 @@ Producer on GPU 0 (this process); consumer processes on GPU 1. Reports, in one r
 - where the transport's time goes: producer `send`, consumer `receive`, and
   `consumer_wait` (the consumer synchronizes its stream, which waits on the producer's
   interprocess event then runs the copy: "tensor ready"; a stream, not device, synchronize);
-- small messages: latency vs a torch.multiprocessing queue round trip of a small object;
+- small messages: latency vs a torch.multiprocessing queue round trip of a small object,
+  and the round trip of a transport message the consumer only gets (its queue hop alone);
 - memory over --transfers transfers (producer and consumer reserved, pool fragments).
 Finishes in a few minutes on 2 x H200 (goal: < 8 min).
 """
@@ -69,6 +70,9 @@ def consumer_loop(redirect: bool, inbox, outbox, device: int = 1) -> None:
             tensor = payload.to(platform.device(device), non_blocking=False)
         elif kind == "ping":  # a small Python object: the queue's own round trip
             outbox.put(("pong", payload, None))
+            continue
+        elif kind == "echo":  # a transport message, not received: its queue hop alone
+            outbox.put(("pong", None, None))
             continue
         elif kind == "flush":  # acknowledge the copies still pending (each is acked at the next receive)
             outbox.put(("flushed", consumer.flush_acks(), None))
@@ -226,7 +230,18 @@ def main() -> None:
         if i >= 10:
             pings.append(time.perf_counter() - t0)
     queue_ms = median_ms(pings)
-    results["small_latency"] = {"torch_mp_queue_round_trip_ms": queue_ms, "by_size": []}
+    echoes = []
+    message = producer.send(torch.ones(KiB, device="cuda:0"))
+    for i in range(200 + 10):
+        t0 = time.perf_counter()
+        inbox.put(("echo", message))
+        outbox.get(timeout=60)
+        if i >= 10:
+            echoes.append(time.perf_counter() - t0)
+    inbox.put(("view", message))  # received (and so acknowledged) once: its slice is recycled as usual
+    outbox.get(timeout=60)
+    results["small_latency"] = {"torch_mp_queue_round_trip_ms": queue_ms,
+                                "message_queue_round_trip_ms": median_ms(echoes), "by_size": []}
     for row in results["sizes"]:
         if row["bytes"] in SMALL:
             results["small_latency"]["by_size"].append({

@@ -17,7 +17,6 @@ Prints one JSON line with the counts; exits 1 on the first violated assertion.
 from __future__ import annotations
 
 import argparse
-import copy as copy_module
 import dataclasses
 import json
 import os
@@ -33,7 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import torchhal  # noqa: E402
-from torchhal.core.transport import MAX_OPEN_PRODUCERS, Consumer, Producer, TransportConfig, TransportError  # noqa: E402
+from torchhal.core.transport import (  # noqa: E402
+    MAX_OPEN_PRODUCERS,
+    Consumer,
+    Producer,
+    TensorMessage,
+    TransportConfig,
+    TransportError,
+)
+from torchhal.core.transport.messages import WIRE_FIELDS  # noqa: E402
 from torchhal.platforms import IpcHandleError  # noqa: E402
 from torchhal.platforms.ipc import DTYPES  # noqa: E402
 
@@ -82,7 +89,7 @@ class Fuzzer:
         self.producer = Producer(config, self.platform)
         self.other = Producer(config, self.platform)  # a second live producer: its names are not ours
         self.consumer = Consumer(0, self.platform)
-        self.good: list[dict[str, Any]] = []
+        self.good: list[tuple[Any, ...]] = []
         for tensor in (torch.arange(256.0).reshape(16, 16), torch.arange(300, dtype=torch.int64),
                        torch.linspace(-1, 1, 100).to(torch.bfloat16), (torch.arange(333) % 251).to(torch.uint8),
                        torch.arange(64, dtype=torch.float64).reshape(8, 8).t(), torch.zeros(0)):
@@ -118,71 +125,62 @@ class Fuzzer:
         self.other.close()
 
     # -- mutations -----------------------------------------------------------------------
-    def mutate_message(self) -> dict[str, Any]:
+    def mutate_message(self) -> Any:
+        """A valid wire record with 1-3 mutations: junk in a field, a field dropped or added,
+        plausible numbers, a random view, dtype, event flag, or another producer's names."""
         rng = self.rng
-        message = copy_module.deepcopy(rng.choice(self.good))
+        good = rng.choice(self.good)
+        message: dict[str, Any] = dict(zip(WIRE_FIELDS, good, strict=True))
+        structural = None
         for _ in range(rng.randint(1, 3)):
             choice = rng.random()
-            key = rng.choice(list(message) + ["extra"])
+            key = rng.choice(WIRE_FIELDS)
             if choice < 0.15:
                 message[key] = rng.choice(JUNK)
             elif choice < 0.2:
-                message.pop(key, None)
+                structural = rng.choice(["drop", "extra", "junk", "list"])
             elif choice < 0.45:
                 field = rng.choice(["offset", "nbytes", "slot", "generation"])
-                message[field] = rng.choice(SIZES) if rng.random() < 0.7 else max(0, message.get(field, 0) if
-                                                                                    isinstance(message.get(field), int)
+                message[field] = rng.choice(SIZES) if rng.random() < 0.7 else max(0, message[field] if
+                                                                                    type(message[field]) is int
                                                                                     else 0) + rng.randint(-8, 8)
             elif choice < 0.6:
                 dims = rng.randint(0, 4)
                 message["shape"] = [rng.choice([0, 1, 2, 3, 15, 16, 17, 300, 4096, 2**40]) for _ in range(dims)]
-                message["stride"] = [rng.choice([0, 1, 2, 16, 17, 4096, 2**40]) for _ in range(dims)]
+                message["stride"] = None if rng.random() < 0.3 else \
+                    [rng.choice([0, 1, 2, 16, 17, 4096, 2**40]) for _ in range(dims)]
             elif choice < 0.7:
                 message["dtype"] = rng.choice(list(DTYPES) + ["float128", "", "uint8 "])
-            elif choice < 0.85 and isinstance(message.get("pool_handle"), dict):
-                self.mutate_handle_data(message["pool_handle"])
+            elif choice < 0.8:
+                message["event"] = rng.choice([True, False, 1, None])
             else:
                 self.mutate_names(message)
-        return message
-
-    def mutate_handle_data(self, data: dict[str, Any]) -> None:
-        rng = self.rng
-        field = rng.choice(["dtype", "shape", "stride", "storage_nbytes", "offset_bytes", "storage", "device",
-                            "platform"])
-        if field == "dtype":
-            data["dtype"] = rng.choice(["float32", "int64", "float64", "bool", "uint8"])
-            if rng.random() < 0.5 and isinstance(data.get("storage_nbytes"), int):
-                data["shape"] = [data["storage_nbytes"] // 8]
-        elif field in ("shape", "stride"):
-            data[field] = [rng.choice(SIZES[:14])]
-        elif field == "storage":
-            names = [{"b64": __import__("base64").b64encode(rng.choice(NAMES)).decode()} for _ in range(2)]
-            data["storage"] = rng.choice([names, names[:1], [1, 2], rng.choice(JUNK)])
-        else:
-            data[field] = rng.choice(SIZES + JUNK)
+        wire: Any = [message[name] for name in WIRE_FIELDS]
+        if structural == "drop":
+            del wire[rng.randrange(len(wire))]
+        elif structural == "extra":
+            wire.append(rng.choice(JUNK))
+        elif structural == "junk":
+            return rng.choice(JUNK + [dict(message)])
+        return wire if structural == "list" else tuple(wire)
 
     def mutate_names(self, message: dict[str, Any]) -> None:
         rng = self.rng
-        other = self.good[-1]
+        other = dict(zip(WIRE_FIELDS, self.good[-1], strict=True))
         pid = os.getpid()
-        pick = rng.randrange(6)
-        if pick == 0:  # another live producer's control / pool
-            message["control"], message["pool_id"] = other["control"], rng.choice([other["pool_id"],
-                                                                                   message.get("pool_id")])
+        pick = rng.randrange(5)
+        if pick == 0:  # another live producer's pool
+            message["pool_id"] = other["pool_id"]
         elif pick == 1:  # the symlink trap
-            message["pool_id"], message["control"] = self.trap_pool, f"torchhal-{self.trap_pool}-ctl"
-            message["producer_pid"] = pid
+            message["pool_id"] = self.trap_pool
         elif pick == 2:  # the FIFO trap as a host block
-            message.update(kind="host", host_name=f"torchhal-{self.trap_pool}-h0-g1")
+            message.update(kind="host", pool_id=self.trap_pool, slot=0, generation=1)
         elif pick == 3:  # a fresh pool id every time (cache growth)
             message["pool_id"] = f"{pid}-{rng.getrandbits(48):012x}"
-            message["control"] = f"torchhal-{message['pool_id']}-ctl"
-        elif pick == 4:
-            message["host_name"] = rng.choice(["../../etc/passwd", "torchhal-1-aaaaaaaaaaaa-ctl", "x" * 300,
-                                               other["control"]])
-            message["kind"] = "host"
-        else:
-            message["producer_pid"] = rng.choice([1, pid, 2**22 + 1, 0])
+        else:  # our token under another pid, or names that are no pool id
+            token = str(message["pool_id"]).split("-")[-1]
+            message["pool_id"] = rng.choice([f"1-{token}", f"{2**22 + 1}-{token}", f"0-{token}",
+                                             "../../etc/passwd", f"{pid}-{token}/../x", "x" * 300])
 
     def mutate_handle(self) -> Any:
         rng = self.rng
@@ -209,22 +207,23 @@ class Fuzzer:
         return dataclasses.replace(handle, **changes)
 
     # -- checks ----------------------------------------------------------------------------
-    def check_message(self, message: dict[str, Any]) -> None:
+    def check_message(self, wire: Any) -> None:
         copy = self.rng.random() < 0.5
         try:
-            tensor = self.consumer.receive(message, copy=copy)
+            tensor = self.consumer.receive(wire, copy=copy)
         except TransportError:
             self.counts["rejected"] += 1
             return
         self.counts["accepted"] += 1
-        dtype = DTYPES[message["dtype"]]
-        offset, nbytes = message["offset"], message["nbytes"]
-        if message["kind"] == "pool":
-            producer = self.producer if message["pool_id"] == self.producer.pool_id else self.other
+        message = TensorMessage.from_wire(wire)  # accepted: its fields, contiguous strides derived
+        dtype = DTYPES[message.dtype]
+        offset, nbytes = message.offset, message.nbytes
+        if message.kind == "pool":
+            producer = self.producer if message.pool_id == self.producer.pool_id else self.other
             assert producer.pool is not None
             named = bytearray(producer.pool[offset : offset + nbytes].numpy().tobytes())
             if not copy and tensor.numel():  # the view's bytes lie inside the named range
-                opened = self.consumer._open[message["control"]].pool  # the consumer's own mapping
+                opened = self.consumer._open[message.pool_id].pool  # the consumer's own mapping
                 assert opened is not None
                 base = opened.data_ptr() + offset
                 itemsize = tensor.element_size()
@@ -232,11 +231,11 @@ class Fuzzer:
                                                                           strict=True)) * itemsize
                 assert base <= tensor.data_ptr() and last + itemsize <= base + nbytes, (message, "view outside")
         else:
-            with open(os.path.join(SHM_DIR, message["host_name"]), "rb") as block:
+            with open(os.path.join(SHM_DIR, message.host_name), "rb") as block:
                 named = bytearray(block.read(nbytes))
         reference = torch.frombuffer(named, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
         # The reference's storage is exactly the named bytes: as_strided refuses anything beyond.
-        expected = reference.view(dtype).as_strided(tuple(message["shape"]), tuple(message["stride"]))
+        expected = reference.view(dtype).as_strided(message.shape, message.stride)
         assert tensor.dtype == dtype and torch.equal(as_bytes(tensor.cpu()), as_bytes(expected)), (message, "bytes")
 
     def check_open(self, handle: Any) -> None:

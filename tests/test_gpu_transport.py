@@ -11,6 +11,7 @@ import torchhal
 from torchhal.core.transport import Consumer, Producer, TransportConfig, TransportError
 
 from . import transport_workers
+from .transport_workers import fields, forge, forge_handle_record
 
 MiB = 1 << 20
 has_cuda = torch.cuda.is_available() and torch.version.cuda is not None
@@ -33,7 +34,7 @@ def test_device_pool_round_trip_across_processes(copy, copy_stream):
     try:
         for tensor in sent:
             message = producer.send(tensor)
-            assert message["kind"] == "pool"
+            assert fields(message)["kind"] == "pool"
             inbox.put(json.loads(json.dumps(message)))
             status, _, same_dtype, values = outbox.get(timeout=180)
             assert status == "ok" and same_dtype, values
@@ -50,11 +51,13 @@ def test_forged_device_handle_fields_are_transport_errors():
     platform = torchhal.get_platform("cuda")
     producer = Producer(TransportConfig(budget_bytes=16 * MiB, pool_floor_bytes=MiB), platform, 0)
     good = json.loads(json.dumps(producer.send(torch.ones(16, device="cuda:0"))))
+    storage = json.loads(producer.control.handle_record())["storage"]
     for index, value in [(3, {"b64": "L2V0Yy9wYXNzd2Q="}), (1, {"b64": ""}), (4, 10**9)]:
-        message = json.loads(json.dumps(good))
-        message["pool_handle"]["storage"][index] = value
+        forged = [*storage[:index], value, *storage[index + 1 :]]
+        # The handle record in the control block, with a matching fingerprint (a hostile producer).
+        forge_handle_record(producer, lambda data, forged=forged: data.update(storage=forged))
         with pytest.raises(TransportError):
-            Consumer(0, platform, 0).receive(message)
+            Consumer(0, platform, 0).receive(good)
     producer.close()
 
 
@@ -93,7 +96,7 @@ def test_interprocess_events_order_the_consumer_after_a_late_producer_copy(copy)
             tensor = torch.full((65536,), float(value), device="cuda:0")
             torch.cuda._sleep(200_000_000)  # the copy below waits behind this on the stream
             message = producer.send(tensor)
-            assert message["kind"] == "pool" and isinstance(message["event"], str)
+            assert fields(message)["kind"] == "pool" and fields(message)["event"] is True
             inbox.put(json.loads(json.dumps(message)))
             status, _, _, values = outbox.get(timeout=180)
             assert status == "ok", values
@@ -109,16 +112,25 @@ def test_interprocess_events_order_the_consumer_after_a_late_producer_copy(copy)
 def test_forged_event_handles_are_transport_errors():
     platform = torchhal.get_platform("cuda")
     producer = Producer(TransportConfig(budget_bytes=16 * MiB, pool_floor_bytes=MiB), platform, 0)
-    good = json.loads(json.dumps(producer.send(torch.ones(16, device="cuda:0"))))
+    good = producer.send(torch.ones(16, device="cuda:0"))
+    slot = fields(good)["slot"]
+    handle = producer.control.event(slot)
+    assert handle is not None and len(handle) == 64
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=transport_workers.consume, args=(0, inbox, outbox))
     proc.start()
     try:
-        for event in ["A" * 86 + "==", "AAAA", 17]:  # 64 zero bytes (the driver refuses), short, not text
-            inbox.put({**good, "event": event})
+        # The slot's handle in the control block garbled: 64 zero bytes (the driver refuses), short.
+        for garbled in [bytes(64), b"\0" * 3]:
+            producer.control.set_event(slot, garbled)
+            inbox.put(good)
             status, _, _, text = outbox.get(timeout=180)
             assert status == "error" and "event" in text, text
+        producer.control.set_event(slot, handle)
+        inbox.put(forge(good, event=17))  # not a flag
+        status, _, _, text = outbox.get(timeout=180)
+        assert status == "error" and "event" in text, text
         inbox.put(good)
         status, _, _, values = outbox.get(timeout=180)
         assert status == "ok" and values == [1.0] * 16

@@ -2,6 +2,8 @@
 
 import json
 import multiprocessing as mp
+import os
+import pickle
 import random
 import time
 import warnings
@@ -21,6 +23,7 @@ from torchhal.core.transport import (
 )
 
 from . import transport_workers
+from .transport_workers import fields, forge
 
 MiB = 1 << 20
 
@@ -68,6 +71,7 @@ def test_round_trips_to_two_consumers_and_recycling(consumers):
     for tensor in sent:
         message = producer.send(tensor)
         json.dumps(message)  # plain data: JSON-serialisable, no pickle needed
+        assert isinstance(message, tuple) and all(isinstance(v, (str, int, tuple, type(None))) for v in message)
         for inbox in inboxes:
             inbox.put(message)
     results = [outbox.get(timeout=120) for _ in range(2 * len(sent))]
@@ -100,7 +104,7 @@ def test_unacknowledged_slices_are_not_reused():
     consumer.receive(first)  # only one of two consumers acked
     assert producer.reclaim() == 0
     second = producer.send(torch.ones(1000))
-    assert second["offset"] != first["offset"]
+    assert fields(second)["offset"] != fields(first)["offset"]
     producer.close()
     consumer.close()
 
@@ -111,7 +115,7 @@ def test_full_pool_falls_back_to_host_memory_with_one_warning():
     big = torch.arange(400_000, dtype=torch.float32)  # 1.5 MiB > the 1 MiB pool
     with pytest.warns(UserWarning, match="1.5 MiB does not fit the 1 MiB pool.*TransportConfig.budget_bytes"):
         message = producer.send(big)
-    assert message["kind"] == "host"
+    assert fields(message)["kind"] == "host"
     assert torch.equal(consumer.receive(message), big)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -127,7 +131,7 @@ def test_no_ipc_capability_uses_the_host_path(make_registry, monkeypatch):
     monkeypatch.setattr(type(platform), "ipc_support", property(lambda self: None))
     producer, consumer = Producer(small()), Consumer(0)
     message = producer.send(torch.arange(10))
-    assert message["kind"] == "host"
+    assert fields(message)["kind"] == "host"
     assert consumer.receive(message).tolist() == list(range(10))
     producer.close()
     consumer.close()
@@ -155,16 +159,84 @@ def test_zero_copy_view_on_request():
         ({"slot": 5000}, "outside the producer's"),
         ({"kind": "telepathy"}, "neither 'pool' nor 'host'"),
         ({"offset": 2}, "multiples of the float32 size"),
-        ({"producer_pid": 2**22 + 12345}, "has exited"),
+        ({"pool_id": f"{2**22 + 12345}-0123456789ab"}, "has exited"),
+        # each field's type and range
+        ({"slot": "0"}, "'slot' = '0' is not an int"),
+        ({"generation": True}, "'generation' = True is not an int"),
+        ({"offset": -512}, "'offset' = -512 is out of range"),
+        ({"nbytes": 2**48}, "'nbytes' = 281474976710656 is out of range"),
+        ({"dtype": 7}, "unknown dtype 7"),
+        ({"event": 1}, "'event' = 1 is not a bool"),
+        ({"event": True}, "stored none"),  # no interprocess events on this platform
+        ({"kind": "host", "event": True}, "only pool messages carry an event"),
+        ({"shape": [17]}, "larger than the 64 bytes"),
+        ({"shape": [2**48]}, r"shape\[0\] = 281474976710656 is not a size"),
+        ({"shape": [4, 4.0]}, r"shape\[1\] = 4.0 is not a size"),
+        ({"shape": [1] * 33}, "more than 32 dimensions"),
+        ({"shape": "16"}, "'shape' = '16' is not a sequence"),
+        ({"stride": 1}, "'stride' = 1 is neither None nor ints"),
+        ({"stride": [2]}, "reaches byte 124 but its storage holds 64"),
+        # the producer id: its form, then an unknown producer of a live pid
+        ({"pool_id": "../../etc/passwd"}, "is not a producer id"),
+        ({"pool_id": "1-0123456789ab/../x"}, "is not a producer id"),
+        ({"pool_id": 12345}, "is not a producer id"),
+        ({"pool_id": "1-0123456789ab"}, "is gone"),  # pid 1 lives, but made no such pool
     ],
 )
 def test_bad_messages_are_clear_errors(change, match):
     producer, consumer = Producer(small()), Consumer(0)
-    message = {**producer.send(torch.arange(16.0)), **change}
+    good = producer.send(torch.arange(16.0))
+    acks = bytes(producer.control.shm.map)
     with pytest.raises(TransportError, match=match):
-        consumer.receive(message)
+        consumer.receive(forge(good, **change))
+    assert bytes(producer.control.shm.map) == acks  # nothing acknowledged for a rejected message
+    assert consumer.receive(good).tolist() == list(range(16))  # and the consumer still takes the real one
     producer.close()
     consumer.close()
+
+
+@pytest.mark.parametrize(
+    "wire, match",
+    [
+        (None, "must be the tuple"),
+        ({"kind": "pool"}, "must be the tuple"),  # the old dict form, or any mapping
+        ("pool", "must be the tuple"),
+        ((), "has 0 fields, not the 10"),
+        (("pool",) * 11, "has 11 fields, not the 10"),
+    ],
+)
+def test_messages_of_the_wrong_form_are_clear_errors(wire, match):
+    with pytest.raises(TransportError, match=match):
+        TensorMessage.from_wire(wire)
+    producer, consumer = Producer(small()), Consumer(0)
+    good = producer.send(torch.arange(4.0))
+    with pytest.raises(TransportError, match=match):
+        consumer.receive(wire)
+    with pytest.raises(TransportError, match="has 9 fields"):
+        consumer.receive(good[:-1])  # truncated
+    assert consumer.receive(good).tolist() == list(range(4))
+    producer.close()
+    consumer.close()
+
+
+def test_wire_record_round_trips_through_the_typed_message():
+    producer = Producer(small())
+    for tensor in tensors():
+        wire = producer.send(tensor)
+        message = TensorMessage.from_wire(wire)
+        assert message.to_wire() == wire and TensorMessage.from_wire(json.loads(json.dumps(wire))) == message
+        assert message.shape == tuple(tensor.shape) and message.stride == tensor.contiguous().stride()
+        assert message.producer_pid == os.getpid() and message.control == producer.control.name
+    producer.close()
+
+
+def test_the_message_carries_no_per_producer_constants():
+    """The pool handle and the event handles are in the control block: a message is a small record."""
+    producer = Producer(small())
+    wire = producer.send(torch.arange(16.0))
+    assert len(pickle.dumps(wire)) < 120
+    assert not any(isinstance(value, (dict, bytes)) for value in wire)
+    producer.close()
 
 
 def test_recycled_slice_is_a_stale_message():
@@ -203,16 +275,15 @@ def test_fuzzed_messages_only_ever_raise_transport_errors():
     for _ in range(3000):
         message = json.loads(json.dumps(good))
         for _ in range(rng.randint(1, 3)):
-            key = rng.choice(list(message) + ["pool_handle.storage", "pool_handle.storage_nbytes", "extra"])
-            if key.startswith("pool_handle."):
-                if isinstance(message.get("pool_handle"), dict):
-                    message["pool_handle"][key.split(".")[1]] = rng.choice(junk)
-            elif rng.random() < 0.2:
-                message.pop(key, None)
+            index = rng.randrange(len(message) + 1)
+            if rng.random() < 0.1:
+                del message[min(index, len(message) - 1) : index + 1]  # truncated
+            elif index == len(message):
+                message.append(rng.choice(junk))  # an extra field
             else:
-                message[key] = rng.choice(junk)
+                message[index] = rng.choice(junk)
         try:
-            TensorMessage.from_dict(message)
+            TensorMessage.from_wire(rng.choice([message, tuple(message)]))
         except TransportError:
             pass
     producer.close()
@@ -225,20 +296,23 @@ def test_fuzzed_numbers_through_receive_never_read_out_of_bounds():
     rng = random.Random(99)
     received = 0
     for _ in range(2000):
-        message = json.loads(json.dumps(good))
+        message = fields(good)
         for key in rng.sample(["offset", "nbytes", "shape", "stride", "generation", "slot"], rng.randint(1, 3)):
             if key in ("shape", "stride"):
                 message[key] = [rng.choice([0, 1, 2, 15, 16, 17, 4096, 2**40]) for _ in range(rng.randint(1, 3))]
+                if key == "stride" and rng.random() < 0.3:
+                    message[key] = None  # contiguous
             else:
                 message[key] = rng.choice([0, 1, 4, 512, 1024, 1 << 20, (1 << 20) - 4, 2**40])
         try:
-            tensor = consumer.receive(message)
+            tensor = consumer.receive(forge(good, **message))
         except TransportError:
             continue
         received += 1
         # Exactly the bytes the message names, read from the producer's own pool.
         region = producer.pool[message["offset"] : message["offset"] + message["nbytes"]].view(torch.float32)
-        assert torch.equal(tensor, region.as_strided(message["shape"], message["stride"]))
+        stride = torch.empty(message["shape"]).stride() if message["stride"] is None else message["stride"]
+        assert torch.equal(tensor, region.as_strided(message["shape"], stride))
     assert received > 0  # some mutations stay valid, and those read inside their slice
     producer.close()
     consumer.close()

@@ -19,8 +19,11 @@ import pytest
 import torch
 
 from torchhal.core.transport import Consumer, Producer, TransportConfig, TransportError
+from torchhal.core.transport._shm import Control
 from torchhal.platforms import IpcEvents, IpcHandleError, IpcSupport, Platform, get_platform, hookimpl
 from torchhal.plugins.cpu import CpuPlatform
+
+from .transport_workers import fields, forge
 
 MiB = 1 << 20
 HANDLE_NBYTES = 64
@@ -180,7 +183,7 @@ def test_send_records_the_slot_event_and_never_synchronizes(platform, log):
     consumer = Consumer(0, platform, 0)
     for i in range(12):
         message = producer.send(torch.arange(16.0) + i)
-        assert message["kind"] == "pool" and isinstance(message["event"], str)
+        assert fields(message)["kind"] == "pool" and fields(message)["event"] is True
         json.dumps(message)  # still plain data
         assert consumer.receive(message).tolist() == (torch.arange(16.0) + i).tolist()
     assert host_syncs(log) == 0
@@ -197,7 +200,7 @@ def test_without_the_capability_send_synchronizes_its_copy_as_before(plain_platf
     consumer = Consumer(0, plain_platform, 0)
     for i in range(5):
         message = producer.send(torch.arange(8.0) + i)
-        assert "event" not in message
+        assert fields(message)["event"] is False
         assert consumer.receive(message).tolist() == (torch.arange(8.0) + i).tolist()
     assert log.names().count("host-synchronize") == 5  # one per send: its copy event
     assert "open" not in log.names() and "wait" not in log.names()
@@ -209,7 +212,7 @@ def test_events_can_be_turned_off_per_producer(platform, log):
     producer = Producer(config(interprocess_events=False), platform, 0)
     consumer = Consumer(0, platform, 0)
     message = producer.send(torch.arange(8.0))
-    assert "event" not in message and host_syncs(log) == 1
+    assert fields(message)["event"] is False and host_syncs(log) == 1
     assert consumer.receive(message).tolist() == list(range(8))
     assert "wait" not in log.names()
     producer.close()
@@ -228,7 +231,7 @@ def test_the_reading_stream_waits_on_the_slot_event_before_the_copy(platform, lo
     assert got.tolist() == list(range(32))
     after = log.calls[before:]
     waits = [call for call in after if call[0] == "wait"]
-    assert waits == [("wait", base64_event(message), stream)]
+    assert waits == [("wait", slot_event(producer, message), stream)]
     if copy_stream:  # the side stream waits first, then copies, then the caller's stream waits on it
         names = [call[0] for call in after]
         assert names.index("wait") < names.index("use_stream") < names.index("copy-wait")
@@ -237,10 +240,13 @@ def test_the_reading_stream_waits_on_the_slot_event_before_the_copy(platform, lo
     consumer.close()
 
 
-def base64_event(message: dict[str, Any]) -> bytes:
-    import base64
+def slot_event(producer: Producer, message: Any) -> bytes | None:
+    """The event handle the producer stored in its control block for the message's slot."""
+    return producer.control.event(fields(message)["slot"])
 
-    return base64.b64decode(message["event"])
+
+def event_length_cell(control: Control, slot: int) -> int:
+    return Control.HEADER + control.slots + control.slots * control.consumers + slot
 
 
 def test_each_slot_event_is_opened_once_and_the_cache_is_bounded_by_the_slots(platform, log):
@@ -271,7 +277,7 @@ def test_opened_events_are_dropped_with_their_producer(platform, log):
     message = second.send(torch.arange(4.0))
     consumer.receive(message)  # evicts the first producer's entry
     gc.collect()
-    assert [event.handle for event in log.opened] == [base64_event(message)]
+    assert [event.handle for event in log.opened] == [slot_event(second, message)]
     first.close()
     second.close()
     consumer.close()
@@ -287,25 +293,40 @@ def test_close_waits_for_the_last_copies_before_the_events_go(platform, log):
     assert log.names().count("event-synchronize") == 2  # one per slot event made
 
 
-@pytest.mark.parametrize(("event", "match"), [
-    (7, "must be the base64 text"),
-    (["AAAA"], "must be the base64 text"),
-    ("", "must be the base64 text"),
-    ("A" * 400, "must be the base64 text"),
-    ("not base64!", "is not base64"),
-    ("AAAA", "event handle of 3 bytes is not a fakeevents event handle"),
-    ("A" * 86 + "==", "cannot be opened: the driver refuses"),  # 64 bytes, but no event of the producer's
+def test_send_stores_each_slot_event_handle_once_in_the_control_block(platform, log):
+    producer = Producer(config(max_slices=2), platform, 0)
+    consumer = Consumer(0, platform, 0)
+    for i in range(3):
+        messages = [producer.send(torch.arange(4.0) + i) for _ in range(2)]  # both slots in flight
+        for message in messages:
+            assert slot_event(producer, message) in log.exported  # stored before the message left
+            consumer.receive(message)
+        producer.reclaim()
+    assert producer.control.event_bytes == HANDLE_NBYTES and len(log.exported) == 2  # one per slot
+    producer.close()
+    consumer.close()
+
+
+@pytest.mark.parametrize(("garble", "match"), [
+    (lambda control, slot: control.set_event(slot, b"AAA"), "event handle of 3 bytes is not a fakeevents event handle"),
+    (lambda control, slot: control.set_event(slot, bytes(HANDLE_NBYTES)), "cannot be opened: the driver refuses"),
+    (lambda control, slot: control.cells.__setitem__(event_length_cell(control, slot), 400), "garbled"),
+    (lambda control, slot: control.cells.__setitem__(event_length_cell(control, slot), -1), "garbled"),
+    (lambda control, slot: control.cells.__setitem__(event_length_cell(control, slot), 0), "stored none"),
 ])
-def test_bad_event_handles_are_transport_errors(platform, log, event, match):
+def test_bad_event_handles_in_the_control_block_are_transport_errors(platform, log, garble, match):
     producer = Producer(config(), platform, 0)
     consumer = Consumer(0, platform, 0)
-    message = {**producer.send(torch.arange(16.0)), "event": event}
+    message = producer.send(torch.arange(16.0))
+    slot = fields(message)["slot"]
+    good_handle = slot_event(producer, message)
+    assert good_handle is not None
+    garble(producer.control, slot)
     with pytest.raises(TransportError, match=match):
         consumer.receive(message)
-    # The slice is not acknowledged, so it is not recycled; the good message still works.
-    good = {**message, "event": producer.send(torch.arange(1.0))["event"]}
-    good["event"] = producer._slot_events[message["slot"]][1]
-    assert consumer.receive(good).tolist() == list(range(16))
+    # The slice is not acknowledged, so it is not recycled; with the handle back the message works.
+    producer.control.set_event(slot, good_handle)
+    assert consumer.receive(message).tolist() == list(range(16))
     producer.close()
     consumer.close()
 
@@ -316,9 +337,9 @@ def test_an_event_on_a_host_message_is_refused(platform, log):
     big = torch.zeros(2 * MiB, dtype=torch.uint8)  # over the 1 MiB pool: host shared memory
     with pytest.warns(UserWarning, match="IPC pool full"):
         message = producer.send(big)
-    assert message["kind"] == "host" and "event" not in message
+    assert fields(message)["kind"] == "host" and fields(message)["event"] is False
     with pytest.raises(TransportError, match="only pool messages carry an event"):
-        consumer.receive({**message, "event": "A" * 88})
+        consumer.receive(forge(message, event=True))
     producer.close()
     consumer.close()
 
@@ -339,16 +360,18 @@ def test_fuzzed_event_fields_only_ever_raise_transport_errors(platform, log):
     consumer = Consumer(0, platform, 0)
     good = producer.send(torch.arange(64.0))
     rng = random.Random(18)
-    junk: list[Any] = [None, 0, -1, 2**70, 3.5, True, b"raw", [], {}, {"b64": "AAAA"}, "=", "A" * 87,
-                       "A" * 344, "A" * 345, good["event"][:-4], good["event"] + "AAAA", "\u00e9" * 88]
+    junk: list[Any] = [None, 0, 1, -1, 2**70, 3.5, True, False, b"raw", [], {}, {"b64": "AAAA"}, "=", "A" * 88,
+                       "true", "\u00e9" * 88]
+    accepted = 0
     for _ in range(500):
-        message = json.loads(json.dumps(good))
-        message["event"] = rng.choice(junk)
+        event = rng.choice(junk)
         try:
-            got = consumer.receive(message)
+            got = consumer.receive(forge(good, event=event))
         except TransportError:
             continue
-        assert message["event"] is None and got.tolist() == list(range(64))  # absent: no wait asked
+        accepted += 1
+        assert type(event) is bool and got.tolist() == list(range(64))  # only a real flag is taken
+    assert accepted > 0
     producer.close()
     consumer.close()
 

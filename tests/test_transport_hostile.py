@@ -19,10 +19,11 @@ import pytest
 import torch
 
 import torchhal
-from torchhal.core.transport import Consumer, Producer, TransportConfig, TransportError, pool_size
+from torchhal.core.transport import Consumer, Producer, TensorMessage, TransportConfig, TransportError, pool_size
 from torchhal.platforms import IpcHandleError
 
 from . import transport_workers
+from .transport_workers import fields, forge, forge_handle_record
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,9 +151,9 @@ def test_a_handle_claiming_more_than_the_object_neither_maps_nor_grows_it():
 def test_a_message_claiming_a_bigger_pool_does_not_grow_shared_memory():
     producer, consumer = Producer(small()), Consumer(0)
     message = json.loads(json.dumps(producer.send(torch.arange(16.0))))
-    path = SHM + base64.b64decode(message["pool_handle"]["storage"][1]["b64"]).decode()
+    path = SHM + base64.b64decode(json.loads(producer.control.handle_record())["storage"][1]["b64"]).decode()
     before = os.lstat(path).st_size
-    message["pool_handle"]["storage_nbytes"] = 64 * MiB
+    forge_handle_record(producer, lambda data: data.update(storage_nbytes=64 * MiB))
     with pytest.raises(TransportError):
         consumer.receive(message)
     assert os.lstat(path).st_size == before
@@ -166,7 +167,7 @@ def test_fresh_pool_ids_do_not_open_fresh_mappings():
     consumer.receive(good)
     start = map_count()
     for _ in range(300):
-        message = {**good, "pool_id": f"{os.getpid()}-{uuid.uuid4().hex[:12]}"}
+        message = forge(good, pool_id=f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
         try:
             consumer.receive(message)
         except TransportError:
@@ -202,8 +203,7 @@ def test_a_non_byte_pool_handle_cannot_read_past_the_named_slice():
     producer, consumer = Producer(small(alignment=512)), Consumer(0)
     messages = [producer.send(torch.full((128,), float(i))) for i in range(6)]  # 512 bytes each, back to back
     target = json.loads(json.dumps(messages[1]))  # slice [512, 1024)
-    handle = target["pool_handle"]
-    handle.update(dtype="float32", shape=[handle["storage_nbytes"] // 4])
+    forge_handle_record(producer, lambda handle: handle.update(dtype="float32", shape=[handle["storage_nbytes"] // 4]))
     try:
         tensor = consumer.receive(target)
     except TransportError:
@@ -216,7 +216,7 @@ def test_a_non_byte_pool_handle_cannot_read_past_the_named_slice():
 
 def test_a_broadcast_view_cannot_make_the_consumer_allocate_more_than_was_sent():
     producer, consumer = Producer(small()), Consumer(0)
-    message = {**producer.send(torch.arange(4.0)), "shape": [1 << 30], "stride": [0]}
+    message = forge(producer.send(torch.arange(4.0)), shape=[1 << 30], stride=[0])
     with pytest.raises(TransportError, match="larger than the 16 bytes"):
         consumer.receive(message)
     producer.close()
@@ -226,8 +226,9 @@ def test_a_broadcast_view_cannot_make_the_consumer_allocate_more_than_was_sent()
 # -- filesystem: no-follow, this user's regular files, only the sender's names ------------------
 
 def _fake_control(path: Path, pid: int) -> bytes:
-    """A file shaped like a control block: alive, pid, 1 slot, 1 consumer, generation 0, no ack yet."""
-    cells = [1, pid, 1, 1, 0, -1] + [-1] * 8
+    """A file shaped like a control block: alive, pid, 1 slot, 1 consumer, no pool, no events,
+    generation 0, no ack yet, no event handle."""
+    cells = [1, pid, 1, 1, 0, 0, 0, 0, 0, 0, 0] + [0, -1, 0]
     data = struct.pack(f"{len(cells)}q", *cells)
     path.write_bytes(data)
     return data
@@ -242,7 +243,7 @@ def test_a_symlinked_control_block_is_refused_and_not_written(tmp_path):
     link = Path(SHM) / f"torchhal-{os.getpid()}-{token}-ctl"
     link.symlink_to(target)
     try:
-        forged = {**good, "pool_id": f"{os.getpid()}-{token}", "control": link.name, "slot": 0, "generation": 0}
+        forged = forge(good, pool_id=f"{os.getpid()}-{token}", slot=0, generation=0)  # names the link
         with pytest.raises(TransportError):
             consumer.receive(forged)
         assert target.read_bytes() == original
@@ -255,11 +256,11 @@ def test_a_symlinked_control_block_is_refused_and_not_written(tmp_path):
 def test_a_fifo_named_like_a_host_block_does_not_hang_the_consumer():
     producer, consumer = Producer(small()), Consumer(0)
     good = producer.send(torch.arange(16.0))
-    name = f"torchhal-{good['pool_id']}-h{good['slot']}-g{good['generation']}"
+    name = f"torchhal-{fields(good)['pool_id']}-h{fields(good)['slot']}-g{fields(good)['generation']}"
     os.mkfifo(os.path.join(SHM, name), 0o600)
     try:
         with pytest.raises(TransportError, match="regular file"):
-            consumer.receive({**good, "kind": "host", "host_name": name})
+            consumer.receive(forge(good, kind="host"))  # its host block is the FIFO
     finally:
         os.unlink(os.path.join(SHM, name))
     producer.close()
@@ -267,17 +268,21 @@ def test_a_fifo_named_like_a_host_block_does_not_hang_the_consumer():
 
 
 def test_a_message_may_only_name_its_own_producers_files():
+    """A message names files only through its producer id: the control block and host blocks
+    are derived from it (never sent), and of the pid it names."""
     sender, other = Producer(small()), Producer(small())
     consumer = Consumer(0)
     theirs = other.send(torch.arange(4.0))
     acks_before = bytes(other.control.shm.map)
     ours = sender.send(torch.arange(4.0))
-    for forged in (
-        {**ours, "control": theirs["control"], "slot": theirs["slot"], "generation": theirs["generation"]},
-        {**theirs, "producer_pid": 1},
-        {**ours, "kind": "host", "host_name": theirs["control"]},
+    token = fields(theirs)["pool_id"].split("-")[1]
+    for forged, match in (
+        (forge(ours, pool_id=fields(theirs)["pool_id"], generation=fields(theirs)["generation"] + 1), "stale"),
+        (forge(theirs, pool_id=f"1-{token}"), "is gone"),  # their token under another pid: no such file
+        (forge(ours, kind="host"), "is gone"),  # a host block the sender never made
+        (forge(ours, pool_id=f"{os.getpid()}-{token}0"), "not a producer id"),
     ):
-        with pytest.raises(TransportError):
+        with pytest.raises(TransportError, match=match):
             consumer.receive(forged)
     assert bytes(other.control.shm.map) == acks_before  # nothing acknowledged on the other's behalf
     sender.close()
@@ -297,9 +302,9 @@ def _crashed_producer_files() -> list[str]:
     deadline = time.monotonic() + 60
     while proc.exitcode is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    pid = message["producer_pid"]
-    files = [name for name in os.listdir(SHM) if name.startswith(f"torchhal-{pid}-")]
-    assert message["control"] in files and len(files) >= 2  # control block and a host block were left
+    decoded = TensorMessage.from_wire(message)
+    files = [name for name in os.listdir(SHM) if name.startswith(f"torchhal-{decoded.producer_pid}-")]
+    assert decoded.control in files and len(files) >= 2  # control block and a host block were left
     return files
 
 
@@ -343,9 +348,47 @@ def test_reclaim_keeps_live_producers_and_foreign_files():
 def test_receive_raises_only_transport_errors_with_the_cause_chained(storage):
     producer, consumer = Producer(small()), Consumer(0)
     message = json.loads(json.dumps(producer.send(torch.arange(16.0))))
-    message["pool_handle"]["storage"] = storage
+    forge_handle_record(producer, lambda data: data.update(storage=storage))
     with pytest.raises(TransportError):
         consumer.receive(message)
+    producer.close()
+    consumer.close()
+
+
+def test_a_garbled_handle_record_is_refused_and_the_consumer_recovers():
+    """The pool handle is read from the control block once, checked against its fingerprint."""
+    producer, consumer = Producer(small()), Consumer(0)
+    message = producer.send(torch.arange(16.0))
+    start = producer.control._handle_start
+    raw = producer.control._raw
+    original = raw[start]
+    raw[start] = ord("[")  # one byte of the record changed
+    with pytest.raises(TransportError, match="does not match its fingerprint"):
+        consumer.receive(message)
+    raw[start] = original
+    assert consumer.receive(message).tolist() == list(range(16))  # nothing was cached from the garbled one
+    producer.close()
+    consumer.close()
+
+
+def test_a_forged_handle_record_that_is_not_a_flat_byte_pool_is_refused():
+    producer, consumer = Producer(small()), Consumer(0)
+    message = producer.send(torch.arange(16.0))
+    forge_handle_record(producer, lambda data: data.update(offset_bytes=512))
+    with pytest.raises(TransportError, match="flat uint8 buffer"):
+        consumer.receive(message)
+    producer.close()
+    consumer.close()
+
+
+def test_a_control_block_of_inconsistent_layout_is_refused():
+    producer, consumer = Producer(small()), Consumer(0)
+    message = producer.send(torch.arange(16.0))
+    producer.control.cells[10] += 8  # the handle record's length no longer matches the file
+    with pytest.raises(TransportError, match="inconsistent layout"):
+        consumer.receive(message)
+    producer.control.cells[10] -= 8
+    assert consumer.receive(message).tolist() == list(range(16))
     producer.close()
     consumer.close()
 

@@ -19,7 +19,7 @@ def consume(rank, inbox, outbox, copy=True, copy_stream=False, device=None):
             break
         try:
             tensor = consumer.receive(message, copy=copy)
-            same_dtype = tensor.dtype == getattr(torch, message["dtype"])
+            same_dtype = tensor.dtype == getattr(torch, fields(message)["dtype"])
             outbox.put(("ok", rank, same_dtype, tensor.to(torch.float64).flatten().tolist()))
         except TransportError as exc:
             outbox.put(("error", rank, False, str(exc)))
@@ -35,3 +35,44 @@ def produce_then_exit(outbox, release, with_host_block=False):
     outbox.put(producer.send(torch.arange(16, dtype=torch.float32)))
     release.wait(60)
     # exit without close(): as a crashed worker would
+
+
+# -- the wire record, for tests that read or forge messages -----------------------------------
+
+def fields(message):
+    """A wire message as a dict of its named fields (no validation: it may be forged)."""
+    from torchhal.core.transport.messages import WIRE_FIELDS
+
+    return dict(zip(WIRE_FIELDS, message, strict=True))
+
+
+def forge(message, **changes):
+    """The wire message with `changes` to its named fields (as a hostile sender would)."""
+    from torchhal.core.transport.messages import WIRE_FIELDS
+
+    values = {**fields(message), **changes}
+    return tuple(values[name] for name in WIRE_FIELDS)
+
+
+def forge_handle_record(producer, change):
+    """Replace `producer`'s control block by one whose pool handle record is `change(plain data)`,
+    with a matching fingerprint (a hostile producer process can write its own block): the
+    generations, acknowledgements and event handles are carried over. Call before any
+    consumer opened the producer."""
+    import json
+
+    from torchhal.core.transport._shm import Control
+
+    old = producer.control
+    data = json.loads(old.handle_record())
+    change(data)
+    record = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    slots, consumers, pool_bytes, event_bytes = old.slots, old.consumers, old.pool_bytes, old.event_bytes
+    cells = list(old.cells[Control.HEADER : Control.HEADER + 2 * slots + slots * consumers])
+    events = bytes(old._raw[old._event_start : old._handle_start])
+    old.close(unlink=True)
+    new = Control.create(producer.pool_id, slots, consumers, pool_bytes, record, event_bytes)
+    for i, value in enumerate(cells):
+        new.cells[Control.HEADER + i] = value
+    new._raw[new._event_start : new._event_start + len(events)] = events
+    producer.control = new

@@ -16,12 +16,19 @@ import stat
 import tempfile
 import uuid
 
-from torchhal.core.transport.messages import TransportError
+from torchhal.core.transport.messages import (
+    EVENT_HANDLE_MAX,
+    POOL_ID,
+    TransportError,
+    control_name,
+    handle_fingerprint,
+    host_name,
+)
+
+__all__ = ["POOL_ID", "SHM_DIR", "Control", "SharedFile", "control_name", "host_name", "new_pool_id",
+           "pid_alive", "reclaim_orphans"]
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-#: pool ids are `<producer pid>-<12 hex digits>`; file names embed them.
-POOL_ID = re.compile(r"(\d{1,10})-([0-9a-f]{12})")
 #: any file of this package, old or new naming, with the creating pid first.
 _OWNED_FILE = re.compile(r"torchhal-(\d{1,10})-[0-9a-f]{12,32}(-[a-z0-9-]{1,40})?")
 _OPEN_FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
@@ -29,14 +36,6 @@ _OPEN_FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getat
 
 def new_pool_id() -> str:
     return f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-
-
-def control_name(pool_id: str) -> str:
-    return f"torchhal-{pool_id}-ctl"
-
-
-def host_name(pool_id: str, slot: int, generation: int) -> str:
-    return f"torchhal-{pool_id}-h{slot}-g{generation}"
 
 
 def pid_alive(pid: int) -> bool:
@@ -101,31 +100,48 @@ class SharedFile:
 
 
 class Control:
-    """int64 cells in shared memory:
-    [alive, pid, slots, consumers, pool_bytes, fingerprint x4, gen[slots], ack[slots x consumers]].
+    """int64 cells in shared memory, then the producer's constant records:
+    [alive, pid, slots, consumers, pool_bytes, fingerprint x4, event_bytes, handle_bytes,
+     gen[slots], ack[slots x consumers], event_len[slots]] + slots x event_bytes + handle_bytes.
 
     Each consumer writes only its own ack cells, so no cross-process atomics are needed.
-    The fingerprint (sha256 of the pool handle's plain data) ties a message's handle to
-    the producer that made this block.
+    The producer writes the pool handle's record (its canonical plain data) and its
+    fingerprint (sha256) once at creation, and a slot's event handle once, before the first
+    message that asks to wait on it: consumers read them once instead of every message
+    carrying them. The fingerprint tells a garbled or truncated handle record.
     """
 
-    HEADER = 9
+    HEADER = 11
     MAX_CELLS = 1 << 24  # 128 MiB of cells: far beyond any real slots x consumers
+    MAX_HANDLE_BYTES = 1 << 16  # a pool handle's plain data is well under a KiB
 
     def __init__(self, shm: SharedFile) -> None:
         self.shm = shm
         self._raw = memoryview(shm.map)
         self.cells = self._raw[: (shm.size // 8) * 8].cast("q")
 
+    @staticmethod
+    def _size(slots: int, consumers: int, event_bytes: int, handle_bytes: int) -> int:
+        event_area = slots * (-(-event_bytes // 8) * 8)
+        return 8 * (Control.HEADER + 2 * slots + slots * consumers) + event_area + handle_bytes
+
     @classmethod
-    def create(cls, pool_id: str, slots: int, consumers: int, pool_bytes: int, fingerprint: bytes) -> Control:
-        control = cls(SharedFile(control_name(pool_id), 8 * (cls.HEADER + slots + slots * consumers)))
+    def create(cls, pool_id: str, slots: int, consumers: int, pool_bytes: int, handle: bytes = b"",
+               event_bytes: int = 0) -> Control:
+        if len(handle) > cls.MAX_HANDLE_BYTES or not 0 <= event_bytes <= EVENT_HANDLE_MAX:
+            raise ValueError(f"handle record of {len(handle)} bytes or event handles of {event_bytes} bytes "
+                             f"exceed {cls.MAX_HANDLE_BYTES} / {EVENT_HANDLE_MAX}")
+        control = cls(SharedFile(control_name(pool_id), cls._size(slots, consumers, event_bytes, len(handle))))
         cells = control.cells
-        for i in range(cls.HEADER + slots, len(cells)):
-            cells[i] = -1
+        for i in range(cls.HEADER + slots, cls.HEADER + slots + slots * consumers):
+            cells[i] = -1  # no generation acknowledged yet
         cells[1], cells[2], cells[3], cells[4] = os.getpid(), slots, consumers, pool_bytes
+        fingerprint = handle_fingerprint(handle) if handle else bytes(32)
         for i in range(4):
-            cells[5 + i] = int.from_bytes(fingerprint[8 * i : 8 * i + 8].ljust(8, b"\0"), "little", signed=True)
+            cells[5 + i] = int.from_bytes(fingerprint[8 * i : 8 * i + 8], "little", signed=True)
+        cells[9], cells[10] = event_bytes, len(handle)
+        start = control._handle_start
+        control._raw[start : start + len(handle)] = handle
         cells[0] = 1
         return control
 
@@ -136,9 +152,10 @@ class Control:
             cells = control.cells
             if len(cells) < cls.HEADER:
                 raise TransportError(f"control block {name!r} is too small to be one")
-            slots, consumers = cells[2], cells[3]
-            if not (0 < slots and 0 < consumers and slots * (1 + consumers) < cls.MAX_CELLS
-                    and control.shm.size == 8 * (cls.HEADER + slots + slots * consumers)):
+            slots, consumers, event_bytes, handle_bytes = cells[2], cells[3], cells[9], cells[10]
+            if not (0 < slots and 0 < consumers and slots * (2 + consumers) < cls.MAX_CELLS
+                    and 0 <= event_bytes <= EVENT_HANDLE_MAX and 0 <= handle_bytes <= cls.MAX_HANDLE_BYTES
+                    and control.shm.size == cls._size(slots, consumers, event_bytes, handle_bytes)):
                 raise TransportError(f"control block {name!r} has an inconsistent layout")
             if cells[1] != producer_pid:
                 raise TransportError(f"control block {name!r} belongs to pid {cells[1]}, not {producer_pid}")
@@ -166,6 +183,45 @@ class Control:
     @property
     def fingerprint(self) -> bytes:
         return b"".join(self.cells[5 + i].to_bytes(8, "little", signed=True) for i in range(4))
+
+    @property
+    def event_bytes(self) -> int:
+        """Bytes of each slot's event handle record (0: the producer has no interprocess events)."""
+        return self.cells[9]
+
+    @property
+    def _event_start(self) -> int:
+        return 8 * (self.HEADER + 2 * self.slots + self.slots * self.consumers)
+
+    @property
+    def _handle_start(self) -> int:
+        return self._event_start + self.slots * (-(-self.event_bytes // 8) * 8)
+
+    def handle_record(self) -> bytes:
+        """The pool handle's record as the producer wrote it (empty without a device pool)."""
+        start = self._handle_start
+        return bytes(self._raw[start : start + self.cells[10]])
+
+    def set_event(self, slot: int, handle: bytes) -> None:
+        """Store slot `slot`'s event handle (before any message asks to wait on it)."""
+        if not 0 < len(handle) <= self.event_bytes:
+            raise ValueError(f"event handle of {len(handle)} bytes does not fit the {self.event_bytes} reserved")
+        start = self._event_start + slot * (-(-self.event_bytes // 8) * 8)
+        self._raw[start : start + len(handle)] = handle
+        self.cells[self.HEADER + self.slots + self.slots * self.consumers + slot] = len(handle)
+
+    def event(self, slot: int) -> bytes | None:
+        """Slot `slot`'s event handle, None if the producer stored none; a garbled length is a TransportError."""
+        length = self.cells[self.HEADER + self.slots + self.slots * self.consumers + slot]
+        if length == 0:
+            return None
+        if not 0 < length <= self.event_bytes:
+            raise TransportError(
+                f"control block {self.name!r} is garbled: slot {slot}'s event handle length {length} is outside "
+                f"1..{self.event_bytes}"
+            )
+        start = self._event_start + slot * (-(-self.event_bytes // 8) * 8)
+        return bytes(self._raw[start : start + length])
 
     def generation(self, slot: int) -> int:
         return self.cells[self.HEADER + slot]

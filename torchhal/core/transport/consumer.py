@@ -1,16 +1,19 @@
 """The consumer side: every message is untrusted data from another process.
 
-A consumer opens each producer's control block and pool once per device (redirected
-to its own device where peers allow), rebuilds the tensor from the bytes the message
-names, and acknowledges. Anything wrong with a message is a `TransportError`.
+A consumer opens each producer's control block once, and its pool once per device
+(redirected to its own device where peers allow) from the handle record in that block,
+checked against its fingerprint; it rebuilds the tensor from the bytes the message names,
+and acknowledges. Anything wrong with a message is a `TransportError`.
 
-A pool message may carry the handle of the producer slot's interprocess event: the
-consumer opens it once per slot (kept with the producer's entry, dropped with it) and
-makes its stream wait on it before reading, so the producer never waits on the host.
+A pool message may ask to wait on the producer slot's interprocess event: the consumer
+reads its handle from the control block and opens it once per slot (kept with the
+producer's entry, dropped with it), and makes its stream wait on it before reading, so the
+producer never waits on the host.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -18,10 +21,10 @@ from typing import Any
 
 import torch
 
-from torchhal.core.transport._shm import POOL_ID, Control, SharedFile, control_name, host_name, pid_alive
+from torchhal.core.transport._shm import Control, SharedFile, control_name, pid_alive
 from torchhal.core.transport.messages import TensorMessage, TransportError, handle_fingerprint
 from torchhal.platforms import IpcHandle, IpcHandleError, Platform, current_platform
-from torchhal.platforms.ipc import DTYPES, handle_to_data
+from torchhal.platforms.ipc import DTYPES, handle_from_data
 
 #: producers whose control block and pool a consumer keeps open at once (least recently used go).
 MAX_OPEN_PRODUCERS = 64
@@ -33,10 +36,8 @@ MAX_PENDING_ACKS = 64
 @dataclass
 class _OpenProducer:
     control: Control
-    pool_id: str  # the pool id and pid the control block was checked against
-    producer_pid: int
-    handle: IpcHandle | None = None  # the pool handle checked against the control's fingerprint
-    handle_data: object = None  # its plain data, as messages carry it
+    producer_pid: int  # the pid the control block was checked against
+    handle: IpcHandle | None = None  # the pool handle read from the control block, checked
     pool: torch.Tensor | None = None  # the opened pool as flat bytes
     #: slot -> (event handle, opened event); at most one per slot of this producer.
     events: dict[int, tuple[bytes, Any]] = field(default_factory=dict)
@@ -52,7 +53,7 @@ class Consumer:
         self.platform = platform or current_platform()
         self.device_index = self.platform.current_device() if device_index is None else device_index
         self.max_producers = max_producers
-        self._open: OrderedDict[str, _OpenProducer] = OrderedDict()  # by control-block name
+        self._open: OrderedDict[str, _OpenProducer] = OrderedDict()  # by pool id
         # copy_stream: copies run on a side stream the caller's stream then waits for (an
         # event, no host synchronisation), so they can overlap work already queued.
         self._side = self.platform.new_stream(self.device_index) if copy_stream else None
@@ -88,13 +89,7 @@ class Consumer:
     def _receive(self, message: Any, copy: bool) -> torch.Tensor:
         if self._pending:
             self.flush_acks(wait=False)
-        known = None
-        if type(message) is dict:  # a pool handle equal to one already opened is not decoded again
-            name = message.get("control")
-            cached = self._open.get(name) if type(name) is str else None
-            if cached is not None and cached.handle is not None:
-                known = (cached.handle_data, cached.handle)
-        msg = TensorMessage.from_dict(message, known)
+        msg = TensorMessage.from_wire(message)
         entry = self._producer(msg)
         control = entry.control
         if control.generation(msg.slot) != msg.generation:
@@ -106,12 +101,14 @@ class Consumer:
         if msg.kind == "host":
             tensor = self._from_host(msg, dtype)
         else:
-            pool = self._pool(entry, msg)
-            if msg.offset + msg.nbytes > pool.numel():
-                raise TransportError(f"slice exceeds the opened pool of {pool.numel()} bytes")
+            if msg.offset + msg.nbytes > control.pool_bytes:  # before opening anything
+                raise TransportError(
+                    f"slice [{msg.offset}, {msg.offset + msg.nbytes}) exceeds its pool of {control.pool_bytes} bytes"
+                )
+            pool = entry.pool if entry.pool is not None else self._pool(entry, msg)
             # Bytes [offset, offset + nbytes) and nothing else; the view was checked to fit them.
             tensor = self._view(entry, pool, msg, dtype)
-            ready = self._slot_event(entry, msg) if msg.event is not None else None
+            ready = self._slot_event(entry, msg) if msg.event else None
             pool_index = pool.device.index or 0
             side = copy and self._side is not None and pool_index == self.device_index
             if ready is not None:  # the stream that reads the slice waits for the producer's copy
@@ -181,9 +178,14 @@ class Consumer:
         return out
 
     def _slot_event(self, entry: _OpenProducer, msg: TensorMessage) -> Any:
-        """The producer slot's event, opened once per slot (a changed handle is opened anew)."""
-        handle = msg.event
-        assert handle is not None and entry.handle is not None
+        """The producer slot's event (its handle from the control block), opened once per slot
+        (a changed handle is opened anew)."""
+        handle = entry.control.event(msg.slot)
+        if handle is None:
+            raise TransportError(
+                f"message asks to wait on slot {msg.slot}'s event, but producer {msg.pool_id} stored none"
+            )
+        assert entry.handle is not None
         known = entry.events.get(msg.slot)
         if known is not None and known[0] == handle:
             return known[1]
@@ -191,7 +193,7 @@ class Consumer:
         events = ipc.events if ipc is not None else None
         if events is None:
             raise TransportError(
-                f"message carries an event handle but platform {self.platform.name!r} cannot open interprocess "
+                f"message asks to wait on an event but platform {self.platform.name!r} cannot open interprocess "
                 "events; producer and consumer must run the same platform"
             )
         if len(handle) != events.handle_nbytes:
@@ -209,25 +211,20 @@ class Consumer:
 
     # producers ------------------------------------------------------------------------------
     def _producer(self, msg: TensorMessage) -> _OpenProducer:
-        if not pid_alive(msg.producer_pid):
-            raise TransportError(f"producer pid {msg.producer_pid} has exited; its pool {msg.pool_id} is gone")
+        pid = msg.producer_pid
+        if not pid_alive(pid):
+            raise TransportError(f"producer pid {pid} has exited; its pool {msg.pool_id} is gone")
         with self._lock:
-            entry = self._open.get(msg.control)
-            if entry is not None and entry.pool_id == msg.pool_id and entry.producer_pid == msg.producer_pid:
-                self._open.move_to_end(msg.control)  # the names were checked when it was opened
-            else:
-                match = POOL_ID.fullmatch(msg.pool_id)
-                if match is None or int(match.group(1)) != msg.producer_pid:
-                    raise TransportError(f"pool id {msg.pool_id!r} is not one of producer pid {msg.producer_pid}")
-                if msg.control != control_name(msg.pool_id):
-                    raise TransportError(f"control block {msg.control!r} is not the one of pool {msg.pool_id!r}")
-                assert entry is None  # its name is control_name(pool_id), so pool id and pid matched
+            entry = self._open.get(msg.pool_id)
+            if entry is not None:
+                self._open.move_to_end(msg.pool_id)
+            else:  # first sight: the control block named by the pool id, and of its pid
                 self._prune()
-                entry = _OpenProducer(Control.open(msg.control, msg.producer_pid), msg.pool_id, msg.producer_pid)
-                self._open[msg.control] = entry
+                entry = _OpenProducer(Control.open(control_name(msg.pool_id), pid), pid)
+                self._open[msg.pool_id] = entry
         control = entry.control
         if not control.alive:
-            self._forget(msg.control)
+            self._forget(msg.pool_id)
             raise TransportError(f"producer pool {msg.pool_id} was closed")
         if not 0 <= msg.slot < control.slots or not 0 <= self.rank < control.consumers:
             raise TransportError(
@@ -263,30 +260,41 @@ class Consumer:
         return len(self._open)
 
     def _pool(self, entry: _OpenProducer, msg: TensorMessage) -> torch.Tensor:
-        handle = msg.pool_handle
-        if handle is None:
-            raise TransportError("pool message lacks its pool_handle")
+        """Open the producer's pool from the handle record in its control block (first sight)."""
+        control = entry.control
         with self._lock:
-            if entry.pool is not None and entry.handle == handle:
+            if entry.pool is not None:
                 return entry.pool
-            if entry.pool is not None or handle_fingerprint(handle) != entry.control.fingerprint:
-                raise TransportError(f"pool_handle is not the one producer {msg.pool_id} shared")
-            if handle.shape[0] != entry.control.pool_bytes:
+            record = control.handle_record()
+            if not record or control.pool_bytes == 0:
+                raise TransportError(f"producer {msg.pool_id} has no device pool, yet the message names one")
+            if handle_fingerprint(record) != control.fingerprint:
                 raise TransportError(
-                    f"pool_handle names {handle.shape[0]} bytes; the producer's pool has {entry.control.pool_bytes}"
+                    f"the pool handle record of producer {msg.pool_id} does not match its fingerprint (garbled)"
+                )
+            try:
+                handle = handle_from_data(json.loads(record))
+            except (IpcHandleError, ValueError) as exc:
+                raise TransportError(f"producer {msg.pool_id} has an invalid pool handle: {exc}") from exc
+            # A pool is one flat byte buffer; anything else would index the slice in elements.
+            flat = handle.dtype == "uint8" and handle.offset_bytes == 0 and handle.stride == (1,)
+            if not flat or len(handle.shape) != 1 or handle.shape[0] > handle.storage_nbytes:
+                raise TransportError(
+                    f"pool handle must describe a flat uint8 buffer, got {handle.dtype} {handle.shape} "
+                    f"stride {handle.stride} at byte {handle.offset_bytes} of {handle.storage_nbytes}"
+                )
+            if handle.shape[0] != control.pool_bytes:
+                raise TransportError(
+                    f"pool handle names {handle.shape[0]} bytes; the producer's pool has {control.pool_bytes}"
                 )
             ipc = self.platform.ipc_support
             if ipc is None:
                 raise TransportError(f"platform {self.platform.name!r} cannot open device pools")
             opened = ipc.open(handle, self.device_index)
             entry.pool, entry.handle = opened.reshape(-1).view(torch.uint8), handle  # index in bytes, always
-            entry.handle_data = handle_to_data(handle)
             return entry.pool
 
     def _from_host(self, msg: TensorMessage, dtype: torch.dtype) -> torch.Tensor:
-        assert msg.host_name is not None
-        if msg.host_name != host_name(msg.pool_id, msg.slot, msg.generation):
-            raise TransportError(f"host block {msg.host_name!r} is not one of pool {msg.pool_id} slot {msg.slot}")
         block = SharedFile(msg.host_name, writable=False)
         try:
             if block.size < msg.nbytes:

@@ -1,19 +1,20 @@
 """The producer side: one device pool per worker, best-fit slices, host fallback.
 
 A producer worker owns one device buffer (its pool) whose IPC handle is taken once;
-tensors are copied into best-fit slices and sent as plain-data messages. A slice is
+tensors are copied into best-fit slices and sent as flat plain-data messages (see
+`messages`); the handle's plain data is written once into the producer's control block. A slice is
 recycled when every expected consumer has acknowledged its current generation. A full
 pool, or a platform without IPC, falls back to host shared memory with the same API.
 
 Where the platform has interprocess events (`IpcSupport.events`), each slot has one: the
-copy into the pool is recorded on it and the message carries its handle, so `send` returns
+copy into the pool is recorded on it, its handle is stored once in the control block and
+the message asks the consumer to wait on it, so `send` returns
 without waiting and the consumer's stream waits on the device. Without them, `send` waits
 for its own copy (an event synchronize) before the message leaves.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -22,9 +23,9 @@ from typing import Any
 import torch
 
 from torchhal.core.transport._shm import Control, SharedFile, host_name, new_pool_id, reclaim_orphans
-from torchhal.core.transport.messages import encode_event, handle_fingerprint
+from torchhal.core.transport.messages import contiguous_stride, handle_record
 from torchhal.platforms import IpcEvents, IpcHandle, Platform, current_platform
-from torchhal.platforms.ipc import dtype_name, handle_to_data
+from torchhal.platforms.ipc import dtype_name
 
 MiB = 1 << 20
 POOL_FLOOR_BYTES = 128 * MiB
@@ -69,10 +70,14 @@ class Producer:
         if ipc is not None:
             self.pool = torch.empty(self.pool_bytes, dtype=torch.uint8, device=self.platform.device(self.device_index))
             self.pool_handle = ipc.share(self.pool)  # taken once for the pool's lifetime
-        fingerprint = handle_fingerprint(self.pool_handle) if self.pool_handle is not None else bytes(32)
+        self._events: IpcEvents | None = (
+            ipc.events if ipc is not None and self.pool is not None and config.interprocess_events else None
+        )
+        # Constant per producer, so in the control block (read once per consumer), not in messages.
         self.control = Control.create(
             self.pool_id, config.max_slices, config.consumers, self.pool_bytes if self.pool is not None else 0,
-            fingerprint,
+            handle_record(self.pool_handle) if self.pool_handle is not None else b"",
+            self._events.handle_nbytes if self._events is not None else 0,
         )
         self._free: list[tuple[int, int]] = [(0, self.pool_bytes)]  # (offset, size), sorted by offset
         self._used: dict[int, tuple[int, int, str | None]] = {}  # slot -> (offset, size, host block name)
@@ -80,19 +85,10 @@ class Producer:
         self._free_slots = list(range(config.max_slices - 1, -1, -1))
         self._warned_full = False
         self._copied = self.platform.new_event()  # marks the end of each send's copy into the pool
-        self._events: IpcEvents | None = (
-            ipc.events if ipc is not None and self.pool is not None and config.interprocess_events else None
-        )
         self._typed: dict[torch.dtype, torch.Tensor] = {}  # the pool viewed as each dtype sent
-        self._slot_events: dict[int, tuple[Any, str]] = {}  # slot -> (interprocess event, handle text)
+        self._slot_events: dict[int, Any] = {}  # slot -> its interprocess event
+        self._dtype_names: dict[torch.dtype, str] = {}
         self._sends_since_reclaim = 0
-        self._pid = os.getpid()
-        self._control_name = self.control.name
-        # The parts every pool message repeats, built once (the pool handle never changes).
-        # Messages get a copy of this dict but share its lists: copy a message before changing those.
-        self._pool_handle_data: dict[str, Any] = (
-            handle_to_data(self.pool_handle) if self.pool_handle is not None else {}
-        )
         self._lock = threading.Lock()
 
     # slices -------------------------------------------------------------------------------
@@ -151,14 +147,18 @@ class Producer:
         return sum(size for _, size in self._free)
 
     # sending -------------------------------------------------------------------------------
-    def send(self, tensor: torch.Tensor) -> dict[str, Any]:
-        """Copy `tensor` into the pool (or host memory) and return the plain-data message.
+    def send(self, tensor: torch.Tensor) -> tuple[Any, ...]:
+        """Copy `tensor` into the pool (or host memory) and return the message: the flat
+        plain-data record of `TensorMessage.to_wire` (a tuple; JSON-safe).
 
         With interprocess events the copy may still be running when this returns (it is
         queued on the pool device's current stream); the consumer's stream waits for it.
         """
         source = tensor.detach().contiguous()
         nbytes = source.numel() * source.element_size()
+        dtype = self._dtype_names.get(source.dtype)
+        if dtype is None:
+            dtype = self._dtype_names[source.dtype] = dtype_name(source.dtype)  # unsupported: IpcHandleError
         with self._lock:
             self._sends_since_reclaim += 1
             if not self._free_slots or self._sends_since_reclaim >= RECLAIM_EVERY:
@@ -176,7 +176,7 @@ class Producer:
                     offset = self._allocate(nbytes)
             slot = self._free_slots.pop()
             generation = self.control.bump(slot)
-            event_text = None
+            event = False
             if offset is not None and self.pool is not None:
                 self._slice(offset, nbytes, source).copy_(source)
                 stream = self.platform.current_stream(self.device_index)
@@ -185,32 +185,25 @@ class Producer:
                     # generation: the slot is reused only after every consumer acknowledged
                     # that generation, and a consumer acknowledges after queuing its wait,
                     # which waits for the record it saw, not for later ones.
-                    event_text = self._record_slot_event(slot, stream, self._events)
+                    self._record_slot_event(slot, stream, self._events)
+                    event = True
                 else:
                     # Consumers read after the message arrives: wait for this copy (the pool
                     # device's current stream), not for everything queued on the device.
                     self._copied.record(stream)
                     self._copied.synchronize()
                 self._used[slot] = (offset, nbytes, None)
-                kind, block_name = "pool", None
+                kind = "pool"
             else:
-                block_name = self._to_host(slot, generation, source, nbytes)
-                self._used[slot] = (0, nbytes, block_name)
+                self._used[slot] = (0, nbytes, self._to_host(slot, generation, source, nbytes))
                 offset, kind = 0, "host"
-        # The message, built directly (TensorMessage.to_dict's layout; the pool handle's
-        # plain data is built once): per-send host work is on the critical path.
-        message: dict[str, Any] = {
-            "kind": kind, "pool_id": self.pool_id, "slot": slot, "generation": generation, "offset": offset,
-            "nbytes": nbytes, "dtype": dtype_name(source.dtype), "shape": list(source.shape),
-            "stride": list(source.stride()), "control": self._control_name, "producer_pid": self._pid,
-        }
-        if kind == "pool":
-            message["pool_handle"] = dict(self._pool_handle_data)  # its lists are shared: see __init__
-            if event_text is not None:
-                message["event"] = event_text
-        else:
-            message["host_name"] = block_name
-        return message
+        # The wire record, built directly (TensorMessage.to_wire's layout): per-send host work
+        # is on the critical path. `source` is contiguous; its stride is sent only where it
+        # differs from the one derived from the shape (size-1 dimensions may).
+        shape = tuple(source.shape)
+        stride = tuple(source.stride())
+        return (kind, self.pool_id, slot, generation, offset, nbytes, dtype, shape,
+                None if stride == contiguous_stride(shape) else stride, event)
 
     def _slice(self, offset: int, nbytes: int, source: torch.Tensor) -> torch.Tensor:
         """Pool bytes [offset, offset + nbytes) as a tensor shaped like (contiguous) `source`."""
@@ -224,17 +217,17 @@ class Producer:
         # One strided view of the pool (no slice, no reinterpretation per send).
         return typed.as_strided(source.shape, source.stride(), typed.storage_offset() + offset // size)
 
-    def _record_slot_event(self, slot: int, stream: Any, events: IpcEvents) -> str:
-        """Record the slot's interprocess event on `stream` (made on first use); its handle text."""
+    def _record_slot_event(self, slot: int, stream: Any, events: IpcEvents) -> None:
+        """Record the slot's interprocess event on `stream`; made on first use, when its handle
+        is stored in the control block (before the message that asks to wait on it leaves)."""
         known = self._slot_events.get(slot)
         if known is not None:
-            known[0].record(stream)
-            return known[1]
+            known.record(stream)
+            return
         event = events.new(self.device_index)
         event.record(stream)
-        text = encode_event(events.export(event))  # after the first record: the event exists
-        self._slot_events[slot] = (event, text)
-        return text
+        self.control.set_event(slot, events.export(event))  # after the first record: the event exists
+        self._slot_events[slot] = event
 
     def _to_host(self, slot: int, generation: int, source: torch.Tensor, nbytes: int) -> str:
         if self.pool is not None and not self._warned_full:
@@ -254,7 +247,7 @@ class Producer:
         return block.name
 
     def close(self) -> None:
-        for event, _ in self._slot_events.values():
+        for event in self._slot_events.values():
             event.synchronize()  # its last copy done before the event (and the pool) go away
         self._slot_events.clear()
         for block in self._host_blocks.values():
