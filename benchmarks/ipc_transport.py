@@ -42,6 +42,8 @@ from torchhal.core.transport import Consumer, Producer, TransportConfig  # noqa:
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 SMALL = [s for s in SIZES if s <= MiB]
+#: round trips per transport mode before the sizes are timed (covers the slots a run cycles through)
+WARMUP_ROUND_TRIPS = 128
 
 
 def consumer_loop(redirect: bool, inbox, outbox, device: int = 1) -> None:
@@ -188,6 +190,12 @@ def main() -> None:
     # 2. per size: anchors and the transport (one transport consumer, one torch.multiprocessing consumer)
     proc, inbox, outbox, pid = start_consumer(ctx, True, tmp)
     mp_proc, mp_inbox, mp_outbox, mp_pid = start_consumer(ctx, True, tmp)
+    # Steady state, as in an engine: the consumer opens each slot's interprocess event once
+    # (~0.1 ms), and the first size row would otherwise pay it on every new slot it touches.
+    warm = torch.ones(1024, device="cuda:0")
+    for sender, kind in ((producer, "message"), (producer, "view"), (synced, "message")):
+        round_trips(inbox, outbox, lambda s=sender, k=kind: (k, s.send(warm)), WARMUP_ROUND_TRIPS, sender)
+    results["warmup_round_trips_per_mode"] = WARMUP_ROUND_TRIPS
     for nbytes in SIZES:
         tensor = torch.arange(nbytes // 4, dtype=torch.float32, device="cuda:0")
         inbox.put(("message", producer.send(tensor), "check"))
