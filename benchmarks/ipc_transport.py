@@ -130,6 +130,18 @@ def in_process_copy_ms(nbytes: int, repeats: int) -> float:
     return median_ms(samples)
 
 
+def queue_round_trip_ms(inbox, outbox, item: Any, repeats: int = 200, warmups: int = 10) -> float:
+    """Median round trip of `item` through the consumer's queues (it answers without receiving)."""
+    samples = []
+    for i in range(repeats + warmups):
+        t0 = time.perf_counter()
+        inbox.put(item)
+        outbox.get(timeout=60)
+        if i >= warmups:
+            samples.append(time.perf_counter() - t0)
+    return median_ms(samples)
+
+
 def round_trips(inbox, outbox, make_item, repeats: int, producer: Producer | None = None) -> dict[str, Any]:
     """Median round trip (send -> consumer tensor ready -> reply) and its parts."""
     total, send, receive, wait = [], [], [], []
@@ -230,26 +242,13 @@ def main() -> None:
     results["context_mib_on_producer_gpu"]["transport_consumer"] = {"gpu0_mib": smi_mib(pid).get(0, 0)}
 
     # 3. small messages: transport latency vs a torch.multiprocessing queue round trip of a small object
-    pings = []
-    for i in range(200 + 10):
-        t0 = time.perf_counter()
-        inbox.put(("ping", i))
-        outbox.get(timeout=60)
-        if i >= 10:
-            pings.append(time.perf_counter() - t0)
-    queue_ms = median_ms(pings)
-    echoes = []
+    queue_ms = queue_round_trip_ms(inbox, outbox, ("ping", 0))
     message = producer.send(torch.ones(KiB, device="cuda:0"))
-    for i in range(200 + 10):
-        t0 = time.perf_counter()
-        inbox.put(("echo", message))
-        outbox.get(timeout=60)
-        if i >= 10:
-            echoes.append(time.perf_counter() - t0)
+    echo_ms = queue_round_trip_ms(inbox, outbox, ("echo", message))
     inbox.put(("view", message))  # received (and so acknowledged) once: its slice is recycled as usual
     outbox.get(timeout=60)
     results["small_latency"] = {"torch_mp_queue_round_trip_ms": queue_ms,
-                                "message_queue_round_trip_ms": median_ms(echoes), "by_size": []}
+                                "message_queue_round_trip_ms": echo_ms, "by_size": []}
     for row in results["sizes"]:
         if row["bytes"] in SMALL:
             results["small_latency"]["by_size"].append({

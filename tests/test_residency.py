@@ -505,24 +505,30 @@ def _storage(t):
     return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_a_block_smaller_than_a_granule_gives_each_parameter_its_own_allocation(prefetch):
-    # Below one allocator granule there is no head to pack into: one tensor per parameter,
-    # the requests the module's own move makes.
+def _block_of(params):
+    """A WeightBlock of `params` on the current platform's device 0, with the parameters'
+    values before it took them and its element count."""
     from torchhal.core.residency import WeightBlock
     from torchhal.platforms import current_platform
 
     platform = current_platform()
-    params = _odd_params()
     originals = [p.detach().clone() for p in params]
     block = WeightBlock(params, platform, platform.device(0))
-    numel = sum(p.numel() for p in params)
+    return block, originals, sum(p.numel() for p in params)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_block_smaller_than_a_granule_gives_each_parameter_its_own_allocation(prefetch):
+    # Below one allocator granule there is no head to pack into: one tensor per parameter,
+    # the requests the module's own move makes.
+    params = _odd_params()
+    block, originals, numel = _block_of(params)
     assert block.layout(torch.float32).head_numel == 0 and block.layout(torch.bfloat16).head_numel == 0
     host_storage = _storage(block.host)
     assert all(_storage(p.data) == host_storage for p in params)  # at rest: views of the pinned buffer
 
     def load(dtype=None):
-        block.load(platform.new_stream(0) if prefetch else None, dtype=dtype)
+        block.load(block.platform.new_stream(0) if prefetch else None, dtype=dtype)
         block.wait()
 
     load()
@@ -582,20 +588,15 @@ def test_a_block_over_a_granule_packs_its_largest_parameters_into_one_head_of_wh
     # One request of whole granules is not rounded by the caching allocator and, released,
     # is one large segment it can carve for other work; the parameters that do not fit get
     # their own tensors.
-    from torchhal.core.residency import WeightBlock
     from torchhal.core.residency.weights import ALIGNMENT, GRANULE
-    from torchhal.platforms import current_platform
 
-    platform = current_platform()
     named = _packed_params()
     names, params = list(named), list(named.values())
-    originals = [p.detach().clone() for p in params]
-    block = WeightBlock(params, platform, platform.device(0))
-    numel = sum(p.numel() for p in params)
+    block, originals, numel = _block_of(params)
     index = {name: i for i, name in enumerate(names)}
 
     def load(dtype=None):
-        block.load(platform.new_stream(0) if prefetch else None, dtype=dtype)
+        block.load(block.platform.new_stream(0) if prefetch else None, dtype=dtype)
         block.wait()
 
     def check_values(dtype):
@@ -651,16 +652,10 @@ def test_a_head_is_trimmed_to_the_granules_its_parameters_reach_and_equal_sizes_
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_a_block_loaded_into_a_buffer_views_it(prefetch):
     # The layerwise ring path: the parameters are consecutive views of the given buffer.
-    from torchhal.core.residency import WeightBlock
-    from torchhal.platforms import current_platform
-
-    platform = current_platform()
     params = _odd_params()
-    originals = [p.detach().clone() for p in params]
-    block = WeightBlock(params, platform, platform.device(0))
-    numel = sum(p.numel() for p in params)
+    block, originals, numel = _block_of(params)
     slot = torch.full((numel + 9,), -1.0, dtype=torch.bfloat16)  # larger than the block, as a ring slot is
-    block.load(platform.new_stream(0) if prefetch else None, slot, torch.bfloat16)
+    block.load(block.platform.new_stream(0) if prefetch else None, slot, torch.bfloat16)
     block.wait()
     offsets = [0, 15, 22]
     assert [p.data.data_ptr() for p in params] == [slot.data_ptr() + o * 2 for o in offsets]
