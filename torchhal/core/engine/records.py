@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from torchhal.core.model import ModelConfig
+from torchhal.core.model.decoder import check_compile_backend
 
 
 class PauseMode(str, enum.Enum):
@@ -159,11 +160,7 @@ class EngineConfig:
                 f"EngineConfig.decode_graphs = {self.decode_graphs!r} must be a DecodeGraphConfig or None; "
                 "e.g. decode_graphs=DecodeGraphConfig() to turn full-graph decode on"
             )
-        backend = self.compile_layers
-        if backend is not None and not (isinstance(backend, str) and backend) and not callable(backend):
-            raise ValueError(
-                f"EngineConfig.compile_layers = {backend!r} must be a torch.compile backend name "
-                "(e.g. 'inductor'), a backend callable, or None"
-            )
+        if self.compile_layers is not None:
+            check_compile_backend(self.compile_layers, "EngineConfig.compile_layers")
         if self.idle_empty_after_s is not None and self.idle_empty_after_s < 0:
             raise ValueError(f"EngineConfig.idle_empty_after_s = {self.idle_empty_after_s!r} must be >= 0 or None")

@@ -366,15 +366,12 @@ class LayerMath:
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
-        self.backend: str | Callable[..., Any] | None = None
         self.pre_attention: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._pre_attention
         self.post_attention: Callable[..., torch.Tensor] = self._post_attention
         self.final_norm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._final_norm
 
     def compile(self, backend: str | Callable[..., Any] = "inductor") -> None:
-        if not (isinstance(backend, str) and backend) and not callable(backend):
-            raise ValueError(f"compile backend {backend!r} must be a torch.compile backend name (e.g. "
-                             "'inductor') or a backend callable")
+        check_compile_backend(backend, "compile backend")
         def compiled(fn: Callable[..., Any], *token_args: int) -> Callable[..., Any]:
             return _token_dim_dynamic(torch.compile(fn, backend=backend, fullgraph=True), token_args)
 
@@ -382,7 +379,6 @@ class LayerMath:
         self.pre_attention = compiled(self._pre_attention, 0, 6, 7)
         self.post_attention = compiled(self._post_attention, 0, 1)
         self.final_norm = compiled(self._final_norm, 0)
-        self.backend = backend
 
     def _pre_attention(
         self, residual: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor,
@@ -415,6 +411,13 @@ class LayerMath:
 
     def _final_norm(self, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(residual, weight, self.config.rms_eps)
+
+
+def check_compile_backend(backend: object, label: str) -> None:
+    """A torch.compile backend: a non-empty name (e.g. "inductor") or a backend callable."""
+    if not (isinstance(backend, str) and backend) and not callable(backend):
+        raise ValueError(f"{label} = {backend!r} must be a torch.compile backend name "
+                         "(e.g. 'inductor') or a backend callable")
 
 
 def _token_dim_dynamic(compiled: Callable[..., Any], token_args: tuple[int, ...]) -> Callable[..., Any]:

@@ -111,14 +111,15 @@ class Consumer:
             ready = self._slot_event(entry, msg) if msg.event else None
             pool_index = pool.device.index or 0
             side = copy and self._side is not None and pool_index == self.device_index
-            if ready is not None:  # the stream that reads the slice waits for the producer's copy
-                ready.wait(self._side if side else self.platform.current_stream(pool_index))
+            # The stream that reads the slice, looked up once (a lookup builds a stream object).
+            reader = self._side if side else self.platform.current_stream(pool_index)
+            if ready is not None:  # the reader waits for the producer's copy
+                ready.wait(reader)
             if copy:
                 tensor = self._copy_on_side(tensor) if side else tensor.clone()
                 # The producer may overwrite the slice once it is acknowledged: ack when the
                 # copy has run (at once where it already has, e.g. in-order host platforms).
-                self._ack_when_done(self._side if side else self.platform.current_stream(pool_index),
-                                    pool_index, control, msg.slot, msg.generation)
+                self._ack_when_done(reader, pool_index, control, msg.slot, msg.generation)
                 return tensor
         # Acknowledged after the wait was queued: the producer re-records this slot's event
         # only after every consumer acknowledged, and a queued wait keeps the record it saw.
