@@ -111,3 +111,19 @@ def test_ipc_consumer_creates_no_context_on_the_producer_gpu(cuda):
     assert result["sum"] == float(sum(range(1 << 20))) and result["device"] == "cuda:1"
     assert usage.get((result["pid"], 0), 0) == 0, f"consumer holds memory on GPU 0: {usage}"
     assert usage.get((result["pid"], 1), 0) > 0
+
+
+def test_current_stream_follows_the_stream_in_use_and_is_kept(cuda):
+    default = cuda.current_stream(0)
+    assert default == torch.cuda.current_stream(0) and cuda.current_stream(0) is default
+    side = torch.cuda.Stream(0)
+    with torch.cuda.stream(side):
+        assert cuda.current_stream(0) == side and cuda.current_stream(0).cuda_stream == side.cuda_stream
+    assert cuda.current_stream(0) is default
+    event = torch.cuda.Event()
+    x = torch.ones(1 << 20, device="cuda:0")
+    with torch.cuda.stream(side):
+        y = x * 2
+        event.record(cuda.current_stream(0))  # recorded on `side`, where y is computed
+    event.synchronize()
+    assert float(y[-1]) == 2.0

@@ -334,3 +334,32 @@ def test_the_ipc_redirect_switch_opens_on_the_producer_device(monkeypatch):
     assert MusaPlatform().ipc_peer_redirect is True  # other instances keep the declaration
     platform.set_ipc_peer_redirect(True)
     assert platform.ipc_support.peer_redirect
+
+
+def test_cuda_current_stream_is_one_object_per_runtime_stream(monkeypatch):
+    """Mapping (no GPU): the stream object is cached by the runtime's stream key, never reused
+    for another stream, and the runtime is initialized through torch before the first lookup."""
+    runtime = {"initialized": False, "key": (0, 1, 1)}
+    made: list[dict] = []
+
+    def make_stream(**key):
+        made.append(key)
+        return types.SimpleNamespace(**key)
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: runtime["initialized"])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index: ("initializing", index))
+    monkeypatch.setattr(torch.cuda, "Stream", make_stream)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentStream", lambda index: (*runtime["key"][:1], index, 1),
+                        raising=False)
+    plugin = CudaPlatform()
+    assert plugin.current_stream(1) == ("initializing", 1)  # torch's own path until initialized
+    runtime["initialized"] = True
+    first = plugin.current_stream(1)
+    assert plugin.current_stream(1) is first and len(made) == 1
+    assert (first.stream_id, first.device_index, first.device_type) == (0, 1, 1)
+    runtime["key"] = (7, 1, 1)  # `with torch.cuda.stream(s)`: another current stream
+    other = plugin.current_stream(1)
+    assert other is not first and other.stream_id == 7
+    assert plugin.current_stream(0) is not first and made[-1] == {"stream_id": 7, "device_index": 0, "device_type": 1}
+    runtime["key"] = (0, 1, 1)
+    assert plugin.current_stream(1) is first and len(made) == 3
