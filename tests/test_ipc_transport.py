@@ -325,3 +325,49 @@ def test_copy_on_a_side_stream_returns_the_same_values():
         assert torch.equal(got, tensor) and got.untyped_storage().nbytes() != producer.pool_bytes
     producer.close()
     consumer.close()
+
+
+def test_reused_slices_carry_each_send_in_its_own_dtype_and_shape():
+    """Both sides keep pool views for reuse: the same bytes sent as another dtype, shape or
+    stride must still arrive as sent, and a zero-copy view is never one kept for copies."""
+    producer, consumer = Producer(small()), Consumer(0)
+    sends = [torch.arange(32, dtype=torch.float32).reshape(4, 8), torch.arange(32, dtype=torch.float32).reshape(8, 4),
+             torch.arange(64, dtype=torch.int16), torch.arange(32, dtype=torch.int32).reshape(4, 8),
+             torch.arange(32, dtype=torch.float32).reshape(4, 8) * -1,
+             torch.arange(32, dtype=torch.float32).reshape(4, 8).t(), torch.arange(32, dtype=torch.float32)[None]]
+    offsets = set()
+    for tensor in sends:  # each one acknowledged before the next: the same slice every time
+        message = producer.send(tensor)
+        offsets.add(fields(message)["offset"])
+        got = consumer.receive(message)
+        assert got.dtype == tensor.dtype and torch.equal(got, tensor), (tensor.shape, tensor.dtype)
+        assert producer.reclaim() == 1
+    assert offsets == {0}
+    message = producer.send(sends[0])  # the same bytes, read transposed by a stride the sender chose
+    assert torch.equal(consumer.receive(forge(message, shape=[8, 4], stride=[1, 8])), sends[0].t())
+    producer.reclaim()
+    first = consumer.receive(producer.send(sends[0]), copy=False)
+    first.t_()  # a caller may change its view's metadata in place
+    producer.reclaim()
+    second = consumer.receive(producer.send(sends[0]), copy=False)
+    assert second is not first and second.shape == (4, 8) and torch.equal(consumer.receive(producer.send(sends[0])),
+                                                                          sends[0])
+    producer.close()
+    consumer.close()
+
+
+def test_kept_views_are_bounded(monkeypatch):
+    from torchhal.core.transport import consumer as consumer_module
+    from torchhal.core.transport import producer as producer_module
+
+    monkeypatch.setattr(producer_module, "MAX_KEPT_VIEWS", 4)
+    monkeypatch.setattr(consumer_module, "MAX_KEPT_VIEWS", 4)
+    producer, consumer = Producer(small()), Consumer(0)
+    for length in range(1, 20):  # 19 shapes at the same offset: 19 keys on each side
+        tensor = torch.arange(length, dtype=torch.float32)
+        assert torch.equal(consumer.receive(producer.send(tensor)), tensor)
+        producer.reclaim()
+    assert len(producer._views) <= 4
+    assert all(len(entry.views) <= 4 for entry in consumer._open.values())
+    producer.close()
+    consumer.close()

@@ -14,8 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
-from typing import Any
+from functools import lru_cache
+from typing import Any, NamedTuple
 
 from torchhal.platforms import IpcHandle, IpcHandleError
 from torchhal.platforms.ipc import DTYPES, MAX_BYTES, MAX_DIMS, check_view, handle_to_data, itemsize
@@ -51,6 +51,7 @@ def handle_fingerprint(record: bytes) -> bytes:
     return hashlib.sha256(record).digest()
 
 
+@lru_cache(maxsize=1024)  # per message on both sides, for the few shapes an engine sends
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, step = [], 1
     for size in reversed(shape):
@@ -59,8 +60,10 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-@dataclass(frozen=True)
-class TensorMessage:
+class TensorMessage(NamedTuple):
+    """A decoded message (a named tuple: built per message on the receive path, ~0.4 us
+    against ~2 us for a frozen dataclass)."""
+
     kind: str  # "pool" (device pool slice) or "host" (shared-memory fallback)
     pool_id: str  # the producer: `<pid>-<12 hex>`
     slot: int

@@ -33,6 +33,8 @@ BUDGET_SETTING = "TransportConfig.budget_bytes"
 #: sends between reclaim scans while slots and pool space last (a full pool or slot table
 #: reclaims at once): the scan reads every used slot's acks, so not on every send.
 RECLAIM_EVERY = 32
+#: pool slice views kept for reuse (by offset, dtype and shape); past it they start over.
+MAX_KEPT_VIEWS = 1024
 
 
 def pool_size(budget_bytes: int, workers: int, floor: int = POOL_FLOOR_BYTES) -> int:
@@ -86,6 +88,7 @@ class Producer:
         self._warned_full = False
         self._copied = self.platform.new_event()  # marks the end of each send's copy into the pool
         self._typed: dict[torch.dtype, torch.Tensor] = {}  # the pool viewed as each dtype sent
+        self._views: dict[tuple[int, torch.dtype, torch.Size], torch.Tensor] = {}  # see _slice
         self._slot_events: dict[int, Any] = {}  # slot -> its interprocess event
         self._dtype_names: dict[torch.dtype, str] = {}
         self._sends_since_reclaim = 0
@@ -154,7 +157,9 @@ class Producer:
         With interprocess events the copy may still be running when this returns (it is
         queued on the pool device's current stream); the consumer's stream waits for it.
         """
-        source = tensor.detach().contiguous()
+        # Detached only where autograd tracks it (the copy into the pool must not be recorded);
+        # a detach is a tensor of its own, ~3 us on the send path.
+        source = (tensor.detach() if tensor.requires_grad else tensor).contiguous()
         nbytes = source.numel() * source.element_size()
         dtype = self._dtype_names.get(source.dtype)
         if dtype is None:
@@ -206,7 +211,20 @@ class Producer:
                 None if stride == contiguous_stride(shape) else stride, event)
 
     def _slice(self, offset: int, nbytes: int, source: torch.Tensor) -> torch.Tensor:
-        """Pool bytes [offset, offset + nbytes) as a tensor shaped like (contiguous) `source`."""
+        """Pool bytes [offset, offset + nbytes) as a tensor shaped like (contiguous) `source`.
+
+        Kept by (offset, dtype, shape): an engine sends the same shapes into the same slices
+        step after step, and a view costs a device-agnostic op (~7 us on a GPU host's send
+        path). The view never leaves the producer: it is only copied into."""
+        key = (offset, source.dtype, source.shape)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= MAX_KEPT_VIEWS:
+                self._views.clear()
+            view = self._views[key] = self._new_slice(offset, nbytes, source)
+        return view
+
+    def _new_slice(self, offset: int, nbytes: int, source: torch.Tensor) -> torch.Tensor:
         assert self.pool is not None
         size = source.element_size()
         typed = self._typed.get(source.dtype)
@@ -257,3 +275,4 @@ class Producer:
         self.control.close(unlink=True)
         self.pool = None
         self._typed.clear()
+        self._views.clear()
