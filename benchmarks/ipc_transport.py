@@ -1,23 +1,32 @@
 """IPC transport on two GPUs, against its anchors: in-process GPU0 -> GPU1 copy and
 torch.multiprocessing CUDA tensor sharing.
 
-    python benchmarks/ipc_transport.py [--out results] [--transfers 10000] [--repeats 20]
+    python benchmarks/ipc_transport.py [--out results] [--transfers 10000] [--repeats 100]
 
-Producer on GPU 0 (this process); consumer processes on GPU 1. Reports, in one run:
+Producer on GPU 0 (this process); consumer processes on GPU 1. Both processes stamp times
+on one clock (`time.perf_counter`, the system-wide CLOCK_MONOTONIC on Linux), so a
+message's one-way latency is measured directly. Reports, in one run:
 - MiB a consumer takes on the producer GPU (redirected open vs torch's default open);
-- per size (4 KiB .. 256 MiB): in-process cuda:0 -> cuda:1 copy; torchhal transport with
-  copy=True and copy=False (producer send -> consumer tensor ready, round trip); the
-  torch.multiprocessing path engines use (a CUDA tensor through a torch.multiprocessing
-  queue, the consumer copies it to its GPU); ratios against both anchors; and the
-  transport with interprocess events off (`send` host-synchronizes its copy: the path
-  before them, and the path of platforms without them);
-- where the transport's time goes: producer `send`, consumer `receive`, and
-  `consumer_wait` (the consumer synchronizes its stream, which waits on the producer's
-  interprocess event then runs the copy: "tensor ready"; a stream, not device, synchronize);
-- small messages: latency vs a torch.multiprocessing queue round trip of a small object,
-  and the round trip of a transport message the consumer only gets (its queue hop alone);
-- memory over --transfers transfers (producer and consumer reserved, pool fragments).
-Finishes in a few minutes on 2 x H200 (goal: < 8 min).
+- per size (4 KiB .. 256 MiB), one message in flight: in-process cuda:0 -> cuda:1 copy;
+  torchhal transport with copy=True and copy=False; the torch.multiprocessing path engines
+  use (a CUDA tensor through a torch.multiprocessing queue, the consumer copies it to its
+  GPU); and the transport with interprocess events off (`send` host-synchronizes its copy:
+  the path of platforms without them). For each: the one-way latency (producer `send` or
+  `put` -> consumer tensor ready: `one_way_ms`), the round trip (-> the producer has the
+  consumer's reply: `ms`) and where the time goes (`send`, `queue_in`: the message's queue
+  hop until the consumer has it, `consumer_receive`, `consumer_wait`: the consumer's stream
+  synchronize, which waits on the producer's interprocess event then runs the copy, and
+  `reply`: the queue hop back);
+- streamed throughput at 16, 64 and 256 MiB: messages sent back to back with copy=True (as
+  an engine moving weights or KV sends them), time from the first `send` to the last tensor
+  ready, against as many in-process copies back to back and the torch.multiprocessing path
+  streamed the same way;
+- small messages: one-way latency and round trip vs a torch.multiprocessing queue round
+  trip of a small object, and the round trip of a transport message the consumer only
+  gets (its queue hop alone);
+- memory over --transfers transfers (producer and consumer reserved, pool fragments);
+- `goals`: each of the issue's goals, judged on this run's figures.
+Finishes in about a minute on 2 x H200.
 """
 
 from __future__ import annotations
@@ -42,6 +51,8 @@ from torchhal.core.transport import Consumer, Producer, TransportConfig  # noqa:
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 SMALL = [s for s in SIZES if s <= MiB]
+#: streamed throughput: (size, messages back to back)
+STREAMED = [(16 * MiB, 32), (64 * MiB, 16), (256 * MiB, 8)]
 #: round trips per transport mode before the sizes are timed (covers the slots a run cycles through)
 WARMUP_ROUND_TRIPS = 128
 
@@ -60,8 +71,17 @@ def consumer_loop(redirect: bool, inbox, outbox, device: int = 1) -> None:
         item = inbox.get()
         if item is None:
             break
+        t0 = time.perf_counter()  # the message is here (unpickled)
         kind, payload = item[0], item[1]
-        t0 = time.perf_counter()
+        if kind in ("stream", "cuda_stream"):  # payload: (message or tensor, last of the stream)
+            tensor = consumer.receive(payload[0]) if kind == "stream" else payload[0].to(platform.device(device))
+            if payload[1]:
+                platform.current_stream(device).synchronize()
+                ready = time.perf_counter()
+                consumer.flush_acks()  # as an engine does when a step's messages are in: the producer recycles them
+                outbox.put(("ready", ready, None))
+            del tensor
+            continue
         if kind == "message":  # torchhal transport, copy=True
             tensor = consumer.receive(payload)
         elif kind == "view":  # torchhal transport, copy=False
@@ -87,7 +107,7 @@ def consumer_loop(redirect: bool, inbox, outbox, device: int = 1) -> None:
         elif len(item) > 2 and item[2] == "stats":
             outbox.put(("stats", None, torch.cuda.memory_reserved(device)))
         else:
-            outbox.put(("done", (t1 - t0, t2 - t1), None))
+            outbox.put(("done", (t0, t1, t2), None))
         del tensor
 
 
@@ -143,40 +163,105 @@ def queue_round_trip_ms(inbox, outbox, item: Any, repeats: int = 200, warmups: i
 
 
 def round_trips(inbox, outbox, make_item, repeats: int, producer: Producer | None = None) -> dict[str, Any]:
-    """Median round trip (send -> consumer tensor ready -> reply) and its parts."""
-    total, send, receive, wait = [], [], [], []
+    """Medians, one message in flight: one way (send -> consumer tensor ready), round trip
+    (-> the reply is back) and the parts (consumer stamps on the same clock)."""
+    keys = ("one_way", "ms", "send", "queue_in", "consumer_receive", "consumer_wait", "reply")
+    parts: dict[str, list[float]] = {key: [] for key in keys}
     for i in range(repeats + 3):
         if producer is not None:
             producer.reclaim()
         torch.cuda.synchronize(0)
         t0 = time.perf_counter()
         item = make_item()
-        t1 = time.perf_counter()
+        sent = time.perf_counter()
         inbox.put(item)
-        _, parts, _ = outbox.get(timeout=120)
-        t2 = time.perf_counter()
+        _, (got, received, ready), _ = outbox.get(timeout=120)
+        back = time.perf_counter()
         if i >= 3:
-            total.append(t2 - t0)
-            send.append(t1 - t0)
-            receive.append(parts[0])
-            wait.append(parts[1])
-    return {"ms": median_ms(total), "send_ms": median_ms(send), "consumer_receive_ms": median_ms(receive),
-            "consumer_wait_ms": median_ms(wait)}
+            for key, value in (("one_way", ready - t0), ("ms", back - t0), ("send", sent - t0),
+                               ("queue_in", got - sent), ("consumer_receive", received - got),
+                               ("consumer_wait", ready - received), ("reply", back - ready)):
+                parts[key].append(value)
+    return {"ms" if key == "ms" else f"{key}_ms": median_ms(values) for key, values in parts.items()}
+
+
+def streamed_gib_s(inbox, outbox, make_item, nbytes: int, count: int, repeats: int,
+                   producer: Producer | None = None) -> float:
+    """Throughput of `count` messages sent back to back: first send -> last tensor ready (median)."""
+    samples = []
+    for i in range(repeats + 1):
+        if producer is not None:
+            producer.reclaim()
+        torch.cuda.synchronize(0)
+        t0 = time.perf_counter()
+        for k in range(count):
+            inbox.put(make_item(k == count - 1))
+        _, ready, _ = outbox.get(timeout=120)
+        if i >= 1:
+            samples.append(ready - t0)
+    return gib_s(nbytes * count, median_ms(samples))
+
+
+def in_process_streamed_gib_s(nbytes: int, count: int, repeats: int) -> float:
+    """Anchor: `count` cuda:0 -> cuda:1 copies back to back (median over repeats)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0").random_(0, 255)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    samples = []
+    for i in range(repeats + 1):
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        t0 = time.perf_counter()
+        for _ in range(count):
+            dst.copy_(src)
+        torch.cuda.synchronize(1)
+        if i >= 1:
+            samples.append(time.perf_counter() - t0)
+    del src, dst
+    return gib_s(nbytes * count, median_ms(samples))
+
+
+def judge(results: dict[str, Any]) -> dict[str, Any]:
+    """The issue's goals on this run's figures (True: met)."""
+    rows = {row["bytes"]: row for row in results["sizes"]}
+    streamed = {row["bytes"]: row for row in results["streamed"]}
+    small = results["small_latency"]["by_size"]
+    context = results["context_mib_on_producer_gpu"]
+    flat = results["flat"]
+    goals: dict[str, Any] = {}
+    for size in (64 * MiB, 256 * MiB):
+        label = f"{size // MiB}MiB"
+        goals[f"throughput_{label}_streamed_ge_half_in_process"] = streamed[size]["copy_vs_in_process"] >= 0.5
+        goals[f"throughput_{label}_one_message_ge_half_in_process"] = rows[size]["copy_vs_in_process_one_way"] >= 0.5
+    goals["small_one_way_le_2x_queue_round_trip"] = {
+        mode: all(entry[f"{mode}_one_way_vs_queue"] <= 2 for entry in small) for mode in ("copy", "view")}
+    goals["faster_or_equal_to_torch_mp_at_every_size_one_way"] = {
+        mode: all(row[f"{mode}_vs_torch_mp_one_way"] >= 1 for row in rows.values()) for mode in ("copy", "view")}
+    goals["zero_mib_on_producer_gpu"] = context["transport_consumer"]["gpu0_mib"] == 0
+    goals["flat_over_transfers"] = (
+        flat["producer_reserved_start_end"][0] == flat["producer_reserved_start_end"][1]
+        and len(set(flat["consumer_reserved_every_1000"])) == 1 and flat["pool_free_fragments_end"] == 1
+    )
+    goals["data_correct"] = all(row["data_correct"] for row in rows.values())
+    goals["no_host_fallback_streamed"] = all(row["host_fallbacks"] == 0 for row in streamed.values())
+    return goals
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="results")
     parser.add_argument("--transfers", type=int, default=10_000)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=100)
     args = parser.parse_args()
     started = time.perf_counter()
     platform = torchhal.get_platform("cuda")
     platform.set_device(0)
     ctx = mp.get_context("spawn")
     tmp = __import__("torch.multiprocessing", fromlist=["get_context"]).get_context("spawn")
-    results: dict[str, Any] = {"context_mib_on_producer_gpu": {}, "sizes": [], "small_latency": {}, "flat": {},
-                               "peer_access_0_1": torch.cuda.can_device_access_peer(0, 1)}
+    clock = time.get_clock_info("perf_counter").implementation
+    if "CLOCK_MONOTONIC" not in clock:  # one-way figures compare stamps of two processes
+        raise SystemExit(f"perf_counter is {clock}, not the system-wide CLOCK_MONOTONIC: one-way latency is undefined")
+    results: dict[str, Any] = {"context_mib_on_producer_gpu": {}, "sizes": [], "streamed": [], "small_latency": {},
+                               "flat": {}, "peer_access_0_1": torch.cuda.can_device_access_peer(0, 1), "clock": clock}
 
     producer = Producer(TransportConfig(budget_bytes=1 << 30, consumers=1), platform, 0)
     # The path without interprocess events, for comparison (each send host-synchronizes its copy).
@@ -226,17 +311,50 @@ def main() -> None:
         )
         row["torch_mp_cuda"] = round_trips(mp_inbox, mp_outbox, lambda t=tensor: ("cuda", t), args.repeats)
         for key in ("transport_copy", "transport_view", "transport_copy_host_sync", "torch_mp_cuda"):
-            row[key]["gib_s"] = gib_s(nbytes, row[key]["ms"])
+            row[key]["one_way_gib_s"] = gib_s(nbytes, row[key]["one_way_ms"])
         row["in_process_copy_gib_s"] = gib_s(nbytes, row["in_process_copy_ms"])
-        row["transport_copy_vs_in_process"] = row["in_process_copy_ms"] / row["transport_copy"]["ms"]
-        row["transport_copy_vs_torch_mp"] = row["torch_mp_cuda"]["ms"] / row["transport_copy"]["ms"]
-        row["transport_view_vs_torch_mp"] = row["torch_mp_cuda"]["ms"] / row["transport_view"]["ms"]
-        row["events_speedup_copy"] = row["transport_copy_host_sync"]["ms"] / row["transport_copy"]["ms"]
+        # Ratios above 1: the transport is faster (or, against in-process, its share of that speed).
+        for way in ("one_way_ms", "ms"):
+            copy, view = row["transport_copy"][way], row["transport_view"][way]
+            label = "one_way" if way == "one_way_ms" else "round_trip"
+            row[f"copy_vs_in_process_{label}"] = row["in_process_copy_ms"] / copy
+            row[f"copy_vs_torch_mp_{label}"] = row["torch_mp_cuda"][way] / copy
+            row[f"view_vs_torch_mp_{label}"] = row["torch_mp_cuda"][way] / view
+        row["events_speedup_copy_one_way"] = row["transport_copy_host_sync"]["one_way_ms"] / row["transport_copy"][
+            "one_way_ms"]
         print(row, flush=True)
         results["sizes"].append(row)
         producer.reclaim()
         synced.reclaim()
         del tensor
+    # 2b. streamed throughput: messages back to back (a producer with room for all of them)
+    streamer = Producer(TransportConfig(budget_bytes=4 << 30, consumers=1), platform, 0)
+    for nbytes, count in STREAMED:
+        tensor = torch.arange(nbytes // 4, dtype=torch.float32, device="cuda:0")
+        kinds: list[str] = []
+
+        def transport_item(last: bool, t: torch.Tensor = tensor, sent: list[str] = kinds) -> tuple[Any, ...]:
+            message = streamer.send(t)
+            sent.append(message[0])
+            return ("stream", (message, last))
+
+        def torch_mp_item(last: bool, t: torch.Tensor = tensor) -> tuple[Any, ...]:
+            return ("cuda_stream", (t, last))
+
+        repeats = max(args.repeats // 10, 5)
+        row = {"bytes": nbytes, "messages": count,
+               "transport_copy_gib_s": streamed_gib_s(inbox, outbox, transport_item, nbytes, count, repeats, streamer),
+               "torch_mp_cuda_gib_s": streamed_gib_s(mp_inbox, mp_outbox, torch_mp_item, nbytes, count, repeats),
+               "in_process_copy_gib_s": in_process_streamed_gib_s(nbytes, count, repeats),
+               "host_fallbacks": sum(kind != "pool" for kind in kinds)}
+        row["copy_vs_in_process"] = row["transport_copy_gib_s"] / row["in_process_copy_gib_s"]
+        row["copy_vs_torch_mp"] = row["transport_copy_gib_s"] / row["torch_mp_cuda_gib_s"]
+        print(row, flush=True)
+        results["streamed"].append(row)
+        del tensor
+    inbox.put(("flush", None))
+    outbox.get(timeout=60)
+    streamer.close()
     time.sleep(1.0)
     results["context_mib_on_producer_gpu"]["torch_mp_cuda"] = {"gpu0_mib": smi_mib(mp_pid).get(0, 0)}
     results["context_mib_on_producer_gpu"]["transport_consumer"] = {"gpu0_mib": smi_mib(pid).get(0, 0)}
@@ -251,13 +369,14 @@ def main() -> None:
                                 "message_queue_round_trip_ms": echo_ms, "by_size": []}
     for row in results["sizes"]:
         if row["bytes"] in SMALL:
-            results["small_latency"]["by_size"].append({
-                "bytes": row["bytes"],
-                "transport_copy_ms": row["transport_copy"]["ms"],
-                "transport_view_ms": row["transport_view"]["ms"],
-                "transport_copy_vs_queue": row["transport_copy"]["ms"] / queue_ms,
-                "transport_view_vs_queue": row["transport_view"]["ms"] / queue_ms,
-            })
+            entry: dict[str, Any] = {"bytes": row["bytes"]}
+            for mode in ("copy", "view"):
+                figures = row[f"transport_{mode}"]
+                entry[f"transport_{mode}_one_way_ms"] = figures["one_way_ms"]
+                entry[f"transport_{mode}_round_trip_ms"] = figures["ms"]
+                entry[f"{mode}_one_way_vs_queue"] = figures["one_way_ms"] / queue_ms
+                entry[f"{mode}_round_trip_vs_queue"] = figures["ms"] / queue_ms
+            results["small_latency"]["by_size"].append(entry)
     print(results["small_latency"], flush=True)
 
     # 4. memory flat over many transfers (copy and view alternating, sizes cycling)
@@ -291,6 +410,8 @@ def main() -> None:
         process.join(60)
     producer.close()
     synced.close()
+    results["goals"] = judge(results)
+    print(results["goals"], flush=True)
     results["seconds"] = time.perf_counter() - started
     write_json("ipc_transport", results, args.out)
 
