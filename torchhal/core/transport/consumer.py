@@ -31,7 +31,7 @@ MAX_OPEN_PRODUCERS = 64
 #: copies whose acknowledgement waits for the copy to finish on the device; past this the
 #: oldest is waited for on the host (a consumer that receives faster than its device copies).
 MAX_PENDING_ACKS = 64
-#: pool views kept per producer for copies (by offset, dtype, shape, stride); past it they start over.
+#: pool views kept for copies (by producer, offset, dtype, shape, stride); past it they start over.
 MAX_KEPT_VIEWS = 1024
 
 
@@ -64,6 +64,7 @@ class Consumer:
         # copy=True acknowledgements wait until the copy ran (the producer may overwrite the
         # slice as soon as it is acknowledged): (copy-done event, control, slot, generation).
         self._pending: deque[tuple[Any, int, Control, int, int]] = deque()  # (event, device, ...)
+        self._kept_views = 0  # views kept over all producers (see _kept_view)
         self._spare_events: dict[int, list[Any]] = {}  # done events to reuse, by device (events keep theirs)
         self._lock = threading.Lock()
 
@@ -162,18 +163,21 @@ class Consumer:
             acked += 1
         return acked
 
-    @classmethod
-    def _kept_view(cls, entry: _OpenProducer, pool: torch.Tensor, msg: TensorMessage,
+    def _kept_view(self, entry: _OpenProducer, pool: torch.Tensor, msg: TensorMessage,
                    dtype: torch.dtype) -> torch.Tensor:
         """`_view`, kept by what it views (~8 us a view on a GPU host's receive path; an engine
         receives the same shapes from the same slices step after step). Never handed out:
-        a caller could change a view's metadata in place."""
+        a caller could change a view's metadata in place. At most MAX_KEPT_VIEWS over all
+        producers (kept with each producer's entry, dropped with it)."""
         key = (msg.offset, msg.dtype, msg.shape, msg.stride)
         view = entry.views.get(key)
         if view is None:
-            if len(entry.views) >= MAX_KEPT_VIEWS:
-                entry.views.clear()
-            view = entry.views[key] = cls._view(entry, pool, msg, dtype)
+            if self._kept_views >= MAX_KEPT_VIEWS:
+                for known in self._open.values():
+                    known.views.clear()
+                self._kept_views = 0
+            view = entry.views[key] = self._view(entry, pool, msg, dtype)
+            self._kept_views += 1
         return view
 
     @staticmethod
@@ -271,6 +275,7 @@ class Consumer:
             self.flush_acks(wait=True)  # rare: an evicted or closed producer with copies in flight
         entry.pool = None  # views handed out keep their own reference to the storage
         entry.typed.clear()
+        self._kept_views = max(self._kept_views - len(entry.views), 0)
         entry.views.clear()
         entry.events.clear()  # waits already queued keep what they wait for
         entry.control.close(unlink=False)

@@ -51,13 +51,17 @@ def handle_fingerprint(record: bytes) -> bytes:
     return hashlib.sha256(record).digest()
 
 
-@lru_cache(maxsize=1024)  # per message on both sides, for the few shapes an engine sends
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, step = [], 1
     for size in reversed(shape):
         stride.append(step)
         step *= max(size, 1)
     return tuple(reversed(stride))
+
+
+#: `contiguous_stride` for shapes already checked to be ints (per message on both sides, for
+#: the few shapes an engine sends). Never for unchecked shapes: (2.0, 3.0) == (2, 3) as a key.
+checked_contiguous_stride = lru_cache(maxsize=1024)(contiguous_stride)
 
 
 class TensorMessage(NamedTuple):
@@ -150,7 +154,7 @@ class TensorMessage(NamedTuple):
                     raise TransportError(f"message view is invalid: shape[{i}] = {n!r:.80} is not a size")
                 numel *= n
             size = DTYPES[dtype].itemsize
-            stride = contiguous_stride(shape)
+            stride = checked_contiguous_stride(shape)
         else:
             if type(stride) is not tuple:
                 if type(stride) is not list:

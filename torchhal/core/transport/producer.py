@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from torchhal.core.transport._shm import Control, SharedFile, host_name, new_pool_id, reclaim_orphans
-from torchhal.core.transport.messages import contiguous_stride, handle_record
+from torchhal.core.transport.messages import checked_contiguous_stride, handle_record
 from torchhal.platforms import IpcEvents, IpcHandle, Platform, current_platform
 from torchhal.platforms.ipc import dtype_name
 
@@ -157,9 +157,9 @@ class Producer:
         With interprocess events the copy may still be running when this returns (it is
         queued on the pool device's current stream); the consumer's stream waits for it.
         """
-        # Detached only where autograd tracks it (the copy into the pool must not be recorded);
-        # a detach is a tensor of its own, ~3 us on the send path.
-        source = (tensor.detach() if tensor.requires_grad else tensor).contiguous()
+        # Detached: the copy into the pool must join no autograd graph, reverse or forward
+        # (a forward-mode tangent would give the whole pool view a tangent of its size).
+        source = tensor.detach().contiguous()
         nbytes = source.numel() * source.element_size()
         dtype = self._dtype_names.get(source.dtype)
         if dtype is None:
@@ -208,7 +208,7 @@ class Producer:
         shape = tuple(source.shape)
         stride = tuple(source.stride())
         return (kind, self.pool_id, slot, generation, offset, nbytes, dtype, shape,
-                None if stride == contiguous_stride(shape) else stride, event)
+                None if stride == checked_contiguous_stride(shape) else stride, event)
 
     def _slice(self, offset: int, nbytes: int, source: torch.Tensor) -> torch.Tensor:
         """Pool bytes [offset, offset + nbytes) as a tensor shaped like (contiguous) `source`.
@@ -221,7 +221,10 @@ class Producer:
         if view is None:
             if len(self._views) >= MAX_KEPT_VIEWS:
                 self._views.clear()
-            view = self._views[key] = self._new_slice(offset, nbytes, source)
+            # Outside inference mode even when a send runs inside it: a view made there would
+            # be an inference tensor, which no later send outside it may copy into.
+            with torch.inference_mode(False):
+                view = self._views[key] = self._new_slice(offset, nbytes, source)
         return view
 
     def _new_slice(self, offset: int, nbytes: int, source: torch.Tensor) -> torch.Tensor:
