@@ -133,18 +133,20 @@ def gib_s(nbytes: int, ms: float) -> float:
     return nbytes / (1 << 30) / (ms / 1e3)
 
 
-def in_process_copy_ms(nbytes: int, repeats: int) -> float:
-    """Anchor 1: cuda:0 -> cuda:1 copy of the same size in this process."""
+def in_process_copies_ms(nbytes: int, repeats: int, count: int = 1, warmups: int = 3) -> float:
+    """Anchor: `count` cuda:0 -> cuda:1 copies of `nbytes` back to back in this process,
+    to the copy done (median ms over `repeats`)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0").random_(0, 255)
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
     samples = []
-    for i in range(repeats + 3):
+    for i in range(repeats + warmups):
         torch.cuda.synchronize(0)
         torch.cuda.synchronize(1)
         t0 = time.perf_counter()
-        dst.copy_(src)
+        for _ in range(count):
+            dst.copy_(src)
         torch.cuda.synchronize(1)
-        if i >= 3:
+        if i >= warmups:
             samples.append(time.perf_counter() - t0)
     del src, dst
     return median_ms(samples)
@@ -199,24 +201,6 @@ def streamed_gib_s(inbox, outbox, make_item, nbytes: int, count: int, repeats: i
         _, ready, _ = outbox.get(timeout=120)
         if i >= 1:
             samples.append(ready - t0)
-    return gib_s(nbytes * count, median_ms(samples))
-
-
-def in_process_streamed_gib_s(nbytes: int, count: int, repeats: int) -> float:
-    """Anchor: `count` cuda:0 -> cuda:1 copies back to back (median over repeats)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0").random_(0, 255)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
-    samples = []
-    for i in range(repeats + 1):
-        torch.cuda.synchronize(0)
-        torch.cuda.synchronize(1)
-        t0 = time.perf_counter()
-        for _ in range(count):
-            dst.copy_(src)
-        torch.cuda.synchronize(1)
-        if i >= 1:
-            samples.append(time.perf_counter() - t0)
-    del src, dst
     return gib_s(nbytes * count, median_ms(samples))
 
 
@@ -301,7 +285,7 @@ def main() -> None:
         mp_inbox.put(("cuda", tensor, "check"))
         mp_correct = mp_outbox.get(timeout=120)[1] == expected
         row: dict[str, Any] = {"bytes": nbytes, "data_correct": correct and mp_correct}
-        row["in_process_copy_ms"] = in_process_copy_ms(nbytes, args.repeats)
+        row["in_process_copy_ms"] = in_process_copies_ms(nbytes, args.repeats)
         row["transport_copy"] = round_trips(inbox, outbox, lambda t=tensor: ("message", producer.send(t)),
                                             args.repeats, producer)
         row["transport_view"] = round_trips(inbox, outbox, lambda t=tensor: ("view", producer.send(t)),
@@ -345,7 +329,7 @@ def main() -> None:
         row = {"bytes": nbytes, "messages": count,
                "transport_copy_gib_s": streamed_gib_s(inbox, outbox, transport_item, nbytes, count, repeats, streamer),
                "torch_mp_cuda_gib_s": streamed_gib_s(mp_inbox, mp_outbox, torch_mp_item, nbytes, count, repeats),
-               "in_process_copy_gib_s": in_process_streamed_gib_s(nbytes, count, repeats),
+               "in_process_copy_gib_s": gib_s(nbytes * count, in_process_copies_ms(nbytes, repeats, count, warmups=1)),
                "host_fallbacks": sum(kind != "pool" for kind in kinds)}
         row["copy_vs_in_process"] = row["transport_copy_gib_s"] / row["in_process_copy_gib_s"]
         row["copy_vs_torch_mp"] = row["transport_copy_gib_s"] / row["torch_mp_cuda_gib_s"]
