@@ -267,6 +267,26 @@ def test_each_slot_event_is_opened_once_and_the_cache_is_bounded_by_the_slots(pl
     consumer.close()
 
 
+def test_an_opened_slot_event_is_kept_whatever_the_control_block_says_later(platform, log):
+    """A slot's handle is written once; the consumer reads it once (not per message), so a
+    later rewrite of the control block neither costs a read nor swaps the event it waits on."""
+    producer = Producer(config(max_slices=1), platform, 0)
+    consumer = Consumer(0, platform, 0)
+    first = producer.send(torch.arange(4.0))
+    handle = slot_event(producer, first)
+    consumer.receive(first)
+    producer.reclaim()
+    producer.control.set_event(fields(first)["slot"], bytes(HANDLE_NBYTES))  # the driver refuses these
+    second = producer.send(torch.arange(4.0) + 1)
+    assert fields(second)["slot"] == fields(first)["slot"]
+    assert consumer.receive(second).tolist() == [1.0, 2.0, 3.0, 4.0]
+    waits = [call for call in log.calls if call[0] == "wait"]
+    assert [call[1] for call in waits] == [handle, handle]
+    assert [call[1] for call in log.calls if call[0] == "open"] == [handle]
+    producer.close()
+    consumer.close()
+
+
 def test_opened_events_are_dropped_with_their_producer(platform, log):
     consumer = Consumer(0, platform, 0, max_producers=1)
     first = Producer(config(), platform, 0)

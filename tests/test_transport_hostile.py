@@ -393,6 +393,24 @@ def test_a_control_block_of_inconsistent_layout_is_refused():
     consumer.close()
 
 
+def test_a_control_block_layout_rewritten_after_opening_is_not_believed():
+    """The layout is read once, when the consumer opens the block and checks it against the
+    file's size: a later rewrite of those cells cannot move the cells it reads or writes."""
+    producer, consumer = Producer(small()), Consumer(0)
+    assert consumer.receive(producer.send(torch.arange(16.0))).tolist() == list(range(16))
+    producer.reclaim()
+    cells = producer.control.cells
+    saved = [cells[i] for i in (2, 3, 4, 9, 10)]
+    cells[2], cells[3], cells[4], cells[9], cells[10] = 1 << 40, 0, 1, 1 << 20, 1 << 30
+    message = producer.send(torch.arange(16.0) + 1)
+    assert consumer.receive(message).tolist() == list(range(1, 17))
+    assert producer.reclaim() == 1  # the ack landed in the message's own cell
+    for i, value in zip((2, 3, 4, 9, 10), saved, strict=True):
+        cells[i] = value
+    producer.close()
+    consumer.close()
+
+
 def test_platform_open_failure_inside_receive_is_a_transport_error_with_cause(monkeypatch):
     producer, consumer = Producer(small()), Consumer(0)
     message = producer.send(torch.arange(16.0))

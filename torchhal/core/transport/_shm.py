@@ -114,11 +114,27 @@ class Control:
     HEADER = 11
     MAX_CELLS = 1 << 24  # 128 MiB of cells: far beyond any real slots x consumers
     MAX_HANDLE_BYTES = 1 << 16  # a pool handle's plain data is well under a KiB
+    slots: int  # the layout (see _fix_layout)
+    consumers: int
+    pool_bytes: int
+    event_bytes: int
 
     def __init__(self, shm: SharedFile) -> None:
         self.shm = shm
         self._raw = memoryview(shm.map)
         self.cells = self._raw[: (shm.size // 8) * 8].cast("q")
+
+    def _fix_layout(self, slots: int, consumers: int, pool_bytes: int, event_bytes: int, handle_bytes: int) -> None:
+        """Keep the layout, constant for the block's life: read once (and checked against the
+        file's size by `open`), never again from cells another process can write."""
+        self.slots, self.consumers, self.pool_bytes = slots, consumers, pool_bytes
+        #: bytes of each slot's event handle record (0: the producer has no interprocess events)
+        self.event_bytes, self._handle_bytes = event_bytes, handle_bytes
+        self._acks = self.HEADER + slots  # first ack cell
+        self._event_lengths = self._acks + slots * consumers  # first event-length cell
+        self._event_start = 8 * (self._event_lengths + slots)  # byte where the event handles start
+        self._event_stride = -(-event_bytes // 8) * 8
+        self._handle_start = self._event_start + slots * self._event_stride
 
     @staticmethod
     def _size(slots: int, consumers: int, event_bytes: int, handle_bytes: int) -> int:
@@ -140,6 +156,7 @@ class Control:
         for i in range(4):
             cells[5 + i] = int.from_bytes(fingerprint[8 * i : 8 * i + 8], "little", signed=True)
         cells[9], cells[10] = event_bytes, len(handle)
+        control._fix_layout(slots, consumers, pool_bytes, event_bytes, len(handle))
         start = control._handle_start
         control._raw[start : start + len(handle)] = handle
         cells[0] = 1
@@ -159,6 +176,7 @@ class Control:
                 raise TransportError(f"control block {name!r} has an inconsistent layout")
             if cells[1] != producer_pid:
                 raise TransportError(f"control block {name!r} belongs to pid {cells[1]}, not {producer_pid}")
+            control._fix_layout(slots, consumers, cells[4], event_bytes, handle_bytes)
         except BaseException:
             control.close(unlink=False)
             raise
@@ -169,50 +187,25 @@ class Control:
         return self.shm.name
 
     @property
-    def slots(self) -> int:
-        return self.cells[2]
-
-    @property
-    def consumers(self) -> int:
-        return self.cells[3]
-
-    @property
-    def pool_bytes(self) -> int:
-        return self.cells[4]
-
-    @property
     def fingerprint(self) -> bytes:
         return b"".join(self.cells[5 + i].to_bytes(8, "little", signed=True) for i in range(4))
-
-    @property
-    def event_bytes(self) -> int:
-        """Bytes of each slot's event handle record (0: the producer has no interprocess events)."""
-        return self.cells[9]
-
-    @property
-    def _event_start(self) -> int:
-        return 8 * (self.HEADER + 2 * self.slots + self.slots * self.consumers)
-
-    @property
-    def _handle_start(self) -> int:
-        return self._event_start + self.slots * (-(-self.event_bytes // 8) * 8)
 
     def handle_record(self) -> bytes:
         """The pool handle's record as the producer wrote it (empty without a device pool)."""
         start = self._handle_start
-        return bytes(self._raw[start : start + self.cells[10]])
+        return bytes(self._raw[start : start + self._handle_bytes])
 
     def set_event(self, slot: int, handle: bytes) -> None:
         """Store slot `slot`'s event handle (before any message asks to wait on it)."""
         if not 0 < len(handle) <= self.event_bytes:
             raise ValueError(f"event handle of {len(handle)} bytes does not fit the {self.event_bytes} reserved")
-        start = self._event_start + slot * (-(-self.event_bytes // 8) * 8)
+        start = self._event_start + slot * self._event_stride
         self._raw[start : start + len(handle)] = handle
-        self.cells[self.HEADER + self.slots + self.slots * self.consumers + slot] = len(handle)
+        self.cells[self._event_lengths + slot] = len(handle)
 
     def event(self, slot: int) -> bytes | None:
         """Slot `slot`'s event handle, None if the producer stored none; a garbled length is a TransportError."""
-        length = self.cells[self.HEADER + self.slots + self.slots * self.consumers + slot]
+        length = self.cells[self._event_lengths + slot]
         if length == 0:
             return None
         if not 0 < length <= self.event_bytes:
@@ -220,7 +213,7 @@ class Control:
                 f"control block {self.name!r} is garbled: slot {slot}'s event handle length {length} is outside "
                 f"1..{self.event_bytes}"
             )
-        start = self._event_start + slot * (-(-self.event_bytes // 8) * 8)
+        start = self._event_start + slot * self._event_stride
         return bytes(self._raw[start : start + length])
 
     def generation(self, slot: int) -> int:
@@ -231,11 +224,11 @@ class Control:
         return self.cells[self.HEADER + slot]
 
     def ack(self, slot: int, consumer: int, generation: int) -> None:
-        self.cells[self.HEADER + self.slots + slot * self.consumers + consumer] = generation
+        self.cells[self._acks + slot * self.consumers + consumer] = generation
 
     def all_acked(self, slot: int) -> bool:
         gen = self.generation(slot)
-        base = self.HEADER + self.slots + slot * self.consumers
+        base = self._acks + slot * self.consumers
         return all(self.cells[base + c] == gen for c in range(self.consumers))
 
     @property

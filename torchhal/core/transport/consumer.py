@@ -41,8 +41,8 @@ class _OpenProducer:
     producer_pid: int  # the pid the control block was checked against
     handle: IpcHandle | None = None  # the pool handle read from the control block, checked
     pool: torch.Tensor | None = None  # the opened pool as flat bytes
-    #: slot -> (event handle, opened event); at most one per slot of this producer.
-    events: dict[int, tuple[bytes, Any]] = field(default_factory=dict)
+    #: slot -> its opened event; at most one per slot of this producer.
+    events: dict[int, Any] = field(default_factory=dict)
     typed: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # the pool viewed as each dtype
     views: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)  # see Consumer._kept_view
 
@@ -201,17 +201,17 @@ class Consumer:
         return out
 
     def _slot_event(self, entry: _OpenProducer, msg: TensorMessage) -> Any:
-        """The producer slot's event (its handle from the control block), opened once per slot
-        (a changed handle is opened anew)."""
+        """The producer slot's event, opened once per slot from its handle in the control block
+        (a producer writes a slot's handle once, before the first message that waits on it)."""
+        known = entry.events.get(msg.slot)
+        if known is not None:
+            return known
         handle = entry.control.event(msg.slot)
         if handle is None:
             raise TransportError(
                 f"message asks to wait on slot {msg.slot}'s event, but producer {msg.pool_id} stored none"
             )
         assert entry.handle is not None
-        known = entry.events.get(msg.slot)
-        if known is not None and known[0] == handle:
-            return known[1]
         ipc = self.platform.ipc_support
         events = ipc.events if ipc is not None else None
         if events is None:
@@ -229,7 +229,7 @@ class Consumer:
         except IpcHandleError as exc:
             raise TransportError(f"event handle of slot {msg.slot} cannot be opened: {exc}") from exc
         with self._lock:
-            entry.events[msg.slot] = (handle, opened)  # one per slot: bounded by the producer's slots
+            entry.events[msg.slot] = opened  # one per slot: bounded by the producer's slots
         return opened
 
     # producers ------------------------------------------------------------------------------
