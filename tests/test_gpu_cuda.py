@@ -50,6 +50,9 @@ def test_memory_info_keeps_reserved_and_never_empties(cuda, monkeypatch):
 
 def test_empty_cache_lowers_reserved_to_allocated(cuda):
     cuda.empty_cache(ReleasePoint.USER, 0)  # `keep` must not land inside an older cached segment
+    # What no empty_cache can release: free bytes in segments that tensors of earlier tests
+    # (in this process) still hold.
+    held_slack = torch.cuda.memory_reserved(0) - torch.cuda.memory_allocated(0)
     keep = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda:0")
     block = torch.empty(1024 * MiB, dtype=torch.uint8, device="cuda:0")
     del block
@@ -57,7 +60,7 @@ def test_empty_cache_lowers_reserved_to_allocated(cuda):
     released = cuda.empty_cache(ReleasePoint.USER, 0)
     after = torch.cuda.memory_reserved(0)
     assert released == before - after >= 1024 * MiB
-    assert after - torch.cuda.memory_allocated(0) < 32 * MiB
+    assert after - torch.cuda.memory_allocated(0) - held_slack < 32 * MiB
     del keep
 
 
