@@ -92,6 +92,7 @@ class CountingEvent:
         self.log.device_done = True
 
     def query(self) -> bool:
+        self.log.calls.append(("copy-query",))
         return self.log.device_done
 
 
@@ -419,6 +420,23 @@ def test_a_copy_is_acknowledged_only_once_it_ran_on_the_device(platform, log):
     consumer.close()  # waits for copies in flight and acknowledges them
     assert producer.reclaim() == 1
     producer.close()
+
+
+def test_earlier_copies_are_checked_only_once_this_copy_is_queued(platform, log):
+    """Bookkeeping of earlier copies runs while the device runs this message's copy, not
+    before the copy is queued (it would delay the tensor by that much)."""
+    producer = Producer(config(), platform, 0)
+    consumer = Consumer(0, platform, 0)
+    log.device_done = False
+    consumer.receive(producer.send(torch.arange(4.0)))  # its copy pending
+    log.device_done = True
+    start = len(log.calls)
+    consumer.receive(producer.send(torch.arange(4.0)))
+    names = [call[0] for call in log.calls[start:] if call[0] in ("wait", "copy-record", "copy-query")]
+    assert names == ["wait", "copy-record", "copy-query", "copy-query"]  # queue, then both acks
+    assert producer.reclaim() == 2
+    producer.close()
+    consumer.close()
 
 
 # -- the CUDA plugin's mapping onto torch.cuda's interprocess events (a fake torch.cuda) ----

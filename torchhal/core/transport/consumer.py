@@ -72,8 +72,8 @@ class Consumer:
         """Rebuild the tensor on this consumer's device and acknowledge it.
 
         copy=True (default) returns a fresh tensor; its slice is acknowledged once the copy
-        has run on the device (checked without waiting at the next `receive`, or by
-        `flush_acks`). copy=False returns a zero-copy view of the producer's slice, valid
+        has run on the device (checked without waiting here and at every later `receive`,
+        or by `flush_acks`). copy=False returns a zero-copy view of the producer's slice, valid
         until it is recycled (acknowledged here already).
         The tensor is ready in stream order on the caller's current stream (where the
         message carries the producer's event, that stream already waits on it): like the
@@ -91,8 +91,6 @@ class Consumer:
             raise TransportError(f"message cannot be received: {type(exc).__name__}: {exc}") from exc
 
     def _receive(self, message: Any, copy: bool) -> torch.Tensor:
-        if self._pending:
-            self.flush_acks(wait=False)
         msg = TensorMessage.from_wire(message)
         entry = self._producer(msg)
         control = entry.control
@@ -129,17 +127,18 @@ class Consumer:
         # Acknowledged after the wait was queued: the producer re-records this slot's event
         # only after every consumer acknowledged, and a queued wait keeps the record it saw.
         control.ack(msg.slot, self.rank, msg.generation)
+        if self._pending:  # copies of earlier messages
+            self.flush_acks(wait=False)
         return tensor
 
     def _ack_when_done(self, stream: Any, index: int, control: Control, slot: int, generation: int) -> None:
         spare = self._spare_events.setdefault(index, [])
         done = spare.pop() if spare else self.platform.new_event()
         done.record(stream)
-        if not self._pending and done.query():
-            control.ack(slot, self.rank, generation)
-            spare.append(done)
-            return
         self._pending.append((done, index, control, slot, generation))
+        # Once this copy is queued, so the device runs it meanwhile: acknowledge the copies
+        # that have run, earlier ones and this one where it already has (in-order hosts).
+        self.flush_acks(wait=False)
         if len(self._pending) > MAX_PENDING_ACKS:
             self._ack_oldest(wait=True)
 
