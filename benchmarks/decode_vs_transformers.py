@@ -47,11 +47,9 @@ import torch  # noqa: E402
 from _harness import write_json  # noqa: E402
 
 import torchhal  # noqa: E402
-from torchhal._generate import make_engine  # noqa: E402
-from torchhal.core.engine import DecodeGraphConfig, EagerRunner, GenerationEngine  # noqa: E402
+from torchhal.core.engine import DecodeGraphConfig, EagerRunner, EngineConfig, GenerationEngine  # noqa: E402
 from torchhal.core.graphs import GraphRunner  # noqa: E402
 from torchhal.core.graphs.decode import DecodeGraphRunner  # noqa: E402
-from torchhal.core.model.checkpoint import load_checkpoint  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS = 16, 64
 BATCHES = (1, 8, 32)
@@ -113,9 +111,9 @@ def hf_model(shape: dict[str, int], dtype: torch.dtype, device: torch.device, se
 def torchhal_engine(directory: str, dtype: torch.dtype, max_kv_slots: int,
                     decode_graphs: DecodeGraphConfig) -> GenerationEngine:
     """A torchhal engine serving the checkpoint in `directory` (written by save_pretrained)."""
-    platform = torchhal.current_platform()
-    model, _ = load_checkpoint(directory, dtype=dtype, device=platform.device(platform.current_device()))
-    return make_engine(model, dtype, max_kv_slots=max_kv_slots, decode_graphs=decode_graphs)
+    return GenerationEngine.from_checkpoint(
+        directory, EngineConfig(dtype=dtype, max_kv_slots=max_kv_slots, decode_graphs=decode_graphs)
+    )
 
 
 # -- the peer, in its own process ----------------------------------------------------------------------

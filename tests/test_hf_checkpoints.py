@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from tests.hf_models import FAMILIES, PROMPTS, Generate, direct_greedy, hf_greedy, make_hf_model, save_hf_model
-from torchhal._generate import eos_tokens_of, make_engine
 from torchhal.cli import main
-from torchhal.core.engine import DecodeGraphConfig
+from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine
 from torchhal.core.model import LlamaDecoder, checkpoint
 from torchhal.core.model.checkpoint import (
     CheckpointError,
     checkpoint_files,
+    eos_token_ids,
     iter_checkpoint_tensors,
     load_checkpoint,
 )
@@ -26,7 +26,7 @@ NEW_TOKENS = 32
 
 def engine_greedy(model: LlamaDecoder, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """Through the engine's continuous batching: the prompts join one step apart, mid-flight."""
-    engine = make_engine(model, torch.float32, max_kv_slots=1024)
+    engine = GenerationEngine(EngineConfig(max_kv_slots=1024), model=model)
     rids = []
     for prompt in prompts:
         rids.append(engine.add_request(prompt, new_tokens))
@@ -39,7 +39,7 @@ def engine_greedy(model: LlamaDecoder, prompts: list[list[int]], new_tokens: int
 def engine_decode_graphs_greedy(model: LlamaDecoder, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """The engine with full-graph decode (emulated on CPU: the same padded static step, eagerly)."""
     graphs = DecodeGraphConfig(batch_buckets=(1, 2, 4), context_buckets=(16, 64), emulate=True)
-    engine = make_engine(model, torch.float32, max_kv_slots=1024, decode_graphs=graphs)
+    engine = GenerationEngine(EngineConfig(max_kv_slots=1024, decode_graphs=graphs), model=model)
     rids = []
     for prompt in prompts:
         rids.append(engine.add_request(prompt, new_tokens))
@@ -293,8 +293,8 @@ def test_generate_command_graphs_flag(saved, run_cli):
 
 
 def test_every_eos_id_of_the_config_ends_generation():
-    assert eos_tokens_of({"eos_token_id": [128001, 128008, 128009]}) == (128001, 128008, 128009)
-    assert eos_tokens_of({"eos_token_id": 2}) == (2,) and eos_tokens_of({}) == ()
+    assert eos_token_ids({"eos_token_id": [128001, 128008, 128009]}) == (128001, 128008, 128009)
+    assert eos_token_ids({"eos_token_id": 2}) == (2,) and eos_token_ids({}) == ()
 
 
 def test_generate_command_refuses_bad_ids(saved, run_cli):

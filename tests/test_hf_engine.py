@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from tests.hf_models import PROMPTS, hf_greedy, save_hf_model
-from torchhal._generate import make_engine
-from torchhal.core.engine import GenerationEngine
+from torchhal.core.engine import EngineConfig, GenerationEngine
 from torchhal.core.model.checkpoint import iter_checkpoint_tensors, load_checkpoint
 
 NEW_TOKENS = 32
@@ -30,7 +29,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
 
 def serve(directory: Path) -> GenerationEngine:
     model, _ = load_checkpoint(directory)
-    return make_engine(model, torch.float32, max_kv_slots=1024)
+    return GenerationEngine(EngineConfig(max_kv_slots=1024), model=model)
 
 
 def run_all(engine: GenerationEngine, rids: list[int]) -> list[list[int]]:
@@ -95,6 +94,6 @@ def test_graph_runner_path_serves_the_same_tokens(checkpoints):
         return GraphRunner(engine.model, engine.platform, engine.device_index, hidden_size=model.config.hidden_size,
                            dtype=torch.float32, buckets=(8, 16, 64), emulate=True)
 
-    engine = make_engine(model, torch.float32, max_kv_slots=1024, runner_factory=graphs)
+    engine = GenerationEngine(EngineConfig(max_kv_slots=1024), model=model, runner_factory=graphs)
     assert isinstance(engine.runner, GraphRunner)
     assert [list(r.output) for r in engine.generate(PROMPTS, NEW_TOKENS)] == expected

@@ -24,8 +24,7 @@ import pytest
 import torch
 
 from tests.hf_models import FAMILIES, PROMPTS, direct_greedy, save_hf_model
-from torchhal._generate import make_engine
-from torchhal.core.engine import EagerRunner, GenerationEngine
+from torchhal.core.engine import EagerRunner, EngineConfig, GenerationEngine
 from torchhal.core.graphs import GraphRunner
 from torchhal.core.model import AttentionMetadata, KVCache
 from torchhal.core.model.checkpoint import load_checkpoint
@@ -117,15 +116,15 @@ def graph_factory(dtype: torch.dtype):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_graph_runner_equals_eager_on_loaded_models(saved, family):
-    eager_engine = make_engine(load_checkpoint(saved[family], device="cuda")[0], torch.float32, max_kv_slots=4096)
-    graph_engine = make_engine(load_checkpoint(saved[family], device="cuda")[0], torch.float32, max_kv_slots=4096,
-                               runner_factory=graph_factory(torch.float32))
+    eager_engine = GenerationEngine.from_checkpoint(saved[family], EngineConfig(max_kv_slots=4096))
+    graph_engine = GenerationEngine.from_checkpoint(saved[family], EngineConfig(max_kv_slots=4096),
+                                                    runner_factory=graph_factory(torch.float32))
     assert graph_engine.runner.graphs_enabled
     eager = [r.output for r in eager_engine.generate(PROMPTS, 32)]
     assert [r.output for r in graph_engine.generate(PROMPTS, 32)] == eager
 
-    model, _ = load_checkpoint(saved[family], dtype=torch.bfloat16, device="cuda")
-    engine = make_engine(model, torch.bfloat16, max_kv_slots=4096, runner_factory=graph_factory(torch.bfloat16))
+    engine = GenerationEngine.from_checkpoint(saved[family], EngineConfig(dtype=torch.bfloat16, max_kv_slots=4096),
+                                              runner_factory=graph_factory(torch.bfloat16))
     runner, reference = engine.runner, EagerRunner(engine.model)
     seqs = [list(range(i * 64, i * 64 + len(p))) for i, p in enumerate(PROMPTS)]
     counts = [len(p) for p in PROMPTS]
@@ -144,18 +143,17 @@ def test_full_graph_decode_equals_eager_on_loaded_models(saved, family):
     """fp32: replayed decode graphs (every family, incl. Mistral's sliding window) give eager's tokens."""
     from torchhal.core.engine import DecodeGraphConfig
 
-    eager = [r.output for r in make_engine(load_checkpoint(saved[family], device="cuda")[0], torch.float32,
-                                           max_kv_slots=4096).generate(PROMPTS, 32)]
+    eager = [r.output for r in GenerationEngine.from_checkpoint(saved[family], EngineConfig(max_kv_slots=4096))
+             .generate(PROMPTS, 32)]
     graphs = DecodeGraphConfig(batch_buckets=(1, 2, 4), context_buckets=(64,))
-    engine = make_engine(load_checkpoint(saved[family], device="cuda")[0], torch.float32, max_kv_slots=4096,
-                         decode_graphs=graphs)
+    engine = GenerationEngine.from_checkpoint(saved[family], EngineConfig(max_kv_slots=4096, decode_graphs=graphs))
     assert engine.decode_runner is not None and engine.decode_runner.graphs_enabled
     assert [r.output for r in engine.generate(PROMPTS, 32)] == eager
     assert engine.decode_runner.steps >= 31
 
 
 def test_generate_command_with_graphs_replays_and_matches_eager(saved):
-    from torchhal._generate import generate_from_checkpoint
+    from torchhal.cli.generate import generate_from_checkpoint
 
     ids = PROMPTS[1]
     plain = generate_from_checkpoint(saved["llama3"], prompt_ids=ids, max_new_tokens=24, dtype_name="float32")

@@ -467,7 +467,7 @@ def test_fuzzed_receive_and_open_against_real_pools():
 def test_ref_counter_names_are_torch_names_not_the_drivers_ipc_files():
     # torch's CUDA ref-counter files come from the same name generator as a CPU filename
     # storage; the /dev/shm/cuda.shm.* files the driver makes for IPC events are not ref-counters.
-    from torchhal.plugins._accelerator import _check_refcount_file
+    from torchhal.plugins.accelerator import _check_refcount_file
 
     counter = torch.zeros(10_000, dtype=torch.int64)
     torch_name = bytes(counter.untyped_storage()._share_filename_cpu_()[1])

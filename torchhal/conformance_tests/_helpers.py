@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import queue as queue_module
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +21,19 @@ MiB = 1 << 20
 
 def spawn_context() -> Any:
     return multiprocessing.get_context("spawn")
+
+
+def python_code_command(code: str) -> list[str]:
+    """`python -c code` that imports the torchhal this process runs.
+
+    `-c` puts the working directory first on sys.path, where a folder named `torchhal`
+    (a clone's root, say) would be imported as a namespace package instead; the child
+    looks first in the folder this process's torchhal came from."""
+    import torchhal
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(torchhal.__file__)))
+    prelude = f"import sys; sys.path[:] = [{root!r}] + [p for p in sys.path if p]\n"
+    return [sys.executable, "-c", prelude + code]
 
 
 def receive(q: Any, what: str, timeout: float = 180) -> Any:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import subprocess
-import sys
 
 import pytest
 
@@ -18,6 +17,8 @@ from torchhal.platforms import (
     IpcSupport,
     PlatformPlugin,
 )
+
+from ._helpers import python_code_command
 
 pytestmark = pytest.mark.conformance("contract")
 
@@ -90,7 +91,7 @@ def test_is_available_creates_no_device_context(registered, measure):
         "    pass  # raising is the other test's failure\n"
         "print('initialised' if init() and not before else 'clean')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(python_code_command(code), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "clean", (
         "is_available() initialised the device runtime (device_module().is_initialized() turned True)"

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 import torch
 
 from torchhal.platforms import IpcEvents, IpcHandleError, MemoryInfo, PlatformPlugin, hookimpl
-from torchhal.plugins._accelerator import AcceleratorPlatform
+from torchhal.plugins.accelerator import AcceleratorPlatform
 
 
 class CudaPlatform(AcceleratorPlatform):

@@ -7,7 +7,7 @@ torch_musa mirrors torch.cuda name for name, including IPC (`_share_musa_` /
 from __future__ import annotations
 
 from torchhal.platforms import PlatformPlugin, hookimpl
-from torchhal.plugins._accelerator import AcceleratorPlatform
+from torchhal.plugins.accelerator import AcceleratorPlatform
 
 
 class MusaPlatform(AcceleratorPlatform):

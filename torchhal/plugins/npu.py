@@ -10,7 +10,7 @@ verified on Ascend.
 from __future__ import annotations
 
 from torchhal.platforms import PlatformPlugin, hookimpl
-from torchhal.plugins._accelerator import AcceleratorPlatform
+from torchhal.plugins.accelerator import AcceleratorPlatform
 
 
 class NpuPlatform(AcceleratorPlatform):

@@ -11,7 +11,7 @@ from types import ModuleType
 import torch
 
 from torchhal.platforms import PlatformPlugin, hookimpl
-from torchhal.plugins._accelerator import AcceleratorPlatform, module_installed
+from torchhal.plugins.accelerator import AcceleratorPlatform, module_installed
 
 IPEX = "intel_extension_for_pytorch"
 

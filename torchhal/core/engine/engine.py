@@ -16,8 +16,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +45,9 @@ from torchhal.core.graphs.decode import DecodeGraphRunner, DecodeWindow
 from torchhal.core.model import KVCache, Model, ModelConfig, ReferenceDecoder
 from torchhal.core.model.protocol import missing_model_members
 from torchhal.platforms import Platform, ReleasePoint, current_platform
+
+if TYPE_CHECKING:
+    from torchhal.core.model.checkpoint import LoadReport
 
 
 @dataclass
@@ -115,6 +119,7 @@ class GenerationEngine:
         eos = set(config.eos_tokens) | ({config.eos_token} if config.eos_token is not None else set())
         self._eos: frozenset[int] = frozenset(eos)
         self.decode_runner: DecodeGraphRunner | None = None
+        self.checkpoint: LoadReport | None = None  # set by from_checkpoint
         self._in_flight: _Window | None = None  # a launched decode window whose tokens have not landed
         if config.decode_graphs is not None:
             self.decode_runner = self._new_decode_runner(config.decode_graphs)
@@ -480,3 +485,34 @@ class GenerationEngine:
     def _new_kv_cache(self) -> KVCache:
         # One slot more than the allocator hands out: the scratch slot.
         return KVCache(self.model_config, self.kv_sizing.num_slots + 1, self.device, self.config.dtype)
+
+    # -- construction from a checkpoint ----------------------------------------------------
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | Path,
+        config: EngineConfig | None = None,
+        *,
+        platform: Platform | None = None,
+        runner_factory: Callable[[GenerationEngine], ModelRunner] | None = None,
+    ) -> GenerationEngine:
+        """An engine serving the Hugging Face checkpoint at `path` (`load_checkpoint` says
+        what is accepted; a refused checkpoint raises CheckpointError, nothing allocated).
+
+        The weights are read once, straight onto the engine's device in `config.dtype`
+        (no config: the checkpoint's own dtype and EngineConfig's defaults), so the engine's
+        move is a no-op. A config that names no end-of-sequence token gets the checkpoint's
+        `eos_token_id`s. `config.model` is not used: the checkpoint is the model. The load
+        report is kept as `engine.checkpoint`."""
+        from torchhal.core.model.checkpoint import checkpoint_dtype, eos_token_ids, load_checkpoint, read_hf_config
+
+        hf = read_hf_config(path)
+        config = config or EngineConfig(dtype=checkpoint_dtype(hf))
+        if not config.eos_tokens and config.eos_token is None:
+            config = replace(config, eos_tokens=eos_token_ids(hf, f"{Path(path) / 'config.json'}"))
+        platform = platform or current_platform()
+        index = platform.current_device() if config.device is None else config.device
+        model, report = load_checkpoint(path, dtype=config.dtype, device=platform.device(index))
+        engine = cls(config, platform=platform, model=model, runner_factory=runner_factory)
+        engine.checkpoint = report
+        return engine

@@ -134,6 +134,18 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json", has_lm_head: 
     )
 
 
+def eos_token_ids(hf: dict[str, Any], where: str = "config.json") -> tuple[int, ...]:
+    """Every end-of-sequence id of a config (Llama 3 lists several); () when it names none."""
+    eos = hf.get("eos_token_id")
+    if eos is None:
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0]
+    if bad:
+        raise CheckpointError(f"{where}: eos_token_id {eos!r} must be a token id or a list of token ids (ints >= 0)")
+    return tuple(ids)
+
+
 def checkpoint_dtype(hf: dict[str, Any]) -> torch.dtype:
     name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     if name not in _TORCH_DTYPES:

@@ -1,14 +1,21 @@
-"""`torchhal plugin new NAME`: write a platform plugin distribution a vendor starts from.
+"""`torchhal plugin new NAME [--base plugin|accelerator|cpu]`: a plugin distribution to start from.
 
-The plugin class is written from `PlatformPlugin` itself: each SPI member gets its
-real signature and the guidance below (what to do, what the contract demands).
-A member the SPI gains without guidance here is left out of the template, and
-tests/test_plugin_template.py fails until it is added.
+Three starting points, one per kind of device (`BASES`):
+
+- `plugin`: every SPI member of `PlatformPlugin`, written from the class itself (real
+  signatures, the guidance below). A member the SPI gains without guidance here is left
+  out, and tests/test_plugin_template.py fails until it is added.
+- `accelerator`: a declaration on `AcceleratorPlatform`, for a device module that
+  mirrors `torch.cuda` (as `torch.xpu`, `torch.npu`, `torch.musa` do).
+- `cpu`: a simulated or host-backed device on `CpuPlatform`: host tensors, streams,
+  events and IPC come with it, so it is conformant before a line is changed.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
+import json
 import re
 import textwrap
 from pathlib import Path
@@ -16,6 +23,7 @@ from pathlib import Path
 from torchhal.platforms.plugin import SPI_ATTRIBUTES, SPI_METHODS, SPI_VERSION, PlatformPlugin
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
+BASES = ("plugin", "accelerator", "cpu")
 
 #: Attribute -> (value expression, TODO). `{name}` is the platform name.
 ATTRIBUTE_GUIDANCE: dict[str, tuple[str, str]] = {
@@ -61,6 +69,18 @@ METHOD_GUIDANCE: dict[str, str] = {
 }
 
 
+#: AcceleratorPlatform's declarations -> (value expression, TODO).
+ACCELERATOR_GUIDANCE: dict[str, tuple[str, str]] = {
+    "extension_module": ('"torch_{name}"', "TODO: the extension imported before torch.{name} exists "
+                         "(None when torch itself has the device module)"),
+    "runtime_hint": ('"needs torch_{name} and its runtime"', "TODO: what to install, said with a 'no'"),
+    "graph_class_name": ("None", "TODO: the graph class on torch.{name} (like 'CUDAGraph'), or None: no graphs"),
+    "ipc_share_method": ("None", "TODO: the UntypedStorage method exporting a device storage (like "
+                         "'_share_cuda_'), or None: no IPC"),
+    "ipc_open_method": ("None", "TODO: the UntypedStorage method opening one (like '_new_shared_cuda')"),
+}
+
+
 class TemplateError(ValueError):
     """A bad plugin name or target directory; nothing was written."""
 
@@ -100,15 +120,26 @@ def _comment(text: str) -> str:
     return "\n".join("# " + line for line in textwrap.wrap(text, 80, break_on_hyphens=False))
 
 
-def plugin_module_source(name: str) -> str:
-    """The plugin package's __init__.py: every SPI member the guidance covers, stubbed."""
-    class_name = "".join(part.capitalize() for part in name.split("_")) + "Platform"
-    attributes = []
-    for attr in SPI_ATTRIBUTES:
-        if attr in ATTRIBUTE_GUIDANCE:
-            value, todo = ATTRIBUTE_GUIDANCE[attr]
-            value = value.format(name=name, upper=f"{name.upper()}_VISIBLE_DEVICES")
-            attributes.append(f"{_comment(todo.format(name=name))}\n{attr} = {value}")
+def _class_name(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_")) + "Platform"
+
+
+def _attributes(name: str, guidance: dict[str, tuple[str, str]], overrides: dict[str, str] | None = None) -> list[str]:
+    lines = []
+    for attr, (value, todo) in guidance.items():
+        value = (overrides or {}).get(attr, value).format(name=name, upper=f"{name.upper()}_VISIBLE_DEVICES")
+        lines.append(f"{_comment(todo.format(name=name))}\n{attr} = {value}")
+    return lines
+
+
+def plugin_module_source(name: str, base: str = "plugin") -> str:
+    """The plugin package's __init__.py for `base` (one of BASES)."""
+    if base == "accelerator":
+        return _accelerator_module_source(name)
+    if base == "cpu":
+        return _cpu_module_source(name)
+    class_name = _class_name(name)
+    attributes = _attributes(name, {a: ATTRIBUTE_GUIDANCE[a] for a in SPI_ATTRIBUTES if a in ATTRIBUTE_GUIDANCE})
     methods = [_method_source(m, name) for m in SPI_METHODS if m in METHOD_GUIDANCE]
     body = "\n\n".join(attributes) + "\n\n" + "\n\n".join(methods)
     return f'''"""torchhal platform plugin for {name}: every SPI member, to fill in.
@@ -126,7 +157,6 @@ from types import ModuleType
 from typing import Any
 
 import torch
-
 from torchhal.platforms import (
     Availability,
     DeviceInfo,
@@ -147,6 +177,99 @@ class {class_name}(PlatformPlugin):
 def torchhal_register_platforms() -> list[PlatformPlugin]:
     return [{class_name}()]
 '''
+
+
+def _accelerator_module_source(name: str) -> str:
+    class_name = _class_name(name)
+    spi = {a: ATTRIBUTE_GUIDANCE[a] for a in SPI_ATTRIBUTES if a in ATTRIBUTE_GUIDANCE}
+    body = "\n\n".join(_attributes(name, spi, {"priority": "90"}) + _attributes(name, ACCELERATOR_GUIDANCE))
+    return f'''"""torchhal platform plugin for {name}: a declaration on AcceleratorPlatform.
+
+torch.{name} must mirror torch.cuda's names (device_count, mem_get_info, memory_reserved,
+empty_cache, Stream, Event, ...): AcceleratorPlatform drives it through them, detection
+included. Override a method only where your runtime differs: `runtime_missing()` (decide
+from the torch build), `probe_device_count(module)` (counting needs more), `ipc_events()`
+(interprocess events). Reference: docs/spi-reference.md of torchhal. Check it with:
+    torchhal conformance --platform {name} --profile full
+"""
+
+from __future__ import annotations
+
+from torchhal.platforms import PlatformPlugin, hookimpl
+from torchhal.plugins.accelerator import AcceleratorPlatform
+
+
+class {class_name}(AcceleratorPlatform):
+{textwrap.indent(body, "    ")}
+
+
+@hookimpl
+def torchhal_register_platforms() -> list[PlatformPlugin]:
+    return [{class_name}()]
+'''
+
+
+def _cpu_module_source(name: str) -> str:
+    class_name = _class_name(name)
+    return f'''"""torchhal platform plugin for {name}: a simulated or host-backed device on CpuPlatform.
+
+Tensors are host tensors (`device_type = "cpu"`); CpuPlatform supplies detection, host
+streams and events, OOM recognition and IPC, so this plugin is conformant as written.
+Make it yours where your device differs: most often `memory_info` and `empty_cache`
+follow what your simulated device holds (a caching allocator's counters: allocated,
+reserved, and what empty_cache releases). Reference: docs/spi-reference.md of torchhal,
+"Building a CPU-backed or simulated platform". Check it with:
+    torchhal conformance --platform {name} --profile full
+"""
+
+from __future__ import annotations
+
+from torchhal.platforms import MemoryInfo, PlatformPlugin, hookimpl
+from torchhal.plugins.cpu import CpuPlatform
+
+
+class {class_name}(CpuPlatform):
+    # TORCHHAL_PLATFORM={name} selects this platform
+    name = "{name}"
+    # host tensors: torch needs nothing new
+    device_type = "cpu"
+    # below the CPU's 0: never chosen over it, used when named (docs/spi-reference.md)
+    priority = -1
+    dist_backend = "gloo"
+    visible_devices_env = ()
+    spi_version = {tuple(SPI_VERSION)!r}
+
+    def memory_info(self, index: int) -> MemoryInfo:
+        # TODO: the counters of your simulated device (the default reports the host's memory)
+        return super().memory_info(index)
+
+    def empty_cache(self, index: int) -> int | None:
+        # TODO: release your simulated cache; return reserved_before - reserved_after (or None)
+        return super().empty_cache(index)
+
+
+@hookimpl
+def torchhal_register_platforms() -> list[PlatformPlugin]:
+    return [{class_name}()]
+'''
+
+
+def torchhal_requirement() -> str:
+    """How this torchhal was installed, as a pip requirement a plugin can install it by
+    (torchhal is not on the package index): its VCS URL and commit, or its local source;
+    a placeholder naming what to fill in when pip recorded neither."""
+    try:
+        recorded = importlib.metadata.distribution("torchhal").read_text("direct_url.json")
+        url = json.loads(recorded or "{}")
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        url = {}
+    vcs = url.get("vcs_info") if isinstance(url, dict) else None
+    if isinstance(vcs, dict) and isinstance(url.get("url"), str):
+        commit = f"@{vcs['commit_id']}" if isinstance(vcs.get("commit_id"), str) else ""
+        return f"torchhal @ {vcs.get('vcs', 'git')}+{url['url']}{commit}"
+    if isinstance(url, dict) and isinstance(url.get("url"), str):
+        return f"torchhal @ {url['url']}"
+    return "torchhal @ git+https://YOUR-GIT-HOST/torchhal.git"  # TODO: where your torchhal comes from
 
 
 def _pyproject(name: str, package: str) -> str:
@@ -170,14 +293,17 @@ packages = ["{package}"]
 '''
 
 
-def _readme(name: str, package: str) -> str:
+def _readme(name: str, package: str, requirement: str) -> str:
     return f"""# torchhal-{name.replace("_", "-")}
 
 A torchhal platform plugin for {name}, started from `torchhal plugin new {name}`.
 
-1. Fill in every `TODO` in `{package}/__init__.py` (docs/spi-reference.md of torchhal
-   documents each member, its types, units and defaults).
-2. `pip install -e .` and check that `torchhal info` lists `{name}` as available.
+1. torchhal is not on the package index: install it first, from where this plugin was
+   made from (`pip install "{requirement}"`), or from your own torchhal checkout
+   (`pip install -e /path/to/torchhal`). Then `pip install -e .` here finds it installed.
+2. Fill in every `TODO` in `{package}/__init__.py` (docs/spi-reference.md of torchhal
+   documents each member, its types, units and defaults), and check that
+   `torchhal info` lists `{name}` as available.
 3. `torchhal conformance --platform {name} --profile full --json conformance.json`
    until the verdict is `CONFORMANT`; declare known failures in an expectation file
    (docs/conformance.md).
@@ -186,7 +312,7 @@ A torchhal platform plugin for {name}, started from `torchhal plugin new {name}`
 """
 
 
-def _ci_workflow(name: str) -> str:
+def _ci_workflow(name: str, requirement: str) -> str:
     return f"""name: torchhal conformance
 on: [push, pull_request]
 jobs:
@@ -195,7 +321,9 @@ jobs:
     runs-on: [self-hosted, {name}]
     steps:
       - uses: actions/checkout@v4
-      - run: python -m pip install torchhal .
+      # torchhal is not on the package index: install it from its source first.
+      - run: python -m pip install "{requirement}"
+      - run: python -m pip install .
       - run: torchhal info
       - run: torchhal conformance --platform {name} --profile full --json conformance.json --junit junit.xml
       - uses: actions/upload-artifact@v4
@@ -208,18 +336,22 @@ jobs:
 """
 
 
-def write_plugin(name: str, directory: Path | None = None) -> Path:
-    """Write the distribution for platform `name` into `directory` (default ./torchhal-NAME); return it."""
+def write_plugin(name: str, directory: Path | None = None, base: str = "plugin") -> Path:
+    """Write the distribution for platform `name` on `base` (one of BASES) into `directory`
+    (default ./torchhal-NAME); return it."""
     check_name(name)
+    if base not in BASES:
+        raise TemplateError(f"base {base!r} is not one of {', '.join(BASES)}")
     target = Path(directory) if directory is not None else Path(f"torchhal-{name.replace('_', '-')}")
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise TemplateError(f"{target} already exists and is not an empty directory; choose another --dir")
     package = f"torchhal_{name}"
+    requirement = torchhal_requirement()
     files = {
         Path("pyproject.toml"): _pyproject(name, package),
-        Path(package) / "__init__.py": plugin_module_source(name),
-        Path("README.md"): _readme(name, package),
-        Path(".github") / "workflows" / "conformance.yml": _ci_workflow(name),
+        Path(package) / "__init__.py": plugin_module_source(name, base),
+        Path("README.md"): _readme(name, package, requirement),
+        Path(".github") / "workflows" / "conformance.yml": _ci_workflow(name, requirement),
     }
     for relative, content in files.items():
         path = target / relative

@@ -1,18 +1,16 @@
-"""`torchhal info | conformance | plugin new`: the command line."""
+"""`torchhal info`: the registered platforms, the current one and its devices."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torchhal
-from torchhal._generate import add_generate_command
+from torchhal.cli.output import emit, refuse
 from torchhal.platforms import (
     SPI_VERSION,
     PlatformError,
@@ -123,32 +121,31 @@ def collect_info() -> dict[str, Any]:
     return info
 
 
-def _print_info(info: dict[str, Any]) -> None:
-    print(f"torchhal {info['torchhal']}  (torch {info['torch']}, plugin SPI {info['spi_version']})")
-    print("\nRegistered platforms:")
+def format_info(info: dict[str, Any]) -> str:
+    """The text `torchhal info` prints (columns sized to the longest platform name)."""
+    lines = [f"torchhal {info['torchhal']}  (torch {info['torch']}, plugin SPI {info['spi_version']})",
+             "", "Registered platforms:"]
+    width = max((len(p["name"]) for p in info["platforms"]), default=0)
     for p in info["platforms"]:
         state = "available" if p["available"] else f"unavailable: {p['reason']}"
-        print(f"  {p['name']:<6} priority {p['priority']:>3}  {p['distribution']} {p['version']}"
-              f"  [{p['source']}]  {state}")
+        lines.append(f"  {p['name']:<{width}}  priority {p['priority']:>3}  {p['distribution']} {p['version']}"
+                     f"  [{p['source']}]  {state}")
     if not info["platforms"]:
-        print("  (none)")
+        lines.append("  (none)")
     if info["plugin_errors"]:
-        print("\nPlugin errors:")
+        lines += ["", "Plugin errors:"]
         for e in info["plugin_errors"]:
             dist = f" ({e['distribution']})" if e["distribution"] else ""
-            print(f"  {e['plugin']}{dist}: failed to {e['failed_to']}: {e['error']}")
+            lines.append(f"  {e['plugin']}{dist}: failed to {e['failed_to']}: {e['error']}")
     if info["plugin_notices"]:
-        print("\nPlugin notices:")
-        for notice in info["plugin_notices"]:
-            print(f"  {notice}")
+        lines += ["", "Plugin notices:"] + [f"  {notice}" for notice in info["plugin_notices"]]
     cur = info["current"]
     if cur is None:
-        return
-    print(f"\nCurrent platform: {cur['name']}  ({cur['how']})")
-    print(f"  resolved at: {cur['resolved_at']}")
-    print(f"  runtime: {cur['runtime']}  dist backend: {cur['dist_backend']}")
-    for k, v in cur["environment"].items():
-        print(f"  {k}={v}")
+        return "\n".join(lines)
+    lines += ["", f"Current platform: {cur['name']}  ({cur['how']})",
+              f"  resolved at: {cur['resolved_at']}",
+              f"  runtime: {cur['runtime']}  dist backend: {cur['dist_backend']}"]
+    lines += [f"  {k}={v}" for k, v in cur["environment"].items()]
     for d in cur["devices"]:
         dev, mem = d["device"], d["memory"]
         line = f"  device {d['index']}: " + (dev["name"] if dev else "(device_info failed: see plugin errors)")
@@ -158,11 +155,12 @@ def _print_info(info: dict[str, Any]) -> None:
             line += f"  free {mem['free'] / GiB:.1f} / {mem['total'] / GiB:.1f} GiB"
             if mem["reserved"] is not None:
                 line += f"  reserved {mem['reserved'] / GiB:.2f} GiB"
-        print(line)
+        lines.append(line)
     caps = cur["capabilities"]
-    print(f"  graphs: {caps['graphs'] or 'unsupported'}")
+    lines.append(f"  graphs: {caps['graphs'] or 'unsupported'}")
     ipc = caps["ipc"]
-    print("  ipc: " + (f"{ipc['note']} (peer redirect: {ipc['peer_redirect']})" if ipc else "unsupported"))
+    lines.append("  ipc: " + (f"{ipc['note']} (peer redirect: {ipc['peer_redirect']})" if ipc else "unsupported"))
+    return "\n".join(lines)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -170,109 +168,14 @@ def cmd_info(args: argparse.Namespace) -> int:
     try:
         info = collect_info()
     except PlatformError as exc:  # a bad torchhal setting, e.g. TORCHHAL_DETECT_TIMEOUT
-        print(f"torchhal: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        json.dump(info, sys.stdout, indent=2, default=str)
-        print()
-    else:
-        _print_info(info)
+        return refuse("info", str(exc))
+    emit(json.dumps(info, indent=2, default=str) if args.json else format_info(info))
     if info["error"] is not None:
-        print(f"torchhal: {info['error']}", file=sys.stderr)
-        return 2
+        return refuse("info", info["error"])
     return 0
 
 
-def cmd_conformance(args: argparse.Namespace) -> int:
-    """Run the suite; the exit code is the verdict's (torchhal.conformance_tests.EXIT_CODES)."""
-    import importlib.metadata as metadata
-
-    import pytest
-
-    from torchhal import conformance_tests
-    from torchhal.conformance_tests import EXIT_CODES
-    from torchhal.conformance_tests import plugin as suite_plugin
-    from torchhal.conformance_tests.plugin import ConformanceUsageError, check_report_path, load_expectations
-
-    # Bad inputs are one line now, not a pytest INTERNALERROR or a traceback after the verdict.
-    try:
-        if args.expect:
-            load_expectations(args.expect)
-        if args.json:
-            check_report_path(args.json, "--json")
-        if args.junit:
-            check_report_path(args.junit, "--junit")
-    except ConformanceUsageError as exc:
-        print(f"torchhal conformance: {exc}", file=sys.stderr)
-        return EXIT_CODES["USAGE ERROR"]
-
-    package_dir = os.path.dirname(conformance_tests.__file__)
-    argv = [package_dir, "-c", os.devnull, "--rootdir", package_dir, "-p", "no:cacheprovider", "-v",
-            "--torchhal-profile", args.profile, "--torchhal-device", str(args.device)]
-    if not any(ep.value == "torchhal.conformance_tests.plugin" for ep in metadata.entry_points(group="pytest11")):
-        argv += ["-p", "torchhal.conformance_tests.plugin"]  # running from a source tree
-    if args.platform:
-        argv += ["--torchhal-platform", args.platform]
-    if args.expect:
-        argv += ["--torchhal-expect", args.expect]
-    if args.json:
-        argv += ["--torchhal-json", args.json]
-    if args.junit:
-        argv += ["--junitxml", args.junit]
-    if args.k:
-        argv += ["-k", args.k]
-    code = pytest.main(argv)
-    outcome = suite_plugin.finished_outcome()
-    if outcome is not None:
-        return EXIT_CODES[outcome[0]]
-    if code == pytest.ExitCode.USAGE_ERROR:
-        return EXIT_CODES["USAGE ERROR"]
-    return EXIT_CODES["SUITE ERROR"]  # no verdict: pytest said why above
-
-
-def cmd_plugin_new(args: argparse.Namespace) -> int:
-    from torchhal.plugin_template import TemplateError, write_plugin
-
-    try:
-        target = write_plugin(args.name, args.dir)
-    except (TemplateError, OSError) as exc:
-        print(f"torchhal plugin new: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote the {args.name} plugin distribution to {target}")
-    print(f"next: fill in the TODOs, pip install -e {target}, torchhal conformance --platform {args.name}")
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="torchhal", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_command(sub: Any) -> None:
     info = sub.add_parser("info", help="registered platforms, the current one, its devices")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(func=cmd_info)
-    conf = sub.add_parser("conformance", help="run the conformance suite on a platform")
-    conf.add_argument("--platform", help="platform name (default: the current platform)")
-    conf.add_argument("--device", type=int, default=0, help="device index to test (default 0)")
-    conf.add_argument("--profile", choices=("core", "full"), default="core",
-                      help="core: contract, device, memory; full: every declared capability")
-    conf.add_argument("--expect", help="vendor expectation file (TOML or YAML)")
-    conf.add_argument("--json", help="write the JSON report to this path")
-    conf.add_argument("--junit", help="write a JUnit XML report to this path")
-    conf.add_argument("-k", help="only tests matching this pytest -k expression")
-    conf.set_defaults(func=cmd_conformance)
-    add_generate_command(sub)
-    plugin = sub.add_parser("plugin", help="tools for plugin authors")
-    plugin_sub = plugin.add_subparsers(dest="plugin_command", required=True)
-    new = plugin_sub.add_parser("new", help="write a platform plugin distribution to start from")
-    new.add_argument("name", help="platform name, a lowercase identifier (e.g. myaccel)")
-    new.add_argument("--dir", type=Path, help="where to write it (default: ./torchhal-NAME)")
-    new.set_defaults(func=cmd_plugin_new)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

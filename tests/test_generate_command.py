@@ -1,0 +1,97 @@
+"""`torchhal generate` refuses bad arguments in one line, before anything is loaded or sized,
+and says why a run ended early."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.hf_models import save_hf_model
+from torchhal.cli import main
+
+
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny")
+    save_hf_model("llama3", directory)  # vocab 128, max_position 256
+    return directory
+
+
+@pytest.fixture
+def generate(capsys: pytest.CaptureFixture[str]):
+    def run(*args: str) -> Ran:
+        code = main(["generate", *args])
+        out = capsys.readouterr()
+        return Ran(code, out.out, out.err)
+
+    return run
+
+
+def one_line_refusal(ran: Ran, *expected: str) -> None:
+    assert ran.returncode == 2, ran
+    assert ran.stdout == "" and len(ran.stderr.strip().splitlines()) == 1, ran.stderr
+    assert "Traceback" not in ran.stderr
+    for text in expected:
+        assert text in ran.stderr, ran.stderr
+
+
+@pytest.mark.parametrize("ids, expected", [
+    ("", "must be comma-separated integers"),
+    ("1,,2", "must be comma-separated integers"),
+    ("1e3", "'1e3' is not one"),
+    ("-1", "token id -1 is outside the vocabulary 0..127"),
+    ("128", "token id 128 is outside the vocabulary 0..127"),
+    ("99999999999999999999999", "outside the vocabulary"),
+])
+def test_bad_prompt_ids_are_one_line(tiny, generate, ids, expected):
+    one_line_refusal(generate("--model", str(tiny), "--prompt-ids", ids), expected)
+
+
+@pytest.mark.parametrize("new, expected", [
+    ("0", "max_new_tokens 0 must be a positive int"),
+    ("-5", "max_new_tokens -5 must be a positive int"),
+    ("1000000000", "exceeds max_position 256"),
+])
+def test_bad_lengths_are_refused_before_loading(tiny, generate, new, expected):
+    start = time.perf_counter()
+    one_line_refusal(generate("--model", str(tiny), "--prompt-ids", "1,2", "--max-new-tokens", new), expected)
+    assert time.perf_counter() - start < 5  # no KV pool sized for a billion tokens
+
+
+def test_a_missing_or_wrong_model_path_is_one_line(tmp_path, generate):
+    one_line_refusal(generate("--model", str(tmp_path / "nope"), "--prompt-ids", "1"), "config.json")
+    (tmp_path / "file").write_text("x")
+    one_line_refusal(generate("--model", str(tmp_path / "file"), "--prompt-ids", "1"), "config.json")
+
+
+def test_a_run_that_stops_at_end_of_sequence_says_so(tmp_path, tiny, generate):
+    full = generate("--model", str(tiny), "--prompt-ids", "5,17,3", "--max-new-tokens", "16", "--json")
+    assert full.returncode == 0, full.stderr
+    tokens = json.loads(full.stdout)["output_ids"]
+    assert len(tokens) == 16 and json.loads(full.stdout)["stop"] == "length"
+    eos = tokens[3]
+    stop_at = tokens.index(eos) + 1  # the first time the model says it
+    model = tmp_path / "with-eos"
+    shutil.copytree(tiny, model)
+    config = json.loads((tiny / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "eos_token_id": eos}))
+
+    ran = generate("--model", str(model), "--prompt-ids", "5,17,3", "--max-new-tokens", "16")
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.splitlines()[1] == " ".join(map(str, tokens[:stop_at]))
+    assert f"stopped at end-of-sequence token {eos} after {stop_at} of 16 tokens" in ran.stdout
+    as_json = json.loads(generate("--model", str(model), "--prompt-ids", "5,17,3", "--max-new-tokens", "16",
+                                  "--json").stdout)
+    assert as_json["stop"] == "eos" and as_json["new_tokens"] == stop_at

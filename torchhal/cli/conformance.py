@@ -1,0 +1,72 @@
+"""`torchhal conformance`: run the vendor conformance suite on a platform."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from torchhal.cli.output import refuse
+
+#: The suite's own pytest configuration (shipped beside it): the run never reads the
+#: caller's pytest.ini / pyproject.toml / conftest, wherever it is started from.
+SUITE_CONFIG = "pytest.ini"
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    """Run the suite; the exit code is the verdict's (torchhal.conformance_tests.EXIT_CODES)."""
+    import importlib.metadata as metadata
+
+    import pytest
+
+    from torchhal import conformance_tests
+    from torchhal.conformance_tests import EXIT_CODES
+    from torchhal.conformance_tests import plugin as suite_plugin
+    from torchhal.conformance_tests.plugin import ConformanceUsageError, check_report_path, load_expectations
+
+    # Bad inputs are one line now, not a pytest INTERNALERROR or a traceback after the verdict.
+    try:
+        if args.expect:
+            load_expectations(args.expect)
+        if args.json:
+            check_report_path(args.json, "--json")
+        if args.junit:
+            check_report_path(args.junit, "--junit")
+    except ConformanceUsageError as exc:
+        refuse("conformance", str(exc))
+        return EXIT_CODES["USAGE ERROR"]
+
+    package_dir = os.path.dirname(conformance_tests.__file__)
+    argv = [package_dir, "-c", os.path.join(package_dir, SUITE_CONFIG), "--rootdir", package_dir, "-v",
+            "--torchhal-profile", args.profile, "--torchhal-device", str(args.device)]
+    if not any(ep.value == "torchhal.conformance_tests.plugin" for ep in metadata.entry_points(group="pytest11")):
+        argv += ["-p", "torchhal.conformance_tests.plugin"]  # running from a source tree
+    if args.platform:
+        argv += ["--torchhal-platform", args.platform]
+    if args.expect:
+        argv += ["--torchhal-expect", args.expect]
+    if args.json:
+        argv += ["--torchhal-json", args.json]
+    if args.junit:
+        argv += ["--junitxml", args.junit]
+    if args.k:
+        argv += ["-k", args.k]
+    code = pytest.main(argv)
+    outcome = suite_plugin.finished_outcome()
+    if outcome is not None:
+        return EXIT_CODES[outcome[0]]
+    if code == pytest.ExitCode.USAGE_ERROR:
+        return EXIT_CODES["USAGE ERROR"]
+    return EXIT_CODES["SUITE ERROR"]  # no verdict: pytest said why above
+
+def add_command(sub: Any) -> None:
+    conf = sub.add_parser("conformance", help="run the conformance suite on a platform")
+    conf.add_argument("--platform", help="platform name (default: the current platform)")
+    conf.add_argument("--device", type=int, default=0, help="device index to test (default 0)")
+    conf.add_argument("--profile", choices=("core", "full"), default="core",
+                      help="core: contract, device, memory; full: every declared capability")
+    conf.add_argument("--expect", help="vendor expectation file (TOML or YAML)")
+    conf.add_argument("--json", help="write the JSON report to this path")
+    conf.add_argument("--junit", help="write a JUnit XML report to this path")
+    conf.add_argument("-k", help="only tests matching this pytest -k expression")
+    conf.set_defaults(func=cmd_conformance)

@@ -1,0 +1,40 @@
+"""What every command shares: writing its output, and saying a bad input in one line."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+#: Exit code of a command refused for bad input or unwritable output (its message names why).
+USAGE_EXIT = 2
+
+
+class OutputError(OSError):
+    """stdout could not take the output: a closed pipe, a full disk."""
+
+
+def emit(text: str) -> None:
+    """Write `text` and a newline to stdout now; raise OutputError if it cannot be written.
+
+    Flushed here, so a full disk or a closed pipe is seen by the command, not by the
+    interpreter's exit (where it would be a traceback)."""
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except OSError as exc:
+        # Nothing more can reach this stdout: point it at devnull so the exit's own flush is quiet.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        raise OutputError(exc.errno, f"cannot write the output: {exc.strerror or exc}") from exc
+
+
+def refuse(command: str, message: str) -> int:
+    """One line on stderr naming what was wrong; the usage exit code."""
+    try:
+        print(f"torchhal {command}: {message}", file=sys.stderr)
+    except OSError:
+        pass  # stderr closed too: the exit code still says it
+    return USAGE_EXIT
