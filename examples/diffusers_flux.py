@@ -1,5 +1,8 @@
 """A real diffusers FluxPipeline (random weights, no download) under the residency manager.
 
+Needs diffusers and transformers, which torchhal does not install by itself:
+
+    pip install -e '.[diffusers]'
     python examples/diffusers_flux.py --transformer layerwise
 
 Builds the pipeline from configs (CLIP and T5 text encoders from transformers, a Flux
@@ -10,6 +13,7 @@ components to `ManagedPipeline` and runs the pipeline's own `__call__`.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +112,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--transformer", choices=["resident", "offload", "layerwise"], default="layerwise")
     args = parser.parse_args()
+    missing = [name for name in ("diffusers", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(f"this example needs {' and '.join(missing)}: pip install -e '.[diffusers]'")
     pipe = flux_pipeline()
     managed = ManagedPipeline(pipe, {"text_encoder": "offload", "text_encoder_2": "offload",
                                      "transformer": args.transformer, "vae": "offload"})
