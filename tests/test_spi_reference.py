@@ -105,3 +105,19 @@ def test_the_reference_states_the_conventions_the_suite_relies_on():
     assert "tests/plugin_dist/torchhal_simaccel" in doc
     assert (REFERENCE.parents[1] / "tests" / "plugin_dist" / "torchhal_simaccel").is_dir()
 
+
+
+def test_the_public_base_classes_and_their_declarations_are_documented():
+    """AcceleratorPlatform's declarations and hooks are SPI: each is named in the reference."""
+    from torchhal.plugins.accelerator import AcceleratorPlatform
+    from torchhal.plugins.cpu import CpuPlatform
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "spi-reference.md").read_text()
+    section = text.split("## Base classes", 1)[1].split("\n## ", 1)[0]
+    assert "torchhal.plugins.accelerator.AcceleratorPlatform" in section
+    assert f"torchhal.plugins.cpu.{CpuPlatform.__name__}" in section
+    own = [name for name in vars(AcceleratorPlatform) if not name.startswith("_")
+           and name not in vars(PlatformPlugin)]
+    assert own, "AcceleratorPlatform declares nothing of its own?"
+    missing = [name for name in own if f"`{name}" not in section]
+    assert missing == [], f"document these AcceleratorPlatform members in spi-reference.md 'Base classes': {missing}"
