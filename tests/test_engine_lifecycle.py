@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torchhal
-from torchhal.core.engine import EngineConfig, GenerationEngine, RequestState
+from torchhal.core.engine import EngineConfig, GenerationEngine, RequestState, WeightUpdateRejected
 from torchhal.core.graphs import GraphRunner
 from torchhal.core.model import AttentionMetadata, ModelConfig
 from torchhal.platforms import ReleasePoint
@@ -163,6 +163,37 @@ def test_a_tensor_subclass_that_cannot_be_copied_changes_nothing():
     late = torch.zeros_like(target).as_subclass(RefusesToBeCopied)
     with pytest.raises(ValueError, match=f"nothing applied: '{re.escape(name)}'.*cannot be copied"):
         e.update_weights_from_tensors([*early_zeros(e), (name, late)])
+    assert e.weight_version == 0
+    assert_unchanged(e, before)
+
+
+MALFORMED_UPDATES = {
+    "list name": (lambda good: [("lm_head.weight", good), (["lm_head.weight"], good)],
+                  r"weight name \['lm_head.weight'\] is a list; names are str"),
+    "dict name": (lambda good: [("lm_head.weight", good), ({"name": 1}, good)], r"weight name \{'name': 1\} is a dict"),
+    "None name": (lambda good: [("lm_head.weight", good), (None, good)], "weight name None is a NoneType"),
+    "tuple key": (lambda good: {"lm_head.weight": good, ("a", "b"): good}, r"weight name \('a', 'b'\) is a tuple"),
+    "list value": (lambda good: [("lm_head.weight", good), ("model.norm.weight", [1.0])],
+                   r"'model.norm.weight' is a list, not a torch.Tensor of shape \(128,\)"),
+    "None value": (lambda good: {"lm_head.weight": good, "model.norm.weight": None},
+                   "'model.norm.weight' is a NoneType"),
+    "triple": (lambda good: [("lm_head.weight", good), ("model.norm.weight", good, 1)],
+               r"entry 1 \('model.norm.weight', Tensor\(512, 128\) torch.float32, 1\) is not a \(name, tensor\)"),
+    "list pair": (lambda good: [("lm_head.weight", good), ["model.norm.weight", good]],
+                  r"entry 1 \['model.norm.weight', Tensor\(512, 128\) torch.float32\] is not a \(name, tensor\)"),
+    "None": (lambda good: None, "the update is a NoneType; pass a dict of name -> tensor or an iterable"),
+    "a tensor": (lambda good: good, "the update is a Tensor; pass a dict"),
+    "a str": (lambda good: "lm_head.weight", "the update is a str; pass a dict"),
+}
+
+
+@pytest.mark.parametrize("form", list(MALFORMED_UPDATES))
+def test_a_malformed_update_is_rejected_naming_it_with_nothing_applied(form):
+    e = engine()
+    before = snapshot(e)
+    build, message = MALFORMED_UPDATES[form]
+    with pytest.raises(WeightUpdateRejected, match="nothing applied: .*" + message):
+        e.update_weights_from_tensors(build(torch.zeros_like(e.model.lm_head.weight)))
     assert e.weight_version == 0
     assert_unchanged(e, before)
 

@@ -216,3 +216,86 @@ def test_a_bare_layerwise_streams_the_denoiser_through_a_ring_and_others_at_thei
     assert (transformer.layers_attr, transformer.buffers, transformer.rest) == (BLOCKS, "ring", "on_call")
     assert (vae.layers_attr, vae.buffers, vae.rest) == (("decoder.up_blocks",), "exact", "on_call")
     managed.close()
+
+
+PATCHED = ("forward", "encode", "decode", "_hf_hook")
+ABSENT = object()
+
+
+def own_attributes(pipe):
+    """What each component instance has of its own under the names a ManagedPipeline patches."""
+    return {(name, attribute): module.__dict__.get(attribute, ABSENT)
+            for name, module in pipe.components.items() if isinstance(module, torch.nn.Module)
+            for attribute in PATCHED}
+
+
+def weight_storage(pipe):
+    return {(name, param_name): p.data_ptr() for name, module in pipe.components.items()
+            if isinstance(module, torch.nn.Module) for param_name, p in module.named_parameters()}
+
+
+def assert_same_attributes(pipe, before):
+    now = own_attributes(pipe)
+    assert now.keys() == before.keys()
+    assert all(now[key] is before[key] for key in now), [key for key in now if now[key] is not before[key]]
+
+
+def test_a_managed_pipeline_is_not_wrapped_twice_and_close_restores_exactly(reference_image, empties):
+    pipe = flux_pipeline()
+    # what the user had on the instances: an own decode and another library's hook object
+    pipe.vae.decode = type(pipe.vae).decode.__get__(pipe.vae)
+    pipe.transformer._hf_hook = object()
+    before = own_attributes(pipe)
+    first = ManagedPipeline(pipe, {**ENCODERS, "transformer": Strategy.OFFLOAD})
+    during = own_attributes(pipe)
+    for placements in ({}, {"transformer": Strategy.OFFLOAD}):
+        with pytest.raises(ValueError, match=r"FluxPipeline components \['vae', 'text_encoder', 'text_encoder_2', "
+                                             r"'transformer'\] are already managed by another ManagedPipeline; "
+                                             r"close\(\) that one first"):
+            ManagedPipeline(pipe, placements)
+    assert_same_attributes(pipe, during)  # the refusal touched nothing: the first still serves
+    assert torch.equal(first(**call_kwargs()).images, reference_image)
+    first.close()
+    assert_same_attributes(pipe, before)
+    assert first.close() is None  # closing twice is fine and changes nothing
+    assert_same_attributes(pipe, before)
+    second = ManagedPipeline(pipe, {"vae": Strategy.OFFLOAD})  # closed: the pipeline can be managed again
+    assert torch.equal(second(**call_kwargs()).images, reference_image)
+    second.close()
+    assert_same_attributes(pipe, before)
+    assert torch.equal(pipe(**call_kwargs()).images, reference_image)
+
+
+BAD_ARGUMENTS = [
+    ((None, {}), TypeError, "pipeline must be a diffusers pipeline .*got NoneType"),
+    (("pipe", None), TypeError, r"placements must be a dict of component name -> strategy.*got None; pass \{\}"),
+    (("pipe", ["transformer"]), TypeError, r"placements must be a dict .*got \['transformer'\]"),
+    # the VAE offloaded: a denoiser checked after the weights moved would leave them moved
+    (("pipe", {"vae": "offload"}, "vae"), ValueError,
+     r"denoiser 'vae' \(AutoencoderKL\) takes no timestep.*one of \['transformer'\]"),
+    (("pipe", {"vae": "offload"}, "text_encoder_2"), ValueError,
+     r"denoiser 'text_encoder_2' \(T5EncoderModel\) takes no timestep"),
+    (("pipe", {"vae": "offload"}, "scheduler"), ValueError,
+     r"denoiser 'scheduler' is not a module.*one of \['transformer'\]"),
+    (("pipe", {}, 3), ValueError, r"denoiser 3 is not a module"),
+    (("pipe", {"tokenizer": "offload"}), ValueError, r"placements name unknown components \['tokenizer'\]"),
+    (("pipe", {"vae": "streamed"}), ValueError, r"component 'vae': unknown strategy 'streamed'"),
+]
+
+
+def test_bad_arguments_are_refused_at_construction_naming_them(empties):
+    pipe = flux_pipeline()
+    before = own_attributes(pipe)
+    weights = weight_storage(pipe)
+    for args, error, message in BAD_ARGUMENTS:
+        pipeline, placements, *denoiser = args
+        with pytest.raises(error, match=message):
+            ManagedPipeline(pipe if pipeline == "pipe" else pipeline, placements,
+                            **({"denoiser": denoiser[0]} if denoiser else {}))
+    for flag in ("prefetch", "record_trace", "empty_on_release"):
+        with pytest.raises(ValueError, match=f"{flag} must be True or False, got 'yes'"):
+            ManagedPipeline(pipe, {"vae": "offload"}, **{flag: "yes"})
+    assert_same_attributes(pipe, before)  # nothing was wrapped or attached
+    assert weight_storage(pipe) == weights  # and no weight was moved into a host buffer
+    managed = ManagedPipeline(pipe, {"vae": "offload"}, denoiser="transformer")  # and it can still be managed
+    managed.close()

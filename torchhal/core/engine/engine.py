@@ -9,16 +9,23 @@ out-of-memory (oom), an idle interval (idle), or a user flush (user).
 `GenerationEngine` composes one part per job: `RequestBook` (request lifecycle and
 results), `Scheduler` (batch building and its rollback), `WeightUpdater`,
 `MemoryOccupation` (sleep/wake) and a `ModelRunner`, over any `Model`.
+
+Threads: one reentrant engine lock serializes every public method that reads or
+changes engine state; `generate` takes it per step, so concurrent calls share the
+continuous batch and each returns exactly its own results (`_serialized`).
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -63,6 +70,23 @@ class _Window:
     def launched(self) -> DecodeWindow:
         assert self.window is not None
         return self.window
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _serialized(
+    method: Callable[Concatenate[GenerationEngine, _P], _R],
+) -> Callable[Concatenate[GenerationEngine, _P], _R]:
+    """Run an engine method holding the engine lock (see `GenerationEngine._exclusive`)."""
+
+    @functools.wraps(method)
+    def serialized(self: GenerationEngine, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._exclusive(method.__name__):
+            return method(self, *args, **kwargs)
+
+    return serialized
 
 
 class GenerationEngine:
@@ -112,6 +136,10 @@ class GenerationEngine:
         self.occupation = MemoryOccupation(self.platform, self.device)
         self.events = EngineEvents(self.platform, self.device_index)
         self.paused: PauseMode | None = None
+        # Reentrant: public methods call each other (flush_cache drains, pause drains, ...).
+        self._lock = threading.RLock()
+        self._resumed = threading.Condition(self._lock)  # notified by continue_generation
+        self._stepping = False  # a step is running (on the thread holding the lock)
         self._steps = 0
         self._idle_since: float | None = None
         self._idle_emptied = False
@@ -176,7 +204,22 @@ class GenerationEngine:
     def trace(self) -> list[dict[str, Any]]:
         return self.events.trace
 
+    # -- threads ----------------------------------------------------------------------------
+    @contextmanager
+    def _exclusive(self, call: str) -> Iterator[None]:
+        """Hold the engine lock for `call`. Refused on the stepping thread inside a step (a
+        model, runner or hook calling back into the engine): the step's state is half-built,
+        and a plain lock would deadlock there instead of saying so."""
+        with self._lock:
+            if self._stepping:
+                raise RuntimeError(
+                    f"{call}() called from inside a step on the same thread (a model, runner or hook "
+                    "calling back into the engine); the engine is not re-entrant there: call it after step() returns"
+                )
+            yield
+
     # -- requests -----------------------------------------------------------------------
+    @_serialized
     def add_request(self, prompt: list[int], max_new_tokens: int) -> int:
         """Queue a prompt; raises TypeError/ValueError naming a bad token or length (nothing queued)."""
         return self.requests.add(prompt, max_new_tokens)
@@ -186,26 +229,40 @@ class GenerationEngine:
 
         Refused (RuntimeError) while paused, asleep or after an incomplete weight update,
         with nothing queued. If a step raises, this call's requests are withdrawn and the
-        error propagates: nothing of the call is left behind."""
-        if self.paused is not None:
-            raise RuntimeError(f"the engine is paused ({self.paused.value}); call continue_generation() first")
-        self._check_can_run()
-        rids = []
-        for prompt in prompts:
-            try:
-                rids.append(self.requests.add(prompt, max_new_tokens))
-            except (TypeError, ValueError) as exc:
-                rids.append(self.requests.fail_unqueued(prompt, str(exc)))
+        error propagates: nothing of the call is left behind.
+
+        Safe from several threads at once: the engine lock is taken per step, so the calls
+        share the continuous batch and each returns exactly its own results. Paused by
+        another thread mid-call, it waits (without stepping) for continue_generation();
+        requests that pause ended (abort) are returned as they are."""
+        with self._exclusive("generate"):
+            if self.paused is not None:
+                raise RuntimeError(f"the engine is paused ({self.paused.value}); call continue_generation() first")
+            self._check_can_run()
+            rids = []
+            for prompt in prompts:
+                try:
+                    rids.append(self.requests.add(prompt, max_new_tokens))
+                except (TypeError, ValueError) as exc:
+                    rids.append(self.requests.fail_unqueued(prompt, str(exc)))
         try:
-            while any(rid not in self.results for rid in rids):
-                self.step()
+            while True:
+                with self._exclusive("generate"):
+                    if all(rid in self.results for rid in rids):
+                        return [self.results.pop(rid) for rid in rids]
+                    if self.paused is not None:
+                        self._resumed.wait()  # releases the lock until continue_generation()
+                        continue
+                    self.step()
+                time.sleep(0)  # let a thread waiting for the lock take it: fair turns between callers
         except BaseException:
-            self._drop_in_flight()
-            self.requests.discard(rids)
+            with self._lock:
+                self._drop_in_flight()  # its rows may include this call's requests: recomputed, not lost
+                self.requests.discard(rids)
             raise
-        return [self.results.pop(rid) for rid in rids]
 
     # -- scheduling -------------------------------------------------------------------------
+    @_serialized
     def step(self) -> list[GenerationResult]:
         """One continuous-batching step: decode the running batch, admit prefills.
 
@@ -218,6 +275,13 @@ class GenerationEngine:
         back and admitted requests wait again, so the next step computes what this one
         would have. An out-of-memory error anywhere in the step retracts the batch and
         empties the cache once (ReleasePoint.OOM); other errors propagate."""
+        self._stepping = True
+        try:
+            return self._step()
+        finally:
+            self._stepping = False
+
+    def _step(self) -> list[GenerationResult]:
         if self.paused is not None:
             return []
         self._check_can_run()
@@ -347,6 +411,7 @@ class GenerationEngine:
             flight, self._in_flight = self._in_flight, None
             self._give_back(flight)
 
+    @_serialized
     def drain(self) -> None:
         """Land a decode window still on the device: its tokens are appended and the
         requests it finished go to `results`. `step()` does this itself; call it before
@@ -395,6 +460,7 @@ class GenerationEngine:
             self._idle_emptied = True
 
     # -- lifecycle ------------------------------------------------------------------------------
+    @_serialized
     def pending(self) -> str | None:
         """What keeps the engine from being idle, in words; None when idle."""
         pending = self.requests.pending()
@@ -403,6 +469,7 @@ class GenerationEngine:
         paused = f" (paused {self.paused.value})" if self.paused else ""
         return pending + f" request(s){paused}"
 
+    @_serialized
     def flush_cache(self, empty_cache: bool = True, reason: ReleasePoint = ReleasePoint.USER) -> FlushResult:
         """Clear the KV pool (there is no prefix cache), only when fully idle."""
         self.drain()
@@ -413,6 +480,7 @@ class GenerationEngine:
         released = self.events.empty(reason) if empty_cache else None
         return FlushResult(True, "KV pool cleared", released)
 
+    @_serialized
     def pause_generation(self, mode: PauseMode | str) -> list[GenerationResult]:
         """Pause. Returns the requests ended by an abort (empty for retract / in_place)."""
         mode = PauseMode(mode)
@@ -428,6 +496,7 @@ class GenerationEngine:
         self.events.record("pause", mode=mode.value, ended=len(ended))
         return ended
 
+    @_serialized
     def continue_generation(self, empty_cache: bool = True) -> ContinueReport:
         """Resume. Empties the cache first, while still paused: the fragmentation release point."""
         if self.paused is None:
@@ -437,8 +506,10 @@ class GenerationEngine:
         after = self.platform.memory_info(self.device_index).reserved
         self.events.record("continue", reserved_before=before, reserved_after=after)
         self.paused = None
+        self._resumed.notify_all()  # generate calls waiting out the pause step again
         return ContinueReport(before, after, released)
 
+    @_serialized
     def update_weights_from_tensors(self, named_tensors: NamedTensors, flush_cache: bool = False) -> WeightUpdateResult:
         """Validate every name, shape, dtype and layout first; apply all or nothing; post-process.
 
@@ -449,6 +520,7 @@ class GenerationEngine:
         self.events.record("weights_updated", count=count, version=self.weight_version)
         return WeightUpdateResult(count, self.weight_version, self.flush_cache_after_weight_update(flush_cache))
 
+    @_serialized
     def update_weights_from_disk(self, path: str, flush_cache: bool = False) -> WeightUpdateResult:
         """Weights by Hugging Face name from a checkpoint directory (single or sharded
         safetensors) or one safetensors file; validated and applied like
@@ -457,12 +529,14 @@ class GenerationEngine:
 
         return self.update_weights_from_tensors(iter_checkpoint_tensors(path), flush_cache)
 
+    @_serialized
     def flush_cache_after_weight_update(self, requested: bool) -> FlushResult | None:
         """The one place every weight-update path flushes, when the caller asked."""
         if not requested:
             return None
         return self.flush_cache(empty_cache=True, reason=ReleasePoint.WEIGHT_UPDATE)
 
+    @_serialized
     def release_memory_occupation(self) -> int | None:
         """Sleep: weights and KV pool leave the device. Only when idle."""
         self.drain()
@@ -474,6 +548,7 @@ class GenerationEngine:
         self.occupation.sleep(self.model, self.runner)
         return self.events.empty(ReleasePoint.SLEEP)
 
+    @_serialized
     def resume_memory_occupation(self) -> None:
         if not self.asleep:
             raise RuntimeError("the engine is not asleep")

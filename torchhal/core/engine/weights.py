@@ -81,11 +81,17 @@ class WeightUpdater:
     def _items(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
         if isinstance(named_tensors, Mapping):
             return list(named_tensors.items())
+        if isinstance(named_tensors, (str, bytes, torch.Tensor)) or not isinstance(named_tensors, Iterable):
+            raise WeightUpdateRejected(
+                f"weight update rejected, nothing applied: the update is a {type(named_tensors).__name__}; pass a "
+                "dict of name -> tensor or an iterable of (name, tensor) pairs, e.g. model.named_parameters()"
+            )
         items = []
         for entry in named_tensors:
             if not isinstance(entry, tuple) or len(entry) != 2:
                 raise WeightUpdateRejected(
-                    f"weight update rejected, nothing applied: {entry!r} is not a (name, tensor) pair"
+                    f"weight update rejected, nothing applied: entry {len(items)} {_short(entry)} is not a "
+                    "(name, tensor) tuple"
                 )
             items.append(entry)
         return items
@@ -95,15 +101,21 @@ class WeightUpdater:
         problems = []
         seen: set[str] = set()
         for name, tensor in items:
+            if not isinstance(name, str):  # checked first: a list or dict name is not even hashable
+                kind = type(name).__name__
+                problems.append(f"weight name {name!r} is a {kind}; names are str, e.g. 'lm_head.weight'")
+                continue
             if name in seen:
                 problems.append(f"{name!r} given twice")
             seen.add(name)
-            target = params.get(name) if isinstance(name, str) else None
+            target = params.get(name)
             if target is None:
                 problems.append(f"unknown weight {name!r}")
-            elif not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(target.shape):
-                shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-                problems.append(f"{name!r} has shape {shape}, expected {tuple(target.shape)}")
+            elif not isinstance(tensor, torch.Tensor):
+                kind = type(tensor).__name__
+                problems.append(f"{name!r} is a {kind}, not a torch.Tensor of shape {tuple(target.shape)}")
+            elif tuple(tensor.shape) != tuple(target.shape):
+                problems.append(f"{name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
             elif not tensor.dtype.is_floating_point:
                 problems.append(f"{name!r} has dtype {tensor.dtype}, expected a floating dtype like {target.dtype}")
             elif tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
@@ -134,3 +146,14 @@ class WeightUpdater:
         if value.dtype != param.dtype or value.shape != param.shape or value.layout != torch.strided:
             raise TypeError(f"staged as {value.dtype} {tuple(value.shape)} {value.layout}")
         return value
+
+
+def _short(value: object) -> str:
+    """A one-line description of an update's entry: tensors by shape and dtype, not by values."""
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{tuple(value.shape)} {value.dtype}"
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(_short(v) for v in value[:3]) + (", ..." if len(value) > 3 else "")
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

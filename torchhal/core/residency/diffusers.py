@@ -39,6 +39,9 @@ BLOCK_LIST_CANDIDATES = (
     "decoder.up_blocks",  # AutoencoderKL and other VAEs: the decoder's up blocks (decode runs them)
 )
 _ENTRY_METHODS = ("forward", "encode", "decode")
+#: What a ManagedPipeline sets on each component instance (and `close` restores).
+_PATCHED = (*_ENTRY_METHODS, "_hf_hook")
+_ABSENT = object()  # the instance had no attribute of its own by that name
 _warned: set[tuple[str, str, tuple[str, ...]]] = set()
 
 
@@ -79,7 +82,8 @@ def guess_block_lists(module: nn.Module, name: str = "component") -> tuple[str, 
 class _ExecutionDevice:
     """Where a component computes, in the attribute diffusers reads for offloaded modules
     (`_hf_hook.execution_device`): its weights may sit on the host between uses, and the
-    pipeline must still put latents and inputs on the device."""
+    pipeline must still put latents and inputs on the device. Its presence on a module
+    also marks the module as managed by a live ManagedPipeline."""
 
     def __init__(self, device: Any) -> None:
         self.execution_device = device
@@ -105,6 +109,10 @@ class ManagedPipeline:
     makes their releases release points, emptying after every component that left: the
     device holds less between stages, at the cost of an empty (tens of ms for GBs) at each
     stage boundary.
+
+    Every argument is checked before anything is attached. A pipeline whose components
+    another ManagedPipeline manages is refused until that one is closed; `close()` restores
+    exactly what each component instance had of its own.
     """
 
     def __init__(
@@ -121,22 +129,38 @@ class ManagedPipeline:
         record_trace: bool = True,
         log: Any = None,
     ) -> None:
-        modules = {name: m for name, m in pipeline.components.items() if isinstance(m, nn.Module)}
-        denoiser = denoiser or next((n for n in ("transformer", "unet") if n in modules), "")
-        if denoiser not in modules:
-            raise ValueError(f"denoiser {denoiser!r} is not a module of the pipeline; name one of {sorted(modules)}")
+        modules = _modules_of(pipeline)
+        if not isinstance(placements, Mapping):
+            raise TypeError(
+                f"placements must be a dict of component name -> strategy name or object, e.g. "
+                f"{{'transformer': 'offload'}}, got {placements!r}; pass {{}} to keep every component resident"
+            )
+        denoiser = _check_denoiser(pipeline, modules, denoiser)
         if isinstance(calls_per_step, bool) or not isinstance(calls_per_step, int) or calls_per_step < 1:
             raise ValueError(f"calls_per_step must be an int >= 1 (2 with true CFG), got {calls_per_step!r}")
+        for flag, value in (("prefetch", prefetch), ("record_trace", record_trace)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{flag} must be True or False, got {value!r}")
+        managed = [name for name, m in modules.items() if isinstance(m.__dict__.get("_hf_hook"), _ExecutionDevice)]
+        if managed:  # wrapping the other's wrappers: closing both would leave them behind
+            raise ValueError(
+                f"{type(pipeline).__name__} components {managed} are already managed by another ManagedPipeline; "
+                "close() that one first (it leaves the pipeline as it found it)"
+            )
         strategies: dict[str, PlacementSpec] = {}
         for name, spec in placements.items():
             if not isinstance(spec, ResidencyStrategy) and name in modules and _is_layerwise(spec):
                 spec = LayerwiseStrategy(1, guess_block_lists(modules[name], name), rest="on_call",
                                          buffers="ring" if name == denoiser else "exact")
             strategies[name] = spec
+        # (module, attribute, what the instance had of its own before anything is attached, or _ABSENT)
+        self._wrapped: list[tuple[nn.Module, str, Any]] = [
+            (module, attribute, module.__dict__.get(attribute, _ABSENT))
+            for module in modules.values() for attribute in _PATCHED
+        ]
         self.pipeline, self.denoiser, self.calls_per_step, self.prefetch = pipeline, denoiser, calls_per_step, prefetch
         self.manager = ResidencyManager(modules, strategies, platform, device_index, empty_on_release=empty_on_release,
                                         record_trace=record_trace, log=log)
-        self._wrapped: list[tuple[nn.Module, str, Any]] = []  # (module, attribute, what the instance had before)
         marker = _ExecutionDevice(self.manager.device)
         for name, module in modules.items():
             self._wrap(name, module)
@@ -182,17 +206,17 @@ class ManagedPipeline:
             return self.pipeline(*args, **kwargs)
 
     def close(self) -> int | None:
-        """Give the device back (see ResidencyManager.close) and unwrap the components."""
+        """Give the device back (see ResidencyManager.close) and restore exactly what each
+        component instance had of its own before (entry methods, `_hf_hook`). A second
+        close does nothing and returns None."""
         if self._closed:
             return None
         released = self.manager.close()
-        for module, attribute, before in reversed(self._wrapped):
-            if before is None:
+        for module, attribute, before in self._wrapped:
+            if before is _ABSENT:
                 module.__dict__.pop(attribute, None)
             else:
                 module.__dict__[attribute] = before
-        for state in self.manager.components.values():
-            state.module.__dict__.pop("_hf_hook", None)
         self._wrapped, self._closed = [], True
         return released
 
@@ -203,11 +227,8 @@ class ManagedPipeline:
 
     def _wrap(self, name: str, module: nn.Module) -> None:
         for attribute in _ENTRY_METHODS:
-            if not callable(getattr(type(module), attribute, None)):
-                continue
-            original = getattr(module, attribute)
-            self._wrapped.append((module, attribute, module.__dict__.get(attribute)))
-            module.__dict__[attribute] = self._entry(name, original)
+            if callable(getattr(type(module), attribute, None)):
+                module.__dict__[attribute] = self._entry(name, getattr(module, attribute))
 
     def _entry(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         manager = self.manager
@@ -219,6 +240,57 @@ class ManagedPipeline:
                 return original(*args, **kwargs)
 
         return entry
+
+
+def _modules_of(pipeline: Any) -> dict[str, nn.Module]:
+    """The pipeline's `nn.Module` components by name; TypeError for anything not a pipeline."""
+    components = getattr(pipeline, "components", None)
+    if not isinstance(components, Mapping) or not callable(pipeline):
+        raise TypeError(
+            f"pipeline must be a diffusers pipeline (callable, with a .components dict of its modules), "
+            f"got {type(pipeline).__name__}"
+        )
+    return {name: m for name, m in components.items() if isinstance(m, nn.Module)}
+
+
+def _takes_timestep(module: nn.Module) -> bool | None:
+    """Whether the module's class forward takes a timestep, as diffusers denoisers' do
+    (`timestep`, `timesteps`, `timestep_ratio`, `t`); None when its signature names no
+    parameter (only *args / **kwargs) or cannot be read."""
+    try:
+        parameters = list(inspect.signature(type(module).forward).parameters.values())[1:]  # after self
+    except (TypeError, ValueError):
+        return None
+    named = [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if not named:
+        return None
+    return any(name.startswith("timestep") or name == "t" for name in named)
+
+
+def _check_denoiser(pipeline: Any, modules: Mapping[str, nn.Module], denoiser: object) -> str:
+    """The denoiser's name: the one given, or "transformer" / "unet". Refused, naming the valid
+    choices, unless it is a module of the pipeline; and when some module takes a timestep,
+    unless it is one that may (a VAE or a text encoder is never called once per step)."""
+    takes = {name: _takes_timestep(m) for name, m in modules.items()}
+    choices = sorted(name for name, t in takes.items() if t) or sorted(modules)
+    if denoiser is None:
+        denoiser = next((n for n in ("transformer", "unet") if n in modules), None)
+        if denoiser is None:
+            raise ValueError(
+                f"{type(pipeline).__name__} has no 'transformer' or 'unet'; pass denoiser= naming the component "
+                f"called once per step, one of {choices}"
+            )
+    if not isinstance(denoiser, str) or denoiser not in modules:
+        raise ValueError(
+            f"denoiser {denoiser!r} is not a module of the pipeline; name the component called once per step, "
+            f"one of {choices}"
+        )
+    if takes[denoiser] is False and any(takes.values()):
+        raise ValueError(
+            f"denoiser {denoiser!r} ({type(modules[denoiser]).__name__}) takes no timestep, so it is not the "
+            f"component called once per step; name one of {choices}"
+        )
+    return denoiser
 
 
 def _is_layerwise(spec: PlacementSpec) -> bool:
