@@ -25,6 +25,47 @@ LOG2E = 1.4426950408889634
 #: Split the context only while each split keeps at least this many tokens.
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
+#: Launch configurations (tuned on an H200, bf16, head_dim 128; benchmarks/attention_kernels.py --sweep).
+DECODE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 2}
+PREFILL = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
+
+
+@triton.jit
+def _attend_tile(
+    acc, l_i, m_i, q, K, V, Table, start, hi, pos, dims, dim_ok, kv_head,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale, soft_cap, window,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One BLOCK_N-token tile of keys into the running softmax (online, exp2 domain)."""
+    kpos = start + tl.arange(0, BLOCK_N)
+    offset = kpos % PAGE
+    if MASKED:
+        k_ok = kpos < hi
+        block = tl.load(Table + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
+        kv_mask = k_ok[:, None] & dim_ok[None, :]
+    else:
+        block = tl.load(Table + kpos // PAGE).to(tl.int64)
+        kv_mask = dim_ok[None, :]
+    k = tl.load(K + block[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
+                mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    if HAS_SOFTCAP:
+        s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)  # cap * tanh(s / cap)
+    s = s * 1.4426950408889634  # log2(e): exp2 below
+    if MASKED:
+        allowed = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            allowed = allowed & (kpos[None, :] > pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet: no NaN
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    v = tl.load(V + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
+                mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, l_i * alpha + tl.sum(p, 1), m_new
 
 
 @triton.jit
@@ -66,31 +107,22 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
-        k_ok = kpos < hi
-        block = tl.load(BlockTables + seq * stride_bt + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
-        offset = kpos % PAGE
-        kv_mask = k_ok[:, None] & dim_ok[None, :]
-        k = tl.load(K + block[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh
-                    + dims[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        if HAS_SOFTCAP:
-            s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)  # cap * tanh(s / cap)
-        s = s * 1.4426950408889634  # exp2 domain
-        allowed = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            allowed = allowed & (kpos[None, :] > pos[:, None] - window)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh
-                    + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    # Tiles wholly before the tile's first query position need no causal mask (nor bounds
+    # checks); with a window every tile may need one.
+    mid = lo
+    if not HAS_WINDOW:
+        first_pos = seq_len - q_len + (tile * BLOCK_M) // GROUP
+        mid = lo + tl.maximum(tl.minimum(first_pos + 1, hi) - lo, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, mid, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, BlockTables + seq * stride_bt, start, hi, pos, dims,
+                                     dim_ok, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                                     stride_vh, scale, soft_cap, window, PAGE, BLOCK_N, False, HAS_WINDOW,
+                                     HAS_SOFTCAP, PRECISION)
+    for start in range(mid, hi, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, BlockTables + seq * stride_bt, start, hi, pos, dims,
+                                     dim_ok, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                                     stride_vh, scale, soft_cap, window, PAGE, BLOCK_N, True, HAS_WINDOW,
+                                     HAS_SOFTCAP, PRECISION)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row with no key outputs zeros
     out_mask = row_ok[:, None] & dim_ok[None, :]
     if NUM_SPLITS == 1:
@@ -134,7 +166,7 @@ def decode_splits(batch: int, kv_heads: int, context_capacity: int, multiprocess
 
     A function of launch shapes only (the table's capacity, not the lengths): graph-safe.
     """
-    wanted = math.ceil(2 * multiprocessors / max(batch * kv_heads, 1))
+    wanted = math.ceil(DECODE["waves"] * multiprocessors / max(batch * kv_heads, 1))
     useful = max(1, context_capacity // MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, useful, MAX_SPLITS))
 
@@ -186,8 +218,8 @@ class TritonPagedAttention:
         if tokens == 0 or max_query_len == 0:
             return out
         decode = splits > 1 or max_query_len == 1
-        block_m = max(16, triton.next_power_of_2(group)) if decode else (128 if head_dim <= 128 else 64)
-        block_n = 64
+        config = DECODE if decode else PREFILL
+        block_m = max(16, triton.next_power_of_2(group)) if decode else PREFILL["block_m"] // (1 + (head_dim > 128))
         block_d = max(16, triton.next_power_of_2(head_dim))
         if splits > 1:
             part_out = torch.empty((tokens, q_heads, splits, head_dim), dtype=torch.float32, device=query.device)
@@ -201,9 +233,9 @@ class TritonPagedAttention:
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
             meta.block_tables.stride(0), kv_heads, float(scale), float(soft_cap or 1.0), int(sliding_window or 0),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=k_cache.shape[1], BLOCK_M=block_m,
-            BLOCK_N=block_n, NUM_SPLITS=splits, HAS_WINDOW=sliding_window is not None,
+            BLOCK_N=config["block_n"], NUM_SPLITS=splits, HAS_WINDOW=sliding_window is not None,
             HAS_SOFTCAP=soft_cap is not None, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-            num_warps=4 if decode else 8, num_stages=2,
+            num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
         if splits > 1:
             _merge_splits_kernel[(tokens, q_heads)](

@@ -127,7 +127,8 @@ def build_metadata(
         if seq_len == 0:
             slots += [SCRATCH_BLOCK * block_size] * query_len
         else:
-            slots += [blocks[p // block_size] * block_size + p % block_size for p in range(seq_len - query_len, seq_len)]
+            positions = range(seq_len - query_len, seq_len)
+            slots += [blocks[p // block_size] * block_size + p % block_size for p in positions]
         starts.append(starts[-1] + query_len)
     return PagedMetadata(
         block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
@@ -189,10 +190,24 @@ class DecodeMetadata:
         """Active rows whose next token starts a new block: pass a block for each to `step`."""
         return [row for row, n in enumerate(self._lengths) if n is not None and n % self.block_size == 0]
 
+    @property
+    def lengths(self) -> tuple[int | None, ...]:
+        """The host's copy of each row's length after the last step (None: a free row)."""
+        return tuple(self._lengths)
+
     def step(self, new_blocks: Mapping[int, int] | None = None) -> PagedMetadata:
         """Advance every active row by one token; returns the step's metadata.
 
         `new_blocks` maps each row of `rows_needing_block()` to the block its token starts.
+        """
+        self.append_blocks(new_blocks)
+        self.advance_on_device()
+        return self.metadata
+
+    def append_blocks(self, new_blocks: Mapping[int, int] | None = None) -> None:
+        """The host part of `step`: check and upload the step's new blocks, count the token.
+
+        With a captured graph that runs `advance_on_device`, call this, then replay.
         """
         new_blocks = dict(new_blocks or {})
         needed = self.rows_needing_block()
@@ -202,20 +217,15 @@ class DecodeMetadata:
         bad = {row: block for row, block in new_blocks.items() if block == SCRATCH_BLOCK}
         if bad:
             raise ValueError(f"DecodeMetadata.step: new_blocks {bad} names the scratch block {SCRATCH_BLOCK}")
-        for row in needed:
-            index = self._lengths[row] // self.block_size  # type: ignore[operator]
-            if index >= self.max_blocks:
-                raise ValueError(f"DecodeMetadata.step: row {row} would need block {index + 1} of "
+        columns = [self._lengths[row] // self.block_size for row in needed]  # type: ignore[operator]
+        for row, column in zip(needed, columns, strict=True):
+            if column >= self.max_blocks:
+                raise ValueError(f"DecodeMetadata.step: row {row} would need block {column + 1} of "
                                  f"{self.max_blocks}; release it or build with a larger max_blocks")
-        if new_blocks:
-            rows = list(new_blocks)
-            self._upload_many(rows, [self._lengths[r] // self.block_size for r in rows],  # type: ignore[operator]
-                              [new_blocks[r] for r in rows])
+        self._upload_many(needed, columns, [new_blocks[row] for row in needed])
         for row, n in enumerate(self._lengths):
             if n is not None:
                 self._lengths[row] = n + 1
-        self.advance_on_device()
-        return self.metadata
 
     def advance_on_device(self) -> None:
         """The device part of `step`: lengths and slots, in place, no host sync."""
