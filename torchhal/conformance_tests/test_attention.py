@@ -63,6 +63,8 @@ DECODE_CASES = {
 PREFILL_CASES = {
     "full_prompts": Case((5, _B, 70, 1), (5, _B, 70, 1)),
     "chunked_offsets": Case((40, 3 * _B + 1, 300), (7, _B, 129)),
+    # Chunks starting one and two tokens before a multiple of 64 (kernels' usual tile edges).
+    "offsets_near_tile_edges": Case((102, 191, 64, 257), (40, 65, 1, 130)),
     "padded_rows": Case((0, 21, 0, 2 * _B), (0, 21, 0, 1)),
     "mha_chunked": Case((50, 33), (20, 33), q_heads=4, kv_heads=4),
     "mqa_chunked": Case((90, 17), (45, 2), q_heads=8, kv_heads=1),
