@@ -152,6 +152,10 @@ PREFILL_SWEEP = [
     {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
     {"block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 4},
     {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3},
+    {"block_m": 256, "block_n": 64, "num_warps": 8, "num_stages": 2},
+    {"block_m": 256, "block_n": 64, "num_warps": 16, "num_stages": 2},
+    {"block_m": 256, "block_n": 32, "num_warps": 8, "num_stages": 3},
+    {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
 ]
 
 
@@ -162,20 +166,20 @@ def kernel_call(mode: str, batch: int, context: int, query_len: int, device: tor
     return functools.partial(method, query, k_cache, v_cache, meta, scale=HEAD_DIM**-0.5, out=torch.empty_like(query))
 
 
-def sweep(device: torch.device) -> list[dict]:
+def sweep(device: torch.device, kinds: str) -> list[dict]:
     """Time each launch configuration (graph-replayed decode, eager prefill)."""
     from torchhal.plugins import cuda_attention
 
     rows: list[dict] = []
     saved = dict(cuda_attention.DECODE), dict(cuda_attention.PREFILL)
-    for config in DECODE_SWEEP:
+    for config in DECODE_SWEEP if kinds in ("decode", "both") else []:
         cuda_attention.DECODE.update(config)
         for batch, context in ((1, 16384), (8, 16384), (32, 16384), (8, 4096)):
             run = kernel_call("decode", batch, context, 1, device)
             rows.append({"kind": "decode", "config": config, "batch": batch, "context": context,
                          "graph_ms": bench_graph(run)})
     cuda_attention.DECODE.update(saved[0])
-    for config in PREFILL_SWEEP:
+    for config in PREFILL_SWEEP if kinds in ("prefill", "both") else []:
         cuda_attention.PREFILL.update(config)
         for context in (4096, 16384):
             run = kernel_call("prefill", 1, context, context, device)
@@ -192,10 +196,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--quick", action="store_true", help="one small decode and prefill case")
-    parser.add_argument("--sweep", action="store_true", help="time launch configurations first")
+    parser.add_argument("--sweep", choices=("decode", "prefill", "both"), help="time launch configurations first")
     args = parser.parse_args()
     device = torch.device("cuda", 0)
-    swept = sweep(device) if args.sweep else None
+    swept = sweep(device, args.sweep) if args.sweep else None
     decode_shapes = [(1, 4096)] if args.quick else [(b, c) for c in (4096, 16384) for b in (1, 8, 32)]
     prefill_shapes = [(4096, 4096)] if args.quick else [(4096, 4096), (16384, 16384), (16384, 2048)]
     from torchhal.plugins import cuda_attention

@@ -27,7 +27,7 @@ MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 #: Launch configurations (tuned on an H200, bf16, head_dim 128; benchmarks/attention_kernels.py --sweep).
 DECODE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 2}
-PREFILL = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
+PREFILL = {"block_m": 256, "block_n": 64, "num_warps": 16, "num_stages": 2}
 
 
 @triton.jit
