@@ -171,7 +171,8 @@ def sweep(device: torch.device, kinds: str) -> list[dict]:
     from torchhal.plugins import cuda_attention
 
     rows: list[dict] = []
-    saved = dict(cuda_attention.DECODE), dict(cuda_attention.PREFILL)
+    prefill = cuda_attention.PREFILL[DTYPE.itemsize]
+    saved = dict(cuda_attention.DECODE), dict(prefill)
     for config in DECODE_SWEEP if kinds in ("decode", "both") else []:
         cuda_attention.DECODE.update(config)
         for batch, context in ((1, 16384), (8, 16384), (32, 16384), (8, 4096)):
@@ -180,11 +181,11 @@ def sweep(device: torch.device, kinds: str) -> list[dict]:
                          "graph_ms": bench_graph(run)})
     cuda_attention.DECODE.update(saved[0])
     for config in PREFILL_SWEEP if kinds in ("prefill", "both") else []:
-        cuda_attention.PREFILL.update(config)
+        prefill.update(config)
         for context in (4096, 16384):
             run = kernel_call("prefill", 1, context, context, device)
             rows.append({"kind": "prefill", "config": config, "context": context, "ms": bench(run)})
-    cuda_attention.PREFILL.update(saved[1])
+    prefill.update(saved[1])
     for row in rows:
         shape = f"b{row['batch']} ctx{row['context']}" if row["kind"] == "decode" else f"ctx{row['context']}"
         figure = row.get("graph_ms", row.get("ms"))
@@ -204,7 +205,7 @@ def main() -> None:
     prefill_shapes = [(4096, 4096)] if args.quick else [(4096, 4096), (16384, 16384), (16384, 2048)]
     from torchhal.plugins import cuda_attention
 
-    env_configs = {"decode": dict(cuda_attention.DECODE), "prefill": dict(cuda_attention.PREFILL)}
+    env_configs = {"decode": dict(cuda_attention.DECODE), "prefill": dict(cuda_attention.PREFILL[DTYPE.itemsize])}
     rows = [decode_case(b, c, device, with_reference=b * c <= 8 * 4096) for b, c in decode_shapes]
     rows += [prefill_case(c, q, device) for c, q in prefill_shapes]
     env = {"torch": torch.__version__, "triton": triton.__version__, "gpu": torch.cuda.get_device_name(device),

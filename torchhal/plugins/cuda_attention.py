@@ -27,7 +27,12 @@ MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 #: Launch configurations (tuned on an H200, bf16, head_dim 128; benchmarks/attention_kernels.py --sweep).
 DECODE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 2}
-PREFILL = {"block_m": 256, "block_n": 64, "num_warps": 16, "num_stages": 2}
+#: Prefill by element size: 256-row tiles of 4-byte elements need more shared memory than an
+#: H200 has (263168 > 232448 bytes at head_dim 128), so float32 keeps 128-row tiles.
+PREFILL = {
+    2: {"block_m": 256, "block_n": 64, "num_warps": 16, "num_stages": 2},
+    4: {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
+}
 
 
 @triton.jit
@@ -177,7 +182,7 @@ class TritonPagedAttention:
     capability = AttentionCapability(
         name="triton-paged",
         dtypes=(torch.float16, torch.bfloat16, torch.float32),
-        head_dims=(64, 80, 96, 128, 256),
+        head_dims=(64, 128),  # 128 checked compiled on an H200; 64 only under the interpreter
         block_sizes=None,
         prefill=True,
         sliding_window=True,
@@ -218,8 +223,8 @@ class TritonPagedAttention:
         if tokens == 0 or max_query_len == 0:
             return out
         decode = splits > 1 or max_query_len == 1
-        config = DECODE if decode else PREFILL
-        block_m = max(16, triton.next_power_of_2(group)) if decode else PREFILL["block_m"] // (1 + (head_dim > 128))
+        config = DECODE if decode else PREFILL[query.element_size()]
+        block_m = max(16, triton.next_power_of_2(group)) if decode else config["block_m"]
         block_d = max(16, triton.next_power_of_2(head_dim))
         if splits > 1:
             part_out = torch.empty((tokens, q_heads, splits, head_dim), dtype=torch.float32, device=query.device)
