@@ -118,3 +118,12 @@ def test_the_conformance_verdict_does_not_depend_on_the_working_directory(tmp_pa
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "VERDICT: CONFORMANT" in out.stdout
     assert "configfile: pytest.ini" in out.stdout and "devnull" not in out.stdout and "/dev/null" not in out.stdout
+
+
+def test_info_shows_the_attention_backends_in_the_order_selection_tries_them():
+    out = run_cli("info", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["current"]["capabilities"]["attention"]
+    assert [row["name"] for row in rows][-1] == "reference"  # the portable fallback, always last
+    text = run_cli("info").stdout
+    assert "attention: 1. reference (portable reference, used when none above runs" in text

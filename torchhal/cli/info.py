@@ -68,6 +68,19 @@ def _device_rows(reg: Any, platform: Any) -> list[dict[str, Any]]:
     return devices
 
 
+def _attention_rows(platform: Any) -> list[dict[str, Any]]:
+    """The attention backends in the order selection tries them: the platform's, then the reference.
+    An engine takes the first whose capability runs its model (`Platform.choose_attention`)."""
+    rows = []
+    for backend in platform.attention_backends:
+        cap = backend.capability
+        rows.append({"name": cap.name, "dtypes": [str(d).removeprefix("torch.") for d in cap.dtypes],
+                     "head_dims": list(cap.head_dims) if cap.head_dims is not None else None,
+                     "prefill": cap.prefill, "sliding_window": cap.sliding_window, "soft_cap": cap.soft_cap,
+                     "graph_capture": cap.graph_capture, "note": cap.note})
+    return rows
+
+
 def collect_info() -> dict[str, Any]:
     """Everything `torchhal info` shows, as plain data.
 
@@ -96,6 +109,7 @@ def collect_info() -> dict[str, Any]:
         runtime, _ = _plugin_query(reg, platform, "runtime_version()", platform.runtime_version)
         graphs, graphs_ok = _plugin_query(reg, platform, "graph_support()", lambda: platform.graph_support)
         ipc, ipc_ok = _plugin_query(reg, platform, "ipc_support()", lambda: platform.ipc_support)
+        attention, attention_ok = _plugin_query(reg, platform, "attention_support()", lambda: _attention_rows(platform))
         info["current"] = {
             "name": platform.name,
             "how": how,
@@ -113,6 +127,7 @@ def collect_info() -> dict[str, Any]:
                     if ipc_ok and ipc
                     else None
                 ),
+                "attention": attention if attention_ok else None,
             },
         }
     # Read last: detection and the queries above can add errors.
@@ -160,6 +175,15 @@ def format_info(info: dict[str, Any]) -> str:
     lines.append(f"  graphs: {caps['graphs'] or 'unsupported'}")
     ipc = caps["ipc"]
     lines.append("  ipc: " + (f"{ipc['note']} (peer redirect: {ipc['peer_redirect']})" if ipc else "unsupported"))
+    attention = caps["attention"]
+    if attention is None:
+        lines.append("  attention: (attention_support() failed: see plugin errors)")
+    for rank, row in enumerate(attention or []):
+        label = "attention:" if rank == 0 else "           "
+        why = "platform backend" if rank < len(attention) - 1 else "portable reference, used when none above runs"
+        dims = ",".join(map(str, row["head_dims"])) if row["head_dims"] else "any"
+        lines.append(f"  {label} {rank + 1}. {row['name']} ({why}; {'/'.join(row['dtypes'])}, head dims {dims}"
+                     f"{', graph capture' if row['graph_capture'] else ''})")
     return "\n".join(lines)
 
 

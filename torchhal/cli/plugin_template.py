@@ -66,6 +66,8 @@ METHOD_GUIDANCE: dict[str, str] = {
     "new_event": "the default is device_module().Event()",
     "graph_support": "return a GraphSupport to declare device graphs (default None: undeclared)",
     "ipc_support": "return an IpcSupport to declare cross-process sharing (default None: undeclared)",
+    "attention_support": "return an AttentionSupport naming your attention backends over the paged KV "
+    "cache (torchhal.core.attention.AttentionBackend; default None: torchhal's portable reference)",
 }
 
 
@@ -158,6 +160,7 @@ from typing import Any
 
 import torch
 from torchhal.platforms import (
+    AttentionSupport,
     Availability,
     DeviceInfo,
     GraphSupport,

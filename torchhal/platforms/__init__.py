@@ -33,6 +33,7 @@ from torchhal.platforms.plugin import (
     PlatformPlugin,
 )
 from torchhal.platforms.records import (
+    AttentionSupport,
     Availability,
     DeviceInfo,
     GraphSupport,
@@ -67,6 +68,7 @@ __all__ = [
     "SPI_VERSION",
     "TIE_RULE",
     "AmbiguousPlatformError",
+    "AttentionSupport",
     "Availability",
     "Deprecation",
     "DeviceInfo",

@@ -5,7 +5,7 @@ the default device index, index validation, release points, observers and
 tracing. An SPI call the API exposes unchanged (a pass-through) is the
 plugin's own bound method, set on the instance when the platform is made, so
 calling it costs exactly the plugin's call. A fact that cannot change for the
-process (`graph_support`, `ipc_support`, `oom_error_types`) is asked of the
+process (`graph_support`, `ipc_support`, `attention_support`, `oom_error_types`) is asked of the
 plugin once and kept as a value. There is no pluggy on the hot path: observer
 hooks fire only where the engine changes memory or asks to trace.
 
@@ -28,6 +28,8 @@ from torchhal.platforms.records import DeviceInfo, MemoryInfo, PeakMemory, Relea
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+
+    from torchhal.core.attention import AttentionBackend, AttentionChoice, AttentionSpec
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -103,6 +105,7 @@ class Platform:
     oom_error_types = _Fact(PlatformPlugin.oom_error_types)
     graph_support = _Fact(PlatformPlugin.graph_support)
     ipc_support = _Fact(PlatformPlugin.ipc_support)
+    attention_support = _Fact(PlatformPlugin.attention_support)
 
     def __init__(
         self, plugin: PlatformPlugin, pm: pluggy.PluginManager, distribution: str, version: str
@@ -231,6 +234,23 @@ class Platform:
             )
         vars(self._plugin)["ipc_peer_redirect"] = enabled  # this plugin instance only
         self.__dict__.pop("ipc_support", None)  # its record states the redirect: ask again
+
+    # -- attention -------------------------------------------------------------------
+    @property
+    def attention_backends(self) -> tuple[AttentionBackend, ...]:
+        """The plugin's attention backends in its order of preference, then torchhal's reference."""
+        from torchhal.core.attention import ReferenceBackend
+
+        support = self.attention_support
+        return (*(support.backends if support is not None else ()), ReferenceBackend())
+
+    def choose_attention(self, spec: AttentionSpec) -> AttentionChoice:
+        """The backend for a model's attention and one line saying why (engines call this,
+        never a kernel library): the first plugin backend that runs `spec`, else the reference."""
+        from torchhal.core.attention import choose_backend
+
+        *declared, reference = self.attention_backends
+        return choose_backend(tuple(declared), spec, reference)
 
     # -- observers -------------------------------------------------------------------
     def notify_component_moved(self, component: str, source: str, destination: str, nbytes: int) -> None:

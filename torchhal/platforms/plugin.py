@@ -32,6 +32,7 @@ import torch
 
 from torchhal.platforms.errors import TorchhalPluginWarning
 from torchhal.platforms.records import (
+    AttentionSupport,
     Availability,
     DeviceInfo,
     GraphSupport,
@@ -43,7 +44,7 @@ from torchhal.platforms.records import (
 #: The SPI version this torchhal implements: (major, minor). A minor release only adds
 #: members, each with a default; a major release may remove or change members.
 #: docs/vendor-guide.md ("Compatibility") states the policy.
-SPI_VERSION: tuple[int, int] = (1, 1)  # 1.1: IpcSupport.events (interprocess events)
+SPI_VERSION: tuple[int, int] = (1, 2)  # 1.1: IpcSupport.events; 1.2: attention_support()
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,10 @@ class PlatformPlugin(abc.ABC):
         return None
 
     def ipc_support(self) -> IpcSupport | None:
+        return None
+
+    def attention_support(self) -> AttentionSupport | None:
+        """The platform's own attention backends; None: torchhal's reference backend only."""
         return None
 
 

@@ -10,9 +10,12 @@ import enum
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # the protocol lives with the reference backend, which imports nothing from here
+    from torchhal.core.attention import AttentionBackend
 
 
 class ReleasePoint(str, enum.Enum):
@@ -208,6 +211,20 @@ class IpcSupport:
     peer_redirect: bool
     note: str = ""
     events: IpcEvents | None = None
+
+
+@dataclass(frozen=True)
+class AttentionSupport:
+    """The attention backends a platform supplies (contract 6), in order of preference.
+
+    backends: objects of the `torchhal.core.attention.AttentionBackend` protocol, each
+              declaring its `AttentionCapability`. Selection takes the first that runs the
+              model's `AttentionSpec`, else torchhal's portable reference backend.
+    note:     one line for reports.
+    """
+
+    backends: tuple[AttentionBackend, ...]
+    note: str = ""
 
 
 @dataclass(frozen=True)

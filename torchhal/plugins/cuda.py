@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, ClassVar
 
 import torch
 
-from torchhal.platforms import IpcEvents, IpcHandleError, MemoryInfo, PlatformPlugin, hookimpl
+from torchhal.platforms import AttentionSupport, IpcEvents, IpcHandleError, MemoryInfo, PlatformPlugin, hookimpl
 from torchhal.plugins.accelerator import AcceleratorPlatform
 
 
@@ -99,6 +100,14 @@ class CudaPlatform(AcceleratorPlatform):
                 return module.Event.from_ipc_handle(target, handle)
         except Exception as exc:  # the driver refused the handle
             raise IpcHandleError(f"{self.name} IPC event open failed: {type(exc).__name__}: {exc}") from exc
+
+    def attention_support(self) -> AttentionSupport | None:
+        # Triton is optional: without it the platform falls back on the reference backend.
+        if importlib.util.find_spec("triton") is None:
+            return None
+        from torchhal.plugins.cuda_attention import TritonPagedAttention
+
+        return AttentionSupport(backends=(TritonPagedAttention(),), note="Triton kernels (torchhal)")
 
     def runtime_version(self) -> str | None:
         text = f"CUDA runtime {torch.version.cuda}"

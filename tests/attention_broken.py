@@ -1,0 +1,93 @@
+"""Attention backends with one classic bug each, on CPU platforms, for the attention clause's
+own tests (tests/test_attention_conformance.py registers this module as a plugin).
+
+Each wraps the reference backend and breaks exactly one thing, the way kernels get it wrong:
+- off-by-one block: reads block-table column j + 1 where it should read column j;
+- wrong GQA head mapping: query head h reads KV head h % num_kv_heads, not h // group;
+- ignores the window: declares sliding windows, then attends the whole context.
+`attn_declared_reference` declares the reference itself: the clause must pass it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from torchhal.core.attention import SCRATCH_BLOCK, PagedMetadata, ReferenceBackend
+from torchhal.platforms import AttentionSupport, hookimpl
+from torchhal.plugins.cpu import CpuPlatform
+
+
+class Renamed(ReferenceBackend):
+    def __init__(self, name: str) -> None:
+        self.capability = replace(ReferenceBackend.capability, name=name)
+
+
+class OffByOneBlock(Renamed):
+    def _shifted(self, meta: PagedMetadata) -> PagedMetadata:
+        tables = torch.full_like(meta.block_tables, SCRATCH_BLOCK)
+        tables[:, :-1] = meta.block_tables[:, 1:]  # the bug: column j + 1 for column j
+        return replace(meta, block_tables=tables)
+
+    def decode(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata,
+               **kwargs: Any) -> torch.Tensor:
+        return super().decode(query, k, v, self._shifted(meta), **kwargs)
+
+    def prefill(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata,
+                **kwargs: Any) -> torch.Tensor:
+        return super().prefill(query, k, v, self._shifted(meta), **kwargs)
+
+
+class WrongGqaMapping(Renamed):
+    def _mapped(self, method: Any, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata,
+                out: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        q_heads, kv_heads = query.shape[1], k.shape[2]
+        group = q_heads // kv_heads
+        # Place head g * kv_heads + kv where the reference reads KV head kv: then head h
+        # reads KV head h % kv_heads (the bug).
+        order = torch.tensor([(p % group) * kv_heads + p // group for p in range(q_heads)], device=query.device)
+        result = torch.empty_like(query)
+        result[:, order] = method(query[:, order], k, v, meta, **kwargs)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
+
+    def decode(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata,
+               **kwargs: Any) -> torch.Tensor:
+        return self._mapped(super().decode, query, k, v, meta, **kwargs)
+
+    def prefill(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata,
+                **kwargs: Any) -> torch.Tensor:
+        return self._mapped(super().prefill, query, k, v, meta, **kwargs)
+
+
+class IgnoresWindow(Renamed):
+    def decode(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata,
+               **kwargs: Any) -> torch.Tensor:
+        return super().decode(query, k, v, meta, **{**kwargs, "sliding_window": None})
+
+    def prefill(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata,
+                **kwargs: Any) -> torch.Tensor:
+        return super().prefill(query, k, v, meta, **{**kwargs, "sliding_window": None})
+
+
+def platform_with(name: str, backend: ReferenceBackend) -> CpuPlatform:
+    def attention_support(self: CpuPlatform) -> AttentionSupport:
+        return AttentionSupport(backends=(backend,))
+
+    cls = type(f"Attn{name.title()}", (CpuPlatform,), {"name": name, "priority": -1,
+                                                       "attention_support": attention_support})
+    return cls()
+
+
+@hookimpl
+def torchhal_register_platforms() -> list[CpuPlatform]:
+    return [
+        platform_with("attn_declared_reference", Renamed("declared-reference")),
+        platform_with("attn_off_by_one_block", OffByOneBlock("off-by-one-block")),
+        platform_with("attn_wrong_gqa", WrongGqaMapping("wrong-gqa")),
+        platform_with("attn_ignores_window", IgnoresWindow("ignores-window")),
+    ]

@@ -1,0 +1,314 @@
+"""Attention core on the CPU: the reference backend against a plain per-token loop, the
+paged layout's writer and metadata (built from host lists, and advanced on the device step
+by step), the capability record and backend selection through the platform."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+import torchhal
+from torchhal.core.attention import (
+    SCRATCH_BLOCK,
+    AttentionCapability,
+    AttentionSpec,
+    DecodeMetadata,
+    ReferenceBackend,
+    build_metadata,
+    choose_backend,
+    new_kv_cache,
+    write_kv,
+)
+from torchhal.platforms import AttentionSupport
+from torchhal.platforms.testing import patched_plugin
+
+CPU = torch.device("cpu")
+
+
+def naive_attention(query, k_cache, v_cache, tables, seq_lens, query_lens, scale, window, soft_cap):
+    """Token by token, head by head: what paged attention means, written plainly."""
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = query.shape[1] // kv_heads
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    row = 0
+    for blocks, seq_len, query_len in zip(tables, seq_lens, query_lens, strict=True):
+        for t in range(query_len):
+            position = seq_len - query_len + t
+            first = 0 if window is None else max(0, position - window + 1)
+            keys = range(first, position + 1)
+            for head in range(query.shape[1]):
+                kv = head // group
+                k = torch.stack([k_cache[blocks[j // block_size], j % block_size, kv] for j in keys]).double()
+                v = torch.stack([v_cache[blocks[j // block_size], j % block_size, kv] for j in keys]).double()
+                scores = k @ query[row + t, head].double() * scale
+                if soft_cap is not None:
+                    scores = soft_cap * torch.tanh(scores / soft_cap)
+                out[row + t, head] = torch.softmax(scores, 0) @ v
+        row += query_len
+    return out
+
+
+def random_case(seq_lens, query_lens, q_heads, kv_heads, head_dim=8, block_size=4, seed=0):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    counts = [-(-n // block_size) for n in seq_lens]
+    free = list(range(1, sum(counts) + 3))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(c)] for c in counts]
+    k_cache, v_cache = new_kv_cache(sum(counts) + 3, block_size, kv_heads, head_dim, torch.float32, CPU)
+    k_cache.normal_()
+    v_cache.normal_()
+    query = torch.randn(sum(query_lens), q_heads, head_dim)
+    meta = build_metadata(tables, seq_lens, query_lens, block_size, CPU, max_blocks=max(counts) + 1)
+    return query, k_cache, v_cache, tables, meta
+
+
+FEATURES = [(None, None), (3, None), (1, None), (None, 2.5), (5, 4.0)]
+
+
+@pytest.mark.parametrize("window, soft_cap", FEATURES)
+@pytest.mark.parametrize("q_heads, kv_heads", [(4, 4), (6, 2), (4, 1)])
+def test_reference_decode_equals_the_per_token_loop(window, soft_cap, q_heads, kv_heads):
+    seq_lens = [1, 3, 4, 5, 0, 13]
+    query, k, v, tables, meta = random_case(seq_lens, [1] * 6, q_heads, kv_heads)
+    got = ReferenceBackend().decode(query, k, v, meta, scale=0.3, sliding_window=window, soft_cap=soft_cap)
+    live = [i for i, n in enumerate(seq_lens) if n]
+    expected = naive_attention(query[live], k, v, [tables[i] for i in live], [seq_lens[i] for i in live],
+                               [1] * len(live), 0.3, window, soft_cap)
+    torch.testing.assert_close(got[live].double(), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[4], torch.zeros_like(got[4]))  # the padded row
+
+
+@pytest.mark.parametrize("window, soft_cap", FEATURES)
+@pytest.mark.parametrize("q_heads, kv_heads", [(4, 4), (6, 2), (4, 1)])
+def test_reference_prefill_equals_the_per_token_loop_at_chunk_offsets(window, soft_cap, q_heads, kv_heads):
+    seq_lens, query_lens = [9, 4, 0, 17], [9, 2, 0, 5]  # a whole prompt, two chunks at offsets, a padded row
+    query, k, v, tables, meta = random_case(seq_lens, query_lens, q_heads, kv_heads, seed=1)
+    got = ReferenceBackend().prefill(query, k, v, meta, scale=0.3, sliding_window=window, soft_cap=soft_cap)
+    expected = naive_attention(query, k, v, tables, seq_lens, query_lens, 0.3, window, soft_cap)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_prefill_chunks_long_requests_without_changing_the_result(monkeypatch):
+    from torchhal.core.attention import reference
+
+    query, k, v, _, meta = random_case([30, 11], [30, 7], 4, 2, seed=2)
+    whole = ReferenceBackend().prefill(query, k, v, meta, scale=0.2, sliding_window=6)
+    monkeypatch.setattr(reference, "PREFILL_CHUNK", 4)
+    torch.testing.assert_close(ReferenceBackend().prefill(query, k, v, meta, scale=0.2, sliding_window=6), whole)
+
+
+def test_reference_ignores_whatever_lies_in_unwritten_slots():
+    query, k, v, tables, meta = random_case([5, 6], [1, 1], 4, 2, seed=3)
+    clean = ReferenceBackend().decode(query, k, v, meta, scale=0.5)
+    written = torch.zeros(k.shape[:2], dtype=torch.bool)
+    for blocks, n in zip(tables, [5, 6], strict=True):
+        for p in range(n):
+            written[blocks[p // 4], p % 4] = True
+    k[~written], v[~written] = float("nan"), float("inf")
+    torch.testing.assert_close(ReferenceBackend().decode(query, k, v, meta, scale=0.5), clean)
+
+
+def test_write_kv_stores_each_token_at_block_times_size_plus_offset():
+    k, v = new_kv_cache(4, 4, 2, 3, torch.float32, CPU)
+    key = torch.arange(3 * 2 * 3, dtype=torch.float32).view(3, 2, 3)
+    write_kv(k, v, key, -key, torch.tensor([2 * 4 + 1, 3 * 4 + 3, 1 * 4 + 0]))
+    assert torch.equal(k[2, 1], key[0]) and torch.equal(k[3, 3], key[1]) and torch.equal(k[1, 0], key[2])
+    assert torch.equal(v[3, 3], -key[1])
+    assert int((k != 0).any(-1).any(-1).sum()) == 3  # nothing else written
+
+
+def test_write_kv_refuses_mismatched_shapes_naming_them():
+    k, v = new_kv_cache(4, 4, 2, 3, torch.float32, CPU)
+    with pytest.raises(ValueError, match=r"key \(3, 2, 4\) / value \(3, 2, 4\) must both be \[num_tokens, 2, 3\]"):
+        write_kv(k, v, torch.zeros(3, 2, 4), torch.zeros(3, 2, 4), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="slot_mapping has shape \\(2,\\); it needs one slot per token \\(3\\)"):
+        write_kv(k, v, torch.zeros(3, 2, 3), torch.zeros(3, 2, 3), torch.zeros(2, dtype=torch.int64))
+    assert not k.any() and not v.any()
+
+
+def test_build_metadata_addresses_slots_and_pads_rows_to_scratch():
+    meta = build_metadata([[5, 2], [], [7]], [6, 0, 3], [2, 1, 3], block_size=4, device=CPU, max_blocks=3)
+    assert meta.block_tables.tolist() == [[5, 2, SCRATCH_BLOCK], [SCRATCH_BLOCK] * 3, [7, SCRATCH_BLOCK, SCRATCH_BLOCK]]
+    assert meta.slot_mapping.tolist() == [2 * 4 + 0, 2 * 4 + 1, SCRATCH_BLOCK * 4, 7 * 4 + 0, 7 * 4 + 1, 7 * 4 + 2]
+    assert meta.query_start.tolist() == [0, 2, 3, 6] and meta.seq_lens.tolist() == [6, 0, 3]
+    assert meta.block_tables.dtype == meta.seq_lens.dtype == meta.query_start.dtype == torch.int32
+    assert meta.max_query_len == 3
+
+
+@pytest.mark.parametrize("args, message", [
+    (([[1]], [5], [1]), "request 0 \\(5 tokens\\) needs 2 blocks"),
+    (([[0, 3]], [5], [1]), "none the scratch block 0"),
+    (([[1]], [2], [3]), "request 0 has seq_len 2 and query_len 3"),
+    (([[1], [2]], [2], [1]), "2 block tables, 1 seq_lens and 1 query_lens"),
+])
+def test_build_metadata_refuses_bad_tables_in_one_line(args, message):
+    with pytest.raises(ValueError, match=message):
+        build_metadata(*args, block_size=4, device=CPU)
+    with pytest.raises(ValueError, match="max_blocks=1 but a request of 9 tokens needs 3 blocks"):
+        build_metadata([[1, 2, 3]], [9], [1], block_size=4, device=CPU, max_blocks=1)
+
+
+def test_decode_metadata_advanced_step_by_step_equals_a_fresh_build():
+    """Admit, step across block boundaries, release, re-admit: after every step the
+    device-advanced metadata equals metadata built from the host's lists."""
+    block_size, capacity = 4, 5
+    meta = DecodeMetadata(capacity, max_blocks=8, block_size=block_size, device=CPU)
+    free = list(range(1, 100))
+    tables: dict[int, list[int]] = {}
+    lengths: dict[int, int] = {}
+
+    def admit(row: int, n: int) -> None:
+        tables[row] = [free.pop(0) for _ in range(-(-n // block_size))]
+        lengths[row] = n
+        meta.admit(row, tables[row], n)
+
+    admit(0, 3)
+    admit(2, 4)
+    admit(3, 9)
+    for step in range(14):
+        if step == 6:
+            meta.release(2)
+            del tables[2], lengths[2]
+        if step == 8:
+            admit(4, 1)
+        new = {row: free.pop(0) for row in meta.rows_needing_block()}
+        for row, block in new.items():
+            tables[row].append(block)
+        got = meta.step(new)
+        for row in lengths:
+            lengths[row] += 1
+        rows = range(capacity)
+        expected = build_metadata([tables.get(r, []) for r in rows], [lengths.get(r, 0) for r in rows],
+                                  [1] * capacity, block_size, CPU, max_blocks=8)
+        live = [r for r in rows if r in lengths]
+        assert got.seq_lens.tolist() == expected.seq_lens.tolist(), step
+        assert got.block_tables.tolist() == expected.block_tables.tolist(), step
+        assert got.slot_mapping[live].tolist() == expected.slot_mapping[live].tolist(), step
+        padded = [r for r in rows if r not in lengths]
+        assert all(s == SCRATCH_BLOCK * block_size for s in got.slot_mapping[padded].tolist()), step
+        assert meta.lengths == tuple(lengths.get(r) for r in rows)
+
+
+def test_a_decode_step_inside_blocks_uploads_nothing_whatever_the_context():
+    for context in (5, 50_001):  # both 1 past a block boundary: the next two tokens fit
+        meta = DecodeMetadata(2, max_blocks=context // 4 + 2, block_size=4, device=CPU)
+        meta.admit(0, list(range(1, -(-context // 4) + 1)), context)
+        uploads = meta.uploads
+        meta.step()
+        meta.step()
+        assert meta.uploads == uploads  # host work per step does not depend on the context
+        assert meta.seq_lens.tolist() == [context + 2, 0]
+
+
+def test_decode_metadata_refuses_a_missing_or_scratch_block_and_keeps_its_state():
+    meta = DecodeMetadata(2, max_blocks=2, block_size=4, device=CPU)
+    meta.admit(0, [3], 4)
+    before = (meta.seq_lens.clone(), meta.block_tables.clone(), meta.lengths)
+    with pytest.raises(ValueError, match=r"new_blocks covers rows \[\], but rows \[0\] start a new block"):
+        meta.step()
+    with pytest.raises(ValueError, match="names the scratch block 0"):
+        meta.step({0: SCRATCH_BLOCK})
+    with pytest.raises(ValueError, match=r"covers rows \[0, 1\], but rows \[0\]"):
+        meta.step({0: 5, 1: 6})
+    assert torch.equal(meta.seq_lens, before[0]) and torch.equal(meta.block_tables, before[1])
+    assert meta.lengths == before[2]
+    meta.step({0: 5})
+    for _ in range(3):
+        meta.step()
+    with pytest.raises(ValueError, match="row 0 would need block 3 of 2"):
+        meta.step({0: 6})
+    with pytest.raises(ValueError, match="row 0 is in use; release it first"):
+        meta.admit(0, [7], 1)
+    with pytest.raises(ValueError, match="pass exactly 1 blocks .*none the scratch block"):
+        meta.admit(1, [0], 1)
+
+
+def test_spec_refuses_impossible_models_in_one_line():
+    with pytest.raises(ValueError, match="num_q_heads 6 is not a multiple of num_kv_heads 4"):
+        AttentionSpec(6, 4, 64, torch.bfloat16, 16)
+    with pytest.raises(ValueError, match="AttentionSpec.dtype is torch.int8"):
+        AttentionSpec(4, 4, 64, torch.int8, 16)
+    with pytest.raises(ValueError, match="AttentionSpec.sliding_window is 0"):
+        AttentionSpec(4, 4, 64, torch.float16, 16, sliding_window=0)
+    with pytest.raises(ValueError, match="AttentionSpec.head_dim is 0"):
+        AttentionSpec(4, 4, 0, torch.float16, 16)
+
+
+class Declared(ReferenceBackend):
+    def __init__(self, **capability) -> None:
+        base = {"name": "fast", "dtypes": (torch.bfloat16,), "head_dims": (128,), "graph_capture": False}
+        self.capability = AttentionCapability(**{**base, **capability})
+
+
+SPEC = AttentionSpec(32, 8, 128, torch.bfloat16, 16)
+
+
+@pytest.mark.parametrize("capability, spec, chosen, why", [
+    ({}, SPEC, "fast", "fast: the platform's backend supports this model"),
+    ({}, AttentionSpec(32, 8, 128, torch.float16, 16), "reference",
+     "reference: passed over fast: dtype torch.float16 is not among torch.bfloat16"),
+    ({}, AttentionSpec(32, 8, 64, torch.bfloat16, 16), "reference", "head_dim 64 is not among [128]"),
+    ({"block_sizes": (32,)}, SPEC, "reference", "block_size 16 is not among [32]"),
+    ({"sliding_window": False}, AttentionSpec(32, 8, 128, torch.bfloat16, 16, sliding_window=4096), "reference",
+     "fast: no sliding window"),
+    ({"soft_cap": False}, AttentionSpec(32, 8, 128, torch.bfloat16, 16, soft_cap=50.0), "reference",
+     "fast: no logit soft-capping"),
+    ({"prefill": False}, SPEC, "reference", "fast: no paged prefill"),
+    ({}, AttentionSpec(32, 8, 128, torch.bfloat16, 16, needs_graph=True), "reference",
+     "fast: decode cannot be captured in a graph"),
+])
+def test_selection_takes_a_backend_only_for_what_it_declares(capability, spec, chosen, why):
+    choice = choose_backend((Declared(**capability),), spec, ReferenceBackend())
+    assert choice.name == chosen and why in choice.why
+
+
+def test_selection_takes_the_first_backend_that_fits():
+    narrow, wide = Declared(name="narrow", head_dims=(64,)), Declared(name="wide", head_dims=None)
+    choice = choose_backend((narrow, wide), SPEC, ReferenceBackend())
+    assert choice.backend is wide
+
+
+def test_the_platform_asks_its_plugin_once_and_falls_back_on_the_reference():
+    platform = torchhal.get_platform("cpu")
+    assert platform.attention_support is None
+    [reference] = platform.attention_backends
+    assert reference.capability.name == "reference"
+    assert platform.choose_attention(SPEC).why == "reference: the platform declares no attention backend"
+    fast = Declared()
+    calls = []
+
+    def attention_support():
+        calls.append(1)
+        return AttentionSupport(backends=(fast,))
+
+    with patched_plugin(platform, attention_support=attention_support):
+        assert platform.choose_attention(SPEC).backend is fast
+        assert platform.attention_backends[0] is fast and platform.attention_backends[-1].capability.name == "reference"
+        assert platform.choose_attention(AttentionSpec(32, 8, 128, torch.float32, 16)).name == "reference"
+        assert len(calls) == 1  # a fact: asked once
+
+
+def test_backend_calls_refuse_mismatched_tensors_in_one_line():
+    query, k, v, _, meta = random_case([5], [1], 4, 2)
+    reference = ReferenceBackend()
+    with pytest.raises(ValueError, match="query is torch.float16 but the cache is torch.float32"):
+        reference.decode(query.half(), k, v, meta, scale=1.0)
+    with pytest.raises(ValueError, match=r"query \(1, 3, 8\) must be \[num_tokens, num_q_heads, 8\] with "
+                                         "num_q_heads a multiple of the cache's 2 KV heads"):
+        reference.decode(query[:, :3], k, v, meta, scale=1.0)
+    with pytest.raises(ValueError, match="query has 2 rows for a batch of 1"):
+        reference.decode(torch.cat([query, query]), k, v, meta, scale=1.0)
+    with pytest.raises(ValueError, match="sliding_window is 0"):
+        reference.decode(query, k, v, meta, scale=1.0, sliding_window=0)
+
+
+def test_reference_decode_is_the_reference_prefill_of_one_token():
+    query, k, v, _, meta = random_case([7, 12, 1], [1, 1, 1], 6, 3, seed=9)
+    reference = ReferenceBackend()
+    torch.testing.assert_close(reference.decode(query, k, v, meta, scale=0.4, soft_cap=3.0),
+                               reference.prefill(query, k, v, meta, scale=0.4, soft_cap=3.0))
+    assert math.isfinite(float(reference.decode(query, k, v, meta, scale=0.4).sum()))

@@ -1,0 +1,67 @@
+"""The attention clause passes a correct backend and fails each broken one on exactly the
+cases its bug touches (the backends live in tests/attention_broken.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from torchhal.conformance_tests.test_attention import DECODE_CASES, PREFILL_CASES
+
+from .conftest import run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+CASES = {**{f"decode_matches_the_reference[{n}]": c for n, c in DECODE_CASES.items()},
+         **{f"prefill_matches_the_reference[{n}]": c for n, c in PREFILL_CASES.items()}}
+
+
+@pytest.fixture(scope="module")
+def plugin_path(tmp_path_factory):
+    """A distribution on PYTHONPATH whose entry point is tests.attention_broken."""
+    root = tmp_path_factory.mktemp("attn_dist")
+    info = root / "torchhal_attnbroken-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torchhal-attnbroken\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[torchhal]\nattnbroken = tests.attention_broken\n")
+    return f"{root}:{REPO}"
+
+
+def attention_results(tmp_path, plugin_path, platform):
+    report = tmp_path / "report.json"
+    out = run_cli("conformance", "--platform", platform, "--profile", "full", "-k", "test_attention",
+                  "--json", str(report), env={"PYTHONPATH": plugin_path})
+    assert report.exists(), out.stdout[-3000:] + out.stderr[-3000:]
+    tests = json.loads(report.read_text())["tests"]
+    return out, {t["id"].removeprefix("attention::test_"): t for t in tests if t["group"] == "attention"}
+
+
+def failed(results):
+    return sorted(name for name, t in results.items() if t["outcome"] in ("failed", "error"))
+
+
+def test_a_correct_backend_passes_every_case(tmp_path, plugin_path):
+    out, results = attention_results(tmp_path, plugin_path, "attn_declared_reference")
+    assert failed(results) == [], out.stdout[-3000:]
+    assert out.returncode == 0
+    passed = {name for name, t in results.items() if t["outcome"] == "passed"}
+    assert set(CASES) <= passed  # every layout ran; none was skipped
+    # The CPU platform has no graphs: that test is reported as undeclared, never as passed.
+    assert results["decode_replays_from_a_graph"]["outcome"] == "skipped"
+
+
+@pytest.mark.parametrize("platform, broken_cases", [
+    # Every case has a request longer than one block, so reading the next column always shows.
+    ("attn_off_by_one_block", sorted(CASES)),
+    # h % kv_heads equals h // group only when there is one KV head or one query head per KV head.
+    ("attn_wrong_gqa", sorted(n for n, c in CASES.items() if c.kv_heads not in (1, c.q_heads))),
+    ("attn_ignores_window", sorted(n for n, c in CASES.items() if c.window is not None)),
+])
+def test_a_broken_backend_fails_exactly_the_cases_its_bug_touches(tmp_path, plugin_path, platform, broken_cases):
+    out, results = attention_results(tmp_path, plugin_path, platform)
+    assert failed(results) == sorted(broken_cases), out.stdout[-3000:]
+    assert out.returncode == 1
+    for name in broken_cases:
+        if name in CASES:
+            assert "differs from the reference" in results[name]["message"], results[name]["message"]

@@ -1,0 +1,108 @@
+"""The CUDA plugin's Triton attention on a real GPU. Skipped, with the reason, elsewhere.
+
+The conformance clause (`torchhal conformance --platform cuda -k test_attention`) checks
+the kernels case by case; these tests check what the engine will wire together.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import torchhal
+from torchhal.core.attention import AttentionSpec, DecodeMetadata, ReferenceBackend, new_kv_cache
+
+has_cuda = torch.cuda.is_available() and torch.version.cuda is not None
+has_triton = importlib.util.find_spec("triton") is not None
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (has_cuda and has_triton),
+                                                  reason="needs a CUDA GPU and Triton (none here)")]
+
+
+@pytest.fixture
+def cuda():
+    return torchhal.get_platform("cuda")
+
+
+def test_cuda_chooses_its_triton_backend_for_llama_shapes_and_says_why(cuda):
+    choice = cuda.choose_attention(AttentionSpec(32, 8, 128, torch.bfloat16, 16, needs_graph=True))
+    assert choice.name == "triton-paged" and "supports this model" in choice.why
+    odd = cuda.choose_attention(AttentionSpec(8, 8, 72, torch.bfloat16, 16))
+    assert odd.name == "reference" and "head_dim 72 is not among" in odd.why
+
+
+def test_one_graph_writes_kv_advances_nothing_on_the_host_and_attends(cuda):
+    """The engine's decode step, captured once: write this step's K/V at the device-built
+    slots, then attend; replayed for 40 steps across block boundaries against the reference."""
+    backend = cuda.choose_attention(AttentionSpec(8, 2, 128, torch.bfloat16, 16, needs_graph=True)).backend
+    device = cuda.device(0)
+    block_size, capacity = 16, 4
+    k_cache, v_cache = new_kv_cache(64, block_size, 2, 128, torch.bfloat16, device)
+    meta = DecodeMetadata(capacity, max_blocks=8, block_size=block_size, device=device)
+    next_block = iter(range(1, 64))
+    meta.admit(0, [next(next_block) for _ in range(2)], 17)
+    meta.admit(2, [next(next_block)], 15)  # rows 1 and 3 stay padded
+    k_cache.normal_()
+    v_cache.normal_()
+    query = torch.zeros(capacity, 8, 128, dtype=torch.bfloat16, device=device)
+    key = torch.zeros(capacity, 2, 128, dtype=torch.bfloat16, device=device)
+    value = torch.zeros_like(key)
+    out = torch.empty_like(query)
+
+    def step() -> None:
+        meta.advance_on_device()
+        backend.write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
+        backend.decode(query, k_cache, v_cache, meta.metadata, scale=128**-0.5, out=out)
+
+    graphs = cuda.graph_support
+    graph = graphs.graph_class()
+    saved = (meta.seq_lens.clone(), k_cache.clone(), v_cache.clone())
+    stream = cuda.new_stream(0)
+    stream.wait_stream(cuda.current_stream(0))
+    with cuda.use_stream(stream):
+        step()  # compile outside the graph
+    cuda.current_stream(0).wait_stream(stream)
+    meta.seq_lens.copy_(saved[0])
+    k_cache.copy_(saved[1])
+    v_cache.copy_(saved[2])
+    with graphs.capture(graph, graphs.new_pool(), stream):
+        step()
+    cuda.current_stream(0).wait_stream(stream)
+    reference = ReferenceBackend()
+    for _ in range(40):
+        needed = meta.rows_needing_block()
+        meta.append_blocks({row: next(next_block) for row in needed})
+        for tensor in (query, key, value):
+            tensor.normal_()
+        graph.replay()
+        cuda.synchronize(0)
+        assert meta.seq_lens.tolist() == [n or 0 for n in meta.lengths]
+        expected = reference.decode(query, k_cache, v_cache, meta.metadata, scale=128**-0.5)
+        torch.testing.assert_close(out, expected, atol=3e-2, rtol=3e-2)
+        assert out[[1, 3]].abs().max() == 0
+        # The token just written is where the device-built slot says.
+        for row in (0, 2):
+            slot = int(meta.slot_mapping[row])
+            torch.testing.assert_close(k_cache.view(-1, 2, 128)[slot], key[row])
+
+
+def test_a_long_context_decode_is_split_and_matches_the_reference(cuda):
+    from torchhal.plugins.cuda_attention import TritonPagedAttention, decode_splits
+
+    device = cuda.device(0)
+    context, block_size = 16384, 16
+    blocks = context // block_size
+    k_cache, v_cache = new_kv_cache(blocks + 1, block_size, 8, 128, torch.bfloat16, device)
+    k_cache.normal_()
+    v_cache.normal_()
+    from torchhal.core.attention import build_metadata
+
+    order = (torch.randperm(blocks) + 1).tolist()
+    meta = build_metadata([order], [context], [1], block_size, device)
+    query = torch.randn(1, 32, 128, dtype=torch.bfloat16, device=device)
+    assert decode_splits(1, 8, context, torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    for window in (None, 3000):
+        got = TritonPagedAttention().decode(query, k_cache, v_cache, meta, scale=128**-0.5, sliding_window=window)
+        expected = ReferenceBackend().decode(query, k_cache, v_cache, meta, scale=128**-0.5, sliding_window=window)
+        torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)

@@ -1,0 +1,268 @@
+"""attention (if declared): every backend the platform supplies equals torchhal's reference
+on randomized paged layouts, and replays from a device graph where it says it can (contract 6).
+
+Layouts mix lengths around block boundaries, GQA ratios, padded rows and chunked-prefill
+offsets; blocks are shuffled, and every cache slot no request has written (the scratch
+block included) holds NaN, as does the output buffer, so reading past a length, from the
+wrong block, or leaving a row unwritten shows up as NaN or a mismatch.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+from torchhal.core.attention import (
+    SCRATCH_BLOCK,
+    AttentionBackend,
+    AttentionCapability,
+    PagedMetadata,
+    ReferenceBackend,
+    build_metadata,
+    write_kv,
+)
+from torchhal.platforms import AttentionSupport, Platform
+
+pytestmark = pytest.mark.conformance("attention")
+
+#: (atol, rtol) per dtype: a float32-accumulating kernel against the float32 reference.
+TOLERANCE = {torch.float32: (2e-4, 2e-4), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Case:
+    """One randomized layout: per-request context and query lengths, heads, features."""
+
+    seq_lens: tuple[int, ...]
+    query_lens: tuple[int, ...]  # decode: all 1
+    q_heads: int = 8
+    kv_heads: int = 2
+    window: int | None = None
+    soft_cap: float | None = None
+    spare_columns: int = 2  # block-table width beyond the longest request (a graph bucket's capacity)
+
+
+# Lengths straddle block boundaries (bs-1, bs, bs+1), one row is long enough to be split
+# across programs, and 0 marks a padded row.
+_B = BLOCK_SIZE
+DECODE_CASES = {
+    "mixed_lengths_gqa4": Case((1, _B - 1, 0, _B, _B + 1, 3 * _B + 5, 1500, 0), (1,) * 8),
+    "mha": Case((7, _B, 2 * _B + 1, 600), (1,) * 4, q_heads=4, kv_heads=4),
+    "mqa": Case((_B + 3, 1, 900), (1,) * 3, q_heads=8, kv_heads=1),
+    "gqa8_long": Case((2100, 33), (1,) * 2, q_heads=16, kv_heads=2),
+    "window": Case((5, _B + 2, 700, 0), (1,) * 4, window=_B + 3),
+    "window_one": Case((3, 2 * _B), (1,) * 2, window=1),
+    "soft_cap": Case((9, 300), (1,) * 2, soft_cap=5.0),
+    "window_and_soft_cap_gqa": Case((40, 1200), (1,) * 2, q_heads=8, kv_heads=2, window=100, soft_cap=3.0),
+}
+PREFILL_CASES = {
+    "full_prompts": Case((5, _B, 70, 1), (5, _B, 70, 1)),
+    "chunked_offsets": Case((40, 3 * _B + 1, 300), (7, _B, 129)),
+    # Chunks starting one and two tokens before a multiple of 64 (kernels' usual tile edges).
+    "offsets_near_tile_edges": Case((102, 191, 64, 257), (40, 65, 1, 130)),
+    "padded_rows": Case((0, 21, 0, 2 * _B), (0, 21, 0, 1)),
+    "mha_chunked": Case((50, 33), (20, 33), q_heads=4, kv_heads=4),
+    "mqa_chunked": Case((90, 17), (45, 2), q_heads=8, kv_heads=1),
+    "window_chunked": Case((200, 37), (150, 37), window=_B + 5),
+    "soft_cap_chunked": Case((64, 31), (30, 31), soft_cap=4.0),
+}
+
+
+@dataclass
+class Layout:
+    query: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    meta: PagedMetadata
+    scale: float
+
+
+def paged_layout(case: Case, dtype: torch.dtype, head_dim: int, device: torch.device, seed: int) -> Layout:
+    """Shuffled blocks, random values where written, NaN everywhere else."""
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    counts = [-(-n // BLOCK_SIZE) for n in case.seq_lens]
+    num_blocks = sum(counts) + 4
+    free = list(range(num_blocks))
+    free.remove(SCRATCH_BLOCK)
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(count)] for count in counts]
+    shape = (num_blocks, BLOCK_SIZE, case.kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    written = torch.tensor([blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                            for blocks, seq_len in zip(tables, case.seq_lens, strict=True) for p in range(seq_len)],
+                           dtype=torch.int64)
+    for cache in (k_cache, v_cache):
+        cache.view(-1, case.kv_heads, head_dim)[written] = torch.randn(
+            len(written), case.kv_heads, head_dim, generator=generator).to(dtype)
+    meta = build_metadata(tables, case.seq_lens, case.query_lens, BLOCK_SIZE, device,
+                          max_blocks=max(counts) + case.spare_columns)
+    query = torch.randn(sum(case.query_lens), case.q_heads, head_dim, generator=generator).to(dtype)
+    return Layout(query.to(device), k_cache.to(device), v_cache.to(device), meta, head_dim**-0.5)
+
+
+def declared_backends(platform: Platform) -> tuple[AttentionBackend, ...]:
+    support = platform.attention_support
+    assert isinstance(support, AttentionSupport), f"attention_support() returned {support!r}, not an AttentionSupport"
+    return support.backends
+
+
+def head_dim_for(capability: AttentionCapability) -> int:
+    dims = capability.head_dims
+    return 128 if dims is None or 128 in dims else dims[0]
+
+
+def applicable(capability: AttentionCapability, case: Case) -> str | None:
+    if case.window is not None and not capability.sliding_window:
+        return "no sliding window declared"
+    if case.soft_cap is not None and not capability.soft_cap:
+        return "no soft-capping declared"
+    return None
+
+
+def check_against_reference(platform: Platform, device_index: int, case: Case, name: str, mode: str) -> None:
+    device = platform.device(device_index)
+    reference = ReferenceBackend()
+    ran = 0
+    for backend in declared_backends(platform):
+        capability = backend.capability
+        if mode == "prefill" and not capability.prefill:
+            continue
+        if applicable(capability, case) is not None:
+            continue
+        for dtype in capability.dtypes:
+            seed = zlib.crc32(f"{name} {dtype}".encode())
+            layout = paged_layout(case, dtype, head_dim_for(capability), device, seed=seed)
+            kwargs = {"scale": layout.scale, "sliding_window": case.window, "soft_cap": case.soft_cap}
+            expected = getattr(reference, mode)(layout.query, layout.k_cache, layout.v_cache, layout.meta, **kwargs)
+            out = torch.full_like(layout.query, float("nan"))
+            got = getattr(backend, mode)(layout.query, layout.k_cache, layout.v_cache, layout.meta, out=out, **kwargs)
+            platform.synchronize(device_index)
+            assert got is out, f"{capability.name}.{mode} did not return the `out` it was given"
+            atol, rtol = TOLERANCE[dtype]
+            bad = ~torch.isclose(got.float(), expected.float(), atol=atol, rtol=rtol)
+            assert not bad.any(), (
+                f"{capability.name}.{mode} differs from the reference on {name} ({dtype}): "
+                f"{int(bad.sum())} of {bad.numel()} values, e.g. token/head {bad.nonzero()[0].tolist()[:2]}, "
+                f"max error {float((got.float() - expected.float()).nan_to_num(1e9).abs().max()):.3g}"
+            )
+            ran += 1
+    if ran == 0:
+        pytest.skip(f"not applicable: no declared backend covers {name} ({mode})")
+
+
+def test_attention_support_is_a_record_of_backends(platform):
+    for backend in declared_backends(platform):
+        capability = getattr(backend, "capability", None)
+        assert isinstance(capability, AttentionCapability), (
+            f"backend {backend!r} has capability {capability!r}; declare an AttentionCapability"
+        )
+        assert capability.dtypes and all(isinstance(d, torch.dtype) for d in capability.dtypes), (
+            f"{capability.name}: dtypes is {capability.dtypes!r}; list torch dtypes"
+        )
+        for method in ("write_kv", "decode", "prefill"):
+            assert callable(getattr(backend, method, None)), f"{capability.name} has no {method}()"
+
+
+@pytest.mark.parametrize("name", DECODE_CASES)
+def test_decode_matches_the_reference(platform, device_index, name):
+    check_against_reference(platform, device_index, DECODE_CASES[name], name, "decode")
+
+
+@pytest.mark.parametrize("name", PREFILL_CASES)
+def test_prefill_matches_the_reference(platform, device_index, name):
+    check_against_reference(platform, device_index, PREFILL_CASES[name], name, "prefill")
+
+
+def test_write_kv_stores_each_token_in_its_slot(platform, device_index):
+    device = platform.device(device_index)
+    case = PREFILL_CASES["padded_rows"]
+    for backend in declared_backends(platform):
+        capability = backend.capability
+        dtype = capability.dtypes[0]
+        layout = paged_layout(case, dtype, head_dim_for(capability), device, seed=7)
+        tokens = layout.meta.slot_mapping.shape[0]
+        key = torch.randn(tokens, case.kv_heads, layout.query.shape[2], device=device).to(dtype)
+        value = torch.randn_like(key)
+        expected_k, expected_v = layout.k_cache.clone(), layout.v_cache.clone()
+        write_kv(expected_k, expected_v, key, value, layout.meta.slot_mapping)
+        backend.write_kv(layout.k_cache, layout.v_cache, key, value, layout.meta.slot_mapping)
+        platform.synchronize(device_index)
+        keep = torch.ones(layout.k_cache.shape[0], dtype=torch.bool)
+        keep[SCRATCH_BLOCK] = False  # padded rows race on the scratch slot: any of them may win
+        for got, want, label in ((layout.k_cache, expected_k, "K"), (layout.v_cache, expected_v, "V")):
+            assert torch.equal(got[keep.to(device)].nan_to_num(7.0), want[keep.to(device)].nan_to_num(7.0)), (
+                f"{capability.name}.write_kv stored {label} elsewhere than slot_mapping says"
+            )
+
+
+def test_decode_replays_from_a_graph(platform, device_index):
+    """Capture decode once; change the query, the cache and the lengths in place; replay."""
+    graphs = platform.graph_support
+    capturable = [b for b in declared_backends(platform) if b.capability.graph_capture]
+    if not capturable:
+        pytest.skip("undeclared: no backend declares graph_capture")
+    if graphs is None:
+        pytest.skip("undeclared: the platform declares no graph support")
+    for backend in capturable:
+        replay_and_compare(platform, device_index, backend)
+
+
+def replay_and_compare(platform: Platform, device_index: int, backend: AttentionBackend) -> None:
+    graphs = platform.graph_support
+    assert graphs is not None
+    capability = backend.capability
+    dtype = torch.bfloat16 if torch.bfloat16 in capability.dtypes else capability.dtypes[0]
+    layout = paged_layout(DECODE_CASES["mixed_lengths_gqa4"], dtype, head_dim_for(capability),
+                          platform.device(device_index), seed=11)
+    k_cache, v_cache = layout.k_cache.nan_to_num(0.0), layout.v_cache.nan_to_num(0.0)
+    meta, query = layout.meta, layout.query.clone()
+    out = torch.empty_like(query)
+
+    def step() -> torch.Tensor:
+        return backend.decode(query, k_cache, v_cache, meta, scale=layout.scale, out=out)
+
+    stream = platform.new_stream(device_index)
+    stream.wait_stream(platform.current_stream(device_index))
+    with platform.use_stream(stream):
+        step()  # compile and warm up outside the graph
+    platform.current_stream(device_index).wait_stream(stream)
+    graph = graphs.graph_class()
+    with graphs.capture(graph, graphs.new_pool(), stream):
+        step()
+    platform.current_stream(device_index).wait_stream(stream)
+    for _ in range(3):
+        query.copy_(torch.randn_like(query))
+        k_cache.normal_()
+        v_cache.normal_()
+        # Every live row not at a block's end grows by one token, inside its last block.
+        grows = (meta.seq_lens > 0) & (meta.seq_lens % BLOCK_SIZE != 0)
+        meta.seq_lens.add_(grows.to(torch.int32))
+        graph.replay()
+        platform.synchronize(device_index)
+        expected = ReferenceBackend().decode(query, k_cache, v_cache, meta, scale=layout.scale)
+        atol, rtol = TOLERANCE[dtype]
+        assert torch.allclose(out.float(), expected.float(), atol=atol, rtol=rtol), (
+            f"{capability.name}.decode replayed from a graph differs from the reference after the inputs changed"
+        )
+
+
+def test_padded_rows_output_zeros(platform, device_index):
+    device = platform.device(device_index)
+    case = replace(DECODE_CASES["mixed_lengths_gqa4"])
+    padded = [i for i, n in enumerate(case.seq_lens) if n == 0]
+    for backend in declared_backends(platform):
+        capability = backend.capability
+        layout = paged_layout(case, capability.dtypes[0], head_dim_for(capability), device, seed=3)
+        out = torch.full_like(layout.query, float("nan"))
+        backend.decode(layout.query, layout.k_cache, layout.v_cache, layout.meta, scale=layout.scale, out=out)
+        platform.synchronize(device_index)
+        assert torch.equal(out[padded], torch.zeros_like(out[padded])), (
+            f"{capability.name}.decode: padded rows (seq_len 0) must output zeros, got {out[padded].flatten()[:4]}"
+        )

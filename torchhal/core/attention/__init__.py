@@ -1,0 +1,43 @@
+"""Attention over a paged KV cache, through the platform.
+
+Engine code asks the platform for a backend (`Platform.choose_attention(spec)`), never
+names a kernel library. Every platform has the portable `ReferenceBackend`; a plugin may
+declare faster ones in its `attention_support()`.
+"""
+
+from torchhal.core.attention.backend import (
+    AttentionBackend,
+    AttentionCapability,
+    AttentionChoice,
+    AttentionSpec,
+    check_call,
+    choose_backend,
+    unsupported_reason,
+)
+from torchhal.core.attention.layout import (
+    SCRATCH_BLOCK,
+    DecodeMetadata,
+    PagedMetadata,
+    build_metadata,
+    new_kv_cache,
+    write_kv,
+)
+from torchhal.core.attention.reference import ReferenceBackend, attend
+
+__all__ = [
+    "SCRATCH_BLOCK",
+    "AttentionBackend",
+    "AttentionCapability",
+    "AttentionChoice",
+    "AttentionSpec",
+    "DecodeMetadata",
+    "PagedMetadata",
+    "ReferenceBackend",
+    "attend",
+    "build_metadata",
+    "check_call",
+    "choose_backend",
+    "new_kv_cache",
+    "unsupported_reason",
+    "write_kv",
+]

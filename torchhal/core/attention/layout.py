@@ -1,0 +1,254 @@
+"""The paged KV layout every attention backend reads, and the metadata that addresses it.
+
+Per layer, `k_cache` and `v_cache` are `[num_blocks, block_size, num_kv_heads, head_dim]`:
+a token's K (or V) for all KV heads is one contiguous row, so a kernel reads a block's
+head slice with one stride and the writer stores a step's tokens with one indexed copy.
+Block `SCRATCH_BLOCK` (0) is never handed to a request: padded rows (a batch padded to a
+graph bucket) write there, and unused block-table entries point there, so every table
+entry is a valid index and no kernel needs a bounds branch for them.
+
+A step's metadata (`PagedMetadata`) is device tensors only: block tables, context lengths
+(including this step's tokens), query offsets and the slots this step writes. Decode
+metadata is kept on the device and advanced in place (`DecodeMetadata.step`), so a step's
+host work grows with the batch, never with the context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+#: The block padded rows write to and unused table entries point at; never a request's.
+SCRATCH_BLOCK = 0
+
+
+@dataclass(frozen=True)
+class PagedMetadata:
+    """Where one step's queries sit and which cached tokens they attend to.
+
+    block_tables: [batch, max_blocks] int32: request i's j-th block (SCRATCH_BLOCK where unused).
+    seq_lens:     [batch] int32: context length including this step's tokens (0 = padded row).
+    query_start:  [batch + 1] int32: request i's queries are rows query_start[i]:query_start[i+1]
+                  of the step's query tensor; they are its last tokens (chunked prefill:
+                  the earlier ones are already in the cache).
+    slot_mapping: [num_tokens] int64: where each query token's K/V is written
+                  (block * block_size + offset; a scratch slot for padded rows).
+    max_query_len: the longest request's query count (a host int, for the launch grid);
+                  1 for decode.
+    """
+
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+
+    @property
+    def batch(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def max_blocks(self) -> int:
+        return int(self.block_tables.shape[1])
+
+
+def new_kv_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's (k_cache, v_cache), zeroed, in the paged layout."""
+    for label, value in (("num_blocks", num_blocks), ("block_size", block_size),
+                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"new_kv_cache: {label} is {value!r}; pass an int >= 1")
+    if num_blocks < 2:
+        raise ValueError(f"new_kv_cache: num_blocks is {num_blocks}; pass >= 2 (block {SCRATCH_BLOCK} is scratch)")
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store this step's K/V ([num_tokens, num_kv_heads, head_dim]) into their slots.
+
+    One indexed copy per cache, no host sync: capturable in a device graph.
+    """
+    heads, dim = k_cache.shape[2], k_cache.shape[3]
+    if key.shape != value.shape or key.dim() != 3 or tuple(key.shape[1:]) != (heads, dim):
+        raise ValueError(
+            f"write_kv: key {tuple(key.shape)} / value {tuple(value.shape)} must both be "
+            f"[num_tokens, {heads}, {dim}] to match the cache"
+        )
+    if slot_mapping.shape != key.shape[:1]:
+        raise ValueError(f"write_kv: slot_mapping has shape {tuple(slot_mapping.shape)}; it needs one slot per token "
+                         f"({key.shape[0]})")
+    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def build_metadata(
+    block_tables: Sequence[Sequence[int]],
+    seq_lens: Sequence[int],
+    query_lens: Sequence[int],
+    block_size: int,
+    device: torch.device,
+    max_blocks: int | None = None,
+) -> PagedMetadata:
+    """Metadata for one step from host lists (prefill, tests): request i's last
+    `query_lens[i]` of `seq_lens[i]` tokens are this step's queries.
+
+    A padded row has seq_len 0 and query_len 0 (prefill) or 1 (a decode row of a padded
+    batch: it writes the scratch slot and outputs zeros).
+    """
+    if not len(block_tables) == len(seq_lens) == len(query_lens):
+        raise ValueError(f"build_metadata: {len(block_tables)} block tables, {len(seq_lens)} seq_lens and "
+                         f"{len(query_lens)} query_lens; pass one of each per request")
+    need = max([_cdiv(n, block_size) for n in seq_lens], default=0)
+    width = max(max_blocks if max_blocks is not None else need, 1)
+    if width < need:
+        raise ValueError(f"build_metadata: max_blocks={max_blocks} but a request of {max(seq_lens)} tokens needs "
+                         f"{need} blocks of {block_size}; raise max_blocks")
+    tables, slots, starts = [], [], [0]
+    for i, (blocks, seq_len, query_len) in enumerate(zip(block_tables, seq_lens, query_lens, strict=True)):
+        if seq_len < 0 or query_len < 0 or (seq_len > 0 and query_len > seq_len):
+            raise ValueError(f"build_metadata: request {i} has seq_len {seq_len} and query_len {query_len}; "
+                             "need 0 <= query_len <= seq_len (or seq_len 0 for a padded row)")
+        used = _cdiv(seq_len, block_size)
+        if len(blocks) < used or SCRATCH_BLOCK in list(blocks)[:used]:
+            raise ValueError(f"build_metadata: request {i} ({seq_len} tokens) needs {used} blocks, none the scratch "
+                             f"block {SCRATCH_BLOCK}; its table is {list(blocks)}")
+        tables.append(list(blocks)[:used] + [SCRATCH_BLOCK] * (width - used))
+        if seq_len == 0:
+            slots += [SCRATCH_BLOCK * block_size] * query_len
+        else:
+            positions = range(seq_len - query_len, seq_len)
+            slots += [blocks[p // block_size] * block_size + p % block_size for p in positions]
+        starts.append(starts[-1] + query_len)
+    return PagedMetadata(
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
+        query_start=torch.tensor(starts, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=max(query_lens, default=0),
+    )
+
+
+class DecodeMetadata:
+    """Decode metadata for a fixed batch capacity, kept on the device and advanced in place.
+
+    Rows are admitted with their whole block table once (`admit`); each step appends one
+    token to every active row on the device (`step`). The host's share of a step is a
+    loop over the rows and one small upload of the blocks newly appended at a block
+    boundary: it does not grow with the context. The tensors keep their addresses, so a
+    graph captured over them replays with each step's values.
+    """
+
+    def __init__(self, capacity: int, max_blocks: int, block_size: int, device: torch.device) -> None:
+        if capacity < 1 or max_blocks < 1 or block_size < 1:
+            raise ValueError(f"DecodeMetadata: capacity={capacity}, max_blocks={max_blocks}, "
+                             f"block_size={block_size}; each must be >= 1")
+        self.block_size, self.max_blocks, self.device = block_size, max_blocks, device
+        self.block_tables = torch.full((capacity, max_blocks), SCRATCH_BLOCK, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(capacity, dtype=torch.int32, device=device)
+        self.active = torch.zeros(capacity, dtype=torch.bool, device=device)
+        self.slot_mapping = torch.full((capacity,), SCRATCH_BLOCK * block_size, dtype=torch.int64, device=device)
+        self.query_start = torch.arange(capacity + 1, dtype=torch.int32, device=device)
+        self._lengths: list[int | None] = [None] * capacity  # host copy: None = free row
+        self.uploads = 0  # host-to-device uploads of table entries (tests check a step needs none)
+
+    @property
+    def metadata(self) -> PagedMetadata:
+        return PagedMetadata(self.block_tables, self.seq_lens, self.query_start, self.slot_mapping, 1)
+
+    def admit(self, row: int, blocks: Sequence[int], seq_len: int) -> None:
+        """Put a request with `seq_len` cached tokens in `blocks` into a free row."""
+        self._check_row(row, want_free=True)
+        used = _cdiv(seq_len, self.block_size)
+        if seq_len < 0 or len(blocks) != used or used > self.max_blocks or SCRATCH_BLOCK in blocks:
+            raise ValueError(f"DecodeMetadata.admit: row {row} has {seq_len} tokens in blocks {list(blocks)}; pass "
+                             f"exactly {used} blocks (at most {self.max_blocks}), none the scratch block")
+        self._upload(row, 0, list(blocks))
+        self.seq_lens[row] = seq_len
+        self.active[row] = True
+        self._lengths[row] = seq_len
+
+    def release(self, row: int) -> None:
+        """Free a row: it becomes a padded row (seq_len 0, scratch table, scratch slot)."""
+        self._check_row(row, want_free=False)
+        self.block_tables[row].fill_(SCRATCH_BLOCK)
+        self.seq_lens[row] = 0
+        self.active[row] = False
+        self._lengths[row] = None
+
+    def rows_needing_block(self) -> list[int]:
+        """Active rows whose next token starts a new block: pass a block for each to `step`."""
+        return [row for row, n in enumerate(self._lengths) if n is not None and n % self.block_size == 0]
+
+    @property
+    def lengths(self) -> tuple[int | None, ...]:
+        """The host's copy of each row's length after the last step (None: a free row)."""
+        return tuple(self._lengths)
+
+    def step(self, new_blocks: Mapping[int, int] | None = None) -> PagedMetadata:
+        """Advance every active row by one token; returns the step's metadata.
+
+        `new_blocks` maps each row of `rows_needing_block()` to the block its token starts.
+        """
+        self.append_blocks(new_blocks)
+        self.advance_on_device()
+        return self.metadata
+
+    def append_blocks(self, new_blocks: Mapping[int, int] | None = None) -> None:
+        """The host part of `step`: check and upload the step's new blocks, count the token.
+
+        With a captured graph that runs `advance_on_device`, call this, then replay.
+        """
+        new_blocks = dict(new_blocks or {})
+        needed = self.rows_needing_block()
+        if sorted(new_blocks) != needed:
+            raise ValueError(f"DecodeMetadata.step: new_blocks covers rows {sorted(new_blocks)}, but rows {needed} "
+                             "start a new block this step; pass exactly one block for each")
+        bad = {row: block for row, block in new_blocks.items() if block == SCRATCH_BLOCK}
+        if bad:
+            raise ValueError(f"DecodeMetadata.step: new_blocks {bad} names the scratch block {SCRATCH_BLOCK}")
+        columns = [self._lengths[row] // self.block_size for row in needed]  # type: ignore[operator]
+        for row, column in zip(needed, columns, strict=True):
+            if column >= self.max_blocks:
+                raise ValueError(f"DecodeMetadata.step: row {row} would need block {column + 1} of "
+                                 f"{self.max_blocks}; release it or build with a larger max_blocks")
+        self._upload_many(needed, columns, [new_blocks[row] for row in needed])
+        for row, n in enumerate(self._lengths):
+            if n is not None:
+                self._lengths[row] = n + 1
+
+    def advance_on_device(self) -> None:
+        """The device part of `step`: lengths and slots, in place, no host sync."""
+        self.seq_lens.add_(self.active.to(torch.int32))
+        position = (self.seq_lens - 1).clamp_(min=0).to(torch.int64)
+        block = self.block_tables.gather(1, (position // self.block_size)[:, None]).squeeze(1).to(torch.int64)
+        slot = block * self.block_size + position % self.block_size
+        self.slot_mapping.copy_(torch.where(self.active, slot, SCRATCH_BLOCK * self.block_size))
+
+    def _check_row(self, row: int, want_free: bool) -> None:
+        if not isinstance(row, int) or not 0 <= row < len(self._lengths):
+            raise ValueError(f"DecodeMetadata: row {row!r} is out of range 0..{len(self._lengths) - 1}")
+        if want_free and self._lengths[row] is not None:
+            raise ValueError(f"DecodeMetadata.admit: row {row} is in use; release it first")
+        if not want_free and self._lengths[row] is None:
+            raise ValueError(f"DecodeMetadata.release: row {row} is not in use")
+
+    def _upload(self, row: int, first: int, blocks: list[int]) -> None:
+        self._upload_many([row] * len(blocks), list(range(first, first + len(blocks))), blocks)
+
+    def _upload_many(self, rows: list[int], columns: list[int], blocks: list[int]) -> None:
+        if not blocks:
+            return
+        self.uploads += 1
+        values = torch.tensor(blocks, dtype=torch.int32).to(self.device, non_blocking=True)
+        self.block_tables[rows, columns] = values

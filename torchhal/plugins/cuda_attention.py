@@ -1,0 +1,250 @@
+"""Triton paged attention for the CUDA plugin (imported lazily: Triton may be absent).
+
+One kernel serves decode and chunked prefill. A program takes BLOCK_M rows that are
+(query token, query head) pairs of ONE KV head, so grouped-query heads share each K/V
+tile they load (no copies of KV heads), and walks the row's context in BLOCK_N-token
+tiles, looking each token's block up in the block table (any block size). Decode splits
+the context across programs (flash-decoding: a fixed number of splits per launch, each
+split's share worked out on the device from the row's length) and a second kernel
+merges the splits by their log-sum-exp. Launch shapes depend only on the batch, the
+block-table width and the head counts, never on lengths: decode is graph-capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from torchhal.core.attention import AttentionCapability, PagedMetadata, check_call, write_kv
+
+LOG2E = 1.4426950408889634
+#: Split the context only while each split keeps at least this many tokens.
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+#: Launch configurations (tuned on an H200, bf16, head_dim 128; benchmarks/attention_kernels.py --sweep).
+DECODE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 2}
+#: Prefill by element size: 256-row tiles of 4-byte elements need more shared memory than an
+#: H200 has (263168 > 232448 bytes at head_dim 128), so float32 keeps 128-row tiles.
+PREFILL = {
+    2: {"block_m": 256, "block_n": 64, "num_warps": 16, "num_stages": 2},
+    4: {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
+}
+
+
+@triton.jit
+def _attend_tile(
+    acc, l_i, m_i, q, K, V, Table, start, hi, pos, dims, dim_ok, kv_head,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale, soft_cap, window,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One BLOCK_N-token tile of keys into the running softmax (online, exp2 domain)."""
+    kpos = start + tl.arange(0, BLOCK_N)
+    offset = kpos % PAGE
+    if MASKED:
+        k_ok = kpos < hi
+        block = tl.load(Table + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
+        kv_mask = k_ok[:, None] & dim_ok[None, :]
+    else:
+        block = tl.load(Table + kpos // PAGE).to(tl.int64)
+        kv_mask = dim_ok[None, :]
+    k = tl.load(K + block[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
+                mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    if HAS_SOFTCAP:
+        s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)  # cap * tanh(s / cap)
+    s = s * 1.4426950408889634  # log2(e): exp2 below
+    if MASKED:
+        allowed = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            allowed = allowed & (kpos[None, :] > pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet: no NaN
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    v = tl.load(V + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
+                mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def _paged_attention_kernel(
+    Q, K, V, Out, PartOut, PartLse, BlockTables, SeqLens, QueryStart,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ot, stride_oh, stride_bt, kv_heads, scale, soft_cap, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1) // kv_heads
+    kv_head = tl.program_id(1) % kv_heads
+    split = tl.program_id(2)
+    q_begin = tl.load(QueryStart + seq)
+    q_len = tl.load(QueryStart + seq + 1) - q_begin
+    seq_len = tl.load(SeqLens + seq)
+    if tile * BLOCK_M >= q_len * GROUP:
+        return
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    token = rows // GROUP
+    q_head = kv_head * GROUP + rows % GROUP
+    row_ok = token < q_len
+    pos = seq_len - q_len + token  # each row's absolute position (-1 for a padded decode row)
+    # This tile's key range: causal end of its last row, window start of its first.
+    hi = tl.minimum(seq_len - q_len + (tile * BLOCK_M + BLOCK_M - 1) // GROUP, seq_len - 1) + 1
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - q_len + (tile * BLOCK_M) // GROUP - window + 1, 0)
+    if NUM_SPLITS > 1:
+        share = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = lo + split * share
+        hi = tl.minimum(lo + share, hi)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(Q + (q_begin + token)[:, None] * stride_qt + q_head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Tiles wholly before the tile's first query position need no causal mask (nor bounds
+    # checks); with a window every tile may need one.
+    mid = lo
+    if not HAS_WINDOW:
+        first_pos = seq_len - q_len + (tile * BLOCK_M) // GROUP
+        mid = lo + tl.maximum(tl.minimum(first_pos + 1, hi) - lo, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, mid, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, BlockTables + seq * stride_bt, start, hi, pos, dims,
+                                     dim_ok, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                                     stride_vh, scale, soft_cap, window, PAGE, BLOCK_N, False, HAS_WINDOW,
+                                     HAS_SOFTCAP, PRECISION)
+    for start in range(mid, hi, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, BlockTables + seq * stride_bt, start, hi, pos, dims,
+                                     dim_ok, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                                     stride_vh, scale, soft_cap, window, PAGE, BLOCK_N, True, HAS_WINDOW,
+                                     HAS_SOFTCAP, PRECISION)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row with no key outputs zeros
+    out_mask = row_ok[:, None] & dim_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(Out + (q_begin + token)[:, None] * stride_ot + q_head[:, None] * stride_oh + dims[None, :],
+                 (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=out_mask)
+    else:
+        part = ((q_begin + token) * (kv_heads * GROUP) + q_head) * NUM_SPLITS + split
+        tl.store(PartOut + part[:, None] * HEAD_DIM + dims[None, :], acc / l_safe[:, None], mask=out_mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(PartLse + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    PartOut, PartLse, Out, stride_ot, stride_oh, q_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    base = (token * q_heads + head) * NUM_SPLITS
+    lse = tl.load(PartLse + base + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+    parts = tl.load(PartOut + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
+                    mask=(splits < NUM_SPLITS)[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    total = tl.sum(weight, 0)
+    merged = tl.sum(weight[:, None] * parts, 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(Out + token * stride_ot + head * stride_oh + dims, merged.to(Out.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def decode_splits(batch: int, kv_heads: int, context_capacity: int, multiprocessors: int) -> int:
+    """Splits per row: enough programs for about two waves, each split >= MIN_TOKENS_PER_SPLIT.
+
+    A function of launch shapes only (the table's capacity, not the lengths): graph-safe.
+    """
+    wanted = math.ceil(DECODE["waves"] * multiprocessors / max(batch * kv_heads, 1))
+    useful = max(1, context_capacity // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+class TritonPagedAttention:
+    """The CUDA plugin's attention backend: Triton kernels over the paged layout."""
+
+    capability = AttentionCapability(
+        name="triton-paged",
+        dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        head_dims=(64, 128),  # 128 checked compiled on an H200; 64 only under the interpreter
+        block_sizes=None,
+        prefill=True,
+        sliding_window=True,
+        soft_cap=True,
+        graph_capture=True,
+        note="Triton: split-K paged decode, paged chunked prefill; GQA without KV copies",
+    )
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        write_kv(k_cache, v_cache, key, value, slot_mapping)
+
+    def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
+               scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        check_call(query, k_cache, v_cache, meta, True, sliding_window, soft_cap)
+        splits = decode_splits(meta.batch, k_cache.shape[2], meta.max_blocks * k_cache.shape[1],
+                               _multiprocessors(query.device.index or 0))
+        return self._launch(query, k_cache, v_cache, meta, 1, splits, scale, sliding_window, soft_cap, out)
+
+    def prefill(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
+                scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        check_call(query, k_cache, v_cache, meta, False, sliding_window, soft_cap)
+        return self._launch(query, k_cache, v_cache, meta, meta.max_query_len, 1, scale, sliding_window, soft_cap,
+                            out)
+
+    def _launch(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
+                max_query_len: int, splits: int, scale: float, sliding_window: int | None, soft_cap: float | None,
+                out: torch.Tensor | None) -> torch.Tensor:
+        if query.stride(-1) != 1:
+            query = query.contiguous()
+        if out is None:
+            out = torch.empty_like(query)
+        tokens, q_heads, head_dim = query.shape
+        kv_heads = k_cache.shape[2]
+        group = q_heads // kv_heads
+        if tokens == 0 or max_query_len == 0:
+            return out
+        decode = splits > 1 or max_query_len == 1
+        config = DECODE if decode else PREFILL[query.element_size()]
+        block_m = max(16, triton.next_power_of_2(group)) if decode else config["block_m"]
+        block_d = max(16, triton.next_power_of_2(head_dim))
+        if splits > 1:
+            part_out = torch.empty((tokens, q_heads, splits, head_dim), dtype=torch.float32, device=query.device)
+            part_lse = torch.empty((tokens, q_heads, splits), dtype=torch.float32, device=query.device)
+        else:
+            part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+        grid = (triton.cdiv(max_query_len * group, block_m), meta.batch * kv_heads, splits)
+        _paged_attention_kernel[grid](
+            query, k_cache, v_cache, out, part_out, part_lse, meta.block_tables, meta.seq_lens, meta.query_start,
+            query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+            meta.block_tables.stride(0), kv_heads, float(scale), float(soft_cap or 1.0), int(sliding_window or 0),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=k_cache.shape[1], BLOCK_M=block_m,
+            BLOCK_N=config["block_n"], NUM_SPLITS=splits, HAS_WINDOW=sliding_window is not None,
+            HAS_SOFTCAP=soft_cap is not None, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            num_warps=config["num_warps"], num_stages=config["num_stages"],
+        )
+        if splits > 1:
+            _merge_splits_kernel[(tokens, q_heads)](
+                part_out, part_lse, out, out.stride(0), out.stride(1), q_heads,
+                HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+            )
+        return out
