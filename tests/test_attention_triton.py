@@ -38,7 +38,7 @@ SCRIPT = textwrap.dedent("""
     triton_backend, reference = cuda_attention.TritonPagedAttention(), ReferenceBackend()
     for mode, cases in (("decode", DECODE_CASES), ("prefill", PREFILL_CASES)):
         for name, case in cases.items():
-            layout = paged_layout(case, torch.float32, 32, torch.device("cpu"), seed=len(name))
+            layout = paged_layout(case, torch.float32, 64, torch.device("cpu"), seed=len(name))
             kwargs = dict(scale=layout.scale, sliding_window=case.window, soft_cap=case.soft_cap)
             expected = getattr(reference, mode)(layout.query, layout.k_cache, layout.v_cache, layout.meta, **kwargs)
             got = getattr(triton_backend, mode)(layout.query, layout.k_cache, layout.v_cache, layout.meta, **kwargs)
