@@ -1,6 +1,7 @@
 """The CUDA plugin's Triton kernels, run on the CPU by Triton's interpreter
 (TRITON_INTERPRET=1), against the reference on the conformance clause's layouts. Skipped
-where Triton is not installed; the same kernels run compiled in tests/test_attention_gpu.py."""
+where Triton is not installed; the same kernels run compiled in tests/test_attention_gpu.py.
+Head dim 64 here and 128 in the compiled runs: both head dims the CUDA backend declares."""
 
 from __future__ import annotations
 
