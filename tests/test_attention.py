@@ -312,3 +312,16 @@ def test_reference_decode_is_the_reference_prefill_of_one_token():
     torch.testing.assert_close(reference.decode(query, k, v, meta, scale=0.4, soft_cap=3.0),
                                reference.prefill(query, k, v, meta, scale=0.4, soft_cap=3.0))
     assert math.isfinite(float(reference.decode(query, k, v, meta, scale=0.4).sum()))
+
+
+def test_whole_prompt_rows_only_when_every_request_is_a_whole_prompt():
+    from torchhal.core.attention.layout import PagedMetadata, whole_prompt_rows
+
+    fresh = build_metadata([[1], [2, 3], []], [5, 20, 0], [5, 20, 0], 16, torch.device("cpu"))
+    assert whole_prompt_rows(fresh, None) == [(0, 5), (5, 25)]  # the padded row has no queries
+    assert whole_prompt_rows(fresh, 20) == [(0, 5), (5, 25)]  # a window as long as the prompt cuts nothing
+    assert whole_prompt_rows(fresh, 19) is None  # a window shorter than a prompt: the paged kernel
+    chunked = build_metadata([[1], [2, 3]], [5, 20], [5, 4], 16, torch.device("cpu"))
+    assert whole_prompt_rows(chunked, None) is None  # a chunk after cached tokens
+    device_built = PagedMetadata(fresh.block_tables, fresh.seq_lens, fresh.query_start, fresh.slot_mapping, 20)
+    assert whole_prompt_rows(device_built, None) is None  # no host copies: never a device sync to find out

@@ -106,3 +106,38 @@ def test_a_long_context_decode_is_split_and_matches_the_reference(cuda):
         got = TritonPagedAttention().decode(query, k_cache, v_cache, meta, scale=128**-0.5, sliding_window=window)
         expected = ReferenceBackend().decode(query, k_cache, v_cache, meta, scale=128**-0.5, sliding_window=window)
         torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+def test_whole_prompts_take_the_dense_kernel_and_equal_the_reference(cuda, monkeypatch):
+    """Prompts with nothing cached before them run SDPA's flash kernel per prompt; chunks
+    after cached tokens stay on the paged kernel. Both equal the reference."""
+    from torchhal.core.attention import build_metadata, write_kv
+    from torchhal.plugins import cuda_attention
+
+    backend = cuda.choose_attention(AttentionSpec(32, 8, 128, torch.bfloat16, 16)).backend
+    device, block_size = cuda.device(0), 16
+    lengths = [1, 300, 4096]
+    k_cache, v_cache = new_kv_cache(1 + sum(-(-n // block_size) for n in lengths), block_size, 8, 128,
+                                    torch.bfloat16, device)
+    tables, next_block = [], 1
+    for n in lengths:
+        count = -(-n // block_size)
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+    dense_calls: list[int] = []
+    real = type(backend)._flash_prefill
+    monkeypatch.setattr(type(backend), "_flash_prefill",
+                        staticmethod(lambda *a: (dense_calls.append(1), real(*a))[1]))
+    for query_lens in ([1, 300, 4096], [1, 44, 1024]):  # whole prompts, then last chunks
+        meta = build_metadata(tables, lengths, query_lens, block_size, device)
+        tokens = sum(query_lens)
+        key = torch.randn(tokens, 8, 128, device=device, dtype=torch.bfloat16)
+        write_kv(k_cache, v_cache, key, torch.randn_like(key), meta.slot_mapping)
+        query = torch.randn(tokens, 32, 128, device=device, dtype=torch.bfloat16)
+        out = torch.full_like(query, float("nan"))
+        backend.prefill(query, k_cache, v_cache, meta, scale=128**-0.5, out=out)
+        expected = ReferenceBackend().prefill(query, k_cache, v_cache, meta, scale=128**-0.5)
+        error = (out.float() - expected.float()).norm() / expected.float().norm()
+        assert error < 1e-2, (query_lens, error)
+    assert dense_calls == [1]  # the whole prompts only
+    assert cuda_attention.whole_prompt_rows is not None

@@ -37,6 +37,9 @@ class PagedMetadata:
                   (block * block_size + offset; a scratch slot for padded rows).
     max_query_len: the longest request's query count (a host int, for the launch grid);
                   1 for decode.
+    host_seq_lens, host_query_start: host copies of seq_lens and query_start where the
+                  builder had them (`build_metadata`; None on the device-advanced decode
+                  path), so a backend can pick a kernel by shape without a device sync.
     """
 
     block_tables: torch.Tensor
@@ -44,6 +47,8 @@ class PagedMetadata:
     query_start: torch.Tensor
     slot_mapping: torch.Tensor
     max_query_len: int
+    host_seq_lens: tuple[int, ...] | None = None
+    host_query_start: tuple[int, ...] | None = None
 
     @property
     def batch(self) -> int:
@@ -136,7 +141,27 @@ def build_metadata(
         query_start=torch.tensor(starts, dtype=torch.int32, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         max_query_len=max(query_lens, default=0),
+        host_seq_lens=tuple(seq_lens),
+        host_query_start=tuple(starts),
     )
+
+
+def whole_prompt_rows(meta: PagedMetadata, sliding_window: int | None) -> list[tuple[int, int]] | None:
+    """(first, last) query rows of each request when every request's queries are its whole
+    context (a prompt with nothing cached before it) and no window cuts in; else None.
+    Decided from the metadata's host copies, without a device sync: a backend may then
+    run a dense causal kernel on each prompt's own K/V instead of the paged one."""
+    if meta.host_seq_lens is None or meta.host_query_start is None:
+        return None
+    starts, rows = meta.host_query_start, []
+    for row, seq_len in enumerate(meta.host_seq_lens):
+        first, last = starts[row], starts[row + 1]
+        if last == first:
+            continue  # a padded row: nothing to write
+        if seq_len != last - first or (sliding_window is not None and sliding_window < seq_len):
+            return None
+        rows.append((first, last))
+    return rows
 
 
 class DecodeMetadata:
