@@ -491,9 +491,10 @@ def _index_weight_map(root: Path, scope: _Scope) -> dict[str, str]:
 
 def _files_and_map(path: str | Path) -> tuple[list[Path], dict[str, str] | None, _Scope]:
     root = Path(path)
-    if os.path.isfile(root):  # one file the caller named: that file, wherever it links
-        resolved = root.resolve()
-        return [root], None, _Scope((resolved,))
+    if os.path.isfile(root):  # one file: it must resolve inside its own directory, like a directory's files
+        scope = _Scope.of_directory(root.parent)
+        _check_regular(root, scope)
+        return [root], None, scope
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such checkpoint file or directory (or not a regular file)")
     scope = _Scope.of_directory(root)

@@ -42,6 +42,8 @@ class Llama3RopeScaling:
         check_number(self, "high_freq_factor", self.high_freq_factor, above=self.low_freq_factor,
                      rule=f"a finite number > low_freq_factor ({self.low_freq_factor})")
         check_int(self, "original_max_position", self.original_max_position)
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):  # an int beyond float32 breaks torch's pow
+            object.__setattr__(self, name, float(getattr(self, name)))
 
 
 MAX_SIZE = 2**31 - 1  # largest size, length or count a config may give (int32 indexing everywhere)
@@ -126,6 +128,8 @@ class ModelConfig:
         # rope_theta < 1 makes frequencies above 1 that overflow; eps outside (0, 1) zeroes or NaNs the norms.
         check_number(self, "rope_theta", self.rope_theta, minimum=1.0, rule="a finite number >= 1")
         check_number(self, "rms_eps", self.rms_eps, above=0.0, below=1.0, rule="a finite number in (0, 1)")
+        object.__setattr__(self, "rope_theta", float(self.rope_theta))  # an int beyond float32 breaks torch's pow
+        object.__setattr__(self, "rms_eps", float(self.rms_eps))
         for name in ("attention_bias", "o_proj_bias", "qk_norm", "tie_word_embeddings"):
             if type(getattr(self, name)) is not bool:
                 raise ConfigValueError(self, name, getattr(self, name), "True or False")
