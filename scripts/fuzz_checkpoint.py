@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -450,6 +451,29 @@ def observe_loader_opens() -> None:
     ckpt._open_regular = recorded  # type: ignore[assignment]
 
 
+# config.json key -> (ModelConfig field, JSON type it must have been written as)
+LITERAL_KEYS = {"vocab_size": ("vocab_size", int), "hidden_size": ("hidden_size", int),
+                "num_hidden_layers": ("num_layers", int), "num_attention_heads": ("num_heads", int),
+                "intermediate_size": ("intermediate_size", int), "max_position_embeddings": ("max_position", int),
+                "num_key_value_heads": ("num_kv_heads", int), "head_dim": ("head_dim", int),
+                "tie_word_embeddings": ("tie_word_embeddings", bool), "rms_norm_eps": ("rms_eps", float)}
+
+
+def literal_problem(written: Any, config: Any) -> str | None:
+    """An accepted config must have been read as written: no bool taken for an int, no string or
+    float bent into a bool or an int (silently wrong models)."""
+    if not isinstance(written, dict):
+        return None
+    for key, (name, kind) in LITERAL_KEYS.items():
+        value = written.get(key)
+        if value is None:
+            continue
+        typed = type(value) in (int, float) if kind is float else type(value) is kind
+        if not typed or value != getattr(config, name):
+            return f"accepted {key} = {value!r} as {getattr(config, name)!r}"
+    return None
+
+
 def sane_forward(model: LlamaDecoder) -> str | None:
     model.kv = KVCache(model.config, 4, torch.device("cpu"), next(model.parameters()).dtype)
     with torch.no_grad():
@@ -554,7 +578,7 @@ class Worker:
             problem = f"opened outside the checkpoint directory: {outside[:3]}"
         if problem is None and outcome == "accepted":
             try:
-                problem = self.check_accepted(entry, result, tensors)
+                problem = self.check_accepted(entry, result, tensors, case.config)
             except Exception as exc:  # noqa: BLE001  # an accepted model that cannot run is a finding
                 problem = f"accepted, then failed its sanity check: {type(exc).__name__}: {str(exc)[:300]}"
         finding = None
@@ -563,9 +587,14 @@ class Worker:
                        "entry": entry}
         return kind, entry, outcome, finding
 
-    def check_accepted(self, entry: str, result: Any, tensors: list[torch.Tensor]) -> str | None:
+    def check_accepted(self, entry: str, result: Any, tensors: list[torch.Tensor], written: Any) -> str | None:
         if any(is_canary(t) for t in tensors):
             return "returned the canary's values (read from outside the directory)"
+        if entry in ("load_checkpoint", "config_from_hf"):
+            config = result.config if entry == "load_checkpoint" else result
+            problem = literal_problem(written, config)
+            if problem is not None:
+                return problem
         if entry == "load_checkpoint":
             self.successes += 1
             if self.successes % SANITY_EVERY == 1:
@@ -618,7 +647,8 @@ def apply_breakage(name: str | None) -> None:
     if name == "scope":
         ckpt._Scope.holds = lambda self, resolved: True  # type: ignore[method-assign]
     elif name == "regular":
-        ckpt.stat.S_ISREG = lambda mode: True  # type: ignore[attr-defined]
+        # A copy of `stat` only the loader sees (os.path.isfile must keep working).
+        ckpt.stat = types.SimpleNamespace(**{**vars(stat), "S_ISREG": lambda mode: True})  # type: ignore[assignment]
     elif name == "ranges":
         decoder.check_number = lambda *args, **kwargs: None  # type: ignore[assignment]
     elif name == "types":
