@@ -469,3 +469,18 @@ def test_context_length_is_checked_from_the_config_alone(good):
     assert check_context_length(good, 64) == 64
     refused(good, "65 tokens \\(prompt \\+ new tokens\\) exceed max_position_embeddings 64",
             lambda path: check_context_length(path, 65))
+
+
+def test_a_file_moved_outside_between_resolving_and_opening_is_refused(good, canary, monkeypatch):
+    """The race: the path resolved inside the directory, then a directory on it swapped for a
+    symlink leading out before the open (O_NOFOLLOW guards only the last component)."""
+    real_resolve = checkpoint._resolve
+    (good / "sub").symlink_to(canary.parent)
+
+    def resolve_then_swap(path: Path, scope: checkpoint._Scope) -> Path:
+        resolved = real_resolve(path, scope)
+        return good / "sub" / canary.name if path.name == "model.safetensors" else resolved
+
+    monkeypatch.setattr(checkpoint, "_resolve", resolve_then_swap)
+    refused(good, "model.safetensors: opened .*elsewhere/x.safetensors, outside the checkpoint directory",
+            iter_checkpoint_tensors)

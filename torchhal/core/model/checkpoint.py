@@ -145,7 +145,19 @@ def _open_regular(path: Path, scope: _Scope) -> BufferedReader:
     if not stat.S_ISREG(mode):
         os.close(fd)
         raise CheckpointError(f"{path}: is {_file_kind(mode)}, not a regular file")
+    opened = _opened_path(fd)
+    if opened is not None and not scope.holds(opened):  # a directory swapped for a symlink since resolving
+        os.close(fd)
+        raise CheckpointError(f"{path}: opened {opened}, outside the checkpoint directory (changed while opening)")
     return os.fdopen(fd, "rb")
+
+
+def _opened_path(fd: int) -> Path | None:
+    """The path the kernel opened for `fd` (Linux's /proc), or None where that is not known."""
+    try:
+        return Path(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        return None
 
 
 def _check_regular(path: Path, scope: _Scope) -> None:
@@ -269,11 +281,11 @@ def _read_tensor(f: BufferedReader, shard: _Shard, name: str) -> torch.Tensor:
     nbytes = entry.end - entry.begin
     if nbytes == 0:
         return torch.empty(entry.shape, dtype=dtype)
-    buffer = bytearray(nbytes)
+    buffer = torch.empty(nbytes, dtype=torch.uint8)  # read straight into the tensor's storage (no zero-fill)
     f.seek(shard.data_start + entry.begin)
-    if f.readinto(buffer) != nbytes:
+    if f.readinto(buffer.numpy()) != nbytes:
         raise CheckpointError(f"{shard.path}: tensor {short_repr(name)} is cut short (the file changed while loading)")
-    return torch.frombuffer(buffer, dtype=dtype).reshape(entry.shape)
+    return buffer.view(dtype).reshape(entry.shape)
 
 
 # -- config.json -----------------------------------------------------------------------------------
