@@ -168,7 +168,8 @@ def junk(rng: random.Random, original: Any = None) -> Any:
             return rng.choice([float(original), original + 0.9, str(original), -original, 0, original * 10**6,
                                original + 1, original * 2, original // 2, True])
         if type(original) is float:
-            return rng.choice([0.0, -original, float("nan"), float("inf"), str(original), int(original),
+            whole = int(original) if math.isfinite(original) else 0
+            return rng.choice([0.0, -original, float("nan"), float("inf"), str(original), whole,
                                original * 1e30, original * 1e-30, True, 1.0])
         if type(original) is bool:
             return rng.choice([str(original).lower(), int(original), not original, None, "yes"])
@@ -540,7 +541,7 @@ class Worker:
             for _ in range(rng.randint(2, 3)):
                 name = rng.choice([k for k in MUTATIONS if k != "valid"])
                 # A later mutation may not apply to what an earlier one left (a header already junk): skipped.
-                with contextlib.suppress(TypeError, AttributeError, KeyError, IndexError, ValueError):
+                with contextlib.suppress(TypeError, AttributeError, KeyError, IndexError, ValueError, OverflowError):
                     MUTATIONS[name](case, rng)
         else:
             MUTATIONS[kind](case, rng)
@@ -549,8 +550,12 @@ class Worker:
 
     def run(self, index: int) -> tuple[str, str, str, dict[str, Any] | None]:
         """(kind, entry, outcome, finding or None) of case `index`."""
-        rng, family, kind, entry, case = self.make_case(index)
-        materialise(case, self.case_dir, self.outside)
+        try:
+            rng, family, kind, entry, case = self.make_case(index)
+            materialise(case, self.case_dir, self.outside)
+        except Exception as exc:  # noqa: BLE001  # the fuzzer's own bug: reported, the run goes on
+            problem = f"fuzzer could not build the case: {type(exc).__name__}: {str(exc)[:300]}"
+            return "unbuilt", "none", "unbuilt", {"finding": problem, "seed": self.seed, "case": index}
         case_real = os.path.realpath(self.case_dir)
         OBSERVED.paths.clear()
         problem: str | None = None
@@ -663,7 +668,7 @@ def chunks(cases: int, size: int) -> Iterator[tuple[int, int]]:
 
 
 def fuzz(cases: int, seed: int, workers: int, case_seconds: float, breakage: str | None,
-         chunk: int = 250) -> dict[str, Any]:
+         chunk: int = 250, progress: int = 50_000) -> dict[str, Any]:
     start = time.perf_counter()
     counts: Counter[str] = Counter()
     findings: list[dict[str, Any]] = []
@@ -680,6 +685,10 @@ def fuzz(cases: int, seed: int, workers: int, case_seconds: float, breakage: str
                     pool.terminate()
                     break
                 counts += chunk_counts
+                done = sum(v for k, v in counts.items() if k.startswith("outcome:"))
+                if done % progress < chunk:
+                    print(f"{done} cases, {time.perf_counter() - start:.0f} s, {len(findings)} findings",
+                          file=sys.stderr, flush=True)
                 for finding in chunk_findings:
                     print(json.dumps(finding), flush=True)
                 findings += chunk_findings

@@ -283,7 +283,7 @@ def _read_tensor(f: BufferedReader, shard: _Shard, name: str) -> torch.Tensor:
         return torch.empty(entry.shape, dtype=dtype)
     buffer = torch.empty(nbytes, dtype=torch.uint8)  # read straight into the tensor's storage (no zero-fill)
     f.seek(shard.data_start + entry.begin)
-    if f.readinto(memoryview(buffer.numpy())) != nbytes:
+    if f.readinto(buffer.numpy().data) != nbytes:
         raise CheckpointError(f"{shard.path}: tensor {short_repr(name)} is cut short (the file changed while loading)")
     return buffer.view(dtype).reshape(entry.shape)
 
