@@ -35,6 +35,61 @@ class Llama3RopeScaling:
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
 
+    def __post_init__(self) -> None:
+        # Out of these ranges the smoothing divides by zero or the frequencies grow: NaN or garbage.
+        check_number(self, "factor", self.factor, minimum=1.0, rule="a finite number >= 1")
+        check_number(self, "low_freq_factor", self.low_freq_factor, above=0.0, rule="a finite number > 0")
+        check_number(self, "high_freq_factor", self.high_freq_factor, above=self.low_freq_factor,
+                     rule=f"a finite number > low_freq_factor ({self.low_freq_factor})")
+        check_int(self, "original_max_position", self.original_max_position)
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):  # an int beyond float32 breaks torch's pow
+            object.__setattr__(self, name, float(getattr(self, name)))
+
+
+MAX_SIZE = 2**31 - 1  # largest size, length or count a config may give (int32 indexing everywhere)
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """`repr(value)` cut to `limit` characters: one short line however large a hostile value is."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class ConfigValueError(ValueError):
+    """A model config value out of its range; `field` names the dataclass field, `rule` what it must be."""
+
+    def __init__(self, owner: object, field: str, value: object, rule: str) -> None:
+        self.field, self.value, self.rule = field, value, rule
+        super().__init__(f"{type(owner).__name__}.{field} = {short_repr(value)} must be {rule}")
+
+
+def check_int(owner: object, field: str, value: object, minimum: int = 1) -> None:
+    """`value` an int (not a bool) in [minimum, MAX_SIZE]."""
+    if type(value) is not int or not minimum <= value <= MAX_SIZE:
+        raise ConfigValueError(owner, field, value, f"an int in [{minimum}, {MAX_SIZE}]")
+
+
+def check_number(
+    owner: object, field: str, value: object, rule: str,
+    minimum: float | None = None, above: float | None = None, below: float | None = None,
+) -> None:
+    """`value` a finite int or float (not a bool) within the given bounds."""
+    number = math.nan
+    if type(value) in (int, float):
+        try:
+            number = float(value)  # type: ignore[arg-type]
+        except OverflowError:  # an int beyond any float
+            pass
+    ok = math.isfinite(number)
+    if ok and minimum is not None:
+        ok = number >= minimum
+    if ok and above is not None:
+        ok = number > above
+    if ok and below is not None:
+        ok = number < below
+    if not ok:
+        raise ConfigValueError(owner, field, value, rule)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -67,9 +122,21 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"ModelConfig.{name} = {value!r} must be a positive int")
+            check_int(self, name, getattr(self, name))
+        check_int(self, "num_kv_heads", self.num_kv_heads, minimum=0)
+        check_int(self, "head_dim", self.head_dim, minimum=0)
+        # rope_theta < 1 makes frequencies above 1 that overflow; eps outside (0, 1) zeroes or NaNs the norms.
+        check_number(self, "rope_theta", self.rope_theta, minimum=1.0, rule="a finite number >= 1")
+        check_number(self, "rms_eps", self.rms_eps, above=0.0, below=1.0, rule="a finite number in (0, 1)")
+        object.__setattr__(self, "rope_theta", float(self.rope_theta))  # an int beyond float32 breaks torch's pow
+        object.__setattr__(self, "rms_eps", float(self.rms_eps))
+        for name in ("attention_bias", "o_proj_bias", "qk_norm", "tie_word_embeddings"):
+            if type(getattr(self, name)) is not bool:
+                raise ConfigValueError(self, name, getattr(self, name), "True or False")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
+            raise ConfigValueError(self, "rope_scaling", self.rope_scaling, "a Llama3RopeScaling or None")
+        if self.sliding_window is not None:
+            check_int(self, "sliding_window", self.sliding_window)
         if self.head_dim == 0:
             if self.hidden_size % self.num_heads:
                 raise ValueError(
@@ -85,8 +152,6 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads} (GQA groups)"
             )
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"ModelConfig.sliding_window = {self.sliding_window!r} must be >= 1 or None")
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

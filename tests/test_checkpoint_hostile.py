@@ -1,0 +1,479 @@
+"""Hostile checkpoints: the loader refuses each with one CheckpointError line naming the file and
+key or tensor, opens nothing outside the checkpoint, and allocates nothing before it is sure."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from torchhal.core.model import LlamaDecoder, checkpoint
+from torchhal.core.model.checkpoint import (
+    CheckpointError,
+    checkpoint_files,
+    config_from_hf,
+    expected_layout,
+    iter_checkpoint_tensors,
+    load_checkpoint,
+    read_hf_config,
+)
+from torchhal.core.model.decoder import ConfigValueError, Llama3RopeScaling, ModelConfig
+
+CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 16, "hidden_size": 8, "num_hidden_layers": 2,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 12, "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float32",
+}
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+
+
+def tensors_of(config: dict[str, Any], fill: float | None = None) -> dict[str, torch.Tensor]:
+    layout = expected_layout(config_from_hf(config, has_lm_head=not config.get("tie_word_embeddings")))
+    generator = torch.Generator().manual_seed(0)
+    return {name: torch.full(shape, fill) if fill is not None else torch.randn(shape, generator=generator)
+            for name, shape in layout.items()}
+
+
+def write_checkpoint(directory: Path, config: dict[str, Any] | None = None, shards: int = 1) -> Path:
+    """A tiny valid checkpoint: one safetensors file, or `shards` files and an index."""
+    config = config or CONFIG
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    tensors = tensors_of(config)
+    if shards == 1:
+        save_file(tensors, directory / "model.safetensors")
+        return directory
+    names = list(tensors)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[i::shards]
+        save_file({n: tensors[n] for n in part}, directory / file)
+        weight_map |= {n: file for n in part}
+    (directory / checkpoint.INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}))
+    return directory
+
+
+@pytest.fixture
+def good(tmp_path: Path) -> Path:
+    return write_checkpoint(tmp_path / "ckpt")
+
+
+@pytest.fixture
+def canary(tmp_path: Path) -> Path:
+    """A valid-looking safetensors file outside the checkpoint, every value 7.25."""
+    path = tmp_path / "elsewhere" / "x.safetensors"
+    path.parent.mkdir()
+    save_file(tensors_of(CONFIG, fill=7.25), path)
+    return path
+
+
+def refused(path: Path, match: str, call=load_checkpoint) -> str:
+    with pytest.raises(CheckpointError, match=match) as info:
+        result = call(path)
+        if call is iter_checkpoint_tensors:
+            list(result)
+    message = str(info.value)
+    assert "\n" not in message and len(message) < 1000
+    return message
+
+
+def sharded(tmp_path: Path) -> Path:
+    return write_checkpoint(tmp_path / "sharded", shards=2)
+
+
+def set_weight_map(directory: Path, edit) -> None:
+    index = directory / checkpoint.INDEX_FILE
+    content = json.loads(index.read_text())
+    edit(content["weight_map"])
+    index.write_text(json.dumps(content))
+
+
+# -- path traversal and symlinks -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shard_name", ["../elsewhere/x.safetensors", "ABSOLUTE", "/etc/passwd", "sub/x.safetensors",
+                                        "..", "", "a\x00b"])
+def test_index_naming_a_shard_outside_the_directory_is_refused(tmp_path, canary, monkeypatch, shard_name):
+    directory = sharded(tmp_path)
+    name = str(canary) if shard_name == "ABSOLUTE" else shard_name
+    set_weight_map(directory, lambda wm: wm.update({key: name for key in wm}))
+    opened: list[str] = []
+    real_open = checkpoint._open_regular
+    monkeypatch.setattr(checkpoint, "_open_regular", lambda p, s: opened.append(str(p)) or real_open(p, s))
+    for call in (load_checkpoint, checkpoint_files, iter_checkpoint_tensors):
+        message = refused(directory, "a shard must be a plain file name in the checkpoint directory", call)
+        assert checkpoint.INDEX_FILE in message
+    assert all(Path(p).parent == directory for p in opened)  # config.json and the index only
+
+
+@pytest.mark.parametrize("target", ["canary_absolute", "canary_relative", "etc_passwd"])
+def test_shard_symlinked_outside_the_directory_is_refused(tmp_path, canary, target):
+    directory = write_checkpoint(tmp_path / "ckpt")
+    shard = directory / "model.safetensors"
+    shard.unlink()
+    shard.symlink_to({"canary_absolute": str(canary), "canary_relative": "../elsewhere/x.safetensors",
+                      "etc_passwd": "/etc/passwd"}[target])
+    for call in (load_checkpoint, checkpoint_files, iter_checkpoint_tensors):
+        refused(directory, "model.safetensors: resolves to .*, outside the checkpoint directory", call)
+    refused(shard, "outside the checkpoint directory", iter_checkpoint_tensors)  # a single file, too
+
+
+def test_config_symlinked_outside_is_refused(tmp_path, good):
+    outside = tmp_path / "other.json"
+    outside.write_text(json.dumps(CONFIG))
+    (good / "config.json").unlink()
+    (good / "config.json").symlink_to(outside)
+    refused(good, "config.json: resolves to .*outside the checkpoint directory", read_hf_config)
+
+
+def test_symlink_inside_the_directory_is_followed(tmp_path, good):
+    (good / "model.safetensors").rename(good / "weights.bin")
+    (good / "model.safetensors").symlink_to("weights.bin")
+    model, _ = load_checkpoint(good)
+    assert torch.equal(model.model.norm.weight, tensors_of(CONFIG)["model.norm.weight"])
+
+
+def test_hugging_face_cache_snapshot_symlinks_into_its_blobs_are_followed(tmp_path, canary):
+    """`<repo>/snapshots/<rev>/` files are symlinks to `<repo>/blobs/<hash>`: allowed; the blobs of
+    another repository, or anything else outside, are not."""
+    source = write_checkpoint(tmp_path / "source")
+    repo = tmp_path / "models--org--tiny"
+    snapshot = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        (source / name).rename(repo / "blobs" / f"hash-{name}")
+        (snapshot / name).symlink_to(f"../../blobs/hash-{name}")
+    model, _ = load_checkpoint(snapshot)
+    assert torch.equal(model.model.norm.weight, tensors_of(CONFIG)["model.norm.weight"])
+    other = tmp_path / "models--org--other" / "blobs"
+    other.mkdir(parents=True)
+    (repo / "blobs" / "hash-model.safetensors").rename(other / "stolen")
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(other / "stolen")
+    refused(snapshot, "outside the checkpoint directory")
+
+
+# -- special files -------------------------------------------------------------------------------------
+
+
+def test_fifo_named_like_a_shard_is_refused_without_hanging(good):
+    (good / "model.safetensors").unlink()
+    os.mkfifo(good / "model.safetensors")
+    start = time.monotonic()
+    for call in (load_checkpoint, checkpoint_files, iter_checkpoint_tensors):
+        refused(good, "model.safetensors: is a FIFO, not a regular file", call)
+    assert time.monotonic() - start < 5
+
+
+def test_fifo_config_and_index_are_refused(tmp_path, good):
+    (good / "config.json").unlink()
+    os.mkfifo(good / "config.json")
+    refused(good, "config.json: is a FIFO, not a regular file")
+    directory = sharded(tmp_path)
+    (directory / checkpoint.INDEX_FILE).unlink()
+    os.mkfifo(directory / checkpoint.INDEX_FILE)
+    refused(directory, "index.json: is a FIFO, not a regular file")
+
+
+def test_directory_named_like_a_shard_is_refused(good):
+    (good / "model.safetensors").unlink()
+    (good / "model.safetensors").mkdir()
+    refused(good, "model.safetensors: is a directory, not a regular file")
+
+
+def test_device_file_is_refused(good):
+    (good / "config.json").unlink()
+    (good / "config.json").symlink_to("/dev/zero")
+    refused(good, "resolves to /dev/zero, outside the checkpoint directory")
+
+
+def test_unreadable_file_is_a_checkpoint_error(good, monkeypatch):
+    real_open = os.open
+
+    def denied(path, flags, *args):
+        if str(path).endswith("model.safetensors"):
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(checkpoint.os, "open", denied)  # we run as root in CI: chmod 000 would not stop a read
+    refused(good, "model.safetensors: cannot be opened \\(Permission denied\\); check its permissions")
+
+
+@pytest.mark.parametrize("link", ["dangling", "loop"])
+def test_broken_symlinks_are_refused(good, link):
+    (good / "model.safetensors").unlink()
+    (good / "model.safetensors").symlink_to("nowhere" if link == "dangling" else "model.safetensors")
+    refused(good, "model.safetensors: cannot be opened")
+
+
+def test_huge_config_is_refused_unread(good):
+    with (good / "config.json").open("r+b") as f:
+        f.truncate(4 << 30)  # sparse: 4 GiB that cost nothing on disk
+    tracemalloc.start()
+    refused(good, f"config.json: larger than {checkpoint.MAX_CONFIG_BYTES} bytes")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 8 * checkpoint.MAX_CONFIG_BYTES
+
+
+# -- malformed JSON and safetensors: one line, never a traceback -------------------------------------------
+
+
+@pytest.mark.parametrize("text, match", [
+    (b"[1, 2]", "must be a JSON object, not list"),
+    (b"", "not valid JSON"),
+    (b"{\"vocab_size\": 16", "not valid JSON"),
+    (b"\xff\xfe{}", "not UTF-8 text"),
+    (b"[" * 100_000, "not acceptable JSON|not valid JSON"),
+    (b'{"vocab_size": 16, "vocab_size": 32}', "key 'vocab_size' appears twice"),
+    (b'{"vocab_size": ' + b"9" * 5000 + b"}", "not acceptable JSON"),
+])
+def test_malformed_config_json(good, text, match):
+    (good / "config.json").write_bytes(text)
+    refused(good, f"config.json.*{match}")
+
+
+@pytest.mark.parametrize("weight_map, match", [
+    ([], "weight_map = \\[\\] must be a non-empty object"),
+    ({}, "weight_map = \\{\\} must be a non-empty object"),
+    (None, "weight_map = None must be a non-empty object"),
+    ({"model.norm.weight": 3}, "the shard 3; a shard must be a plain file name"),
+])
+def test_malformed_index(tmp_path, weight_map, match):
+    directory = sharded(tmp_path)
+    (directory / checkpoint.INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}))
+    refused(directory, match)
+
+
+def test_index_that_lies_about_where_a_tensor_is(tmp_path):
+    directory = sharded(tmp_path)
+    first, second = sorted(p.name for p in directory.glob("*.safetensors"))
+    set_weight_map(directory, lambda wm: wm.update({"model.norm.weight": first if wm["model.norm.weight"] == second
+                                                    else second}))
+    refused(directory, "tensor 'model.norm.weight' is not where model.safetensors.index.json's weight_map puts it")
+    set_weight_map(directory, lambda wm: wm.update({"model.ghost.weight": first}))
+    refused(directory, "weight_map lists 'model.ghost.weight'|is not where")
+
+
+def header_of(path: Path) -> tuple[dict[str, Any], bytes]:
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + length]), raw[8 + length:]
+
+
+def write_raw(path: Path, header: dict[str, Any], data: bytes, length: int | None = None) -> None:
+    text = json.dumps(header).encode()
+    path.write_bytes((len(text) if length is None else length).to_bytes(8, "little") + text + data)
+
+
+@pytest.mark.parametrize("lie, match", [
+    ("truncated", "tensors cover .* data bytes, the file holds"),
+    ("header_length", "header length .* does not fit the file"),
+    ("too_short", "too short for a safetensors file"),
+    ("offsets", "data_offsets .* span .* bytes"),
+    ("gap", "starts at data byte .*no gaps or overlaps"),
+    ("dtype", "unknown dtype 'X9'"),
+    ("shape", "shape \\[-1, 8\\] must be at most 8 ints >= 0"),
+    ("rank", "shape .* must be at most 8 ints >= 0"),
+    ("entry", "header entry must be an object of dtype, shape and data_offsets"),
+    ("metadata", "header __metadata__ must be an object"),
+    ("not_json", "header: not UTF-8 text|header: not valid JSON"),
+])
+def test_lying_safetensors_header(good, lie, match):
+    shard = good / "model.safetensors"
+    header, data = header_of(shard)
+    name = "model.norm.weight"
+    entry = header[name]
+    length = None
+    if lie == "truncated":
+        data = data[:-3]
+    elif lie == "header_length":
+        length = 10**12
+    elif lie == "too_short":
+        shard.write_bytes(b"\x01\x02")
+        refused(good, match)
+        return
+    elif lie == "offsets":
+        entry["data_offsets"][1] += 4
+    elif lie == "gap":
+        first = min(header.values(), key=lambda e: e["data_offsets"][0] if isinstance(e, dict) and "data_offsets" in e
+                    else math.inf)
+        first["data_offsets"] = [4, first["data_offsets"][1] + 4]
+        data = bytes(4) + data
+    elif lie == "dtype":
+        entry["dtype"] = "X9"
+    elif lie == "shape":
+        entry["shape"] = [-1, 8]
+    elif lie == "rank":
+        entry["shape"] = [1] * 9
+    elif lie == "entry":
+        header[name] = [1, 2]
+    elif lie == "metadata":
+        header["__metadata__"] = ["x"]
+    elif lie == "not_json":
+        text = json.dumps(header).encode()
+        shard.write_bytes(len(text).to_bytes(8, "little") + b"\xff" * len(text) + data)
+        refused(good, match)
+        return
+    write_raw(shard, header, data, length)
+    for call in (load_checkpoint, iter_checkpoint_tensors):
+        message = refused(good, match, call)
+        assert "model.safetensors" in message
+
+
+def test_header_changed_between_check_and_read_is_refused(good, monkeypatch):
+    real_allocate = checkpoint._allocate
+
+    def swap_then_allocate(model: LlamaDecoder, device: torch.device) -> LlamaDecoder:
+        tensors = tensors_of(CONFIG)
+        tensors["model.extra"] = torch.zeros(1)
+        save_file(tensors, good / "model.safetensors")  # the file changes after the headers were checked
+        return real_allocate(model, device)
+
+    monkeypatch.setattr(checkpoint, "_allocate", swap_then_allocate)
+    refused(good, "model.safetensors: header changed since it was checked")
+
+
+# -- config values: types and ranges (silent wrong models before) ------------------------------------
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("vocab_size", None, "vocab_size missing \\(or null\\)"),
+    ("hidden_size", 32.9, "hidden_size = 32.9 must be an int in \\[1, 2147483647\\]"),
+    ("hidden_size", 8.0, "hidden_size = 8.0 must be an int"),
+    ("num_hidden_layers", True, "num_hidden_layers = True must be an int"),
+    ("num_attention_heads", "2", "num_attention_heads = '2' must be an int"),
+    ("intermediate_size", -12, "intermediate_size = -12 must be an int in \\[1,"),
+    ("max_position_embeddings", 2**40, "max_position_embeddings = 1099511627776 must be an int in"),
+    ("num_key_value_heads", 0, "num_key_value_heads = 0 must be an int >= 1"),
+    ("head_dim", 0, "head_dim = 0 must be an int >= 1"),
+    ("tie_word_embeddings", "false", "tie_word_embeddings = 'false' must be true or false"),
+    ("attention_bias", 1, "attention_bias = 1 must be true or false"),
+    ("mlp_bias", "no", "mlp_bias = 'no' must be true or false"),
+    ("rope_theta", math.nan, "rope_theta = nan must be a finite number >= 1"),
+    ("rope_theta", 0, "rope_theta = 0 must be a finite number >= 1"),
+    ("rope_theta", "1e4", "rope_theta = '1e4' must be a finite number >= 1"),
+    ("rms_norm_eps", math.nan, "rms_norm_eps = nan must be a finite number in \\(0, 1\\)"),
+    ("rms_norm_eps", 0.0, "rms_norm_eps = 0.0 must be a finite number in \\(0, 1\\)"),
+    ("rms_norm_eps", math.inf, "rms_norm_eps = inf must be a finite number in \\(0, 1\\)"),
+    ("rope_scaling", "llama3", "rope_scaling = 'llama3' must be an object"),
+    ("rope_parameters", [], "rope_parameters = \\[\\] must be an object"),
+    ("architectures", "LlamaForCausalLM", "architectures = 'LlamaForCausalLM' must be a list"),
+    ("hidden_act", ["silu"], "hidden_act = \\['silu'\\] must be a string"),
+    ("torch_dtype", ["float32"], "dtype \\['float32'\\] is not supported"),
+    ("sliding_window", "4", "sliding_window = '4' must be an int"),
+    ("layer_types", "full_attention", "layer_types = 'full_attention' must be a list of"),
+    ("layer_types", ["full_attention"], "layer_types has 1 entries, num_hidden_layers is 2"),
+    ("partial_rotary_factor", 0.5, "partial_rotary_factor = 0.5 is not supported"),
+])
+def test_config_values_of_the_wrong_type_or_range_are_refused(good, key, value, match):
+    config = dict(CONFIG, **{key: value})
+    if key == "sliding_window":
+        config["architectures"] = ["MistralForCausalLM"]
+    (good / "config.json").write_text(json.dumps(config))
+    message = refused(good, match)
+    assert str(good / "config.json") in message
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("factor", 0.5, "rope_scaling.factor = 0.5 must be a finite number >= 1"),
+    ("factor", math.nan, "rope_scaling.factor = nan must be"),
+    ("low_freq_factor", 0, "rope_scaling.low_freq_factor = 0 must be a finite number > 0"),
+    ("high_freq_factor", 1.0, "rope_scaling.high_freq_factor = 1.0 must be a finite number > low_freq_factor"),
+    ("original_max_position_embeddings", 32.5, "rope_scaling.original_max_position_embeddings = 32.5 must be an int"),
+    ("factor", None, "rope_scaling of type llama3 lacks factor"),
+])
+def test_llama3_rope_scaling_out_of_range_is_refused(good, key, value, match):
+    (good / "config.json").write_text(json.dumps(dict(CONFIG, rope_scaling=dict(LLAMA3, **{key: value}))))
+    refused(good, match)
+
+
+def test_null_optional_values_take_their_defaults(tmp_path):
+    """HF configs write null for unset optional keys: that means the default, not an error."""
+    config = dict(CONFIG, head_dim=None, num_key_value_heads=None, rope_scaling=None, sliding_window=None,
+                  tie_word_embeddings=None, rms_norm_eps=None, max_position_embeddings=None)
+    model, _ = load_checkpoint(write_checkpoint(tmp_path / "nulls", config))
+    c = model.config
+    assert (c.head_dim, c.num_kv_heads, c.rms_eps, c.max_position, c.tie_word_embeddings) == (4, 2, 1e-6, 4096, False)
+
+
+def test_model_config_itself_refuses_bools_and_non_finite_numbers():
+    with pytest.raises(ConfigValueError, match="ModelConfig.num_layers = True must be an int"):
+        ModelConfig(num_layers=True)
+    with pytest.raises(ConfigValueError, match="ModelConfig.rms_eps = nan must be a finite number in \\(0, 1\\)"):
+        ModelConfig(rms_eps=math.nan)
+    with pytest.raises(ConfigValueError, match="ModelConfig.tie_word_embeddings = 'false' must be True or False"):
+        ModelConfig(tie_word_embeddings="false")  # type: ignore[arg-type]
+    with pytest.raises(ConfigValueError, match="Llama3RopeScaling.high_freq_factor = 1.0 must be"):
+        Llama3RopeScaling(low_freq_factor=1.0, high_freq_factor=1.0)
+    assert ModelConfig(rope_theta=10**30).rope_theta == 1e30  # a huge int theta is a float, as torch needs
+
+
+def test_accepted_edge_values_give_finite_non_zero_logits(good):
+    from torchhal.core.model import AttentionMetadata, KVCache
+
+    config = dict(CONFIG, rope_theta=1, rms_norm_eps=0.999, rope_scaling=dict(LLAMA3, factor=1e300))
+    (good / "config.json").write_text(json.dumps(config))
+    model, _ = load_checkpoint(good)
+    model.kv = KVCache(model.config, 4, torch.device("cpu"), torch.float32)
+    hidden = model(torch.tensor([1, 2]), AttentionMetadata.build([[0, 1]], [2], torch.device("cpu")))
+    logits = model.logits(hidden, torch.tensor([1]))
+    assert torch.isfinite(logits).all() and logits.abs().sum() > 0
+
+
+# -- resource bombs: refused from the headers before anything is built or allocated ----------------------
+
+
+@pytest.mark.parametrize("key, value", [("num_hidden_layers", 100_000), ("head_dim", 10**9),
+                                        ("vocab_size", 2**31 - 1), ("intermediate_size", 2**30)])
+def test_huge_config_with_a_tiny_checkpoint_is_refused_before_allocation(good, monkeypatch, key, value):
+    built: list[int] = []
+    monkeypatch.setattr(checkpoint, "LlamaDecoder", lambda *a: built.append(1))
+    monkeypatch.setattr(checkpoint, "_allocate", lambda *a: built.append(1))
+    (good / "config.json").write_text(json.dumps(dict(CONFIG, **{key: value})))
+    tracemalloc.start()
+    start = time.monotonic()
+    message = refused(good, "checkpoint refused, nothing")
+    seconds = time.monotonic() - start
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert built == [] and seconds < 2 and peak < 16 << 20, (seconds, peak)
+    if key == "num_hidden_layers":
+        assert "num_hidden_layers = 100000 needs 900003 tensors, the checkpoint holds 21" in message
+
+
+def test_expected_layout_is_the_decoders_parameters():
+    """The layout the headers are checked against, computed arithmetically, is what LlamaDecoder builds."""
+    cases = [ModelConfig(vocab_size=16, hidden_size=8, num_layers=3, num_heads=2, intermediate_size=12),
+             ModelConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=6,
+                         attention_bias=True, o_proj_bias=True, qk_norm=True, tie_word_embeddings=True)]
+    for config in cases:
+        with torch.device("meta"):
+            model = LlamaDecoder(config)
+        assert expected_layout(config) == {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def test_a_file_moved_outside_between_resolving_and_opening_is_refused(good, canary, monkeypatch):
+    """The race: the path resolved inside the directory, then a directory on it swapped for a
+    symlink leading out before the open (O_NOFOLLOW guards only the last component)."""
+    real_resolve = checkpoint._resolve
+    (good / "sub").symlink_to(canary.parent)
+
+    def resolve_then_swap(path: Path, scope: checkpoint._Scope) -> Path:
+        resolved = real_resolve(path, scope)
+        return good / "sub" / canary.name if path.name == "model.safetensors" else resolved
+
+    monkeypatch.setattr(checkpoint, "_resolve", resolve_then_swap)
+    refused(good, "model.safetensors: opened .*elsewhere/x.safetensors, outside the checkpoint directory",
+            iter_checkpoint_tensors)
