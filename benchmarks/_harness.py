@@ -71,6 +71,22 @@ def paired_ratio(
             "calls_per_sample": number, "pairs": pairs}
 
 
+def median_run(fn: Callable[[], Any], warmups: int, reps: int, sync: Callable[[], None]) -> tuple[float, Any]:
+    """Median seconds of `reps` calls of `fn` after `warmups` untimed ones (compiles, captures),
+    each timed between device syncs; and the last call's result."""
+    out = None
+    for _ in range(warmups):
+        out = fn()
+    samples = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        out = fn()
+        sync()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples), out
+
+
 def environment() -> dict[str, Any]:
     clock = time.get_clock_info("perf_counter")
     env: dict[str, Any] = {

@@ -32,7 +32,6 @@ import argparse
 import gc
 import json
 import math
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,7 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from _harness import write_json  # noqa: E402
+from _harness import median_run, write_json  # noqa: E402
 
 import torchhal  # noqa: E402
 from torchhal.core.engine import DecodeGraphConfig, EagerRunner, EngineConfig, GenerationEngine  # noqa: E402
@@ -182,20 +181,6 @@ def peer_child(job_path: str, answer_path: str) -> None:
 
 
 # -- timing ------------------------------------------------------------------------------------------
-def median_run(fn: Callable[[], Any], warmups: int, reps: int, sync: Callable[[], None]) -> tuple[float, Any]:
-    out = None
-    for _ in range(warmups):
-        out = fn()
-    samples = []
-    for _ in range(reps):
-        sync()
-        start = time.perf_counter()
-        out = fn()
-        sync()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples), out
-
-
 def copy_bandwidth(device: torch.device, sync: Callable[[], None]) -> float | None:
     """Device memory bandwidth in bytes/s from a 1 GiB copy (read + write); None on the host."""
     if device.type == "cpu":

@@ -34,7 +34,6 @@ import argparse
 import gc
 import json
 import math
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,7 +45,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from _harness import write_json  # noqa: E402
+from _harness import median_run, write_json  # noqa: E402
 
 import torchhal  # noqa: E402
 from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine  # noqa: E402
@@ -103,19 +102,6 @@ def prompts_for(cells: tuple[tuple[int, int], ...], vocab: int) -> dict[str, lis
     return {f"{p}x{b}": torch.randint(0, vocab, (b, p), generator=generator).tolist() for p, b in cells}
 
 
-def median_run(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> tuple[float, Any]:
-    """One warm-up (compile, capture), then the median of `reps` timed calls."""
-    out = fn()
-    samples = []
-    for _ in range(reps):
-        sync()
-        start = time.perf_counter()
-        out = fn()
-        sync()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples), out
-
-
 def timed_cells(generate: Callable[[list[list[int]], int], list[list[int]]], prompts: dict[str, list[list[int]]],
                 new_tokens: dict[int, int], reps: int, sync: Callable[[], None], deadline: float) -> dict[str, Any]:
     """End-to-end and prefill-alone medians for every cell; cells past the deadline are skipped."""
@@ -126,8 +112,8 @@ def timed_cells(generate: Callable[[list[list[int]], int], list[list[int]]], pro
             continue
         new = new_tokens[len(batch_prompts[0])]
         try:
-            e2e_s, tokens = median_run(lambda p=batch_prompts, n=new: generate(p, n), reps, sync)
-            prefill_s, _ = median_run(lambda p=batch_prompts: generate(p, 1), reps, sync)
+            e2e_s, tokens = median_run(lambda p=batch_prompts, n=new: generate(p, n), 1, reps, sync)
+            prefill_s, _ = median_run(lambda p=batch_prompts: generate(p, 1), 1, reps, sync)
         except torch.OutOfMemoryError as exc:
             rows[cell] = {"skipped": f"out of memory: {str(exc).splitlines()[0]}"}
             gc.collect()
@@ -323,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "kv_bytes_per_token": kv_bytes_per_token(shape, dtype)}
     if on_gpu:
         src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-        seconds, _ = median_run(lambda: src.clone(), 5, platform.synchronize)
+        seconds, _ = median_run(lambda: src.clone(), 1, 5, platform.synchronize)
         results["copy_bandwidth_Bps"] = 2 * (1 << 30) / seconds
         del src
     with tempfile.TemporaryDirectory() as directory:
