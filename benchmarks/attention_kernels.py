@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from torchhal.core.attention import ReferenceBackend, build_metadata
+from torchhal.attention import ReferenceBackend, build_metadata
 from torchhal.plugins.cuda_attention import TritonPagedAttention, decode_splits
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from torchhal.core.attention import SCRATCH_BLOCK, PagedMetadata, ReferenceBackend
+from torchhal.attention import SCRATCH_BLOCK, PagedMetadata, ReferenceBackend
 from torchhal.platforms import AttentionSupport, hookimpl
 from torchhal.plugins.cpu import CpuPlatform
 

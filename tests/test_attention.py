@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import torchhal
-from torchhal.core.attention import (
+from torchhal.attention import (
     SCRATCH_BLOCK,
     AttentionCapability,
     AttentionSpec,
@@ -93,7 +93,7 @@ def test_reference_prefill_equals_the_per_token_loop_at_chunk_offsets(window, so
 
 
 def test_reference_prefill_chunks_long_requests_without_changing_the_result(monkeypatch):
-    from torchhal.core.attention import reference
+    from torchhal.attention import reference
 
     query, k, v, _, meta = random_case([30, 11], [30, 7], 4, 2, seed=2)
     whole = ReferenceBackend().prefill(query, k, v, meta, scale=0.2, sliding_window=6)
@@ -315,7 +315,7 @@ def test_reference_decode_is_the_reference_prefill_of_one_token():
 
 
 def test_whole_prompt_rows_only_when_every_request_is_a_whole_prompt():
-    from torchhal.core.attention.layout import PagedMetadata, whole_prompt_rows
+    from torchhal.attention.layout import PagedMetadata, whole_prompt_rows
 
     fresh = build_metadata([[1], [2, 3], []], [5, 20, 0], [5, 20, 0], 16, torch.device("cpu"))
     assert whole_prompt_rows(fresh, None) == [(0, 5), (5, 25)]  # the padded row has no queries

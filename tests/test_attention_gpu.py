@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torchhal
-from torchhal.core.attention import AttentionSpec, DecodeMetadata, ReferenceBackend, new_kv_cache
+from torchhal.attention import AttentionSpec, DecodeMetadata, ReferenceBackend, new_kv_cache
 
 has_cuda = torch.cuda.is_available() and torch.version.cuda is not None
 has_triton = importlib.util.find_spec("triton") is not None
@@ -96,7 +96,7 @@ def test_a_long_context_decode_is_split_and_matches_the_reference(cuda):
     k_cache, v_cache = new_kv_cache(blocks + 1, block_size, 8, 128, torch.bfloat16, device)
     k_cache.normal_()
     v_cache.normal_()
-    from torchhal.core.attention import build_metadata
+    from torchhal.attention import build_metadata
 
     order = (torch.randperm(blocks) + 1).tolist()
     meta = build_metadata([order], [context], [1], block_size, device)
@@ -111,7 +111,7 @@ def test_a_long_context_decode_is_split_and_matches_the_reference(cuda):
 def test_whole_prompts_take_the_dense_kernel_and_equal_the_reference(cuda, monkeypatch):
     """Prompts with nothing cached before them run SDPA's flash kernel per prompt; chunks
     after cached tokens stay on the paged kernel. Both equal the reference."""
-    from torchhal.core.attention import build_metadata, write_kv
+    from torchhal.attention import build_metadata, write_kv
     from torchhal.plugins import cuda_attention
 
     backend = cuda.choose_attention(AttentionSpec(32, 8, 128, torch.bfloat16, 16)).backend

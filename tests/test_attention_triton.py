@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(interpreter_gap() is not None, reason=str(interp
 SCRIPT = textwrap.dedent("""
     import torch
     from torchhal.conformance_tests.test_attention import DECODE_CASES, PREFILL_CASES, TOLERANCE, paged_layout
-    from torchhal.core.attention import ReferenceBackend
+    from torchhal.attention import ReferenceBackend
     from torchhal.plugins import cuda_attention
 
     cuda_attention._multiprocessors = lambda index: 132  # no GPU to ask

@@ -35,7 +35,7 @@ def violations(source: str, filename: str = "<src>") -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("folder", ["core", "conformance_tests"])
+@pytest.mark.parametrize("folder", ["core", "attention", "conformance_tests"])
 def test_engine_code_names_no_vendor(folder):
     files = sorted((PACKAGE / folder).rglob("*.py"))
     problems = [v for f in files for v in violations(f.read_text(), str(f.relative_to(PACKAGE)))]
@@ -194,7 +194,7 @@ def public_face_violations(source: str, filename: str, package: str, seam_allowe
     return found
 
 
-@pytest.mark.parametrize("folder", ["core", "conformance_tests"])
+@pytest.mark.parametrize("folder", ["core", "attention", "conformance_tests"])
 def test_engine_code_uses_only_the_public_platform_face(folder):
     problems = []
     for path in sorted((PACKAGE / folder).rglob("*.py")):

@@ -67,7 +67,7 @@ METHOD_GUIDANCE: dict[str, str] = {
     "graph_support": "return a GraphSupport to declare device graphs (default None: undeclared)",
     "ipc_support": "return an IpcSupport to declare cross-process sharing (default None: undeclared)",
     "attention_support": "return an AttentionSupport naming your attention backends over the paged KV "
-    "cache (torchhal.core.attention.AttentionBackend; default None: torchhal's portable reference)",
+    "cache (torchhal.attention.AttentionBackend; default None: torchhal's portable reference)",
 }
 
 

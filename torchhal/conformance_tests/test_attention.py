@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from torchhal.core.attention import (
+from torchhal.attention import (
     SCRATCH_BLOCK,
     AttentionBackend,
     AttentionCapability,

@@ -29,7 +29,7 @@ from torchhal.platforms.records import DeviceInfo, MemoryInfo, PeakMemory, Relea
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from torchhal.core.attention import AttentionBackend, AttentionChoice, AttentionSpec
+    from torchhal.attention import AttentionBackend, AttentionChoice, AttentionSpec
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -239,7 +239,7 @@ class Platform:
     @property
     def attention_backends(self) -> tuple[AttentionBackend, ...]:
         """The plugin's attention backends in its order of preference, then torchhal's reference."""
-        from torchhal.core.attention import ReferenceBackend
+        from torchhal.attention import ReferenceBackend
 
         support = self.attention_support
         return (*(support.backends if support is not None else ()), ReferenceBackend())
@@ -247,7 +247,7 @@ class Platform:
     def choose_attention(self, spec: AttentionSpec) -> AttentionChoice:
         """The backend for a model's attention and one line saying why (engines call this,
         never a kernel library): the first plugin backend that runs `spec`, else the reference."""
-        from torchhal.core.attention import choose_backend
+        from torchhal.attention import choose_backend
 
         *declared, reference = self.attention_backends
         return choose_backend(tuple(declared), spec, reference)

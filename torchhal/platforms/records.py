@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:  # the protocol lives with the reference backend, which imports nothing from here
-    from torchhal.core.attention import AttentionBackend
+    from torchhal.attention import AttentionBackend
 
 
 class ReleasePoint(str, enum.Enum):
@@ -217,7 +217,7 @@ class IpcSupport:
 class AttentionSupport:
     """The attention backends a platform supplies (contract 6), in order of preference.
 
-    backends: objects of the `torchhal.core.attention.AttentionBackend` protocol, each
+    backends: objects of the `torchhal.attention.AttentionBackend` protocol, each
               declaring its `AttentionCapability`. Selection takes the first that runs the
               model's `AttentionSpec`, else torchhal's portable reference backend.
     note:     one line for reports.

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from torchhal.core.attention import AttentionCapability, PagedMetadata, check_call, write_kv
-from torchhal.core.attention.layout import whole_prompt_rows
+from torchhal.attention import AttentionCapability, PagedMetadata, check_call, write_kv
+from torchhal.attention.layout import whole_prompt_rows
 
 LOG2E = 1.4426950408889634
 #: Split the context only while each split keeps at least this many tokens.

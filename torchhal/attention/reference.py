@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from torchhal.core.attention.backend import AttentionCapability, check_call
-from torchhal.core.attention.layout import PagedMetadata, write_kv
+from torchhal.attention.backend import AttentionCapability, check_call
+from torchhal.attention.layout import PagedMetadata, write_kv
 
 #: Query rows the reference prefill scores at once (bounds its float32 score tensor).
 PREFILL_CHUNK = 512

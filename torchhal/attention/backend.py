@@ -1,7 +1,7 @@
 """What an attention backend is, what it declares, and how one is chosen for a model.
 
 A backend computes attention for a step's queries over the paged KV cache
-(`torchhal.core.attention.layout`). It declares what it can do in an
+(`torchhal.attention.layout`). It declares what it can do in an
 `AttentionCapability`; `choose_backend` picks the first declared backend that can run
 the model's `AttentionSpec`, else the portable reference, and says why.
 """
@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from torchhal.core.attention.layout import PagedMetadata
+from torchhal.attention.layout import PagedMetadata
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

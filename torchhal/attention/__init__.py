@@ -5,7 +5,7 @@ names a kernel library. Every platform has the portable `ReferenceBackend`; a pl
 declare faster ones in its `attention_support()`.
 """
 
-from torchhal.core.attention.backend import (
+from torchhal.attention.backend import (
     AttentionBackend,
     AttentionCapability,
     AttentionChoice,
@@ -14,7 +14,7 @@ from torchhal.core.attention.backend import (
     choose_backend,
     unsupported_reason,
 )
-from torchhal.core.attention.layout import (
+from torchhal.attention.layout import (
     SCRATCH_BLOCK,
     DecodeMetadata,
     PagedMetadata,
@@ -22,7 +22,7 @@ from torchhal.core.attention.layout import (
     new_kv_cache,
     write_kv,
 )
-from torchhal.core.attention.reference import ReferenceBackend, attend
+from torchhal.attention.reference import ReferenceBackend, attend
 
 __all__ = [
     "SCRATCH_BLOCK",
