@@ -234,3 +234,53 @@ def test_device_modules_have_is_initialized(platform: str) -> None:
     device = f"torch.{check.builtin_plugins()[platform].device_type}"
     entry, where = check.lookup(f"{device}.is_initialized", check.snapshots_for(platform))
     assert entry is not None and entry["kind"] == "function", where
+
+
+# -- attention backends: the vendor ops they call, and their fakes ---------------------------
+
+FIA = "torch_npu.npu_fused_infer_attention_score"
+
+
+def test_the_scan_sees_the_npu_attention_call_with_every_keyword() -> None:
+    calls = [u for u in check.uses_of("npu") if u.path == FIA]
+    assert len(calls) == 1, calls
+    assert calls[0].args == 3 and set(calls[0].keywords) == {
+        "atten_mask", "actual_seq_lengths", "actual_seq_lengths_kv", "block_table", "num_heads", "scale",
+        "input_layout", "num_key_value_heads", "sparse_mode", "block_size",
+    }
+    entry, where = check.lookup(FIA, check.snapshots_for("npu"))
+    assert entry is not None and "npu_native_functions_by_codegen.yaml" in entry["defined_in"], where
+
+
+def test_a_wrong_keyword_or_op_name_in_the_npu_backend_is_reported() -> None:
+    from torchhal.plugins.npu_attention import NpuFusedAttention
+
+    class _Misspelt(NpuFusedAttention):
+        def _attend(self, query, k_cache, v_cache, meta, query_lens, scale, sliding_window, soft_cap):  # type: ignore[no-untyped-def]
+            torch_npu = object()
+            torch_npu.npu_fused_infer_attention_score(query, k_cache, v_cache, actual_seq_lengths_kvs=[1])  # type: ignore[attr-defined]
+            return torch_npu.npu_fused_infer_attention(query, k_cache, v_cache)  # type: ignore[attr-defined]
+
+    uses = check.plugin_uses(NpuPlatform, (_Misspelt,))
+    problems = "\n".join(p for use in uses if (p := check.check_use(use, check.snapshots_for("npu"))))
+    assert "got an unexpected keyword argument 'actual_seq_lengths_kvs'" in problems, problems
+    assert "torch_npu.npu_fused_infer_attention (" in problems and "does not exist" in problems
+    assert "torch.where" not in problems  # plain torch in a backend is not a vendor use
+
+
+def test_the_fake_npu_op_takes_exactly_the_real_parameters() -> None:
+    (path, fake), = check.fake_ops_for("npu").items()
+    assert check.check_fake_op(path, fake, check.snapshots_for("npu")) is None
+
+    def dropped_one(query, key, value, *, atten_mask=None):  # type: ignore[no-untyped-def]
+        ...
+
+    problem = check.check_fake_op(path, dropped_one, check.snapshots_for("npu"))
+    assert problem is not None and "the real one" in problem and "block_table" in problem
+    assert "does not exist" in str(check.check_fake_op("torch_npu.npu_fia", dropped_one, check.snapshots_for("npu")))
+
+
+def test_op_schemas_are_read_as_the_static_reader_writes_parameters() -> None:
+    params = extract.schema_params('f(Tensor q, Tensor? k=None, *, SymInt[]? lens=None, str layout="BSH") -> Tensor')
+    assert params == [["q", "POSITIONAL_OR_KEYWORD", False], ["k", "POSITIONAL_OR_KEYWORD", True],
+                      ["lens", "KEYWORD_ONLY", True], ["layout", "KEYWORD_ONLY", True]]

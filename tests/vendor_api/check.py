@@ -152,11 +152,22 @@ def _drop_annotations(tree: ast.AST) -> None:
             node.returns = None
 
 
-def plugin_uses(plugin: type) -> list[Use]:
-    """Every vendor attribute `plugin` reads, from the source of the methods it runs."""
+def plugin_uses(plugin: type, backends: tuple[type, ...] = ()) -> list[Use]:
+    """Every vendor attribute `plugin` reads, from the source of the methods it runs, and
+    what its attention `backends` (classes) read, named as the plugin names the vendor."""
+    uses = _class_uses(plugin, plugin)
+    # A backend computes with plain torch too (torch.where, ...): only its vendor calls are checked.
+    vendor = tuple(f"{name}." for name in (getattr(plugin, "extension_module", None), f"torch.{plugin.device_type}")
+                   if name)
+    for backend in backends:
+        uses += [use for use in _class_uses(backend, plugin) if use.path.startswith(vendor)]
+    return uses
+
+
+def _class_uses(scanned: type, plugin: type) -> list[Use]:
     uses: list[Use] = []
     seen: set[str] = set()
-    for klass in plugin.__mro__:
+    for klass in scanned.__mro__:
         if klass is object:
             continue
         for name, member in vars(klass).items():
@@ -299,6 +310,40 @@ def builtin_plugins() -> dict[str, type]:
     return {"npu": NpuPlatform, "musa": MusaPlatform, "xpu": XpuPlatform, "rocm": RocmPlatform}
 
 
+def attention_backends(platform: str) -> tuple[type, ...]:
+    """The attention backend classes a built-in plugin may declare (scanned with the plugin)."""
+    from torchhal.plugins.npu_attention import NpuFusedAttention
+
+    return {"npu": (NpuFusedAttention,)}.get(platform, ())
+
+
+def uses_of(platform: str) -> list[Use]:
+    return plugin_uses(builtin_plugins()[platform], attention_backends(platform))
+
+
+def fake_ops_for(platform: str) -> dict[str, Any]:
+    """The fake vendor ops the mapping tests install, by the path the plugin calls them at."""
+    from tests.fakes import FakeFusedInferAttention
+
+    return {"torch_npu.npu_fused_infer_attention_score": FakeFusedInferAttention()} if platform == "npu" else {}
+
+
+def check_fake_op(path: str, fake: Any, snapshots: list[dict[str, Any]]) -> str | None:
+    """A fake op must exist in the real package and take exactly its parameters."""
+    entry, where = lookup(path, snapshots)
+    if entry is None:
+        return f"the fake defines {path}, which does not exist in {where}"
+    real = _params(entry, on_instance=False)
+    mine = live_params(fake)
+    if real is not None and mine != real:
+        return f"the fake {path} takes {mine}; the real one ({where}) takes {real}"
+    return None
+
+
+def live_params(obj: Any) -> list[list[Any]]:
+    return [[p.name, p.kind.name, p.default is not p.empty] for p in inspect.signature(obj).parameters.values()]
+
+
 def fake_for(platform: str) -> types.ModuleType | None:
     """The fake the mapping tests use for this platform (ROCm patches the real torch.cuda)."""
     from tests.fakes import make_device_module
@@ -312,10 +357,11 @@ def fake_for(platform: str) -> types.ModuleType | None:
 def report(platform: str) -> list[str]:
     plugin = builtin_plugins()[platform]
     snapshots = snapshots_for(platform)
-    problems = [p for use in plugin_uses(plugin) if (p := check_use(use, snapshots))]
+    problems = [p for use in uses_of(platform) if (p := check_use(use, snapshots))]
     fake = fake_for(platform)
     if fake is not None:
         problems += check_fake(fake_names(fake, f"torch.{plugin.device_type}"), snapshots)
+    problems += [p for path, op in fake_ops_for(platform).items() if (p := check_fake_op(path, op, snapshots))]
     return problems
 
 
@@ -324,7 +370,7 @@ def main() -> int:
     for platform in sorted(SNAPSHOTS):
         snapshot = load(SNAPSHOTS[platform])
         print(f"== {platform}: {snapshot['package']} {snapshot['version']} ({snapshot['source']})")
-        for use in sorted(set(plugin_uses(builtin_plugins()[platform])), key=lambda u: (u.path, u.where)):
+        for use in sorted(set(uses_of(platform)), key=lambda u: (u.path, u.where)):
             problem = check_use(use, snapshots_for(platform))
             print(
                 f"  {'FAIL' if problem else 'ok  '} {use.path}  [{use.where}]"
@@ -336,6 +382,10 @@ def main() -> int:
             problems = check_fake([path], snapshots_for(platform))
             print(f"  {'FAIL' if problems else 'ok  '} fake {path}" + (f"\n       {problems[0]}" if problems else ""))
             failed |= bool(problems)
+        for path, op in fake_ops_for(platform).items():
+            problem = check_fake_op(path, op, snapshots_for(platform))
+            print(f"  {'FAIL' if problem else 'ok  '} fake {path}" + (f"\n       {problem}" if problem else ""))
+            failed |= problem is not None
     return 1 if failed else 0
 
 

@@ -5,6 +5,7 @@
                                                                     # needs CANN); device-properties fields from
                                                                     # Ascend/pytorch torch_npu/csrc/npu/Module.cpp
     python -m tests.vendor_api.extract musa SRC_DIR COMMIT    # static: a checkout of MooreThreads/torch_musa
+    python -m tests.vendor_api.extract npu-ops WHEEL          # add NPU_OPS to the torch_npu snapshot of this wheel
 
 Each snapshot maps an attribute path's last part to what the package defines there:
 `{"kind": "function", "params": [[name, kind, has_default], ...]}`, a class with its
@@ -224,6 +225,57 @@ def stub_class_fields(stub: Path, class_name: str) -> dict[str, Entry]:
     raise SystemExit(f"{stub} has no class {class_name}")
 
 
+#: torch_npu ops torchhal calls (torchhal.plugins.npu_attention). They are bound at import
+#: (`torch_npu.<op> = torch.ops.npu.<op>` in utils/custom_ops.py), so the static reader
+#: does not see them: their signatures come from the op schemas the wheel ships.
+NPU_OPS = ("npu_fused_infer_attention_score",)
+NPU_OP_SCHEMAS = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
+NPU_OP_BINDINGS = "torch_npu/utils/custom_ops.py"
+
+
+def schema_params(schema: str) -> list[list[Any]]:
+    """Parameters of an ATen schema `name(Tensor a, *, int b=1) -> ...`, as `params_of` writes them."""
+    inside = schema[schema.index("(") + 1 : schema.rindex(") ->")]
+    out: list[list[Any]] = []
+    kind = "POSITIONAL_OR_KEYWORD"
+    for item in (part.strip() for part in inside.split(",")):
+        if item == "*":
+            kind = "KEYWORD_ONLY"
+            continue
+        declaration, has_default, _ = item.partition("=")
+        out.append([declaration.split()[-1], kind, bool(has_default)])
+    return out
+
+
+def npu_ops(read: Callable[[str], str | None], names: tuple[str, ...]) -> dict[str, Entry]:
+    """Each op of `names` as torch_npu binds it: its schema's parameters and where both were read."""
+    schemas, bindings = read(NPU_OP_SCHEMAS) or "", read(NPU_OP_BINDINGS) or ""
+    found: dict[str, Entry] = {}
+    for name in names:
+        schema = re.search(rf"^\s*-?\s*func: ({re.escape(name)}\(.*\) -> .*)$", schemas, re.MULTILINE)
+        binding = re.search(rf"^torch_npu\.{re.escape(name)} = torch\.ops\.npu\.{re.escape(name)}$", bindings,
+                            re.MULTILINE)
+        if schema is None or binding is None:
+            raise SystemExit(f"{name}: no schema in {NPU_OP_SCHEMAS} or no binding in {NPU_OP_BINDINGS}")
+        found[name] = {
+            "kind": "function",
+            "params": schema_params(schema.group(1)),
+            "defined_in": f"{NPU_OP_SCHEMAS} (schema); {NPU_OP_BINDINGS}: {binding.group(0)}",
+        }
+    return found
+
+
+def add_npu_ops(wheel: Path) -> dict[str, Any]:
+    """The torch_npu snapshot of this very wheel, with NPU_OPS added to its torch_npu surface."""
+    snapshot = json.loads((HERE / "torch_npu-2.13.0.json").read_text())
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    if digest not in snapshot["source"]:
+        raise SystemExit(f"{wheel.name} (sha256 {digest}) is not the wheel the snapshot read: {snapshot['source']}")
+    read, _ = reader_for(wheel)
+    snapshot["surfaces"]["torch_npu"].update(npu_ops(read, NPU_OPS))
+    return dict(snapshot)
+
+
 def extract_npu(wheel: Path, module_cpp: Path, cpp_commit: str) -> dict[str, Any]:
     read, files = reader_for(wheel)
     version = re.search(r"__version__ = '([^']+)'", read("torch_npu/version.py") or "")
@@ -256,7 +308,7 @@ def extract_npu(wheel: Path, module_cpp: Path, cpp_commit: str) -> dict[str, Any
             "torch.npu.get_device_properties()": npu_properties,
             "torch.npu": package.namespace("torch_npu.npu"),
             "torch.UntypedStorage": package.storage_methods([f for f in files if f.endswith(".py")]),
-            "torch_npu": package.namespace("torch_npu"),
+            "torch_npu": {**package.namespace("torch_npu"), **npu_ops(read, NPU_OPS)},
         },
     }
 
@@ -371,6 +423,8 @@ def main(argv: list[str]) -> int:
         print(write(extract_torch()))
     elif argv[:1] == ["npu"] and len(argv) == 4:
         print(write(extract_npu(Path(argv[1]), Path(argv[2]), argv[3])))
+    elif argv[:1] == ["npu-ops"] and len(argv) == 2:
+        print(write(add_npu_ops(Path(argv[1]))))
     elif argv[:1] == ["musa"] and len(argv) == 3:
         print(write(extract_musa(Path(argv[1]), argv[2])))
     else:

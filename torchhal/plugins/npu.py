@@ -9,8 +9,14 @@ verified on Ascend.
 
 from __future__ import annotations
 
-from torchhal.platforms import PlatformPlugin, hookimpl
-from torchhal.plugins.accelerator import AcceleratorPlatform
+import importlib
+
+from torchhal.platforms import AttentionSupport, PlatformPlugin, hookimpl
+from torchhal.plugins.accelerator import PROBE_ERRORS, AcceleratorPlatform, module_installed
+from torchhal.plugins.vendor_attention import log_reference_only
+
+#: torch_npu's fused paged attention (torchhal.plugins.npu_attention maps onto it).
+FUSED_ATTENTION = "npu_fused_infer_attention_score"
 
 
 class NpuPlatform(AcceleratorPlatform):
@@ -25,6 +31,28 @@ class NpuPlatform(AcceleratorPlatform):
     # torch_npu.multiprocessing.reductions shares storages with these methods.
     ipc_share_method = "_share_npu_"
     ipc_open_method = "_new_shared_npu"
+
+    def attention_missing(self) -> str | None:
+        """Why torch_npu's fused paged attention cannot be declared, or None."""
+        if not module_installed("torch_npu"):
+            return "torch_npu is not installed"
+        try:
+            torch_npu = importlib.import_module("torch_npu")
+        except PROBE_ERRORS as exc:
+            return f"torch_npu failed to import: {type(exc).__name__}: {exc}"
+        if not hasattr(torch_npu, FUSED_ATTENTION):
+            version = getattr(torch_npu, "__version__", "?")
+            return f"torch_npu {version} has no {FUSED_ATTENTION} (torch_npu 2.13.0 has it)"
+        return None
+
+    def attention_support(self) -> AttentionSupport | None:
+        missing = self.attention_missing()
+        if missing:
+            log_reference_only(self.name, missing)
+            return None
+        from torchhal.plugins.npu_attention import NpuFusedAttention
+
+        return AttentionSupport(backends=(NpuFusedAttention(),), note=f"torch_npu.{FUSED_ATTENTION} (paged)")
 
 
 @hookimpl
