@@ -20,6 +20,7 @@ from torchhal.attention import AttentionSpec, ReferenceBackend, build_metadata, 
 from torchhal.conformance_tests import test_attention as clause
 from torchhal.plugins.npu import NpuPlatform
 from torchhal.plugins.npu_attention import NpuFusedAttention
+from torchhal.plugins.rocm import RocmPlatform
 
 from .fakes import (
     FakeContractError,
@@ -178,3 +179,14 @@ def test_npu_mapping_equals_the_reference_on_the_clause_cases(npu, monkeypatch, 
     bad = ~torch.isclose(got.float(), expected.float(), atol=atol, rtol=rtol)
     assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} values differ, e.g. {bad.nonzero()[0].tolist()}"
 
+
+# -- ROCm ---------------------------------------------------------------------------------
+
+
+def test_rocm_does_not_declare_the_cuda_triton_backend(monkeypatch):
+    """The Triton kernels' launch configurations are tuned for NVIDIA shared memory and never
+    ran on AMD: ROCm runs the reference until they are verified there."""
+    monkeypatch.setattr("torchhal.plugins.cuda.importlib.util.find_spec", lambda name: object())
+    plugin = RocmPlatform()
+    assert plugin.attention_support() is None
+    assert "not verified on AMD" in plugin.attention_missing()

@@ -4,14 +4,22 @@ Everything but detection and the version comes from the CUDA plugin: the
 device type "cuda", priority, the "nccl" backend name (RCCL answers to it),
 `CUDAGraph` (hipGraph behind it) and peer-redirected IPC. CUDA and ROCm never
 both claim a machine: each checks `torch.version.hip`.
+
+Attention is the exception: the CUDA plugin's Triton backend is plain Triton, which
+targets AMD GPUs too, but its launch configurations are tuned for an H200 (its 256-row
+bf16 prefill tiles need about 128 KiB of shared memory by the kernel's own count; an
+MI300 CU has 64 KiB of LDS) and it has never run on AMD hardware. ROCm declares no
+backend, so engines run the portable reference, until the kernels are verified (and
+tuned) on an AMD GPU.
 """
 
 from __future__ import annotations
 
 import torch
 
-from torchhal.platforms import PlatformPlugin, hookimpl
+from torchhal.platforms import AttentionSupport, PlatformPlugin, hookimpl
 from torchhal.plugins.cuda import CudaPlatform
+from torchhal.plugins.vendor_attention import log_reference_only
 
 
 class RocmPlatform(CudaPlatform):
@@ -25,6 +33,16 @@ class RocmPlatform(CudaPlatform):
 
     def runtime_version(self) -> str | None:
         return f"HIP {torch.version.hip}"
+
+    def attention_missing(self) -> str | None:
+        return ("the CUDA plugin's Triton kernels are tuned for NVIDIA GPUs and not verified on AMD hardware; "
+                "ROCm has no vendor paged-attention entry point in torch")
+
+    def attention_support(self) -> AttentionSupport | None:
+        missing = self.attention_missing()
+        if missing:
+            log_reference_only(self.name, missing)
+        return None
 
 
 @hookimpl
