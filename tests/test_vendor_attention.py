@@ -18,9 +18,11 @@ import torch
 
 from torchhal.attention import AttentionSpec, ReferenceBackend, build_metadata, choose_backend
 from torchhal.conformance_tests import test_attention as clause
+from torchhal.plugins.musa import MusaPlatform
 from torchhal.plugins.npu import NpuPlatform
 from torchhal.plugins.npu_attention import NpuFusedAttention
 from torchhal.plugins.rocm import RocmPlatform
+from torchhal.plugins.xpu import XpuPlatform
 
 from .fakes import (
     FakeContractError,
@@ -180,13 +182,20 @@ def test_npu_mapping_equals_the_reference_on_the_clause_cases(npu, monkeypatch, 
     assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} values differ, e.g. {bad.nonzero()[0].tolist()}"
 
 
-# -- ROCm ---------------------------------------------------------------------------------
+
+# -- ROCm, XPU, MUSA: no vendor entry point mapped, the reference runs, and they say why ----
 
 
-def test_rocm_does_not_declare_the_cuda_triton_backend(monkeypatch):
-    """The Triton kernels' launch configurations are tuned for NVIDIA shared memory and never
-    ran on AMD: ROCm runs the reference until they are verified there."""
+@pytest.mark.parametrize("plugin_class, because", [
+    (RocmPlatform, "Triton kernels are tuned for NVIDIA GPUs and not verified on AMD hardware"),
+    (XpuPlatform, "intel_extension_for_pytorch's PagedAttention is not mapped (IPEX is retired"),
+    (MusaPlatform, "torch_musa has no public paged-attention entry point"),
+])
+def test_reference_only_platforms_declare_nothing_and_say_why(monkeypatch, caplog, plugin_class, because):
+    # Triton "installed": ROCm must still not inherit the CUDA plugin's Triton declaration.
     monkeypatch.setattr("torchhal.plugins.cuda.importlib.util.find_spec", lambda name: object())
-    plugin = RocmPlatform()
-    assert plugin.attention_support() is None
-    assert "not verified on AMD" in plugin.attention_missing()
+    plugin = plugin_class()
+    with caplog.at_level(logging.INFO, logger="torchhal.plugins"):
+        assert plugin.attention_support() is None
+    assert because in plugin.attention_missing() and because in caplog.text
+    assert f"{plugin.name}: no vendor attention backend" in caplog.text

@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import torch
 
-from torchhal.platforms import AttentionSupport, PlatformPlugin, hookimpl
+from torchhal.platforms import PlatformPlugin, hookimpl
 from torchhal.plugins.cuda import CudaPlatform
-from torchhal.plugins.vendor_attention import log_reference_only
+from torchhal.plugins.vendor_attention import ReferenceAttentionOnly
 
 
-class RocmPlatform(CudaPlatform):
+class RocmPlatform(ReferenceAttentionOnly, CudaPlatform):
     name = "rocm"
     visible_devices_env = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+    reference_attention_because = (
+        "the CUDA plugin's Triton kernels are tuned for NVIDIA GPUs and not verified on AMD hardware; "
+        "ROCm has no vendor paged-attention entry point in torch"
+    )
 
     def runtime_missing(self) -> str | None:
         if not getattr(torch.version, "hip", None):
@@ -33,16 +37,6 @@ class RocmPlatform(CudaPlatform):
 
     def runtime_version(self) -> str | None:
         return f"HIP {torch.version.hip}"
-
-    def attention_missing(self) -> str | None:
-        return ("the CUDA plugin's Triton kernels are tuned for NVIDIA GPUs and not verified on AMD hardware; "
-                "ROCm has no vendor paged-attention entry point in torch")
-
-    def attention_support(self) -> AttentionSupport | None:
-        missing = self.attention_missing()
-        if missing:
-            log_reference_only(self.name, missing)
-        return None
 
 
 @hookimpl

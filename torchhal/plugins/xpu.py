@@ -1,6 +1,11 @@
 """Intel XPU: upstream torch.xpu; intel_extension_for_pytorch only for torch builds without it.
 
 XPU has no cross-process tensor sharing up to torch 2.14: IPC is declared unsupported.
+
+Attention: torch.xpu has no paged-attention entry point, and IPEX's
+(`intel_extension_for_pytorch.llm.modules.PagedAttention`) is not mapped: IPEX is retired,
+its last release (2.9.10+xpu) is built for torch 2.9, and no release pairs with the torch
+torchhal is tested on (2.13). XPU declares no backend; engines run the portable reference.
 """
 
 from __future__ import annotations
@@ -12,11 +17,12 @@ import torch
 
 from torchhal.platforms import PlatformPlugin, hookimpl
 from torchhal.plugins.accelerator import AcceleratorPlatform, module_installed
+from torchhal.plugins.vendor_attention import ReferenceAttentionOnly
 
 IPEX = "intel_extension_for_pytorch"
 
 
-class XpuPlatform(AcceleratorPlatform):
+class XpuPlatform(ReferenceAttentionOnly, AcceleratorPlatform):
     name = "xpu"
     device_type = "xpu"
     priority = 90
@@ -24,6 +30,10 @@ class XpuPlatform(AcceleratorPlatform):
     visible_devices_env = ("ZE_AFFINITY_MASK",)
     runtime_hint = "check the Level Zero driver"
     graph_class_name = "XPUGraph"  # present only in torch builds that have XPU graphs
+    reference_attention_because = (
+        f"torch.xpu has no paged-attention entry point; {IPEX}'s PagedAttention is not mapped "
+        "(IPEX is retired: its last release, 2.9.10+xpu, is built for torch 2.9)"
+    )
 
     def runtime_missing(self) -> str | None:
         if not hasattr(torch, "xpu") and not module_installed(IPEX):
