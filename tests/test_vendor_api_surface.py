@@ -284,3 +284,19 @@ def test_op_schemas_are_read_as_the_static_reader_writes_parameters() -> None:
     params = extract.schema_params('f(Tensor q, Tensor? k=None, *, SymInt[]? lens=None, str layout="BSH") -> Tensor')
     assert params == [["q", "POSITIONAL_OR_KEYWORD", False], ["k", "POSITIONAL_OR_KEYWORD", True],
                       ["lens", "KEYWORD_ONLY", True], ["layout", "KEYWORD_ONLY", True]]
+
+
+def test_npu_ops_need_both_a_schema_and_the_binding_torch_npu_makes(tmp_path: Path) -> None:
+    (tmp_path / "torch_npu/csrc/aten").mkdir(parents=True)
+    (tmp_path / "torch_npu/utils").mkdir(parents=True)
+    (tmp_path / extract.NPU_OP_SCHEMAS).write_text(
+        "- func: npu_op.out(Tensor q, *, Tensor(a!) out) -> Tensor(a!)\n"
+        "- func: npu_op(Tensor q, *, int n=1) -> Tensor\n"
+        "- func: npu_unbound(Tensor q) -> Tensor\n")
+    (tmp_path / extract.NPU_OP_BINDINGS).write_text("torch_npu.npu_op = torch.ops.npu.npu_op\n")
+    read, _ = extract.reader_for(tmp_path)
+    assert extract.npu_ops(read, ("npu_op",))["npu_op"]["params"] == [
+        ["q", "POSITIONAL_OR_KEYWORD", False], ["n", "KEYWORD_ONLY", True]]  # not the .out overload
+    for missing in ("npu_unbound", "npu_absent"):
+        with pytest.raises(SystemExit, match=missing):
+            extract.npu_ops(read, (missing,))
