@@ -5,7 +5,8 @@ Each wraps the reference backend and breaks exactly one thing, the way kernels g
 - off-by-one block: reads block-table column j + 1 where it should read column j;
 - wrong GQA head mapping: query head h reads KV head h % num_kv_heads, not h // group;
 - ignores the window: declares sliding windows, then attends the whole context.
-`attn_declared_reference` declares the reference itself: the clause must pass it.
+`attn_declared_reference` declares the reference itself, and `attn_blocks_128` the reference
+taking 128-token blocks only (as Ascend's fused attention does): the clause must pass both.
 """
 
 from __future__ import annotations
@@ -74,6 +75,28 @@ class IgnoresWindow(Renamed):
         return super().prefill(query, k, v, meta, **{**kwargs, "sliding_window": None})
 
 
+class Only128TokenBlocks(Renamed):
+    """Correct, but refuses every block size but the one it declares."""
+
+    def __init__(self, name: str) -> None:
+        self.capability = replace(ReferenceBackend.capability, name=name, block_sizes=(128,))
+
+    def decode(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata,
+               **kwargs: Any) -> torch.Tensor:
+        self._check(k)
+        return super().decode(query, k, v, meta, **kwargs)
+
+    def prefill(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata,
+                **kwargs: Any) -> torch.Tensor:
+        self._check(k)
+        return super().prefill(query, k, v, meta, **kwargs)
+
+    @staticmethod
+    def _check(k_cache: torch.Tensor) -> None:
+        if k_cache.shape[1] != 128:
+            raise ValueError(f"blocks of {k_cache.shape[1]} tokens; this backend takes 128")
+
+
 def platform_with(name: str, backend: ReferenceBackend) -> CpuPlatform:
     def attention_support(self: CpuPlatform) -> AttentionSupport:
         return AttentionSupport(backends=(backend,))
@@ -87,6 +110,7 @@ def platform_with(name: str, backend: ReferenceBackend) -> CpuPlatform:
 def torchhal_register_platforms() -> list[CpuPlatform]:
     return [
         platform_with("attn_declared_reference", Renamed("declared-reference")),
+        platform_with("attn_blocks_128", Only128TokenBlocks("blocks-128")),
         platform_with("attn_off_by_one_block", OffByOneBlock("off-by-one-block")),
         platform_with("attn_wrong_gqa", WrongGqaMapping("wrong-gqa")),
         platform_with("attn_ignores_window", IgnoresWindow("ignores-window")),

@@ -41,8 +41,10 @@ def failed(results):
     return sorted(name for name, t in results.items() if t["outcome"] in ("failed", "error"))
 
 
-def test_a_correct_backend_passes_every_case(tmp_path, plugin_path):
-    out, results = attention_results(tmp_path, plugin_path, "attn_declared_reference")
+@pytest.mark.parametrize("platform", ["attn_declared_reference", "attn_blocks_128"])
+def test_a_correct_backend_passes_every_case(tmp_path, plugin_path, platform):
+    """Also one that takes only the block size it declares: the layouts use a declared size."""
+    out, results = attention_results(tmp_path, plugin_path, platform)
     assert failed(results) == [], out.stdout[-3000:]
     assert out.returncode == 0
     passed = {name for name, t in results.items() if t["outcome"] == "passed"}

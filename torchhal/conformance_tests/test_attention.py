@@ -82,26 +82,28 @@ class Layout:
     scale: float
 
 
-def paged_layout(case: Case, dtype: torch.dtype, head_dim: int, device: torch.device, seed: int) -> Layout:
-    """Shuffled blocks, random values where written, NaN everywhere else."""
+def paged_layout(case: Case, dtype: torch.dtype, capability: AttentionCapability, device: torch.device,
+                 seed: int) -> Layout:
+    """Shuffled blocks of a size the backend declares, random values where written, NaN everywhere else."""
+    head_dim, block_size = head_dim_for(capability), block_size_for(capability)
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
-    counts = [-(-n // BLOCK_SIZE) for n in case.seq_lens]
+    counts = [-(-n // block_size) for n in case.seq_lens]
     num_blocks = sum(counts) + 4
     free = list(range(num_blocks))
     free.remove(SCRATCH_BLOCK)
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(count)] for count in counts]
-    shape = (num_blocks, BLOCK_SIZE, case.kv_heads, head_dim)
+    shape = (num_blocks, block_size, case.kv_heads, head_dim)
     k_cache = torch.full(shape, float("nan"), dtype=dtype)
     v_cache = torch.full(shape, float("nan"), dtype=dtype)
-    written = torch.tensor([blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+    written = torch.tensor([blocks[p // block_size] * block_size + p % block_size
                             for blocks, seq_len in zip(tables, case.seq_lens, strict=True) for p in range(seq_len)],
                            dtype=torch.int64)
     for cache in (k_cache, v_cache):
         cache.view(-1, case.kv_heads, head_dim)[written] = torch.randn(
             len(written), case.kv_heads, head_dim, generator=generator).to(dtype)
-    meta = build_metadata(tables, case.seq_lens, case.query_lens, BLOCK_SIZE, device,
+    meta = build_metadata(tables, case.seq_lens, case.query_lens, block_size, device,
                           max_blocks=max(counts) + case.spare_columns)
     query = torch.randn(sum(case.query_lens), case.q_heads, head_dim, generator=generator).to(dtype)
     return Layout(query.to(device), k_cache.to(device), v_cache.to(device), meta, head_dim**-0.5)
@@ -111,6 +113,12 @@ def declared_backends(platform: Platform) -> tuple[AttentionBackend, ...]:
     support = platform.attention_support
     assert isinstance(support, AttentionSupport), f"attention_support() returned {support!r}, not an AttentionSupport"
     return support.backends
+
+
+def block_size_for(capability: AttentionCapability) -> int:
+    """The cases' block size (16: lengths straddle its boundaries), or the first the backend declares."""
+    sizes = capability.block_sizes
+    return BLOCK_SIZE if sizes is None or BLOCK_SIZE in sizes else sizes[0]
 
 
 def head_dim_for(capability: AttentionCapability) -> int:
@@ -138,7 +146,7 @@ def check_against_reference(platform: Platform, device_index: int, case: Case, n
             continue
         for dtype in capability.dtypes:
             seed = zlib.crc32(f"{name} {dtype}".encode())
-            layout = paged_layout(case, dtype, head_dim_for(capability), device, seed=seed)
+            layout = paged_layout(case, dtype, capability, device, seed=seed)
             kwargs = {"scale": layout.scale, "sliding_window": case.window, "soft_cap": case.soft_cap}
             expected = getattr(reference, mode)(layout.query, layout.k_cache, layout.v_cache, layout.meta, **kwargs)
             out = torch.full_like(layout.query, float("nan"))
@@ -186,7 +194,7 @@ def test_write_kv_stores_each_token_in_its_slot(platform, device_index):
     for backend in declared_backends(platform):
         capability = backend.capability
         dtype = capability.dtypes[0]
-        layout = paged_layout(case, dtype, head_dim_for(capability), device, seed=7)
+        layout = paged_layout(case, dtype, capability, device, seed=7)
         tokens = layout.meta.slot_mapping.shape[0]
         key = torch.randn(tokens, case.kv_heads, layout.query.shape[2], device=device).to(dtype)
         value = torch.randn_like(key)
@@ -219,7 +227,7 @@ def replay_and_compare(platform: Platform, device_index: int, backend: Attention
     assert graphs is not None
     capability = backend.capability
     dtype = torch.bfloat16 if torch.bfloat16 in capability.dtypes else capability.dtypes[0]
-    layout = paged_layout(DECODE_CASES["mixed_lengths_gqa4"], dtype, head_dim_for(capability),
+    layout = paged_layout(DECODE_CASES["mixed_lengths_gqa4"], dtype, capability,
                           platform.device(device_index), seed=11)
     k_cache, v_cache = layout.k_cache.nan_to_num(0.0), layout.v_cache.nan_to_num(0.0)
     meta, query = layout.meta, layout.query.clone()
@@ -242,7 +250,7 @@ def replay_and_compare(platform: Platform, device_index: int, backend: Attention
         k_cache.normal_()
         v_cache.normal_()
         # Every live row not at a block's end grows by one token, inside its last block.
-        grows = (meta.seq_lens > 0) & (meta.seq_lens % BLOCK_SIZE != 0)
+        grows = (meta.seq_lens > 0) & (meta.seq_lens % layout.k_cache.shape[1] != 0)
         meta.seq_lens.add_(grows.to(torch.int32))
         graph.replay()
         platform.synchronize(device_index)
@@ -259,7 +267,7 @@ def test_padded_rows_output_zeros(platform, device_index):
     padded = [i for i, n in enumerate(case.seq_lens) if n == 0]
     for backend in declared_backends(platform):
         capability = backend.capability
-        layout = paged_layout(case, capability.dtypes[0], head_dim_for(capability), device, seed=3)
+        layout = paged_layout(case, capability.dtypes[0], capability, device, seed=3)
         out = torch.full_like(layout.query, float("nan"))
         backend.decode(layout.query, layout.k_cache, layout.v_cache, layout.meta, scale=layout.scale, out=out)
         platform.synchronize(device_index)
