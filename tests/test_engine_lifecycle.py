@@ -44,7 +44,7 @@ def fail_once(monkeypatch, owner, name, error):
 
 
 def slot_state(e):
-    return (e.slots.available, [(r.rid, len(r.slots)) for r in e.running], [r.rid for r in e.waiting])
+    return (e.blocks.available, [(r.rid, r.kv_tokens) for r in e.running], [r.rid for r in e.waiting])
 
 
 # -- a step is all-or-nothing -----------------------------------------------------------------
@@ -324,7 +324,7 @@ def test_malformed_prompts_fail_alone_with_a_clear_message(reference):
     assert "torch.Tensor" in results[4].error and "tolist()" in results[4].error
     assert "token 2.0 at position 1 is a float" in results[5].error
     assert "str" in results[6].error
-    assert e.pending() is None and e.results == {} and e.slots.available == e.slots.num_slots
+    assert e.pending() is None and e.results == {} and e.blocks.available == e.blocks.num_blocks
 
 
 def test_add_request_refuses_malformed_prompts_with_type_errors():
@@ -340,7 +340,7 @@ def test_a_generate_whose_step_raises_leaves_nothing_behind(monkeypatch, referen
     fail_once(monkeypatch, e.runner, "forward", RuntimeError("simulated kernel failure"))
     with pytest.raises(RuntimeError, match="simulated kernel failure"):
         e.generate(PROMPTS, 6)
-    assert e.pending() is None and e.results == {} and e.slots.available == e.slots.num_slots
+    assert e.pending() is None and e.results == {} and e.blocks.available == e.blocks.num_blocks
     assert outputs_of(e) == reference
 
 

@@ -94,8 +94,9 @@ def test_first_step_logits_match_transformers(saved):
     expected = hf(torch.tensor([prompt])).logits[0, -1]
     from torchhal.core.model import AttentionMetadata, KVCache
 
-    model.kv = KVCache(model.config, 16, torch.device("cpu"), torch.float32)
-    hidden = model(torch.tensor(prompt), AttentionMetadata.build([list(range(len(prompt)))], [len(prompt)],
+    model.kv = KVCache(model.config, 8, 4, torch.device("cpu"), torch.float32)  # blocks of 4: several per prompt
+    blocks = list(range(1, 1 + -(-len(prompt) // 4)))
+    hidden = model(torch.tensor(prompt), AttentionMetadata.build([blocks], [len(prompt)], [len(prompt)], 4,
                                                                   torch.device("cpu")))
     torch.testing.assert_close(model.logits(hidden, torch.tensor([len(prompt) - 1]))[0], expected,
                                atol=1e-4, rtol=1e-4)
