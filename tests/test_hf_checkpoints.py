@@ -269,6 +269,7 @@ def test_generate_command_with_text_and_ids(saved, run_cli):
     out = json.loads(by_ids.stdout)
     assert out["output_ids"] == expected[1] and out["architecture"] == "MistralForCausalLM"
     assert out["tokens_per_s"] > 0 and out["load"]["bytes_read"] > 0
+    assert out["attention"] == {"backend": "reference", "why": "reference: the platform declares no attention backend"}
     no_tokenizer = run_cli("--model", str(directory), "--prompt", "w1 w2")
     assert no_tokenizer.returncode == 2 and "ships no tokenizer" in no_tokenizer.stderr
 
@@ -279,6 +280,7 @@ def test_generate_command_with_text_and_ids(saved, run_cli):
     lines = by_text.stdout.splitlines()
     assert lines[1] == " ".join(f"w{t}" for t in expected[1][:8])
     assert lines[2].startswith("8 tokens in ") and lines[2].endswith(" tokens/s")
+    assert lines[3] == "attention: reference (reference: the platform declares no attention backend)"
 
 
 def test_generate_command_graphs_flag(saved, run_cli):

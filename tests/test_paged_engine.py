@@ -127,14 +127,23 @@ def test_chunked_prefill_steps_roll_back_exactly():
     e.runner.forward = real_forward  # type: ignore[method-assign]
 
 
-def test_prefills_short_of_blocks_let_the_oldest_finish_and_the_rest_follow():
-    # 12 blocks of 4 = 48 tokens: two 30-token prompts cannot both be prefilled at once.
+def test_decodes_retract_a_prefill_short_of_blocks_and_it_resumes_with_the_same_tokens():
+    # 12 blocks of 4 = 48 tokens: two 30-token prompts cannot both hold their KV at once.
     e = engine(max_batch_tokens=8, kv_block_size=4, max_kv_slots=48)
     prompts = [[(5 * i + j) % 400 + 1 for j in range(30)] for i in range(2)]
     results = e.generate(prompts, 4)
     assert all(r.state is RequestState.FINISHED for r in results)
     assert [r.output for r in results] == [r.output for r in engine().generate(prompts, 4)]
     assert e.blocks.available == e.blocks.num_blocks
+
+
+def test_a_prefill_that_outgrows_the_pool_fails_alone_and_frees_its_blocks():
+    # 2 blocks of 4: a 10-token prompt is admitted in chunks of 4, then no block is left for it.
+    e = engine(max_batch_tokens=4, kv_block_size=4, max_kv_slots=8)
+    results = e.generate([[1] * 10, [2, 3]], 2)
+    assert results[0].state is RequestState.FAILED
+    assert "needs KV for 10 tokens but the pool holds 2 blocks of 4" in str(results[0].error)
+    assert results[1].state is RequestState.FINISHED and e.blocks.available == e.blocks.num_blocks
 
 
 # -- long-ish prompts, token-exact against transformers, on every engine path -----------------------
@@ -165,12 +174,14 @@ def breakable_graphs(e: GenerationEngine) -> GraphRunner:
     return GraphRunner(e.model, e.platform, e.device_index, dtype=e.config.dtype, buckets=(4, 64, 512), emulate=True)
 
 
+DECODE_GRAPHS = DecodeGraphConfig(batch_buckets=(1, 2, 4), context_buckets=(64, 512), steps_per_sync=3, emulate=True)
 PATHS = {
     "eager": {},
     "breakable_graphs": {"runner_factory": breakable_graphs},
-    "decode_graphs": {"decode_graphs": DecodeGraphConfig(batch_buckets=(1, 2, 4), context_buckets=(64, 512),
-                                                         steps_per_sync=3, emulate=True)},
+    "decode_graphs": {"decode_graphs": DECODE_GRAPHS},
+    "chunked_prefill_decode_graphs": {"max_batch_tokens": 64, "decode_graphs": DECODE_GRAPHS},
     "chunked_prefill": {"max_batch_tokens": 64},
+    "chunked_prefill_breakable_graphs": {"max_batch_tokens": 64, "runner_factory": breakable_graphs},
     "blocks_of_5": {"kv_block_size": 5},
 }
 
@@ -180,6 +191,6 @@ def test_long_mixed_prompts_equal_transformers_on_every_path(family_case, path):
     directory, prompts, expected = family_case
     e = serve(directory, **PATHS[path])
     assert [list(r.output) for r in e.generate(prompts, NEW_TOKENS)] == expected
-    if path == "decode_graphs":
+    if "decode_graphs" in path:
         assert e.decode_runner is not None and e.decode_runner.steps >= NEW_TOKENS - 1
     assert e.blocks.available == e.blocks.num_blocks

@@ -99,14 +99,11 @@ class RequestBook:
         return result
 
     def fail_unservable(self) -> list[GenerationResult]:
-        """Called when a step could run nothing. Several running requests all short of blocks
-        (prefills part-way): the newest waits again, so the older ones get its blocks. A lone
-        request that still gets no block, or a waiting one with nothing running, never will."""
-        if len(self.running) > 1:
-            self.retract(self.running[-1])
-            return []
+        """Called when a step could run nothing: a request part-way through its prefill that
+        gets no block (decodes would have run, retracting it, so nothing else holds any), or
+        with nothing running, a waiting request that cannot be admitted, never will."""
         if self.running:
-            request = self.running[0]
+            request = self.running[-1]
         elif self.waiting:
             request = self.waiting.popleft()
         else:
