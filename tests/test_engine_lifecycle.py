@@ -83,11 +83,16 @@ def test_a_step_interrupted_by_the_user_rolls_back_too(monkeypatch):
     assert slot_state(e) == before
 
 
-def test_oom_while_building_the_batch_is_handled_like_oom_in_forward(empties, monkeypatch, reference):
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_oom_while_building_the_batch_is_handled_like_oom_in_forward(empties, monkeypatch, reference, step):
     e = engine()
     rids = [e.add_request(p, 6) for p in PROMPTS]
-    e.step()
-    fail_once(monkeypatch, AttentionMetadata, "build", torch.OutOfMemoryError("simulated: metadata copy"))
+    oom = torch.OutOfMemoryError("simulated: metadata copy")
+    if step == "prefill":  # prefill metadata comes from host lists
+        fail_once(monkeypatch, AttentionMetadata, "build", oom)
+    else:  # decode metadata from the device rows the host updates
+        e.step()
+        fail_once(monkeypatch, e.decode_rows, "prepare", oom)
     assert e.step() == []  # no exception: the batch is retracted and retried
     assert empties == [ReleasePoint.OOM]
     while any(rid not in e.results for rid in rids):

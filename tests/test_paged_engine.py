@@ -12,8 +12,10 @@ from tests.hf_models import hf_greedy, make_hf_model
 from torchhal.core.attention import SCRATCH_BLOCK
 from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine, RequestState
 from torchhal.core.graphs import GraphRunner
-from torchhal.core.model import LlamaDecoder, ModelConfig
+from torchhal.core.model import AttentionMetadata, LlamaDecoder, ModelConfig
 from torchhal.core.model.checkpoint import load_checkpoint
+
+LONG = [(7 * i) % 500 + 1 for i in range(200)]
 
 
 def engine(**overrides: object) -> GenerationEngine:
@@ -76,7 +78,22 @@ def test_requests_own_whole_blocks_and_give_back_each_when_no_token_of_theirs_re
 
 
 # -- chunked prefill -------------------------------------------------------------------------------
-LONG = [(7 * i) % 500 + 1 for i in range(200)]
+def test_decode_steps_on_the_runner_read_device_rows_and_upload_only_the_blocks_they_start(monkeypatch):
+    e = engine()  # blocks of 16
+    built = []
+    real_build = AttentionMetadata.build.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(AttentionMetadata, "build",
+                        classmethod(lambda cls, *args, **kwargs: built.append(1) or real_build(cls, *args, **kwargs)))
+    rid = e.add_request(LONG, 40)  # 200 tokens: 13 blocks
+    e.step()
+    assert len(built) == 1  # the prefill's metadata comes from host lists
+    while rid not in e.results:
+        e.step()
+    assert len(built) == 1  # no decode step built metadata from host lists
+    # The request's table was written once; its 39 decode tokens (KV 201..239) started blocks at
+    # 209 and 225: one upload each, none at the other 37 steps.
+    assert (e.decode_rows.rows_written, e.decode_rows.block_uploads) == (1, 2)
+    assert e.decode_rows.live == 0  # the finished request gave its row back
 
 
 def test_a_long_prompt_prefills_in_chunks_while_running_requests_gain_a_token_each_step():

@@ -48,10 +48,10 @@ from torchhal.core.engine.records import (
 )
 from torchhal.core.engine.requests import RequestBook
 from torchhal.core.engine.runners import EagerRunner, ModelRunner
-from torchhal.core.engine.scheduler import Scheduler, StepPlan
+from torchhal.core.engine.scheduler import Scheduler, StepInputs, StepPlan
 from torchhal.core.engine.weights import NamedTensors, WeightUpdater
-from torchhal.core.graphs.decode import DecodeGraphRunner, DecodeWindow
-from torchhal.core.model import KVCache, Model, ModelConfig, ReferenceDecoder
+from torchhal.core.graphs.decode import BlockTable, DecodeGraphRunner, DecodeWindow
+from torchhal.core.model import AttentionMetadata, KVCache, Model, ModelConfig, ReferenceDecoder
 from torchhal.core.model.protocol import missing_model_members
 from torchhal.platforms import Platform, ReleasePoint, current_platform
 
@@ -157,12 +157,16 @@ class GenerationEngine:
         self.runner: ModelRunner = runner_factory(self) if runner_factory else EagerRunner(self.model)
         eos = set(config.eos_tokens) | ({config.eos_token} if config.eos_token is not None else set())
         self._eos: frozenset[int] = frozenset(eos)
+        # Pure decode steps on the runner read their metadata from here: each request keeps a
+        # row whose blocks are uploaded once, so a step's host work does not grow with the context.
+        self.decode_rows = BlockTable(config.max_running, model_config.max_position, config.kv_block_size,
+                                      self.device, pin=self.platform.pin_memory)
+        self.requests.on_leave = self._forget_rows
         self.decode_runner: DecodeGraphRunner | None = None
         self.checkpoint: LoadReport | None = None  # set by from_checkpoint
         self._in_flight: _Window | None = None  # a launched decode window whose tokens have not landed
         if config.decode_graphs is not None:
             self.decode_runner = self._new_decode_runner(config.decode_graphs)
-            self.requests.on_leave = self.decode_runner.forget
 
     def _new_decode_runner(self, settings: DecodeGraphConfig) -> DecodeGraphRunner:
         """Built after the KV cache exists: capture needs it (and the scratch block in it)."""
@@ -306,9 +310,8 @@ class GenerationEngine:
             with torch.no_grad():  # not inference_mode: the KV pool and graph buffers persist across steps
                 next_tokens = self._run(plan)
         except BaseException as exc:
-            if self.decode_runner is not None:  # rows this step touched are rewritten next time
-                for request in plan.batch:
-                    self.decode_runner.forget(request.rid)
+            for request in plan.batch:  # rows this step touched are rewritten next time
+                self._forget_rows(request.rid)
             if isinstance(exc, Exception) and self.platform.is_out_of_memory(exc):
                 return done + self._handle_oom(plan.batch, exc)
             self.scheduler.rollback(plan)
@@ -347,11 +350,31 @@ class GenerationEngine:
                 rows = [(r.rid, r.last_token, r.blocks, r.kv_tokens, n) for r, n in zip(plan.decodes, new, strict=True)]
                 self._in_flight = _Window(list(plan.decodes), list(new), decode.launch(rows, max(new)))
                 return None
-        inputs = self.scheduler.build_inputs(plan, self.config.kv_block_size, self.device, self.attention.backend)
+        if plan.prefills:
+            inputs = self.scheduler.build_inputs(plan, self.config.kv_block_size, self.device, self.attention.backend)
+        else:
+            inputs = self._decode_inputs(plan.decodes)
         hidden = self.runner.forward(inputs.input_ids, inputs.meta)
         tokens: list[int] = self.model.logits(hidden, inputs.last_index).argmax(-1).tolist()
         # A prefill chunk short of its request's last token yields nothing yet.
         return [[token] if emits else [] for token, emits in zip(tokens, inputs.emits, strict=True)]
+
+    def _decode_inputs(self, decodes: list[Request]) -> StepInputs:
+        """A pure decode step's inputs and metadata from the device rows (`decode_rows`): the
+        host writes each row's token, position and slot and the blocks it newly started."""
+        table = self.decode_rows
+        rows = table.prepare([(r.rid, r.last_token, r.blocks, r.kv_tokens, 1) for r in decodes], len(decodes))
+        count = len(decodes)
+        meta = AttentionMetadata(table.metadata(count, max(r.kv_tokens for r in decodes)),
+                                 table.step_inputs[1, :count], self.attention.backend, decode=True)
+        last_index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        return StepInputs(table.step_inputs[0, :count], meta, last_index, [True] * count)
+
+    def _forget_rows(self, rid: int) -> None:
+        """The request left the running batch (or its step failed): its device rows go."""
+        self.decode_rows.forget(rid)
+        if self.decode_runner is not None:
+            self.decode_runner.forget(rid)
 
     def _advance(self, flight: _Window) -> list[GenerationResult]:
         """Queue the window after `flight` when the same requests all continue, then land

@@ -104,6 +104,7 @@ class BlockTable:
         self._pin = pin
         self.scratch_slot = SCRATCH_BLOCK * block_size
         self.table = torch.full((max_rows, self.max_blocks), SCRATCH_BLOCK, dtype=torch.int32, device=device)
+        self._query_start = torch.arange(max_rows + 1, dtype=torch.int32, device=device)
         # One buffer, so a window's inputs are one host-to-device copy.
         self.inputs = torch.zeros(4 + max_steps, max_rows, dtype=torch.long, device=device)
         self.step_inputs = self.inputs[:4]  # token, position, slot, live (1) or padded (0)
@@ -186,6 +187,19 @@ class BlockTable:
         else:  # pageable: the copy has read the host tensor by the time copy_ returns
             self.inputs[first : 4 + steps, :padded_rows].copy_(host[first:])
         return rows
+
+    def metadata(self, rows: int, context: int) -> PagedMetadata:
+        """The paged metadata of the first `rows` rows' current step, their tables cut to
+        `context` positions, built on the device from the buffers `prepare` filled (no host
+        sync, so a graph can capture it; padded rows get context 0)."""
+        _, positions, out_slots, live = self.step_inputs[:, :rows]
+        return PagedMetadata(
+            block_tables=self.table[:rows, : _cdiv(context, self.block_size)],
+            seq_lens=((positions + 1) * live).to(torch.int32),  # a live row's context ends at its position
+            query_start=self._query_start[: rows + 1],
+            slot_mapping=out_slots,
+            max_query_len=1,
+        )
 
     def _upload_new_blocks(self, batch: Sequence[DecodeRow]) -> None:
         """The blocks each row started since its table was written, in one indexed copy."""
@@ -379,7 +393,6 @@ class DecodeGraphRunner:
         self.rows = BlockTable(
             max_rows, self.context_buckets[-1], block_size, self.device, steps_per_sync, pin=platform.pin_memory
         )
-        self._query_start = torch.arange(max_rows + 1, dtype=torch.int32, device=self.device)
         self.history = torch.zeros(steps_per_sync, max_rows, dtype=torch.long, device=self.device)  # tokens
         self._cursor = torch.zeros(1, dtype=torch.long, device=self.device)  # the window step being run
         self._row_index = torch.arange(self.batch_buckets[-1], device=self.device)
@@ -476,14 +489,7 @@ class DecodeGraphRunner:
     def step_metadata(self, batch: int, context: int) -> PagedMetadata:
         """The paged metadata of the current step of a (batch, context) bucket, built on the
         device from the static buffers (no host sync: it is part of the captured graph)."""
-        tokens, positions, out_slots, live = self.rows.step_inputs[:, :batch]
-        return PagedMetadata(
-            block_tables=self.rows.table[:batch, : _cdiv(context, self.rows.block_size)],
-            seq_lens=((positions + 1) * live).to(torch.int32),  # a live row's context ends at its position
-            query_start=self._query_start[: batch + 1],
-            slot_mapping=out_slots,
-            max_query_len=1,
-        )
+        return self.rows.metadata(batch, context)
 
     def advance_inputs(self, batch: int, next_tokens: torch.Tensor) -> None:
         """Feed the next step of the window: its token, position and slot, all on the device."""
