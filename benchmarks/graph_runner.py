@@ -71,12 +71,14 @@ def stack_times(name: str, config: ModelConfig, iters: int) -> dict:
             if tokens < bs:
                 continue
             counts = [tokens // bs + (1 if i < tokens % bs else 0) for i in range(bs)]
-            seqs = []
-            base = 0
+            block = engine.config.kv_block_size
+            tables, lengths, base = [], [], 1  # block 0 is the scratch block
             for c in counts:
-                seqs.append(list(range(base, base + CONTEXT + c)))
-                base += CONTEXT + c
-            meta = AttentionMetadata.build(seqs, counts, engine.device)
+                need = -(-(CONTEXT + c) // block)
+                tables.append(list(range(base, base + need)))
+                lengths.append(CONTEXT + c)
+                base += need
+            meta = AttentionMetadata.build(tables, lengths, counts, block, engine.device, engine.attention.backend)
             ids = torch.randint(0, config.vocab_size, (tokens,), device=engine.device)
             with torch.no_grad():
                 eager_ms, graph_ms, speedup = paired(

@@ -40,9 +40,11 @@ def breakdown(graphs: bool, batch: int = 8) -> dict:
         engine.step()
         sync()
         phases["step"].append(time.perf_counter() - t0)
-        seqs = [r.slots + [0] for r in engine.running]
+        running = engine.running  # a decode step's metadata (rewriting each request's newest token)
+        seqs = [r.blocks for r in running]
         t1 = time.perf_counter()
-        meta = AttentionMetadata.build(seqs, [1] * len(seqs), engine.device)
+        meta = AttentionMetadata.build(seqs, [r.kv_tokens for r in running], [1] * len(seqs),
+                                       engine.config.kv_block_size, engine.device, engine.attention.backend)
         sync()
         t2 = time.perf_counter()
         ids = torch.zeros(len(seqs), dtype=torch.long, device=engine.device)
@@ -76,7 +78,7 @@ def profile_eager_decode(batch: int = 8, steps: int = 10) -> str:
 
 def decode_step(batch: int, steps: int = 20) -> dict:
     """Median ms of one scheduler decode step: breakable graphs vs full-graph decode, interleaved
-    on the same engine and requests; for full-graph, also the host's share (slot-table update)."""
+    on the same engine and requests; for full-graph, also the host's share (block-table update)."""
     config = SIZES["h1024_l8"]
     graphs = DecodeGraphConfig(batch_buckets=(1, 2, 4, 8, 16, 32), context_buckets=(128, 256, 512),
                                steps_per_sync=WINDOW)
@@ -86,7 +88,7 @@ def decode_step(batch: int, steps: int = 20) -> dict:
     assert decode is not None
     sync = engine.platform.synchronize
     prepare_s: list[float] = []
-    prepare = decode.slots.prepare
+    prepare = decode.rows.prepare
 
     def timed_prepare(*args, **kwargs):  # type: ignore[no-untyped-def]
         start = time.perf_counter()
@@ -94,7 +96,7 @@ def decode_step(batch: int, steps: int = 20) -> dict:
         prepare_s.append(time.perf_counter() - start)
         return rows
 
-    decode.slots.prepare = timed_prepare  # type: ignore[method-assign]
+    decode.rows.prepare = timed_prepare  # type: ignore[method-assign]
     for i in range(batch):
         engine.add_request([(7 * i + j) % 1000 for j in range(16)], (2 + WINDOW) * steps + 10)
     for _ in range(5):

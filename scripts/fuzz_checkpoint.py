@@ -55,9 +55,9 @@ from torchhal.core.model import (  # noqa: E402
     AttentionMetadata,
     KVCache,
     LlamaDecoder,
-    decoder,  # noqa: E402
 )
 from torchhal.core.model import checkpoint as ckpt  # noqa: E402
+from torchhal.core.model import config as model_config  # noqa: E402
 from torchhal.core.model.decoder import rope_inv_freq  # noqa: E402
 
 CANARY_VALUE = 7.25
@@ -476,9 +476,9 @@ def literal_problem(written: Any, config: Any) -> str | None:
 
 
 def sane_forward(model: LlamaDecoder) -> str | None:
-    model.kv = KVCache(model.config, 4, torch.device("cpu"), next(model.parameters()).dtype)
+    model.kv = KVCache(model.config, 2, 16, torch.device("cpu"), next(model.parameters()).dtype)  # block 0: scratch
     with torch.no_grad():
-        hidden = model(torch.tensor([1, 2]), AttentionMetadata.build([[0, 1]], [2], torch.device("cpu")))
+        hidden = model(torch.tensor([1, 2]), AttentionMetadata.build([[1]], [2], [2], 16, torch.device("cpu")))
         logits = model.logits(hidden, torch.tensor([1])).float()
     model.kv = None
     if not torch.isfinite(logits).all():
@@ -655,7 +655,7 @@ def apply_breakage(name: str | None) -> None:
         # A copy of `stat` only the loader sees (os.path.isfile must keep working).
         ckpt.stat = types.SimpleNamespace(**{**vars(stat), "S_ISREG": lambda mode: True})  # type: ignore[assignment]
     elif name == "ranges":
-        decoder.check_number = lambda *args, **kwargs: None  # type: ignore[assignment]
+        model_config.check_number = lambda *args, **kwargs: None  # type: ignore[assignment]
     elif name == "types":
         ckpt._flag = lambda hf, key, default, where: bool(ckpt._optional(hf, key, default))  # type: ignore[assignment]
     else:

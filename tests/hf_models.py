@@ -83,26 +83,29 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int
     return outputs
 
 
-def direct_greedy(model: LlamaDecoder, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Greedy decoding of a batch through the model's own API (metadata + forward + logits):
-    one mixed prefill, then batched decode steps."""
+def direct_greedy(model: LlamaDecoder, prompts: list[list[int]], new_tokens: int,
+                  block_size: int = 4) -> list[list[int]]:
+    """Greedy decoding of a batch through the model's own API (paged metadata + forward +
+    logits): one mixed prefill, then batched decode steps; each prompt owns its own blocks."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    model.kv = KVCache(model.config, sum(len(p) + new_tokens for p in prompts), device, dtype)
-    starts = [sum(len(q) + new_tokens for q in prompts[:i]) for i in range(len(prompts))]
-    slots = [list(range(start, start + len(p))) for start, p in zip(starts, prompts, strict=True)]
+    need = [-(-(len(p) + new_tokens) // block_size) for p in prompts]
+    model.kv = KVCache(model.config, 1 + sum(need), block_size, device, dtype)  # block 0: scratch
+    starts = [1 + sum(need[:i]) for i in range(len(prompts))]
+    tables = [list(range(start, start + n)) for start, n in zip(starts, need, strict=True)]
+    lengths = [len(p) for p in prompts]
     ids = torch.tensor([t for p in prompts for t in p], device=device)
     counts = [len(p) for p in prompts]
     outputs: list[list[int]] = [[] for _ in prompts]
     for _ in range(new_tokens):
-        hidden = model(ids, AttentionMetadata.build(slots, counts, device))
+        hidden = model(ids, AttentionMetadata.build(tables, lengths, counts, block_size, device))
         last = torch.tensor(counts, device=device).cumsum(0) - 1
         tokens = model.logits(hidden, last).argmax(-1).tolist()
-        for output, seq, token in zip(outputs, slots, tokens, strict=True):
+        for output, token in zip(outputs, tokens, strict=True):
             output.append(token)
-            seq.append(seq[-1] + 1)
         ids = torch.tensor(tokens, device=device)
         counts = [1] * len(prompts)
+        lengths = [n + 1 for n in lengths]
     return outputs
 
 

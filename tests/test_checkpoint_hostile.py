@@ -25,7 +25,7 @@ from torchhal.core.model.checkpoint import (
     load_checkpoint,
     read_hf_config,
 )
-from torchhal.core.model.decoder import ConfigValueError, Llama3RopeScaling, ModelConfig
+from torchhal.core.model.config import ConfigValueError, Llama3RopeScaling, ModelConfig
 
 CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 16, "hidden_size": 8, "num_hidden_layers": 2,

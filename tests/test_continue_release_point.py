@@ -53,7 +53,7 @@ def test_continue_empties_once_while_still_paused(watched, mode):
     if mode is PauseMode.ABORT:
         assert sorted(r.rid for r in ended) == rids
         assert all(r.state is RequestState.ABORTED for r in ended)
-        assert engine.slots.available == engine.slots.num_slots
+        assert engine.blocks.available == engine.blocks.num_blocks
         assert engine.generate([PROMPTS[0]], 6)[0].output == reference(6)[0]  # the engine serves again
     else:
         assert ended == []

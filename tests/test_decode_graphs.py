@@ -1,7 +1,7 @@
-"""Full-graph decode on CPU: buckets, the in-place slot table, the scratch slot, the reasons
-it refuses a batch, and (graphs emulated: the same padded static step run eagerly) tokens
-identical to the eager engine while requests finish and join. Replay itself is covered on
-a GPU by benchmarks/decode_vs_transformers.py (tokens checked per row)."""
+"""Full-graph decode on CPU: buckets, the in-place block table, the scratch block, the reasons
+it refuses a batch, the step's device-built metadata, and (graphs emulated: the same padded
+static step run eagerly) tokens identical to the eager engine while requests finish and join.
+Replay itself runs on a GPU in tests/test_gpu_decode_graphs.py."""
 
 from __future__ import annotations
 
@@ -10,27 +10,33 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import torchhal
+from torchhal.attention import SCRATCH_BLOCK, ReferenceBackend, build_metadata
 from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine, PauseMode
 from torchhal.core.graphs.decode import (
+    BlockTable,
     DecodeGraphRunner,
-    SlotTable,
     attention_layer,
-    paged_decode_attention,
     pick_bucket,
     unsupported_reason,
 )
 from torchhal.core.graphs.program import BreakStep, GraphStep
 from torchhal.core.model import AttentionMetadata, KVCache, ModelConfig, ReferenceDecoder
 
-SCRATCH = 63
+BLOCK = 4
 CPU = torch.device("cpu")
 
 
-def table(max_rows: int = 4, max_context: int = 8) -> SlotTable:
-    return SlotTable(max_rows, max_context, SCRATCH, CPU)
+def table(max_rows: int = 4, max_context: int = 16, max_steps: int = 1) -> BlockTable:
+    return BlockTable(max_rows, max_context, BLOCK, CPU, max_steps)
+
+
+def slot(block: int, offset: int) -> int:
+    return block * BLOCK + offset
+
+
+SCRATCH = slot(SCRATCH_BLOCK, 0)
 
 
 # -- buckets and step names ------------------------------------------------------------------------
@@ -47,111 +53,97 @@ def test_attention_layer_from_field_or_name():
     assert attention_layer(BreakStep("layer1.moe_dispatch", run)) is None
 
 
-# -- the slot table --------------------------------------------------------------------------------
-def test_joining_rows_are_written_whole_and_padded_rows_point_at_the_scratch_slot():
-    slots = table()
-    rows = slots.prepare([("a", 11, [3, 4, 5], 1), ("b", 12, [7, 8], 1)], padded_rows=4)
-    assert rows == [0, 1] and slots.rows_written == 2
-    assert slots.table[0, :3].tolist() == [3, 4, 5] and slots.table[1, :2].tolist() == [7, 8]
-    assert slots.step_inputs[:, :4].tolist() == [[11, 12, 0, 0], [2, 1, 0, 0], [5, 8, SCRATCH, SCRATCH]]
+# -- the block table -------------------------------------------------------------------------------
+def test_joining_rows_are_written_whole_and_padded_rows_write_the_scratch_block():
+    rows = table()
+    placed = rows.prepare([("a", 11, [3, 4], 6, 1), ("b", 12, [7], 2, 1)], padded_rows=4)
+    assert placed == [0, 1] and rows.rows_written == 2
+    assert rows.table[0].tolist() == [3, 4, SCRATCH_BLOCK, SCRATCH_BLOCK]
+    assert rows.table[1].tolist() == [7, SCRATCH_BLOCK, SCRATCH_BLOCK, SCRATCH_BLOCK]
+    # token, position, slot, live: a's 6th token sits at position 5 = block 4 offset 1.
+    assert rows.step_inputs[:, :4].tolist() == [[11, 12, 0, 0], [5, 1, 0, 0], [slot(4, 1), slot(7, 1), SCRATCH,
+                                                                             SCRATCH], [1, 1, 0, 0]]
 
 
-def test_a_continuing_row_only_gets_this_steps_inputs():
-    slots = table()
-    slots.prepare([("a", 11, [3, 4, 5], 1), ("b", 12, [7, 8], 1)], padded_rows=2)
-    slots.table[0, 3] = -1  # the graph appends the slot itself; prepare must not rewrite the row
-    rows = slots.prepare([("a", 21, [3, 4, 5, 9], 1), ("b", 22, [7, 8, 10], 1)], padded_rows=2)
-    assert rows == [0, 1] and slots.rows_written == 2
-    assert slots.table[0, 3].item() == -1
-    assert slots.step_inputs[:, :2].tolist() == [[21, 22], [3, 2], [9, 10]]
+def test_a_continuing_row_uploads_only_the_blocks_it_starts():
+    rows = table()
+    rows.prepare([("a", 11, [3], 4, 1), ("b", 12, [7], 2, 1)], padded_rows=2)
+    rows.table[1, 1] = 99  # a sentinel past b's blocks: a continuing row is not rewritten
+    placed = rows.prepare([("a", 21, [3, 5], 5, 1), ("b", 22, [7], 3, 1)], padded_rows=2)
+    assert placed == [0, 1] and rows.rows_written == 2 and rows.block_uploads == 1
+    assert rows.table[0, :2].tolist() == [3, 5] and rows.table[1, 1].item() == 99
+    assert rows.step_inputs[:, :2].tolist() == [[21, 22], [4, 2], [slot(5, 0), slot(7, 2)], [1, 1]]
+    rows.prepare([("a", 31, [3, 5], 6, 1), ("b", 32, [7], 4, 1)], padded_rows=2)  # inside their blocks
+    assert rows.block_uploads == 1  # no upload at all: a step's host work does not grow with the context
 
 
 def test_a_leaving_request_frees_its_row_and_the_highest_row_moves_into_it():
-    slots = table()
-    slots.prepare([("a", 1, [1], 1), ("b", 2, [2, 3], 1), ("c", 3, [4, 5, 6], 1)], padded_rows=4)
-    rows = slots.prepare([("c", 3, [4, 5, 6, 7], 1), ("b", 2, [2, 3, 8], 1)], padded_rows=2)
-    assert rows == [0, 1] and slots.rows_moved == 1 and slots.rows_written == 3  # moved, not rewritten
-    assert slots.table[0, :3].tolist() == [4, 5, 6]
-    assert slots.row_of("a") is None and slots.live == 2
-    joined = slots.prepare([("c", 3, [4, 5, 6, 7, 9], 1), ("b", 2, [2, 3, 8, 10], 1), ("d", 4, [11, 12], 1)], 4)
-    assert joined == [0, 1, 2] and slots.table[2, :2].tolist() == [11, 12]
+    rows = table()
+    rows.prepare([("a", 1, [1], 1, 1), ("b", 2, [2], 2, 1), ("c", 3, [4, 5], 5, 1)], padded_rows=4)
+    placed = rows.prepare([("c", 3, [4, 5], 6, 1), ("b", 2, [2], 3, 1)], padded_rows=2)
+    assert placed == [0, 1] and rows.rows_moved == 1 and rows.rows_written == 3  # moved, not rewritten
+    assert rows.table[0, :2].tolist() == [4, 5]
+    assert rows.row_of("a") is None and rows.live == 2
+    joined = rows.prepare([("c", 3, [4, 5], 7, 1), ("b", 2, [2], 4, 1), ("d", 4, [11], 2, 1)], 4)
+    assert joined == [0, 1, 2] and rows.table[2, :1].tolist() == [11]
 
 
-def test_a_request_whose_slots_changed_gets_its_row_rewritten():
-    slots = table()
-    slots.prepare([("a", 1, [3, 4, 5], 1)], padded_rows=1)
-    slots.prepare([("a", 1, [20, 21, 22, 23], 1)], padded_rows=1)  # retracted, admitted again elsewhere
-    assert slots.rows_written == 2 and slots.table[0, :4].tolist() == [20, 21, 22, 23]
+def test_a_request_whose_blocks_changed_gets_its_row_rewritten():
+    rows = table()
+    rows.prepare([("a", 1, [3], 3, 1)], padded_rows=1)
+    rows.prepare([("a", 1, [20, 21], 5, 1)], padded_rows=1)  # retracted, admitted again elsewhere
+    assert rows.rows_written == 2 and rows.table[0, :2].tolist() == [20, 21]
 
 
 @pytest.mark.parametrize(
     "batch, padded, message",
     [
-        ([("a", 1, [1], 1), ("a", 2, [2], 1)], 2, "request 'a' appears twice"),
-        ([("a", 1, list(range(9)), 1)], 1, "request 'a' has 9 KV slots (1 new) and a window of 1 steps"),
-        ([("a", 1, [], 1)], 1, "request 'a' has 1 new slots; a window of 1 steps takes 1..1"),
-        ([("a", 1, [1], 1), ("b", 1, [2], 1)], 1, "a decode batch of 2 padded to 1 rows"),
-        ([("a", 1, [1], 1)], 5, "padded to 5 rows does not fit 1..4"),
+        ([("a", 1, [1], 1, 1), ("a", 2, [2], 1, 1)], 2, "request 'a' appears twice"),
+        ([("a", 1, [1, 2, 3, 4, 5], 17, 1)], 1, "request 'a' has 17 KV tokens (1 new) and a window of 1 steps"),
+        ([("a", 1, [1], 1, 0)], 1, "request 'a' has 0 new tokens; a window of 1 steps takes 1..1"),
+        ([("a", 1, [1], 5, 1)], 1, "request 'a' holds 5 KV tokens in blocks [1]; it needs exactly 2 blocks of 4"),
+        ([("a", 1, [SCRATCH_BLOCK], 1, 1)], 1, "none the scratch block"),
+        ([("a", 1, [1], 1, 1), ("b", 1, [2], 1, 1)], 1, "a decode batch of 2 padded to 1 rows"),
+        ([("a", 1, [1], 1, 1)], 5, "padded to 5 rows does not fit 1..4"),
     ],
 )
 def test_bad_batches_are_refused_and_leave_the_table_intact(batch, padded, message):
-    slots = table()
-    slots.prepare([("x", 1, [1, 2], 1)], padded_rows=1)
-    before = (slots.table.clone(), slots.step_inputs.clone(), slots.row_of("x"))
+    rows = table()
+    rows.prepare([("x", 1, [1], 2, 1)], padded_rows=1)
+    before = (rows.table.clone(), rows.step_inputs.clone(), rows.row_of("x"))
     with pytest.raises(ValueError, match=re.escape(message)):
-        slots.prepare(batch, padded)
-    assert torch.equal(slots.table, before[0]) and torch.equal(slots.step_inputs, before[1])
-    assert slots.row_of("x") == before[2]
-
-
-# -- decode attention ------------------------------------------------------------------------------
-@pytest.mark.parametrize("q_heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
-def test_paged_decode_attention_matches_sdpa_over_each_rows_slots(q_heads, kv_heads):
-    torch.manual_seed(0)
-    dim, num_slots = 8, 40
-    k_cache, v_cache = torch.randn(num_slots, kv_heads, dim), torch.randn(num_slots, kv_heads, dim)
-    seqs = [[3, 9, 1], [5], [30, 31, 32, 33, 34, 2]]
-    context = 8
-    slot_table = torch.full((3, context), 39)
-    for row, seq in enumerate(seqs):
-        slot_table[row, : len(seq)] = torch.tensor(seq)
-    lengths = torch.tensor([len(s) for s in seqs])
-    valid = torch.arange(context)[None, :] < lengths[:, None]
-    q = torch.randn(3, q_heads, dim)
-    got = paged_decode_attention(q, k_cache, v_cache, slot_table, valid, dim**-0.5)
-    for row, seq in enumerate(seqs):
-        keys = k_cache[seq].repeat_interleave(q_heads // kv_heads, dim=1).transpose(0, 1)  # [H, L, D]
-        values = v_cache[seq].repeat_interleave(q_heads // kv_heads, dim=1).transpose(0, 1)
-        expected = F.scaled_dot_product_attention(q[row][:, None], keys, values)[:, 0]
-        torch.testing.assert_close(got[row], expected, atol=1e-5, rtol=1e-5)
+        rows.prepare(batch, padded)
+    assert torch.equal(rows.table, before[0]) and torch.equal(rows.step_inputs, before[1])
+    assert rows.row_of("x") == before[2]
 
 
 # -- the runner ------------------------------------------------------------------------------------
-def small_model(num_slots: int = 64) -> ReferenceDecoder:
+def small_model(num_blocks: int = 16) -> ReferenceDecoder:
     model = ReferenceDecoder(ModelConfig(num_layers=2)).eval()
-    model.kv = KVCache(model.config, num_slots, CPU, torch.float32)
+    model.kv = KVCache(model.config, num_blocks, BLOCK, CPU, torch.float32)
     return model
+
+
+def decode_runner(model: ReferenceDecoder, **settings: object) -> DecodeGraphRunner:
+    return DecodeGraphRunner(model, torchhal.current_platform(), 0, block_size=BLOCK, backend=ReferenceBackend(),
+                             **settings)  # type: ignore[arg-type]
 
 
 def test_reasons_it_refuses(make_registry):
     make_registry()
-    platform = torchhal.current_platform()
     model = small_model()
-    plain = DecodeGraphRunner(model, platform, 0, scratch_slot=SCRATCH)
+    plain = decode_runner(model)
     assert plain.unsupported == "platform 'cpu' declares no graph support"
     assert plain.reason(1, 1) == plain.unsupported and not plain.can_run(1, 1)
     with pytest.raises(RuntimeError, match="full-graph decode is unavailable: platform 'cpu'"):
-        plain.decode([("a", 1, [1])])
-    runner = DecodeGraphRunner(model, platform, 0, scratch_slot=SCRATCH, batch_buckets=(2, 4),
-                               context_buckets=(16,), emulate=True)
+        plain.decode([("a", 1, [1], 1, 1)])
+    runner = decode_runner(model, batch_buckets=(2, 4), context_buckets=(16,), emulate=True)
     assert runner.reason(4, 16) is None and runner.can_run(3, 9)
     assert runner.reason(5, 3) == "decode batch 5 exceeds the largest batch bucket 4"
     assert runner.reason(1, 17) == "context of 17 tokens exceeds the largest context bucket 16"
     assert runner.buckets_for(3, 9) == (4, 16) and runner.buckets_for(1, 1) == (2, 16)
-    with pytest.raises(ValueError, match="scratch_slot 64 is outside the KV pool of 64 slots"):
-        DecodeGraphRunner(model, platform, 0, scratch_slot=64, emulate=True)
     with pytest.raises(ValueError, match=r"batch_buckets \(0, 4\) must be"):
-        DecodeGraphRunner(model, platform, 0, scratch_slot=SCRATCH, batch_buckets=(0, 4))
+        decode_runner(model, batch_buckets=(0, 4))
 
 
 def test_models_it_cannot_graph_say_why():
@@ -169,36 +161,56 @@ def test_models_it_cannot_graph_say_why():
     assert unsupported_reason(model) == "soft-capped attention"
 
 
-def eager_prefill(model: ReferenceDecoder, prompts: list[list[int]], seqs: list[list[int]]) -> list[int]:
-    meta = AttentionMetadata.build(seqs, [len(p) for p in prompts], CPU)
+def test_the_steps_metadata_is_built_on_the_device_and_equals_a_build_from_host_lists(make_registry):
+    """The emulated step reads the same metadata a replayed one does: for each step of a window
+    it equals `build_metadata` of the rows' lengths, with padded rows at length 0 on the scratch block."""
+    make_registry()
+    runner = decode_runner(small_model(), batch_buckets=(4,), context_buckets=(16,), steps_per_sync=3,
+                           emulate=True)
+    batch = [("a", 5, [3, 4], 7, 3), ("b", 6, [7], 2, 1)]  # a: positions 4, 5, 6; b: position 1, then done
+    runner.rows.prepare(batch, padded_rows=4, steps=3)
+    for step in range(3):
+        got = runner.step_metadata(4, 16)
+        a_len, b_len = 5 + step, 2 + step
+        want = build_metadata([[3, 4], [7], [], []], [a_len, b_len, 0, 0], [1, 1, 1, 1], BLOCK, CPU, max_blocks=4)
+        assert got.seq_lens.tolist() == want.seq_lens.tolist()
+        assert got.block_tables.tolist() == want.block_tables.tolist()
+        # b wants one token: its later steps write the scratch block (their tokens are dropped).
+        b_slot = want.slot_mapping[1].item() if step == 0 else SCRATCH
+        assert got.slot_mapping.tolist() == [want.slot_mapping[0].item(), b_slot, SCRATCH, SCRATCH]
+        assert got.query_start.tolist() == [0, 1, 2, 3, 4] and got.max_query_len == 1
+        runner.advance_inputs(4, torch.zeros(4, dtype=torch.long))
+
+
+def eager_prefill(model: ReferenceDecoder, prompts: list[list[int]], tables: list[list[int]]) -> list[int]:
+    lengths = [len(p) for p in prompts]
+    meta = AttentionMetadata.build(tables, lengths, lengths, BLOCK, CPU)
     hidden = model(torch.tensor([t for p in prompts for t in p]), meta)
     last = torch.tensor([sum(len(p) for p in prompts[: i + 1]) - 1 for i in range(len(prompts))])
     return model.logits(hidden, last).argmax(-1).tolist()
 
 
-def test_padded_rows_write_only_the_scratch_slot_and_tokens_match_eager(make_registry):
+def test_padded_rows_write_only_the_scratch_block_and_tokens_match_eager(make_registry):
     make_registry()
     model = small_model()
-    runner = DecodeGraphRunner(model, torchhal.current_platform(), 0, scratch_slot=SCRATCH,
-                               batch_buckets=(4,), context_buckets=(16,), emulate=True)
+    runner = decode_runner(model, batch_buckets=(4,), context_buckets=(16,), emulate=True)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
-    seqs = [[0, 1, 2], [3, 4], [5, 6, 7, 8]]  # slot 0 belongs to a request: padded rows must not touch it
-    tokens = eager_prefill(model, prompts, seqs)
-    seqs = [s + [10 + i] for i, s in enumerate(seqs)]
+    tables = [[1], [2], [3, 5]]  # the third request's decode token starts block 5
+    tokens = eager_prefill(model, prompts, [t[:1] for t in tables])
     assert model.kv is not None
     before_k, before_v = model.kv.k.clone(), model.kv.v.clone()
-    # The eager decode step on a copy of the pool is the reference.
+    # The eager decode step on a copy of the cache is the reference.
     reference = small_model()
     reference.load_state_dict(model.state_dict())
     assert reference.kv is not None
     reference.kv.k.copy_(before_k)
     reference.kv.v.copy_(before_v)
-    meta = AttentionMetadata.build(seqs, [1, 1, 1], CPU)
+    meta = AttentionMetadata.build(tables, [4, 3, 5], [1, 1, 1], BLOCK, CPU)
     expected = reference.logits(reference(torch.tensor(tokens), meta), torch.arange(3)).argmax(-1).tolist()
-    got = runner.decode([(i, tokens[i], seqs[i], 1) for i in range(3)])  # 3 requests padded to 4 rows
+    got = runner.decode([(i, tokens[i], tables[i], len(prompts[i]) + 1, 1) for i in range(3)])  # padded to 4 rows
     assert got == [[token] for token in expected]
-    changed = ((model.kv.k != before_k) | (model.kv.v != before_v)).flatten(2).any(-1).any(0)
-    assert set(changed.nonzero().flatten().tolist()) == {10, 11, 12, SCRATCH}
+    changed = ((model.kv.k != before_k) | (model.kv.v != before_v)).any(-1).any(-1).any(0).flatten()
+    assert set(changed.nonzero().flatten().tolist()) == {slot(1, 3), slot(2, 2), slot(5, 0), SCRATCH}
 
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 10, [300, 3], [7] * 20, [2], [11, 12, 13, 14]]
@@ -213,12 +225,14 @@ def run_engine(engine: GenerationEngine) -> list[tuple[int, ...]]:
 
 
 CONFIG = EngineConfig(max_kv_slots=512, max_running=3)  # 3 running: the rest join as others finish
+# Blocks of 4: every request spans several blocks, so rows start new blocks mid-window.
 EMULATED = DecodeGraphConfig(batch_buckets=(1, 2, 4), context_buckets=(8, 16, 32), emulate=True)
 SINGLE_STEPS = replace(EMULATED, steps_per_sync=1)
 
 
 def graph_engine(settings: DecodeGraphConfig = EMULATED, **overrides: object) -> GenerationEngine:
-    return GenerationEngine(EngineConfig(**{"max_kv_slots": 512, "max_running": 3, **overrides},
+    return GenerationEngine(EngineConfig(**{"max_kv_slots": 512, "max_running": 3, "kv_block_size": BLOCK,
+                                            **overrides},
                                          decode_graphs=settings))
 
 
@@ -235,9 +249,9 @@ def test_emulated_full_graph_decode_matches_eager_while_requests_finish_and_join
     assert got == reference
     assert [len(o) for o in got] == NEW_TOKENS
     # The decode path really ran, rows moved as requests left, and joiners were written once each.
-    assert runner.steps >= 10 and runner.slots.rows_moved >= 1
-    assert len(PROMPTS) <= runner.slots.rows_written <= 2 * len(PROMPTS)
-    assert runner.slots.live == 0  # every finished request gave its row back
+    assert runner.steps >= 10 and runner.rows.rows_moved >= 1
+    assert len(PROMPTS) <= runner.rows.rows_written <= 2 * len(PROMPTS)
+    assert runner.rows.live == 0  # every finished request gave its row back
 
 
 def test_compiled_layers_run_in_eager_and_window_steps_with_the_same_tokens(reference):
@@ -268,7 +282,7 @@ def test_compile_layers_needs_a_model_that_offers_it():
 
 # -- decode windows: several steps per token read-back ---------------------------------------------
 def free_list(engine: GenerationEngine) -> list[int]:
-    return list(engine.slots._free)
+    return list(engine.blocks._free)
 
 
 @pytest.mark.parametrize("steps", [2, 3, 8])
@@ -280,7 +294,7 @@ def test_windows_give_the_tokens_of_single_steps_with_fewer_read_backs(reference
     assert runner.windows < runner.steps  # some windows ran several steps
     if steps < 8:  # windows of 8 cover these requests' tokens at once: nothing to chain
         assert runner.chained >= 1  # some were queued before the previous one's tokens landed
-    assert engine.slots.available == engine.slots.num_slots and runner.slots.live == 0
+    assert engine.blocks.available == engine.blocks.num_blocks and runner.rows.live == 0
 
 
 def test_a_window_runs_only_the_steps_its_requests_still_need_and_none_while_others_wait():
@@ -302,7 +316,7 @@ def test_a_window_runs_only_the_steps_its_requests_still_need_and_none_while_oth
     ]
 
 
-def test_a_stop_token_inside_a_window_ends_the_request_there_and_frees_every_slot(reference):
+def test_a_stop_token_inside_a_window_ends_the_request_there_and_frees_every_block(reference):
     # A token some request produces mid-way (not its first), so windows must cut after it.
     stop = next(out[3] for out in reference if len(out) > 5)
     eager = run_engine(GenerationEngine(replace(CONFIG, eos_token=stop)))
@@ -311,7 +325,7 @@ def test_a_stop_token_inside_a_window_ends_the_request_there_and_frees_every_slo
     assert got == eager
     assert any(len(out) < n for out, n in zip(got, NEW_TOKENS, strict=True))  # some request was cut
     assert all(out[-1] == stop or len(out) == n for out, n in zip(got, NEW_TOKENS, strict=True))
-    assert engine.slots.available == engine.slots.num_slots
+    assert engine.blocks.available == engine.blocks.num_blocks
 
 
 def test_chained_windows_keep_tokens_and_slots_exact_through_a_stop_token():
@@ -323,7 +337,7 @@ def test_chained_windows_keep_tokens_and_slots_exact_through_a_stop_token():
     runner = engine.decode_runner
     assert runner is not None
     assert [r.output for r in engine.generate(prompts, new_tokens)] == eager
-    assert runner.chained >= 2 and engine.slots.available == engine.slots.num_slots
+    assert runner.chained >= 2 and engine.blocks.available == engine.blocks.num_blocks
     assert any(len(out) < new_tokens for out in eager)  # the stop cut a request short
     # A window still queued for requests that all stopped is landed by the lifecycle calls.
     assert engine.flush_cache(empty_cache=False).flushed and engine._in_flight is None
@@ -344,23 +358,23 @@ def test_a_window_that_fails_to_land_gives_back_both_windows_and_is_recomputed()
     with pytest.raises(RuntimeError, match="device fault"):
         engine.step()  # chains the next window, then fails to read the first
     assert engine._in_flight is None
-    # Every running request holds exactly the slots of its landed tokens (none of either window).
+    # Every running request holds exactly the KV of its landed tokens (none of either window).
     for request in engine.running:
-        assert len(request.slots) == len(request.prompt) + len(request.output) - 1
+        assert request.kv_tokens == len(request.prompt) + len(request.output) - 1
     runner.collect = collect  # type: ignore[method-assign]
     while any(rid not in engine.results for rid in rids):
         engine.step()
     assert [engine.results.pop(rid).output for rid in rids] == expected
-    assert engine.slots.available == engine.slots.num_slots
+    assert engine.blocks.available == engine.blocks.num_blocks
 
 
-def test_a_window_that_fails_gives_back_every_slot_it_reserved_and_is_recomputed(reference):
+def test_a_window_that_fails_gives_back_every_block_it_reserved_and_is_recomputed(reference):
     engine = graph_engine(replace(EMULATED, steps_per_sync=4), max_running=4)
     runner = engine.decode_runner
     assert runner is not None
     rids = [engine.add_request(p, n) for p, n in zip(PROMPTS[:4], NEW_TOKENS[:4], strict=True)]
     engine.step()  # every prompt prefilled; the next step is a window
-    slots_before = {r.rid: list(r.slots) for r in engine.running}
+    kv_before = {r.rid: (list(r.blocks), r.kv_tokens) for r in engine.running}
     free_before, outputs_before = free_list(engine), {r.rid: list(r.output) for r in engine.running}
     step = runner._step
     calls = []
@@ -375,7 +389,7 @@ def test_a_window_that_fails_gives_back_every_slot_it_reserved_and_is_recomputed
     with pytest.raises(RuntimeError, match="device fault"):
         engine.step()
     assert free_list(engine) == free_before
-    assert {r.rid: list(r.slots) for r in engine.running} == slots_before
+    assert {r.rid: (list(r.blocks), r.kv_tokens) for r in engine.running} == kv_before
     assert {r.rid: list(r.output) for r in engine.running} == outputs_before
     runner._step = step  # type: ignore[method-assign]
     while any(rid not in engine.results for rid in rids):
@@ -385,34 +399,45 @@ def test_a_window_that_fails_gives_back_every_slot_it_reserved_and_is_recomputed
 
 
 def test_a_pool_too_short_for_the_window_runs_single_steps_with_the_same_tokens():
-    config = EngineConfig(max_kv_slots=12, max_running=2)  # two requests of 3 + 6: no room for 2 x 4 extra
+    # Two requests of 3 + 6 tokens in 3 blocks of 4: a first window of 5 each needs 4 blocks.
+    config = EngineConfig(max_kv_slots=12, max_running=2, kv_block_size=BLOCK)
     prompts = [[1, 2, 3], [4, 5, 6]]
     eager = [r.output for r in GenerationEngine(config).generate(prompts, 6)]
     engine = GenerationEngine(replace(config, decode_graphs=replace(EMULATED, steps_per_sync=5)))
-    free_before = engine.slots.available
-    assert [r.output for r in engine.generate(prompts, 6)] == eager
-    assert engine.decode_runner is not None and engine.decode_runner.windows == engine.decode_runner.steps
-    assert engine.slots.available == free_before
+    runner = engine.decode_runner
+    assert runner is not None
+    free_before = engine.blocks.available
+    rids = [engine.add_request(p, 6) for p in prompts]
+    engine.step()  # prefill
+    engine.step()  # the first decode: the pool is short for the window, so one step
+    engine.drain()
+    assert (runner.steps, runner.windows) == (1, 1)
+    while any(rid not in engine.results for rid in rids):
+        engine.step()
+    assert [engine.results.pop(rid).output for rid in rids] == eager
+    assert engine.blocks.available == free_before
 
 
 def test_window_settings_are_checked():
     with pytest.raises(ValueError, match=r"steps_per_sync = 0 must be a positive int"):
         DecodeGraphConfig(steps_per_sync=0)
-    slots = SlotTable(2, 8, SCRATCH, CPU, max_steps=2)
+    rows = table(2, 8, max_steps=2)
     with pytest.raises(ValueError, match=re.escape("a decode window of 3 steps does not fit 1..2 steps")):
-        slots.prepare([("a", 1, [1, 2], 1)], 1, steps=3)
-    with pytest.raises(ValueError, match=re.escape("request 'a' has 3 new slots")):
-        slots.prepare([("a", 1, [1, 2, 3], 3)], 1, steps=2)
+        rows.prepare([("a", 1, [1], 2, 1)], 1, steps=3)
+    with pytest.raises(ValueError, match=re.escape("request 'a' has 3 new tokens")):
+        rows.prepare([("a", 1, [1], 3, 3)], 1, steps=2)
 
 
-def test_a_window_fills_the_future_slots_and_rows_needing_fewer_steps_get_scratch():
-    slots = SlotTable(4, 16, SCRATCH, CPU, max_steps=3)
-    slots.prepare([("a", 11, [3, 4, 5, 6, 7], 3), ("b", 12, [8, 9], 1)], padded_rows=2, steps=3)
-    assert slots.step_inputs[:, :2].tolist() == [[11, 12], [2, 1], [5, 9]]
-    assert slots.future[:, :2].tolist() == [[6, SCRATCH], [7, SCRATCH], [SCRATCH, SCRATCH]]
-    # The next window: "a" continues with 3 more slots, "b" with 1.
-    slots.prepare([("a", 21, [3, 4, 5, 6, 7, 10, 11, 12], 3), ("b", 22, [8, 9, 13], 1)], padded_rows=2, steps=3)
-    assert slots.rows_written == 2 and slots.step_inputs[:, :2].tolist() == [[21, 22], [5, 2], [10, 13]]
+def test_a_window_fills_the_future_slots_across_a_block_edge_and_rows_needing_fewer_steps_get_scratch():
+    rows = table(max_steps=3)
+    rows.prepare([("a", 11, [3, 6], 6, 3), ("b", 12, [8], 2, 1)], padded_rows=2, steps=3)  # a: positions 3, 4, 5
+    assert rows.step_inputs[:, :2].tolist() == [[11, 12], [3, 1], [slot(3, 3), slot(8, 1)], [1, 1]]
+    assert rows.future[:, :2].tolist() == [[slot(6, 0), SCRATCH], [slot(6, 1), SCRATCH], [SCRATCH, SCRATCH]]
+    # The next window: "a" continues with 3 more tokens (the last starts block 9), "b" with 1.
+    rows.prepare([("a", 21, [3, 6, 9], 9, 3), ("b", 22, [8], 3, 1)], padded_rows=2, steps=3)
+    assert rows.rows_written == 2 and rows.block_uploads == 1
+    assert rows.step_inputs[:, :2].tolist() == [[21, 22], [6, 2], [slot(6, 2), slot(8, 2)], [1, 1]]
+    assert rows.future[:2, 0].tolist() == [slot(6, 3), slot(9, 0)] and rows.table[0, :3].tolist() == [3, 6, 9]
 
 
 def test_emulated_decode_beyond_the_largest_context_bucket_falls_back_and_stays_exact(reference):
@@ -421,12 +446,11 @@ def test_emulated_decode_beyond_the_largest_context_bucket_falls_back_and_stays_
     assert engine.decode_runner is not None and engine.decode_runner.steps >= 1  # short requests used graphs
 
 
-def test_the_scratch_slot_is_in_the_pool_but_never_handed_out():
+def test_the_scratch_block_is_in_the_cache_but_never_handed_out():
     engine = graph_engine()
-    assert engine.model.kv is not None and engine.model.kv.num_slots == engine.slots.num_slots + 1
-    assert engine.scratch_slot == engine.slots.num_slots
-    every = engine.slots.allocate(engine.slots.available)
-    assert every is not None and engine.scratch_slot not in every
+    assert engine.model.kv is not None and engine.model.kv.num_blocks == engine.blocks.num_blocks + 1
+    every = engine.blocks.allocate(engine.blocks.available)
+    assert every is not None and SCRATCH_BLOCK not in every and sorted(every) == list(range(1, len(every) + 1))
 
 
 def test_without_graph_support_every_step_falls_back_to_the_runner(reference):
@@ -452,15 +476,15 @@ def test_rows_are_forgotten_when_requests_leave_by_retract_abort_and_finish():
     rids = [engine.add_request(p, 20) for p in PROMPTS[:3]]
     engine.step()  # prefill
     engine.step()  # a decode window: 3 rows
-    assert runner.slots.live == 3 and all(runner.slots.row_of(rid) is not None for rid in rids)
+    assert runner.rows.live == 3 and all(runner.rows.row_of(rid) is not None for rid in rids)
     engine.pause_generation(PauseMode.RETRACT)
-    assert runner.slots.live == 0
+    assert runner.rows.live == 0
     engine.continue_generation()
     engine.step()
     engine.step()
-    assert runner.slots.live == 3
+    assert runner.rows.live == 3
     engine.pause_generation(PauseMode.ABORT)
-    assert runner.slots.live == 0
+    assert runner.rows.live == 0
 
 
 def test_lifecycle_with_decode_graphs_gives_the_same_tokens_as_without(tmp_path):

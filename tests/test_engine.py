@@ -35,7 +35,8 @@ def test_kv_pool_is_sized_from_memory_info(make_registry):
     make_registry()
     e = GenerationEngine(EngineConfig(kv_fraction=0.01, max_kv_slots=1 << 30))
     free = torchhal.current_platform().memory_info().free
-    assert e.kv_sizing.num_slots == pytest.approx(free * 0.01 // e.kv_sizing.bytes_per_slot, rel=0.05)
+    assert e.kv_sizing.num_blocks == pytest.approx(free * 0.01 // e.kv_sizing.bytes_per_block, rel=0.05)
+    assert e.model.kv.num_blocks == e.kv_sizing.num_blocks + 1  # + the scratch block
     with pytest.raises(ValueError, match="kv_fraction 1.5"):
         GenerationEngine(EngineConfig(kv_fraction=1.5))
 
@@ -48,14 +49,15 @@ def test_bad_prompts_fail_alone_and_are_reported():
 
 
 def test_prompt_larger_than_the_pool_fails_with_a_clear_error():
-    results = engine(max_kv_slots=8).generate([[1] * 20, [2, 3]], 2)
-    assert results[0].state is RequestState.FAILED and "needs 20 KV slots but the pool has 8" in results[0].error
+    results = engine(max_kv_slots=8, kv_block_size=4).generate([[1] * 20, [2, 3]], 2)
+    assert results[0].state is RequestState.FAILED
+    assert "needs KV for 20 tokens but the pool holds 2 blocks of 4" in results[0].error
     assert results[1].state is RequestState.FINISHED
 
 
 def test_small_pool_retracts_and_still_matches():
-    # 24 slots cannot hold all five requests' KV at once: the scheduler retracts and re-prefills.
-    results = engine(max_kv_slots=24).generate(PROMPTS, 6)
+    # 6 blocks of 4 cannot hold all five requests' KV at once: the scheduler retracts and re-prefills.
+    results = engine(max_kv_slots=24, kv_block_size=4).generate(PROMPTS, 6)
     assert [r.output for r in results] == reference_outputs()
 
 
@@ -85,7 +87,7 @@ def test_abort_returns_every_in_flight_request():
     ended = e.pause_generation(PauseMode.ABORT)
     assert sorted(r.rid for r in ended) == rids  # running and waiting: none lost
     assert all(r.state is RequestState.ABORTED for r in ended)
-    assert e.slots.available == e.slots.num_slots
+    assert e.blocks.available == e.blocks.num_blocks
     e.continue_generation()
     assert e.generate([PROMPTS[0]], 6)[0].output == reference_outputs()[0]
 
@@ -131,7 +133,7 @@ def test_flush_only_when_idle(empties):
         e.step()
     result = e.flush_cache()
     assert result.flushed and empties == [ReleasePoint.USER]
-    assert e.slots.available == e.slots.num_slots
+    assert e.blocks.available == e.blocks.num_blocks
 
 
 def test_weight_update_validates_before_applying():
@@ -168,13 +170,13 @@ def test_weight_update_from_disk_while_paused_in_place_keeps_kv(tmp_path):
     e.step()
     e.step()
     e.pause_generation("in_place")
-    kv_slots = list(e.running[0].slots)
+    kv_blocks = (list(e.running[0].blocks), e.running[0].kv_tokens)
     same = {k: v.detach().clone().contiguous() for k, v in e.model.named_parameters()}
     path = tmp_path / "weights.safetensors"
     save_file(same, str(path))
     result = e.update_weights_from_disk(str(path), flush_cache=True)
     assert result.flush is not None and not result.flush.flushed  # busy: flush refused, update kept
-    assert e.running[0].slots == kv_slots
+    assert (e.running[0].blocks, e.running[0].kv_tokens) == kv_blocks
     e.continue_generation()
     while rid not in e.results:
         e.step()

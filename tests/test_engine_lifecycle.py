@@ -44,7 +44,7 @@ def fail_once(monkeypatch, owner, name, error):
 
 
 def slot_state(e):
-    return (e.slots.available, [(r.rid, len(r.slots)) for r in e.running], [r.rid for r in e.waiting])
+    return (e.blocks.available, [(r.rid, r.kv_tokens) for r in e.running], [r.rid for r in e.waiting])
 
 
 # -- a step is all-or-nothing -----------------------------------------------------------------
@@ -83,11 +83,16 @@ def test_a_step_interrupted_by_the_user_rolls_back_too(monkeypatch):
     assert slot_state(e) == before
 
 
-def test_oom_while_building_the_batch_is_handled_like_oom_in_forward(empties, monkeypatch, reference):
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_oom_while_building_the_batch_is_handled_like_oom_in_forward(empties, monkeypatch, reference, step):
     e = engine()
     rids = [e.add_request(p, 6) for p in PROMPTS]
-    e.step()
-    fail_once(monkeypatch, AttentionMetadata, "build", torch.OutOfMemoryError("simulated: metadata copy"))
+    oom = torch.OutOfMemoryError("simulated: metadata copy")
+    if step == "prefill":  # prefill metadata comes from host lists
+        fail_once(monkeypatch, AttentionMetadata, "build", oom)
+    else:  # decode metadata from the device rows the host updates
+        e.step()
+        fail_once(monkeypatch, e.decode_rows, "prepare", oom)
     assert e.step() == []  # no exception: the batch is retracted and retried
     assert empties == [ReleasePoint.OOM]
     while any(rid not in e.results for rid in rids):
@@ -324,7 +329,7 @@ def test_malformed_prompts_fail_alone_with_a_clear_message(reference):
     assert "torch.Tensor" in results[4].error and "tolist()" in results[4].error
     assert "token 2.0 at position 1 is a float" in results[5].error
     assert "str" in results[6].error
-    assert e.pending() is None and e.results == {} and e.slots.available == e.slots.num_slots
+    assert e.pending() is None and e.results == {} and e.blocks.available == e.blocks.num_blocks
 
 
 def test_add_request_refuses_malformed_prompts_with_type_errors():
@@ -340,7 +345,7 @@ def test_a_generate_whose_step_raises_leaves_nothing_behind(monkeypatch, referen
     fail_once(monkeypatch, e.runner, "forward", RuntimeError("simulated kernel failure"))
     with pytest.raises(RuntimeError, match="simulated kernel failure"):
         e.generate(PROMPTS, 6)
-    assert e.pending() is None and e.results == {} and e.slots.available == e.slots.num_slots
+    assert e.pending() is None and e.results == {} and e.blocks.available == e.blocks.num_blocks
     assert outputs_of(e) == reference
 
 

@@ -39,10 +39,16 @@ class ContextSumModel(nn.Module):
             state["attn_out"] = torch.empty_like(state["hidden"])
 
         def attend(state, num_tokens, meta):
-            keys = self.kv.k[0].view(self.kv.k.shape[1], -1)  # [slots, hidden]
-            keys.index_copy_(0, meta.out_slots, state["hidden"][:num_tokens])
-            sums = meta.attn_mask[:, 0].to(keys.dtype) @ keys[meta.kv_slots]  # [B, Q, hidden]
-            state["attn_out"][:num_tokens].copy_(sums[meta.token_seq, meta.token_query])
+            paged = meta.paged
+            keys = self.kv.k[0].flatten(0, 1).flatten(1)  # [blocks * block_size, hidden]
+            keys.index_copy_(0, paged.slot_mapping, state["hidden"][:num_tokens])
+            block_size = self.kv.k.shape[2]
+            # Each token's row, then the slots of that row's context up to the token's position.
+            rows = torch.searchsorted(paged.query_start[1:], torch.arange(num_tokens, dtype=torch.int32), right=True)
+            columns = torch.arange(paged.max_blocks * block_size)
+            slots = paged.block_tables[rows][:, columns // block_size].long() * block_size + columns % block_size
+            seen = (columns[None, :] <= meta.positions[:num_tokens, None]).to(keys.dtype)  # [T, context]
+            state["attn_out"][:num_tokens].copy_(torch.einsum("tc,tch->th", seen, keys[slots]))
 
         def post(state):
             state["hidden"] = state["attn_out"] * self.derived_scale
@@ -93,7 +99,7 @@ def test_an_outside_model_generates_through_the_engine(runner):
 def test_the_engine_takes_model_facts_from_the_model_not_engine_config():
     e = sum_engine(max_kv_slots=1 << 20, kv_fraction=0.001)
     assert e.model_config is SUM_CONFIG
-    assert e.kv_sizing.bytes_per_slot == KVCache.bytes_per_slot(SUM_CONFIG, torch.float32)
+    assert e.kv_sizing.bytes_per_block == KVCache.bytes_per_block(SUM_CONFIG, torch.float32, 16)
     results = e.generate([[100], [1] * 60, [1, 2]], 5)  # EngineConfig.model would allow both bad ones
     assert "outside the vocabulary 0..96" in results[0].error
     assert "exceeds max_position 64" in results[1].error
@@ -101,8 +107,8 @@ def test_the_engine_takes_model_facts_from_the_model_not_engine_config():
 
 
 def test_the_engine_moves_the_model_to_its_dtype_and_device():
-    e = sum_engine(dtype=torch.float64)
-    assert e.model.scale.dtype == torch.float64 and e.model.kv.k.dtype == torch.float64
+    e = sum_engine(dtype=torch.float16)  # sums stay below 2048: exact in float16
+    assert e.model.scale.dtype == torch.float16 and e.model.kv.k.dtype == torch.float16
     assert e.model.scale.device.type == e.device.type
     assert [r.output for r in e.generate(PROMPTS[:2], 3)] == [tuple(expected(p, 3)) for p in PROMPTS[:2]]
 

@@ -69,7 +69,7 @@ def run_threads(work: Callable[[int], Any], count: int, timeout: float = 30.0) -
 
 def assert_idle(e: GenerationEngine) -> None:
     assert e.pending() is None and not e.results
-    assert e.slots.available == e.slots.num_slots  # every KV slot came back exactly once
+    assert e.blocks.available == e.blocks.num_blocks  # every KV slot came back exactly once
 
 
 @pytest.mark.parametrize("decode", ["eager", "graphs"])

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from torchhal.attention import SCRATCH_BLOCK
 from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine, PauseMode
 from torchhal.core.graphs import GraphRunner
 from torchhal.core.model import ModelConfig
@@ -53,10 +54,10 @@ def test_replayed_decode_matches_eager_tokens_while_requests_finish_and_join(ste
     decode = decode_runner(engine)
     assert decode.graphs_enabled and decode.report is not None and decode.report.graphs == 4 * 2
     assert run(engine) == reference
-    assert decode.steps >= 10 and decode.slots.live == 0
-    assert engine.slots.available == engine.slots.num_slots
+    assert decode.steps >= 10 and decode.rows.live == 0
+    assert engine.blocks.available == engine.blocks.num_blocks
     if steps_per_sync == 1:
-        assert decode.slots.rows_moved >= 1 and decode.windows == decode.steps
+        assert decode.rows.rows_moved >= 1 and decode.windows == decode.steps
     else:
         assert decode.windows < decode.steps  # replays ran back to back between read-backs
 
@@ -72,7 +73,7 @@ def test_compiled_layers_give_graphs_and_eager_the_same_tokens_in_bf16():
     eager = run(engine)
     engine.decode_runner = graphs
     assert run(engine) == eager
-    assert graphs.steps >= 10 and engine.slots.available == engine.slots.num_slots
+    assert graphs.steps >= 10 and engine.blocks.available == engine.blocks.num_blocks
     torch._dynamo.reset()
 
 
@@ -82,7 +83,7 @@ def test_replayed_windows_stop_at_an_eos_token_like_single_steps():
     eager = run(GenerationEngine(replace(CONFIG, eos_token=stop)))
     engine = GenerationEngine(with_graphs(steps_per_sync=8, eos_token=stop), runner_factory=prefill_graphs)
     assert run(engine) == eager
-    assert engine.slots.available == engine.slots.num_slots
+    assert engine.blocks.available == engine.blocks.num_blocks
 
 
 def test_decode_capture_does_not_empty_the_cache_and_reports_pool_memory():
@@ -95,7 +96,7 @@ def test_decode_capture_does_not_empty_the_cache_and_reports_pool_memory():
     assert report is not None and report.seconds > 0 and report.pool_bytes is not None
 
 
-def test_sleep_wake_recaptures_decode_graphs_and_the_scratch_slot_stays_out_of_the_allocator():
+def test_sleep_wake_recaptures_decode_graphs_and_the_scratch_block_stays_out_of_the_allocator():
     engine = GenerationEngine(with_graphs((4, 16), (64,)))
     decode = decode_runner(engine)
     before = run(engine)
@@ -105,9 +106,9 @@ def test_sleep_wake_recaptures_decode_graphs_and_the_scratch_slot_stays_out_of_t
     engine.resume_memory_occupation()
     assert decode.graphs_enabled
     assert run(engine) == before and decode.steps > steps
-    every = engine.slots.allocate(engine.slots.available)
-    assert every is not None and engine.scratch_slot not in every
-    assert engine.model.kv is not None and engine.model.kv.num_slots == engine.slots.num_slots + 1
+    every = engine.blocks.allocate(engine.blocks.available)
+    assert every is not None and SCRATCH_BLOCK not in every
+    assert engine.model.kv is not None and engine.model.kv.num_blocks == engine.blocks.num_blocks + 1
 
 
 def test_in_place_weight_update_keeps_the_captured_graphs_valid():

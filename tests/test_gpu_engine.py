@@ -33,15 +33,17 @@ def test_replayed_hidden_states_match_eager(dtype, atol, batch):
     # Prefill then two decode steps of a mixed batch, comparing runner and eager on the same KV state.
     from torchhal.core.model import AttentionMetadata
 
-    seqs = [list(range(i * 64, i * 64 + len(p))) for i, p in enumerate(PROMPTS[:batch])]
-    counts = [len(p) for p in PROMPTS[:batch]]
+    block = engine.config.kv_block_size
+    tables = [list(range(1 + i * 4, 5 + i * 4)) for i in range(batch)]  # 4 blocks of 16 per row
+    lengths = [len(p) for p in PROMPTS[:batch]]
+    counts = list(lengths)
     ids = torch.tensor([t for p in PROMPTS[:batch] for t in p], device=engine.device)
     for _ in range(3):
-        meta = AttentionMetadata.build(seqs, counts, engine.device)
+        meta = AttentionMetadata.build(tables, lengths, counts, block, engine.device, engine.attention.backend)
         expected = eager.forward(ids, meta).clone()
         got = runner.forward(ids, meta).clone()
         torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0.02)
-        seqs = [s + [s[-1] + 1] for s in seqs]
+        lengths = [n + 1 for n in lengths]
         counts = [1] * batch
         ids = torch.arange(batch, device=engine.device) + 5
 
@@ -100,7 +102,7 @@ def test_a_failed_step_with_graphs_rolls_back_and_continues_unchanged(monkeypatc
     rids = [engine.add_request(p, 8) for p in PROMPTS]
     engine.step()
     engine.step()
-    before = (engine.slots.available, [(r.rid, len(r.slots)) for r in engine.running])
+    before = (engine.blocks.available, [(r.rid, r.kv_tokens) for r in engine.running])
     real_forward = engine.runner.forward
     calls = {"n": 0}
 
@@ -113,7 +115,7 @@ def test_a_failed_step_with_graphs_rolls_back_and_continues_unchanged(monkeypatc
     monkeypatch.setattr(engine.runner, "forward", fail_first)
     with pytest.raises(RuntimeError, match="simulated kernel failure"):
         engine.step()
-    assert (engine.slots.available, [(r.rid, len(r.slots)) for r in engine.running]) == before
+    assert (engine.blocks.available, [(r.rid, r.kv_tokens) for r in engine.running]) == before
     while any(rid not in engine.results for rid in rids):
         engine.step()
     assert [engine.results[rid].output for rid in rids] == [r.output for r in reference]
@@ -123,7 +125,8 @@ def test_graph_replay_and_logits_record_no_autograd_history():
     engine = GenerationEngine(EngineConfig(max_kv_slots=4096), runner_factory=graph_factory((16, 64)))
     from torchhal.core.model import AttentionMetadata
 
-    meta = AttentionMetadata.build([[0, 1, 2]], [3], engine.device)
+    meta = AttentionMetadata.build([[1]], [3], [3], engine.config.kv_block_size, engine.device,
+                                   engine.attention.backend)
     hidden = engine.runner.forward(torch.tensor([1, 2, 3], device=engine.device), meta)
     assert not hidden.requires_grad
     recorded = []

@@ -94,8 +94,9 @@ def test_first_step_logits_match_transformers(saved):
     expected = hf(torch.tensor([prompt])).logits[0, -1]
     from torchhal.core.model import AttentionMetadata, KVCache
 
-    model.kv = KVCache(model.config, 16, torch.device("cpu"), torch.float32)
-    hidden = model(torch.tensor(prompt), AttentionMetadata.build([list(range(len(prompt)))], [len(prompt)],
+    model.kv = KVCache(model.config, 8, 4, torch.device("cpu"), torch.float32)  # blocks of 4: several per prompt
+    blocks = list(range(1, 1 + -(-len(prompt) // 4)))
+    hidden = model(torch.tensor(prompt), AttentionMetadata.build([blocks], [len(prompt)], [len(prompt)], 4,
                                                                   torch.device("cpu")))
     torch.testing.assert_close(model.logits(hidden, torch.tensor([len(prompt) - 1]))[0], expected,
                                atol=1e-4, rtol=1e-4)
@@ -268,6 +269,7 @@ def test_generate_command_with_text_and_ids(saved, run_cli):
     out = json.loads(by_ids.stdout)
     assert out["output_ids"] == expected[1] and out["architecture"] == "MistralForCausalLM"
     assert out["tokens_per_s"] > 0 and out["load"]["bytes_read"] > 0
+    assert out["attention"] == {"backend": "reference", "why": "reference: the platform declares no attention backend"}
     no_tokenizer = run_cli("--model", str(directory), "--prompt", "w1 w2")
     assert no_tokenizer.returncode == 2 and "ships no tokenizer" in no_tokenizer.stderr
 
@@ -278,6 +280,7 @@ def test_generate_command_with_text_and_ids(saved, run_cli):
     lines = by_text.stdout.splitlines()
     assert lines[1] == " ".join(f"w{t}" for t in expected[1][:8])
     assert lines[2].startswith("8 tokens in ") and lines[2].endswith(" tokens/s")
+    assert lines[3] == "attention: reference (reference: the platform declares no attention backend)"
 
 
 def test_generate_command_graphs_flag(saved, run_cli):

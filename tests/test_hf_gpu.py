@@ -77,9 +77,10 @@ def test_bf16_first_step_logits_within_tolerance(saved, family):
     for prompt in PROMPTS:
         with torch.no_grad():
             expected = hf(torch.tensor([prompt], device=device)).logits[0, -1].float()
-        model.kv = KVCache(model.config, 64, device, torch.bfloat16)
+        model.kv = KVCache(model.config, 8, 16, device, torch.bfloat16)
+        blocks = list(range(1, 1 + -(-len(prompt) // 16)))
         hidden = model(torch.tensor(prompt, device=device),
-                       AttentionMetadata.build([list(range(len(prompt)))], [len(prompt)], device))
+                       AttentionMetadata.build([blocks], [len(prompt)], [len(prompt)], 16, device))
         got = model.logits(hidden, torch.tensor([len(prompt) - 1], device=device))[0]
         torch.testing.assert_close(got, expected, atol=LOGIT_ATOL, rtol=LOGIT_RTOL)
 
@@ -126,14 +127,16 @@ def test_graph_runner_equals_eager_on_loaded_models(saved, family):
     engine = GenerationEngine.from_checkpoint(saved[family], EngineConfig(dtype=torch.bfloat16, max_kv_slots=4096),
                                               runner_factory=graph_factory(torch.bfloat16))
     runner, reference = engine.runner, EagerRunner(engine.model)
-    seqs = [list(range(i * 64, i * 64 + len(p))) for i, p in enumerate(PROMPTS)]
-    counts = [len(p) for p in PROMPTS]
+    block = engine.config.kv_block_size
+    tables = [list(range(1 + i * 4, 5 + i * 4)) for i in range(len(PROMPTS))]  # 4 blocks of 16 per row
+    lengths = [len(p) for p in PROMPTS]
+    counts = list(lengths)
     ids = torch.tensor([t for p in PROMPTS for t in p], device=engine.device)
     for _ in range(3):  # prefill, then two decode steps, on the same KV state
-        meta = AttentionMetadata.build(seqs, counts, engine.device)
+        meta = AttentionMetadata.build(tables, lengths, counts, block, engine.device, engine.attention.backend)
         expected = reference.forward(ids, meta).clone()
         torch.testing.assert_close(runner.forward(ids, meta).clone().float(), expected.float(), atol=0.05, rtol=0.02)
-        seqs = [s + [s[-1] + 1] for s in seqs]
+        lengths = [n + 1 for n in lengths]
         counts = [1] * len(PROMPTS)
         ids = torch.arange(len(PROMPTS), device=engine.device) + 5
 

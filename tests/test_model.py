@@ -1,4 +1,4 @@
-"""The Llama-family decoder (seeded reference instance): attention through the KV pool, its metadata,
+"""The Llama-family decoder (seeded reference instance): attention through the paged KV cache, its metadata,
 its variants (GQA, head_dim, biases, q/k norms, sliding window, llama3 rope) and HF parameter names."""
 
 import pytest
@@ -7,33 +7,46 @@ import torch
 from torchhal.core.model import AttentionMetadata, KVCache, Llama3RopeScaling, ModelConfig, ReferenceDecoder
 
 CPU = torch.device("cpu")
+BLOCK = 4
 
 
-def fresh_model():
-    model = ReferenceDecoder(ModelConfig())
-    model.kv = KVCache(model.config, 64, CPU, torch.float32)
+def meta(tables, seq_lens, query_lens):
+    return AttentionMetadata.build(tables, seq_lens, query_lens, BLOCK, CPU)
+
+
+def fresh_model(config=None):
+    model = ReferenceDecoder(config or ModelConfig())
+    model.kv = KVCache(model.config, 16, BLOCK, CPU, torch.float32)
     return model
 
 
 def test_prefill_equals_token_by_token_decode():
     model = fresh_model()
-    prefill = model(torch.tensor([1, 2, 3, 4, 5]), AttentionMetadata.build([[0, 1, 2], [3, 4]], [3, 2], CPU))
+    prefill = model(torch.tensor([1, 2, 3, 4, 5]), meta([[1], [2]], [3, 2], [3, 2]))
     stepwise = fresh_model()
-    outs = [stepwise(torch.tensor([t]), AttentionMetadata.build([list(range(10, 11 + i))], [1], CPU))
-            for i, t in enumerate([1, 2, 3])]
+    outs = [stepwise(torch.tensor([t]), meta([[5]], [i + 1], [1])) for i, t in enumerate([1, 2, 3])]
     torch.testing.assert_close(torch.cat(outs), prefill[:3], atol=1e-5, rtol=1e-5)
 
 
+def test_chunked_prefill_over_several_blocks_equals_one_prefill():
+    """Chunks of 3 (never aligned to the blocks of 4) each attend to the chunks before them in the cache."""
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    whole = fresh_model()(torch.tensor(tokens), meta([[1, 2, 3]], [11], [11]))
+    chunked_model = fresh_model()
+    pieces = [chunked_model(torch.tensor(tokens[start : start + 3]),
+                            meta([[7, 9, 8]], [min(start + 3, 11)], [min(3, 11 - start)]))
+              for start in range(0, 11, 3)]
+    torch.testing.assert_close(torch.cat(pieces), whole, atol=1e-5, rtol=1e-5)
+
+
 def test_metadata_for_a_mixed_batch():
-    # sequence 0: 2 cached tokens + 1 new (decode); sequence 1: 3 new tokens (prefill)
-    meta = AttentionMetadata.build([[7, 8, 9], [20, 21, 22]], [1, 3], CPU)
-    assert meta.out_slots.tolist() == [9, 20, 21, 22]
-    assert meta.positions.tolist() == [2, 0, 1, 2]
-    assert meta.token_seq.tolist() == [0, 1, 1, 1] and meta.token_query.tolist() == [0, 0, 1, 2]
-    assert meta.query_index.tolist() == [[0, 0, 0], [1, 2, 3]]
-    mask = meta.attn_mask[:, 0].int().tolist()
-    assert mask[0][0] == [1, 1, 1]  # the decode token sees its whole context
-    assert mask[1] == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]  # causal prefill
+    # sequence 0: 2 cached tokens + 1 new (decode) in block 3; sequence 1: 3 new tokens (prefill) in block 5
+    mixed = meta([[3], [5]], [3, 3], [1, 3])
+    assert mixed.paged.slot_mapping.tolist() == [3 * BLOCK + 2, 5 * BLOCK, 5 * BLOCK + 1, 5 * BLOCK + 2]
+    assert mixed.positions.tolist() == [2, 0, 1, 2]
+    assert mixed.paged.query_start.tolist() == [0, 1, 4] and mixed.paged.seq_lens.tolist() == [3, 3]
+    assert not mixed.decode and mixed.num_tokens == 4
+    assert meta([[3], [5, 6]], [3, 5], [1, 1]).decode  # one query per row: the backend's decode
 
 
 def test_weights_are_seeded_and_deterministic():
@@ -59,9 +72,12 @@ def test_parameter_names_mirror_hugging_face():
 
 def test_kv_cache_sizes_by_kv_heads_and_head_dim():
     gqa = ModelConfig(hidden_size=128, num_heads=8, num_kv_heads=2, head_dim=24)
-    assert KVCache.bytes_per_slot(gqa, torch.float32) == 2 * gqa.num_layers * 2 * 24 * 4
-    cache = KVCache(gqa, 10, CPU, torch.bfloat16)
-    assert cache.k.shape == (gqa.num_layers, 10, 2, 24) and cache.v.dtype == torch.bfloat16
+    assert KVCache.bytes_per_token(gqa, torch.float32) == 2 * gqa.num_layers * 2 * 24 * 4
+    assert KVCache.bytes_per_block(gqa, torch.float32, 16) == 16 * KVCache.bytes_per_token(gqa, torch.float32)
+    cache = KVCache(gqa, 10, 16, CPU, torch.bfloat16)
+    assert cache.k.shape == (gqa.num_layers, 10, 16, 2, 24) and cache.v.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="num_blocks is 1; pass >= 2"):
+        KVCache(gqa, 1, 16, CPU, torch.bfloat16)
     model = ReferenceDecoder(gqa)
     assert model.model.layers[0].self_attn.q_proj.weight.shape == (8 * 24, 128)
     assert model.model.layers[0].self_attn.k_proj.weight.shape == (2 * 24, 128)
@@ -84,12 +100,10 @@ def test_config_defaults_and_refusals():
     ModelConfig(sliding_window=3, tie_word_embeddings=True, rope_scaling=Llama3RopeScaling(original_max_position=8)),
 ], ids=["gqa-bias-qknorm", "window-tied-llama3"])
 def test_prefill_equals_decode_for_every_variant(config):
-    model = ReferenceDecoder(config)
-    model.kv = KVCache(config, 64, CPU, torch.float32)
+    model = fresh_model(config)
     tokens = [3, 1, 4, 1, 5, 9, 2]
-    prefill = model(torch.tensor(tokens), AttentionMetadata.build([list(range(len(tokens)))], [len(tokens)], CPU))
-    stepwise = [model(torch.tensor([t]), AttentionMetadata.build([list(range(20, 21 + i))], [1], CPU))
-                for i, t in enumerate(tokens)]
+    prefill = model(torch.tensor(tokens), meta([[1, 2]], [len(tokens)], [len(tokens)]))
+    stepwise = [model(torch.tensor([t]), meta([[6, 4][: i // BLOCK + 1]], [i + 1], [1])) for i, t in enumerate(tokens)]
     torch.testing.assert_close(torch.cat(stepwise), prefill, atol=1e-5, rtol=1e-5)
 
 
@@ -98,8 +112,8 @@ def test_sliding_window_limits_what_a_query_sees():
     full = ReferenceDecoder(ModelConfig())
     out = []
     for model in (windowed, full):
-        model.kv = KVCache(model.config, 16, CPU, torch.float32)
-        out.append(model(torch.tensor([7, 8, 9, 10]), AttentionMetadata.build([[0, 1, 2, 3]], [4], CPU)))
+        model.kv = KVCache(model.config, 4, BLOCK, CPU, torch.float32)
+        out.append(model(torch.tensor([7, 8, 9, 10]), meta([[1]], [4], [4])))
     torch.testing.assert_close(out[0][:2], out[1][:2])  # the first two positions see all they would anyway
     assert not torch.allclose(out[0][2:], out[1][2:])  # later ones no longer see position 0
 

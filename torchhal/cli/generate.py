@@ -90,7 +90,8 @@ def generate_from_checkpoint(
     platform = current_platform()
     decode_graphs = DecodeGraphConfig(batch_buckets=(1,), context_buckets=(context,)) if graphs else None
     dtype = getattr(torch, dtype_name) if dtype_name else checkpoint_dtype(hf)
-    config = EngineConfig(dtype=dtype, max_kv_slots=context + 1, decode_graphs=decode_graphs)
+    # Whole blocks for the context (a block's worth more covers the last partial one).
+    config = EngineConfig(dtype=dtype, max_kv_slots=context + EngineConfig.kv_block_size, decode_graphs=decode_graphs)
     engine = GenerationEngine.from_checkpoint(root, config, platform=platform)
     report = engine.checkpoint
     assert report is not None
@@ -121,6 +122,7 @@ def generate_from_checkpoint(
         "seconds": seconds,
         "tokens_per_s": len(output) / seconds if seconds > 0 else None,
         "decode_graphs": _graph_report(engine) if graphs else None,
+        "attention": {"backend": engine.attention.name, "why": engine.attention.why},
     }
 
 
@@ -143,6 +145,7 @@ def format_generation(out: dict[str, Any]) -> str:
         f"file(s), loaded in {load['seconds']:.2f} s onto {out['device']} ({out['dtype']})",
         out["text"] if out["text"] is not None else " ".join(map(str, out["output_ids"])),
         f"{out['new_tokens']} tokens in {out['seconds']:.2f} s: {out['tokens_per_s'] or 0:.1f} tokens/s",
+        f"attention: {out['attention']['backend']} ({out['attention']['why']})",
     ]
     if out["stop"] == "eos":
         lines.append(f"stopped at end-of-sequence token {out['output_ids'][-1]} after {out['new_tokens']} of "

@@ -1,6 +1,7 @@
 """A small but real generation engine whose scheduler gets the memory lifecycle right.
 
-Continuous batching over a token-slot KV pool, greedy decoding, and the
+Continuous batching with chunked prefill over a paged KV cache (attention through the
+backend the platform chooses), greedy decoding, and the
 lifecycle operations RL loops and servers need: flush, pause/continue, weight
 updates, sleep/wake. The device cache is emptied only at named release points:
 continue (resume_generation), weight-update flush (weight_update), sleep,
@@ -29,8 +30,9 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
+from torchhal.attention import AttentionChoice, AttentionSpec
 from torchhal.core.engine.events import EngineEvents
-from torchhal.core.engine.kv_pool import KVPoolSizing, SlotAllocator, size_kv_pool
+from torchhal.core.engine.kv_pool import BlockAllocator, KVPoolSizing, size_kv_pool
 from torchhal.core.engine.occupation import MemoryOccupation
 from torchhal.core.engine.records import (
     ContinueReport,
@@ -46,10 +48,10 @@ from torchhal.core.engine.records import (
 )
 from torchhal.core.engine.requests import RequestBook
 from torchhal.core.engine.runners import EagerRunner, ModelRunner
-from torchhal.core.engine.scheduler import Scheduler, StepPlan
+from torchhal.core.engine.scheduler import Scheduler, StepInputs, StepPlan
 from torchhal.core.engine.weights import NamedTensors, WeightUpdater
-from torchhal.core.graphs.decode import DecodeGraphRunner, DecodeWindow
-from torchhal.core.model import KVCache, Model, ModelConfig, ReferenceDecoder
+from torchhal.core.graphs.decode import BlockTable, DecodeGraphRunner, DecodeWindow
+from torchhal.core.model import AttentionMetadata, KVCache, Model, ModelConfig, ReferenceDecoder
 from torchhal.core.model.protocol import missing_model_members
 from torchhal.platforms import Platform, ReleasePoint, current_platform
 
@@ -59,7 +61,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Window:
-    """A decode window on the device: its requests, the slots each reserved (= tokens it
+    """A decode window on the device: its requests, the tokens each reserved (= tokens it
     wants), and the runner's handle to read the tokens back."""
 
     requests: list[Request]
@@ -100,8 +102,9 @@ class GenerationEngine:
         """`model`: any `Model` (moved to the engine's device and `config.dtype`); None builds
         `ReferenceDecoder(config.model)`. Model facts always come from `model.config`.
 
-        The KV pool holds one slot more than the allocator hands out: the scratch slot
-        where padded rows of a full-graph decode step write (`config.decode_graphs`)."""
+        The KV cache is paged (`config.kv_block_size` tokens a block) and holds one block
+        more than the allocator hands out: the scratch block, where padded rows write.
+        The attention backend is chosen once, here (`self.attention`, also in `trace`)."""
         if model is not None and missing_model_members(model):
             raise TypeError(
                 f"model {type(model).__name__} lacks {', '.join(missing_model_members(model))} of the "
@@ -125,16 +128,24 @@ class GenerationEngine:
         self.model: Model = built
         model_config = self.model_config
         self.kv_sizing: KVPoolSizing = size_kv_pool(
-            self.platform, self.device_index, model_config, config.dtype, config.kv_fraction, config.max_kv_slots
+            self.platform, self.device_index, model_config, config.dtype, config.kv_fraction, config.max_kv_slots,
+            config.kv_block_size,
         )
+        self.attention: AttentionChoice = self.platform.choose_attention(AttentionSpec(
+            num_q_heads=model_config.num_heads, num_kv_heads=model_config.num_kv_heads,
+            head_dim=model_config.head_dim, dtype=config.dtype, block_size=config.kv_block_size,
+            sliding_window=model_config.sliding_window, needs_graph=config.decode_graphs is not None,
+        ))
         self.model.kv = self._new_kv_cache()
         self.requests = RequestBook(
-            SlotAllocator(self.kv_sizing.num_slots), model_config.vocab_size, model_config.max_position
+            BlockAllocator(self.kv_sizing.num_blocks, config.kv_block_size), model_config.vocab_size,
+            model_config.max_position,
         )
         self.scheduler = Scheduler(self.requests, config.max_batch_tokens, config.max_running)
         self.weights = WeightUpdater(self.model, check_finite=config.check_finite_weights)
         self.occupation = MemoryOccupation(self.platform, self.device)
         self.events = EngineEvents(self.platform, self.device_index)
+        self.events.record("attention_backend", backend=self.attention.name, why=self.attention.why)
         self.paused: PauseMode | None = None
         # Reentrant: public methods call each other (flush_cache drains, pause drains, ...).
         self._lock = threading.RLock()
@@ -146,30 +157,30 @@ class GenerationEngine:
         self.runner: ModelRunner = runner_factory(self) if runner_factory else EagerRunner(self.model)
         eos = set(config.eos_tokens) | ({config.eos_token} if config.eos_token is not None else set())
         self._eos: frozenset[int] = frozenset(eos)
+        # Pure decode steps on the runner read their metadata from here: each request keeps a
+        # row whose blocks are uploaded once, so a step's host work does not grow with the context.
+        self.decode_rows = BlockTable(config.max_running, model_config.max_position, config.kv_block_size,
+                                      self.device, pin=self.platform.pin_memory)
+        self.requests.on_leave = self._forget_rows
         self.decode_runner: DecodeGraphRunner | None = None
         self.checkpoint: LoadReport | None = None  # set by from_checkpoint
         self._in_flight: _Window | None = None  # a launched decode window whose tokens have not landed
         if config.decode_graphs is not None:
             self.decode_runner = self._new_decode_runner(config.decode_graphs)
-            self.requests.on_leave = self.decode_runner.forget
 
     def _new_decode_runner(self, settings: DecodeGraphConfig) -> DecodeGraphRunner:
-        """Built after the KV pool exists: capture needs it (and the scratch slot in it)."""
+        """Built after the KV cache exists: capture needs it (and the scratch block in it)."""
         return DecodeGraphRunner(
             self.model,  # type: ignore[arg-type]  # the Model protocol is satisfied by nn.Modules
             self.platform,
             self.device_index,
-            scratch_slot=self.scratch_slot,
+            block_size=self.config.kv_block_size,
+            backend=self.attention.backend,
             batch_buckets=settings.batch_buckets,
             context_buckets=settings.context_buckets,
             steps_per_sync=settings.steps_per_sync,
             emulate=settings.emulate,
         )
-
-    @property
-    def scratch_slot(self) -> int:
-        """The KV slot no request owns (the last one of the pool)."""
-        return self.kv_sizing.num_slots
 
     # -- views of the parts ---------------------------------------------------------------
     @property
@@ -177,8 +188,8 @@ class GenerationEngine:
         return self.model.config
 
     @property
-    def slots(self) -> SlotAllocator:
-        return self.requests.slots
+    def blocks(self) -> BlockAllocator:
+        return self.requests.blocks
 
     @property
     def waiting(self) -> deque[Request]:
@@ -271,7 +282,7 @@ class GenerationEngine:
         requests continue): the host's work overlaps the device's, and a step may return
         requests finished by the window before it.
 
-        All or nothing: if anything in the step raises, the slots it reserved are given
+        All or nothing: if anything in the step raises, the KV it reserved is given
         back and admitted requests wait again, so the next step computes what this one
         would have. An out-of-memory error anywhere in the step retracts the batch and
         empties the cache once (ReleasePoint.OOM); other errors propagate."""
@@ -299,9 +310,8 @@ class GenerationEngine:
             with torch.no_grad():  # not inference_mode: the KV pool and graph buffers persist across steps
                 next_tokens = self._run(plan)
         except BaseException as exc:
-            if self.decode_runner is not None:  # rows this step touched are rewritten next time
-                for request in plan.batch:
-                    self.decode_runner.forget(request.rid)
+            for request in plan.batch:  # rows this step touched are rewritten next time
+                self._forget_rows(request.rid)
             if isinstance(exc, Exception) and self.platform.is_out_of_memory(exc):
                 return done + self._handle_oom(plan.batch, exc)
             self.scheduler.rollback(plan)
@@ -319,7 +329,7 @@ class GenerationEngine:
             if request.state is not RequestState.RUNNING:
                 continue  # ended by an earlier window's stop while this window was in flight
             output = request.output
-            for token in tokens:  # a window's tokens past a stop are dropped (their slots go with the request)
+            for token in tokens:  # a window's tokens past a stop are dropped (their KV goes with the request)
                 output.append(token)
                 if len(output) >= request.max_new_tokens or token in eos:
                     done.append(self.requests.finish(request, RequestState.FINISHED))
@@ -332,22 +342,43 @@ class GenerationEngine:
         (its tokens land at the next step)."""
         decode = self.decode_runner
         if decode is not None and not plan.prefills:
-            longest = max(len(r.slots) for r in plan.decodes)  # this step's slot included
+            longest = max(r.kv_tokens for r in plan.decodes)  # this step's token included
             if decode.can_run(len(plan.decodes), longest):
                 # Waiting requests are admitted between steps: run single steps until they are.
                 steps = 1 if self.requests.waiting else decode.window_for(longest)
                 new = self.scheduler.widen(plan, steps)
-                rows = [(r.rid, r.last_token, r.slots, n) for r, n in zip(plan.decodes, new, strict=True)]
+                rows = [(r.rid, r.last_token, r.blocks, r.kv_tokens, n) for r, n in zip(plan.decodes, new, strict=True)]
                 self._in_flight = _Window(list(plan.decodes), list(new), decode.launch(rows, max(new)))
                 return None
-        inputs = self.scheduler.build_inputs(plan, self.device)
+        if plan.prefills:
+            inputs = self.scheduler.build_inputs(plan, self.config.kv_block_size, self.device, self.attention.backend)
+        else:
+            inputs = self._decode_inputs(plan.decodes)
         hidden = self.runner.forward(inputs.input_ids, inputs.meta)
         tokens: list[int] = self.model.logits(hidden, inputs.last_index).argmax(-1).tolist()
-        return [[token] for token in tokens]
+        # A prefill chunk short of its request's last token yields nothing yet.
+        return [[token] if emits else [] for token, emits in zip(tokens, inputs.emits, strict=True)]
+
+    def _decode_inputs(self, decodes: list[Request]) -> StepInputs:
+        """A pure decode step's inputs and metadata from the device rows (`decode_rows`): the
+        host writes each row's token, position and slot and the blocks it newly started."""
+        table = self.decode_rows
+        rows = table.prepare([(r.rid, r.last_token, r.blocks, r.kv_tokens, 1) for r in decodes], len(decodes))
+        count = len(decodes)
+        meta = AttentionMetadata(table.metadata(count, max(r.kv_tokens for r in decodes)),
+                                 table.step_inputs[1, :count], self.attention.backend, decode=True)
+        last_index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        return StepInputs(table.step_inputs[0, :count], meta, last_index, [True] * count)
+
+    def _forget_rows(self, rid: int) -> None:
+        """The request left the running batch (or its step failed): its device rows go."""
+        self.decode_rows.forget(rid)
+        if self.decode_runner is not None:
+            self.decode_runner.forget(rid)
 
     def _advance(self, flight: _Window) -> list[GenerationResult]:
         """Queue the window after `flight` when the same requests all continue, then land
-        `flight`'s tokens. If either fails, both windows' slots are given back (the
+        `flight`'s tokens. If either fails, both windows' KV is given back (the
         tokens are computed again) and the error propagates."""
         decode = self.decode_runner
         assert decode is not None
@@ -369,7 +400,7 @@ class GenerationEngine:
         """The next window of `flight`'s requests, queued behind it before its tokens are
         read; None when that cannot be right or useful: a request waits for admission,
         the running batch changed, a request ends by length within `flight` (its row's
-        last token is not its next input), or slots or context run out."""
+        last token is not its next input), or KV blocks or context run out."""
         decode = self.decode_runner
         requests = flight.requests
         running = self.requests.running
@@ -379,7 +410,7 @@ class GenerationEngine:
         remaining = [r.max_new_tokens - len(r.output) - n for r, n in zip(requests, flight.new, strict=True)]
         if min(remaining) < 1:
             return None
-        steps = decode.window_for(max(len(r.slots) for r in requests) + 1)
+        steps = decode.window_for(max(r.kv_tokens for r in requests) + 1)
         if steps < 1:
             return None
         want = [min(steps, left) for left in remaining]
@@ -387,7 +418,7 @@ class GenerationEngine:
             return None
         window = _Window(requests, want, None)
         # The input token (0 here) is ignored: each row's is on the device, left by `flight`.
-        rows = [(r.rid, 0, r.slots, n) for r, n in zip(requests, want, strict=True)]
+        rows = [(r.rid, 0, r.blocks, r.kv_tokens, n) for r, n in zip(requests, want, strict=True)]
         try:
             window.window = decode.launch(rows, max(want), chained=True)
         except BaseException:
@@ -396,17 +427,16 @@ class GenerationEngine:
         return window
 
     def _give_back(self, window: _Window) -> None:
-        """Free the slots a window reserved and drop its rows (they are rewritten next time)."""
+        """Free the KV a window reserved and drop its rows (they are rewritten next time)."""
         decode = self.decode_runner
         for request, count in zip(reversed(window.requests), reversed(window.new), strict=True):
             if request.state is RequestState.RUNNING and count:
-                self.slots.free(request.slots[-count:])
-                del request.slots[-count:]
+                self.blocks.shrink(request, count)
             if decode is not None:
                 decode.forget(request.rid)
 
     def _drop_in_flight(self) -> None:
-        """Give back a launched window's slots without its tokens (they are computed again)."""
+        """Give back a launched window's KV without its tokens (they are computed again)."""
         if self._in_flight is not None:
             flight, self._in_flight = self._in_flight, None
             self._give_back(flight)
@@ -476,7 +506,7 @@ class GenerationEngine:
         pending = self.pending()
         if pending:
             return FlushResult(False, f"cannot flush while busy: {pending} still pending")
-        self.slots.reset()
+        self.blocks.reset()
         released = self.events.empty(reason) if empty_cache else None
         return FlushResult(True, "KV pool cleared", released)
 
@@ -553,13 +583,14 @@ class GenerationEngine:
         if not self.asleep:
             raise RuntimeError("the engine is not asleep")
         self.occupation.wake(self.model, self.runner, self._new_kv_cache)
-        self.slots.reset()
+        self.blocks.reset()
         if self.decode_runner is not None:  # recapture on the new KV pool
             self.decode_runner.resume()
 
     def _new_kv_cache(self) -> KVCache:
-        # One slot more than the allocator hands out: the scratch slot.
-        return KVCache(self.model_config, self.kv_sizing.num_slots + 1, self.device, self.config.dtype)
+        # One block more than the allocator hands out: the scratch block.
+        return KVCache(self.model_config, self.kv_sizing.num_blocks + 1, self.config.kv_block_size, self.device,
+                       self.config.dtype)
 
     # -- construction from a checkpoint ----------------------------------------------------
     @classmethod

@@ -1,12 +1,22 @@
-"""Token-slot KV pool: sized from memory_info, never by emptying the cache to measure."""
+"""The paged KV pool: sized from memory_info (never by emptying the cache to measure), and
+the blocks requests own.
+
+A request owns whole blocks of `block_size` token slots and a count of the tokens it has
+reserved in them (`Request.kv_tokens`). Growing by n tokens takes the blocks the new
+tokens start; shrinking frees every block no reserved token of the request remains in,
+so rollback, give-back, retraction and abort free exactly what was taken. The scratch
+block (SCRATCH_BLOCK) is in the cache but never in the free list.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from torchhal.core.model import KVCache, ModelConfig
+from torchhal.core.engine.records import Request
+from torchhal.core.model import SCRATCH_BLOCK, KVCache, ModelConfig
 from torchhal.platforms import Platform
 
 
@@ -14,36 +24,51 @@ from torchhal.platforms import Platform
 class KVPoolSizing:
     free_bytes: int
     fraction: float
-    bytes_per_slot: int
-    num_slots: int
+    block_size: int
+    bytes_per_block: int
+    num_blocks: int  # blocks requests can own; the cache holds one more (the scratch block)
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots requests can own."""
+        return self.num_blocks * self.block_size
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
 
 
 def size_kv_pool(
-    platform: Platform, device: int, config: ModelConfig, dtype: torch.dtype, fraction: float, max_slots: int
+    platform: Platform, device: int, config: ModelConfig, dtype: torch.dtype, fraction: float, max_slots: int,
+    block_size: int,
 ) -> KVPoolSizing:
-    """Slots that fit in `fraction` of the device's free memory (an observation only)."""
+    """Blocks that fit in `fraction` of the device's free memory (an observation only),
+    at most `max_slots` tokens' worth; the scratch block comes out of the same budget."""
     if not 0 < fraction <= 1:
         raise ValueError(f"kv_fraction {fraction!r} must be in (0, 1]; e.g. 0.3 for 30% of free memory")
     free = platform.memory_info(device).free
-    per_slot = KVCache.bytes_per_slot(config, dtype)
-    slots = min(int(free * fraction) // per_slot, max_slots)
-    if slots < 1:
+    per_block = KVCache.bytes_per_block(config, dtype, block_size)
+    blocks = min(int(free * fraction) // per_block - 1, max_slots // block_size)
+    if blocks < 1:
         raise MemoryError(
-            f"no KV slot fits: {fraction:.0%} of {free} free bytes is under one slot of {per_slot} bytes; "
-            "raise kv_fraction or free device memory"
+            f"no KV block fits: {fraction:.0%} of {free} free bytes and max_kv_slots {max_slots} leave no block of "
+            f"{block_size} tokens ({per_block} bytes) beside the scratch block; raise kv_fraction or max_kv_slots, "
+            "or lower kv_block_size"
         )
-    return KVPoolSizing(free, fraction, per_slot, slots)
+    return KVPoolSizing(free, fraction, block_size, per_block, blocks)
 
 
-class SlotAllocator:
-    """Free list of KV slots. Requests own lists of slots; finished requests return them."""
+class BlockAllocator:
+    """Free list of KV blocks 1..num_blocks (SCRATCH_BLOCK is never handed out) and the
+    requests' share of them."""
 
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.reset()
 
     @property
     def available(self) -> int:
+        """Free blocks."""
         return len(self._free)
 
     def allocate(self, count: int) -> list[int] | None:
@@ -53,8 +78,42 @@ class SlotAllocator:
         del self._free[len(self._free) - count :]
         return taken[::-1]
 
-    def free(self, slots: list[int]) -> None:
-        self._free.extend(reversed(slots))
+    def free(self, blocks: Sequence[int]) -> None:
+        self._free.extend(reversed(blocks))
 
     def reset(self) -> None:
-        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._free = [b for b in range(self.num_blocks, 0, -1) if b != SCRATCH_BLOCK]
+
+    # -- a request's share --------------------------------------------------------------
+    def blocks_needed(self, request: Request, tokens: int) -> int:
+        """New blocks `request` takes to reserve `tokens` more tokens."""
+        return blocks_for(request.kv_tokens + tokens, self.block_size) - len(request.blocks)
+
+    def grow(self, requests: Sequence[Request], tokens: Sequence[int]) -> bool:
+        """Reserve `tokens[i]` more tokens for request i, all or none (False: too few blocks)."""
+        needs = []
+        total = 0
+        for request, count in zip(requests, tokens, strict=True):
+            need = blocks_for(request.kv_tokens + count, self.block_size) - len(request.blocks)
+            needs.append(need)
+            total += need
+        taken = self.allocate(total)
+        if taken is None:
+            return False
+        start = 0
+        for request, count, need in zip(requests, tokens, needs, strict=True):
+            request.blocks.extend(taken[start : start + need])
+            request.kv_tokens += count
+            start += need
+        return True
+
+    def shrink(self, request: Request, tokens: int) -> None:
+        """Give back the request's last `tokens` reserved tokens and every block left empty."""
+        request.kv_tokens -= tokens
+        keep = blocks_for(request.kv_tokens, self.block_size)
+        self.free(request.blocks[keep:])
+        del request.blocks[keep:]
+
+    def release(self, request: Request) -> None:
+        """Everything the request holds."""
+        self.shrink(request, request.kv_tokens)

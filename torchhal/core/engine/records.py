@@ -34,13 +34,19 @@ class Request:
     max_new_tokens: int
     output: list[int] = field(default_factory=list)
     state: RequestState = RequestState.WAITING
-    slots: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # the KV blocks it owns, in position order
+    kv_tokens: int = 0  # tokens whose KV it has reserved (written, or being written this step)
     error: str | None = None
     oom_retries: int = 0
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    @property
+    def pending(self) -> int:
+        """Tokens whose KV is not reserved yet: 1 for a decode, more while prefilling."""
+        return len(self.prompt) + len(self.output) - self.kv_tokens
 
     @property
     def last_token(self) -> int:
@@ -133,7 +139,8 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     device: int | None = None
     kv_fraction: float = 0.3  # of free device memory, observed by memory_info
-    max_kv_slots: int = 1 << 16
+    max_kv_slots: int = 1 << 16  # at most this many tokens' KV (whole blocks)
+    kv_block_size: int = 16  # tokens per KV block: requests own whole blocks
     max_batch_tokens: int = 4096
     max_running: int = 256
     idle_empty_after_s: float | None = None
@@ -147,14 +154,17 @@ class EngineConfig:
     compile_layers: str | Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_kv_slots", "max_batch_tokens", "max_running"):
+        for name in ("max_kv_slots", "max_batch_tokens", "max_running", "kv_block_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EngineConfig.{name} = {value!r} must be a positive int")
         if not isinstance(self.eos_tokens, tuple) or any(
             not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.eos_tokens
         ):
             raise ValueError(f"EngineConfig.eos_tokens = {self.eos_tokens!r} must be a tuple of token ids, e.g. (2,)")
+        if self.max_kv_slots < self.kv_block_size:
+            raise ValueError(f"EngineConfig.max_kv_slots = {self.max_kv_slots} holds no block of kv_block_size = "
+                             f"{self.kv_block_size} tokens; raise max_kv_slots or lower kv_block_size")
         if self.decode_graphs is not None and not isinstance(self.decode_graphs, DecodeGraphConfig):
             raise TypeError(
                 f"EngineConfig.decode_graphs = {self.decode_graphs!r} must be a DecodeGraphConfig or None; "

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from torchhal.core.engine.kv_pool import SlotAllocator
+from torchhal.core.engine.kv_pool import BlockAllocator
 from torchhal.core.engine.records import GenerationResult, Request, RequestState
 
 
@@ -39,10 +39,10 @@ def prompt_as_tuple(prompt: object) -> tuple[int, ...]:
 
 
 class RequestBook:
-    """Owns every request from queueing to result, and the KV slots they hold."""
+    """Owns every request from queueing to result, and the KV blocks they hold."""
 
-    def __init__(self, slots: SlotAllocator, vocab_size: int, max_position: int) -> None:
-        self.slots = slots
+    def __init__(self, blocks: BlockAllocator, vocab_size: int, max_position: int) -> None:
+        self.blocks = blocks
         self.vocab_size, self.max_position = vocab_size, max_position
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -69,24 +69,28 @@ class RequestBook:
         self.results[rid] = GenerationResult(rid, prompt_as_tuple(prompt), (), RequestState.FAILED, error)
         return rid
 
-    def admit_next(self, slots: list[int]) -> Request:
-        """The first waiting request starts running on `slots`."""
-        request = self.waiting.popleft()
-        request.slots, request.state = slots, RequestState.RUNNING
+    def admit_next(self, tokens: int) -> Request | None:
+        """The first waiting request starts running with `tokens` of its tokens reserved
+        (its first prefill chunk); None (nothing changed) when the blocks are short."""
+        request = self.waiting[0]
+        if not self.blocks.grow([request], [tokens]):
+            return None
+        self.waiting.popleft()
+        request.state = RequestState.RUNNING
         self.running.append(request)
         return request
 
     def retract(self, request: Request) -> None:
         """Free the request's KV; it waits at the front and prefills again."""
-        self.slots.free(request.slots)
-        request.slots, request.state = [], RequestState.WAITING
+        self.blocks.release(request)
+        request.state = RequestState.WAITING
         self.running.remove(request)
         self.waiting.appendleft(request)
         self._left(request)
 
     def finish(self, request: Request, state: RequestState) -> GenerationResult:
-        self.slots.free(request.slots)
-        request.slots, request.state = [], state
+        self.blocks.release(request)
+        request.state = state
         if request in self.running:
             self.running.remove(request)
         self._left(request)
@@ -95,13 +99,18 @@ class RequestBook:
         return result
 
     def fail_unservable(self) -> list[GenerationResult]:
-        """With nothing running, a waiting request that still cannot be admitted never will be."""
-        if self.running or not self.waiting:
+        """Called when a step could run nothing: a request part-way through its prefill that
+        gets no block (decodes would have run, retracting it, so nothing else holds any), or
+        with nothing running, a waiting request that cannot be admitted, never will."""
+        if self.running:
+            request = self.running[-1]
+        elif self.waiting:
+            request = self.waiting.popleft()
+        else:
             return []
-        request = self.waiting.popleft()
         request.error = (
-            f"request {request.rid} needs {len(request.tokens)} KV slots but the pool has "
-            f"{self.slots.num_slots}; raise kv_fraction or shorten the prompt"
+            f"request {request.rid} needs KV for {len(request.tokens)} tokens but the pool holds "
+            f"{self.blocks.num_blocks} blocks of {self.blocks.block_size}; raise kv_fraction or shorten the prompt"
         )
         return [self.finish(request, RequestState.FAILED)]
 
@@ -121,8 +130,7 @@ class RequestBook:
         """Forget these requests wherever they are (queued, running, or finished), freeing their KV."""
         wanted = set(rids)
         for request in [r for r in self.running if r.rid in wanted]:
-            self.slots.free(request.slots)
-            request.slots = []
+            self.blocks.release(request)
             self.running.remove(request)
             self._left(request)
         self.waiting = deque(r for r in self.waiting if r.rid not in wanted)

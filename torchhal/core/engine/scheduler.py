@@ -1,7 +1,14 @@
-"""Continuous batching: which requests run this step, their slots, and the batch tensors.
+"""Continuous batching with chunked prefill: which requests run this step, the KV they
+reserve, and the batch tensors.
 
-A step's reservations (one decode slot per running request, the slots of admitted
-prefills) are recorded in a `StepPlan`, so a step that fails can give them all back.
+Every running request has tokens whose KV is not written yet (`Request.pending`): one for
+a decode, more while its prompt is prefilled. A step gives each decode its token first,
+then prefills in chunks within `max_batch_tokens`: requests part-way through their prompt
+continue, then waiting requests are admitted with a first chunk. So a long prompt shares
+its steps with the running requests' decodes instead of stalling them.
+
+A step's reservations are recorded in a `StepPlan`, so a step that fails gives them all
+back (`rollback`), leaving the free list as it was.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from torchhal.attention import AttentionBackend
 from torchhal.core.engine.records import Request, RequestState
 from torchhal.core.engine.requests import RequestBook
 from torchhal.core.model import AttentionMetadata
@@ -17,9 +25,11 @@ from torchhal.core.model import AttentionMetadata
 
 @dataclass
 class StepPlan:
-    decodes: list[Request]  # running requests, each holding new slots for this step (one, or a window's)
-    prefills: list[Request]  # admitted this step, holding slots for their whole prompt
-    new_slots: list[int] = field(default_factory=list)  # per decode request: slots reserved this step
+    decodes: list[Request]  # running requests with one pending token, each reserving it (or a window's)
+    prefills: list[Request]  # prefilling this step: continuing ones first, then those admitted
+    chunks: list[int] = field(default_factory=list)  # per prefill: tokens it prefills this step
+    admitted: int = 0  # how many of `prefills` (the last ones) were admitted this step
+    new_tokens: list[int] = field(default_factory=list)  # per decode: tokens reserved this step
 
     @property
     def batch(self) -> list[Request]:
@@ -31,6 +41,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] this step's tokens, request by request
     meta: AttentionMetadata
     last_index: torch.Tensor  # [B] each request's last token in input_ids
+    emits: list[bool]  # per request: this step reaches its last token, so it yields one
 
 
 class Scheduler:
@@ -39,90 +50,111 @@ class Scheduler:
         self.max_batch_tokens, self.max_running = max_batch_tokens, max_running
 
     def plan(self) -> StepPlan:
-        """Reserve a decode slot per running request and admit prefills within the token budget."""
-        decodes = self._reserve_decode_slots()
-        prefills = self._admit(budget=self.max_batch_tokens - len(decodes))
-        return StepPlan(decodes, prefills, [1] * len(decodes))
+        """Reserve each decode's token, then prefill chunks within the token budget."""
+        decodes = self._reserve_decodes()
+        budget = self.max_batch_tokens - len(decodes)
+        prefills, chunks = self._continue_prefills(budget)
+        budget -= sum(chunks)
+        admitted, first_chunks = self._admit(budget)
+        return StepPlan(decodes, prefills + admitted, chunks + first_chunks, len(admitted), [1] * len(decodes))
 
     def widen(self, plan: StepPlan, steps: int) -> list[int]:
-        """Turn a pure decode plan into a window of up to `steps` steps: each request gets
-        one slot per token it still needs, up to `steps`. Returns the new slot count per
-        request (recorded in the plan, so `rollback` frees them). A pool too short for the
-        whole window leaves every request at one slot."""
+        """Turn a pure decode plan into a window of up to `steps` steps: each request
+        reserves one token per token it still needs, up to `steps`. Returns the new token
+        count per request (recorded in the plan, so `rollback` frees them). A pool too short
+        for the whole window leaves every request at one token."""
         want = [min(steps, r.max_new_tokens - len(r.output)) for r in plan.decodes]
         if steps <= 1 or sum(want) == len(want) or not self.reserve(plan.decodes, [w - 1 for w in want]):
-            return plan.new_slots
-        plan.new_slots = want
+            return plan.new_tokens
+        plan.new_tokens = want
         return want
 
     def reserve(self, requests: list[Request], counts: list[int]) -> bool:
-        """Append `counts[i]` new slots to request i, all or none (False: the pool is short)."""
-        taken = self.book.slots.allocate(sum(counts)) if sum(counts) <= self.book.slots.available else None
-        if taken is None:
-            return False
-        start = 0
-        for request, count in zip(requests, counts, strict=True):
-            request.slots.extend(taken[start : start + count])
-            start += count
-        return True
+        """Reserve `counts[i]` more tokens for request i, all or none (False: the pool is short)."""
+        return self.book.blocks.grow(requests, counts)
 
     def rollback(self, plan: StepPlan) -> None:
         """Give back exactly what `plan()` reserved, in reverse order (the free list ends as it was)."""
         book = self.book
-        for request in reversed(plan.prefills):
-            book.slots.free(request.slots)
-            request.slots, request.state = [], RequestState.WAITING
+        blocks = book.blocks
+        admitted = plan.prefills[len(plan.prefills) - plan.admitted :]
+        for request in reversed(admitted):
+            blocks.release(request)
+            request.state = RequestState.WAITING
             book.running.remove(request)
             book.waiting.appendleft(request)
-        # The window's extra slots were allocated after the one-per-request: free them first.
-        for request, count in zip(reversed(plan.decodes), reversed(plan.new_slots), strict=True):
+        continued = plan.prefills[: len(plan.prefills) - plan.admitted]
+        for request, chunk in zip(reversed(continued), reversed(plan.chunks[: len(continued)]), strict=True):
+            blocks.shrink(request, chunk)
+        # A window's extra tokens were reserved after the one-per-request: give them back first.
+        for request, count in zip(reversed(plan.decodes), reversed(plan.new_tokens), strict=True):
             if count > 1:
-                book.slots.free(request.slots[-(count - 1) :])
-                del request.slots[-(count - 1) :]
+                blocks.shrink(request, count - 1)
         for request in reversed(plan.decodes):
-            book.slots.free([request.slots.pop()])
+            blocks.shrink(request, 1)
 
     @staticmethod
-    def build_inputs(plan: StepPlan, device: torch.device) -> StepInputs:
+    def build_inputs(plan: StepPlan, block_size: int, device: torch.device,
+                     backend: AttentionBackend | None = None) -> StepInputs:
+        """Token ids and metadata from host lists (prefill rows: chunks of the prompt)."""
         ids: list[int] = []
         counts: list[int] = []
         for request in plan.decodes:
             ids.append(request.last_token)
             counts.append(1)
-        for request in plan.prefills:
-            ids.extend(request.tokens)
-            counts.append(len(request.tokens))
+        for request, chunk in zip(plan.prefills, plan.chunks, strict=True):
+            tokens = request.tokens
+            ids.extend(tokens[request.kv_tokens - chunk : request.kv_tokens])
+            counts.append(chunk)
         batch = plan.batch
-        meta = AttentionMetadata.build([r.slots for r in batch], counts, device)
+        meta = AttentionMetadata.build([r.blocks for r in batch], [r.kv_tokens for r in batch], counts, block_size,
+                                       device, backend)
         ends, total = [], 0
         for count in counts:
             total += count
             ends.append(total - 1)
         last_index = torch.tensor(ends, dtype=torch.long, device=device)
-        return StepInputs(torch.tensor(ids, dtype=torch.long, device=device), meta, last_index)
+        emits = [r.kv_tokens == len(r.prompt) + len(r.output) for r in batch]
+        return StepInputs(torch.tensor(ids, dtype=torch.long, device=device), meta, last_index, emits)
 
-    def _reserve_decode_slots(self) -> list[Request]:
-        """One new slot per running request; retract the newest ones if the pool is short."""
+    def _reserve_decodes(self) -> list[Request]:
+        """One token per decoding request; retract the newest requests while the pool is short."""
         book = self.book
-        while book.running and book.slots.available < len(book.running):
+        while True:
+            decodes = [r for r in book.running if r.pending == 1]
+            if book.blocks.grow(decodes, [1] * len(decodes)):
+                return decodes
             book.retract(book.running[-1])
-        # One allocation for all: the same slots, in the same order, as one allocate(1) per request.
-        new_slots = book.slots.allocate(len(book.running))
-        assert new_slots is not None
-        for request, slot in zip(book.running, new_slots, strict=True):
-            request.slots.append(slot)
-        return list(book.running)
 
-    def _admit(self, budget: int) -> list[Request]:
+    def _continue_prefills(self, budget: int) -> tuple[list[Request], list[int]]:
+        """The next chunk of each request part-way through its prefill, as far as the budget
+        and the free blocks reach (a request that gets no block waits this step)."""
+        blocks = self.book.blocks
+        requests, chunks = [], []
+        for request in self.book.running:
+            if request.pending <= 1 or budget < 1:
+                continue
+            room = (len(request.blocks) * blocks.block_size - request.kv_tokens) + blocks.available * blocks.block_size
+            chunk = min(request.pending, budget, room)
+            if chunk < 1:
+                continue
+            taken = blocks.grow([request], [chunk])
+            assert taken  # `room` counted the blocks
+            requests.append(request)
+            chunks.append(chunk)
+            budget -= chunk
+        return requests, chunks
+
+    def _admit(self, budget: int) -> tuple[list[Request], list[int]]:
         book = self.book
         admitted: list[Request] = []
-        while book.waiting and len(book.running) < self.max_running:
-            need = len(book.waiting[0].tokens)
-            if need > budget and (admitted or book.running):
+        chunks: list[int] = []
+        while book.waiting and len(book.running) < self.max_running and budget > 0:
+            chunk = min(len(book.waiting[0].tokens), budget)
+            request = book.admit_next(chunk)
+            if request is None:
                 break
-            slots = book.slots.allocate(need)
-            if slots is None:
-                break
-            admitted.append(book.admit_next(slots))
-            budget -= need
-        return admitted
+            admitted.append(request)
+            chunks.append(chunk)
+            budget -= chunk
+        return admitted, chunks

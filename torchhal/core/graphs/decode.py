@@ -1,27 +1,27 @@
-"""Full-graph decode: one graph replay per decode step.
+"""Full-graph decode: one graph replay per decode step, on the paged KV cache.
 
 A decode step of B running requests is padded to a batch bucket and a context
-bucket, and the whole step (embedding, every layer with a capturable paged
-attention in place of each attention break, final norm, logits, greedy argmax)
-is one captured graph reading static buffers:
+bucket, and the whole step (embedding, every layer with the model's own attention
+op reading the paged cache through the chosen backend's `decode`, final norm, logits,
+greedy argmax) is one captured graph reading static buffers:
 
-    step_inputs [3, rows]   this step's input token, position and new KV slot per row
-    future      [W, rows]   the new KV slot of each later step of the window
-    slot_table  [rows, C]   each row's KV slots; the graph appends the new slot itself
+    inputs [4 + W, rows]     this step's input token, position, KV slot and liveness per
+                             row, then the KV slot of each later step of the window
+    block_tables [rows, M]   each row's KV blocks (SCRATCH_BLOCK where unused)
 
-The graph ends by feeding itself: its greedy token becomes the next input, the
-position advances and the next slot comes from `future`. So a window of up to W
-steps is W replays back to back with one host copy before and one token read-back
-after: the host's per-step work (scheduling, results) is paid once per window, not
-once per token. A request needing fewer tokens than the window gets fewer slots;
-its extra steps write the scratch slot and their tokens are dropped.
+Each step builds its `PagedMetadata` on the device from these (context length =
+position + 1 for a live row, 0 for a padded one), so a step's host work does not grow
+with the context. The graph ends by feeding itself: its greedy token becomes the next
+input, the position advances and the next slot comes from the window rows. So a window
+of up to W steps is W replays back to back with one host copy before and one token
+read-back after. A request needing fewer tokens than the window gets fewer slots; its
+extra steps write the scratch block and their tokens are dropped.
 
-Each running request keeps its row between windows, so a window's host work is
-one small copy of the inputs; a request's full slot list is written once, when it
-joins (or moves row after others finish). Padded rows write their K/V into a
-scratch slot that no request owns. Prefill and mixed batches stay on the
-breakable runner (`GraphRunner`); `reason(...)` says when this runner cannot
-take a batch.
+Each running request keeps its row between windows: a request's block table is written
+once, when it joins (or moves row after others finish), and after that only the blocks
+it newly starts are uploaded. Padded rows write the scratch block, which no request
+owns. Prefill and mixed batches stay on the breakable runner (`GraphRunner`);
+`reason(...)` says when this runner cannot take a batch.
 """
 
 from __future__ import annotations
@@ -34,24 +34,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from torchhal.core.graphs.program import BreakStep, StackState, Step
+from torchhal.attention import SCRATCH_BLOCK, AttentionBackend, PagedMetadata
+from torchhal.core.graphs.program import BreakStep, StackState, Step, run_eager
+from torchhal.core.model.kv_cache import AttentionMetadata
 from torchhal.platforms import Platform
 
-DecodeRow = tuple[Hashable, int, Sequence[int], int]
-"""(request key, input token, every KV slot of the request including this window's new
-ones, how many of them are new: the tokens it wants from this window, 1..steps)."""
+DecodeRow = tuple[Hashable, int, Sequence[int], int, int]
+"""(request key, input token, the request's KV blocks, its KV tokens including this
+window's new ones, how many of them are new: the tokens it wants from this window, 1..steps)."""
 
-# Backends without a plan per shape (as the eager attention path uses); flash declines masks.
-_SHAPE_FREE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _ATTENTION_NAME = re.compile(r"layer(\d+)\.attention")
 
 
 def attention_layer(step: BreakStep) -> int | None:
-    """The KV-pool layer of an attention break: its `layer` field, else its name."""
+    """The KV-cache layer of an attention break: its `layer` field, else its name."""
     if step.layer is not None:
         return step.layer
     match = _ATTENTION_NAME.fullmatch(step.name)
@@ -70,51 +68,26 @@ def _check_buckets(label: str, buckets: Sequence[int]) -> list[int]:
     return sorted(set(buckets))
 
 
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_table: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """One query per row over that row's KV slots; static shapes, so it can be captured.
-
-    q [B, Hq, D]; k_cache, v_cache [S, Hkv, D] with Hq a multiple of Hkv (GQA: query head
-    i reads KV head i // (Hq / Hkv)); slot_table [B, C] KV slots (entries past a row's
-    length must still be valid slots); mask [B, C]: boolean, True where the entry belongs
-    to the row's sequence, or additive (0 there, -inf elsewhere); every row needs one
-    entry. Returns [B, Hq, D].
-
-    The gather reads only the context bucket C, not the pool. GQA without copying K/V per
-    query head: a KV head's G query heads attend as G queries of that head (one query each,
-    same keys, same mask). SDPA with the eager attention path's backends.
-    """
-    batch, q_heads, dim = q.shape
-    kv_heads = k_cache.shape[1]
-    keys = k_cache[slot_table].transpose(1, 2)  # [B, Hkv, C, D]
-    values = v_cache[slot_table].transpose(1, 2)
-    queries = q.reshape(batch, kv_heads, q_heads // kv_heads, dim)  # head i -> (i // G, i % G)
-    with sdpa_kernel(_SHAPE_FREE_SDPA):
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
-    return out.reshape(batch, q_heads, dim)
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
-class SlotTable:
-    """Rows of the padded decode batch and their KV slots, on the device, updated in place.
+class BlockTable:
+    """Rows of the padded decode batch and their block tables, on the device, updated in place.
 
     Live rows are kept dense in [0, live): when a request leaves, the highest live
     rows move into the holes (a device row copy), so the batch bucket follows the
-    live count. The host keeps, per row, the request key, its length and its first
-    and last slot, to tell a request that merely appended slots from one whose
-    slots changed (retracted and admitted again), which gets its row rewritten.
+    live count. The host keeps, per row, the request key, its KV length, how many of its
+    blocks are on the device and its first block, to tell a request that merely grew
+    from one whose blocks changed (retracted and admitted again), which gets its row
+    rewritten.
     """
 
     def __init__(
         self,
         max_rows: int,
         max_context: int,
-        scratch_slot: int,
+        block_size: int,
         device: torch.device,
         max_steps: int = 1,
         pin: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -123,19 +96,26 @@ class SlotTable:
         inputs' copy does not wait for the device to finish queued work."""
         if not isinstance(max_steps, int) or max_steps < 1:
             raise ValueError(f"max_steps {max_steps!r} must be a positive int (decode steps per window)")
-        self.max_rows, self.max_context, self.scratch_slot = max_rows, max_context, scratch_slot
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"block_size {block_size!r} must be a positive int (tokens per KV block)")
+        self.max_rows, self.max_context, self.block_size = max_rows, max_context, block_size
+        self.max_blocks = _cdiv(max_context, block_size)
         self.max_steps = max_steps
         self._pin = pin
-        self.table = torch.full((max_rows, max_context), scratch_slot, dtype=torch.long, device=device)
+        self.scratch_slot = SCRATCH_BLOCK * block_size
+        self.table = torch.full((max_rows, self.max_blocks), SCRATCH_BLOCK, dtype=torch.int32, device=device)
+        self._query_start = torch.arange(max_rows + 1, dtype=torch.int32, device=device)
         # One buffer, so a window's inputs are one host-to-device copy.
-        self.inputs = torch.zeros(3 + max_steps, max_rows, dtype=torch.long, device=device)
-        self.step_inputs = self.inputs[:3]  # token, position, slot
-        self.future = self.inputs[3:]  # future[j]: the slot of window step j + 1 (scratch past a row's new slots)
+        self.inputs = torch.zeros(4 + max_steps, max_rows, dtype=torch.long, device=device)
+        self.step_inputs = self.inputs[:4]  # token, position, slot, live (1) or padded (0)
+        self.future = self.inputs[4:]  # future[j]: the slot of window step j + 1 (scratch past a row's new tokens)
         self._row_of: dict[Hashable, int] = {}
         self._key: list[Hashable | None] = [None] * max_rows
         self._length = [0] * max_rows
-        self._ends: list[tuple[int, int]] = [(scratch_slot, scratch_slot)] * max_rows
-        self.rows_written = 0  # full row writes (join or retract); appends are not counted
+        self._written = [0] * max_rows  # blocks of the row on the device
+        self._first = [SCRATCH_BLOCK] * max_rows
+        self.rows_written = 0  # full row writes (join or retract)
+        self.block_uploads = 0  # uploads of blocks a continuing row newly started
         self.rows_moved = 0
         self.reset()
 
@@ -147,7 +127,8 @@ class SlotTable:
 
     def reset_inputs(self) -> None:
         self.inputs.zero_()
-        self.inputs[2:].fill_(self.scratch_slot)
+        self.inputs[2].fill_(self.scratch_slot)
+        self.inputs[4:].fill_(self.scratch_slot)
 
     @property
     def live(self) -> int:
@@ -168,57 +149,86 @@ class SlotTable:
         """Place every request of a decode window of `steps` steps in a row and fill its inputs.
 
         Returns the row of each request, in batch order. Rows in [len(batch), padded_rows)
-        get token 0 at position 0 writing the scratch slot. Requests absent from the batch
-        lose their rows. keep_tokens: every request continues in its row and its input
-        token is already on the device (left by the previous window); only positions and
-        slots are written. Raises ValueError (nothing changed) on a bad batch.
+        are padding: token 0 at position 0, context 0, writing the scratch block. Requests
+        absent from the batch lose their rows. keep_tokens: every request continues in its
+        row and its input token is already on the device (left by the previous window); only
+        positions, slots and new blocks are written. Raises ValueError (nothing changed) on a
+        bad batch.
         """
         self._validate(batch, padded_rows, steps)
         if not self._all_continue(batch):
             if keep_tokens:
                 raise ValueError("a chained decode window must continue every row of the previous one in place")
             self._place(batch)
-        # One flat host list -> one small tensor -> one copy: token, position, slot, future rows.
-        row_of, lengths, ends, scratch = self._row_of, self._length, self._ends, self.scratch_slot
+        self._upload_new_blocks(batch)
+        # One flat host list -> one small tensor -> one copy: token, position, slot, live, future rows.
+        row_of, lengths, size, scratch = self._row_of, self._length, self.block_size, self.scratch_slot
         tokens, positions, out_slots = [0] * padded_rows, [0] * padded_rows, [scratch] * padded_rows
+        live = [0] * padded_rows
         future = [[scratch] * padded_rows for _ in range(steps)]  # the last row stays scratch
         rows: list[int] = []
-        for key, token, slots, new in batch:
+        for key, token, blocks, length, new in batch:
             row = row_of[key]
             rows.append(row)
-            length = len(slots)
             position = length - new
             lengths[row] = length
-            ends[row] = (slots[0], slots[-1])
-            tokens[row], positions[row], out_slots[row] = token, position, slots[position]
+            tokens[row], positions[row], live[row] = token, position, 1
+            out_slots[row] = blocks[position // size] * size + position % size
             for step in range(1, new):
-                future[step - 1][row] = slots[position + step]
-        flat = tokens + positions + out_slots
-        for later in future:
-            flat += later
-        # A pageable host tensor: the copy has read it by the time copy_ returns.
-        host = torch.tensor(flat, dtype=torch.long).view(3 + steps, padded_rows)
+                later = position + step
+                future[step - 1][row] = blocks[later // size] * size + later % size
+        flat = tokens + positions + out_slots + live
+        for later_slots in future:
+            flat += later_slots
+        host = torch.tensor(flat, dtype=torch.long).view(4 + steps, padded_rows)
         first = 1 if keep_tokens else 0
         if self._pin is not None:  # async: the host may run ahead of a window still on the device
-            self.inputs[first : 3 + steps, :padded_rows].copy_(self._pin(host[first:]), non_blocking=True)
+            self.inputs[first : 4 + steps, :padded_rows].copy_(self._pin(host[first:]), non_blocking=True)
         else:  # pageable: the copy has read the host tensor by the time copy_ returns
-            self.inputs[first : 3 + steps, :padded_rows].copy_(host[first:])
+            self.inputs[first : 4 + steps, :padded_rows].copy_(host[first:])
         return rows
 
+    def metadata(self, rows: int, context: int) -> PagedMetadata:
+        """The paged metadata of the first `rows` rows' current step, their tables cut to
+        `context` positions, built on the device from the buffers `prepare` filled (no host
+        sync, so a graph can capture it; padded rows get context 0)."""
+        _, positions, out_slots, live = self.step_inputs[:, :rows]
+        return PagedMetadata(
+            block_tables=self.table[:rows, : _cdiv(context, self.block_size)],
+            seq_lens=((positions + 1) * live).to(torch.int32),  # a live row's context ends at its position
+            query_start=self._query_start[: rows + 1],
+            slot_mapping=out_slots,
+            max_query_len=1,
+        )
+
+    def _upload_new_blocks(self, batch: Sequence[DecodeRow]) -> None:
+        """The blocks each row started since its table was written, in one indexed copy."""
+        rows: list[int] = []
+        columns: list[int] = []
+        values: list[int] = []
+        for key, _, blocks, _, _ in batch:
+            row = self._row_of[key]
+            written = self._written[row]
+            if len(blocks) > written:
+                rows += [row] * (len(blocks) - written)
+                columns += range(written, len(blocks))
+                values += blocks[written:]
+                self._written[row] = len(blocks)
+        if values:
+            device = self.table.device
+            self.table[torch.tensor(rows, device=device), torch.tensor(columns, device=device)] = torch.tensor(
+                values, dtype=torch.int32).to(device)
+            self.block_uploads += 1
+
     def _all_continue(self, batch: Sequence[DecodeRow]) -> bool:
-        """True when the batch is exactly the live rows, dense in [0, len(batch)), each only appended to."""
+        """True when the batch is exactly the live rows, dense in [0, len(batch)), each only grown."""
         row_of, live = self._row_of, len(batch)
         if len(row_of) != live:
             return False
-        lengths, ends = self._length, self._ends
-        for key, _, slots, new in batch:
+        for key, _, blocks, length, new in batch:
             row = row_of.get(key)
             # A row at or above `live` (a hole left by a forgotten request) needs compaction.
-            if row is None or row >= live:
-                return False
-            length = lengths[row]  # inlined _continues: this loop runs per request per window
-            first, last = ends[row]
-            if len(slots) != length + new or slots[0] != first or slots[length - 1] != last:
+            if row is None or row >= live or not self._continues(row, blocks, length, new):
                 return False
         return True
 
@@ -229,18 +239,18 @@ class SlotTable:
             self.forget(key)
         fresh: list[DecodeRow] = []
         for row_data in batch:
-            key, _, slots, new = row_data
+            key, _, blocks, length, new = row_data
             row = self._row_of.get(key)
-            if row is not None and not self._continues(row, slots, new):
+            if row is not None and not self._continues(row, blocks, length, new):
                 self.forget(key)
             if key not in self._row_of:
                 fresh.append(row_data)
         self._compact(self.live)
         free_rows = iter(sorted(set(range(len(batch))) - set(self._row_of.values())))
-        for key, _, slots, _ in fresh:
+        for key, _, blocks, _, _ in fresh:
             row = next(free_rows)
             self._row_of[key], self._key[row] = row, key
-            self._write_row(row, slots)
+            self._write_row(row, blocks)
 
     def _validate(self, batch: Sequence[DecodeRow], padded_rows: int, steps: int) -> None:
         if not 1 <= len(batch) <= padded_rows <= self.max_rows:
@@ -250,29 +260,33 @@ class SlotTable:
         if not isinstance(steps, int) or not 1 <= steps <= self.max_steps:
             raise ValueError(f"a decode window of {steps!r} steps does not fit 1..{self.max_steps} steps")
         seen: set[Hashable] = set()
-        for key, token, slots, new in batch:
+        for key, token, blocks, length, new in batch:
             if key in seen:
                 raise ValueError(f"request {key!r} appears twice in one decode batch")
             seen.add(key)
-            if not isinstance(new, int) or not 1 <= new <= min(steps, len(slots)):
+            if not isinstance(new, int) or not 1 <= new <= min(steps, length):
                 raise ValueError(
-                    f"request {key!r} has {new!r} new slots; a window of {steps} steps takes 1..{steps} "
-                    "of the request's slots"
+                    f"request {key!r} has {new!r} new tokens; a window of {steps} steps takes 1..{steps} "
+                    "of the request's tokens"
                 )
-            # The window's last step writes table column len(slots) - new + steps - 1.
-            if not 1 <= len(slots) - new + steps <= self.max_context:
+            if len(blocks) != _cdiv(length, self.block_size) or SCRATCH_BLOCK in blocks:
                 raise ValueError(
-                    f"request {key!r} has {len(slots)} KV slots ({new} new) and a window of {steps} steps; "
+                    f"request {key!r} holds {length} KV tokens in blocks {list(blocks)}; it needs exactly "
+                    f"{_cdiv(length, self.block_size)} blocks of {self.block_size}, none the scratch block"
+                )
+            # The window's last step reads position length - new + steps - 1.
+            if not 1 <= length - new + steps <= self.max_context:
+                raise ValueError(
+                    f"request {key!r} has {length} KV tokens ({new} new) and a window of {steps} steps; "
                     f"a decode row holds 1..{self.max_context} positions"
                 )
             if not isinstance(token, int):
                 raise ValueError(f"request {key!r} has input token {token!r}; expected an int")
 
-    def _continues(self, row: int, slots: Sequence[int], new: int) -> bool:
-        """True when `slots` is this row's sequence with `new` more slots appended."""
-        length = self._length[row]
-        first, last = self._ends[row]
-        return len(slots) == length + new and slots[0] == first and slots[length - 1] == last
+    def _continues(self, row: int, blocks: Sequence[int], length: int, new: int) -> bool:
+        """True when `blocks` is this row's table grown by `new` tokens."""
+        written = self._written[row]
+        return length == self._length[row] + new and len(blocks) >= written and blocks[0] == self._first[row]
 
     def _compact(self, live: int) -> None:
         """Move live rows at or above `live` into the free rows below it."""
@@ -287,11 +301,14 @@ class SlotTable:
             key = self._key[old]
             assert key is not None
             self._row_of[key], self._key[new], self._key[old] = new, key, None
-            self._length[new], self._ends[new] = self._length[old], self._ends[old]
+            self._length[new], self._written[new], self._first[new] = self._length[old], self._written[old], \
+                self._first[old]
         self.rows_moved += len(movers)
 
-    def _write_row(self, row: int, slots: Sequence[int]) -> None:
-        self.table[row, : len(slots)].copy_(torch.tensor(list(slots), dtype=torch.long))
+    def _write_row(self, row: int, blocks: Sequence[int]) -> None:
+        padded = list(blocks) + [SCRATCH_BLOCK] * (self.max_blocks - len(blocks))
+        self.table[row].copy_(torch.tensor(padded, dtype=torch.int32))
+        self._written[row], self._first[row] = len(blocks), blocks[0]
         self.rows_written += 1
 
 
@@ -314,39 +331,30 @@ class DecodeCaptureReport:
     pool_bytes: int | None
 
 
-@dataclass(frozen=True)
-class _Attention:
-    """What every layer's decode attention of one step reads."""
-
-    slot_table: torch.Tensor  # [B, C]
-    mask: torch.Tensor  # [B, C] additive: 0 where the entry belongs to the row's sequence, -inf elsewhere
-    out_slots: torch.Tensor  # [B]
-
-
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why this model's decode step cannot be one graph, or None when it can.
 
-    The decode graph replaces each attention break with plain softmax attention over the
-    request's slots (optionally a sliding window from `model.config.sliding_window`, scale
-    `model.attention_scale` or 1/sqrt(head_dim)). A model whose attention differs says so
-    with a `decode_graph_refusal` string attribute."""
+    The decode graph runs the model's own layer program, its attention breaks with decode
+    metadata built on the device (`AttentionMetadata(decode=True)`), so those breaks must be
+    capturable: the decoder's attention is (it calls the backend's `decode`). A model whose
+    breaks are not says so with a `decode_graph_refusal` string attribute."""
     missing = [name for name in ("layer_program", "embed_tokens", "logits") if not callable(getattr(model, name, None))]
     if missing:
         return (
             f"{type(model).__name__} lacks {', '.join(missing)}(); "
             "full-graph decode needs the explicit layer program"
         )
-    refusal = getattr(model, "decode_graph_refusal", None)  # a model whose attention is not plain softmax
+    refusal = getattr(model, "decode_graph_refusal", None)
     if refusal:
         return str(refusal)
     if getattr(model, "kv", None) is None:
-        return f"{type(model).__name__}.kv is not allocated; allocate the KV pool before building the decode runner"
+        return f"{type(model).__name__}.kv is not allocated; allocate the KV cache before building the decode runner"
     program: list[Step] = getattr(model, "layer_program")()  # noqa: B009  # an nn.Module attribute, typed Tensor
     for step in program:
         if isinstance(step, BreakStep) and attention_layer(step) is None:
             return (
                 f"break step {step.name!r} is not attention (no layer index, name is not 'layer<N>.attention'); "
-                "only attention breaks are replaced in a decode graph"
+                "only attention breaks run inside a decode graph"
             )
     return None
 
@@ -361,7 +369,8 @@ class DecodeGraphRunner:
         platform: Platform,
         device_index: int,
         *,
-        scratch_slot: int,
+        block_size: int,
+        backend: AttentionBackend,
         batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
         context_buckets: Sequence[int] = (128, 256, 512, 1024, 2048, 4096),
         steps_per_sync: int = 1,
@@ -369,10 +378,8 @@ class DecodeGraphRunner:
     ) -> None:
         self.batch_buckets = _check_buckets("batch_buckets", batch_buckets)
         self.context_buckets = _check_buckets("context_buckets", context_buckets)
-        if not isinstance(scratch_slot, int) or scratch_slot < 0:
-            raise ValueError(f"scratch_slot {scratch_slot!r} must be a KV slot index that no request owns")
         self.model, self.platform, self.device_index = model, platform, device_index
-        self.scratch_slot, self.emulate = scratch_slot, emulate
+        self.backend, self.emulate = backend, emulate
         self.device = platform.device(device_index)
         self.report: DecodeCaptureReport | None = None
         if not isinstance(steps_per_sync, int) or isinstance(steps_per_sync, bool) or steps_per_sync < 1:
@@ -383,30 +390,22 @@ class DecodeGraphRunner:
         self.chained = 0  # windows queued behind the previous one before its tokens were read
         self._graphs: dict[tuple[int, int], Any] = {}
         max_rows = self.batch_buckets[-1]
-        self.slots = SlotTable(
-            max_rows, self.context_buckets[-1], scratch_slot, self.device, steps_per_sync, pin=platform.pin_memory
+        self.rows = BlockTable(
+            max_rows, self.context_buckets[-1], block_size, self.device, steps_per_sync, pin=platform.pin_memory
         )
         self.history = torch.zeros(steps_per_sync, max_rows, dtype=torch.long, device=self.device)  # tokens
         self._cursor = torch.zeros(1, dtype=torch.long, device=self.device)  # the window step being run
         self._row_index = torch.arange(self.batch_buckets[-1], device=self.device)
-        self._context_index = torch.arange(self.context_buckets[-1], device=self.device)
-        window = getattr(getattr(model, "config", None), "sliding_window", None)
-        self._sliding_window: int | None = int(window) if window else None
         self.unsupported: str | None = unsupported_reason(model)
         if self.unsupported is None and platform.graph_support is None and not emulate:
             self.unsupported = f"platform {platform.name!r} declares no graph support"
-        if self.unsupported is None:
-            kv: Any = model.kv
-            num_slots = int(kv.k[0].shape[0])
-            if scratch_slot >= num_slots:
-                raise ValueError(f"scratch_slot {scratch_slot} is outside the KV pool of {num_slots} slots")
-            if not emulate:
-                self.capture()
+        if self.unsupported is None and not emulate:
+            self.capture()
 
     # -- what it can take ------------------------------------------------------------------
     def reason(self, batch_size: int, max_length: int) -> str | None:
         """Why a pure decode step of `batch_size` requests, the longest holding `max_length`
-        KV slots (this step's included), must run elsewhere; None when this runner takes it."""
+        KV tokens (this step's included), must run elsewhere; None when this runner takes it."""
         if self.unsupported is not None:
             return self.unsupported
         if batch_size > self.batch_buckets[-1]:
@@ -419,10 +418,10 @@ class DecodeGraphRunner:
         return batch_size >= 1 and self.reason(batch_size, max_length) is None
 
     def window_for(self, max_length: int) -> int:
-        """The most steps a window may run when its longest request holds `max_length` slots
+        """The most steps a window may run when its longest request holds `max_length` tokens
         with one new: bounded by `steps_per_sync` and by the room left in the largest
         context bucket (0 when there is none)."""
-        steps = min(self.steps_per_sync, self.slots.max_steps)
+        steps = min(self.steps_per_sync, self.rows.max_steps)
         return max(0, min(steps, self.context_buckets[-1] - max_length + 1))
 
     def buckets_for(self, batch_size: int, max_length: int) -> tuple[int, int]:
@@ -435,7 +434,7 @@ class DecodeGraphRunner:
     # -- a decode window ------------------------------------------------------------------------
     def decode(self, batch: Sequence[DecodeRow], steps: int = 1) -> list[list[int]]:
         """Greedy tokens of each request, in batch order: `new` of them for a row with `new`
-        new slots. Runs `steps` steps back to back (one replay each) and syncs once to read
+        new tokens. Runs `steps` steps back to back (one replay each) and syncs once to read
         the tokens back."""
         return self.collect(self.launch(batch, steps))
 
@@ -445,20 +444,20 @@ class DecodeGraphRunner:
         reads the tokens.
 
         chained=True continues the window queued last on exactly the same rows, each with
-        `steps` new slots: the input tokens are the ones that window's last step left on
+        `steps` new tokens: the input tokens are the ones that window's last step left on
         the device (the host does not know them yet), so only positions and slots are
         written. Raises ValueError (nothing queued) when a row is not such a continuation."""
         if self.unsupported is not None:
             raise RuntimeError(f"full-graph decode is unavailable: {self.unsupported}")
         if not batch:
             raise ValueError("a decode batch needs at least one request")
-        # The window's last step reads positions up to len(slots) - new + steps - 1.
-        reach = max((len(slots) - new + steps for _, _, slots, new in batch), default=0)
+        # The window's last step reads positions up to length - new + steps - 1.
+        reach = max((length - new + steps for _, _, _, length, new in batch), default=0)
         problem = self.reason(len(batch), reach)
         if problem is not None:
             raise ValueError(problem)
         padded, context = self.buckets_for(len(batch), reach)
-        rows = self.slots.prepare(batch, padded, steps, keep_tokens=chained)
+        rows = self.rows.prepare(batch, padded, steps, keep_tokens=chained)
         self._cursor.zero_()
         graph = self._graphs.get((padded, context))
         for _ in range(steps):
@@ -475,7 +474,7 @@ class DecodeGraphRunner:
         host.copy_(self.history[:steps, :padded], non_blocking=True)
         done = self.platform.new_event()
         done.record(self.platform.current_stream(self.device_index))
-        return DecodeWindow(rows, [new for _, _, _, new in batch], host, done)
+        return DecodeWindow(rows, [new for *_, new in batch], host, done)
 
     def collect(self, window: DecodeWindow) -> list[list[int]]:
         """Wait for a launched window and return each request's `new` tokens, in batch order."""
@@ -485,57 +484,39 @@ class DecodeGraphRunner:
 
     def forget(self, key: Hashable) -> None:
         """The request left the running batch (finished, aborted, retracted)."""
-        self.slots.forget(key)
+        self.rows.forget(key)
+
+    def step_metadata(self, batch: int, context: int) -> PagedMetadata:
+        """The paged metadata of the current step of a (batch, context) bucket, built on the
+        device from the static buffers (no host sync: it is part of the captured graph)."""
+        return self.rows.metadata(batch, context)
+
+    def advance_inputs(self, batch: int, next_tokens: torch.Tensor) -> None:
+        """Feed the next step of the window: its token, position and slot, all on the device."""
+        tokens, positions, out_slots, _ = self.rows.step_inputs[:, :batch]
+        self.history[:, :batch].index_copy_(0, self._cursor, next_tokens[None])
+        tokens.copy_(next_tokens)
+        positions.add_(1)
+        out_slots.copy_(self.rows.future[:, :batch].index_select(0, self._cursor)[0])
+        self._cursor.add_(1).remainder_(self.rows.max_steps)  # never indexes past the window buffers
 
     def _step(self, batch: int, context: int) -> None:
         """The whole decode step for a (batch, context) bucket on the static buffers."""
         model: Any = self.model
-        tokens, positions, out_slots = self.slots.step_inputs[:, :batch]
-        table = self.slots.table[:batch]
-        # Append this step's slot. The host keeps positions inside the bucket; the clamp only
-        # keeps a wrong one from indexing past the table (a device fault), never reached.
-        table.scatter_(1, positions.clamp(max=self.slots.max_context - 1)[:, None], out_slots[:, None])
-        columns = self._context_index[None, :context]  # column j of a row holds its position j
-        valid = columns <= positions[:, None]
-        if self._sliding_window is not None:
-            valid = valid & (columns > positions[:, None] - self._sliding_window)
-        # Additive, built once per step: a boolean mask would be converted in every layer's attention.
-        kv: Any = model.kv
-        mask = torch.zeros(valid.shape, dtype=kv.k.dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
-        attention = _Attention(slot_table=table[:, :context], mask=mask, out_slots=out_slots)
+        tokens, positions = self.rows.step_inputs[0, :batch], self.rows.step_inputs[1, :batch]
+        meta = AttentionMetadata(self.step_metadata(batch, context), positions, self.backend, decode=True)
         state: StackState = {"hidden": model.embed_tokens(tokens), "positions": positions}
-        for step in self._program():
-            if isinstance(step, BreakStep):
-                self._attend(step, state, attention)
-            else:
-                step.run(state)
-        next_tokens = model.logits(state["hidden"], self._row_index[:batch]).argmax(-1)
-        # Feed the next step of the window: its token, position and slot, all on the device.
-        self.history[:, :batch].index_copy_(0, self._cursor, next_tokens[None])
-        tokens.copy_(next_tokens)
-        positions.add_(1)
-        out_slots.copy_(self.slots.future[:, :batch].index_select(0, self._cursor)[0])
-        self._cursor.add_(1).remainder_(self.slots.max_steps)  # never indexes past the window buffers
+        run_eager(self._program(), state, batch, meta)
+        self.advance_inputs(batch, model.logits(state["hidden"], self._row_index[:batch]).argmax(-1))
 
     def _program(self) -> list[Step]:
         program: list[Step] = self.model.layer_program()  # type: ignore[operator]
         return program
 
-    def _attend(self, step: BreakStep, state: StackState, attention: _Attention) -> None:
-        layer = attention_layer(step)
-        assert layer is not None  # checked in unsupported_reason
-        kv: Any = self.model.kv
-        k_cache, v_cache = kv.k[layer], kv.v[layer]
-        k_cache.index_copy_(0, attention.out_slots, state["k"])
-        v_cache.index_copy_(0, attention.out_slots, state["v"])
-        q = state["q"]
-        scale = getattr(self.model, "attention_scale", None) or q.shape[-1] ** -0.5
-        state["attn_out"] = paged_decode_attention(q, k_cache, v_cache, attention.slot_table, attention.mask, scale)
-
     # -- capture ---------------------------------------------------------------------------------
     def capture(self) -> DecodeCaptureReport:
         """Capture every (batch, context) bucket into one pool. Run it while no request
-        holds a row: warm-up and capture write the scratch slot into every row's first entry."""
+        holds a row: warm-up and capture write only the scratch block (every row is padding)."""
         support = self.platform.graph_support
         if support is None or self.unsupported is not None:
             raise RuntimeError(f"cannot capture decode graphs: {self.unsupported or 'no graph support'}")
@@ -545,7 +526,7 @@ class DecodeGraphRunner:
         stream = self.platform.new_stream(self.device_index)
         current = self.platform.current_stream(self.device_index)
         self._graphs = {}
-        self.slots.reset()  # warm-up and capture then touch only the scratch slot
+        self.rows.reset()  # warm-up and capture then touch only the scratch block
         with torch.no_grad():
             # Largest first, so smaller graphs reuse the pool's blocks.
             for batch in reversed(self.batch_buckets):
@@ -555,7 +536,7 @@ class DecodeGraphRunner:
                         self._step(batch, context)
                     current.wait_stream(stream)
                     self.platform.synchronize(self.device_index)
-                    self.slots.reset_inputs()  # the warm-up advanced them; capture reads padding
+                    self.rows.reset_inputs()  # the warm-up advanced them; capture reads padding
                     graph = support.graph_class()
                     with support.capture(graph, pool, stream):
                         self._step(batch, context)
@@ -577,7 +558,7 @@ class DecodeGraphRunner:
     def release(self) -> None:
         """Drop the graphs and every row (the KV pool goes away with sleep)."""
         self._graphs = {}
-        self.slots.reset()
+        self.rows.reset()
 
     def resume(self) -> None:
         """Recapture after wake; the model's KV pool is a new tensor, so graphs must be new too."""

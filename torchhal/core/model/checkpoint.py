@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from torchhal.core.model.decoder import ConfigValueError, Llama3RopeScaling, LlamaDecoder, ModelConfig, short_repr
+from torchhal.core.model.config import ConfigValueError, Llama3RopeScaling, ModelConfig, short_repr
+from torchhal.core.model.decoder import LlamaDecoder
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 CONFIG_FILE = "config.json"

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3) with a token-slot KV pool.
+"""The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Module and parameter names mirror Hugging Face's (`model.layers.N.self_attn.q_proj.weight`, ...),
 so an HF state dict loads by name and weight updates use HF names. The fused QKV (with its
@@ -6,153 +6,26 @@ bias) and gate-up weights are the storage: the HF-named q/k/v and gate/up parame
 views into them, so a load or update by name fills the fused weight in place (graph-captured
 addresses stay valid) and the fused layout costs no second copy of those weights.
 The layer stack is exposed explicitly (`layer_program()`), with attention marked as a
-breakable op, for the graph runner.
+breakable op, for the graph runner; attention reads the paged cache (`kv_cache.KVCache`)
+in place through the backend named by each step's `AttentionMetadata`. The model's
+vocabulary (`ModelConfig`, the cache, the metadata) lives in `config` and `kv_cache`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchhal.core.graphs.program import BreakStep, GraphStep, StackState, Step, run_eager
+from torchhal.core.model.config import Llama3RopeScaling, ModelConfig
+from torchhal.core.model.kv_cache import AttentionMetadata, KVCache
 
-_SHAPE_FREE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-@dataclass(frozen=True)
-class Llama3RopeScaling:
-    """Llama 3.1 frequency-dependent rotary scaling (HF `rope_type: llama3`)."""
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
-
-    def __post_init__(self) -> None:
-        # Out of these ranges the smoothing divides by zero or the frequencies grow: NaN or garbage.
-        check_number(self, "factor", self.factor, minimum=1.0, rule="a finite number >= 1")
-        check_number(self, "low_freq_factor", self.low_freq_factor, above=0.0, rule="a finite number > 0")
-        check_number(self, "high_freq_factor", self.high_freq_factor, above=self.low_freq_factor,
-                     rule=f"a finite number > low_freq_factor ({self.low_freq_factor})")
-        check_int(self, "original_max_position", self.original_max_position)
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):  # an int beyond float32 breaks torch's pow
-            object.__setattr__(self, name, float(getattr(self, name)))
-
-
-MAX_SIZE = 2**31 - 1  # largest size, length or count a config may give (int32 indexing everywhere)
-
-
-def short_repr(value: object, limit: int = 80) -> str:
-    """`repr(value)` cut to `limit` characters: one short line however large a hostile value is."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-class ConfigValueError(ValueError):
-    """A model config value out of its range; `field` names the dataclass field, `rule` what it must be."""
-
-    def __init__(self, owner: object, field: str, value: object, rule: str) -> None:
-        self.field, self.value, self.rule = field, value, rule
-        super().__init__(f"{type(owner).__name__}.{field} = {short_repr(value)} must be {rule}")
-
-
-def check_int(owner: object, field: str, value: object, minimum: int = 1) -> None:
-    """`value` an int (not a bool) in [minimum, MAX_SIZE]."""
-    if type(value) is not int or not minimum <= value <= MAX_SIZE:
-        raise ConfigValueError(owner, field, value, f"an int in [{minimum}, {MAX_SIZE}]")
-
-
-def check_number(
-    owner: object, field: str, value: object, rule: str,
-    minimum: float | None = None, above: float | None = None, below: float | None = None,
-) -> None:
-    """`value` a finite int or float (not a bool) within the given bounds."""
-    number = math.nan
-    if type(value) in (int, float):
-        try:
-            number = float(value)  # type: ignore[arg-type]
-        except OverflowError:  # an int beyond any float
-            pass
-    ok = math.isfinite(number)
-    if ok and minimum is not None:
-        ok = number >= minimum
-    if ok and above is not None:
-        ok = number > above
-    if ok and below is not None:
-        ok = number < below
-    if not ok:
-        raise ConfigValueError(owner, field, value, rule)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape and numerics of a Llama-family decoder.
-
-    `num_kv_heads` 0 means one KV head per query head (no GQA); `head_dim` 0 means
-    `hidden_size // num_heads`. `attention_bias` puts biases on q/k/v (Qwen2),
-    `o_proj_bias` on the output projection; `qk_norm` adds per-head RMSNorms on q and k
-    (Qwen3); `sliding_window` limits every layer's attention to the last N positions (Mistral).
-    `seed` only matters for the seeded reference weights.
-    """
-
-    vocab_size: int = 512
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    intermediate_size: int = 344
-    max_position: int = 4096
-    rope_theta: float = 10000.0
-    rms_eps: float = 1e-6
-    seed: int = 0
-    num_kv_heads: int = 0
-    head_dim: int = 0
-    attention_bias: bool = False
-    o_proj_bias: bool = False
-    qk_norm: bool = False
-    tie_word_embeddings: bool = False
-    rope_scaling: Llama3RopeScaling | None = None
-    sliding_window: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position"):
-            check_int(self, name, getattr(self, name))
-        check_int(self, "num_kv_heads", self.num_kv_heads, minimum=0)
-        check_int(self, "head_dim", self.head_dim, minimum=0)
-        # rope_theta < 1 makes frequencies above 1 that overflow; eps outside (0, 1) zeroes or NaNs the norms.
-        check_number(self, "rope_theta", self.rope_theta, minimum=1.0, rule="a finite number >= 1")
-        check_number(self, "rms_eps", self.rms_eps, above=0.0, below=1.0, rule="a finite number in (0, 1)")
-        object.__setattr__(self, "rope_theta", float(self.rope_theta))  # an int beyond float32 breaks torch's pow
-        object.__setattr__(self, "rms_eps", float(self.rms_eps))
-        for name in ("attention_bias", "o_proj_bias", "qk_norm", "tie_word_embeddings"):
-            if type(getattr(self, name)) is not bool:
-                raise ConfigValueError(self, name, getattr(self, name), "True or False")
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
-            raise ConfigValueError(self, "rope_scaling", self.rope_scaling, "a Llama3RopeScaling or None")
-        if self.sliding_window is not None:
-            check_int(self, "sliding_window", self.sliding_window)
-        if self.head_dim == 0:
-            if self.hidden_size % self.num_heads:
-                raise ValueError(
-                    f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; "
-                    "give head_dim explicitly"
-                )
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        if self.head_dim < 2 or self.head_dim % 2:
-            raise ValueError(f"ModelConfig.head_dim = {self.head_dim} must be a positive even int (rotary pairs)")
-        if self.num_kv_heads == 0:
-            object.__setattr__(self, "num_kv_heads", self.num_heads)
-        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads} (GQA groups)"
-            )
-
+__all__ = ["AttentionMetadata", "KVCache", "Llama3RopeScaling", "LlamaDecoder", "ModelConfig"]
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Rotary inverse frequencies in fp32, as Hugging Face computes them (incl. `llama3` scaling)."""
@@ -173,93 +46,6 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
-
-
-@dataclass
-class AttentionMetadata:
-    """Per-batch facts attention needs, built once on the host for the live batch
-    and shared by every layer.
-
-    out_slots:   [T] KV slot written by each token.
-    kv_slots:    [B, Lmax] slots of each sequence's context (padded with 0).
-    query_index: [B, Qmax] token index of each sequence's queries (padded with 0).
-    attn_mask:   [B, 1, Qmax, Lmax] causal mask over each sequence's real context.
-    positions:   [T] absolute positions (also the rotary positions).
-    token_seq, token_query: [T] the (sequence, query) slot of each token, in token order,
-        so attention scatters its output back without boolean indexing (which would sync).
-    """
-
-    out_slots: torch.Tensor
-    kv_slots: torch.Tensor
-    query_index: torch.Tensor
-    attn_mask: torch.Tensor
-    positions: torch.Tensor
-    token_seq: torch.Tensor
-    token_query: torch.Tensor
-
-    @classmethod
-    def build(
-        cls, seq_slots: list[list[int]], query_counts: list[int], device: torch.device
-    ) -> AttentionMetadata:
-        """`seq_slots[i]`: all KV slots of sequence i after this step; its last
-        `query_counts[i]` tokens are this step's queries."""
-        batch = len(seq_slots)
-        lmax = max(len(s) for s in seq_slots)
-        qmax = max(query_counts)
-        kv_slots = torch.zeros(batch, lmax, dtype=torch.long)
-        query_index = torch.zeros(batch, qmax, dtype=torch.long)
-        mask = torch.zeros(batch, 1, qmax, lmax, dtype=torch.bool)
-        kv_pos = torch.arange(lmax)
-        out_slots: list[int] = []
-        positions: list[int] = []
-        token_seq: list[int] = []
-        token_query: list[int] = []
-        token = 0
-        for i, (slots, count) in enumerate(zip(seq_slots, query_counts, strict=True)):
-            length = len(slots)
-            kv_slots[i, :length] = torch.tensor(slots)
-            query_index[i, :count] = torch.arange(token, token + count)
-            query_pos = torch.arange(length - count, length)
-            mask[i, 0, :count] = (kv_pos[None, :] <= query_pos[:, None]) & (kv_pos[None, :] < length)
-            out_slots.extend(slots[length - count :])
-            positions.extend(range(length - count, length))
-            token_seq.extend([i] * count)
-            token_query.extend(range(count))
-            token += count
-        mask[:, 0, :, 0] |= ~mask.any(-1)[:, 0]  # padded query rows: attend to one slot, never to nothing
-
-        def to_device(values: list[int] | torch.Tensor) -> torch.Tensor:
-            tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
-            return tensor.to(device, non_blocking=True)
-
-        return cls(
-            out_slots=to_device(out_slots),
-            kv_slots=to_device(kv_slots),
-            query_index=to_device(query_index),
-            attn_mask=to_device(mask),
-            positions=to_device(positions),
-            token_seq=to_device(token_seq),
-            token_query=to_device(token_query),
-        )
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.out_slots.numel())
-
-
-class KVCache:
-    """Token-slot KV storage for every layer (KV heads only, so GQA shrinks it), preallocated once."""
-
-    def __init__(self, config: ModelConfig, num_slots: int, device: torch.device, dtype: torch.dtype) -> None:
-        shape = (config.num_layers, num_slots, config.num_kv_heads, config.head_dim)
-        self.num_slots = num_slots
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-
-    @staticmethod
-    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
 
 
 class Linear(nn.Linear):
@@ -585,36 +371,19 @@ class LlamaDecoder(nn.Module):
 
     def _attention(self, index: int) -> Callable[[StackState, int, AttentionMetadata], None]:
         config = self.config
-        groups = config.num_heads // config.num_kv_heads
-
-        def expand_kv(x: torch.Tensor) -> torch.Tensor:
-            """[B, L, Hkv, D] -> [B, L, H, D]; query head i reads KV head i // groups (HF's repeat_kv)."""
-            if groups == 1:
-                return x
-            b, length, hkv, d = x.shape
-            return x[:, :, :, None, :].expand(b, length, hkv, groups, d).reshape(b, length, hkv * groups, d)
+        scale = config.head_dim**-0.5
 
         def run(state: StackState, num_tokens: int, meta: AttentionMetadata) -> None:
+            """Write this step's K/V into the paged cache, then attend in place through the
+            chosen backend: no gather of the context, no copy of KV heads for GQA."""
             assert self.kv is not None, "allocate the KV cache before running the model"
             k_cache, v_cache = self.kv.k[index], self.kv.v[index]
-            k_cache.index_copy_(0, meta.out_slots, state["k"][:num_tokens])
-            v_cache.index_copy_(0, meta.out_slots, state["v"][:num_tokens])
-            q = state["q"][meta.query_index]  # [B, Qmax, H, D]
-            keys, values = expand_kv(k_cache[meta.kv_slots]), expand_kv(v_cache[meta.kv_slots])  # [B, L, H, D]
-            mask = meta.attn_mask
-            if config.sliding_window is not None:
-                # Position j of a sequence sits at column j; a query sees the last `window` positions.
-                query_pos = meta.positions[meta.query_index]  # [B, Qmax]
-                kv_pos = torch.arange(mask.shape[-1], device=mask.device)
-                mask = mask & (kv_pos[None, None, None, :] > query_pos[:, None, :, None] - config.sliding_window)
-                mask[:, 0, :, 0] |= ~mask.any(-1)[:, 0]
-            # Backends that do not build a plan per shape: decode grows the context every
-            # step, and a per-shape plan build (measured: 13 ms a call on an H100) dominates.
-            with sdpa_kernel(_SHAPE_FREE_SDPA):
-                out = F.scaled_dot_product_attention(
-                    q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask
-                ).transpose(1, 2)  # [B, Qmax, H, D]
-            state["attn_out"][:num_tokens].copy_(out[meta.token_seq, meta.token_query])
+            backend = meta.backend
+            backend.write_kv(k_cache, v_cache, state["k"][:num_tokens], state["v"][:num_tokens],
+                             meta.paged.slot_mapping)
+            attend = backend.decode if meta.decode else backend.prefill
+            attend(state["q"][:num_tokens], k_cache, v_cache, meta.paged, scale=scale,
+                   sliding_window=config.sliding_window, out=state["attn_out"][:num_tokens])
 
         return run
 

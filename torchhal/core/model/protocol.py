@@ -37,9 +37,11 @@ MODEL_MEMBERS = (
 class Model(Protocol):
     """A decoder the engine can run.
 
-    `config` gives the model facts: the engine reads `vocab_size` and `max_position`
-    and sizes the KV pool through `KVCache.bytes_per_slot(config, dtype)`. The engine
-    sets `kv` (and clears it while asleep). Weights are updated in place through
+    `config` gives the model facts: the engine reads `vocab_size` and `max_position`,
+    sizes the paged KV cache through `KVCache.bytes_per_block(config, dtype, block_size)`
+    and builds the attention spec from the head counts, `head_dim` and `sliding_window`.
+    The engine sets `kv` (and clears it while asleep). Each step's `AttentionMetadata`
+    carries the paged metadata and the backend to attend with. Weights are updated in place through
     `named_parameters()`; after every update the engine calls `process_weights()`,
     which must rebuild derived weights (fused projections, ...) *in place*, so that
     captured graphs keep reading valid addresses.

@@ -10,7 +10,9 @@ import math
 import torch
 from torch import nn
 
-from torchhal.core.model.decoder import AttentionMetadata, FusedSlice, KVCache, LlamaDecoder, ModelConfig
+from torchhal.core.model.config import ModelConfig
+from torchhal.core.model.decoder import FusedSlice, LlamaDecoder
+from torchhal.core.model.kv_cache import AttentionMetadata, KVCache
 
 __all__ = ["AttentionMetadata", "KVCache", "ModelConfig", "ReferenceDecoder"]
 

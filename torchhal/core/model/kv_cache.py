@@ -1,0 +1,96 @@
+"""The decoder's paged KV cache and the per-step metadata its attention reads.
+
+The cache is the paged layout of `torchhal.attention` for every layer at once:
+`k[layer]` and `v[layer]` are `[num_blocks, block_size, num_kv_heads, head_dim]` (KV heads
+only, so GQA shrinks it). Block `SCRATCH_BLOCK` is part of the cache and never handed to a
+request: padded rows write there.
+
+`AttentionMetadata` is what every layer's attention of one step reads: the paged
+metadata (block tables, context lengths, query offsets, the slots this step writes),
+the tokens' positions, and the attention backend the engine chose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from torchhal.attention import SCRATCH_BLOCK, AttentionBackend, PagedMetadata, ReferenceBackend, build_metadata
+from torchhal.core.model.config import ModelConfig
+
+__all__ = ["SCRATCH_BLOCK", "AttentionMetadata", "KVCache"]
+
+
+class KVCache:
+    """Paged KV storage for every layer, preallocated once; block SCRATCH_BLOCK is scratch."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        for label, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"KVCache: {label} is {value!r}; pass an int >= 1")
+        if num_blocks < 2:
+            raise ValueError(f"KVCache: num_blocks is {num_blocks}; pass >= 2 (block {SCRATCH_BLOCK} is scratch)")
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    @staticmethod
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+        """K and V of one token in every layer."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
+        return block_size * KVCache.bytes_per_token(config, dtype)
+
+
+_REFERENCE = ReferenceBackend()
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """One step's attention facts, shared by every layer.
+
+    paged:     block tables, context lengths, query offsets and write slots (device tensors).
+    positions: [T] int64 absolute positions of the step's tokens (also the rotary positions).
+    backend:   the attention backend the engine chose (`Platform.choose_attention`).
+    decode:    every row has exactly one query: `backend.decode` (graph-capturable) runs,
+               else `backend.prefill`.
+    """
+
+    paged: PagedMetadata
+    positions: torch.Tensor
+    backend: AttentionBackend
+    decode: bool
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: Sequence[Sequence[int]],
+        seq_lens: Sequence[int],
+        query_lens: Sequence[int],
+        block_size: int,
+        device: torch.device,
+        backend: AttentionBackend | None = None,
+    ) -> AttentionMetadata:
+        """From host lists: request i's last `query_lens[i]` of `seq_lens[i]` tokens are this
+        step's queries, its KV in `block_tables[i]`. Host work grows with the step's tokens
+        (prefill); decode steps that repeat are advanced on the device instead
+        (`torchhal.core.graphs.decode`). `backend` None: the portable reference."""
+        paged = build_metadata(block_tables, seq_lens, query_lens, block_size, device)
+        positions = [p for n, q in zip(seq_lens, query_lens, strict=True) for p in range(n - q, n)]
+        return cls(
+            paged=paged,
+            positions=torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
+            backend=backend or _REFERENCE,
+            decode=bool(query_lens) and all(q == 1 for q in query_lens),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.numel())
