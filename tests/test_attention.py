@@ -314,14 +314,28 @@ def test_reference_decode_is_the_reference_prefill_of_one_token():
     assert math.isfinite(float(reference.decode(query, k, v, meta, scale=0.4).sum()))
 
 
-def test_whole_prompt_rows_only_when_every_request_is_a_whole_prompt():
-    from torchhal.attention.layout import PagedMetadata, whole_prompt_rows
+def test_split_whole_prompts_parts_a_step_and_the_rest_attends_as_before():
+    """Whole prompts apart; the rest's gathered metadata gives the reference's own numbers."""
+    from torchhal.attention.layout import PagedMetadata, split_whole_prompts
 
-    fresh = build_metadata([[1], [2, 3], []], [5, 20, 0], [5, 20, 0], 16, torch.device("cpu"))
-    assert whole_prompt_rows(fresh, None) == [(0, 5), (5, 25)]  # the padded row has no queries
-    assert whole_prompt_rows(fresh, 20) == [(0, 5), (5, 25)]  # a window as long as the prompt cuts nothing
-    assert whole_prompt_rows(fresh, 19) is None  # a window shorter than a prompt: the paged kernel
-    chunked = build_metadata([[1], [2, 3]], [5, 20], [5, 4], 16, torch.device("cpu"))
-    assert whole_prompt_rows(chunked, None) is None  # a chunk after cached tokens
-    device_built = PagedMetadata(fresh.block_tables, fresh.seq_lens, fresh.query_start, fresh.slot_mapping, 20)
-    assert whole_prompt_rows(device_built, None) is None  # no host copies: never a device sync to find out
+    tables, seq_lens, query_lens = [[1], [2, 3], [], [4, 5], [6]], [5, 20, 0, 30, 9], [5, 20, 0, 4, 1]
+    meta = build_metadata(tables, seq_lens, query_lens, 16, CPU)
+    split = split_whole_prompts(meta, None)
+    assert split is not None and split.whole == [(0, 5), (5, 25)]  # the padded row has no queries
+    assert split.rest is not None and split.rest_tokens is not None
+    assert split.rest_tokens.tolist() == [25, 26, 27, 28, 29]  # the chunk after 26 cached tokens, the decode row
+    expected = build_metadata([[4, 5], [6]], [30, 9], [4, 1], 16, CPU, max_blocks=meta.max_blocks)
+    for field in ("block_tables", "seq_lens", "query_start", "slot_mapping"):
+        assert torch.equal(getattr(split.rest, field), getattr(expected, field)), field
+    k_cache, v_cache = new_kv_cache(8, 16, 2, 32, torch.float32, CPU)
+    k_cache.normal_(), v_cache.normal_()
+    query = torch.randn(30, 4, 32)
+    full = ReferenceBackend().prefill(query, k_cache, v_cache, meta, scale=0.2)
+    part = ReferenceBackend().prefill(query[split.rest_tokens], k_cache, v_cache, split.rest, scale=0.2)
+    assert torch.allclose(part, full[split.rest_tokens])
+
+    assert split_whole_prompts(meta, 19).whole == [(0, 5)]  # a window shorter than a prompt cuts into it
+    decode_only = build_metadata([[1], [2]], [5, 9], [1, 1], 16, CPU)
+    assert split_whole_prompts(decode_only, None).rest is decode_only  # nothing whole: the metadata as it is
+    device_built = PagedMetadata(meta.block_tables, meta.seq_lens, meta.query_start, meta.slot_mapping, 20)
+    assert split_whole_prompts(device_built, None) is None  # no host copies: never a device sync to find out

@@ -128,7 +128,7 @@ def test_whole_prompts_take_the_dense_kernel_and_equal_the_reference(cuda, monke
     real = type(backend)._flash_prefill
     monkeypatch.setattr(type(backend), "_flash_prefill",
                         staticmethod(lambda *a: (dense_calls.append(1), real(*a))[1]))
-    for query_lens in ([1, 300, 4096], [1, 44, 1024]):  # whole prompts, then last chunks
+    for query_lens in ([1, 300, 4096], [1, 44, 1024], [1, 300, 1024]):  # whole; chunks; whole and a chunk
         meta = build_metadata(tables, lengths, query_lens, block_size, device)
         tokens = sum(query_lens)
         key = torch.randn(tokens, 8, 128, device=device, dtype=torch.bfloat16)
@@ -139,5 +139,5 @@ def test_whole_prompts_take_the_dense_kernel_and_equal_the_reference(cuda, monke
         expected = ReferenceBackend().prefill(query, k_cache, v_cache, meta, scale=128**-0.5)
         error = (out.float() - expected.float()).norm() / expected.float().norm()
         assert error < 1e-2, (query_lens, error)
-    assert dense_calls == [1]  # the whole prompts only
-    assert cuda_attention.whole_prompt_rows is not None
+    assert dense_calls == [1, 1]  # the steps with whole prompts only
+    assert cuda_attention.split_whole_prompts is not None

@@ -426,8 +426,8 @@ def test_accepted_edge_values_give_finite_non_zero_logits(good):
     config = dict(CONFIG, rope_theta=1, rms_norm_eps=0.999, rope_scaling=dict(LLAMA3, factor=1e300))
     (good / "config.json").write_text(json.dumps(config))
     model, _ = load_checkpoint(good)
-    model.kv = KVCache(model.config, 4, torch.device("cpu"), torch.float32)
-    hidden = model(torch.tensor([1, 2]), AttentionMetadata.build([[0, 1]], [2], torch.device("cpu")))
+    model.kv = KVCache(model.config, 2, 16, torch.device("cpu"), torch.float32)  # block 0: scratch
+    hidden = model(torch.tensor([1, 2]), AttentionMetadata.build([[1]], [2], [2], 16, torch.device("cpu")))
     logits = model.logits(hidden, torch.tensor([1]))
     assert torch.isfinite(logits).all() and logits.abs().sum() > 0
 

@@ -146,22 +146,58 @@ def build_metadata(
     )
 
 
-def whole_prompt_rows(meta: PagedMetadata, sliding_window: int | None) -> list[tuple[int, int]] | None:
-    """(first, last) query rows of each request when every request's queries are its whole
-    context (a prompt with nothing cached before it) and no window cuts in; else None.
-    Decided from the metadata's host copies, without a device sync: a backend may then
-    run a dense causal kernel on each prompt's own K/V instead of the paged one."""
+@dataclass(frozen=True)
+class PromptSplit:
+    """A prefill step's requests in two kinds (see `split_whole_prompts`).
+
+    whole: (first, last) query rows of each request whose queries are its whole context
+           (a prompt with nothing cached before it) and which no window cuts into.
+    rest:  the metadata of every other request (chunks after cached tokens, decode rows
+           sharing the step), its query rows gathered in `rest_tokens` order; None when
+           there is none. `rest_tokens` indexes the step's query rows (device, int64).
+    """
+
+    whole: list[tuple[int, int]]
+    rest: PagedMetadata | None
+    rest_tokens: torch.Tensor | None
+
+
+def split_whole_prompts(meta: PagedMetadata, sliding_window: int | None) -> PromptSplit | None:
+    """The step's whole prompts apart from its other requests, from the metadata's host
+    copies (no device sync); None without host copies. A backend runs a dense causal kernel
+    on each whole prompt's own K/V and its paged kernel on the rest."""
     if meta.host_seq_lens is None or meta.host_query_start is None:
         return None
-    starts, rows = meta.host_query_start, []
+    starts, whole, rest = meta.host_query_start, [], []
     for row, seq_len in enumerate(meta.host_seq_lens):
         first, last = starts[row], starts[row + 1]
         if last == first:
             continue  # a padded row: nothing to write
-        if seq_len != last - first or (sliding_window is not None and sliding_window < seq_len):
-            return None
-        rows.append((first, last))
-    return rows
+        if seq_len == last - first and (sliding_window is None or sliding_window >= seq_len):
+            whole.append((first, last))
+        else:
+            rest.append(row)
+    if not rest:
+        return PromptSplit(whole, None, None)
+    if not whole:
+        return PromptSplit([], meta, None)  # every row: the metadata as it is
+    device = meta.seq_lens.device
+    tokens = [t for row in rest for t in range(starts[row], starts[row + 1])]
+    query_start = [0]
+    for row in rest:
+        query_start.append(query_start[-1] + starts[row + 1] - starts[row])
+    rows = torch.tensor(rest, dtype=torch.int64).to(device, non_blocking=True)
+    rest_tokens = torch.tensor(tokens, dtype=torch.int64).to(device, non_blocking=True)
+    sub = PagedMetadata(
+        block_tables=meta.block_tables.index_select(0, rows),
+        seq_lens=meta.seq_lens.index_select(0, rows),
+        query_start=torch.tensor(query_start, dtype=torch.int32).to(device, non_blocking=True),
+        slot_mapping=meta.slot_mapping.index_select(0, rest_tokens),
+        max_query_len=max(b - a for a, b in zip(query_start, query_start[1:], strict=False)),
+        host_seq_lens=tuple(meta.host_seq_lens[row] for row in rest),
+        host_query_start=tuple(query_start),
+    )
+    return PromptSplit(whole, sub, rest_tokens)
 
 
 class DecodeMetadata:
