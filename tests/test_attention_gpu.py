@@ -124,10 +124,10 @@ def test_whole_prompts_take_the_dense_kernel_and_equal_the_reference(cuda, monke
         count = -(-n // block_size)
         tables.append(list(range(next_block, next_block + count)))
         next_block += count
-    dense_calls: list[int] = []
+    dense_rows: list[list[tuple[int, int]]] = []
     real = type(backend)._flash_prefill
     monkeypatch.setattr(type(backend), "_flash_prefill",
-                        staticmethod(lambda *a: (dense_calls.append(1), real(*a))[1]))
+                        staticmethod(lambda *a: (dense_rows.append(a[4]), real(*a))[1]))
     for query_lens in ([1, 300, 4096], [1, 44, 1024], [1, 300, 1024]):  # whole; chunks; whole and a chunk
         meta = build_metadata(tables, lengths, query_lens, block_size, device)
         tokens = sum(query_lens)
@@ -139,5 +139,6 @@ def test_whole_prompts_take_the_dense_kernel_and_equal_the_reference(cuda, monke
         expected = ReferenceBackend().prefill(query, k_cache, v_cache, meta, scale=128**-0.5)
         error = (out.float() - expected.float()).norm() / expected.float().norm()
         assert error < 1e-2, (query_lens, error)
-    assert dense_calls == [1, 1]  # the steps with whole prompts only
+    # The one-token request is a whole prompt in every step; the others only while they are.
+    assert dense_rows == [[(0, 1), (1, 301), (301, 4397)], [(0, 1)], [(0, 1), (1, 301)]]
     assert cuda_attention.split_whole_prompts is not None
