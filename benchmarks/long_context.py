@@ -239,7 +239,10 @@ def judge(results: dict[str, Any]) -> dict[str, Any]:
             "hbm_fraction": {side: step_bytes / (ms / 1e3) / HBM_BYTES_PER_S
                              for side, ms in (("transformers", p["decode_step_ms"]),
                                               ("torchhal", t["decode_step_ms"])) if ms > 0},
-            "rows_token_identical_to_transformers": sum(a == b for a, b in zip(t["tokens"], p["tokens"], strict=True)),
+            # None when the two sides ran in separate calls (the tokens are not kept in the JSON)
+            "rows_token_identical_to_transformers": (
+                sum(a == b for a, b in zip(t["tokens"], p["tokens"], strict=True))
+                if "tokens" in t and "tokens" in p else None),
         }
         if copy_bw:
             row["copy_bandwidth_fraction"] = {k: v * HBM_BYTES_PER_S / copy_bw for k, v in row["hbm_fraction"].items()}

@@ -180,8 +180,10 @@ def clause_cases():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("mode, name, case", list(clause_cases()))
 def test_npu_mapping_equals_the_reference_on_the_clause_cases(npu, monkeypatch, mode, name, case, dtype):
-    monkeypatch.setattr(clause, "BLOCK_SIZE", NPU_BLOCK)  # the clause's layouts, in blocks FIA takes
-    layout = clause.paged_layout(case, dtype, 128, torch.device("cpu"), seed=zlib.crc32(f"{name} {dtype}".encode()))
+    capability = NpuFusedAttention.capability  # the clause lays out blocks of a size it declares
+    assert clause.block_size_for(capability) == NPU_BLOCK
+    layout = clause.paged_layout(case, dtype, capability, torch.device("cpu"),
+                                 seed=zlib.crc32(f"{name} {dtype}".encode()))
     kwargs = {"scale": layout.scale}
     expected = getattr(ReferenceBackend(), mode)(layout.query, layout.k_cache, layout.v_cache, layout.meta, **kwargs)
     out = torch.full_like(layout.query, float("nan"))
