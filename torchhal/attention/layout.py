@@ -93,6 +93,15 @@ def write_kv(
     v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
+class PagedWriter:
+    """`write_kv` as `AttentionBackend` asks it, through `write_kv` above: a base for backends
+    whose kernels read the layout as it is (the reference, the CUDA and NPU backends)."""
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        write_kv(k_cache, v_cache, key, value, slot_mapping)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from torchhal.attention.backend import AttentionCapability, check_call
-from torchhal.attention.layout import PagedMetadata, write_kv
+from torchhal.attention.layout import PagedMetadata, PagedWriter
 
 #: Query rows the reference prefill scores at once (bounds its float32 score tensor).
 PREFILL_CHUNK = 512
@@ -45,7 +45,7 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_
     return out.reshape(batch, queries, q_heads, dim)
 
 
-class ReferenceBackend:
+class ReferenceBackend(PagedWriter):
     """Paged attention in plain torch; correct everywhere, fast nowhere."""
 
     capability = AttentionCapability(
@@ -57,10 +57,6 @@ class ReferenceBackend:
         graph_capture=True,
         note="plain torch; gathers each row's blocks (portable fallback)",
     )
-
-    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        write_kv(k_cache, v_cache, key, value, slot_mapping)
 
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
                scale: float, sliding_window: int | None = None, soft_cap: float | None = None,

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from torchhal.attention import AttentionCapability, PagedMetadata, check_call, write_kv
+from torchhal.attention import AttentionCapability, PagedMetadata, PagedWriter, check_call
 from torchhal.attention.layout import split_whole_prompts
 
 LOG2E = 1.4426950408889634
@@ -178,7 +178,7 @@ def decode_splits(batch: int, kv_heads: int, context_capacity: int, multiprocess
     return max(1, min(wanted, useful, MAX_SPLITS))
 
 
-class TritonPagedAttention:
+class TritonPagedAttention(PagedWriter):
     """The CUDA plugin's attention backend: Triton kernels over the paged layout."""
 
     capability = AttentionCapability(
@@ -193,10 +193,6 @@ class TritonPagedAttention:
         note="Triton: split-K paged decode, paged chunked prefill; whole prompts through SDPA flash; GQA without "
     "KV copies",
     )
-
-    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        write_kv(k_cache, v_cache, key, value, slot_mapping)
 
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
                scale: float, sliding_window: int | None = None, soft_cap: float | None = None,

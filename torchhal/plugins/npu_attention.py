@@ -32,7 +32,7 @@ from types import ModuleType
 
 import torch
 
-from torchhal.attention import AttentionCapability, PagedMetadata, check_call, write_kv
+from torchhal.attention import AttentionCapability, PagedMetadata, PagedWriter, check_call
 
 #: FIA's right-down causal mode, and the side of the square mask it takes for it.
 RIGHT_DOWN_CAUSAL = 3
@@ -46,7 +46,7 @@ def _torch_npu() -> ModuleType:
     return importlib.import_module("torch_npu")
 
 
-class NpuFusedAttention:
+class NpuFusedAttention(PagedWriter):
     """torchhal's paged attention through `torch_npu.npu_fused_infer_attention_score`."""
 
     capability = AttentionCapability(
@@ -64,10 +64,6 @@ class NpuFusedAttention:
 
     def __init__(self) -> None:
         self._masks: dict[torch.device, torch.Tensor] = {}
-
-    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        write_kv(k_cache, v_cache, key, value, slot_mapping)
 
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
                scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
