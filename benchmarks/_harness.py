@@ -87,6 +87,31 @@ def median_run(fn: Callable[[], Any], warmups: int, reps: int, sync: Callable[[]
     return statistics.median(samples), out
 
 
+def random_llama(shape: dict[str, Any], dtype: torch.dtype, device: torch.device, seed: int = 0) -> Any:
+    """A seeded random-weight LlamaForCausalLM on `device` whose greedy choices are decisive
+    (weights with spread, small embeddings). `shape`: LlamaConfig fields; max_position_embeddings
+    defaults to 4096, rms_norm_eps to 1e-5."""
+    import math
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, **shape},
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                continue
+            noise = torch.randn(param.shape, generator=generator, device=device, dtype=torch.float32)
+            scale = 0.1 if "embed_tokens" in name else 1 / math.sqrt(param.shape[1])
+            param.copy_(noise * scale)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
 def environment() -> dict[str, Any]:
     clock = time.get_clock_info("perf_counter")
     env: dict[str, Any] = {

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import subprocess
 import sys
 import tempfile
@@ -43,7 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from _harness import median_run, write_json  # noqa: E402
+from _harness import median_run, random_llama, write_json  # noqa: E402
 
 import torchhal  # noqa: E402
 from torchhal.core.engine import DecodeGraphConfig, EagerRunner, EngineConfig, GenerationEngine  # noqa: E402
@@ -88,23 +87,7 @@ def run_engine(engine: GenerationEngine, prompts: list[list[int]], new_tokens: i
 # -- model construction ----------------------------------------------------------------------------
 def hf_model(shape: dict[str, int], dtype: torch.dtype, device: torch.device, seed: int = 0) -> Any:
     """A random-weight LlamaForCausalLM whose greedy choices are decisive (weights with spread)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**shape, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                continue
-            noise = torch.randn(param.shape, generator=generator, device=device, dtype=torch.float32)
-            scale = 0.1 if "embed_tokens" in name else 1 / math.sqrt(param.shape[1])
-            param.copy_(noise * scale)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model.eval()
+    return random_llama(shape, dtype, device, seed)
 
 
 def torchhal_engine(directory: str, dtype: torch.dtype, max_kv_slots: int,

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import subprocess
 import sys
 import tempfile
@@ -45,7 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from _harness import median_run, write_json  # noqa: E402
+from _harness import median_run, random_llama, write_json  # noqa: E402
 
 import torchhal  # noqa: E402
 from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine  # noqa: E402
@@ -70,19 +69,7 @@ TINY_NEW = {8: 16, 200: 8}
 def save_model(shape: dict[str, Any], dtype: torch.dtype, device: torch.device, directory: str) -> int:
     """Seeded random weights with spread (decisive greedy choices), built on `device` and saved;
     returns the bytes a decode step reads (every weight but the embedding table)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**shape, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
-                         pad_token_id=None)
-    generator = torch.Generator(device=device).manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                continue
-            scale = 0.1 if "embed_tokens" in name else 1 / math.sqrt(param.shape[1])
-            param.copy_(torch.randn(param.shape, generator=generator, device=device, dtype=torch.float32) * scale)
+    model = random_llama(shape, dtype, device)
     model.save_pretrained(directory)
     embed = model.model.embed_tokens.weight
     read = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
