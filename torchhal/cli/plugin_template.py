@@ -68,6 +68,10 @@ METHOD_GUIDANCE: dict[str, str] = {
     "ipc_support": "return an IpcSupport to declare cross-process sharing (default None: undeclared)",
     "attention_support": "return an AttentionSupport naming your attention backends over the paged KV "
     "cache (torchhal.attention.AttentionBackend; default None: torchhal's portable reference)",
+    "device_for_rank": "the default maps local rank r to visible device r (or 0 when each rank sees one "
+    "device) and refuses more ranks than devices, naming visible_devices_env",
+    "distributed_support": "return a DistributedSupport to supply your own communicator (e.g. a custom "
+    "all-reduce wrapping the default) or declare graph-capturable collectives",
 }
 
 
@@ -163,6 +167,7 @@ from torchhal.platforms import (
     AttentionSupport,
     Availability,
     DeviceInfo,
+    DistributedSupport,
     GraphSupport,
     IpcSupport,
     MemoryInfo,

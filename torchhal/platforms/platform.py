@@ -100,12 +100,14 @@ class Platform:
     use_stream = _PassThrough(PlatformPlugin.use_stream)
     new_event = _PassThrough(PlatformPlugin.new_event)
     can_access_peer = _PassThrough(PlatformPlugin.can_access_peer)
+    device_for_rank = _PassThrough(PlatformPlugin.device_for_rank)
 
     # -- facts: asked of the plugin once ----------------------------------------------
     oom_error_types = _Fact(PlatformPlugin.oom_error_types)
     graph_support = _Fact(PlatformPlugin.graph_support)
     ipc_support = _Fact(PlatformPlugin.ipc_support)
     attention_support = _Fact(PlatformPlugin.attention_support)
+    distributed_support = _Fact(PlatformPlugin.distributed_support)
 
     def __init__(
         self, plugin: PlatformPlugin, pm: pluggy.PluginManager, distribution: str, version: str

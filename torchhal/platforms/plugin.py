@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,6 +36,7 @@ from torchhal.platforms.records import (
     AttentionSupport,
     Availability,
     DeviceInfo,
+    DistributedSupport,
     GraphSupport,
     IpcSupport,
     MemoryInfo,
@@ -44,7 +46,8 @@ from torchhal.platforms.records import (
 #: The SPI version this torchhal implements: (major, minor). A minor release only adds
 #: members, each with a default; a major release may remove or change members.
 #: docs/vendor-guide.md ("Compatibility") states the policy.
-SPI_VERSION: tuple[int, int] = (1, 2)  # 1.1: IpcSupport.events; 1.2: attention_support()
+SPI_VERSION: tuple[int, int] = (1, 3)  # 1.1: IpcSupport.events; 1.2: attention_support();
+# 1.3: device_for_rank(), distributed_support()
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,31 @@ class PlatformPlugin(abc.ABC):
     def attention_support(self) -> AttentionSupport | None:
         """The platform's own attention backends; None: torchhal's reference backend only."""
         return None
+
+    # -- distributed ------------------------------------------------------------------
+    def device_for_rank(self, local_rank: int, local_world_size: int) -> int:
+        """The device index local rank `local_rank` (of `local_world_size` on this host) uses.
+
+        Indices count the devices this process sees: the visible-devices variables
+        (`visible_devices_env`) have already renumbered them, so with
+        `CUDA_VISIBLE_DEVICES=3,5` local rank 1 uses index 1 (physical GPU 5). A launcher
+        that gives each rank a single visible device leaves index 0 for every rank."""
+        count = self.device_count()
+        if local_world_size <= count:
+            return local_rank
+        if count == 1 and any(os.environ.get(var) for var in self.visible_devices_env):
+            return 0  # one device made visible per rank
+        shown = ", ".join(f"{var}={os.environ[var]!r}" for var in self.visible_devices_env if var in os.environ)
+        raise ValueError(
+            f"{local_world_size} local ranks need {local_world_size} {self.name} devices, but {count} "
+            f"{'is' if count == 1 else 'are'} visible{f' ({shown})' if shown else ''}: start at most {count} "
+            f"rank(s) on this host, or make more devices visible"
+        )
+
+    def distributed_support(self) -> DistributedSupport:
+        """The communicator engines use and whether its collectives can be graph-captured;
+        the default: torch.distributed on `dist_backend`, not captured."""
+        return DistributedSupport()
 
 
 def _spi_methods(cls: type) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ import torch
 
 if TYPE_CHECKING:  # the protocol lives with the reference backend, which imports nothing from here
     from torchhal.attention import AttentionBackend
+    from torchhal.distributed.communicator import Communicator
 
 
 class ReleasePoint(str, enum.Enum):
@@ -224,6 +225,24 @@ class AttentionSupport:
     """
 
     backends: tuple[AttentionBackend, ...]
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class DistributedSupport:
+    """How a platform's ranks talk to each other (contract 7), beyond `dist_backend`.
+
+    communicator:     None: torch.distributed's backend for `dist_backend`, called on a group
+                      of torchhal's own (`torchhal.distributed.TorchCommunicator`). Else a
+                      function given that default communicator and returning the one engines
+                      use (a vendor's custom all-reduce wraps the default and replaces a call).
+    graph_capturable: the collectives may be recorded in a device graph and replayed; engines
+                      then keep them inside captured decode steps instead of breaking around them.
+    note:             one line for reports.
+    """
+
+    communicator: Callable[[Communicator], Communicator] | None = None
+    graph_capturable: bool = False
     note: str = ""
 
 

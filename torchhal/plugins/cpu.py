@@ -60,6 +60,9 @@ class CpuPlatform(PlatformPlugin):
     def synchronize(self, index: int) -> None:
         return None
 
+    def device_for_rank(self, local_rank: int, local_world_size: int) -> int:
+        return 0  # every rank's tensors live in host memory: the one CPU device
+
     def device_info(self, index: int) -> DeviceInfo:
         import platform as host
 

@@ -1,0 +1,20 @@
+"""Ranks on several devices, the same way on every platform.
+
+`init_group` makes a `DeviceGroup`: the rank's device (`Platform.device_for_rank`) and a
+`Communicator` (all-reduce, all-gather, broadcast, send/recv) on the platform's backend,
+or the vendor's own communicator where its plugin supplies one (`DistributedSupport`).
+"""
+
+from torchhal.distributed.communicator import REDUCE_OPS, Communicator, ReduceOpName, TorchCommunicator
+from torchhal.distributed.group import DEFAULT_TIMEOUT, DeviceGroup, RankPlacement, init_group
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "REDUCE_OPS",
+    "Communicator",
+    "DeviceGroup",
+    "RankPlacement",
+    "ReduceOpName",
+    "TorchCommunicator",
+    "init_group",
+]

@@ -1,0 +1,139 @@
+"""The collectives engine code uses, behind one protocol: `Communicator`.
+
+`TorchCommunicator` is the default: torch.distributed's backend for the platform
+(`Platform.dist_backend`), called on a process group of its own (never the default
+group, so two engines can share a process). A vendor supplies its own communicator
+(a custom all-reduce, say) through `DistributedSupport.communicator`, usually by
+wrapping the default one and replacing the calls it does better.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+#: Reductions every communicator supports, by name.
+ReduceOpName = Literal["sum", "max", "min"]
+REDUCE_OPS: tuple[str, ...] = ("sum", "max", "min")
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """Collectives over one group of ranks, one device per rank.
+
+    Every rank of the group makes the same calls in the same order with tensors of the
+    same dtype (and shape, except where `sizes` says otherwise). Tensors live on
+    `device`. A call that cannot complete (a peer died or hangs) raises within the
+    group's timeout; it never hangs for ever.
+    """
+
+    rank: int
+    world_size: int
+    device: torch.device
+    #: True when these collectives may be recorded in a device graph and replayed.
+    graph_capturable: bool
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> torch.Tensor:
+        """Reduce `tensor` across ranks, in place; returns it."""
+        ...
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None) -> torch.Tensor:
+        """Every rank's `tensor` concatenated along `dim`, in rank order. `sizes`: each
+        rank's extent along `dim` when they differ (every rank passes the same list)."""
+        ...
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """`src`'s `tensor` written into every rank's `tensor`, in place; returns it."""
+        ...
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send `tensor` to rank `dst` (which calls `recv` with a tensor of the same shape)."""
+        ...
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Receive into `tensor` from rank `src`; returns it."""
+        ...
+
+
+_TORCH_OPS: dict[str, Any] = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class TorchCommunicator:
+    """`Communicator` on a torch.distributed backend object (`ProcessGroupGloo`,
+    `ProcessGroupNCCL`, a vendor's registered backend), called directly: the group is
+    never registered with torch.distributed's world, so the default group is untouched."""
+
+    def __init__(self, backend: Any, rank: int, world_size: int, device: torch.device,
+                 graph_capturable: bool = False) -> None:
+        self.backend = backend
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.graph_capturable = graph_capturable
+
+    def __repr__(self) -> str:
+        return (f"<TorchCommunicator {type(self.backend).__name__} rank {self.rank}/{self.world_size} "
+                f"on {self.device}>")
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> torch.Tensor:
+        if op not in _TORCH_OPS:
+            raise ValueError(f"all_reduce(op={op!r}): choose one of {', '.join(REDUCE_OPS)}")
+        if self.world_size == 1:
+            return tensor
+        options = dist.AllreduceOptions()
+        options.reduceOp = _TORCH_OPS[op]
+        self.backend.allreduce([tensor], options).wait()
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        dim = dim % tensor.dim()
+        if sizes is not None:
+            if len(sizes) != self.world_size or sizes[self.rank] != tensor.shape[dim]:
+                raise ValueError(
+                    f"all_gather(sizes={list(sizes)}): give one size per rank ({self.world_size}), "
+                    f"this rank's ({self.rank}) equal to its tensor's extent {tensor.shape[dim]} along dim {dim}"
+                )
+            widest = max(sizes)
+            padded = tensor
+            if tensor.shape[dim] < widest:
+                pad_shape = list(tensor.shape)
+                pad_shape[dim] = widest - tensor.shape[dim]
+                padded = torch.cat((tensor, tensor.new_zeros(pad_shape)), dim)
+            pieces = self._gather_equal(padded.contiguous())
+            return torch.cat([piece.narrow(dim, 0, size) for piece, size in zip(pieces, sizes, strict=True)], dim)
+        return torch.cat(self._gather_equal(tensor.contiguous()), dim)
+
+    def _gather_equal(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        pieces = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self.backend.allgather([pieces], [tensor]).wait()
+        return pieces
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        self._check_peer(src, "broadcast(src=...)")
+        if self.world_size == 1:
+            return tensor
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        options.rootTensor = 0
+        self.backend.broadcast([tensor], options).wait()
+        return tensor
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self._check_peer(dst, "send(dst=...)", other=True)
+        self.backend.send([tensor.contiguous()], dst, 0).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        self._check_peer(src, "recv(src=...)", other=True)
+        self.backend.recv([tensor], src, 0).wait()
+        return tensor
+
+    def _check_peer(self, peer: object, call: str, other: bool = False) -> None:
+        if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < self.world_size:
+            raise ValueError(f"{call} {peer!r} is not a rank of this group (0..{self.world_size - 1})")
+        if other and peer == self.rank:
+            raise ValueError(f"{call} {peer!r} is this rank itself; point-to-point needs another rank")

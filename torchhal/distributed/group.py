@@ -1,0 +1,184 @@
+"""`init_group`: the process group engine code asks for, on any platform.
+
+A `DeviceGroup` is a group of ranks, one device each, with two communicators: `comm`
+on the platform's backend (`Platform.dist_backend`: nccl, xccl, hccl ...) for device
+tensors, and `host` on gloo for small host-side agreements (the KV pool size every rank
+can hold, say). Both are torchhal's own process groups: torch.distributed's default
+group is neither created nor used, so an engine can share its process with other
+torch.distributed users, and two engines with two groups can live in one process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchhal.distributed.communicator import Communicator, TorchCommunicator
+from torchhal.platforms import Platform, current_platform
+
+#: How long a collective waits for a peer before it raises (a dead or hung rank).
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+_group_numbers = itertools.count()
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where this process sits: its rank in the group and on its host."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "world_size", "local_rank", "local_world_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} = {value!r} must be an int")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} of world_size {self.world_size}: need 0 <= rank < world_size")
+        if self.local_world_size < 1 or not 0 <= self.local_rank < self.local_world_size:
+            raise ValueError(f"local_rank {self.local_rank} of local_world_size {self.local_world_size}: "
+                             "need 0 <= local_rank < local_world_size")
+
+    @classmethod
+    def from_env(cls, rank: int | None = None, world_size: int | None = None,
+                 local_rank: int | None = None) -> RankPlacement:
+        """Given values first, then torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
+        LOCAL_WORLD_SIZE); a single process (rank 0 of 1) when neither says."""
+        def read(var: str, given: int | None, default: int) -> int:
+            if given is not None:
+                return given
+            text = os.environ.get(var)
+            if text is None:
+                return default
+            try:
+                return int(text)
+            except ValueError:
+                raise ValueError(f"{var}={text!r} must be an integer (torchrun sets it)") from None
+
+        world = read("WORLD_SIZE", world_size, 1)
+        the_rank = read("RANK", rank, 0)
+        local = read("LOCAL_RANK", local_rank, the_rank if world_size is not None or rank is not None else 0)
+        local_world = read("LOCAL_WORLD_SIZE", None, world)
+        return cls(the_rank, world, local, local_world)
+
+
+@dataclass
+class DeviceGroup:
+    """A group of ranks, one device each, and the communicators engine code uses."""
+
+    name: str
+    placement: RankPlacement
+    platform: Platform
+    device: torch.device
+    comm: Communicator
+    host: Communicator
+    timeout: timedelta
+    _backends: tuple[Any, ...] = ()
+
+    @property
+    def rank(self) -> int:
+        return self.placement.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.placement.world_size
+
+    def close(self) -> None:
+        """Release the group's backends (their communicators stop working)."""
+        for backend in self._backends:
+            shutdown = getattr(backend, "shutdown", None)
+            if callable(shutdown):
+                shutdown()
+        self._backends = ()
+
+
+def init_group(
+    platform: Platform | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    store: dist.Store | None = None,
+    name: str | None = None,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+) -> DeviceGroup:
+    """Join a group of `world_size` ranks on `platform` (default: the current platform).
+
+    Placement: the arguments, else torchrun's environment (see `RankPlacement.from_env`).
+    Rendezvous: `store` if given; else torch.distributed's default store when a default
+    group exists; else a TCPStore at MASTER_ADDR:MASTER_PORT (torchrun's). `name` keeps two
+    groups in one store apart (default: one per call, numbered in call order, which every
+    rank must then follow). The rank's device is `platform.device_for_rank` and is made
+    current. A collective waiting on a dead or hung peer raises after `timeout`.
+    """
+    platform = platform or current_platform()
+    placement = RankPlacement.from_env(rank, world_size, local_rank)
+    if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+        raise ValueError(f"timeout = {timeout!r} must be a positive datetime.timedelta")
+    index = platform.device_for_rank(placement.local_rank, placement.local_world_size)
+    platform.set_device(index)
+    device = platform.device(index)
+    name = name if name is not None else f"group{next(_group_numbers)}"
+    support = platform.distributed_support
+    base = store if store is not None else _rendezvous_store(placement, timeout)
+    host_backend = _new_backend("gloo", dist.PrefixStore(f"torchhal/{name}/host", base), placement, timeout)
+    host = TorchCommunicator(host_backend, placement.rank, placement.world_size, torch.device("cpu"))
+    backends: tuple[Any, ...] = (host_backend,)
+    if platform.dist_backend == "gloo" and device.type == "cpu":
+        default: Communicator = host
+    else:
+        device_backend = _new_backend(
+            platform.dist_backend, dist.PrefixStore(f"torchhal/{name}/device", base), placement, timeout
+        )
+        backends += (device_backend,)
+        default = TorchCommunicator(device_backend, placement.rank, placement.world_size, device,
+                                    graph_capturable=support.graph_capturable)
+    comm = support.communicator(default) if support.communicator is not None else default
+    return DeviceGroup(name, placement, platform, device, comm, host, timeout, backends)
+
+
+def _rendezvous_store(placement: RankPlacement, timeout: timedelta) -> dist.Store:
+    if dist.is_available() and dist.is_initialized():
+        return dist.distributed_c10d._get_default_store()
+    if placement.world_size == 1:
+        return dist.HashStore()
+    missing = [var for var in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(var)]
+    if missing:
+        raise ValueError(
+            f"{placement.world_size} ranks need a rendezvous: set {' and '.join(missing)} (torchrun does), "
+            "or pass store= to init_group"
+        )
+    # Under torchrun's agent the store already runs there: every rank is a client.
+    is_server = placement.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), placement.world_size,
+                         is_master=is_server, timeout=timeout)
+
+
+def _new_backend(backend: str, store: dist.Store, placement: RankPlacement, timeout: timedelta) -> Any:
+    """A torch.distributed backend object for one group, not registered with torch's world."""
+    rank, size = placement.rank, placement.world_size
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    if backend == "xccl" and hasattr(dist, "ProcessGroupXCCL"):
+        xccl_options = dist.ProcessGroupXCCL.Options()
+        xccl_options._timeout = timeout
+        return dist.ProcessGroupXCCL(store, rank, size, xccl_options)
+    plugin = getattr(dist.Backend, "_plugins", {}).get(backend.upper())
+    if plugin is None:
+        raise ValueError(
+            f"torch.distributed backend {backend!r} is not available in this process: install the vendor's "
+            "torch extension that registers it (torch.distributed.Backend.register_backend)"
+        )
+    return plugin.creator_fn(store, rank, size, timeout)
