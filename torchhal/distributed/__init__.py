@@ -5,10 +5,17 @@
 or the vendor's own communicator where its plugin supplies one (`DistributedSupport`).
 """
 
-from torchhal.distributed.communicator import REDUCE_OPS, Communicator, ReduceOpName, TorchCommunicator
+from torchhal.distributed.communicator import (
+    REDUCE_OPS,
+    CollectiveError,
+    Communicator,
+    ReduceOpName,
+    TorchCommunicator,
+)
 from torchhal.distributed.group import DEFAULT_TIMEOUT, DeviceGroup, RankPlacement, init_group
 
 __all__ = [
+    "CollectiveError",
     "DEFAULT_TIMEOUT",
     "REDUCE_OPS",
     "Communicator",

@@ -9,8 +9,9 @@ wrapping the default one and replacing the calls it does better.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,12 @@ import torch.distributed as dist
 #: Reductions every communicator supports, by name.
 ReduceOpName = Literal["sum", "max", "min"]
 REDUCE_OPS: tuple[str, ...] = ("sum", "max", "min")
+_Result = TypeVar("_Result")
+
+
+class CollectiveError(RuntimeError):
+    """A collective that could not complete: a peer rank died, hung past the group's
+    timeout, or the backend failed. The group is unusable afterwards; make a new one."""
 
 
 @runtime_checkable
@@ -26,8 +33,10 @@ class Communicator(Protocol):
 
     Every rank of the group makes the same calls in the same order with tensors of the
     same dtype (and shape, except where `sizes` says otherwise). Tensors live on
-    `device`. A call that cannot complete (a peer died or hangs) raises within the
-    group's timeout; it never hangs for ever.
+    `device`. A call that cannot complete (a peer died or hangs) raises `CollectiveError`
+    within the group's timeout; it never hangs for ever. Bad arguments (an unknown `op`, a
+    peer that is not another rank, `sizes` that do not fit) raise ValueError before any
+    rank is waited on.
     """
 
     rank: int
@@ -67,12 +76,14 @@ class TorchCommunicator:
     never registered with torch.distributed's world, so the default group is untouched."""
 
     def __init__(self, backend: Any, rank: int, world_size: int, device: torch.device,
-                 graph_capturable: bool = False) -> None:
+                 graph_capturable: bool = False, *, name: str = "", timeout: timedelta | None = None) -> None:
         self.backend = backend
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.graph_capturable = graph_capturable
+        self.name = name
+        self.timeout = timeout
 
     def __repr__(self) -> str:
         return (f"<TorchCommunicator {type(self.backend).__name__} rank {self.rank}/{self.world_size} "
@@ -85,19 +96,25 @@ class TorchCommunicator:
             return tensor
         options = dist.AllreduceOptions()
         options.reduceOp = _TORCH_OPS[op]
-        self.backend.allreduce([tensor], options).wait()
+        self._complete(f"all_reduce(op={op!r})", lambda: self.backend.allreduce([tensor], options))
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None) -> torch.Tensor:
-        if self.world_size == 1:
-            return tensor
+        if not -tensor.dim() <= dim < tensor.dim():
+            raise ValueError(f"all_gather(dim={dim}): the tensor has {tensor.dim()} dimension(s)")
         dim = dim % tensor.dim()
         if sizes is not None:
-            if len(sizes) != self.world_size or sizes[self.rank] != tensor.shape[dim]:
+            extents = list(sizes)
+            if (len(extents) != self.world_size
+                    or any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in extents)
+                    or extents[self.rank] != tensor.shape[dim]):
                 raise ValueError(
-                    f"all_gather(sizes={list(sizes)}): give one size per rank ({self.world_size}), "
+                    f"all_gather(sizes={extents}): give one non-negative int per rank ({self.world_size}), "
                     f"this rank's ({self.rank}) equal to its tensor's extent {tensor.shape[dim]} along dim {dim}"
                 )
+        if self.world_size == 1:
+            return tensor
+        if sizes is not None:
             widest = max(sizes)
             padded = tensor
             if tensor.shape[dim] < widest:
@@ -110,7 +127,7 @@ class TorchCommunicator:
 
     def _gather_equal(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         pieces = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        self.backend.allgather([pieces], [tensor]).wait()
+        self._complete("all_gather", lambda: self.backend.allgather([pieces], [tensor]))
         return pieces
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
@@ -120,17 +137,33 @@ class TorchCommunicator:
         options = dist.BroadcastOptions()
         options.rootRank = src
         options.rootTensor = 0
-        self.backend.broadcast([tensor], options).wait()
+        self._complete(f"broadcast(src={src})", lambda: self.backend.broadcast([tensor], options))
         return tensor
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         self._check_peer(dst, "send(dst=...)", other=True)
-        self.backend.send([tensor.contiguous()], dst, 0).wait()
+        self._complete(f"send(dst={dst})", lambda: self.backend.send([tensor.contiguous()], dst, 0))
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         self._check_peer(src, "recv(src=...)", other=True)
-        self.backend.recv([tensor], src, 0).wait()
+        self._complete(f"recv(src={src})", lambda: self.backend.recv([tensor], src, 0))
         return tensor
+
+    def _complete(self, call: str, issue: Callable[[], Any]) -> None:
+        """Issue a backend call and wait for it; a backend failure becomes one CollectiveError."""
+        if self.backend is None:
+            raise CollectiveError(f"{call}: group {self.name or '?'!r} is closed (DeviceGroup.close); "
+                                  "make a new group with init_group")
+        try:
+            issue().wait()
+        except RuntimeError as exc:  # torch's DistBackendError / DistError are RuntimeErrors
+            timeout = f"{self.timeout.total_seconds():g} s" if self.timeout is not None else "the backend's"
+            reason = " ".join(str(exc).split())[:300]
+            raise CollectiveError(
+                f"{call} failed in group {self.name or '?'!r} at rank {self.rank} of {self.world_size} "
+                f"(timeout {timeout}): {reason}. Check that every rank is alive and makes the same "
+                "calls in the same order (a dead, hung or diverged peer); the group cannot be reused"
+            ) from exc
 
     def _check_peer(self, peer: object, call: str, other: bool = False) -> None:
         if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < self.world_size:

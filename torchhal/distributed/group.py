@@ -81,7 +81,7 @@ class DeviceGroup:
     comm: Communicator
     host: Communicator
     timeout: timedelta
-    _backends: tuple[Any, ...] = ()
+    _owned: tuple[TorchCommunicator, ...] = ()
 
     @property
     def rank(self) -> int:
@@ -92,12 +92,18 @@ class DeviceGroup:
         return self.placement.world_size
 
     def close(self) -> None:
-        """Release the group's backends (their communicators stop working)."""
-        for backend in self._backends:
+        """Shut the group's backends down and drop them (its communicators then refuse calls).
+
+        Close a group before the process exits: a backend left to interpreter teardown can
+        abort the process when a peer has already gone."""
+        backends = {id(comm.backend): comm.backend for comm in self._owned if comm.backend is not None}
+        for backend in backends.values():
             shutdown = getattr(backend, "shutdown", None)
             if callable(shutdown):
                 shutdown()
-        self._backends = ()
+        for comm in self._owned:
+            comm.backend = None
+        self._owned = ()
 
 
 def init_group(
@@ -129,20 +135,19 @@ def init_group(
     name = name if name is not None else f"group{next(_group_numbers)}"
     support = platform.distributed_support
     base = store if store is not None else _rendezvous_store(placement, timeout)
-    host_backend = _new_backend("gloo", dist.PrefixStore(f"torchhal/{name}/host", base), placement, timeout)
-    host = TorchCommunicator(host_backend, placement.rank, placement.world_size, torch.device("cpu"))
-    backends: tuple[Any, ...] = (host_backend,)
+    host_backend = _new_backend("gloo", dist.PrefixStore(f"torchhal/{name}/host", base), placement, timeout, name)
+    host = TorchCommunicator(host_backend, placement.rank, placement.world_size, torch.device("cpu"),
+                             name=f"{name}/host", timeout=timeout)
     if platform.dist_backend == "gloo" and device.type == "cpu":
-        default: Communicator = host
+        device_backend = host_backend  # host memory is the device: one gloo group serves both
     else:
         device_backend = _new_backend(
-            platform.dist_backend, dist.PrefixStore(f"torchhal/{name}/device", base), placement, timeout
+            platform.dist_backend, dist.PrefixStore(f"torchhal/{name}/device", base), placement, timeout, name
         )
-        backends += (device_backend,)
-        default = TorchCommunicator(device_backend, placement.rank, placement.world_size, device,
-                                    graph_capturable=support.graph_capturable)
+    default = TorchCommunicator(device_backend, placement.rank, placement.world_size, device,
+                                graph_capturable=support.graph_capturable, name=name, timeout=timeout)
     comm = support.communicator(default) if support.communicator is not None else default
-    return DeviceGroup(name, placement, platform, device, comm, host, timeout, backends)
+    return DeviceGroup(name, placement, platform, device, comm, host, timeout, (host, default))
 
 
 def _rendezvous_store(placement: RankPlacement, timeout: timedelta) -> dist.Store:
@@ -156,13 +161,16 @@ def _rendezvous_store(placement: RankPlacement, timeout: timedelta) -> dist.Stor
             f"{placement.world_size} ranks need a rendezvous: set {' and '.join(missing)} (torchrun does), "
             "or pass store= to init_group"
         )
-    # Under torchrun's agent the store already runs there: every rank is a client.
-    is_server = placement.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), placement.world_size,
-                         is_master=is_server, timeout=timeout)
+    # torch's own env:// rendezvous, so torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE)
+    # and a multi-tenant TCPStore on rank 0 (several groups, one port) work as they do for
+    # init_process_group.
+    store, _, _ = next(dist.rendezvous("env://", rank=placement.rank, world_size=placement.world_size,
+                                       timeout=timeout))
+    return store
 
 
-def _new_backend(backend: str, store: dist.Store, placement: RankPlacement, timeout: timedelta) -> Any:
+def _new_backend(backend: str, store: dist.Store, placement: RankPlacement, timeout: timedelta,
+                 name: str) -> Any:
     """A torch.distributed backend object for one group, not registered with torch's world."""
     rank, size = placement.rank, placement.world_size
     if backend == "gloo":
@@ -175,10 +183,21 @@ def _new_backend(backend: str, store: dist.Store, placement: RankPlacement, time
         xccl_options = dist.ProcessGroupXCCL.Options()
         xccl_options._timeout = timeout
         return dist.ProcessGroupXCCL(store, rank, size, xccl_options)
+    # A vendor's backend (hccl, mccl ...), registered by its torch extension at import.
     plugin = getattr(dist.Backend, "_plugins", {}).get(backend.upper())
     if plugin is None:
         raise ValueError(
             f"torch.distributed backend {backend!r} is not available in this process: install the vendor's "
             "torch extension that registers it (torch.distributed.Backend.register_backend)"
         )
-    return plugin.creator_fn(store, rank, size, timeout)
+    if not plugin.extended_api:
+        return plugin.creator_fn(store, rank, size, timeout)
+    # The extended signature, called as torch's new_group calls it.
+    request = dist.distributed_c10d._DistributedBackendOptions()
+    request.store = store
+    request.group_rank = rank
+    request.group_size = size
+    request.timeout = timeout
+    request.group_id = name
+    request.global_ranks_in_group = list(range(size))
+    return plugin.creator_fn(request, None)

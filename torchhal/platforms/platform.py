@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from torchhal.attention import AttentionBackend, AttentionChoice, AttentionSpec
+    from torchhal.distributed import Communicator
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -180,18 +181,30 @@ class Platform:
         )
         return released
 
-    def available_memory(self, group: dist.ProcessGroup | None = None) -> int:
+    def available_memory(self, group: Communicator | dist.ProcessGroup | None = None) -> int:
         """Free bytes on the current device; with `group`, the minimum across its ranks.
 
-        The group must be able to reduce CPU tensors (gloo), so it works on any platform.
+        `group` is a `torchhal.distributed.Communicator` (a `DeviceGroup`'s `host`, say) or a
+        torch.distributed ProcessGroup; either must reduce CPU tensors (gloo does, on any
+        platform).
         """
         free = self.memory_info().free
         if group is None:
             return free
         import torch.distributed as dist
 
+        from torchhal.distributed import Communicator
+
         value = torch.tensor([free], dtype=torch.int64)
-        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+        if isinstance(group, dist.ProcessGroup):
+            dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+        elif isinstance(group, Communicator):
+            group.all_reduce(value, "min")
+        else:
+            raise TypeError(
+                f"available_memory(group={group!r}): pass a torchhal.distributed.Communicator "
+                "(e.g. DeviceGroup.host) or a torch.distributed ProcessGroup"
+            )
         return int(value.item())
 
     def peak_memory(self, index: int | None = None) -> PeakMemory:
