@@ -7,7 +7,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from torchhal.platforms import AttentionSupport, IpcEvents, IpcHandleError, MemoryInfo, PlatformPlugin, hookimpl
+from torchhal.platforms import (
+    AttentionSupport,
+    DistributedSupport,
+    IpcEvents,
+    IpcHandleError,
+    MemoryInfo,
+    PlatformPlugin,
+    hookimpl,
+)
 from torchhal.plugins.accelerator import AcceleratorPlatform
 
 
@@ -25,6 +33,11 @@ class CudaPlatform(AcceleratorPlatform):
     def __init__(self) -> None:
         super().__init__()
         self._streams: dict[tuple[int, int, int], Any] = {}  # see current_stream
+
+    def distributed_support(self) -> DistributedSupport:
+        # ProcessGroupNCCL checks the stream's capture status and keeps captured work off
+        # its watchdog, so NCCL collectives record into a CUDA graph and replay.
+        return DistributedSupport(graph_capturable=True, note="NCCL (torch ProcessGroupNCCL), CUDA-graph capturable")
 
     def current_stream(self, index: int) -> Any:
         # torch.cuda.current_stream builds a Stream object on every call (a device guard

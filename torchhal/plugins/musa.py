@@ -10,7 +10,7 @@ backend and engines run torchhal's portable reference on the device.
 
 from __future__ import annotations
 
-from torchhal.platforms import PlatformPlugin, hookimpl
+from torchhal.platforms import DistributedSupport, PlatformPlugin, hookimpl
 from torchhal.plugins.accelerator import AcceleratorPlatform
 from torchhal.plugins.vendor_attention import ReferenceAttentionOnly
 
@@ -29,6 +29,12 @@ class MusaPlatform(ReferenceAttentionOnly, AcceleratorPlatform):
     reference_attention_because = (
         "torch_musa has no public paged-attention entry point (its flash attention takes no block table)"
     )
+
+
+    def distributed_support(self) -> DistributedSupport:
+        # torch.distributed's all_reduce calls MUSA APIs that a MUSA graph capture refuses;
+        # engines that capture MCCL call the library directly instead.
+        return DistributedSupport(note="MCCL, registered by torch_musa; collectives not graph-captured")
 
 
 @hookimpl

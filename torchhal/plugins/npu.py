@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 
-from torchhal.platforms import AttentionSupport, PlatformPlugin, hookimpl
+from torchhal.platforms import AttentionSupport, DistributedSupport, PlatformPlugin, hookimpl
 from torchhal.plugins.accelerator import PROBE_ERRORS, AcceleratorPlatform, module_installed
 from torchhal.plugins.vendor_attention import log_reference_only
 
@@ -31,6 +31,11 @@ class NpuPlatform(AcceleratorPlatform):
     # torch_npu.multiprocessing.reductions shares storages with these methods.
     ipc_share_method = "_share_npu_"
     ipc_open_method = "_new_shared_npu"
+
+    def distributed_support(self) -> DistributedSupport:
+        # torch_npu registers "hccl" with torch.distributed; HCCL inside NPUGraph capture is
+        # reported failing on multi-die parts (an HCCL stream not joined to the capture).
+        return DistributedSupport(note="HCCL, registered by torch_npu; collectives not graph-captured")
 
     def attention_missing(self) -> str | None:
         """Why torch_npu's fused paged attention cannot be declared, or None."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from torchhal.platforms import PlatformPlugin, hookimpl
+from torchhal.platforms import DistributedSupport, PlatformPlugin, hookimpl
 from torchhal.plugins.cuda import CudaPlatform
 from torchhal.plugins.vendor_attention import ReferenceAttentionOnly
 
@@ -37,6 +37,11 @@ class RocmPlatform(ReferenceAttentionOnly, CudaPlatform):
 
     def runtime_version(self) -> str | None:
         return f"HIP {torch.version.hip}"
+
+    def distributed_support(self) -> DistributedSupport:
+        # RCCL answers to torch's "nccl"; capturing torch.distributed collectives in a HIP
+        # graph is reported refused ("operation not permitted when stream is capturing").
+        return DistributedSupport(note="RCCL behind torch's nccl backend; collectives not graph-captured")
 
 
 @hookimpl

@@ -15,7 +15,7 @@ from types import ModuleType
 
 import torch
 
-from torchhal.platforms import PlatformPlugin, hookimpl
+from torchhal.platforms import DistributedSupport, PlatformPlugin, hookimpl
 from torchhal.plugins.accelerator import AcceleratorPlatform, module_installed
 from torchhal.plugins.vendor_attention import ReferenceAttentionOnly
 
@@ -34,6 +34,11 @@ class XpuPlatform(ReferenceAttentionOnly, AcceleratorPlatform):
         f"torch.xpu has no paged-attention entry point; {IPEX}'s PagedAttention is not mapped "
         "(IPEX is retired: its last release, 2.9.10+xpu, is built for torch 2.9)"
     )
+
+    def distributed_support(self) -> DistributedSupport:
+        # XCCL collectives join an XPU graph only with oneCCL >= 2021.17.2 and only for
+        # all-reduce / all-gather / reduce-scatter (not broadcast or send/recv): not declared.
+        return DistributedSupport(note="oneCCL through torch's ProcessGroupXCCL; collectives not graph-captured")
 
     def runtime_missing(self) -> str | None:
         if not hasattr(torch, "xpu") and not module_installed(IPEX):
