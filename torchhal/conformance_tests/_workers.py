@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 import torchhal
-from torchhal.platforms.testing import patched_plugin
+from torchhal.platforms.testing import patched_plugin, plugin_under_test
 
 
 def _platform(name: str) -> torchhal.Platform:
@@ -108,28 +108,169 @@ def share_then_exit(name: str, device: int, queue: Any, release: Any) -> None:
     _report_and_hold(name, device, queue, release, work)
 
 
-def distributed_rank(name: str, rank: int, world: int, store_path: str, queue: Any) -> None:
-    """One rank of a 2-process group on the platform's dist backend."""
+#: dtypes every communicator reduces and gathers (the clause's values are exact in each).
+DISTRIBUTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64}
+DISTRIBUTED_OPS = ("sum", "max", "min")
+
+
+def rank_values(rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """Distinct per rank, with a sign change; exactly representable in bfloat16."""
+    return torch.tensor([rank + 1, -2 * (rank + 1), 3 * (rank % 2), 8 - rank], dtype=dtype)
+
+
+def _join(name: str, rank: int, world: int, store_path: str, group_name: str, timeout_s: float) -> Any:
+    from datetime import timedelta
+
     import torch.distributed as dist
 
+    from torchhal.distributed import init_group
+
+    return init_group(_platform(name), rank=rank, world_size=world, local_rank=rank,
+                      store=dist.FileStore(store_path, world), name=group_name, timeout=timedelta(seconds=timeout_s))
+
+
+def distributed_clauses(name: str, rank: int, world: int, store_path: str, queue: Any) -> None:
+    """One rank of the distributed group's clauses, through init_group and the platform's
+    communicator. Each clause reports ('ok', value) or ('error', message), so a broken
+    collective fails its own clause and the others still run."""
+    import traceback
+
+    report: dict[str, Any] = {"rank": rank}
     try:
-        platform = _platform(name)
-        device = rank % platform.device_count()
-        platform.set_device(device)
-        store = dist.FileStore(store_path, world)
-        dist.init_process_group(platform.dist_backend, store=store, rank=rank, world_size=world)
-        value = torch.full((4,), float(rank + 1), device=platform.device(device))
-        dist.all_reduce(value)
-        cpu_group = dist.new_group(backend="gloo")
-        real_free = platform.memory_info(device).free
-        # Free memory drifts between ranks' reads; pin each rank's answer so the
-        # reduction itself is checked exactly: rank r reports 1 GiB + r MiB.
-        pinned = dataclasses.replace(platform.memory_info(device), free=(1 << 30) + rank * (1 << 20))
-        with patched_plugin(platform, memory_info=lambda index: pinned):
-            minimum = platform.available_memory(cpu_group)
-        dist.barrier(cpu_group)
-        dist.destroy_process_group()
-        report = {"rank": rank, "sum": value.cpu().tolist(), "min": minimum, "free": real_free, "pid": os.getpid()}
+        group = _join(name, rank, world, store_path, "conformance", 60)
+        platform, comm = group.platform, group.comm
+        device = group.device
+
+        def clause(key: str, work: Any) -> None:
+            try:
+                report[key] = ("ok", work())
+            except Exception as exc:
+                report[key] = ("error", f"{type(exc).__name__}: {exc}")
+
+        def on_host(tensor: torch.Tensor) -> list[Any]:
+            return tensor.to("cpu").tolist()
+
+        index = platform.device_for_rank(rank, world)
+        clause("device", lambda: {
+            "device_for_rank": index, "group_device": str(device), "named": str(platform.device(index)),
+            "comm_device": str(comm.device), "current": platform.current_device(),
+            "tensor_device": str(comm.all_reduce(torch.ones(1, device=device)).device)})
+        clause("all_reduce", lambda: {
+            f"{op}/{dtype_name}": [str(result.dtype), on_host(result)]
+            for dtype_name, dtype in DISTRIBUTED_DTYPES.items() for op in DISTRIBUTED_OPS
+            for result in [comm.all_reduce(rank_values(rank, dtype).to(device), op)]})
+
+        def gathers() -> dict[str, Any]:
+            sizes = [r + 1 for r in range(world)]
+            out = {}
+            for dtype_name, dtype in DISTRIBUTED_DTYPES.items():
+                mine = (torch.arange(2 * (rank + 1)).reshape(rank + 1, 2) + 100 * rank).to(dtype).to(device)
+                out[f"uneven/{dtype_name}"] = on_host(comm.all_gather(mine, sizes=sizes))
+                out[f"uneven_dim1/{dtype_name}"] = on_host(comm.all_gather(mine.T.contiguous(), dim=1, sizes=sizes))
+            out["even"] = on_host(comm.all_gather(torch.full((2, 3), rank, dtype=torch.float32, device=device)))
+            return out
+
+        clause("all_gather", gathers)
+        clause("broadcast", lambda: on_host(comm.broadcast(
+            torch.arange(4, dtype=torch.float32, device=device) + 100 * rank, world - 1)))
+
+        def ring() -> list[Any]:
+            # Even ranks send first, odd ranks receive first: no pair waits on the other.
+            inbox = torch.empty(3, dtype=torch.int64, device=device)
+            outbox = torch.full((3,), rank, dtype=torch.int64, device=device)
+            to, frm = (rank + 1) % world, (rank - 1) % world
+            if rank % 2 == 0:
+                comm.send(outbox, to)
+                comm.recv(inbox, frm)
+            else:
+                comm.recv(inbox, frm)
+                comm.send(outbox, to)
+            return on_host(inbox)
+
+        clause("send_recv", ring)
+        if comm.graph_capturable and platform.graph_support is not None:
+            clause("graph", lambda: _captured_all_reduce(platform, comm, rank, index))
+
+        def available() -> int:
+            pinned = dataclasses.replace(platform.memory_info(index), free=(1 << 30) + rank * (1 << 20))
+            # Free memory drifts between ranks' reads; each rank's answer is pinned so the
+            # reduction itself is checked exactly: rank r reports 1 GiB + r MiB.
+            with patched_plugin(platform, memory_info=lambda index: pinned):
+                return platform.available_memory(group.host)
+
+        clause("available_memory", available)
+        group.host.all_reduce(torch.zeros(1))  # nobody leaves while a peer still talks
+        group.close()
         queue.put(("ok", report))
+    except BaseException:
+        queue.put(("error", f"rank {rank}: {traceback.format_exc()}"))
+
+
+def _captured_all_reduce(platform: torchhal.Platform, comm: Any, rank: int, index: int) -> list[Any]:
+    """all_reduce recorded in a device graph, replayed on new inputs; the replay's sums."""
+    support = platform.graph_support
+    assert support is not None
+    static = torch.full((8,), float(rank + 1), device=platform.device(index))
+    stream = platform.new_stream(index)
+    stream.wait_stream(platform.current_stream(index))
+    with platform.use_stream(stream):
+        comm.all_reduce(static)  # warm up (the backend's communicator) outside the graph
+    platform.current_stream(index).wait_stream(stream)
+    graph = support.graph_class()
+    with support.capture(graph, support.new_pool(), stream):
+        comm.all_reduce(static)
+    platform.current_stream(index).wait_stream(stream)
+    replays = []
+    for step in range(2):
+        static.fill_(float(10 * (step + 1) + rank))
+        graph.replay()
+        platform.synchronize(index)
+        replays.append(static.to("cpu").tolist())
+    return replays
+
+
+def distributed_peer_dies(name: str, rank: int, world: int, store_path: str, queue: Any) -> None:
+    """Rank 1 exits mid-group; rank 0 reports how its next collectives ended, and when."""
+    import time
+
+    from torchhal.distributed import CollectiveError
+
+    try:
+        group = _join(name, rank, world, store_path, "fragile", 10)
+        probe = torch.ones(1, device=group.device)
+        group.comm.all_reduce(probe)
+        group.platform.synchronize(group.device.index or 0)
+        if rank == 1:
+            os._exit(0)
+        time.sleep(0.5)
+        start = time.monotonic()
+        error = None
+        try:
+            # A device backend may enqueue the first call and fail on the next.
+            for _ in range(2):
+                group.comm.all_reduce(probe)
+        except CollectiveError as exc:
+            error = str(exc)
+        except Exception as exc:
+            error = f"not a CollectiveError: {type(exc).__name__}: {exc}"
+        queue.put(("ok", {"rank": rank, "elapsed": time.monotonic() - start, "error": error}))
+    except BaseException as exc:
+        queue.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
+
+
+def device_identity(name: str, index: int) -> str | None:
+    """The physical identity (UUID) the device module reports for `index`, or None."""
+    module = plugin_under_test(_platform(name)).device_module()
+    properties = getattr(module, "get_device_properties", None)
+    uuid = getattr(properties(index), "uuid", None) if callable(properties) else None
+    return None if uuid is None else str(uuid)
+
+
+def rank_device_identity(name: str, rank: int, world: int, env: dict[str, str], queue: Any) -> None:
+    """Under `env` (a visible-devices list), the identity of the device rank `rank` maps to."""
+    try:
+        os.environ.update(env)
+        index = _platform(name).device_for_rank(rank, world)
+        queue.put(("ok", {"rank": rank, "index": index, "identity": device_identity(name, index)}))
     except BaseException as exc:
         queue.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))

@@ -1,29 +1,179 @@
-"""distributed (if declared): the platform's dist backend across two processes."""
+"""distributed: the platform's ranks through `torchhal.distributed.init_group` (contract 7).
+
+Two ranks (one per device where the platform has more, up to 8) run every clause in one
+spawn and report each clause's outcome; each test below judges one clause, so a broken
+communicator fails exactly the clause its bug touches.
+"""
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import pytest
+import torch
 
 from ._helpers import receive, spawn_context, wait_exit
+from ._workers import DISTRIBUTED_DTYPES, DISTRIBUTED_OPS, rank_values
 
 pytestmark = pytest.mark.conformance("distributed")
 
+#: A rank whose peer died must hear of it within this long (the group's timeout is 10 s).
+DEAD_PEER_BOUND_S = 45.0
 
-def test_two_process_all_reduce_and_available_memory(platform, tmp_path, measure):
-    if platform.device_count() < 2 and platform.dist_backend != "gloo":
-        pytest.skip("not applicable: device collectives need two devices (one rank per device)")
-    from ._workers import distributed_rank
 
+def world_size(platform) -> int:
+    if platform.device_count() >= 2:
+        return min(platform.device_count(), 8)
+    if platform.device_type == "cpu":
+        return 2  # ranks share the host
+    pytest.skip("not applicable: device collectives need two devices (one rank per device)")
+
+
+def run_ranks(platform, target, world: int, *args: Any, timeout: float = 300) -> list[dict[str, Any]]:
     ctx = spawn_context()
-    q = ctx.Queue()
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(platform.name, r, world, *args, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        results = [receive(queue, "distributed rank", timeout) for _ in procs]
+    finally:
+        for proc in procs:
+            if wait_exit(proc, 30) is None:
+                proc.kill()
+    return sorted(results, key=lambda r: r["rank"])
+
+
+@pytest.fixture(scope="module")
+def ranks(platform, tmp_path_factory) -> tuple[int, list[dict[str, Any]]]:
+    from ._workers import distributed_clauses
+
+    world = world_size(platform)
+    return world, run_ranks(platform, distributed_clauses, world, str(tmp_path_factory.mktemp("dist") / "store"))
+
+
+def outcomes(ranks, key: str) -> list[Any]:
+    """Each rank's value for one clause; fails with the rank's error where it raised."""
+    values = []
+    for report in ranks[1]:
+        status, value = report.get(key, ("error", "the clause did not run"))
+        if status != "ok":
+            pytest.fail(f"rank {report['rank']}: {value}")
+        values.append(value)
+    return values
+
+
+def test_each_rank_runs_on_the_device_device_for_rank_names(platform, ranks):
+    world = ranks[0]
+    for rank, seen in enumerate(outcomes(ranks, "device")):
+        index = seen["device_for_rank"]
+        assert 0 <= index < platform.device_count(), f"rank {rank}: device_for_rank gave {index}, not a device"
+        if world <= platform.device_count():
+            assert index == rank, (f"rank {rank} of {world} with {platform.device_count()} devices visible: "
+                                   f"device_for_rank gave index {index}; visible device {rank} is that rank's")
+        assert seen["group_device"] == seen["named"] == seen["comm_device"], f"rank {rank}: {seen}"
+        # A result's device is the rank's (CPU tensors carry no index: host memory is one).
+        result, named = torch.device(seen["tensor_device"]), torch.device(seen["named"])
+        assert result.type == named.type and result.index in (None, named.index), f"rank {rank}: {seen}"
+        assert seen["current"] == index, f"rank {rank}: init_group left device {seen['current']} current"
+
+
+def test_all_reduce_sum_max_min_on_float32_bfloat16_int64(ranks):
+    world = ranks[0]
+    expected = {}
+    for dtype_name, dtype in DISTRIBUTED_DTYPES.items():
+        stacked = torch.stack([rank_values(r, dtype) for r in range(world)])
+        reduced = {"sum": stacked.sum(0).to(dtype), "max": stacked.max(0).values, "min": stacked.min(0).values}
+        for op in DISTRIBUTED_OPS:
+            expected[f"{op}/{dtype_name}"] = [str(dtype), reduced[op].tolist()]
+    for rank, got in enumerate(outcomes(ranks, "all_reduce")):
+        wrong = {key: (got[key], value) for key, value in expected.items() if got.get(key) != value}
+        assert not wrong, f"rank {rank}: all_reduce (got, expected) {wrong}"
+
+
+def test_all_gather_even_and_uneven_sizes_in_rank_order(ranks):
+    world = ranks[0]
+    rows = [[100 * r + 2 * i, 100 * r + 2 * i + 1] for r in range(world) for i in range(r + 1)]
+    for rank, got in enumerate(outcomes(ranks, "all_gather")):
+        assert got["even"] == [[float(r)] * 3 for r in range(world) for _ in range(2)], f"rank {rank}: even"
+        for dtype_name in DISTRIBUTED_DTYPES:
+            assert got[f"uneven/{dtype_name}"] == rows, f"rank {rank}: all_gather(sizes=...) on {dtype_name}"
+            assert got[f"uneven_dim1/{dtype_name}"] == [list(c) for c in zip(*rows, strict=True)], \
+                f"rank {rank}: all_gather(dim=1, sizes=...) on {dtype_name}"
+
+
+def test_broadcast_from_the_last_rank(ranks):
+    world = ranks[0]
+    for rank, got in enumerate(outcomes(ranks, "broadcast")):
+        assert got == [100.0 * (world - 1) + i for i in range(4)], f"rank {rank}: broadcast(src={world - 1})"
+
+
+def test_send_recv_around_a_ring(ranks):
+    world = ranks[0]
+    for rank, got in enumerate(outcomes(ranks, "send_recv")):
+        assert got == [(rank - 1) % world] * 3, f"rank {rank}: recv from rank {(rank - 1) % world} gave {got}"
+
+
+def test_captured_all_reduce_replays_on_new_inputs(platform, ranks):
+    if not platform.distributed_support.graph_capturable:
+        pytest.skip("undeclared: the platform declares its collectives not graph-capturable")
+    if platform.graph_support is None:
+        pytest.fail("distributed_support declares graph-capturable collectives but the platform has no graphs")
+    world = ranks[0]
+    expected = [[float(sum(10 * (step + 1) + r for r in range(world)))] * 8 for step in range(2)]
+    for rank, got in enumerate(outcomes(ranks, "graph")):
+        assert got == expected, f"rank {rank}: replayed all_reduce gave {got}"
+
+
+def test_available_memory_over_the_host_communicator_is_the_minimum(ranks, measure):
+    got = outcomes(ranks, "available_memory")
+    assert got == [1 << 30] * ranks[0], "available_memory(group.host) must be the minimum across ranks"
+
+
+def test_a_rank_that_dies_surfaces_as_collective_error_on_the_others(platform, tmp_path):
+    from ._workers import distributed_peer_dies
+
+    world_size(platform)  # skips where two ranks cannot run
+    world = 2
+    ctx = spawn_context()
+    queue = ctx.Queue()
     store = str(tmp_path / "store")
-    procs = [ctx.Process(target=distributed_rank, args=(platform.name, r, 2, store, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = sorted((receive(q, "distributed rank") for _ in procs), key=lambda r: r["rank"])
-    for p in procs:
-        wait_exit(p)
+    procs = [ctx.Process(target=distributed_peer_dies, args=(platform.name, r, world, store, queue))
+             for r in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        survivor = receive(queue, "surviving rank", timeout=DEAD_PEER_BOUND_S + 120)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            wait_exit(proc, 30)
+    assert survivor["error"] is not None, "all_reduce completed although its peer had exited"
+    assert not survivor["error"].startswith("not a CollectiveError"), survivor["error"]
+    assert "fragile" in survivor["error"] and "rank 0 of 2" in survivor["error"], survivor["error"]
+    assert survivor["elapsed"] < DEAD_PEER_BOUND_S, f"CollectiveError came after {survivor['elapsed']:.0f} s"
+
+
+def test_visible_devices_renumber_what_ranks_see(platform, registered):
+    """With the visible-devices variable set to the devices in reverse, rank r's device is
+    the physical device listed r-th: the runtime renumbers, device_for_rank follows."""
+    from ._workers import device_identity, rank_device_identity
+
+    count = platform.device_count()
+    variables = registered.plugin.visible_devices_env
+    if count < 2 or not variables:
+        pytest.skip("not applicable: needs two visible devices and a visible-devices variable")
+    if device_identity(platform.name, 0) is None:
+        pytest.skip("not applicable: the device module reports no device UUID to tell devices apart")
+    var = variables[0]
+    listed = os.environ.get(var)
+    physical = listed.split(",") if listed else [str(i) for i in range(count)]
+    world = min(count, len(physical))
+    env = {var: ",".join(reversed(physical[:world]))}
+    results = run_ranks(platform, rank_device_identity, world, env, timeout=120)
     for r in results:
-        assert r["sum"] == [3.0] * 4, "all-reduce of 1 and 2 must give 3"
-        assert r["min"] == 1 << 30, "available_memory(group) must be the minimum across ranks"
-    measure["free_bytes_per_rank"] = [r["free"] for r in results]
+        expected = device_identity(platform.name, world - 1 - r["rank"])
+        assert r["identity"] == expected, (f"rank {r['rank']} under {var}={env[var]} uses index {r['index']}, "
+                                            f"device {r['identity']}; expected {expected}")
