@@ -363,3 +363,64 @@ def test_cuda_current_stream_is_one_object_per_runtime_stream(monkeypatch):
     assert plugin.current_stream(0) is not first and made[-1] == {"stream_id": 7, "device_index": 0, "device_type": 1}
     runtime["key"] = (0, 1, 1)
     assert plugin.current_stream(1) is first and len(made) == 3
+
+
+# -- distributed: device per rank, backend declarations ---------------------------------
+
+DISTRIBUTED = {
+    # plugin class, its first visible-devices variable, collectives graph-capturable
+    "cuda": (CudaPlatform, "CUDA_VISIBLE_DEVICES", True),
+    "rocm": (RocmPlatform, "HIP_VISIBLE_DEVICES", False),
+    "xpu": (XpuPlatform, "ZE_AFFINITY_MASK", False),
+    "npu": (NpuPlatform, "ASCEND_RT_VISIBLE_DEVICES", False),
+    "musa": (MusaPlatform, "MUSA_VISIBLE_DEVICES", False),
+}
+
+
+def with_devices(cls, count, monkeypatch):
+    """The plugin seeing `count` devices (a fake device module: a mapping test, no hardware)."""
+    plugin = cls()
+    monkeypatch.setattr(plugin, "device_module", lambda: types.SimpleNamespace(device_count=lambda: count))
+    for var in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "ZE_AFFINITY_MASK",
+                "ASCEND_RT_VISIBLE_DEVICES", "MUSA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(var, raising=False)
+    return plugin
+
+
+@pytest.mark.parametrize("name", sorted(DISTRIBUTED))
+def test_device_for_rank_counts_the_devices_the_variable_left_visible(name, monkeypatch):
+    cls, var, _ = DISTRIBUTED[name]
+    plugin = with_devices(cls, 2, monkeypatch)
+    monkeypatch.setenv(var, "3,5")
+    # The runtime renumbered 3,5 as 0,1: local rank 1 uses index 1 (physical device 5).
+    assert [plugin.device_for_rank(r, 2) for r in range(2)] == [0, 1]
+    with pytest.raises(ValueError, match=rf"4 local ranks need 4 {name} devices, but 2 are visible "
+                                         rf"\({var}='3,5'\)"):
+        plugin.device_for_rank(3, 4)
+
+
+@pytest.mark.parametrize("name", sorted(DISTRIBUTED))
+def test_device_for_rank_with_one_device_visible_per_rank_is_index_0(name, monkeypatch):
+    cls, var, _ = DISTRIBUTED[name]
+    plugin = with_devices(cls, 1, monkeypatch)
+    monkeypatch.setenv(var, "5")  # a launcher pinned this rank to its own device
+    assert plugin.device_for_rank(1, 2) == 0
+    monkeypatch.delenv(var)  # no variable: one device for two ranks is a mistake, not a pinning
+    with pytest.raises(ValueError, match="2 local ranks need 2 .* but 1 is visible: start at most 1"):
+        plugin.device_for_rank(1, 2)
+
+
+@pytest.mark.parametrize("name", sorted(DISTRIBUTED))
+def test_distributed_support_declares_capture_only_where_the_backend_allows_it(name):
+    cls, _, capturable = DISTRIBUTED[name]
+    support = cls().distributed_support()
+    assert support.graph_capturable is capturable
+    assert support.communicator is None  # torch's backend, called on torchhal's own groups
+    assert support.note
+
+
+def test_cpu_ranks_all_use_the_one_host_device():
+    from torchhal.plugins.cpu import CpuPlatform
+
+    assert [CpuPlatform().device_for_rank(r, 4) for r in range(4)] == [0, 0, 0, 0]
+    assert CpuPlatform().distributed_support().graph_capturable is False
