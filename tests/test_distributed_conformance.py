@@ -63,3 +63,14 @@ def test_a_broken_platform_fails_exactly_the_clause_its_bug_touches(tmp_path, pl
     assert outcome(results, "failed") == [clause], out.stdout[-3000:]
     assert words in results[clause]["message"], results[clause]["message"]
     assert out.returncode == 1
+
+
+def test_info_shows_the_backend_the_communicator_and_graph_capture(plugin_path):
+    out = run_cli("info", "--json", env={"PYTHONPATH": plugin_path, "TORCHHAL_PLATFORM": "dist_wrapped_correctly"})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["current"]["capabilities"]["distributed"] == {
+        "backend": "gloo", "communicator": "vendor", "graph_capturable": False,
+        "note": "dist_wrapped_correctly: a wrapped default communicator"}
+    text = run_cli("info", env={"PYTHONPATH": plugin_path, "TORCHHAL_PLATFORM": "cpu"}).stdout
+    assert ("  distributed: gloo backend, torchhal's default (torch.distributed) communicator, "
+            "collectives not graph-captured\n") in text

@@ -110,6 +110,8 @@ def collect_info() -> dict[str, Any]:
         graphs, graphs_ok = _plugin_query(reg, platform, "graph_support()", lambda: platform.graph_support)
         ipc, ipc_ok = _plugin_query(reg, platform, "ipc_support()", lambda: platform.ipc_support)
         attention, attention_ok = _plugin_query(reg, platform, "attention_support()", lambda: _attention_rows(platform))
+        distributed, distributed_ok = _plugin_query(reg, platform, "distributed_support()",
+                                                    lambda: platform.distributed_support)
         info["current"] = {
             "name": platform.name,
             "how": how,
@@ -128,6 +130,13 @@ def collect_info() -> dict[str, Any]:
                     else None
                 ),
                 "attention": attention if attention_ok else None,
+                "distributed": (
+                    {"backend": platform.dist_backend,
+                     "communicator": "vendor" if distributed.communicator is not None else "default",
+                     "graph_capturable": distributed.graph_capturable, "note": distributed.note}
+                    if distributed_ok and distributed is not None
+                    else None
+                ),
             },
         }
     # Read last: detection and the queries above can add errors.
@@ -175,6 +184,15 @@ def format_info(info: dict[str, Any]) -> str:
     lines.append(f"  graphs: {caps['graphs'] or 'unsupported'}")
     ipc = caps["ipc"]
     lines.append("  ipc: " + (f"{ipc['note']} (peer redirect: {ipc['peer_redirect']})" if ipc else "unsupported"))
+    distributed = caps["distributed"]
+    if distributed is None:
+        lines.append("  distributed: (distributed_support() failed: see plugin errors)")
+    else:
+        communicator = ("the vendor's" if distributed["communicator"] == "vendor"
+                        else "torchhal's default (torch.distributed)")
+        lines.append(f"  distributed: {distributed['backend']} backend, {communicator} communicator, collectives "
+                     f"{'graph-capturable' if distributed['graph_capturable'] else 'not graph-captured'}"
+                     + (f"; {distributed['note']}" if distributed["note"] else ""))
     attention = caps["attention"]
     if attention is None:
         lines.append("  attention: (attention_support() failed: see plugin errors)")
