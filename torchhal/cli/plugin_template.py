@@ -31,7 +31,8 @@ ATTRIBUTE_GUIDANCE: dict[str, tuple[str, str]] = {
     "device_type": ('"{name}"', "TODO: the torch device type string your tensors carry (torch.device(type, i))"),
     "priority": ("50", "TODO: higher wins when several are available; CPU is 0 (docs/spi-reference.md)"),
     "replaces": ("None", "name of a platform from another distribution this one replaces, if any"),
-    "dist_backend": ('"gloo"', "TODO: your torch.distributed backend (e.g. your collective library)"),
+    "dist_backend": ('"gloo"', "TODO: your torch.distributed backend; a name torch lacks must be registered by "
+                     "your extension (torch.distributed.Backend.register_backend)"),
     "visible_devices_env": ('("{upper}",)', "TODO: variables that restrict which devices the runtime sees"),
     "ipc_peer_redirect": ("False", "True if your IPC open maps handles through the consumer's own device"),
     "spi_version": (repr(tuple(SPI_VERSION)), "the torchhal SPI this plugin was written for (docs/vendor-guide.md)"),
@@ -70,8 +71,9 @@ METHOD_GUIDANCE: dict[str, str] = {
     "cache (torchhal.attention.AttentionBackend; default None: torchhal's portable reference)",
     "device_for_rank": "the default maps local rank r to visible device r (or 0 when each rank sees one "
     "device) and refuses more ranks than devices, naming visible_devices_env",
-    "distributed_support": "return a DistributedSupport to supply your own communicator (e.g. a custom "
-    "all-reduce wrapping the default) or declare graph-capturable collectives",
+    "distributed_support": "return a DistributedSupport to supply your own communicator (a function given "
+    "torchhal's default one, returning a wrapper that replaces e.g. all_reduce) or to declare collectives "
+    "graph-capturable (only if they record into your device graphs and replay; docs/vendor-guide.md, Distributed)",
 }
 
 
