@@ -94,6 +94,29 @@ def test_available_memory_min_across_a_gloo_group(make_registry, tmp_path):
         dist.destroy_process_group()
 
 
+def test_available_memory_takes_a_communicator_and_reduces_with_min(make_registry):
+    """Through the Communicator protocol: one all_reduce(op="min") on a CPU int64 tensor."""
+    make_registry(plugin_module(CountingCpu()))
+    calls = []
+
+    class OtherRankHasLess:
+        rank, world_size, device, graph_capturable = 0, 2, torch.device("cpu"), False
+
+        def all_reduce(self, tensor, op="sum"):
+            calls.append((tensor.device.type, tensor.dtype, op))
+            return tensor.clamp_(max=600)
+
+        def all_gather(self, tensor, dim=0, sizes=None): ...
+        def broadcast(self, tensor, src): ...
+        def send(self, tensor, dst): ...
+        def recv(self, tensor, src): ...
+
+    assert torchhal.current_platform().available_memory(OtherRankHasLess()) == 600
+    assert calls == [("cpu", torch.int64, "min")]
+    with pytest.raises(TypeError, match=r"available_memory\(group=42\): pass a torchhal.distributed.Communicator"):
+        torchhal.current_platform().available_memory(42)
+
+
 def test_oom_types_and_report(make_registry):
     seen = []
 
