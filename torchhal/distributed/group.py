@@ -120,10 +120,12 @@ def init_group(
 
     Placement: the arguments, else torchrun's environment (see `RankPlacement.from_env`).
     Rendezvous: `store` if given; else torch.distributed's default store when a default
-    group exists; else a TCPStore at MASTER_ADDR:MASTER_PORT (torchrun's). `name` keeps two
-    groups in one store apart (default: one per call, numbered in call order, which every
-    rank must then follow). The rank's device is `platform.device_for_rank` and is made
-    current. A collective waiting on a dead or hung peer raises after `timeout`.
+    group exists (that group keeps working); else torch's env:// rendezvous on
+    MASTER_ADDR:MASTER_PORT, as `init_process_group` does it (under torchrun, the agent's
+    store). `name` keeps two groups in one store apart (default: one per call, numbered in
+    call order, which every rank must then follow). The rank's device is
+    `platform.device_for_rank` and is made current. A collective on a dead or hung peer
+    raises `CollectiveError` (within `timeout` on gloo). Call `close()` before exiting.
     """
     platform = platform or current_platform()
     placement = RankPlacement.from_env(rank, world_size, local_rank)
