@@ -59,12 +59,21 @@ def generate(group: Any, job: dict[str, Any]) -> dict[str, Any]:
 
 def lifecycle(group: Any, job: dict[str, Any]) -> dict[str, Any]:
     """Weight update from whole HF tensors, pause(retract)/continue mid-generation, sleep/wake."""
+    import dataclasses
+
     from torchhal.core.engine import GenerationEngine
     from torchhal.core.model.checkpoint import iter_checkpoint_tensors
+    from torchhal.platforms.testing import patched_plugin
 
-    engine = GenerationEngine.from_checkpoint(job["path"], engine_config(False), group=group)
+    # Rank r sees (r + 1) MiB free: every rank must size its KV pool from the least of them.
+    platform = group.platform
+    free = dataclasses.replace(platform.memory_info(0), free=(group.rank + 1) << 20)
+    with patched_plugin(platform, memory_info=lambda index: free):
+        engine = GenerationEngine.from_checkpoint(
+            job["path"], dataclasses.replace(engine_config(False), max_kv_slots=1 << 16), group=group)
     prompts, new = job["prompts"], job["new_tokens"]
-    out: dict[str, Any] = {}
+    sizing = engine.kv_sizing
+    out: dict[str, Any] = {"num_blocks": sizing.num_blocks, "bytes_per_block": sizing.bytes_per_block}
     # A rank's shard shape is not an HF shape: refused, nothing applied.
     name, param = next((n, p) for n, p in engine.model.named_parameters() if n.endswith("q_proj.weight"))
     try:

@@ -108,6 +108,9 @@ def test_lifecycle_and_a_failed_step_under_tp2(tmp_path: Path) -> None:
     ranks = run_group(2, jobs, tmp_path, timeout_s=8.0)
     for rank, results in enumerate(ranks):
         life = results["lifecycle"]
+        fraction = workers.engine_config(False).kv_fraction
+        assert life["num_blocks"] == int((1 << 20) * fraction) // life["bytes_per_block"] - 1, \
+            f"rank {rank}: the KV pool must be sized from the least free memory of any rank (rank 0's 1 MiB)"
         assert "expected (64, 64)" in life["shard_shaped_update"], life["shard_shaped_update"]
         assert life["version_after_refusal"] == 0
         assert life["paused"] == before, f"rank {rank}: pause(retract)/continue changed the tokens"
