@@ -53,8 +53,22 @@ def generate(group: Any, job: dict[str, Any]) -> dict[str, Any]:
             runner = engine.decode_runner
             out["emulated_steps"] = runner.steps if runner is not None else 0
         out["num_blocks"] = engine.kv_sizing.num_blocks
-        out["bytes_read"] = engine.checkpoint.bytes_read if engine.checkpoint else None
+    # The logits every rank sees are the whole vocabulary's, no padding column.
+    hidden = torch.ones(2, engine.model_config.hidden_size)
+    out["logits_width"] = engine.model.logits(hidden, torch.tensor([0, 1])).shape[-1]
     return out
+
+
+def reference(group: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """The engine's own reference model (no checkpoint), sharded by the engine."""
+    import dataclasses
+
+    from torchhal.core.engine import GenerationEngine
+    from torchhal.core.model import ModelConfig
+
+    config = dataclasses.replace(engine_config(False), model=ModelConfig(**job["model"]))
+    engine = GenerationEngine(config, group=group)
+    return {"tokens": [list(r.output) for r in engine.generate(job["prompts"], job["new_tokens"])]}
 
 
 def lifecycle(group: Any, job: dict[str, Any]) -> dict[str, Any]:
@@ -127,4 +141,4 @@ def failure(group: Any, job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-JOBS = {"generate": generate, "lifecycle": lifecycle, "failure": failure}
+JOBS = {"generate": generate, "lifecycle": lifecycle, "failure": failure, "reference": reference}

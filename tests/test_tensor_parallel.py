@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue as queue_module
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,8 @@ from .hf_models import PROMPTS, save_hf_model
 
 # name -> (family, overrides); each model covers what its comment says.
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    # GQA, 8 query heads and 4 KV heads: KV heads split at TP=2 and TP=4
-    "gqa": ("llama3", dict(num_attention_heads=8, num_key_value_heads=4)),
+    # GQA, 8 query heads and 4 KV heads: KV heads split at TP=2 and TP=4; biases on q/k/v and o_proj
+    "gqa": ("llama3", dict(num_attention_heads=8, num_key_value_heads=4, attention_bias=True)),
     # 8 query heads and 2 KV heads: each KV head replicated on two ranks at TP=4
     "replicated_kv": ("llama3", dict(num_attention_heads=8, num_key_value_heads=2)),
     # q/k/v biases (Qwen2), a vocabulary of 125: the last shard is padded at TP=2 and TP=4
@@ -88,6 +89,7 @@ def test_tensor_parallel_tokens_equal_single_device(world: int, tmp_path: Path) 
             assert got["eager"] == expected[name], f"{name}: rank {rank} of {world}, eager"
             assert got["graphs"] == expected[name], f"{name}: rank {rank} of {world}, emulated decode graphs"
             assert got["emulated_steps"] > 0, f"{name}: the emulated decode graph never ran"
+            assert got["logits_width"] == MODELS[name][1].get("vocab_size", 128), f"{name}: padding in the logits"
         assert len({results[name]["num_blocks"] for results in ranks}) == 1, "ranks sized different KV pools"
 
 
@@ -100,7 +102,12 @@ def test_lifecycle_and_a_failed_step_under_tp2(tmp_path: Path) -> None:
     before = single_device_tokens(path, prompts)
     after = single_device_tokens(update, prompts)
     assert before != after, "the update must change the tokens for this test to see it"
+    reference_model = dict(vocab_size=131, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                           intermediate_size=48, seed=3)
+    reference_tokens = [list(r.output) for r in GenerationEngine(
+        replace(workers.engine_config(False), model=ModelConfig(**reference_model))).generate(prompts, NEW_TOKENS)]
     jobs = [
+        dict(kind="reference", name="reference", model=reference_model, prompts=prompts, new_tokens=NEW_TOKENS),
         dict(kind="lifecycle", name="lifecycle", path=str(path), update_path=str(update), prompts=prompts,
              new_tokens=NEW_TOKENS),
         dict(kind="failure", name="failure", path=str(path), prompts=prompts, failing_rank=1),
@@ -116,6 +123,7 @@ def test_lifecycle_and_a_failed_step_under_tp2(tmp_path: Path) -> None:
         assert life["paused"] == before, f"rank {rank}: pause(retract)/continue changed the tokens"
         assert life["woken"] == before, f"rank {rank}: sleep/wake changed the tokens"
         assert life["updated"] == after, f"rank {rank}: the weight update differs from TP=1's"
+        assert results["reference"]["tokens"] == reference_tokens, f"rank {rank}: the engine's own sharding"
         failed = results["failure"]
         assert failed["step"] != "returned", f"rank {rank}: the failed step returned"
         assert "runs no more steps" in failed["after"], failed["after"]
