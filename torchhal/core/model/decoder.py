@@ -337,7 +337,7 @@ class LlamaDecoder(nn.Module):
     def __init__(self, config: ModelConfig,
                  tensor_parallel: RankShard | tuple[TensorParallelPlan, int] | None = None) -> None:
         super().__init__()
-        shard = RankShard(*tensor_parallel) if isinstance(tensor_parallel, tuple) else tensor_parallel
+        shard = RankShard.of(tensor_parallel) if tensor_parallel is not None else None
         if shard is not None and shard.plan.config != config:
             raise ValueError("tensor_parallel: the plan was made for another ModelConfig than this decoder's; "
                              "make it with TensorParallelPlan(config, world_size)")
@@ -387,14 +387,11 @@ class LlamaDecoder(nn.Module):
         device and in its dtype; the slices are the ones `load_checkpoint` reads for that rank."""
         if self.shard is not None:
             raise ValueError("shard_for: this decoder is already a tensor-parallel shard; shard the whole model")
-        weight = next(self.parameters())
+        shard, weight = RankShard.of(tensor_parallel), next(self.parameters())
         with torch.device("meta"):
-            part = LlamaDecoder(self.config, tensor_parallel).to(weight.dtype)
+            part = LlamaDecoder(self.config, shard).to(weight.dtype)
         part.materialize(weight.device)
-        if part.shard is None:
-            part.load_state_dict(self.state_dict())
-            return part
-        shard, params = part.shard, dict(part.named_parameters())
+        params = dict(part.named_parameters())
         with torch.no_grad():
             for name, full in self.named_parameters():
                 params[name].copy_(shard.take(name, full))
@@ -446,7 +443,7 @@ class LlamaDecoder(nn.Module):
         of the partial sums in place in state["partial"]. The all-reduces are graph steps when the
         communicator's collectives can be captured, breaks otherwise (the segments around them stay graphs)."""
         comm = self._communicator()
-        attn, mlp, math = layer.self_attn, layer.mlp, self.layer_math
+        attn, mlp, layer_math = layer.self_attn, layer.mlp, self.layer_math
 
         def reduce(state: StackState) -> None:
             comm.all_reduce(state["partial"])
@@ -457,10 +454,10 @@ class LlamaDecoder(nn.Module):
             return BreakStep(name, lambda state, num_tokens, meta: reduce(state))
 
         def o_proj(state: StackState) -> None:
-            state["partial"] = math.attention_partial(state["attn_out"], attn.o_proj.weight)
+            state["partial"] = layer_math.attention_partial(state["attn_out"], attn.o_proj.weight)
 
         def mlp_partial(state: StackState) -> None:
-            state["residual"], state["partial"] = math.mlp_partial(
+            state["residual"], state["partial"] = layer_math.mlp_partial(
                 state["residual"], state["partial"], attn.o_proj.bias, layer.post_attention_layernorm.weight,
                 mlp.fused_weight, mlp.down_proj.weight,
             )
@@ -468,7 +465,7 @@ class LlamaDecoder(nn.Module):
         def mlp_residual(state: StackState) -> None:
             state["residual"] = residual = state["residual"] + state["partial"]
             if last:
-                state["hidden"] = math.final_norm(residual, self.model.norm.weight)
+                state["hidden"] = layer_math.final_norm(residual, self.model.norm.weight)
 
         return [
             GraphStep(f"layer{index}.o_proj", o_proj), all_reduce(f"layer{index}.o_proj.all_reduce"),

@@ -155,6 +155,11 @@ class RankShard:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 0 <= self.rank < world:
             raise ValueError(f"tensor-parallel rank {self.rank!r} must be an int in 0..{world - 1}")
 
+    @classmethod
+    def of(cls, tensor_parallel: RankShard | tuple[TensorParallelPlan, int]) -> RankShard:
+        """A `RankShard` as given, or made from `(plan, rank)`."""
+        return tensor_parallel if isinstance(tensor_parallel, RankShard) else cls(*tensor_parallel)
+
     @property
     def world_size(self) -> int:
         return self.plan.world_size
