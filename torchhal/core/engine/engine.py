@@ -57,6 +57,7 @@ from torchhal.platforms import Platform, ReleasePoint, current_platform
 
 if TYPE_CHECKING:
     from torchhal.core.model.checkpoint import LoadReport
+    from torchhal.distributed import DeviceGroup
 
 
 @dataclass
@@ -98,23 +99,39 @@ class GenerationEngine:
         platform: Platform | None = None,
         model: Model | None = None,
         runner_factory: Callable[[GenerationEngine], ModelRunner] | None = None,
+        group: DeviceGroup | None = None,
     ) -> None:
         """`model`: any `Model` (moved to the engine's device and `config.dtype`); None builds
         `ReferenceDecoder(config.model)`. Model facts always come from `model.config`.
 
         The KV cache is paged (`config.kv_block_size` tokens a block) and holds one block
         more than the allocator hands out: the scratch block, where padded rows write.
-        The attention backend is chosen once, here (`self.attention`, also in `trace`)."""
+        The attention backend is chosen once, here (`self.attention`, also in `trace`).
+
+        `group` (tensor parallel, `torchhal.distributed.init_group`): the engine runs on
+        `group.device` and holds this rank's shard of a `LlamaDecoder` (a whole one, or None,
+        is sharded here; `from_checkpoint(..., group=)` reads only the rank's slices). Every
+        rank makes the same engine calls in the same order (SPMD) and gets the same tokens.
+        A group of one rank is no group: today's engine on `group.device`. Under tensor
+        parallel an error in a step (out-of-memory on one rank, a peer that died, ...)
+        is final: the ranks cannot know they failed alike, so instead of retracting and
+        retrying (which could leave the ranks' batches apart) the step raises and the engine
+        refuses every later step (`broken`); a rank whose peer failed raises from its
+        collective within the group's timeout, then refuses likewise. Make a new group and
+        engines to go on."""
         if model is not None and missing_model_members(model):
             raise TypeError(
                 f"model {type(model).__name__} lacks {', '.join(missing_model_members(model))} of the "
                 "torchhal.core.model.Model protocol"
             )
         self.config = config
-        self.platform = platform or current_platform()
-        self.device_index = self.platform.current_device() if config.device is None else config.device
+        self.group = group if group is not None and group.world_size > 1 else None
+        self.platform = platform or (group.platform if group is not None else current_platform())
+        self.device_index = self._device_index(config, group)
         self.device = self.platform.device(self.device_index)
         built: Model = ReferenceDecoder(config.model) if model is None else model
+        if self.group is not None:
+            built = _rank_model(built, self.group)
         built.to(self.device, config.dtype)
         built.eval()
         if config.compile_layers is not None:
@@ -126,15 +143,15 @@ class GenerationEngine:
                 )
             compile_layers(config.compile_layers)  # before any graph is captured
         self.model: Model = built
-        model_config = self.model_config
+        model_config, local = self.model_config, self.local_config
         self.kv_sizing: KVPoolSizing = size_kv_pool(
-            self.platform, self.device_index, model_config, config.dtype, config.kv_fraction, config.max_kv_slots,
-            config.kv_block_size,
+            self.platform, self.device_index, local, config.dtype, config.kv_fraction, config.max_kv_slots,
+            config.kv_block_size, free_bytes=self._free_bytes_everywhere(),
         )
         self.attention: AttentionChoice = self.platform.choose_attention(AttentionSpec(
-            num_q_heads=model_config.num_heads, num_kv_heads=model_config.num_kv_heads,
-            head_dim=model_config.head_dim, dtype=config.dtype, block_size=config.kv_block_size,
-            sliding_window=model_config.sliding_window, needs_graph=config.decode_graphs is not None,
+            num_q_heads=local.num_heads, num_kv_heads=local.num_kv_heads,
+            head_dim=local.head_dim, dtype=config.dtype, block_size=config.kv_block_size,
+            sliding_window=local.sliding_window, needs_graph=config.decode_graphs is not None,
         ))
         self.model.kv = self._new_kv_cache()
         self.requests = RequestBook(
@@ -142,7 +159,8 @@ class GenerationEngine:
             model_config.max_position,
         )
         self.scheduler = Scheduler(self.requests, config.max_batch_tokens, config.max_running)
-        self.weights = WeightUpdater(self.model, check_finite=config.check_finite_weights)
+        self.weights = WeightUpdater(self.model, check_finite=config.check_finite_weights,
+                                     shard=getattr(self.model, "shard", None) if self.group is not None else None)
         self.occupation = MemoryOccupation(self.platform, self.device)
         self.events = EngineEvents(self.platform, self.device_index)
         self.events.record("attention_backend", backend=self.attention.name, why=self.attention.why)
@@ -154,6 +172,7 @@ class GenerationEngine:
         self._steps = 0
         self._idle_since: float | None = None
         self._idle_emptied = False
+        self.broken: str | None = None  # tensor parallel: why a failed step ended this engine
         self.runner: ModelRunner = runner_factory(self) if runner_factory else EagerRunner(self.model)
         eos = set(config.eos_tokens) | ({config.eos_token} if config.eos_token is not None else set())
         self._eos: frozenset[int] = frozenset(eos)
@@ -167,6 +186,27 @@ class GenerationEngine:
         self._in_flight: _Window | None = None  # a launched decode window whose tokens have not landed
         if config.decode_graphs is not None:
             self.decode_runner = self._new_decode_runner(config.decode_graphs)
+
+    def _device_index(self, config: EngineConfig, group: DeviceGroup | None) -> int:
+        """The config's device, else the group's (its rank's), else the current one."""
+        if group is None:
+            return self.platform.current_device() if config.device is None else config.device
+        placement = group.placement
+        index = self.platform.device_for_rank(placement.local_rank, placement.local_world_size)
+        if config.device is not None and config.device != index:
+            raise ValueError(
+                f"EngineConfig.device = {config.device} but the group puts rank {placement.rank} on device {index}; "
+                "leave EngineConfig.device None with a group"
+            )
+        return index
+
+    def _free_bytes_everywhere(self) -> int | None:
+        """Tensor parallel: the least free device memory of any rank, so every rank sizes the
+        same KV pool and schedules alike; None (this device's, measured by the sizing) otherwise."""
+        if self.group is None:
+            return None
+        free = torch.tensor([self.platform.memory_info(self.device_index).free], dtype=torch.int64)
+        return int(self.group.host.all_reduce(free, "min").item())
 
     def _new_decode_runner(self, settings: DecodeGraphConfig) -> DecodeGraphRunner:
         """Built after the KV cache exists: capture needs it (and the scratch block in it)."""
@@ -186,6 +226,13 @@ class GenerationEngine:
     @property
     def model_config(self) -> ModelConfig:
         return self.model.config
+
+    @property
+    def local_config(self) -> ModelConfig:
+        """The shapes this process computes: a tensor-parallel rank's heads and KV heads (the KV
+        cache and attention are sized from them); `model_config` for a model on one device."""
+        local: ModelConfig = getattr(self.model, "local_config", self.model.config)
+        return local
 
     @property
     def blocks(self) -> BlockAllocator:
@@ -312,7 +359,8 @@ class GenerationEngine:
         except BaseException as exc:
             for request in plan.batch:  # rows this step touched are rewritten next time
                 self._forget_rows(request.rid)
-            if isinstance(exc, Exception) and self.platform.is_out_of_memory(exc):
+            self._break(exc)
+            if self.broken is None and isinstance(exc, Exception) and self.platform.is_out_of_memory(exc):
                 return done + self._handle_oom(plan.batch, exc)
             self.scheduler.rollback(plan)
             raise
@@ -387,7 +435,8 @@ class GenerationEngine:
             with torch.no_grad():
                 chained = self._chain(flight)
             tokens = decode.collect(flight.launched)
-        except BaseException:
+        except BaseException as exc:
+            self._break(exc)
             for window in (chained, flight):
                 if window is not None:
                     self._give_back(window)
@@ -458,7 +507,19 @@ class GenerationEngine:
             self._steps += 1
             self._append(flight.requests, tokens)
 
+    def _break(self, error: BaseException) -> None:
+        """Tensor parallel: a step that failed ends the engine (see `__init__`); its batch is
+        still rolled back by the caller, so `pending()` and results stay truthful."""
+        if self.group is None or self.broken is not None:
+            return
+        self.broken = (f"a step failed on rank {self.group.rank} ({type(error).__name__}: {error}); under tensor "
+                       "parallel the ranks may now disagree, so this engine runs no more steps: make a new group "
+                       "and engines")
+        self.events.record("tensor_parallel_broken", error=type(error).__name__)
+
     def _check_can_run(self) -> None:
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
         if self.asleep:
             raise RuntimeError("the engine is asleep; call resume_memory_occupation() first")
         refusal = self.weights.refusal()
@@ -589,7 +650,7 @@ class GenerationEngine:
 
     def _new_kv_cache(self) -> KVCache:
         # One block more than the allocator hands out: the scratch block.
-        return KVCache(self.model_config, self.kv_sizing.num_blocks + 1, self.config.kv_block_size, self.device,
+        return KVCache(self.local_config, self.kv_sizing.num_blocks + 1, self.config.kv_block_size, self.device,
                        self.config.dtype)
 
     # -- construction from a checkpoint ----------------------------------------------------
@@ -601,6 +662,7 @@ class GenerationEngine:
         *,
         platform: Platform | None = None,
         runner_factory: Callable[[GenerationEngine], ModelRunner] | None = None,
+        group: DeviceGroup | None = None,
     ) -> GenerationEngine:
         """An engine serving the Hugging Face checkpoint at `path` (`load_checkpoint` says
         what is accepted; a refused checkpoint raises CheckpointError, nothing allocated).
@@ -609,16 +671,42 @@ class GenerationEngine:
         (no config: the checkpoint's own dtype and EngineConfig's defaults), so the engine's
         move is a no-op. A config that names no end-of-sequence token gets the checkpoint's
         `eos_token_id`s. `config.model` is not used: the checkpoint is the model. The load
-        report is kept as `engine.checkpoint`."""
+        report is kept as `engine.checkpoint`.
+
+        `group`: each rank reads only its shard's slices, onto `group.device` (see `__init__`);
+        a model that cannot be split over the group is refused before any weight is read."""
         from torchhal.core.model.checkpoint import checkpoint_dtype, eos_token_ids, load_checkpoint, read_hf_config
 
         hf = read_hf_config(path)
         config = config or EngineConfig(dtype=checkpoint_dtype(hf))
         if not config.eos_tokens and config.eos_token is None:
             config = replace(config, eos_tokens=eos_token_ids(hf, f"{Path(path) / 'config.json'}"))
-        platform = platform or current_platform()
-        index = platform.current_device() if config.device is None else config.device
-        model, report = load_checkpoint(path, dtype=config.dtype, device=platform.device(index))
-        engine = cls(config, platform=platform, model=model, runner_factory=runner_factory)
+        platform = platform or (group.platform if group is not None else current_platform())
+        if group is not None:
+            index = platform.device_for_rank(group.placement.local_rank, group.placement.local_world_size)
+            split = (group.world_size, group.rank)
+        else:
+            index, split = platform.current_device() if config.device is None else config.device, None
+        model, report = load_checkpoint(path, dtype=config.dtype, device=platform.device(index),
+                                        tensor_parallel=split)
+        engine = cls(config, platform=platform, model=model, runner_factory=runner_factory, group=group)
         engine.checkpoint = report
         return engine
+
+
+def _rank_model(model: Model, group: DeviceGroup) -> Model:
+    """`model` as the group's rank's shard, attached to the group's communicator: a whole
+    `LlamaDecoder` is sharded here (on its own device, before the move); a shard must be
+    this rank's."""
+    from torchhal.core.model import LlamaDecoder
+    from torchhal.core.model.parallel import TensorParallelPlan
+
+    if not isinstance(model, LlamaDecoder):
+        raise TypeError(
+            f"tensor parallel needs a LlamaDecoder (or a checkpoint through from_checkpoint(..., group=)); "
+            f"model {type(model).__name__} cannot be split over {group.world_size} ranks"
+        )
+    if model.shard is None:
+        model = model.shard_for((TensorParallelPlan(model.config, group.world_size), group.rank))
+    model.use_communicator(group.comm)
+    return model

@@ -40,13 +40,14 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 def size_kv_pool(
     platform: Platform, device: int, config: ModelConfig, dtype: torch.dtype, fraction: float, max_slots: int,
-    block_size: int,
+    block_size: int, free_bytes: int | None = None,
 ) -> KVPoolSizing:
     """Blocks that fit in `fraction` of the device's free memory (an observation only),
-    at most `max_slots` tokens' worth; the scratch block comes out of the same budget."""
+    at most `max_slots` tokens' worth; the scratch block comes out of the same budget.
+    `free_bytes`: the free memory to size from (tensor parallel: the least of any rank's)."""
     if not 0 < fraction <= 1:
         raise ValueError(f"kv_fraction {fraction!r} must be in (0, 1]; e.g. 0.3 for 30% of free memory")
-    free = platform.memory_info(device).free
+    free = platform.memory_info(device).free if free_bytes is None else free_bytes
     per_block = KVCache.bytes_per_block(config, dtype, block_size)
     blocks = min(int(free * fraction) // per_block - 1, max_slots // block_size)
     if blocks < 1:

@@ -14,14 +14,19 @@ import torch
 
 from torchhal.core.engine.records import WeightUpdateIncomplete, WeightUpdateRejected
 from torchhal.core.model import Model
+from torchhal.core.model.parallel import RankShard
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
 class WeightUpdater:
-    def __init__(self, model: Model, check_finite: bool = False) -> None:
+    """`shard`: the model is one tensor-parallel rank's shard; updates still give whole HF
+    tensors, checked against the whole shapes, and this rank writes its slice of each."""
+
+    def __init__(self, model: Model, check_finite: bool = False, shard: RankShard | None = None) -> None:
         self.model = model
         self.check_finite = check_finite
+        self.shard = shard
         self.version = 0
         # Weights a failed write may have left half-updated; generation is refused until
         # an update covering them succeeds (the old values cannot be restored without a
@@ -32,13 +37,13 @@ class WeightUpdater:
         """Replace the named weights all together and rebuild derived weights; returns the count."""
         items = self._items(named_tensors)
         params = dict(self.model.named_parameters())
-        problems = self._problems(items, params)
+        problems = self._problems(items, params, self.shard)
         if problems:
             raise WeightUpdateRejected("weight update rejected, nothing applied: " + "; ".join(problems))
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, tensor in items:
             try:
-                value = self._stage(tensor, params[name])
+                value = self._stage(tensor if self.shard is None else self.shard.take(name, tensor), params[name])
             except Exception as exc:
                 raise WeightUpdateRejected(
                     f"weight update rejected, nothing applied: {name!r} cannot be converted to "
@@ -97,7 +102,8 @@ class WeightUpdater:
         return items
 
     @staticmethod
-    def _problems(items: list[tuple[str, torch.Tensor]], params: dict[str, torch.nn.Parameter]) -> list[str]:
+    def _problems(items: list[tuple[str, torch.Tensor]], params: dict[str, torch.nn.Parameter],
+                  shard: RankShard | None) -> list[str]:
         problems = []
         seen: set[str] = set()
         for name, tensor in items:
@@ -111,11 +117,13 @@ class WeightUpdater:
             target = params.get(name)
             if target is None:
                 problems.append(f"unknown weight {name!r}")
-            elif not isinstance(tensor, torch.Tensor):
+                continue
+            shape = tuple(target.shape) if shard is None else shard.full_shape(name, tuple(target.shape))
+            if not isinstance(tensor, torch.Tensor):
                 kind = type(tensor).__name__
-                problems.append(f"{name!r} is a {kind}, not a torch.Tensor of shape {tuple(target.shape)}")
-            elif tuple(tensor.shape) != tuple(target.shape):
-                problems.append(f"{name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+                problems.append(f"{name!r} is a {kind}, not a torch.Tensor of shape {shape}")
+            elif tuple(tensor.shape) != shape:
+                problems.append(f"{name!r} has shape {tuple(tensor.shape)}, expected {shape}")
             elif not tensor.dtype.is_floating_point:
                 problems.append(f"{name!r} has dtype {tensor.dtype}, expected a floating dtype like {target.dtype}")
             elif tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:

@@ -331,13 +331,15 @@ class DecodeCaptureReport:
     pool_bytes: int | None
 
 
-def unsupported_reason(model: nn.Module) -> str | None:
+def unsupported_reason(model: nn.Module, emulate: bool = False) -> str | None:
     """Why this model's decode step cannot be one graph, or None when it can.
 
     The decode graph runs the model's own layer program, its attention breaks with decode
     metadata built on the device (`AttentionMetadata(decode=True)`), so those breaks must be
     capturable: the decoder's attention is (it calls the backend's `decode`). A model whose
-    breaks are not says so with a `decode_graph_refusal` string attribute."""
+    breaks are not says so with a `decode_graph_refusal` string attribute. Other breaks (a
+    tensor-parallel all-reduce on a communicator that cannot be captured) refuse the graph;
+    `emulate` runs the same path eagerly, so they are fine there."""
     missing = [name for name in ("layer_program", "embed_tokens", "logits") if not callable(getattr(model, name, None))]
     if missing:
         return (
@@ -351,10 +353,11 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return f"{type(model).__name__}.kv is not allocated; allocate the KV cache before building the decode runner"
     program: list[Step] = getattr(model, "layer_program")()  # noqa: B009  # an nn.Module attribute, typed Tensor
     for step in program:
-        if isinstance(step, BreakStep) and attention_layer(step) is None:
+        if isinstance(step, BreakStep) and attention_layer(step) is None and not emulate:
             return (
                 f"break step {step.name!r} is not attention (no layer index, name is not 'layer<N>.attention'); "
-                "only attention breaks run inside a decode graph"
+                "only attention breaks run inside a decode graph (a tensor-parallel all-reduce is a break when "
+                "the group's communicator cannot be captured)"
             )
     return None
 
@@ -396,7 +399,7 @@ class DecodeGraphRunner:
         self.history = torch.zeros(steps_per_sync, max_rows, dtype=torch.long, device=self.device)  # tokens
         self._cursor = torch.zeros(1, dtype=torch.long, device=self.device)  # the window step being run
         self._row_index = torch.arange(self.batch_buckets[-1], device=self.device)
-        self.unsupported: str | None = unsupported_reason(model)
+        self.unsupported: str | None = unsupported_reason(model, emulate)
         if self.unsupported is None and platform.graph_support is None and not emulate:
             self.unsupported = f"platform {platform.name!r} declares no graph support"
         if self.unsupported is None and not emulate:

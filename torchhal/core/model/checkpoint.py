@@ -37,6 +37,7 @@ import torch
 
 from torchhal.core.model.config import ConfigValueError, Llama3RopeScaling, ModelConfig, short_repr
 from torchhal.core.model.decoder import LlamaDecoder
+from torchhal.core.model.parallel import RankShard, ShardSlice, TensorParallelPlan
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 CONFIG_FILE = "config.json"
@@ -276,17 +277,43 @@ def _read_shard_header(file: Path, f: BufferedReader) -> _Shard:
     return _Shard(file, 8 + header_bytes, tensors)
 
 
-def _read_tensor(f: BufferedReader, shard: _Shard, name: str) -> torch.Tensor:
+def _read_tensor(f: BufferedReader, shard: _Shard, name: str, part: ShardSlice | None = None) -> torch.Tensor:
+    """Tensor `name` of an open shard; with `part`, only that slice (a tensor-parallel rank's):
+    one read per run of it that is contiguous in the file (one for a row slice, one per row
+    for a column slice), so a rank never holds more of the tensor than its slice."""
     entry = shard.tensors[name]
     dtype = _SAFETENSORS_DTYPES[entry.dtype]
-    nbytes = entry.end - entry.begin
-    if nbytes == 0:
-        return torch.empty(entry.shape, dtype=dtype)
-    buffer = torch.empty(nbytes, dtype=torch.uint8)  # read straight into the tensor's storage (no zero-fill)
-    f.seek(shard.data_start + entry.begin)
-    if f.readinto(buffer.numpy().data) != nbytes:
-        raise CheckpointError(f"{shard.path}: tensor {short_repr(name)} is cut short (the file changed while loading)")
-    return buffer.view(dtype).reshape(entry.shape)
+    shape = list(entry.shape)
+    runs, skip, length, stride = 1, 0, entry.end - entry.begin, 0
+    if part is not None:
+        inner = math.prod(shape[part.dim + 1 :]) * dtype.itemsize  # bytes of one index along part.dim
+        runs, skip, length = math.prod(shape[: part.dim]), part.start * inner, part.count * inner
+        stride = shape[part.dim] * inner
+        shape[part.dim] = part.count
+    if runs * length == 0:
+        return torch.empty(shape, dtype=dtype)
+    buffer = torch.empty(runs * length, dtype=torch.uint8)  # read straight into the tensor's storage (no zero-fill)
+    view = buffer.numpy().data
+    for run in range(runs):
+        start = shard.data_start + entry.begin + run * stride + skip
+        if not _read_exactly(f, start, view[run * length : (run + 1) * length]):
+            raise CheckpointError(
+                f"{shard.path}: tensor {short_repr(name)} is cut short (the file changed while loading)"
+            )
+    return buffer.view(dtype).reshape(shape)
+
+
+def _read_exactly(f: BufferedReader, position: int, into: memoryview) -> bool:
+    """Fill `into` from `position` (unbuffered: a small slice reads only its own bytes); False at end of file."""
+    raw = f.raw
+    raw.seek(position, os.SEEK_SET)
+    done = 0
+    while done < len(into):
+        count = raw.readinto(into[done:])
+        if not count:
+            return False
+        done += count
+    return True
 
 
 # -- config.json -----------------------------------------------------------------------------------
@@ -634,11 +661,22 @@ def _check(layout: dict[str, tuple[int, ...]], shards: list[_Shard], tied: bool)
 
 
 def _allocate(model: LlamaDecoder, device: torch.device) -> LlamaDecoder:
-    """Uninitialised storage on `device` for a meta-built model: the one device allocation.
-    (`Module.to_empty` would do it through `empty_like`, whose meta path imports the compiler stack.)"""
-    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    model.tie_weights()  # the move made new parameters: share the embedding again
-    return model
+    """The one device allocation (`LlamaDecoder.materialize`)."""
+    return model.materialize(device)
+
+
+def _rank_shard(config: ModelConfig, tensor_parallel: object, where: str) -> RankShard | None:
+    """`tensor_parallel=(world_size, rank)` as this checkpoint's `RankShard`; a model that
+    cannot be split that way is refused here, before anything is allocated or read."""
+    if tensor_parallel is None:
+        return None
+    if not isinstance(tensor_parallel, tuple) or len(tensor_parallel) != 2:
+        raise ValueError(f"tensor_parallel = {short_repr(tensor_parallel)} must be (world_size, rank), e.g. (2, 0)")
+    world_size, rank = tensor_parallel
+    try:
+        return RankShard(TensorParallelPlan(config, world_size), rank)
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
 
 
 def _reopen(shard: _Shard, scope: _Scope) -> BufferedReader:
@@ -654,13 +692,20 @@ def _reopen(shard: _Shard, scope: _Scope) -> BufferedReader:
 
 
 def load_checkpoint(
-    path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str | None = None, *,
+    tensor_parallel: tuple[int, int] | None = None,
 ) -> tuple[LlamaDecoder, LoadReport]:
     """A Hugging Face checkpoint directory as an eval-mode `LlamaDecoder` on `device` (default: host).
 
     `dtype` overrides the config's `dtype`/`torch_dtype`. The KV cache is not allocated
     (the engine sizes and owns it). Everything is checked from `config.json` and the
     safetensors headers before the model is built or anything allocated.
+
+    `tensor_parallel=(world_size, rank)`: the decoder of that rank's shard (see
+    `LlamaDecoder`), reading only its slices of the sharded tensors (`bytes_read` says how
+    much). Headers are checked against the whole model's shapes as without it; a model that
+    cannot be split over `world_size` ranks is refused (CheckpointError naming the sizes
+    that work) before anything is allocated.
     """
     start = time.perf_counter()
     root = Path(path)
@@ -674,12 +719,16 @@ def load_checkpoint(
     tied = config.tie_word_embeddings
     layout = expected_layout(config, sum(not _ignored(name, tied) for name in names), where)
     _check(layout, shards, tied)  # before the model is built or the device sees a byte
+    rank = _rank_shard(config, tensor_parallel, where)
+    if rank is not None and rank.world_size == 1:
+        rank = None
     target = torch.device(device) if device is not None else torch.device("cpu")
     with torch.device("meta"):
-        model = LlamaDecoder(config).to(dtype)
+        model = LlamaDecoder(config, rank).to(dtype)
     built = {name: tuple(param.shape) for name, param in model.named_parameters()}
-    if built != layout:  # a decoder change the layout arithmetic has not followed: a bug, not bad input
-        raise RuntimeError(f"expected_layout disagrees with LlamaDecoder: {sorted(set(built) ^ set(layout))[:5]}")
+    local = {name: rank.local_shape(name, shape) for name, shape in layout.items()} if rank else layout
+    if built != local:  # a decoder change the layout arithmetic has not followed: a bug, not bad input
+        raise RuntimeError(f"expected_layout disagrees with LlamaDecoder: {sorted(set(built) ^ set(local))[:5]}")
     model = _allocate(model, target)
     params = dict(model.named_parameters())
     bytes_read = tensors = 0
@@ -689,8 +738,13 @@ def load_checkpoint(
                 for name in shard.tensors:
                     if _ignored(name, tied):
                         continue
-                    tensor = _read_tensor(f, shard, name)
-                    params[name].copy_(tensor)
+                    part = rank.slice_of(name) if rank is not None else None
+                    tensor = _read_tensor(f, shard, name, part)
+                    if part is not None and part.count < part.size:  # the vocabulary's padding rows
+                        params[name].narrow(part.dim, part.count, part.size - part.count).zero_()
+                        params[name].narrow(part.dim, 0, part.count).copy_(tensor)
+                    else:
+                        params[name].copy_(tensor)
                     bytes_read += tensor.numel() * tensor.element_size()
                     tensors += 1
     model.process_weights()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,10 @@ from torch import nn
 from torchhal.core.graphs.program import BreakStep, GraphStep, StackState, Step, run_eager
 from torchhal.core.model.config import Llama3RopeScaling, ModelConfig
 from torchhal.core.model.kv_cache import AttentionMetadata, KVCache
+from torchhal.core.model.parallel import RankShard, TensorParallelPlan
+
+if TYPE_CHECKING:
+    from torchhal.distributed import Communicator
 
 __all__ = ["AttentionMetadata", "KVCache", "Llama3RopeScaling", "LlamaDecoder", "ModelConfig"]
 
@@ -220,6 +224,9 @@ class LayerMath:
         self.pre_attention: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._pre_attention
         self.post_attention: Callable[..., torch.Tensor] = self._post_attention
         self.final_norm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._final_norm
+        # Tensor parallel: the post-attention arithmetic cut at its two all-reduces.
+        self.attention_partial: Callable[..., torch.Tensor] = self._attention_partial
+        self.mlp_partial: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._mlp_partial
 
     def compile(self, backend: str | Callable[..., Any] = "inductor") -> None:
         check_compile_backend(backend, "compile backend")
@@ -230,6 +237,8 @@ class LayerMath:
         self.pre_attention = compiled(self._pre_attention, 0, 6, 7)
         self.post_attention = compiled(self._post_attention, 0, 1)
         self.final_norm = compiled(self._final_norm, 0)
+        self.attention_partial = compiled(self._attention_partial, 0)
+        self.mlp_partial = compiled(self._mlp_partial, 0, 1)
 
     def _pre_attention(
         self, residual: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor,
@@ -257,8 +266,25 @@ class LayerMath:
     ) -> torch.Tensor:
         """Output projection and residual, then the SwiGLU MLP and its residual."""
         residual = residual + F.linear(attn_out.reshape(residual.shape[0], -1), o_weight, o_bias)
+        return residual + self._mlp(residual, norm_weight, gate_up_weight, down_weight)
+
+    def _mlp(self, residual: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight: torch.Tensor,
+             down_weight: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(rms_norm(residual, norm_weight, self.config.rms_eps), gate_up_weight).chunk(2, dim=-1)
-        return residual + F.linear(F.silu(gate) * up, down_weight)
+        return F.linear(F.silu(gate) * up, down_weight)
+
+    def _attention_partial(self, attn_out: torch.Tensor, o_weight: torch.Tensor) -> torch.Tensor:
+        """This rank's heads through its columns of o_proj: one term of the all-reduced sum."""
+        return F.linear(attn_out.reshape(attn_out.shape[0], -1), o_weight)
+
+    def _mlp_partial(
+        self, residual: torch.Tensor, attention: torch.Tensor, o_bias: torch.Tensor | None,
+        norm_weight: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual after the all-reduced attention output (o_proj's bias added once, here),
+        and this rank's term of the MLP output (its slice of the intermediate width)."""
+        residual = residual + attention if o_bias is None else residual + attention + o_bias
+        return residual, self._mlp(residual, norm_weight, gate_up_weight, down_weight)
 
     def _final_norm(self, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(residual, weight, self.config.rms_eps)
@@ -297,16 +323,81 @@ class DecoderStack(nn.Module):
 
 
 class LlamaDecoder(nn.Module):
-    """One decoder for the Llama family; weights start uninitialised (load or init them)."""
+    """One decoder for the Llama family; weights start uninitialised (load or init them).
 
-    def __init__(self, config: ModelConfig) -> None:
+    `tensor_parallel=(plan, rank)` (or a `RankShard`) builds one rank's shard of the model
+    (see `parallel`): its heads, KV heads, MLP slice and vocabulary rows, under the HF names,
+    each parameter this rank's slice of the HF tensor (`RankShard.slice_of`). It runs once
+    `use_communicator(group.comm)` gave it its group. `config` stays the whole model's (the
+    vocabulary requests are checked against, the width of `logits`); `local_config` holds the
+    shapes this rank computes (the KV cache and attention are sized from it). A plan of one
+    rank is no plan: the decoder is exactly the single-device one.
+    """
+
+    def __init__(self, config: ModelConfig,
+                 tensor_parallel: RankShard | tuple[TensorParallelPlan, int] | None = None) -> None:
         super().__init__()
+        shard = RankShard.of(tensor_parallel) if tensor_parallel is not None else None
+        if shard is not None and shard.plan.config != config:
+            raise ValueError("tensor_parallel: the plan was made for another ModelConfig than this decoder's; "
+                             "make it with TensorParallelPlan(config, world_size)")
         self.config = config
-        self.model = DecoderStack(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.shard: RankShard | None = shard if shard is not None and shard.world_size > 1 else None
+        self.local_config = self.shard.plan.rank_config() if self.shard is not None else config
+        local = self.local_config
+        self.model = DecoderStack(local)
+        self.lm_head = Linear(local.hidden_size, local.vocab_size, bias=False)
         self.tie_weights()
         self.kv: KVCache | None = None
-        self.layer_math = LayerMath(config)
+        self.layer_math = LayerMath(local)
+        self.comm: Communicator | None = None
+
+    def use_communicator(self, comm: Communicator) -> None:
+        """The group this tensor-parallel shard runs in (`DeviceGroup.comm`); its rank and size
+        must be the shard's. Call before `layer_program()` is taken (runners capture it)."""
+        shard = self.shard
+        if shard is None:
+            raise ValueError("use_communicator: this decoder is not tensor-parallel (built without a plan of "
+                             "more than one rank); it needs no communicator")
+        if (comm.rank, comm.world_size) != (shard.rank, shard.world_size):
+            raise ValueError(
+                f"use_communicator: the communicator is rank {comm.rank} of {comm.world_size}, this shard is rank "
+                f"{shard.rank} of {shard.world_size}; load the shard for the group's rank and size"
+            )
+        self.comm = comm
+
+    def _communicator(self) -> Communicator:
+        if self.comm is None:
+            assert self.shard is not None
+            raise RuntimeError(
+                f"this tensor-parallel decoder (rank {self.shard.rank} of {self.shard.world_size}) has no group: "
+                "call use_communicator(group.comm) first (GenerationEngine(..., group=group) does)"
+            )
+        return self.comm
+
+    def materialize(self, device: torch.device) -> LlamaDecoder:
+        """Uninitialised storage on `device` for a meta-built decoder: the one device allocation.
+        (`Module.to_empty` would do it through `empty_like`, whose meta path imports the compiler stack.)"""
+        self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+        self.tie_weights()  # the move made new parameters: share the embedding again
+        return self
+
+    def shard_for(self, tensor_parallel: RankShard | tuple[TensorParallelPlan, int]) -> LlamaDecoder:
+        """A new decoder holding rank's shard of this whole (unsharded) decoder's weights, on its
+        device and in its dtype; the slices are the ones `load_checkpoint` reads for that rank."""
+        if self.shard is not None:
+            raise ValueError("shard_for: this decoder is already a tensor-parallel shard; shard the whole model")
+        shard, weight = RankShard.of(tensor_parallel), next(self.parameters())
+        with torch.device("meta"):
+            part = LlamaDecoder(self.config, shard).to(weight.dtype)
+        part.materialize(weight.device)
+        params = dict(part.named_parameters())
+        with torch.no_grad():
+            for name, full in self.named_parameters():
+                params[name].copy_(shard.take(name, full))
+        part.process_weights()
+        part.train(self.training)
+        return part
 
     def compile_layers(self, backend: str | Callable[..., Any] = "inductor") -> None:
         """Run every layer's arithmetic outside attention through `torch.compile` (see
@@ -341,11 +432,49 @@ class LlamaDecoder(nn.Module):
             steps.append(GraphStep(f"layer{index}.pre_attention", self._pre_attention(layer, first=index == 0)))
             steps.append(BreakStep(f"layer{index}.attention", self._attention(index)))
             last = index == len(layers) - 1
-            steps.append(GraphStep(f"layer{index}.post_attention", self._post_attention(layer, last)))
+            if self.shard is None:
+                steps.append(GraphStep(f"layer{index}.post_attention", self._post_attention(layer, last)))
+            else:
+                steps += self._parallel_post_attention(index, layer, last)
         return steps
 
+    def _parallel_post_attention(self, index: int, layer: DecoderLayer, last: bool) -> list[Step]:
+        """Tensor parallel: o_proj and down_proj are row-parallel, each followed by one all-reduce
+        of the partial sums in place in state["partial"]. The all-reduces are graph steps when the
+        communicator's collectives can be captured, breaks otherwise (the segments around them stay graphs)."""
+        comm = self._communicator()
+        attn, mlp, layer_math = layer.self_attn, layer.mlp, self.layer_math
+
+        def reduce(state: StackState) -> None:
+            comm.all_reduce(state["partial"])
+
+        def all_reduce(name: str) -> Step:
+            if comm.graph_capturable:
+                return GraphStep(name, reduce)
+            return BreakStep(name, lambda state, num_tokens, meta: reduce(state))
+
+        def o_proj(state: StackState) -> None:
+            state["partial"] = layer_math.attention_partial(state["attn_out"], attn.o_proj.weight)
+
+        def mlp_partial(state: StackState) -> None:
+            state["residual"], state["partial"] = layer_math.mlp_partial(
+                state["residual"], state["partial"], attn.o_proj.bias, layer.post_attention_layernorm.weight,
+                mlp.fused_weight, mlp.down_proj.weight,
+            )
+
+        def mlp_residual(state: StackState) -> None:
+            state["residual"] = residual = state["residual"] + state["partial"]
+            if last:
+                state["hidden"] = layer_math.final_norm(residual, self.model.norm.weight)
+
+        return [
+            GraphStep(f"layer{index}.o_proj", o_proj), all_reduce(f"layer{index}.o_proj.all_reduce"),
+            GraphStep(f"layer{index}.mlp", mlp_partial), all_reduce(f"layer{index}.mlp.all_reduce"),
+            GraphStep(f"layer{index}.mlp_residual", mlp_residual),
+        ]
+
     def _pre_attention(self, layer: DecoderLayer, first: bool) -> Callable[[StackState], None]:
-        config = self.config
+        config = self.local_config
         attn = layer.self_attn
         q_norm = attn.q_norm if config.qk_norm else None
         k_norm = attn.k_norm if config.qk_norm else None
@@ -370,7 +499,7 @@ class LlamaDecoder(nn.Module):
         return run
 
     def _attention(self, index: int) -> Callable[[StackState, int, AttentionMetadata], None]:
-        config = self.config
+        config = self.local_config
         scale = config.head_dim**-0.5
 
         def run(state: StackState, num_tokens: int, meta: AttentionMetadata) -> None:
@@ -403,10 +532,23 @@ class LlamaDecoder(nn.Module):
 
     # -- eager forward ------------------------------------------------------------------
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+        if self.shard is None:
+            return self.model.embed_tokens(input_ids)
+        # Vocabulary-parallel: ids outside this rank's rows embed as zeros; the sum over ranks
+        # is then exactly the one row that holds each id.
+        rows = self.shard.slice_of("model.embed_tokens.weight")
+        assert rows is not None
+        local = input_ids - rows.start
+        outside = (local < 0) | (local >= rows.count)
+        hidden = F.embedding(local.clamp(0, rows.size - 1), self.model.embed_tokens.weight)
+        return self._communicator().all_reduce(hidden.masked_fill_(outside[:, None], 0))
 
     def logits(self, hidden: torch.Tensor, last_token_index: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden.index_select(0, last_token_index)).float()
+        logits = self.lm_head(hidden.index_select(0, last_token_index)).float()
+        if self.shard is None:
+            return logits
+        # Every rank's vocabulary rows, in rank order; the last shard's padding rows cut off.
+        return self._communicator().all_gather(logits, dim=-1)[:, : self.config.vocab_size]
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from torchhal.core.model.config import ModelConfig
 
 
@@ -108,3 +110,104 @@ def _splits(config: ModelConfig, world_size: int) -> bool:
     kv = config.num_kv_heads
     return (config.num_heads % world_size == 0 and config.intermediate_size % world_size == 0
             and (kv % world_size == 0 if kv >= world_size else world_size % kv == 0))
+
+
+@dataclass(frozen=True)
+class ShardSlice:
+    """The part of a full HF tensor one rank holds: indices [start, stop) of the `full` ones
+    along `dim`, followed by zero padding up to `size` (only the vocabulary's last shard has any)."""
+
+    dim: int
+    start: int
+    stop: int
+    size: int
+    full: int
+
+    @property
+    def count(self) -> int:
+        return self.stop - self.start
+
+
+# HF parameter name suffix -> (dim, which range): column-parallel weights are sliced by rows
+# (dim 0), row-parallel ones by columns (dim 1); anything not listed is replicated.
+_SLICED: dict[str, tuple[int, str]] = {
+    "self_attn.q_proj.weight": (0, "heads"), "self_attn.q_proj.bias": (0, "heads"),
+    "self_attn.k_proj.weight": (0, "kv_heads"), "self_attn.k_proj.bias": (0, "kv_heads"),
+    "self_attn.v_proj.weight": (0, "kv_heads"), "self_attn.v_proj.bias": (0, "kv_heads"),
+    "self_attn.o_proj.weight": (1, "heads"),
+    "mlp.gate_proj.weight": (0, "intermediate"), "mlp.up_proj.weight": (0, "intermediate"),
+    "mlp.down_proj.weight": (1, "intermediate"),
+    "model.embed_tokens.weight": (0, "vocab"), "lm_head.weight": (0, "vocab"),
+}
+
+
+@dataclass(frozen=True)
+class RankShard:
+    """One rank's share of a model: `plan` and this `rank`. Maps every HF parameter name to the
+    slice of the full tensor the rank holds (`slice_of`); the loader, the decoder and weight
+    updates all go through it, so they cannot disagree on the layout."""
+
+    plan: TensorParallelPlan
+    rank: int
+
+    def __post_init__(self) -> None:
+        world = self.plan.world_size
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 0 <= self.rank < world:
+            raise ValueError(f"tensor-parallel rank {self.rank!r} must be an int in 0..{world - 1}")
+
+    @classmethod
+    def of(cls, tensor_parallel: RankShard | tuple[TensorParallelPlan, int]) -> RankShard:
+        """A `RankShard` as given, or made from `(plan, rank)`."""
+        return tensor_parallel if isinstance(tensor_parallel, RankShard) else cls(*tensor_parallel)
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    def slice_of(self, name: str) -> ShardSlice | None:
+        """The slice of HF tensor `name` this rank holds; None when every rank holds all of it."""
+        # A layer's tensors are named model.layers.<N>.<suffix>: the rule is the suffix's.
+        rule = _SLICED.get(name.split(".", 3)[-1] if name.startswith("model.layers.") else name)
+        if rule is None:
+            return None
+        dim, kind = rule
+        plan, config, d = self.plan, self.plan.config, self.plan.config.head_dim
+        if kind == "heads":
+            heads = plan.head_range(self.rank)
+            return ShardSlice(dim, heads.start * d, heads.stop * d, len(heads) * d, config.num_heads * d)
+        if kind == "kv_heads":
+            kv = plan.kv_head_range(self.rank)
+            return ShardSlice(dim, kv.start * d, kv.stop * d, len(kv) * d, config.num_kv_heads * d)
+        if kind == "intermediate":
+            part = plan.intermediate_range(self.rank)
+            return ShardSlice(dim, part.start, part.stop, len(part), config.intermediate_size)
+        vocab = plan.vocab_range(self.rank)
+        return ShardSlice(dim, vocab.start, vocab.stop, plan.vocab_per_rank, config.vocab_size)
+
+    def local_shape(self, name: str, full_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of this rank's shard of a tensor of `full_shape`."""
+        return self._reshape(name, full_shape, local=True)
+
+    def full_shape(self, name: str, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The whole HF tensor's shape, of which this rank holds a shard of `local_shape`."""
+        return self._reshape(name, local_shape, local=False)
+
+    def _reshape(self, name: str, shape: tuple[int, ...], local: bool) -> tuple[int, ...]:
+        part = self.slice_of(name)
+        if part is None:
+            return shape
+        out = list(shape)
+        out[part.dim] = part.size if local else part.full
+        return tuple(out)
+
+    def take(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the full tensor `full` (a view where no padding is needed)."""
+        part = self.slice_of(name)
+        if part is None:
+            return full
+        piece = full.narrow(part.dim, part.start, part.count)
+        if part.size == part.count:
+            return piece
+        pad = list(piece.shape)
+        pad[part.dim] = part.size - part.count
+        return torch.cat((piece, piece.new_zeros(pad)), part.dim)

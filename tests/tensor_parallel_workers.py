@@ -1,0 +1,144 @@
+"""Tensor-parallel ranks for tests/test_tensor_parallel.py (spawned, so importable at top level).
+
+Each rank joins a gloo group through `torchhal.distributed.init_group`, runs the jobs it is
+given (the same jobs in the same order on every rank: SPMD) and puts plain data on the queue.
+"""
+
+from __future__ import annotations
+
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+MAX_BATCH_TOKENS = 8  # small: prompts are prefilled in several chunks
+DECODE_GRAPHS = dict(batch_buckets=(1, 2, 4), context_buckets=(32, 64), steps_per_sync=4, emulate=True)
+
+
+def engine_config(emulate: bool) -> Any:
+    from torchhal.core.engine.records import DecodeGraphConfig, EngineConfig
+
+    graphs = DecodeGraphConfig(**DECODE_GRAPHS) if emulate else None  # type: ignore[arg-type]
+    return EngineConfig(dtype=torch.float32, max_batch_tokens=MAX_BATCH_TOKENS, kv_block_size=4,
+                        max_kv_slots=512, decode_graphs=graphs)
+
+
+def run_rank(rank: int, world: int, store_path: str, jobs: list[dict[str, Any]], queue: Any,
+             timeout_s: float = 60.0) -> None:
+    try:
+        import torch.distributed as dist
+
+        from torchhal.distributed import init_group
+
+        torch.set_num_threads(1)  # several ranks share a 2-core machine
+        group = init_group(rank=rank, world_size=world, local_rank=rank, store=dist.FileStore(store_path, world),
+                           timeout=timedelta(seconds=timeout_s))
+        results = {job["name"]: JOBS[job["kind"]](group, job) for job in jobs}
+        queue.put(("ok", (rank, results)))
+    except BaseException:
+        queue.put(("error", f"rank {rank}: {traceback.format_exc()}"))
+
+
+def generate(group: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """Tokens from a checkpoint on the eager path (chunked prefill) and with emulated full-graph decode."""
+    from torchhal.core.engine import GenerationEngine
+
+    out: dict[str, Any] = {}
+    for emulate in (False, True):
+        engine = GenerationEngine.from_checkpoint(job["path"], engine_config(emulate), group=group)
+        results = engine.generate(job["prompts"], job["new_tokens"])
+        out["graphs" if emulate else "eager"] = [list(r.output) for r in results]
+        if emulate:
+            runner = engine.decode_runner
+            out["emulated_steps"] = runner.steps if runner is not None else 0
+        out["num_blocks"] = engine.kv_sizing.num_blocks
+    # The logits every rank sees are the whole vocabulary's, no padding column.
+    hidden = torch.ones(2, engine.model_config.hidden_size)
+    out["logits_width"] = engine.model.logits(hidden, torch.tensor([0, 1])).shape[-1]
+    return out
+
+
+def reference(group: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """The engine's own reference model (no checkpoint), sharded by the engine."""
+    import dataclasses
+
+    from torchhal.core.engine import GenerationEngine
+    from torchhal.core.model import ModelConfig
+
+    config = dataclasses.replace(engine_config(False), model=ModelConfig(**job["model"]))
+    engine = GenerationEngine(config, group=group)
+    return {"tokens": [list(r.output) for r in engine.generate(job["prompts"], job["new_tokens"])]}
+
+
+def lifecycle(group: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """Weight update from whole HF tensors, pause(retract)/continue mid-generation, sleep/wake."""
+    import dataclasses
+
+    from torchhal.core.engine import GenerationEngine
+    from torchhal.core.model.checkpoint import iter_checkpoint_tensors
+    from torchhal.platforms.testing import patched_plugin
+
+    # Rank r sees (r + 1) MiB free: every rank must size its KV pool from the least of them.
+    platform = group.platform
+    free = dataclasses.replace(platform.memory_info(0), free=(group.rank + 1) << 20)
+    with patched_plugin(platform, memory_info=lambda index: free):
+        engine = GenerationEngine.from_checkpoint(
+            job["path"], dataclasses.replace(engine_config(False), max_kv_slots=1 << 16), group=group)
+    prompts, new = job["prompts"], job["new_tokens"]
+    sizing = engine.kv_sizing
+    out: dict[str, Any] = {"num_blocks": sizing.num_blocks, "bytes_per_block": sizing.bytes_per_block}
+    # A rank's shard shape is not an HF shape: refused, nothing applied.
+    name, param = next((n, p) for n, p in engine.model.named_parameters() if n.endswith("q_proj.weight"))
+    try:
+        engine.update_weights_from_tensors({name: torch.zeros_like(param)})
+        out["shard_shaped_update"] = "accepted"
+    except ValueError as exc:
+        out["shard_shaped_update"] = str(exc)
+    out["version_after_refusal"] = engine.weight_version
+
+    # pause(retract) in the middle of a generation, then continue: the same tokens.
+    rids = [engine.add_request(p, new) for p in prompts]
+    for _ in range(3):
+        engine.step()
+    engine.pause_generation("retract")
+    engine.continue_generation()
+    while engine.pending():
+        engine.step()
+    out["paused"] = [list(engine.results.pop(rid).output) for rid in rids]
+
+    engine.release_memory_occupation()
+    engine.resume_memory_occupation()
+    out["woken"] = [list(r.output) for r in engine.generate(prompts, new)]
+
+    engine.update_weights_from_tensors(iter_checkpoint_tensors(job["update_path"]))
+    out["updated"] = [list(r.output) for r in engine.generate(prompts, new)]
+    return out
+
+
+def failure(group: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """A step that fails on one rank only: every rank's engine must refuse to go on."""
+    from torchhal.core.engine import GenerationEngine
+
+    engine = GenerationEngine.from_checkpoint(job["path"], engine_config(False), group=group)
+    if group.rank == job["failing_rank"]:
+        def fail(*args: Any) -> torch.Tensor:
+            raise RuntimeError("injected failure on this rank")
+
+        engine.runner.forward = fail  # type: ignore[method-assign]
+    out: dict[str, Any] = {}
+    try:
+        engine.generate(job["prompts"], 2)
+        out["step"] = "returned"
+    except Exception as exc:
+        out["step"] = type(exc).__name__
+    try:
+        engine.generate(job["prompts"], 2)
+        out["after"] = "returned"
+    except RuntimeError as exc:
+        out["after"] = str(exc)
+    out["pending"] = engine.pending()
+    return out
+
+
+JOBS = {"generate": generate, "lifecycle": lifecycle, "failure": failure, "reference": reference}
