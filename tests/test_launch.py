@@ -27,6 +27,10 @@ def report_placement(tag: str) -> tuple[str, int, int, int, int, str, str]:
             env["MASTER_ADDR"], env["MASTER_PORT"])
 
 
+def read_variable(name: str) -> str | None:
+    return os.environ.get(name)
+
+
 def _record_pid(pid_dir: str) -> int:
     """Write this rank's pid, then wait for every rank's: the test needs them all to check
     that none survives (a rank killed while still starting would leave no pid behind)."""
@@ -121,6 +125,12 @@ def test_every_rank_runs_with_its_variables_and_results_come_back_in_rank_order(
     assert [r[:5] for r in results] == [("x", rank, 3, rank, 3) for rank in range(3)]
     assert {r[5:] for r in results} == {results[0][5:]}  # one rendezvous for all
     assert results[0][5] == "127.0.0.1" and int(results[0][6]) > 0
+
+
+def test_extra_variables_reach_every_rank_and_the_parent_keeps_its_own(monkeypatch):
+    monkeypatch.delenv("TORCHHAL_LAUNCH_TEST", raising=False)
+    assert launch(read_variable, 2, ("TORCHHAL_LAUNCH_TEST",), env={"TORCHHAL_LAUNCH_TEST": "on"}) == ["on", "on"]
+    assert "TORCHHAL_LAUNCH_TEST" not in os.environ and "RANK" not in os.environ
 
 
 def test_ranks_form_a_group_and_agree_on_a_collective():
