@@ -16,6 +16,7 @@ from torchhal.cli.output import emit, refuse
 
 if TYPE_CHECKING:
     from torchhal.core.engine import GenerationEngine
+    from torchhal.core.model.config import ModelConfig
     from torchhal.distributed import DeviceGroup
     from torchhal.platforms import Platform
 
@@ -152,7 +153,7 @@ def prepare_generation(
     return GenerationRequest(root, list(prompt_ids), max_new_tokens, dtype_name, graphs, tensor_parallel), tokenizer
 
 
-def check_tensor_parallel_request(model_config: Any, size: int, root: Path) -> None:
+def check_tensor_parallel_request(model_config: ModelConfig, size: int, root: Path) -> None:
     """Refuse `--tensor-parallel size` when the model cannot be split that way or the
     platform has fewer devices than ranks (on the CPU the ranks share the host's cores)."""
     from torchhal.core.model.parallel import check_tensor_parallel
