@@ -4,21 +4,48 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torchhal.cli.launch import LaunchError, launch
 from torchhal.cli.output import emit, refuse
 
 if TYPE_CHECKING:
     from torchhal.core.engine import GenerationEngine
+    from torchhal.core.model.config import ModelConfig
+    from torchhal.distributed import DeviceGroup
+    from torchhal.platforms import Platform
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+#: Exit code of a run that started and failed (a rank died, the ranks disagree).
+FAILURE_EXIT = 1
+
+
 class GenerateError(ValueError):
     """A request `torchhal generate` refuses before loading anything; the message says the fix."""
+
+
+class RanksDisagree(RuntimeError):
+    """Tensor-parallel ranks generated different tokens: an engine bug, never settled by picking one."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A checked request: all a rank needs to load the checkpoint and generate (picklable)."""
+
+    root: Path
+    prompt_ids: list[int]
+    max_new_tokens: int
+    dtype_name: str  # a torch dtype's name: --dtype, else the checkpoint's
+    graphs: bool
+    tensor_parallel: int = 1
 
 
 def load_tokenizer(path: Path) -> Any | None:
@@ -45,6 +72,18 @@ def parse_prompt_ids(text: str) -> list[int]:
     return ids
 
 
+def parse_tensor_parallel(text: str) -> int:
+    """`--tensor-parallel N` as a positive int; GenerateError naming the bad value."""
+    try:
+        size = int(text)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise GenerateError(f"--tensor-parallel {text!r} must be a positive integer: the number of ranks "
+                            "(1 runs on one device)")
+    return size
+
+
 def generate_from_checkpoint(
     path: str | Path,
     prompt: str | None = None,
@@ -52,19 +91,41 @@ def generate_from_checkpoint(
     max_new_tokens: int = 32,
     dtype_name: str | None = None,
     graphs: bool = False,
+    tensor_parallel: int = 1,
 ) -> dict[str, Any]:
     """Load, generate greedily on the current platform, and report what `torchhal generate` prints.
 
-    The request (prompt, length, dtype) is checked against the checkpoint's config before a
-    weight is read or a KV cache sized. `graphs`: full-graph decode (one graph replay per
-    decode step) where the platform can capture graphs; elsewhere every step runs eagerly
-    and the report says why."""
-    import torch
+    The request (prompt, length, dtype, tensor-parallel size) is checked against the
+    checkpoint's config and the platform before a weight is read, a KV cache sized or a
+    rank started. `graphs`: full-graph decode (one graph replay per decode step) where the
+    platform can capture graphs; elsewhere every step runs eagerly and the report says why.
+    `tensor_parallel` > 1: that many rank processes (`torchhal.cli.launch`) each hold a
+    shard and generate the same request; they must agree on every token, and rank 0's
+    report is returned with the size and each rank's device under `tensor_parallel`."""
+    request, tokenizer = prepare_generation(path, prompt, prompt_ids, max_new_tokens, dtype_name, graphs,
+                                            tensor_parallel)
+    if request.tensor_parallel == 1:
+        out = run_generation(request)
+    else:
+        out = agreed_report(launch(generate_on_rank, request.tensor_parallel, (request,)))
+    if tokenizer is not None:
+        out["text"] = tokenizer.decode(out["output_ids"])
+    return out
 
-    from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine
+
+def prepare_generation(
+    path: str | Path,
+    prompt: str | None,
+    prompt_ids: list[int] | None,
+    max_new_tokens: int,
+    dtype_name: str | None,
+    graphs: bool,
+    tensor_parallel: int = 1,
+) -> tuple[GenerationRequest, Any | None]:
+    """Every check `torchhal generate` makes before it starts anything: the request and the
+    tokenizer (None for `prompt_ids`), or GenerateError naming the fix."""
     from torchhal.core.engine.requests import check_prompt
     from torchhal.core.model.checkpoint import checkpoint_dtype, config_from_hf, read_hf_config
-    from torchhal.platforms.selection import current_platform
 
     root = Path(path)
     if dtype_name is not None and dtype_name not in DTYPES:
@@ -86,13 +147,74 @@ def generate_from_checkpoint(
         check_prompt(prompt_ids, max_new_tokens, model_config.vocab_size, model_config.max_position)
     except (TypeError, ValueError) as exc:
         raise GenerateError(f"{exc} (the model's config.json)") from None
-    context = len(prompt_ids) + max_new_tokens
+    if tensor_parallel != 1:
+        check_tensor_parallel_request(model_config, tensor_parallel, root)
+    dtype_name = dtype_name or str(checkpoint_dtype(hf)).removeprefix("torch.")
+    return GenerationRequest(root, list(prompt_ids), max_new_tokens, dtype_name, graphs, tensor_parallel), tokenizer
+
+
+def check_tensor_parallel_request(model_config: ModelConfig, size: int, root: Path) -> None:
+    """Refuse `--tensor-parallel size` when the model cannot be split that way or the
+    platform has fewer devices than ranks (on the CPU the ranks share the host's cores)."""
+    from torchhal.core.model.parallel import check_tensor_parallel
+    from torchhal.platforms.selection import current_platform
+
+    try:
+        check_tensor_parallel(model_config, size)
+    except ValueError as exc:
+        raise GenerateError(f"--tensor-parallel {size}: {exc} ({root / 'config.json'})") from None
     platform = current_platform()
-    decode_graphs = DecodeGraphConfig(batch_buckets=(1,), context_buckets=(context,)) if graphs else None
-    dtype = getattr(torch, dtype_name) if dtype_name else checkpoint_dtype(hf)
+    if platform.device_type == "cpu":
+        cores = os.cpu_count() or 1
+        if size > cores:
+            raise GenerateError(f"--tensor-parallel {size} needs {size} ranks, but the CPU platform's ranks share "
+                                f"this host's {cores} core(s): choose at most {cores}")
+        return
+    devices = platform.device_count()
+    if size > devices:
+        shown = ", ".join(f"{var}={os.environ[var]!r}" for var in platform.visible_devices_env if var in os.environ)
+        raise GenerateError(f"--tensor-parallel {size} needs {size} {platform.name} devices, but {devices} "
+                            f"{'is' if devices == 1 else 'are'} visible{f' ({shown})' if shown else ''}: choose at "
+                            f"most {devices}, or make more devices visible")
+
+
+def generate_on_rank(request: GenerationRequest) -> dict[str, Any]:
+    """One tensor-parallel rank (in a process `launch` started): join the group, then load
+    this rank's shard and generate the request."""
+    import torch
+
+    from torchhal.distributed import init_group
+    from torchhal.platforms.selection import current_platform
+
+    platform = current_platform()
+    if platform.device_type == "cpu":  # ranks share the host: one thread each would oversubscribe it
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // request.tensor_parallel))
+    group = init_group(platform)
+    try:
+        return run_generation(request, platform, group)
+    finally:
+        group.close()
+
+
+def run_generation(request: GenerationRequest, platform: Platform | None = None,
+                   group: DeviceGroup | None = None) -> dict[str, Any]:
+    """Load the checkpoint (this rank's shard, with a group) and generate; the report
+    without the text (the caller holds the tokenizer)."""
+    import torch
+
+    from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine
+    from torchhal.platforms.selection import current_platform
+
+    root, prompt_ids, max_new_tokens = request.root, request.prompt_ids, request.max_new_tokens
+    context = len(prompt_ids) + max_new_tokens
+    platform = platform or current_platform()
+    decode_graphs = DecodeGraphConfig(batch_buckets=(1,), context_buckets=(context,)) if request.graphs else None
+    dtype = getattr(torch, request.dtype_name)
     # Whole blocks for the context (a block's worth more covers the last partial one).
     config = EngineConfig(dtype=dtype, max_kv_slots=context + EngineConfig.kv_block_size, decode_graphs=decode_graphs)
-    engine = GenerationEngine.from_checkpoint(root, config, platform=platform)
+    # group= only with a group: one device is the engine's own call, exactly as before.
+    sharding: dict[str, Any] = {} if group is None else {"group": group}
+    engine = GenerationEngine.from_checkpoint(root, config, platform=platform, **sharding)
     report = engine.checkpoint
     assert report is not None
     platform.synchronize(engine.device_index)
@@ -115,13 +237,13 @@ def generate_from_checkpoint(
                  "tensors": report.tensors},
         "prompt_ids": prompt_ids,
         "output_ids": output,
-        "text": tokenizer.decode(output) if tokenizer is not None else None,
+        "text": None,
         "max_new_tokens": max_new_tokens,
         "new_tokens": len(output),
         "stop": "eos" if stopped_at_eos else "length",
         "seconds": seconds,
         "tokens_per_s": len(output) / seconds if seconds > 0 else None,
-        "decode_graphs": _graph_report(engine) if graphs else None,
+        "decode_graphs": _graph_report(engine) if request.graphs else None,
         "attention": {"backend": engine.attention.name, "why": engine.attention.why},
     }
 
@@ -154,7 +276,27 @@ def format_generation(out: dict[str, Any]) -> str:
     if graphs is not None:
         lines.append(f"full-graph decode: {graphs['replays']} replay(s)" if graphs["unavailable"] is None
                      else f"full-graph decode unavailable ({graphs['unavailable']}); ran eagerly")
+    parallel = out.get("tensor_parallel")
+    if parallel is not None:
+        lines.append(f"tensor parallel: {parallel['size']} ranks on {', '.join(parallel['devices'])}")
     return "\n".join(lines)
+
+
+def agreed_report(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's report, with the tensor-parallel size and each rank's device, once every
+    rank is shown to have generated the same tokens (RanksDisagree naming the first that did not)."""
+    expected = reports[0]["output_ids"]
+    for rank, report in enumerate(reports[1:], start=1):
+        tokens = report["output_ids"]
+        if tokens != expected:
+            pairs = zip(expected, tokens, strict=False)
+            at = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(expected), len(tokens)))
+            raise RanksDisagree(
+                f"tensor-parallel ranks disagree: rank {rank} generated {tokens} but rank 0 {expected} (first "
+                f"difference at output token {at}); every rank must generate the same tokens, so the engine's "
+                "tensor-parallel path is wrong: report it with this command line"
+            )
+    return {**reports[0], "tensor_parallel": {"size": len(reports), "devices": [r["device"] for r in reports]}}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -162,9 +304,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     try:
         ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
-        out = generate_from_checkpoint(args.model, args.prompt, ids, args.max_new_tokens, args.dtype, args.graphs)
+        size = parse_tensor_parallel(args.tensor_parallel)
+        out = generate_from_checkpoint(args.model, args.prompt, ids, args.max_new_tokens, args.dtype, args.graphs,
+                                       size)
     except (CheckpointError, GenerateError) as exc:
         return refuse("generate", str(exc))
+    except (LaunchError, RanksDisagree) as exc:
+        print(f"torchhal generate: {exc}", file=sys.stderr)
+        return FAILURE_EXIT
     emit(json.dumps(out, indent=2) if args.json else format_generation(out))
     return 0
 
@@ -179,5 +326,8 @@ def add_command(sub: Any) -> None:
     gen.add_argument("--dtype", choices=DTYPES, help="override the checkpoint's dtype")
     gen.add_argument("--graphs", action="store_true",
                      help="full-graph decode (one graph replay per decode step) where the platform captures graphs")
+    gen.add_argument("--tensor-parallel", default="1", metavar="N",
+                     help="shard the model over N ranks (processes) of the current platform, one device each "
+                          "(default 1)")
     gen.add_argument("--json", action="store_true", help="machine-readable output")
     gen.set_defaults(func=cmd_generate)

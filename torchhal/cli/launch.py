@@ -1,0 +1,213 @@
+"""Run one function on N ranks of the current platform, as N fresh processes.
+
+`launch(target, world_size, args)` spawns (never forks) one process per rank with
+torchrun's variables set (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, and
+MASTER_ADDR=127.0.0.1 with a free MASTER_PORT for the rendezvous), so a target that calls
+`torchhal.distributed.init_group()` runs the same here as under `torchrun`. It returns each
+rank's result (picklable) in rank order.
+
+The point is failure: a rank that raises, exits or is killed, or ranks still running at
+the deadline, make the launcher stop every rank (terminate, then kill after `grace`) and
+raise one `LaunchError` naming the rank, its exception or exit code, and the last lines
+of its stderr. Ctrl-C in the parent stops the ranks the same way. No rank outlives the
+call; a rank whose parent dies exits on its own.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+#: Seconds a rank gets to exit after SIGTERM before it is killed.
+DEFAULT_GRACE = 3.0
+#: Lines of a failed rank's stderr quoted in the error.
+STDERR_TAIL_LINES = 15
+_PARENT_POLL_SECONDS = 1.0
+
+
+class LaunchError(RuntimeError):
+    """A rank failed (raised, exited, was killed) or the ranks missed the deadline; every rank
+    has been stopped. `rank` is the failed rank (None when the deadline passed)."""
+
+    def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    ok: bool
+    value: Any  # the result; when not ok, what went wrong ("raised ValueError: ...")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def launch(
+    target: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout: float | None = None,
+    grace: float = DEFAULT_GRACE,
+    env: Mapping[str, str] | None = None,
+) -> list[Any]:
+    """`target(*args)` on `world_size` ranks of this host; the results in rank order.
+
+    `target` must be importable by name (a module-level function): ranks are spawned.
+    `timeout`: seconds for the whole run (None: no deadline; collectives still time out
+    through `init_group(timeout=...)`). `env`: more variables for every rank."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size = {world_size!r} must be a positive integer")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout = {timeout!r} must be a positive number of seconds, or None")
+    context = multiprocessing.get_context("spawn")
+    rank_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(world_size), **(env or {})}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with tempfile.TemporaryDirectory(prefix="torchhal-launch-") as logs:
+        processes: list[BaseProcess] = []
+        receivers: list[Connection] = []
+        try:
+            for rank in range(world_size):
+                receiver, sender = context.Pipe(duplex=False)
+                variables = {**rank_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+                process = context.Process(
+                    target=_rank_main, name=f"torchhal-rank{rank}",
+                    args=(target, tuple(args), variables, sender, str(_stderr_path(logs, rank)), os.getpid()),
+                )
+                process.start()
+                sender.close()  # the child holds the only sending end: its exit closes the pipe
+                processes.append(process)
+                receivers.append(receiver)
+            return _collect(processes, receivers, logs, deadline, timeout)
+        finally:
+            _stop(processes, grace)
+            for receiver in receivers:
+                receiver.close()
+
+
+def _collect(processes: list[BaseProcess], receivers: list[Connection], logs: str,
+             deadline: float | None, timeout: float | None) -> list[Any]:
+    results: dict[int, Any] = {}
+    pending = {rank: receivers[rank] for rank in range(len(processes))}
+    while pending:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            late = sorted(pending)
+            raise LaunchError(
+                f"rank(s) {', '.join(map(str, late))} of {len(processes)} did not finish within {timeout:g} s; "
+                f"stopped every rank{_tails(logs, late)}"
+            )
+        ready = wait([*pending.values(), *(processes[rank].sentinel for rank in pending)], remaining)
+        for rank in sorted(pending):
+            receiver, process = pending[rank], processes[rank]
+            if receiver in ready or process.sentinel in ready:
+                outcome = _receive(receiver)
+                if outcome is None:  # the pipe closed with nothing in it: the rank died
+                    process.join()
+                    raise LaunchError(f"rank {rank} {_describe_exit(process.exitcode)} before returning a "
+                                      f"result; stopped every rank{_tails(logs, [rank])}",
+                                      rank, process.exitcode)
+                if not outcome.ok:
+                    raise LaunchError(f"rank {rank} {outcome.value}; stopped every rank"
+                                      f"{_tails(logs, [rank])}", rank)
+                results[rank] = outcome.value
+                del pending[rank]
+    return [results[rank] for rank in range(len(processes))]
+
+
+def _receive(receiver: Connection) -> _Outcome | None:
+    try:
+        if receiver.poll():
+            outcome: _Outcome = receiver.recv()
+            return outcome
+    except (EOFError, OSError):
+        pass
+    return None
+
+
+def _stop(processes: list[BaseProcess], grace: float) -> None:
+    """Terminate every rank still running, kill those that outlive `grace`; reap them all."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    end = time.monotonic() + grace
+    for process in processes:
+        process.join(max(0.0, end - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _stderr_path(logs: str, rank: int) -> Path:
+    return Path(logs) / f"rank{rank}.stderr"
+
+
+def _tails(logs: str, ranks: list[int]) -> str:
+    parts = []
+    for rank in ranks:
+        try:
+            lines = _stderr_path(logs, rank).read_text(errors="replace").rstrip().splitlines()
+        except OSError:
+            lines = []
+        if lines:
+            quoted = "\n".join(f"  {line}" for line in lines[-STDERR_TAIL_LINES:])
+            parts.append(f"\nlast lines of rank {rank}'s stderr:\n{quoted}")
+    return "".join(parts)
+
+
+def _rank_main(target: Callable[..., Any], args: tuple[Any, ...], variables: dict[str, str],
+               sender: Connection, stderr_path: str, parent_pid: int) -> None:
+    """One rank: its variables set, its stderr (fd 2, so native output too) kept for the
+    parent's error, the outcome sent back."""
+    os.environ.update(variables)
+    log = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(log, 2)
+    os.close(log)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops the ranks
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        outcome = _Outcome(True, target(*args))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent, named
+        traceback.print_exc()  # into the rank's stderr, which the parent quotes
+        outcome = _Outcome(False, "raised " + "".join(traceback.format_exception_only(type(exc), exc)).strip())
+    try:
+        sender.send(outcome)
+    except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
+        sender.send(_Outcome(False, f"returned a result that cannot be sent to the launcher ({exc!r})"))
+    sender.close()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A rank whose launcher died (SIGKILL, a crash) exits instead of running on as an orphan."""
+    while os.getppid() == parent_pid:
+        time.sleep(_PARENT_POLL_SECONDS)
+    os._exit(1)
