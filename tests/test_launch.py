@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from torchhal.cli.launch import LaunchError, launch
+from torchhal.distributed import LaunchError, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -191,7 +191,7 @@ def test_a_result_that_cannot_be_pickled_is_named():
 
 
 def test_ctrl_c_in_the_parent_stops_the_ranks(tmp_path):
-    script = ("import sys; from torchhal.cli.launch import launch; from tests.test_launch import fail_on_rank_one; "
+    script = ("import sys; from torchhal.distributed import launch; from tests.test_launch import fail_on_rank_one; "
               f"launch(fail_on_rank_one, 2, ({str(tmp_path)!r}, 'hang'), grace=1.0)")
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
@@ -209,7 +209,7 @@ def test_ctrl_c_in_the_parent_stops_the_ranks(tmp_path):
 
 
 def test_a_rank_whose_launcher_is_killed_exits_on_its_own(tmp_path):
-    script = ("from torchhal.cli.launch import launch; from tests.test_launch import fail_on_rank_one; "
+    script = ("from torchhal.distributed import launch; from tests.test_launch import fail_on_rank_one; "
               f"launch(fail_on_rank_one, 2, ({str(tmp_path)!r}, 'hang'))")
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stderr=subprocess.DEVNULL)
     try:

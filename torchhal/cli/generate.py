@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchhal.cli.launch import LaunchError, launch
 from torchhal.cli.output import emit, refuse
+from torchhal.distributed import LaunchError, launch
 
 if TYPE_CHECKING:
     from torchhal.core.engine import GenerationEngine
@@ -99,7 +99,7 @@ def generate_from_checkpoint(
     checkpoint's config and the platform before a weight is read, a KV cache sized or a
     rank started. `graphs`: full-graph decode (one graph replay per decode step) where the
     platform can capture graphs; elsewhere every step runs eagerly and the report says why.
-    `tensor_parallel` > 1: that many rank processes (`torchhal.cli.launch`) each hold a
+    `tensor_parallel` > 1: that many rank processes (`torchhal.distributed.launch`) each hold a
     shard and generate the same request; they must agree on every token, and rank 0's
     report is returned with the size and each rank's device under `tensor_parallel`."""
     request, tokenizer = prepare_generation(path, prompt, prompt_ids, max_new_tokens, dtype_name, graphs,

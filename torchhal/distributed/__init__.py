@@ -13,6 +13,7 @@ from torchhal.distributed.communicator import (
     TorchCommunicator,
 )
 from torchhal.distributed.group import DEFAULT_TIMEOUT, DeviceGroup, RankPlacement, init_group
+from torchhal.distributed.launch import LaunchError, launch
 
 __all__ = [
     "CollectiveError",
@@ -20,8 +21,10 @@ __all__ = [
     "REDUCE_OPS",
     "Communicator",
     "DeviceGroup",
+    "LaunchError",
     "RankPlacement",
     "ReduceOpName",
     "TorchCommunicator",
     "init_group",
+    "launch",
 ]

@@ -205,8 +205,7 @@ class GenerationEngine:
         same KV pool and schedules alike; None (this device's, measured by the sizing) otherwise."""
         if self.group is None:
             return None
-        free = torch.tensor([self.platform.memory_info(self.device_index).free], dtype=torch.int64)
-        return int(self.group.host.all_reduce(free, "min").item())
+        return self.platform.available_memory(self.group.host)  # on the rank's device: init_group made it current
 
     def _new_decode_runner(self, settings: DecodeGraphConfig) -> DecodeGraphRunner:
         """Built after the KV cache exists: capture needs it (and the scratch block in it)."""
