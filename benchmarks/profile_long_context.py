@@ -6,12 +6,12 @@ The engine is the one `long_context.py` times (same checkpoint shape, seeded wei
 and `engine_config`: full-graph decode, compiled layers, chunked prefill). torch.profiler
 records every kernel (graph replays included) of:
 
-- `decode_1x32`: batch-1 decode at a short context (prompt 32), 32 steps;
-- `decode_8x16000`: batch-8 decode at 16k context, 8 steps;
+- `decode_1x32`: batch-1 decode at a short context (prompt 32), 32 steps (four windows of 8);
+- `decode_8x16000`: batch-8 decode at 16k context, 16 steps;
 - `prefill_1x3968`, `prefill_8x3968`, `prefill_32x32`: prefill alone (one new token).
 
-A decode step's kernels are the difference between `generate(p, 1 + steps)` and
-`generate(p, 1)` (both profiled), divided by the steps. Each scenario gets the top kernels by
+A decode step's kernels are those of engine steps taken once every request of the cell is past
+its prefill (no prefill shares them), divided by the decode steps they ran. Each scenario gets the top kernels by
 device time (count, share) and the kernels grouped in classes (GEMM, attention, norm,
 elementwise, copy, other) plus the launch gaps (the span from the first kernel's start to the
 last kernel's end that no kernel covers). Each class carries the bytes or FLOPs the model says
@@ -60,7 +60,7 @@ import torchhal  # noqa: E402
 from torchhal.core.engine import GenerationEngine  # noqa: E402
 
 #: (name, cell, decode steps; 0 = prefill alone)
-SCENARIOS = (("decode_1x32", "32x1", 32), ("decode_8x16000", "16000x8", 8), ("prefill_1x3968", "3968x1", 0),
+SCENARIOS = (("decode_1x32", "32x1", 32), ("decode_8x16000", "16000x8", 16), ("prefill_1x3968", "3968x1", 0),
              ("prefill_8x3968", "3968x8", 0), ("prefill_32x32", "32x32", 0))
 TINY_SCENARIOS = (("decode_1x32", "32x1", 4), ("prefill_32x32", "32x32", 0))
 CLASSES = ("gemm", "attention", "norm", "elementwise", "copy", "other")
@@ -126,15 +126,24 @@ def profiled(fn: Callable[[], Any], folder: Path, label: str, on_gpu: bool) -> d
     return {"kernels": {k: tuple(v) for k, v in totals.items()}, "busy_us": busy, "span_us": span}
 
 
-def per_step(long: dict[str, Any], short: dict[str, Any], steps: int) -> dict[str, Any]:
-    """The decode steps' share: (long run - prefill-only run) / steps, per kernel."""
-    kernels = {}
-    for name, (us, count) in long["kernels"].items():
-        base_us, base_count = short["kernels"].get(name, (0.0, 0.0))
-        if us - base_us > 0:
-            kernels[name] = ((us - base_us) / steps, (count - base_count) / steps)
-    return {"kernels": kernels, "busy_us": (long["busy_us"] - short["busy_us"]) / steps,
-            "span_us": (long["span_us"] - short["span_us"]) / steps}
+def pure_decode(engine: GenerationEngine, batch_prompts: list[list[int]], steps: int, folder: Path, label: str,
+                on_gpu: bool, layers: int) -> dict[str, Any]:
+    """Per decode step: the kernels of engine steps taken once every request is past its
+    prefill (so no prefill shares them), divided by the decode steps they ran (paged attention
+    launches / layers; each window runs up to `steps_per_sync` steps)."""
+    rids = [engine.add_request(p, steps + 40) for p in batch_prompts]
+    while engine.waiting or any(not r.output for r in engine.running):
+        engine.step()
+    engine.drain()
+    calls = max(1, steps // 8)
+    raw = profiled(lambda: [engine.step() for _ in range(calls)], folder, label, on_gpu)
+    while not all(rid in engine.results for rid in rids):
+        engine.step()
+    tokens = [list(engine.results.pop(rid).output) for rid in rids]
+    launches = sum(count for name, (_, count) in raw["kernels"].items() if "paged_attention" in name)
+    ran = max(launches / layers, 1.0) if on_gpu else float(calls)
+    return {"kernels": {k: (us / ran, count / ran) for k, (us, count) in raw["kernels"].items()},
+            "busy_us": raw["busy_us"] / ran, "span_us": raw["span_us"] / ran, "steps": ran, "tokens": tokens}
 
 
 def model_work(shape: dict[str, Any], prompt: int, batch: int, steps: int, element: int) -> dict[str, dict[str, float]]:
@@ -220,7 +229,7 @@ def flash_prefill_lever(generate: Callable[[list[list[int]], int], list[list[int
     from torchhal.plugins import cuda_attention
 
     backend_class = cuda_attention.TritonPagedAttention
-    runs = backend_class._flash_prefill
+    runs = backend_class.__dict__["_flash_prefill"]  # the staticmethod itself
     rows: dict[str, Any] = {}
     for cell in ("32x32", "3968x8"):
         batch_prompts = prompts[cell]
@@ -263,7 +272,7 @@ def split_kernel_sweep(device: torch.device, shape: dict[str, Any], batch: int, 
     kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
     reference = None
     rows = []
-    for splits in sorted({1, 2, 4, current, 8, 11, 16, 22, 32}):
+    for splits in sorted({1, 2, 4, current, 8, 11, 16, 22, 32, 64}):
         out = torch.empty_like(query)
 
         def call(s: int = splits, o: torch.Tensor = out) -> None:
@@ -293,27 +302,30 @@ def decode_splits_lever(engine: GenerationEngine, generate: Callable[[list[list[
         print(f"  lever splits kernel b{sweep['batch']} ctx{sweep['context']}: current {sweep['current_rule_splits']}"
               f" best {sweep['best']}", flush=True)
     best = result["kernel"][0]["best"]["splits"]
-    batch_prompts, steps = prompts["16000x8"], 8
+    batch_prompts, layers = prompts["16000x8"], shape["num_hidden_layers"]
     rule = cuda_attention.decode_splits
+    folder = Path(tempfile.mkdtemp())
 
-    def engine_step_ms(label: str) -> dict[str, Any]:
+    def engine_step(label: str) -> dict[str, Any]:
         assert engine.decode_runner is not None
         engine.decode_runner.capture()  # the split count is baked into the captured graphs
-        prefill_s, _ = median_run(lambda: generate(batch_prompts, 1), 1, 3, sync)
-        whole_s, tokens = median_run(lambda: generate(batch_prompts, 1 + steps), 0, 3, sync)
-        row = {"decode_step_ms": (whole_s - prefill_s) / steps * 1e3, "prefill_s": prefill_s, "tokens": tokens}
-        print(f"  lever splits engine {label}: {row['decode_step_ms']:.2f} ms", flush=True)
+        raw = pure_decode(engine, batch_prompts, 16, folder, label, True, layers)
+        row = {"device_ms": raw["busy_us"] / 1e3, "span_ms": raw["span_us"] / 1e3, "steps": raw["steps"],
+               "attention_ms": sum(us for name, (us, _) in raw["kernels"].items()
+                                   if kernel_class(name) == "attention") / 1e3, "tokens": raw["tokens"]}
+        print(f"  lever splits engine {label}: {row['span_ms']:.2f} ms a step, attention {row['attention_ms']:.2f} ms",
+              flush=True)
         return row
 
-    before = engine_step_ms("current rule")
+    before = engine_step("current rule")
     try:
         cuda_attention.decode_splits = lambda batch, *rest: best if batch == 8 else rule(batch, *rest)
-        after = engine_step_ms(f"{best} splits at batch 8")
+        after = engine_step(f"{best} splits at batch 8")
     finally:
         cuda_attention.decode_splits = rule
         engine.decode_runner.capture()  # type: ignore[union-attr]
-    result["engine"] = {"steps": steps, "best_splits": best, "before_ms": before["decode_step_ms"],
-                        "after_ms": after["decode_step_ms"], "tokens_equal": before["tokens"] == after["tokens"]}
+    result["engine"] = {"best_splits": best, "before": before, "after": after,
+                        "tokens_equal": before["tokens"] == after["tokens"]}
     return result
 
 
@@ -370,15 +382,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             batch_prompts = prompts[cell]
             prompt, batch = len(batch_prompts[0]), len(batch_prompts)
             generate(batch_prompts, 1 + steps)  # warm-up: compiles, first replays
-            short = profiled(lambda p=batch_prompts: generate(p, 1), folder, f"{name}_prefill", on_gpu)
             if steps:
-                long = profiled(lambda p=batch_prompts, n=1 + steps: generate(p, n), folder, name, on_gpu)
-                raw = per_step(long, short, steps)
+                raw = pure_decode(engine, batch_prompts, steps, folder, name, on_gpu, shape["num_hidden_layers"])
+                steps = raw.pop("steps")
+                raw.pop("tokens")
             else:
-                raw = short
+                raw = profiled(lambda p=batch_prompts: generate(p, 1), folder, name, on_gpu)
             summary = summarize(raw, model_work(shape, prompt, batch, steps, element), results.get("matrix_flop_s"))
-            summary.update({"cell": cell, "decode_steps": steps,
-                            "what": "one decode step (difference of two runs / steps)" if steps else "prefill alone"})
+            summary.update({"cell": cell, "decode_steps_profiled": steps,
+                            "what": "one pure decode step (mean over the profiled steps)" if steps else
+                            "prefill alone (generate with one new token)"})
             results["scenarios"][name] = summary
             print(f"== {name}: {summary['device_us'] / 1e3:.2f} ms of kernels, span {summary['span_us'] / 1e3:.2f} ms",
                   flush=True)
