@@ -138,14 +138,14 @@ def transformers_side(directory: str, dtype: torch.dtype, prompts: dict[str, lis
     return timed_cells(generate, prompts, new_tokens, reps, platform.synchronize, deadline)
 
 
-def torchhal_side(directory: str, dtype: torch.dtype, prompts: dict[str, list[list[int]]],
-                  new_tokens: dict[int, int], reps: int, deadline: float, on_gpu: bool) -> dict[str, Any]:
-    """The engine as a user would configure it for this workload: full-graph decode over the
-    batches and contexts of the cells, compiled layers on a GPU, chunked prefill."""
+def engine_config(prompts: dict[str, list[list[int]]], new_tokens: dict[int, int], dtype: torch.dtype,
+                  on_gpu: bool) -> EngineConfig:
+    """The engine as a user would configure it for these cells: full-graph decode over their
+    batches and contexts, compiled layers on a GPU, chunked prefill."""
     longest = max(len(p[0]) + new_tokens[len(p[0])] for p in prompts.values())
     widest = max(len(p) for p in prompts.values())
     contexts = tuple(sorted({c for c in (256, 4096, 16384, 32768) if c >= 256} | {longest}))
-    config = EngineConfig(
+    return EngineConfig(
         dtype=dtype,
         max_kv_slots=widest * longest + 1024,
         max_batch_tokens=16384,
@@ -155,6 +155,12 @@ def torchhal_side(directory: str, dtype: torch.dtype, prompts: dict[str, list[li
                                         (longest,), emulate=not on_gpu),
         compile_layers="inductor" if on_gpu else None,
     )
+
+
+def torchhal_side(directory: str, dtype: torch.dtype, prompts: dict[str, list[list[int]]],
+                  new_tokens: dict[int, int], reps: int, deadline: float, on_gpu: bool) -> dict[str, Any]:
+    """The engine as `engine_config` configures it, timed over the cells."""
+    config = engine_config(prompts, new_tokens, dtype, on_gpu)
     started = time.perf_counter()
     engine = GenerationEngine.from_checkpoint(directory, config)
     setup_s = time.perf_counter() - started

@@ -339,3 +339,16 @@ def test_split_whole_prompts_parts_a_step_and_the_rest_attends_as_before():
     assert split_whole_prompts(decode_only, None).rest is decode_only  # nothing whole: the metadata as it is
     device_built = PagedMetadata(meta.block_tables, meta.seq_lens, meta.query_start, meta.slot_mapping, 20)
     assert split_whole_prompts(device_built, None) is None  # no host copies: never a device sync to find out
+
+
+def test_equal_length_runs_join_only_adjacent_prompts_of_one_length():
+    """A dense kernel takes each run as one batch: only prompts that sit back to back in the
+    step's rows and are equally long may share one (a reshape of their rows)."""
+    from torchhal.attention.layout import equal_length_runs
+
+    assert equal_length_runs([]) == []
+    assert equal_length_runs([(0, 32), (32, 64), (64, 96)]) == [(0, 3, 32)]
+    # a shorter prompt ends a run; the equal ones after it start a new one
+    assert equal_length_runs([(0, 4), (4, 8), (8, 11), (11, 14), (14, 18)]) == [(0, 2, 4), (8, 2, 3), (14, 1, 4)]
+    # rows 8..12 belong to a request that is not a whole prompt: the prompts around it stay apart
+    assert equal_length_runs([(0, 4), (4, 8), (12, 16), (16, 20)]) == [(0, 2, 4), (12, 2, 4)]

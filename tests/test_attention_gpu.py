@@ -142,3 +142,40 @@ def test_whole_prompts_take_the_dense_kernel_and_equal_the_reference(cuda, monke
     # The one-token request is a whole prompt in every step; the others only while they are.
     assert dense_rows == [[(0, 1), (1, 301), (301, 4397)], [(0, 1)], [(0, 1), (1, 301)]]
     assert cuda_attention.split_whole_prompts is not None
+
+
+def test_equal_whole_prompts_share_one_dense_call_and_equal_the_reference(cuda, monkeypatch):
+    """Adjacent whole prompts of one length run as one batched SDPA call (a step of 32 short
+    prompts launches once a layer, not 32 times); a chunk between them keeps them apart. The
+    output equals the reference and every query row is written."""
+    import torch.nn.functional as F
+
+    from torchhal.attention import build_metadata, write_kv
+
+    backend = cuda.choose_attention(AttentionSpec(32, 8, 128, torch.bfloat16, 16)).backend
+    device, block_size = cuda.device(0), 16
+    lengths = [33, 33, 33, 200, 33, 33, 7]
+    query_lens = [33, 33, 33, 40, 33, 33, 7]  # the 200-token request is a chunk after 160 cached tokens
+    tables, next_block = [], 1
+    for n in lengths:
+        count = -(-n // block_size)
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+    k_cache, v_cache = new_kv_cache(next_block, block_size, 8, 128, torch.bfloat16, device)
+    k_cache.normal_(), v_cache.normal_()
+    meta = build_metadata(tables, lengths, query_lens, block_size, device)
+    tokens = sum(query_lens)
+    key = torch.randn(tokens, 8, 128, device=device, dtype=torch.bfloat16)
+    write_kv(k_cache, v_cache, key, torch.randn_like(key), meta.slot_mapping)
+    query = torch.randn(tokens, 32, 128, device=device, dtype=torch.bfloat16)
+    batches: list[int] = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, *a, **k: (batches.append(q.shape[0]),
+                                                                                real(q, *a, **k))[1])
+    out = torch.full_like(query, float("nan"))
+    backend.prefill(query, k_cache, v_cache, meta, scale=128**-0.5, out=out)
+    assert batches == [3, 2, 1]  # three 33s; the two 33s after the chunk; the 7
+    expected = ReferenceBackend().prefill(query, k_cache, v_cache, meta, scale=128**-0.5)
+    assert not out.isnan().any()
+    error = (out.float() - expected.float()).norm() / expected.float().norm()
+    assert error < 1e-2, error

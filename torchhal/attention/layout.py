@@ -209,6 +209,22 @@ def split_whole_prompts(meta: PagedMetadata, sliding_window: int | None) -> Prom
     return PromptSplit(whole, sub, rest_tokens)
 
 
+def equal_length_runs(rows: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """`rows` ((first, last) query rows, as `PromptSplit.whole` lists them) as maximal runs of
+    prompts that are adjacent in the step's rows and equally long: (first row, prompts,
+    length) each, in order. A dense kernel takes each run as one batch of prompts, so a step
+    of many short prompts launches once per run instead of once per prompt."""
+    runs: list[tuple[int, int, int]] = []
+    for first, last in rows:
+        if runs:
+            start, count, length = runs[-1]
+            if last - first == length and first == start + count * length:
+                runs[-1] = (start, count + 1, length)
+                continue
+        runs.append((first, 1, last - first))
+    return runs
+
+
 class DecodeMetadata:
     """Decode metadata for a fixed batch capacity, kept on the device and advanced in place.
 

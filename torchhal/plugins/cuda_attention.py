@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from torchhal.attention import AttentionCapability, PagedMetadata, PagedWriter, check_call
-from torchhal.attention.layout import split_whole_prompts
+from torchhal.attention.layout import equal_length_runs, split_whole_prompts
 
 LOG2E = 1.4426950408889634
 #: Split the context only while each split keeps at least this many tokens.
@@ -221,18 +221,21 @@ class TritonPagedAttention(PagedWriter):
     @staticmethod
     def _flash_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                        rows: list[tuple[int, int]], scale: float, out: torch.Tensor) -> torch.Tensor:
-        """Whole prompts (nothing cached before them): SDPA's flash kernel per prompt, causal,
-        grouped-query heads native. Faster than the paged kernel there (H200, 8B shape: 0.27 vs
-        0.45 ms at 4k); the K/V it reads are the prompt's own, copied out of the cache once."""
+        """Whole prompts (nothing cached before them): SDPA's flash kernel, causal, grouped-query
+        heads native; one call per run of adjacent equally long prompts (a batch of them), not
+        per prompt. Faster than the paged kernel there (H200, 8B shape: 0.27 vs 0.45 ms at 4k);
+        the K/V it reads are the prompts' own, copied out of the cache once."""
         heads, dim = k_cache.shape[2], k_cache.shape[3]
+        q_heads = query.shape[1]
         keys, values = k_cache.view(-1, heads, dim), v_cache.view(-1, heads, dim)
-        for first, last in rows:
+        for first, count, length in equal_length_runs(rows):
+            last = first + count * length
             slots = slot_mapping[first:last]
-            q = query[first:last].transpose(0, 1)[None]  # [1, Hq, L, D]
-            k = keys.index_select(0, slots).transpose(0, 1)[None]
-            v = values.index_select(0, slots).transpose(0, 1)[None]
+            q = query[first:last].view(count, length, q_heads, dim).transpose(1, 2)  # [count, Hq, L, D]
+            k = keys.index_select(0, slots).view(count, length, heads, dim).transpose(1, 2)
+            v = values.index_select(0, slots).view(count, length, heads, dim).transpose(1, 2)
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-            out[first:last] = attended[0].transpose(0, 1)
+            out[first:last] = attended.transpose(1, 2).reshape(count * length, q_heads, dim)
         return out
 
     def _launch(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,

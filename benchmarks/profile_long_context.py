@@ -1,0 +1,425 @@
+"""Kernel profile of the long-context benchmark's torchhal side, and the levers it names, timed before/after.
+
+    python benchmarks/profile_long_context.py [--out DIR] [--skip-levers] [--tiny]
+
+The engine is the one `long_context.py` times (same checkpoint shape, seeded weights, prompts
+and `engine_config`: full-graph decode, compiled layers, chunked prefill). torch.profiler
+records every kernel (graph replays included) of:
+
+- `decode_1x32`: batch-1 decode at a short context (prompt 32), 32 steps (four windows of 8);
+- `decode_8x16000`: batch-8 decode at 16k context, 16 steps;
+- `prefill_1x3968`, `prefill_8x3968`, `prefill_32x32`: prefill alone (one new token).
+
+A decode step's kernels are those of engine steps taken once every request of the cell is past
+its prefill (no prefill shares them), divided by the decode steps they ran. Each scenario gets the top kernels by
+device time (count, share) and the kernels grouped in classes (GEMM, attention, norm,
+elementwise, copy, other) plus the launch gaps (the span from the first kernel's start to the
+last kernel's end that no kernel covers). Each class carries the bytes or FLOPs the model says
+it must move or do and the achieved fraction of 4.8 TB/s or of the measured bf16 matrix rate.
+
+Levers (each timed before and after in this process, tokens compared):
+
+- `flash_prefill_runs`: whole prompts of equal length in one SDPA call (the backend now)
+  against one call per prompt (the previous code, patched back in), on 32x32 and 8x3968 prefill;
+- `decode_splits`: the split-K paged decode kernel at batch 8 / 16k context, graph-replayed,
+  per split count, then the engine's decode step with the best count against the current rule.
+
+`--tiny` runs a tiny model on the CPU (no profile of device kernels: the script's plumbing only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+from _harness import median_run, write_json  # noqa: E402
+from long_context import (  # noqa: E402
+    CELLS,
+    HBM_BYTES_PER_S,
+    LLAMA31_8B,
+    PROMPTS,
+    TINY,
+    engine_config,
+    kv_bytes_per_token,
+    prompts_for,
+    save_model,
+)
+
+import torchhal  # noqa: E402
+from torchhal.core.engine import GenerationEngine  # noqa: E402
+
+#: (name, cell, decode steps; 0 = prefill alone)
+SCENARIOS = (("decode_1x32", "32x1", 32), ("decode_8x16000", "16000x8", 16), ("prefill_1x3968", "3968x1", 0),
+             ("prefill_8x3968", "3968x8", 0), ("prefill_32x32", "32x32", 0))
+TINY_SCENARIOS = (("decode_1x32", "32x1", 4), ("prefill_32x32", "32x32", 0))
+CLASSES = ("gemm", "attention", "norm", "elementwise", "copy", "other")
+
+
+def kernel_class(name: str) -> str:
+    """A kernel's class from its name (cuBLAS / CUTLASS, flash / Triton paged, inductor, aten)."""
+    low = name.lower()
+    if any(k in low for k in ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "cublas", "_mm_", "matmul")):
+        return "gemm"
+    if any(k in low for k in ("flash", "fmha", "attention", "merge_splits", "attn")):
+        return "attention"
+    if "rsqrt" in low or "rms" in low or "layer_norm" in low:
+        return "norm"
+    if any(k in low for k in ("copy", "index", "gather", "scatter", "memcpy", "memset", "cat", "put_")):
+        return "copy"
+    if any(k in low for k in ("elementwise", "triton_poi", "triton_per", "triton_red", "reduce", "argmax")):
+        return "elementwise"
+    return "other"
+
+
+def device_kernels(trace_path: Path) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of every kernel, memcpy and memset in a chrome trace."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    return [(e["name"], float(e["ts"]), float(e["dur"])) for e in events
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+
+
+def busy_and_span(kernels: list[tuple[str, float, float]]) -> tuple[float, float]:
+    """(us some kernel runs, us from the first kernel's start to the last one's end)."""
+    if not kernels:
+        return 0.0, 0.0
+    intervals = sorted((start, start + dur) for _, start, dur in kernels)
+    busy, (cur_start, cur_end) = 0.0, intervals[0]
+    for start, end in intervals[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    return busy, intervals[-1][1] - intervals[0][0]
+
+
+def profiled(fn: Callable[[], Any], folder: Path, label: str, on_gpu: bool) -> dict[str, Any]:
+    """Per-kernel totals (us, count), busy and span of one profiled call of `fn`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if on_gpu:
+            torch.cuda.synchronize()
+    path = folder / f"{label}.json"
+    prof.export_chrome_trace(str(path))
+    kernels = device_kernels(path)
+    path.unlink()
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for name, _, dur in kernels:
+        totals[name][0] += dur
+        totals[name][1] += 1
+    busy, span = busy_and_span(kernels)
+    return {"kernels": {k: tuple(v) for k, v in totals.items()}, "busy_us": busy, "span_us": span}
+
+
+def pure_decode(engine: GenerationEngine, batch_prompts: list[list[int]], steps: int, folder: Path, label: str,
+                on_gpu: bool, layers: int) -> dict[str, Any]:
+    """Per decode step: the kernels of engine steps taken once every request is past its
+    prefill (so no prefill shares them), divided by the decode steps they ran (paged attention
+    launches / layers; each window runs up to `steps_per_sync` steps)."""
+    rids = [engine.add_request(p, steps + 40) for p in batch_prompts]
+    while engine.waiting or any(not r.output for r in engine.running):
+        engine.step()
+    engine.drain()
+    calls = max(1, steps // 8)
+    raw = profiled(lambda: [engine.step() for _ in range(calls)], folder, label, on_gpu)
+    while not all(rid in engine.results for rid in rids):
+        engine.step()
+    tokens = [list(engine.results.pop(rid).output) for rid in rids]
+    launches = sum(count for name, (_, count) in raw["kernels"].items() if "paged_attention" in name)
+    ran = max(launches / layers, 1.0) if on_gpu else float(calls)
+    return {"kernels": {k: (us / ran, count / ran) for k, (us, count) in raw["kernels"].items()},
+            "busy_us": raw["busy_us"] / ran, "span_us": raw["span_us"] / ran, "steps": ran, "tokens": tokens}
+
+
+def model_work(shape: dict[str, Any], prompt: int, batch: int, steps: int, element: int) -> dict[str, dict[str, float]]:
+    """Bytes / FLOPs each class must move / do for one decode step (steps > 0) or one prefill."""
+    hidden, layers, inter = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]
+    q_heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    head_dim, vocab = hidden // q_heads, shape["vocab_size"]
+    layer_params = hidden * (q_heads + 2 * kv_heads) * head_dim + q_heads * head_dim * hidden + 3 * hidden * inter
+    weight_bytes = (layers * layer_params + hidden * vocab) * element
+    tokens = batch if steps else batch * prompt
+    logit_rows = batch  # the LM head runs on each request's last token
+    gemm_flops = 2 * (tokens * layers * layer_params + logit_rows * hidden * vocab)
+    if steps:
+        context = prompt + steps / 2  # mean over the profiled steps
+        kv_bytes = batch * context * kv_bytes_per_token(shape, torch.bfloat16 if element == 2 else torch.float32)
+        attention = {"bytes": kv_bytes, "flops": 4 * layers * q_heads * head_dim * batch * context}
+    else:
+        pairs = batch * prompt * (prompt + 1) / 2
+        attention = {"flops": 4 * layers * q_heads * head_dim * pairs,
+                     "bytes": tokens * layers * (2 * q_heads + 2 * kv_heads) * head_dim * element}
+    # Norms read and write the hidden state twice a layer (and once at the end); elementwise:
+    # rotary (q, k in and out), SwiGLU (gate, up in, product out), two residual adds (2 in, 1 out).
+    norm_bytes = tokens * (2 * layers + 1) * hidden * 2 * element
+    elementwise_bytes = tokens * layers * element * (2 * (q_heads + kv_heads) * head_dim + 3 * inter + 6 * hidden)
+    # Copies: the K/V written into the cache, and (prefill) read back out for the dense kernel.
+    copy_bytes = tokens * layers * 2 * kv_heads * head_dim * element * (2 if steps else 4)
+    return {"gemm": {"bytes": weight_bytes, "flops": gemm_flops}, "attention": attention,
+            "norm": {"bytes": norm_bytes}, "elementwise": {"bytes": elementwise_bytes}, "copy": {"bytes": copy_bytes}}
+
+
+def summarize(raw: dict[str, Any], work: dict[str, dict[str, float]], matrix_flops: float | None,
+              top: int = 15) -> dict[str, Any]:
+    """Top kernels and class totals with achieved bandwidth / matrix-rate fractions."""
+    total = sum(us for us, _ in raw["kernels"].values()) or 1.0
+    ranked = sorted(raw["kernels"].items(), key=lambda kv: -kv[1][0])
+    classes: dict[str, dict[str, Any]] = {c: {"us": 0.0, "kernels": 0.0} for c in CLASSES}
+    for name, (us, count) in raw["kernels"].items():
+        row = classes[kernel_class(name)]
+        row["us"] += us
+        row["kernels"] += count
+    for name, row in classes.items():
+        row["share"] = row["us"] / total
+        need = work.get(name, {})
+        seconds = row["us"] / 1e6
+        if seconds > 0 and "bytes" in need:
+            row["bytes"] = need["bytes"]
+            row["hbm_fraction"] = need["bytes"] / seconds / HBM_BYTES_PER_S
+        if seconds > 0 and "flops" in need:
+            row["flops"] = need["flops"]
+            row["tflop_s"] = need["flops"] / seconds / 1e12
+            if matrix_flops:
+                row["matrix_rate_fraction"] = need["flops"] / seconds / matrix_flops
+    gaps = max(raw["span_us"] - raw["busy_us"], 0.0)
+    return {
+        "device_us": total, "busy_us": raw["busy_us"], "span_us": raw["span_us"],
+        "launch_gaps_us": gaps, "launch_gap_share_of_span": gaps / raw["span_us"] if raw["span_us"] else 0.0,
+        "classes": classes,
+        "top_kernels": [{"name": name[:160], "us": us, "count": count, "share": us / total,
+                         "class": kernel_class(name)} for name, (us, count) in ranked[:top]],
+    }
+
+
+# -- the levers ---------------------------------------------------------------------------------------
+def per_prompt_flash(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     rows: list[tuple[int, int]], scale: float, out: torch.Tensor) -> torch.Tensor:
+    """The backend's whole-prompt path before runs: one SDPA call per prompt (the 'before')."""
+    import torch.nn.functional as F
+
+    heads, dim = k_cache.shape[2], k_cache.shape[3]
+    keys, values = k_cache.view(-1, heads, dim), v_cache.view(-1, heads, dim)
+    for first, last in rows:
+        slots = slot_mapping[first:last]
+        q = query[first:last].transpose(0, 1)[None]
+        k = keys.index_select(0, slots).transpose(0, 1)[None]
+        v = values.index_select(0, slots).transpose(0, 1)[None]
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        out[first:last] = attended[0].transpose(0, 1)
+    return out
+
+
+def flash_prefill_lever(generate: Callable[[list[list[int]], int], list[list[int]]],
+                        prompts: dict[str, list[list[int]]], sync: Callable[[], None]) -> dict[str, Any]:
+    from torchhal.plugins import cuda_attention
+
+    backend_class = cuda_attention.TritonPagedAttention
+    runs = backend_class.__dict__["_flash_prefill"]  # the staticmethod itself
+    rows: dict[str, Any] = {}
+    for cell in ("32x32", "3968x8"):
+        batch_prompts = prompts[cell]
+        row: dict[str, Any] = {}
+        for label, impl in (("before_per_prompt", staticmethod(per_prompt_flash)), ("after_runs", runs)):
+            backend_class._flash_prefill = impl  # type: ignore[method-assign]
+            try:
+                seconds, _ = median_run(lambda p=batch_prompts: generate(p, 1), 1, 5, sync)
+                row[label] = {"prefill_s": seconds, "tokens": generate(batch_prompts, 8)}
+            finally:
+                backend_class._flash_prefill = runs  # type: ignore[method-assign]
+        row["tokens_equal"] = row["before_per_prompt"].pop("tokens") == row["after_runs"].pop("tokens")
+        row["speedup"] = row["before_per_prompt"]["prefill_s"] / row["after_runs"]["prefill_s"]
+        rows[cell] = row
+        print(f"  lever flash runs {cell}: {row}", flush=True)
+    return rows
+
+
+def split_kernel_sweep(device: torch.device, shape: dict[str, Any], batch: int, context: int,
+                       capacity: int) -> dict[str, Any]:
+    """The paged decode kernel at one (batch, context), graph-replayed, per split count."""
+    import triton.testing
+
+    from torchhal.attention import build_metadata
+    from torchhal.plugins import cuda_attention
+
+    q_heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    head_dim, block = shape["hidden_size"] // q_heads, 16
+    per_row = -(-context // block)
+    torch.manual_seed(0)
+    tables = (torch.randperm(batch * per_row, device=device) + 1).view(batch, per_row).tolist()
+    cache_shape = (batch * per_row + 1, block, kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, dtype=torch.bfloat16, device=device)
+    v_cache = torch.randn(cache_shape, dtype=torch.bfloat16, device=device)
+    meta = build_metadata(tables, [context] * batch, [1] * batch, block, device, max_blocks=capacity // block)
+    query = torch.randn(batch, q_heads, head_dim, dtype=torch.bfloat16, device=device)
+    backend = cuda_attention.TritonPagedAttention()
+    scale = head_dim**-0.5
+    current = cuda_attention.decode_splits(batch, kv_heads, capacity, cuda_attention._multiprocessors(0))
+    kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
+    reference = None
+    rows = []
+    for splits in sorted({1, 2, 4, current, 8, 11, 16, 22, 32, 64}):
+        out = torch.empty_like(query)
+
+        def call(s: int = splits, o: torch.Tensor = out) -> None:
+            backend._launch(query, k_cache, v_cache, meta, 1, s, scale, None, None, o)
+
+        call()
+        if reference is None:
+            reference = out.float().clone()
+        error = float((out.float() - reference).abs().max())
+        ms = float(triton.testing.do_bench_cudagraph(call, rep=200, return_mode="median"))
+        rows.append({"splits": splits, "ms": ms, "hbm_fraction": kv_bytes / (ms / 1e3) / HBM_BYTES_PER_S,
+                     "max_abs_diff_vs_1_split": error})
+    best = min(rows, key=lambda r: r["ms"])
+    return {"batch": batch, "context": context, "capacity": capacity, "current_rule_splits": current,
+            "kv_bytes_per_layer": kv_bytes, "rows": rows, "best": best}
+
+
+def decode_splits_lever(engine: GenerationEngine, generate: Callable[[list[list[int]], int], list[list[int]]],
+                        prompts: dict[str, list[list[int]]], shape: dict[str, Any],
+                        sync: Callable[[], None]) -> dict[str, Any]:
+    from torchhal.plugins import cuda_attention
+
+    device = engine.device
+    result: dict[str, Any] = {"kernel": [split_kernel_sweep(device, shape, b, c, cap)
+                                         for b, c, cap in ((8, 16016, 16384), (1, 16016, 16384), (1, 160, 256))]}
+    for sweep in result["kernel"]:
+        print(f"  lever splits kernel b{sweep['batch']} ctx{sweep['context']}: current {sweep['current_rule_splits']}"
+              f" best {sweep['best']}", flush=True)
+    best = result["kernel"][0]["best"]["splits"]
+    batch_prompts, layers = prompts["16000x8"], shape["num_hidden_layers"]
+    rule = cuda_attention.decode_splits
+    folder = Path(tempfile.mkdtemp())
+
+    def engine_step(label: str) -> dict[str, Any]:
+        assert engine.decode_runner is not None
+        engine.decode_runner.capture()  # the split count is baked into the captured graphs
+        raw = pure_decode(engine, batch_prompts, 16, folder, label, True, layers)
+        row = {"device_ms": raw["busy_us"] / 1e3, "span_ms": raw["span_us"] / 1e3, "steps": raw["steps"],
+               "attention_ms": sum(us for name, (us, _) in raw["kernels"].items()
+                                   if kernel_class(name) == "attention") / 1e3, "tokens": raw["tokens"]}
+        print(f"  lever splits engine {label}: {row['span_ms']:.2f} ms a step, attention {row['attention_ms']:.2f} ms",
+              flush=True)
+        return row
+
+    before = engine_step("current rule")
+    try:
+        cuda_attention.decode_splits = lambda batch, *rest: best if batch == 8 else rule(batch, *rest)
+        after = engine_step(f"{best} splits at batch 8")
+    finally:
+        cuda_attention.decode_splits = rule
+        engine.decode_runner.capture()  # type: ignore[union-attr]
+    result["engine"] = {"best_splits": best, "before": before, "after": after,
+                        "tokens_equal": before["tokens"] == after["tokens"]}
+    return result
+
+
+def matrix_rate(device: torch.device) -> float:
+    """Measured bf16 matrix FLOP/s (8192^3 product, random data)."""
+    import triton.testing
+
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    ms = float(triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median"))
+    return 2 * 8192**3 / (ms / 1e3)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--out", default="results")
+    parser.add_argument("--skip-levers", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model on whatever device there is")
+    args = parser.parse_args(argv)
+    platform = torchhal.current_platform()
+    device = platform.device(platform.current_device())
+    on_gpu = device.type != "cpu"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    shape = TINY if args.tiny else LLAMA31_8B
+    scenarios = TINY_SCENARIOS if args.tiny else SCENARIOS
+    prompts = prompts_for(CELLS, shape["vocab_size"])  # the benchmark's own prompts
+    if args.tiny:  # its positions stop at 4096
+        prompts = {cell: prompts[cell] for _, cell, _ in scenarios}
+    results: dict[str, Any] = {"platform": platform.name, "dtype": str(dtype), "scenarios": {}}
+    if on_gpu:
+        results["matrix_flop_s"] = matrix_rate(device)
+        src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+        seconds, _ = median_run(lambda: src.clone(), 1, 5, platform.synchronize)
+        results["copy_bandwidth_Bps"] = 2 * (1 << 30) / seconds
+        del src
+    with tempfile.TemporaryDirectory() as directory:
+        save_model(shape, dtype, device, directory)
+        gc.collect()
+        platform.empty_cache(torchhal.ReleasePoint.USER)
+        started = time.perf_counter()
+        engine = GenerationEngine.from_checkpoint(directory, engine_config(prompts, PROMPTS, dtype, on_gpu))
+        results["engine_setup_s"] = time.perf_counter() - started
+
+        def generate(batch_prompts: list[list[int]], new: int) -> list[list[int]]:
+            out = engine.generate(batch_prompts, new)
+            failed = [r.error for r in out if r.error]
+            if failed:
+                raise RuntimeError(f"torchhal generate failed: {failed[0]}")
+            return [list(r.output) for r in out]
+
+        folder = Path(directory)
+        element = torch.empty((), dtype=dtype).element_size()
+        for name, cell, steps in scenarios:
+            batch_prompts = prompts[cell]
+            prompt, batch = len(batch_prompts[0]), len(batch_prompts)
+            generate(batch_prompts, 1 + steps)  # warm-up: compiles, first replays
+            if steps:
+                raw = pure_decode(engine, batch_prompts, steps, folder, name, on_gpu, shape["num_hidden_layers"])
+                steps = raw.pop("steps")
+                raw.pop("tokens")
+            else:
+                raw = profiled(lambda p=batch_prompts: generate(p, 1), folder, name, on_gpu)
+            summary = summarize(raw, model_work(shape, prompt, batch, steps, element), results.get("matrix_flop_s"))
+            summary.update({"cell": cell, "decode_steps_profiled": steps,
+                            "what": "one pure decode step (mean over the profiled steps)" if steps else
+                            "prefill alone (generate with one new token)"})
+            results["scenarios"][name] = summary
+            print(f"== {name}: {summary['device_us'] / 1e3:.2f} ms of kernels, span {summary['span_us'] / 1e3:.2f} ms",
+                  flush=True)
+            for cls, row in summary["classes"].items():
+                extra = " ".join(f"{k}={row[k]:.2f}" for k in ("hbm_fraction", "matrix_rate_fraction") if k in row)
+                print(f"   {cls:11s} {row['us'] / 1e3:8.3f} ms {row['share']:6.1%} x{row['kernels']:.0f} {extra}")
+            for k in summary["top_kernels"][:6]:
+                print(f"   {k['us'] / 1e3:8.3f} ms x{k['count']:.0f} {k['class']:10s} {k['name'][:90]}")
+        if on_gpu and not args.skip_levers:
+            results["levers"] = {
+                "flash_prefill_runs": flash_prefill_lever(generate, prompts, platform.synchronize),
+                "decode_splits": decode_splits_lever(engine, generate, prompts, shape, platform.synchronize),
+            }
+    for lever in results.get("levers", {}).values():
+        _drop_tokens(lever)
+    write_json("profile_long_context" + ("_tiny" if args.tiny else ""), results, args.out)
+    return results
+
+
+def _drop_tokens(value: Any) -> None:
+    if isinstance(value, dict):
+        value.pop("tokens", None)
+        for item in value.values():
+            _drop_tokens(item)
+    elif isinstance(value, list):
+        for item in value:
+            _drop_tokens(item)
+
+
+if __name__ == "__main__":
+    main()
