@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,50 @@ def run_cli(
         env=full_env,
         timeout=300,
     )
+
+
+@dataclass
+class Ran:
+    """What an in-process `torchhal generate` call returned and printed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def generate(capsys: pytest.CaptureFixture[str]) -> Callable[..., Ran]:
+    """`torchhal generate ARGS...` run in this process (`torchhal.cli.main`), captured."""
+    from torchhal.cli import main
+
+    def run(*args: str) -> Ran:
+        code = main(["generate", *args])
+        out = capsys.readouterr()
+        return Ran(code, out.out, out.err)
+
+    return run
+
+
+def entry_point_distribution(root: Path, name: str, module: str) -> str:
+    """A distribution under `root` whose `torchhal` entry point `name` is `module` (a test
+    module of broken plugins); the PYTHONPATH that makes it and this repository importable."""
+    info = root / f"torchhal_{name}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torchhal-{name}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[torchhal]\n{name} = {module}\n")
+    return f"{root}:{TESTS.parent}"
+
+
+def conformance_group_results(
+    tmp_path: Path, pythonpath: str, platform: str, group: str
+) -> tuple[subprocess.CompletedProcess[str], dict[str, dict[str, object]]]:
+    """`torchhal conformance --profile full` of one group on `platform`: the run and its tests
+    by id (the group's prefix removed)."""
+    import json
+
+    report = tmp_path / "report.json"
+    out = run_cli("conformance", "--platform", platform, "--profile", "full", "-k", f"test_{group}",
+                  "--json", str(report), env={"PYTHONPATH": pythonpath})
+    assert report.exists(), out.stdout[-3000:] + out.stderr[-3000:]
+    tests = json.loads(report.read_text())["tests"]
+    return out, {t["id"].removeprefix(f"{group}::test_"): t for t in tests if t["group"] == group}

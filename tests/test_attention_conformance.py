@@ -3,16 +3,12 @@ cases its bug touches (the backends live in tests/attention_broken.py)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 from torchhal.conformance_tests.test_attention import DECODE_CASES, PREFILL_CASES
 
-from .conftest import run_cli
+from .conftest import conformance_group_results, entry_point_distribution
 
-REPO = Path(__file__).resolve().parents[1]
 CASES = {**{f"decode_matches_the_reference[{n}]": c for n, c in DECODE_CASES.items()},
          **{f"prefill_matches_the_reference[{n}]": c for n, c in PREFILL_CASES.items()}}
 
@@ -20,21 +16,11 @@ CASES = {**{f"decode_matches_the_reference[{n}]": c for n, c in DECODE_CASES.ite
 @pytest.fixture(scope="module")
 def plugin_path(tmp_path_factory):
     """A distribution on PYTHONPATH whose entry point is tests.attention_broken."""
-    root = tmp_path_factory.mktemp("attn_dist")
-    info = root / "torchhal_attnbroken-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torchhal-attnbroken\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[torchhal]\nattnbroken = tests.attention_broken\n")
-    return f"{root}:{REPO}"
+    return entry_point_distribution(tmp_path_factory.mktemp("attn_dist"), "attnbroken", "tests.attention_broken")
 
 
 def attention_results(tmp_path, plugin_path, platform):
-    report = tmp_path / "report.json"
-    out = run_cli("conformance", "--platform", platform, "--profile", "full", "-k", "test_attention",
-                  "--json", str(report), env={"PYTHONPATH": plugin_path})
-    assert report.exists(), out.stdout[-3000:] + out.stderr[-3000:]
-    tests = json.loads(report.read_text())["tests"]
-    return out, {t["id"].removeprefix("attention::test_"): t for t in tests if t["group"] == "attention"}
+    return conformance_group_results(tmp_path, plugin_path, platform, "attention")
 
 
 def failed(results):

@@ -4,13 +4,11 @@ clause its bug touches (the platforms live in tests/distributed_broken.py)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-from .conftest import run_cli
+from .conftest import conformance_group_results, entry_point_distribution, run_cli
 
-REPO = Path(__file__).resolve().parents[1]
 CLAUSES = {
     "each_rank_runs_on_the_device_device_for_rank_names", "all_reduce_sum_max_min_on_float32_bfloat16_int64",
     "all_gather_even_and_uneven_sizes_in_rank_order", "broadcast_from_the_last_rank", "send_recv_around_a_ring",
@@ -22,21 +20,11 @@ CLAUSES = {
 @pytest.fixture(scope="module")
 def plugin_path(tmp_path_factory):
     """A distribution on PYTHONPATH whose entry point is tests.distributed_broken."""
-    root = tmp_path_factory.mktemp("dist_dist")
-    info = root / "torchhal_distbroken-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torchhal-distbroken\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[torchhal]\ndistbroken = tests.distributed_broken\n")
-    return f"{root}:{REPO}"
+    return entry_point_distribution(tmp_path_factory.mktemp("dist_dist"), "distbroken", "tests.distributed_broken")
 
 
 def distributed_results(tmp_path, plugin_path, platform):
-    report = tmp_path / "report.json"
-    out = run_cli("conformance", "--platform", platform, "--profile", "full", "-k", "test_distributed",
-                  "--json", str(report), env={"PYTHONPATH": plugin_path})
-    assert report.exists(), out.stdout[-3000:] + out.stderr[-3000:]
-    tests = json.loads(report.read_text())["tests"]
-    return out, {t["id"].removeprefix("distributed::test_"): t for t in tests if t["group"] == "distributed"}
+    return conformance_group_results(tmp_path, plugin_path, platform, "distributed")
 
 
 def outcome(results, outcome_name):

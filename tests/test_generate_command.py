@@ -6,20 +6,12 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import Ran
 from tests.hf_models import save_hf_model
-from torchhal.cli import main
-
-
-@dataclass
-class Ran:
-    returncode: int
-    stdout: str
-    stderr: str
 
 
 @pytest.fixture(scope="module")
@@ -27,16 +19,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("tiny")
     save_hf_model("llama3", directory)  # vocab 128, max_position 256
     return directory
-
-
-@pytest.fixture
-def generate(capsys: pytest.CaptureFixture[str]):
-    def run(*args: str) -> Ran:
-        code = main(["generate", *args])
-        out = capsys.readouterr()
-        return Ran(code, out.out, out.err)
-
-    return run
 
 
 def one_line_refusal(ran: Ran, *expected: str) -> None:

@@ -20,8 +20,7 @@ import pytest
 
 import torchhal.cli.generate as generate_module
 from tests.hf_models import save_hf_model
-from tests.test_generate_command import Ran, one_line_refusal
-from torchhal.cli import main
+from tests.test_generate_command import one_line_refusal
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,16 +37,6 @@ def tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("tied")
     save_hf_model("llama_tied", directory)  # tied embeddings, one KV head (replicated over ranks)
     return directory
-
-
-@pytest.fixture
-def generate(capsys: pytest.CaptureFixture[str]):
-    def run(*args: str) -> Ran:
-        code = main(["generate", *args])
-        out = capsys.readouterr()
-        return Ran(code, out.out, out.err)
-
-    return run
 
 
 @pytest.fixture

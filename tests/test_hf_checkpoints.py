@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.hf_models import FAMILIES, PROMPTS, Generate, direct_greedy, hf_greedy, make_hf_model, save_hf_model
-from torchhal.cli import main
 from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine
 from torchhal.core.model import LlamaDecoder, checkpoint
 from torchhal.core.model.checkpoint import (
@@ -245,36 +243,19 @@ def save_word_tokenizer(directory: Path, vocab_size: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0").save_pretrained(directory)
 
 
-@dataclass
-class Ran:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-@pytest.fixture
-def run_cli(capsys: pytest.CaptureFixture[str]):
-    def run(*args: str) -> Ran:
-        code = main(["generate", *args])
-        out = capsys.readouterr()
-        return Ran(code, out.out, out.err)
-
-    return run
-
-
-def test_generate_command_with_text_and_ids(saved, run_cli):
+def test_generate_command_with_text_and_ids(saved, generate):
     directory, expected = saved["mistral"]
-    by_ids = run_cli("--model", str(directory), "--prompt-ids", ",".join(map(str, PROMPTS[1])), "--json")
+    by_ids = generate("--model", str(directory), "--prompt-ids", ",".join(map(str, PROMPTS[1])), "--json")
     assert by_ids.returncode == 0, by_ids.stderr
     out = json.loads(by_ids.stdout)
     assert out["output_ids"] == expected[1] and out["architecture"] == "MistralForCausalLM"
     assert out["tokens_per_s"] > 0 and out["load"]["bytes_read"] > 0
     assert out["attention"] == {"backend": "reference", "why": "reference: the platform declares no attention backend"}
-    no_tokenizer = run_cli("--model", str(directory), "--prompt", "w1 w2")
+    no_tokenizer = generate("--model", str(directory), "--prompt", "w1 w2")
     assert no_tokenizer.returncode == 2 and "ships no tokenizer" in no_tokenizer.stderr
 
     save_word_tokenizer(directory, 128)
-    by_text = run_cli("--model", str(directory), "--prompt", " ".join(f"w{t}" for t in PROMPTS[1]),
+    by_text = generate("--model", str(directory), "--prompt", " ".join(f"w{t}" for t in PROMPTS[1]),
                       "--max-new-tokens", "8")
     assert by_text.returncode == 0, by_text.stderr
     lines = by_text.stdout.splitlines()
@@ -283,15 +264,15 @@ def test_generate_command_with_text_and_ids(saved, run_cli):
     assert lines[3] == "attention: reference (reference: the platform declares no attention backend)"
 
 
-def test_generate_command_graphs_flag(saved, run_cli):
+def test_generate_command_graphs_flag(saved, generate):
     directory, expected = saved["llama3"]
-    ran = run_cli("--model", str(directory), "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--graphs", "--json")
+    ran = generate("--model", str(directory), "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--graphs", "--json")
     assert ran.returncode == 0, ran.stderr
     out = json.loads(ran.stdout)
     assert out["output_ids"] == expected[0]
     graphs = out["decode_graphs"]
     assert "declares no graph support" in graphs["unavailable"] and graphs["replays"] == 0  # CPU: eager
-    plain = run_cli("--model", str(directory), "--prompt-ids", "1,2", "--max-new-tokens", "3", "--graphs")
+    plain = generate("--model", str(directory), "--prompt-ids", "1,2", "--max-new-tokens", "3", "--graphs")
     assert plain.returncode == 0 and "full-graph decode unavailable" in plain.stdout
 
 
@@ -300,8 +281,8 @@ def test_every_eos_id_of_the_config_ends_generation():
     assert eos_token_ids({"eos_token_id": 2}) == (2,) and eos_token_ids({}) == ()
 
 
-def test_generate_command_refuses_bad_ids(saved, run_cli):
-    bad = run_cli("--model", str(saved["mistral"][0]), "--prompt-ids", "1,x")
+def test_generate_command_refuses_bad_ids(saved, generate):
+    bad = generate("--model", str(saved["mistral"][0]), "--prompt-ids", "1,x")
     assert bad.returncode == 2 and "--prompt-ids '1,x' must be comma-separated integers" in bad.stderr
 
 
