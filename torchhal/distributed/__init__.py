@@ -5,15 +5,15 @@
 or the vendor's own communicator where its plugin supplies one (`DistributedSupport`).
 """
 
-from torchhal.distributed.communicator import (
+from torchhal.distributed.group import DEFAULT_TIMEOUT, DeviceGroup, RankPlacement, init_group
+from torchhal.distributed.launch import LaunchError, launch
+from torchhal.platforms.communicator import (
     REDUCE_OPS,
     CollectiveError,
     Communicator,
     ReduceOpName,
     TorchCommunicator,
 )
-from torchhal.distributed.group import DEFAULT_TIMEOUT, DeviceGroup, RankPlacement, init_group
-from torchhal.distributed.launch import LaunchError, launch
 
 __all__ = [
     "CollectiveError",

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchhal.distributed.communicator import Communicator, TorchCommunicator
 from torchhal.platforms import Platform, current_platform
+from torchhal.platforms.communicator import Communicator, TorchCommunicator
 
 #: How long a collective waits for a peer before it raises (a dead or hung rank).
 DEFAULT_TIMEOUT = timedelta(minutes=5)

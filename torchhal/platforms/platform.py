@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from torchhal.attention import AttentionBackend, AttentionChoice, AttentionSpec
-    from torchhal.distributed import Communicator
+    from torchhal.platforms.communicator import Communicator
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -193,7 +193,7 @@ class Platform:
             return free
         import torch.distributed as dist
 
-        from torchhal.distributed import Communicator
+        from torchhal.platforms.communicator import Communicator
 
         value = torch.tensor([free], dtype=torch.int64)
         if isinstance(group, dist.ProcessGroup):

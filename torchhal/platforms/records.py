@@ -16,7 +16,7 @@ import torch
 
 if TYPE_CHECKING:  # the protocol lives with the reference backend, which imports nothing from here
     from torchhal.attention import AttentionBackend
-    from torchhal.distributed.communicator import Communicator
+    from torchhal.platforms.communicator import Communicator
 
 
 class ReleasePoint(str, enum.Enum):
