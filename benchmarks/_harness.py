@@ -112,6 +112,16 @@ def random_llama(shape: dict[str, Any], dtype: torch.dtype, device: torch.device
     return model.eval()
 
 
+def engine_tokens(engine: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """`engine.generate`'s new tokens per prompt; a failed request raises (a benchmark must not
+    time a failure)."""
+    results = engine.generate(prompts, new_tokens)
+    failed = [r.error for r in results if r.error]
+    if failed:
+        raise RuntimeError(f"torchhal generate failed: {failed[0]}")
+    return [list(r.output) for r in results]
+
+
 def environment() -> dict[str, Any]:
     clock = time.get_clock_info("perf_counter")
     env: dict[str, Any] = {

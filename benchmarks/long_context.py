@@ -44,7 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from _harness import median_run, random_llama, write_json  # noqa: E402
+from _harness import engine_tokens, median_run, random_llama, write_json  # noqa: E402
 
 import torchhal  # noqa: E402
 from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine  # noqa: E402
@@ -167,11 +167,7 @@ def torchhal_side(directory: str, dtype: torch.dtype, prompts: dict[str, list[li
     attention = getattr(engine, "attention", None)
 
     def generate(batch_prompts: list[list[int]], new: int) -> list[list[int]]:
-        results = engine.generate(batch_prompts, new)
-        failed = [r.error for r in results if r.error]
-        if failed:
-            raise RuntimeError(f"torchhal generate failed: {failed[0]}")
-        return [list(r.output) for r in results]
+        return engine_tokens(engine, batch_prompts, new)
 
     rows = timed_cells(generate, prompts, new_tokens, reps, engine.platform.synchronize, deadline)
     rows["_engine"] = {"setup_s": setup_s, "kv_slots": engine.kv_sizing.num_slots,

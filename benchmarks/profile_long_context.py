@@ -43,7 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from _harness import median_run, write_json  # noqa: E402
+from _harness import engine_tokens, median_run, write_json  # noqa: E402
 from long_context import (  # noqa: E402
     CELLS,
     HBM_BYTES_PER_S,
@@ -370,11 +370,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["engine_setup_s"] = time.perf_counter() - started
 
         def generate(batch_prompts: list[list[int]], new: int) -> list[list[int]]:
-            out = engine.generate(batch_prompts, new)
-            failed = [r.error for r in out if r.error]
-            if failed:
-                raise RuntimeError(f"torchhal generate failed: {failed[0]}")
-            return [list(r.output) for r in out]
+            return engine_tokens(engine, batch_prompts, new)
 
         folder = Path(directory)
         element = torch.empty((), dtype=dtype).element_size()

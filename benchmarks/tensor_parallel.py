@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from _harness import environment, median_run, write_json  # noqa: E402
+from _harness import engine_tokens, environment, median_run, write_json  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {
     "8b": dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
@@ -123,11 +123,7 @@ def rank_run(shape: str, cells: tuple[tuple[int, int], ...], dtype_name: str, re
         prompts, new = prompts_for(prompt, batch, config.vocab_size), NEW_TOKENS[prompt]
 
         def generate(prompts: list[list[int]] = prompts, new: int = new) -> list[list[int]]:
-            out = engine.generate(prompts, new)
-            failed = [r.error for r in out if r.error]
-            if failed:
-                raise RuntimeError(failed[0])
-            return [list(r.output) for r in out]
+            return engine_tokens(engine, prompts, new)
 
         platform.reset_peak_memory(engine.device_index)
         seconds, tokens = median_run(generate, warmups=1, reps=reps, sync=sync)
