@@ -4,7 +4,9 @@ own tests (tests/test_attention_conformance.py registers this module as a plugin
 Each wraps the reference backend and breaks exactly one thing, the way kernels get it wrong:
 - off-by-one block: reads block-table column j + 1 where it should read column j;
 - wrong GQA head mapping: query head h reads KV head h % num_kv_heads, not h // group;
-- ignores the window: declares sliding windows, then attends the whole context.
+- ignores the window: declares sliding windows, then attends the whole context;
+- writes from packed rows: `write_kv` reads K/V as if each token's row were contiguous
+  (a kernel taking the row stride for granted), which views into a fused projection are not.
 `attn_declared_reference` declares the reference itself, and `attn_blocks_128` the reference
 taking 128-token blocks only (as Ascend's fused attention does): the clause must pass both.
 """
@@ -97,6 +99,16 @@ class Only128TokenBlocks(Renamed):
             raise ValueError(f"blocks of {k_cache.shape[1]} tokens; this backend takes 128")
 
 
+class WritesPackedRows(Renamed):
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        def packed(t: torch.Tensor) -> torch.Tensor:  # the storage read as [tokens, heads, dim] from its start
+            heads, dim = t.shape[1], t.shape[2]
+            return t.as_strided(t.shape, (heads * dim, dim, 1), t.storage_offset())
+
+        super().write_kv(k_cache, v_cache, packed(key), packed(value), slot_mapping)
+
+
 def platform_with(name: str, backend: ReferenceBackend) -> CpuPlatform:
     def attention_support(self: CpuPlatform) -> AttentionSupport:
         return AttentionSupport(backends=(backend,))
@@ -114,4 +126,5 @@ def torchhal_register_platforms() -> list[CpuPlatform]:
         platform_with("attn_off_by_one_block", OffByOneBlock("off-by-one-block")),
         platform_with("attn_wrong_gqa", WrongGqaMapping("wrong-gqa")),
         platform_with("attn_ignores_window", IgnoresWindow("ignores-window")),
+        platform_with("attn_writes_packed_rows", WritesPackedRows("writes-packed-rows")),
     ]

@@ -46,6 +46,16 @@ SCRIPT = textwrap.dedent("""
             error = float((got - expected).abs().max())
             assert error < TOLERANCE[torch.float32][0], f"{{mode}} {{name}}: max error {{error}}"
             print("ok", mode, name)
+    layout = paged_layout(PREFILL_CASES["padded_rows"], torch.float32, 64, torch.device("cpu"), seed=7)
+    tokens, heads = layout.meta.slot_mapping.shape[0], layout.k_cache.shape[2]
+    fused = torch.randn(tokens, 4 * heads, 64)  # K and V as views into one projection: strided rows
+    key, value = fused[:, 2 * heads : 3 * heads], fused[:, 3 * heads :]
+    expected_k, expected_v = layout.k_cache.clone(), layout.v_cache.clone()
+    reference.write_kv(expected_k, expected_v, key, value, layout.meta.slot_mapping)
+    triton_backend.write_kv(layout.k_cache, layout.v_cache, key, value, layout.meta.slot_mapping)
+    for got, want in ((layout.k_cache, expected_k), (layout.v_cache, expected_v)):
+        assert torch.equal(got[1:].nan_to_num(7.0), want[1:].nan_to_num(7.0)), "write_kv"  # block 0: scratch
+    print("ok write_kv")
 """)
 
 
@@ -55,4 +65,4 @@ def test_triton_kernels_match_the_reference_under_the_interpreter(min_split):
     out = subprocess.run([sys.executable, "-c", SCRIPT.format(min_split=min_split)], capture_output=True, text=True,
                          env=env, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert out.stdout.count("ok ") == 16
+    assert out.stdout.count("ok ") == 17

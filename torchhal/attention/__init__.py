@@ -20,6 +20,7 @@ from torchhal.attention.layout import (
     PagedMetadata,
     PagedWriter,
     build_metadata,
+    check_write,
     new_kv_cache,
     write_kv,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "attend",
     "build_metadata",
     "check_call",
+    "check_write",
     "choose_backend",
     "new_kv_cache",
     "unsupported_reason",

@@ -73,14 +73,13 @@ def new_kv_cache(
     return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
 
-def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Store this step's K/V ([num_tokens, num_kv_heads, head_dim]) into their slots.
-
-    One indexed copy per cache, no host sync: capturable in a device graph.
-    """
+def check_write(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                slot_mapping: torch.Tensor) -> None:
+    """Raise one line naming the bad argument of a `write_kv` call (every writer checks these)."""
     heads, dim = k_cache.shape[2], k_cache.shape[3]
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"write_kv: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ; "
+                         "pass one layer's pair from the same KV cache")
     if key.shape != value.shape or key.dim() != 3 or tuple(key.shape[1:]) != (heads, dim):
         raise ValueError(
             f"write_kv: key {tuple(key.shape)} / value {tuple(value.shape)} must both be "
@@ -89,13 +88,25 @@ def write_kv(
     if slot_mapping.shape != key.shape[:1]:
         raise ValueError(f"write_kv: slot_mapping has shape {tuple(slot_mapping.shape)}; it needs one slot per token "
                          f"({key.shape[0]})")
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store this step's K/V ([num_tokens, num_kv_heads, head_dim]) into their slots.
+
+    One indexed copy per cache, no host sync: capturable in a device graph.
+    """
+    check_write(k_cache, v_cache, key, value, slot_mapping)
+    heads, dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 class PagedWriter:
     """`write_kv` as `AttentionBackend` asks it, through `write_kv` above: a base for backends
-    whose kernels read the layout as it is (the reference, the CUDA and NPU backends)."""
+    whose kernels read the layout as it is (the reference and NPU backends; the CUDA backend
+    replaces the write with one kernel of its own)."""
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:

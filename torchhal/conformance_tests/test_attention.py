@@ -189,6 +189,21 @@ def test_prefill_matches_the_reference(platform, device_index, name):
 
 
 def test_write_kv_stores_each_token_in_its_slot(platform, device_index):
+    writes_each_slot(platform, device_index, lambda tokens, heads, dim, device: (
+        torch.randn(tokens, heads, dim, device=device), torch.randn(tokens, heads, dim, device=device)))
+
+
+def test_write_kv_reads_views_into_one_projection(platform, device_index):
+    """Engines pass K and V as views into one fused QKV output ([tokens, (q + 2 kv) heads, dim]
+    sliced by heads): a token's row stride is wider than its K row, so a writer must honour strides."""
+    def views(tokens: int, heads: int, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = torch.randn(tokens, 4 * heads, dim, device=device)
+        return fused[:, 2 * heads : 3 * heads], fused[:, 3 * heads :]
+
+    writes_each_slot(platform, device_index, views)
+
+
+def writes_each_slot(platform, device_index, make_kv) -> None:  # noqa: ANN001
     device = platform.device(device_index)
     case = PREFILL_CASES["padded_rows"]
     for backend in declared_backends(platform):
@@ -196,8 +211,7 @@ def test_write_kv_stores_each_token_in_its_slot(platform, device_index):
         dtype = capability.dtypes[0]
         layout = paged_layout(case, dtype, capability, device, seed=7)
         tokens = layout.meta.slot_mapping.shape[0]
-        key = torch.randn(tokens, case.kv_heads, layout.query.shape[2], device=device).to(dtype)
-        value = torch.randn_like(key)
+        key, value = (t.to(dtype) for t in make_kv(tokens, case.kv_heads, layout.query.shape[2], device))
         expected_k, expected_v = layout.k_cache.clone(), layout.v_cache.clone()
         write_kv(expected_k, expected_v, key, value, layout.meta.slot_mapping)
         backend.write_kv(layout.k_cache, layout.v_cache, key, value, layout.meta.slot_mapping)

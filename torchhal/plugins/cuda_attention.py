@@ -8,6 +8,8 @@ the context across programs (flash-decoding: a fixed number of splits per launch
 split's share worked out on the device from the row's length) and a second kernel
 merges the splits by their log-sum-exp. Launch shapes depend only on the batch, the
 block-table width and the head counts, never on lengths: decode is graph-capturable.
+A third kernel writes a step's K and V into their slots in one launch, reading them where
+the projection left them (strided views, no copies first).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from torchhal.attention import AttentionCapability, PagedMetadata, PagedWriter, check_call
+from torchhal.attention import AttentionCapability, PagedMetadata, check_call, check_write, write_kv
 from torchhal.attention.layout import equal_length_runs, split_whole_prompts
 
 LOG2E = 1.4426950408889634
@@ -163,6 +165,24 @@ def _merge_splits_kernel(
              mask=dims < HEAD_DIM)
 
 
+@triton.jit
+def _write_kv_kernel(
+    Key, Value, KCache, VCache, Slots, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One token's K and V, every KV head, into its slot of both caches."""
+    token = tl.program_id(0)
+    slot = tl.load(Slots + token).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < HEADS) & (dims < HEAD_DIM)
+    cache = slot * stride_cs + heads * stride_ch + dims
+    key = tl.load(Key + token.to(tl.int64) * stride_kt + heads * stride_kh + dims, mask=mask)
+    tl.store(KCache + cache, key.to(KCache.dtype.element_ty), mask=mask)
+    value = tl.load(Value + token.to(tl.int64) * stride_vt + heads * stride_vh + dims, mask=mask)
+    tl.store(VCache + cache, value.to(VCache.dtype.element_ty), mask=mask)
+
+
 @functools.cache
 def _multiprocessors(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
@@ -178,7 +198,7 @@ def decode_splits(batch: int, kv_heads: int, context_capacity: int, multiprocess
     return max(1, min(wanted, useful, MAX_SPLITS))
 
 
-class TritonPagedAttention(PagedWriter):
+class TritonPagedAttention:
     """The CUDA plugin's attention backend: Triton kernels over the paged layout."""
 
     capability = AttentionCapability(
@@ -193,6 +213,27 @@ class TritonPagedAttention(PagedWriter):
         note="Triton: split-K paged decode, paged chunked prefill; whole prompts through SDPA flash; GQA without "
     "KV copies",
     )
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """One launch for K and V, read through their strides: the engine passes views into
+        the fused QKV projection, which an indexed copy would first copy to contiguous."""
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            write_kv(k_cache, v_cache, key, value, slot_mapping)  # the kernel takes the pool's own layout
+            return
+        check_write(k_cache, v_cache, key, value, slot_mapping)
+        tokens, heads, dim = key.shape
+        if tokens == 0:
+            return
+        if key.stride(-1) != 1:
+            key = key.contiguous()
+        if value.stride(-1) != 1:
+            value = value.contiguous()
+        _write_kv_kernel[(tokens,)](
+            key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0),
+            value.stride(1), k_cache.stride(1), k_cache.stride(2),
+            HEADS=heads, HEAD_DIM=dim, BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(dim),
+        )
 
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
                scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
