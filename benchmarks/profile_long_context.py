@@ -1,6 +1,6 @@
 """Kernel profile of the long-context benchmark's torchhal side, and the levers it names, timed before/after.
 
-    python benchmarks/profile_long_context.py [--out DIR] [--skip-levers] [--tiny]
+    python benchmarks/profile_long_context.py [--out DIR] [--levers NAME ...] [--skip-levers] [--tiny]
 
 The engine is the one `long_context.py` times (same checkpoint shape, seeded weights, prompts
 and `engine_config`: full-graph decode, compiled layers, chunked prefill). torch.profiler
@@ -17,8 +17,12 @@ elementwise, copy, other) plus the launch gaps (the span from the first kernel's
 last kernel's end that no kernel covers). Each class carries the bytes or FLOPs the model says
 it must move or do and the achieved fraction of 4.8 TB/s or of the measured bf16 matrix rate.
 
-Levers (each timed before and after in this process, tokens compared):
+Levers (each timed before and after in this process, tokens compared; `--levers NAME ...`
+picks them; the first by default, the others were this file's earlier levers):
 
+- `write_kv_kernel`: the CUDA backend's one-launch Triton `write_kv` (strided K/V) against the
+  generic indexed copy (patched back in), on prefill alone (32x1, 32x8, 3968x8) and on the
+  captured decode step (32x1, 16000x8; graphs re-captured for each);
 - `flash_prefill_runs`: whole prompts of equal length in one SDPA call (the backend now)
   against one call per prompt (the previous code, patched back in), on 32x32 and 8x3968 prefill;
 - `decode_splits`: the split-K paged decode kernel at batch 8 / 16k context, graph-replayed,
@@ -64,6 +68,7 @@ SCENARIOS = (("decode_1x32", "32x1", 32), ("decode_8x16000", "16000x8", 16), ("p
              ("prefill_8x3968", "3968x8", 0), ("prefill_32x32", "32x32", 0))
 TINY_SCENARIOS = (("decode_1x32", "32x1", 4), ("prefill_32x32", "32x32", 0))
 CLASSES = ("gemm", "attention", "norm", "elementwise", "copy", "other")
+LEVERS = ("write_kv_kernel", "flash_prefill_runs", "decode_splits")
 
 
 def kernel_class(name: str) -> str:
@@ -329,6 +334,55 @@ def decode_splits_lever(engine: GenerationEngine, generate: Callable[[list[list[
     return result
 
 
+def prefill_medians(generate: Callable[[list[list[int]], int], list[list[int]]], prompts: dict[str, list[list[int]]],
+                    cells: tuple[str, ...], sync: Callable[[], None]) -> dict[str, Any]:
+    """Prefill alone (median of 5 after a warm-up) and the first 8 tokens, per cell."""
+    rows: dict[str, Any] = {}
+    for cell in cells:
+        seconds, _ = median_run(lambda p=prompts[cell]: generate(p, 1), 1, 5, sync)
+        rows[cell] = {"prefill_s": seconds, "tokens": generate(prompts[cell], 8)}
+    return rows
+
+
+def compare(before: dict[str, Any], after: dict[str, Any], key: str) -> dict[str, Any]:
+    """Per cell: both rows, before / after of `key`, and whether the tokens are equal."""
+    return {cell: {"before": before[cell], "after": after[cell], "speedup": before[cell][key] / after[cell][key],
+                   "tokens_equal": before[cell].get("tokens") == after[cell].get("tokens")} for cell in before}
+
+
+def write_kv_lever(engine: GenerationEngine, generate: Callable[[list[list[int]], int], list[list[int]]],
+                   prompts: dict[str, list[list[int]]], shape: dict[str, Any],
+                   sync: Callable[[], None]) -> dict[str, Any]:
+    from torchhal.attention import PagedWriter
+    from torchhal.plugins import cuda_attention
+
+    backend_class = cuda_attention.TritonPagedAttention
+    kernel_write = backend_class.write_kv
+    folder = Path(tempfile.mkdtemp())
+    sides: dict[str, Any] = {}
+    for label, write in (("before_index_copy", PagedWriter.write_kv), ("after_triton", kernel_write)):
+        backend_class.write_kv = write  # type: ignore[method-assign]
+        try:
+            assert engine.decode_runner is not None
+            engine.decode_runner.capture()  # the write is captured inside the decode graphs
+            prefill = prefill_medians(generate, prompts, ("32x1", "32x8", "3968x8"), sync)
+            decode = {}
+            for cell, steps in (("32x1", 32), ("16000x8", 16)):
+                raw = pure_decode(engine, prompts[cell], steps, folder, f"{label}_{cell}", True,
+                                  shape["num_hidden_layers"])
+                decode[cell] = {"span_ms": raw["span_us"] / 1e3, "device_ms": raw["busy_us"] / 1e3,
+                                "kernels": sum(count for _, count in raw["kernels"].values()), "tokens": raw["tokens"]}
+            sides[label] = {"prefill": prefill, "decode": decode}
+        finally:
+            backend_class.write_kv = kernel_write  # type: ignore[method-assign]
+    engine.decode_runner.capture()  # type: ignore[union-attr]
+    before, after = sides["before_index_copy"], sides["after_triton"]
+    result = {"prefill": compare(before["prefill"], after["prefill"], "prefill_s"),
+              "decode_step": compare(before["decode"], after["decode"], "span_ms")}
+    print(f"  lever write_kv: {result}", flush=True)
+    return result
+
+
 def matrix_rate(device: torch.device) -> float:
     """Measured bf16 matrix FLOP/s (8192^3 product, random data)."""
     import triton.testing
@@ -343,6 +397,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", default="results")
     parser.add_argument("--skip-levers", action="store_true")
+    parser.add_argument("--levers", nargs="+", choices=LEVERS, default=list(LEVERS[:1]))
     parser.add_argument("--tiny", action="store_true", help="a tiny model on whatever device there is")
     args = parser.parse_args(argv)
     platform = torchhal.current_platform()
@@ -397,10 +452,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for k in summary["top_kernels"][:6]:
                 print(f"   {k['us'] / 1e3:8.3f} ms x{k['count']:.0f} {k['class']:10s} {k['name'][:90]}")
         if on_gpu and not args.skip_levers:
-            results["levers"] = {
-                "flash_prefill_runs": flash_prefill_lever(generate, prompts, platform.synchronize),
-                "decode_splits": decode_splits_lever(engine, generate, prompts, shape, platform.synchronize),
+            sync = platform.synchronize
+            run_lever = {
+                "write_kv_kernel": lambda: write_kv_lever(engine, generate, prompts, shape, sync),
+                "flash_prefill_runs": lambda: flash_prefill_lever(generate, prompts, sync),
+                "decode_splits": lambda: decode_splits_lever(engine, generate, prompts, shape, sync),
             }
+            results["levers"] = {name: run_lever[name]() for name in args.levers}
     for lever in results.get("levers", {}).values():
         _drop_tokens(lever)
     write_json("profile_long_context" + ("_tiny" if args.tiny else ""), results, args.out)
