@@ -123,6 +123,26 @@ def test_a_long_prompt_prefills_in_chunks_while_running_requests_gain_a_token_ea
     assert e.blocks.available == e.blocks.num_blocks
 
 
+def test_a_prompt_that_would_be_cut_waits_for_a_step_it_fits_whole():
+    e = engine(max_batch_tokens=32, max_running=4)
+    prompts = [[(3 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate((20, 20, 10, 40))]
+    rids = [e.add_request(p, 6) for p in prompts]
+    steps = []
+    for _ in range(3):
+        before = {r.rid: r.kv_tokens for r in e.running}
+        e.step()
+        steps.append(sorted(r.kv_tokens - before.get(r.rid, 0) for r in e.running))
+    # Step 1: the first 20 whole; the second (20 > 12 left) waits rather than being cut to 12.
+    # Step 2: a decode, the second 20 whole and the 10 (31 of 32); the 40 waits.
+    # Step 3: three decodes, then the 40 is the step's first prefill: cut to the 29 left.
+    assert steps == [[20], [1, 10, 20], [1, 1, 1, 29]]
+    while any(rid not in e.results for rid in rids):
+        e.step()
+    whole = engine()
+    assert [e.results[rid].output for rid in rids] == [r.output for r in whole.generate(prompts, 6)]
+    assert e.blocks.available == e.blocks.num_blocks
+
+
 def test_chunked_prefill_steps_roll_back_exactly():
     e = engine(max_batch_tokens=32, kv_block_size=4)
     e.add_request([3, 1, 4], 20)

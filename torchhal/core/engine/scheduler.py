@@ -4,8 +4,12 @@ reserve, and the batch tensors.
 Every running request has tokens whose KV is not written yet (`Request.pending`): one for
 a decode, more while its prompt is prefilled. A step gives each decode its token first,
 then prefills in chunks within `max_batch_tokens`: requests part-way through their prompt
-continue, then waiting requests are admitted with a first chunk. So a long prompt shares
-its steps with the running requests' decodes instead of stalling them.
+continue, then waiting requests are admitted. So a long prompt shares its steps with the
+running requests' decodes instead of stalling them. A waiting prompt is cut into chunks
+only when it is the step's first prefill (it would not fit whole in any step); otherwise
+one that does not fit in what is left waits for the next step, so it prefills whole: a
+prompt with nothing cached before it attends through the backend's dense kernel over its
+own K/V, and a cut one's later chunks through the slower paged kernel.
 
 A step's reservations are recorded in a `StepPlan`, so a step that fails gives them all
 back (`rollback`), leaving the free list as it was.
@@ -55,7 +59,7 @@ class Scheduler:
         budget = self.max_batch_tokens - len(decodes)
         prefills, chunks = self._continue_prefills(budget)
         budget -= sum(chunks)
-        admitted, first_chunks = self._admit(budget)
+        admitted, first_chunks = self._admit(budget, may_cut=not prefills)
         return StepPlan(decodes, prefills + admitted, chunks + first_chunks, len(admitted), [1] * len(decodes))
 
     def widen(self, plan: StepPlan, steps: int) -> list[int]:
@@ -145,12 +149,18 @@ class Scheduler:
             budget -= chunk
         return requests, chunks
 
-    def _admit(self, budget: int) -> tuple[list[Request], list[int]]:
+    def _admit(self, budget: int, may_cut: bool) -> tuple[list[Request], list[int]]:
+        """Waiting requests in order, each whole while it fits; the first prefill of a step
+        (`may_cut`, nothing admitted yet) is cut to the budget, any later one that does
+        not fit waits for the next step (it fits whole there unless it could in none)."""
         book = self.book
         admitted: list[Request] = []
         chunks: list[int] = []
         while book.waiting and len(book.running) < self.max_running and budget > 0:
-            chunk = min(len(book.waiting[0].tokens), budget)
+            length = len(book.waiting[0].tokens)
+            if length > budget and (admitted or not may_cut):
+                break
+            chunk = min(length, budget)
             request = book.admit_next(chunk)
             if request is None:
                 break
