@@ -18,11 +18,14 @@ last kernel's end that no kernel covers). Each class carries the bytes or FLOPs 
 it must move or do and the achieved fraction of 4.8 TB/s or of the measured bf16 matrix rate.
 
 Levers (each timed before and after in this process, tokens compared; `--levers NAME ...`
-picks them; the first by default, the others were this file's earlier levers):
+picks them; the first two by default, the others were this file's earlier levers):
 
 - `write_kv_kernel`: the CUDA backend's one-launch Triton `write_kv` (strided K/V) against the
   generic indexed copy (patched back in), on prefill alone (32x1, 32x8, 3968x8) and on the
   captured decode step (32x1, 16000x8; graphs re-captured for each);
+- `whole_prompt_admission`: the scheduler cutting only a step's first prefill (a later prompt that
+  does not fit waits a step and prefills whole) against cutting every waiting prompt to fill the
+  step (the previous rule, `cut_to_fill`, patched in), on 3968x8 and 16000x8 prefill alone;
 - `flash_prefill_runs`: whole prompts of equal length in one SDPA call (the backend now)
   against one call per prompt (the previous code, patched back in), on 32x32 and 8x3968 prefill;
 - `decode_splits`: the split-K paged decode kernel at batch 8 / 16k context, graph-replayed,
@@ -68,7 +71,7 @@ SCENARIOS = (("decode_1x32", "32x1", 32), ("decode_8x16000", "16000x8", 16), ("p
              ("prefill_8x3968", "3968x8", 0), ("prefill_32x32", "32x32", 0))
 TINY_SCENARIOS = (("decode_1x32", "32x1", 4), ("prefill_32x32", "32x32", 0))
 CLASSES = ("gemm", "attention", "norm", "elementwise", "copy", "other")
-LEVERS = ("write_kv_kernel", "flash_prefill_runs", "decode_splits")
+LEVERS = ("write_kv_kernel", "whole_prompt_admission", "flash_prefill_runs", "decode_splits")
 
 
 def kernel_class(name: str) -> str:
@@ -383,6 +386,37 @@ def write_kv_lever(engine: GenerationEngine, generate: Callable[[list[list[int]]
     return result
 
 
+def cut_to_fill(self: Any, budget: int, may_cut: bool) -> tuple[list[Any], list[int]]:
+    """The scheduler's previous admission (the 'before'): every waiting prompt cut to fill the step."""
+    book, admitted, chunks = self.book, [], []
+    while book.waiting and len(book.running) < self.max_running and budget > 0:
+        chunk = min(len(book.waiting[0].tokens), budget)
+        request = book.admit_next(chunk)
+        if request is None:
+            break
+        admitted.append(request)
+        chunks.append(chunk)
+        budget -= chunk
+    return admitted, chunks
+
+
+def whole_prompt_lever(generate: Callable[[list[list[int]], int], list[list[int]]],
+                       prompts: dict[str, list[list[int]]], sync: Callable[[], None]) -> dict[str, Any]:
+    from torchhal.core.engine.scheduler import Scheduler
+
+    rule = Scheduler._admit
+    sides = {}
+    for label, admit in (("before_cut_to_fill", cut_to_fill), ("after_whole_prompts", rule)):
+        Scheduler._admit = admit  # type: ignore[method-assign]
+        try:
+            sides[label] = prefill_medians(generate, prompts, ("3968x8", "16000x8"), sync)
+        finally:
+            Scheduler._admit = rule  # type: ignore[method-assign]
+    result = compare(sides["before_cut_to_fill"], sides["after_whole_prompts"], "prefill_s")
+    print(f"  lever whole prompts: {result}", flush=True)
+    return result
+
+
 def matrix_rate(device: torch.device) -> float:
     """Measured bf16 matrix FLOP/s (8192^3 product, random data)."""
     import triton.testing
@@ -397,7 +431,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", default="results")
     parser.add_argument("--skip-levers", action="store_true")
-    parser.add_argument("--levers", nargs="+", choices=LEVERS, default=list(LEVERS[:1]))
+    parser.add_argument("--levers", nargs="+", choices=LEVERS, default=list(LEVERS[:2]))
     parser.add_argument("--tiny", action="store_true", help="a tiny model on whatever device there is")
     args = parser.parse_args(argv)
     platform = torchhal.current_platform()
@@ -455,6 +489,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             sync = platform.synchronize
             run_lever = {
                 "write_kv_kernel": lambda: write_kv_lever(engine, generate, prompts, shape, sync),
+                "whole_prompt_admission": lambda: whole_prompt_lever(generate, prompts, sync),
                 "flash_prefill_runs": lambda: flash_prefill_lever(generate, prompts, sync),
                 "decode_splits": lambda: decode_splits_lever(engine, generate, prompts, shape, sync),
             }
