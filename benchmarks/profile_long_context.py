@@ -83,7 +83,7 @@ def kernel_class(name: str) -> str:
         return "attention"
     if "rsqrt" in low or "rms" in low or "layer_norm" in low:
         return "norm"
-    if any(k in low for k in ("copy", "index", "gather", "scatter", "memcpy", "memset", "cat", "put_")):
+    if any(k in low for k in ("copy", "index", "gather", "scatter", "memcpy", "memset", "cat", "put_", "write_kv")):
         return "copy"
     if any(k in low for k in ("elementwise", "triton_poi", "triton_per", "triton_red", "reduce", "argmax")):
         return "elementwise"
