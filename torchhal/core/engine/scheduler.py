@@ -6,10 +6,10 @@ a decode, more while its prompt is prefilled. A step gives each decode its token
 then prefills in chunks within `max_batch_tokens`: requests part-way through their prompt
 continue, then waiting requests are admitted. So a long prompt shares its steps with the
 running requests' decodes instead of stalling them. A waiting prompt is cut into chunks
-only when it is the step's first prefill (it would not fit whole in any step); otherwise
-one that does not fit in what is left waits for the next step, so it prefills whole: a
-prompt with nothing cached before it attends through the backend's dense kernel over its
-own K/V, and a cut one's later chunks through the slower paged kernel.
+only when it is the step's first prefill; a later one that does not fit in what is left
+waits for the next step, so it prefills whole: a prompt with nothing cached before it
+attends through the backend's dense kernel over its own K/V, and a cut one's later chunks
+through the slower paged kernel.
 
 A step's reservations are recorded in a `StepPlan`, so a step that fails gives them all
 back (`rollback`), leaving the free list as it was.
@@ -152,7 +152,7 @@ class Scheduler:
     def _admit(self, budget: int, may_cut: bool) -> tuple[list[Request], list[int]]:
         """Waiting requests in order, each whole while it fits; the first prefill of a step
         (`may_cut`, nothing admitted yet) is cut to the budget, any later one that does
-        not fit waits for the next step (it fits whole there unless it could in none)."""
+        not fit waits for the next step, where it comes first."""
         book = self.book
         admitted: list[Request] = []
         chunks: list[int] = []
