@@ -47,7 +47,7 @@ import torch  # noqa: E402
 from _harness import engine_tokens, median_run, random_llama, write_json  # noqa: E402
 
 import torchhal  # noqa: E402
-from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine  # noqa: E402
+from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine, PrefillGraphConfig  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12  # H200
 LLAMA31_8B: dict[str, Any] = dict(
@@ -141,7 +141,7 @@ def transformers_side(directory: str, dtype: torch.dtype, prompts: dict[str, lis
 def engine_config(prompts: dict[str, list[list[int]]], new_tokens: dict[int, int], dtype: torch.dtype,
                   on_gpu: bool) -> EngineConfig:
     """The engine as a user would configure it for these cells: full-graph decode over their
-    batches and contexts, compiled layers on a GPU, chunked prefill."""
+    batches and contexts, graphs for short prefills, compiled layers on a GPU, chunked prefill."""
     longest = max(len(p[0]) + new_tokens[len(p[0])] for p in prompts.values())
     widest = max(len(p) for p in prompts.values())
     contexts = tuple(sorted({c for c in (256, 4096, 16384, 32768) if c >= 256} | {longest}))
@@ -154,6 +154,8 @@ def engine_config(prompts: dict[str, list[list[int]]], new_tokens: dict[int, int
                                         context_buckets=tuple(c for c in contexts if c <= max(longest, 256)) or
                                         (longest,), emulate=not on_gpu),
         compile_layers="inductor" if on_gpu else None,
+        # Short prompts' prefill steps on graphs (32x32 is 1024 tokens); longer ones are device bound.
+        prefill_graphs=PrefillGraphConfig(token_buckets=(32, 64, 128, 256, 512, 1024), emulate=not on_gpu),
     )
 
 

@@ -1,6 +1,6 @@
 """Kernel profile of the long-context benchmark's torchhal side, and the levers it names, timed before/after.
 
-    python benchmarks/profile_long_context.py [--out DIR] [--levers NAME ...] [--skip-levers] [--tiny]
+    python benchmarks/profile_long_context.py [--out DIR] [--levers NAME ...] [--skip-levers] [--skip-profile] [--tiny]
 
 The engine is the one `long_context.py` times (same checkpoint shape, seeded weights, prompts
 and `engine_config`: full-graph decode, compiled layers, chunked prefill). torch.profiler
@@ -18,8 +18,10 @@ last kernel's end that no kernel covers). Each class carries the bytes or FLOPs 
 it must move or do and the achieved fraction of 4.8 TB/s or of the measured bf16 matrix rate.
 
 Levers (each timed before and after in this process, tokens compared; `--levers NAME ...`
-picks them; the first two by default, the others were this file's earlier levers):
+picks them; the first by default, the others were this file's earlier levers):
 
+- `prefill_graphs`: the engine's breakable graphs for short prefills (`PrefillGraphConfig`, as
+  `engine_config` sets it) against the eager runner, on 32x1, 32x8 and 32x32 prefill alone;
 - `write_kv_kernel`: the CUDA backend's one-launch Triton `write_kv` (strided K/V) against the
   generic indexed copy (patched back in), on prefill alone (32x1, 32x8, 3968x8) and on the
   captured decode step (32x1, 16000x8; graphs re-captured for each);
@@ -71,7 +73,7 @@ SCENARIOS = (("decode_1x32", "32x1", 32), ("decode_8x16000", "16000x8", 16), ("p
              ("prefill_8x3968", "3968x8", 0), ("prefill_32x32", "32x32", 0))
 TINY_SCENARIOS = (("decode_1x32", "32x1", 4), ("prefill_32x32", "32x32", 0))
 CLASSES = ("gemm", "attention", "norm", "elementwise", "copy", "other")
-LEVERS = ("write_kv_kernel", "whole_prompt_admission", "flash_prefill_runs", "decode_splits")
+LEVERS = ("prefill_graphs", "write_kv_kernel", "whole_prompt_admission", "flash_prefill_runs", "decode_splits")
 
 
 def kernel_class(name: str) -> str:
@@ -417,6 +419,23 @@ def whole_prompt_lever(generate: Callable[[list[list[int]], int], list[list[int]
     return result
 
 
+def prefill_graphs_lever(engine: GenerationEngine, generate: Callable[[list[list[int]], int], list[list[int]]],
+                         prompts: dict[str, list[list[int]]], sync: Callable[[], None]) -> dict[str, Any]:
+    from torchhal.core.engine import EagerRunner
+
+    graphs = engine.runner
+    sides = {}
+    for label, runner in (("before_eager", EagerRunner(engine.model)), ("after_graphs", graphs)):
+        engine.runner = runner
+        try:
+            sides[label] = prefill_medians(generate, prompts, ("32x1", "32x8", "32x32"), sync)
+        finally:
+            engine.runner = graphs
+    result = compare(sides["before_eager"], sides["after_graphs"], "prefill_s")
+    print(f"  lever prefill graphs: {result}", flush=True)
+    return result
+
+
 def matrix_rate(device: torch.device) -> float:
     """Measured bf16 matrix FLOP/s (8192^3 product, random data)."""
     import triton.testing
@@ -431,7 +450,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", default="results")
     parser.add_argument("--skip-levers", action="store_true")
-    parser.add_argument("--levers", nargs="+", choices=LEVERS, default=list(LEVERS[:2]))
+    parser.add_argument("--skip-profile", action="store_true", help="the levers only, no kernel profile")
+    parser.add_argument("--levers", nargs="+", choices=LEVERS, default=list(LEVERS[:1]))
     parser.add_argument("--tiny", action="store_true", help="a tiny model on whatever device there is")
     args = parser.parse_args(argv)
     platform = torchhal.current_platform()
@@ -463,7 +483,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         folder = Path(directory)
         element = torch.empty((), dtype=dtype).element_size()
-        for name, cell, steps in scenarios:
+        for name, cell, steps in () if args.skip_profile else scenarios:
             batch_prompts = prompts[cell]
             prompt, batch = len(batch_prompts[0]), len(batch_prompts)
             generate(batch_prompts, 1 + steps)  # warm-up: compiles, first replays
@@ -488,6 +508,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if on_gpu and not args.skip_levers:
             sync = platform.synchronize
             run_lever = {
+                "prefill_graphs": lambda: prefill_graphs_lever(engine, generate, prompts, sync),
                 "write_kv_kernel": lambda: write_kv_lever(engine, generate, prompts, shape, sync),
                 "whole_prompt_admission": lambda: whole_prompt_lever(generate, prompts, sync),
                 "flash_prefill_runs": lambda: flash_prefill_lever(generate, prompts, sync),

@@ -1,5 +1,7 @@
 """Engine and graph runner on a real CUDA GPU (marker gpu; skipped without one)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -140,3 +142,19 @@ def test_graph_replay_and_logits_record_no_autograd_history():
     engine.model.logits = logits
     engine.generate(PROMPTS[:2], 3)
     assert recorded and not any(recorded)
+
+
+def test_prefill_graphs_capture_with_compiled_layers_and_give_the_eager_engines_tokens():
+    """EngineConfig.prefill_graphs on a GPU: real graphs, compiled layers, full-graph decode beside
+    them; tokens equal the same engine without prefill graphs (fp32, so one kernel set each way)."""
+    from torchhal.core.engine import DecodeGraphConfig, PrefillGraphConfig
+
+    config = EngineConfig(model=ModelConfig(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                                            intermediate_size=688), max_kv_slots=8192, compile_layers="inductor",
+                          decode_graphs=DecodeGraphConfig(batch_buckets=(16,), context_buckets=(64,)))
+    reference = GenerationEngine(config).generate(PROMPTS, 6)
+    engine = GenerationEngine(replace(config, prefill_graphs=PrefillGraphConfig(token_buckets=(16, 128))))
+    runner = engine.runner
+    assert isinstance(runner, GraphRunner) and runner.report is not None and runner.report.graphs == 2 * 5
+    assert [r.output for r in engine.generate(PROMPTS, 6)] == [r.output for r in reference]
+    assert runner.bucketed_steps >= 1  # the 120-token prefill replayed the 128-token bucket

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import torchhal
-from torchhal.core.engine import EngineConfig, GenerationEngine
+from torchhal.core.engine import EngineConfig, GenerationEngine, PrefillGraphConfig
 from torchhal.core.graphs import GraphRunner, resolve_layer_stack
 from torchhal.core.graphs.program import BreakStep, GraphStep, split_segments
 from torchhal.core.model import ModelConfig, ReferenceDecoder
@@ -108,3 +108,53 @@ def test_bad_buckets_are_rejected(make_registry):
     with pytest.raises(ValueError, match="buckets \\(0, 8\\)"):
         GraphRunner(ReferenceDecoder(ModelConfig()), torchhal.current_platform(), 0,
                     hidden_size=128, dtype=torch.float32, buckets=(0, 8))
+
+
+# -- the engine's own setting: EngineConfig.prefill_graphs ------------------------------------------
+def test_prefill_graphs_build_the_runner_record_it_and_run_fitting_steps_on_buckets():
+    reference = GenerationEngine(EngineConfig(max_kv_slots=1024)).generate(PROMPTS, 6)
+    engine = GenerationEngine(EngineConfig(max_kv_slots=1024, prefill_graphs=PrefillGraphConfig(
+        token_buckets=(4, 16, 32), emulate=True)))
+    runner = engine.runner
+    assert isinstance(runner, GraphRunner) and runner.bucket_sizes == [4, 16, 32] and runner.graphs_enabled
+    [event] = [e for e in engine.trace if e["kind"] == "prefill_graphs"]
+    assert event["buckets"] == [4, 16, 32] and event["eager_reason"] is None
+    sizes = []
+    real_forward = runner.forward
+
+    def forward(ids, meta):
+        sizes.append((ids.numel(), runner.bucketed_steps))
+        return real_forward(ids, meta)
+
+    runner.forward = forward
+    assert [r.output for r in engine.generate(PROMPTS, 6)] == [r.output for r in reference]
+    # The first step prefills all 54 prompt tokens (past the largest bucket: eager); every later
+    # step (6 decodes) fits the 16-token bucket and runs on it.
+    assert sizes[0] == (54, 0) and all(n == 6 for n, _ in sizes[1:])
+    assert runner.bucketed_steps == len(sizes) - 1 == 5
+
+
+def test_prefill_graphs_without_graph_support_run_eagerly_and_say_why():
+    engine = GenerationEngine(EngineConfig(max_kv_slots=1024, prefill_graphs=PrefillGraphConfig()))
+    [event] = [e for e in engine.trace if e["kind"] == "prefill_graphs"]
+    assert event["eager_reason"] == "platform 'cpu' declares no graph support"
+    reference = GenerationEngine(EngineConfig(max_kv_slots=1024)).generate(PROMPTS[:3], 4)
+    assert [r.output for r in engine.generate(PROMPTS[:3], 4)] == [r.output for r in reference]
+    assert engine.runner.bucketed_steps == 0
+
+
+def test_prefill_graphs_and_a_runner_factory_are_refused_together():
+    with pytest.raises(ValueError, match="prefill_graphs and runner_factory both choose"):
+        GenerationEngine(EngineConfig(max_kv_slots=1024, prefill_graphs=PrefillGraphConfig(emulate=True)),
+                         runner_factory=runner_factory())
+
+
+@pytest.mark.parametrize("buckets", [(), [16, 32], (0, 16), (16, True), (16, 2.0), "16"])
+def test_bad_token_buckets_are_refused_with_an_example(buckets):
+    with pytest.raises(ValueError, match=r"PrefillGraphConfig.token_buckets = .* e\.g\. \(16, 64, 256\)"):
+        PrefillGraphConfig(token_buckets=buckets)
+
+
+def test_prefill_graphs_must_be_a_prefill_graph_config():
+    with pytest.raises(TypeError, match="prefill_graphs = .* must be a PrefillGraphConfig or None"):
+        EngineConfig(prefill_graphs=(16, 32))  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ import torch
 
 from tests.hf_models import hf_greedy, make_hf_model
 from torchhal.attention import SCRATCH_BLOCK
-from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine, RequestState
+from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine, PrefillGraphConfig, RequestState
 from torchhal.core.graphs import GraphRunner
 from torchhal.core.model import AttentionMetadata, LlamaDecoder, ModelConfig
 from torchhal.core.model.checkpoint import load_checkpoint
@@ -202,23 +202,20 @@ def family_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 
 def serve(directory, **overrides: object) -> GenerationEngine:  # noqa: ANN001
     model: LlamaDecoder = load_checkpoint(directory)[0]
-    factory = overrides.pop("runner_factory", None)
-    return GenerationEngine(EngineConfig(**{"max_kv_slots": 4096, **overrides}), model=model,
-                            runner_factory=factory)  # type: ignore[arg-type]
+    return GenerationEngine(EngineConfig(**{"max_kv_slots": 4096, **overrides}), model=model)  # type: ignore[arg-type]
 
 
-def breakable_graphs(e: GenerationEngine) -> GraphRunner:
-    return GraphRunner(e.model, e.platform, e.device_index, dtype=e.config.dtype, buckets=(4, 64, 512), emulate=True)
-
-
+BREAKABLE_GRAPHS = PrefillGraphConfig(token_buckets=(4, 64, 512), emulate=True)
 DECODE_GRAPHS = DecodeGraphConfig(batch_buckets=(1, 2, 4), context_buckets=(64, 512), steps_per_sync=3, emulate=True)
 PATHS = {
     "eager": {},
-    "breakable_graphs": {"runner_factory": breakable_graphs},
+    "breakable_graphs": {"prefill_graphs": BREAKABLE_GRAPHS},
     "decode_graphs": {"decode_graphs": DECODE_GRAPHS},
     "chunked_prefill_decode_graphs": {"max_batch_tokens": 64, "decode_graphs": DECODE_GRAPHS},
     "chunked_prefill": {"max_batch_tokens": 64},
-    "chunked_prefill_breakable_graphs": {"max_batch_tokens": 64, "runner_factory": breakable_graphs},
+    "chunked_prefill_breakable_graphs": {"max_batch_tokens": 64, "prefill_graphs": BREAKABLE_GRAPHS},
+    "chunked_prefill_breakable_and_decode_graphs": {"max_batch_tokens": 64, "prefill_graphs": BREAKABLE_GRAPHS,
+                                                    "decode_graphs": DECODE_GRAPHS},
     "blocks_of_5": {"kv_block_size": 5},
 }
 
@@ -230,4 +227,6 @@ def test_long_mixed_prompts_equal_transformers_on_every_path(family_case, path):
     assert [list(r.output) for r in e.generate(prompts, NEW_TOKENS)] == expected
     if "decode_graphs" in path:
         assert e.decode_runner is not None and e.decode_runner.steps >= NEW_TOKENS - 1
+    if "breakable" in path:
+        assert isinstance(e.runner, GraphRunner) and e.runner.bucketed_steps > 0
     assert e.blocks.available == e.blocks.num_blocks

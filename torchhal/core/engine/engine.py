@@ -51,6 +51,7 @@ from torchhal.core.engine.runners import EagerRunner, ModelRunner
 from torchhal.core.engine.scheduler import Scheduler, StepInputs, StepPlan
 from torchhal.core.engine.weights import NamedTensors, WeightUpdater
 from torchhal.core.graphs.decode import BlockTable, DecodeGraphRunner, DecodeWindow
+from torchhal.core.graphs.runner import GraphRunner
 from torchhal.core.model import AttentionMetadata, KVCache, Model, ModelConfig, ReferenceDecoder
 from torchhal.core.model.protocol import missing_model_members
 from torchhal.platforms import Platform, ReleasePoint, current_platform
@@ -119,6 +120,11 @@ class GenerationEngine:
         refuses every later step (`broken`); a rank whose peer failed raises from its
         collective within the group's timeout, then refuses likewise. Make a new group and
         engines to go on."""
+        if runner_factory is not None and config.prefill_graphs is not None:
+            raise ValueError(
+                "EngineConfig.prefill_graphs and runner_factory both choose the engine's runner; pass one "
+                "(prefill_graphs builds a GraphRunner with its token buckets)"
+            )
         if model is not None and missing_model_members(model):
             raise TypeError(
                 f"model {type(model).__name__} lacks {', '.join(missing_model_members(model))} of the "
@@ -173,7 +179,7 @@ class GenerationEngine:
         self._idle_since: float | None = None
         self._idle_emptied = False
         self.broken: str | None = None  # tensor parallel: why a failed step ended this engine
-        self.runner: ModelRunner = runner_factory(self) if runner_factory else EagerRunner(self.model)
+        self.runner: ModelRunner = self._new_runner(runner_factory)
         eos = set(config.eos_tokens) | ({config.eos_token} if config.eos_token is not None else set())
         self._eos: frozenset[int] = frozenset(eos)
         # Pure decode steps on the runner read their metadata from here: each request keeps a
@@ -206,6 +212,19 @@ class GenerationEngine:
         if self.group is None:
             return None
         return self.platform.available_memory(self.group.host)  # on the rank's device: init_group made it current
+
+    def _new_runner(self, runner_factory: Callable[[GenerationEngine], ModelRunner] | None) -> ModelRunner:
+        """The runner of every step full-graph decode does not take: the caller's, breakable
+        graphs for `config.prefill_graphs` (captured here, after the KV cache exists), or eager."""
+        if runner_factory is not None:
+            return runner_factory(self)
+        settings = self.config.prefill_graphs
+        if settings is None:
+            return EagerRunner(self.model)
+        runner = GraphRunner(self.model, self.platform, self.device_index, dtype=self.config.dtype,
+                             buckets=settings.token_buckets, emulate=settings.emulate)
+        self.events.record("prefill_graphs", buckets=list(runner.bucket_sizes), eager_reason=runner.eager_reason)
+        return runner
 
     def _new_decode_runner(self, settings: DecodeGraphConfig) -> DecodeGraphRunner:
         """Built after the KV cache exists: capture needs it (and the scratch block in it)."""

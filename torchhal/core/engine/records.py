@@ -134,6 +134,33 @@ class DecodeGraphConfig:
 
 
 @dataclass(frozen=True)
+class PrefillGraphConfig:
+    """Breakable graphs for the steps full-graph decode does not run (prefills, mixed
+    steps, decode batches past its buckets) of at most `token_buckets[-1]` tokens: the
+    layer stack outside attention replays as graphs captured per token bucket (the step's
+    tokens padded to the smallest that fits), attention runs eagerly between them with the
+    step's metadata (`torchhal.core.graphs.GraphRunner`). Short prompts are bound by the
+    host's per-layer launches; this takes them off it. Larger steps run eagerly, unchanged.
+
+    Every bucket holds its own activations for every layer in the graph pool (about
+    `bucket x layers x 5 x hidden_size` elements), so the largest bucket sets the memory
+    cost. `emulate` runs the padded path eagerly (platforms without graph support, CPU
+    tests); without it, a platform that cannot capture graphs runs every step eagerly."""
+
+    token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+    emulate: bool = False
+
+    def __post_init__(self) -> None:
+        buckets = self.token_buckets
+        if (not isinstance(buckets, tuple) or not buckets
+                or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets)):
+            raise ValueError(
+                f"PrefillGraphConfig.token_buckets = {buckets!r} must be a non-empty tuple of positive ints, "
+                "e.g. (16, 64, 256)"
+            )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()  # used only when the engine builds its own ReferenceDecoder
     dtype: torch.dtype = torch.float32
@@ -148,6 +175,7 @@ class EngineConfig:
     eos_tokens: tuple[int, ...] = ()  # Hugging Face configs often list several (Llama 3)
     check_finite_weights: bool = False  # reject weight updates holding NaN/inf (one device sync per tensor)
     decode_graphs: DecodeGraphConfig | None = None  # full-graph decode, off by default (see DecodeGraphConfig)
+    prefill_graphs: PrefillGraphConfig | None = None  # graphs for short prefills, off by default (see there)
     #: a `torch.compile` backend ("inductor") for the model's per-layer arithmetic outside
     #: attention (`model.compile_layers`): fused kernels, the same for eager and graph paths;
     #: numbers differ from uncompiled ones in the last bits. None (default): not compiled.
@@ -169,6 +197,11 @@ class EngineConfig:
             raise TypeError(
                 f"EngineConfig.decode_graphs = {self.decode_graphs!r} must be a DecodeGraphConfig or None; "
                 "e.g. decode_graphs=DecodeGraphConfig() to turn full-graph decode on"
+            )
+        if self.prefill_graphs is not None and not isinstance(self.prefill_graphs, PrefillGraphConfig):
+            raise TypeError(
+                f"EngineConfig.prefill_graphs = {self.prefill_graphs!r} must be a PrefillGraphConfig or None; "
+                "e.g. prefill_graphs=PrefillGraphConfig() to run short prefills as graphs"
             )
         if self.compile_layers is not None:
             check_compile_backend(self.compile_layers, "EngineConfig.compile_layers")

@@ -129,6 +129,7 @@ class GraphRunner:
         self.emulate = emulate
         self._buckets: dict[int, _Bucket] = {}
         self.report: CaptureReport | None = None
+        self.bucketed_steps = 0  # forwards run on a bucket (replayed, or padded and eager when emulating)
         resolved = resolve_layer_stack(model)
         self.stack = resolved if isinstance(resolved, ResolvedStack) else None
         support = platform.graph_support
@@ -221,6 +222,7 @@ class GraphRunner:
             run_eager(self.stack.program(), state, num_tokens, meta)
             return state["hidden"]
         bucket = self._buckets[self.bucket_for(num_tokens)]
+        self.bucketed_steps += 1
         static_hidden, static_positions = bucket.inputs
         static_hidden[:num_tokens].copy_(hidden)
         static_positions[:num_tokens].copy_(meta.positions)
