@@ -477,6 +477,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         started = time.perf_counter()
         engine = GenerationEngine.from_checkpoint(directory, engine_config(prompts, PROMPTS, dtype, on_gpu))
         results["engine_setup_s"] = time.perf_counter() - started
+        report = getattr(engine.runner, "report", None)  # the prefill graphs' capture (None: eager runner)
+        results["prefill_graphs"] = None if report is None else {
+            "buckets": list(report.buckets), "graphs": report.graphs, "capture_s": report.seconds,
+            "pool_bytes": report.pool_bytes}
 
         def generate(batch_prompts: list[list[int]], new: int) -> list[list[int]]:
             return engine_tokens(engine, batch_prompts, new)
