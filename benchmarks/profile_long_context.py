@@ -7,8 +7,8 @@ and `engine_config`: full-graph decode, compiled layers, chunked prefill). torch
 records every kernel (graph replays included) of:
 
 - `decode_1x32`: batch-1 decode at a short context (prompt 32), 32 steps (four windows of 8);
-- `decode_8x16000`: batch-8 decode at 16k context, 16 steps;
-- `prefill_1x3968`, `prefill_8x3968`, `prefill_32x32`: prefill alone (one new token).
+- `decode_1x16000`, `decode_8x16000`: batch-1 and batch-8 decode at 16k context, 16 steps;
+- `prefill_1x3968`, `prefill_8x3968`, `prefill_1x16000`, `prefill_32x32`: prefill alone (one new token).
 
 A decode step's kernels are those of engine steps taken once every request of the cell is past
 its prefill (no prefill shares them), divided by the decode steps they ran. Each scenario gets the top kernels by
@@ -69,8 +69,9 @@ import torchhal  # noqa: E402
 from torchhal.core.engine import GenerationEngine  # noqa: E402
 
 #: (name, cell, decode steps; 0 = prefill alone)
-SCENARIOS = (("decode_1x32", "32x1", 32), ("decode_8x16000", "16000x8", 16), ("prefill_1x3968", "3968x1", 0),
-             ("prefill_8x3968", "3968x8", 0), ("prefill_32x32", "32x32", 0))
+SCENARIOS = (("decode_1x32", "32x1", 32), ("decode_1x16000", "16000x1", 16), ("decode_8x16000", "16000x8", 16),
+             ("prefill_1x3968", "3968x1", 0), ("prefill_8x3968", "3968x8", 0), ("prefill_1x16000", "16000x1", 0),
+             ("prefill_32x32", "32x32", 0))
 TINY_SCENARIOS = (("decode_1x32", "32x1", 4), ("prefill_32x32", "32x32", 0))
 CLASSES = ("gemm", "attention", "norm", "elementwise", "copy", "other")
 LEVERS = ("prefill_graphs", "write_kv_kernel", "whole_prompt_admission", "flash_prefill_runs", "decode_splits")
