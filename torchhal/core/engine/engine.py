@@ -52,6 +52,7 @@ from torchhal.core.engine.scheduler import Scheduler, StepInputs, StepPlan
 from torchhal.core.engine.weights import NamedTensors, WeightUpdater
 from torchhal.core.graphs.decode import BlockTable, DecodeGraphRunner, DecodeWindow
 from torchhal.core.model import AttentionMetadata, KVCache, Model, ModelConfig, ReferenceDecoder
+from torchhal.core.model.linear import use_platform_linear
 from torchhal.core.model.protocol import missing_model_members
 from torchhal.platforms import Platform, ReleasePoint, current_platform
 
@@ -134,6 +135,7 @@ class GenerationEngine:
             built = _rank_model(built, self.group)
         built.to(self.device, config.dtype)
         built.eval()
+        linear_kernel, linear_why = use_platform_linear(built, self.platform.linear_support, config.dtype)
         if config.compile_layers is not None:
             compile_layers = getattr(built, "compile_layers", None)
             if compile_layers is None:
@@ -164,6 +166,7 @@ class GenerationEngine:
         self.occupation = MemoryOccupation(self.platform, self.device)
         self.events = EngineEvents(self.platform, self.device_index)
         self.events.record("attention_backend", backend=self.attention.name, why=self.attention.why)
+        self.events.record("linear_kernel", kernel=linear_kernel, why=linear_why)
         self.paused: PauseMode | None = None
         # Reentrant: public methods call each other (flush_cache drains, pause drains, ...).
         self._lock = threading.RLock()
