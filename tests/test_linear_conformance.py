@@ -3,6 +3,8 @@ bug touches (the kernels live in tests/linear_broken.py)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from torchhal.conformance_tests.test_linear import SHAPES
@@ -58,3 +60,19 @@ def test_a_platform_without_a_kernel_skips_the_clause_as_undeclared(tmp_path, pl
     out, results = conformance_group_results(tmp_path, plugin_path, "cpu", "linear")
     assert out.returncode == 0 and results
     assert all(t["outcome"] == "skipped" and t["skip_reason"].startswith("undeclared:") for t in results.values())
+
+
+def test_info_shows_the_linear_kernel_or_f_linear(plugin_path):
+    from .conftest import run_cli
+
+    env = {"PYTHONPATH": plugin_path, "TORCHHAL_PLATFORM": "linear_correct"}
+    out = run_cli("info", "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout)["current"]["capabilities"]["linear"]
+    assert row == {"name": "linear-correct", "max_rows": 4, "dtypes": ["float32", "bfloat16"],
+                   "graph_capture": False, "note": ""}
+    assert "  linear: linear-correct for inputs of at most 4 row(s), F.linear above (float32/bfloat16)" in (
+        run_cli("info", env=env).stdout)
+    plain = run_cli("info", "--json", env={"PYTHONPATH": plugin_path, "TORCHHAL_PLATFORM": "cpu"})
+    assert json.loads(plain.stdout)["current"]["capabilities"]["linear"] == {"name": None}
+    assert "  linear: F.linear (the platform supplies no linear kernel)" in run_cli("info").stdout
