@@ -416,7 +416,7 @@ class LlamaDecoder(nn.Module):
         lm_head) through `routed_linear(support)`: the platform's kernel for inputs of at most
         `support.max_rows` rows in a dtype it declares, F.linear for the rest; None restores
         F.linear everywhere. Call it before graphs are captured (the engine does, before
-        `compile_layers`): captured graphs and compiled layers keep the kernels they were made with."""
+        `compile_layers`): a captured graph keeps the kernels it was captured with."""
         self.layer_math.linear = routed_linear(support)
 
     def tie_weights(self) -> None:
