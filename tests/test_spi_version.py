@@ -125,3 +125,13 @@ def test_info_names_a_future_major_plugin():
     assert ("hostile (torchhal-hostile): failed to match the SPI version: FutureSpi (platform 'hostile') "
             f"targets torchhal SPI 2.0, but this torchhal implements SPI {ours}") in out.stdout
     assert "Current platform: cpu" in out.stdout
+
+
+def test_a_plugin_written_before_spi_1_4_runs_f_linear(make_registry):
+    """SPI 1.4 added linear_support(): a 1.3 plugin inherits the None default, with no notice."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg = make_registry(plugin_module(versioned("before14", (1, 3))))
+    assert reg.notices == [] and SPI_VERSION >= (1, 4)
+    platform = torchhal.get_platform("before14")
+    assert platform.linear_support is None

@@ -81,6 +81,16 @@ def _attention_rows(platform: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def _linear_row(platform: Any) -> dict[str, Any]:
+    """The platform's linear kernel for few-row inputs, or a row saying F.linear serves every linear."""
+    support = platform.linear_support
+    if support is None:
+        return {"name": None}
+    return {"name": support.name, "max_rows": support.max_rows,
+            "dtypes": [str(d).removeprefix("torch.") for d in support.dtypes],
+            "graph_capture": support.graph_capture, "note": support.note}
+
+
 def collect_info() -> dict[str, Any]:
     """Everything `torchhal info` shows, as plain data.
 
@@ -110,6 +120,7 @@ def collect_info() -> dict[str, Any]:
         graphs, graphs_ok = _plugin_query(reg, platform, "graph_support()", lambda: platform.graph_support)
         ipc, ipc_ok = _plugin_query(reg, platform, "ipc_support()", lambda: platform.ipc_support)
         attention, attention_ok = _plugin_query(reg, platform, "attention_support()", lambda: _attention_rows(platform))
+        linear, linear_ok = _plugin_query(reg, platform, "linear_support()", lambda: _linear_row(platform))
         distributed, distributed_ok = _plugin_query(reg, platform, "distributed_support()",
                                                     lambda: platform.distributed_support)
         info["current"] = {
@@ -130,6 +141,7 @@ def collect_info() -> dict[str, Any]:
                     else None
                 ),
                 "attention": attention if attention_ok else None,
+                "linear": linear if linear_ok else None,
                 "distributed": (
                     {"backend": platform.dist_backend,
                      "communicator": "vendor" if distributed.communicator is not None else "default",
@@ -202,6 +214,14 @@ def format_info(info: dict[str, Any]) -> str:
         dims = ",".join(map(str, row["head_dims"])) if row["head_dims"] else "any"
         lines.append(f"  {label} {rank + 1}. {row['name']} ({why}; {'/'.join(row['dtypes'])}, head dims {dims}"
                      f"{', graph capture' if row['graph_capture'] else ''})")
+    linear = caps["linear"]
+    if linear is None:
+        lines.append("  linear: (linear_support() failed: see plugin errors)")
+    elif linear["name"] is None:
+        lines.append("  linear: F.linear (the platform supplies no linear kernel)")
+    else:
+        lines.append(f"  linear: {linear['name']} for inputs of at most {linear['max_rows']} row(s), F.linear above "
+                     f"({'/'.join(linear['dtypes'])}{', graph capture' if linear['graph_capture'] else ''})")
     return "\n".join(lines)
 
 

@@ -69,6 +69,9 @@ METHOD_GUIDANCE: dict[str, str] = {
     "ipc_support": "return an IpcSupport to declare cross-process sharing (default None: undeclared)",
     "attention_support": "return an AttentionSupport naming your attention backends over the paged KV "
     "cache (torchhal.attention.AttentionBackend; default None: torchhal's portable reference)",
+    "linear_support": "return a LinearSupport naming your kernel for linears of few rows (decode): "
+    "kernel(x [M, K], weight [N, K], bias or None) -> [M, N] with F.linear's numbers, max_rows, dtypes "
+    "(default None: F.linear everywhere)",
     "device_for_rank": "the default maps local rank r to visible device r (or 0 when each rank sees one "
     "device) and refuses more ranks than devices, naming visible_devices_env",
     "distributed_support": "return a DistributedSupport to supply your own communicator (a function given "
@@ -172,6 +175,7 @@ from torchhal.platforms import (
     DistributedSupport,
     GraphSupport,
     IpcSupport,
+    LinearSupport,
     MemoryInfo,
     PeakMemory,
     PlatformPlugin,

@@ -39,6 +39,7 @@ from torchhal.platforms.records import (
     DistributedSupport,
     GraphSupport,
     IpcSupport,
+    LinearSupport,
     MemoryInfo,
     PeakMemory,
 )
@@ -46,8 +47,8 @@ from torchhal.platforms.records import (
 #: The SPI version this torchhal implements: (major, minor). A minor release only adds
 #: members, each with a default; a major release may remove or change members.
 #: docs/vendor-guide.md ("Compatibility") states the policy.
-SPI_VERSION: tuple[int, int] = (1, 3)  # 1.1: IpcSupport.events; 1.2: attention_support();
-# 1.3: device_for_rank(), distributed_support()
+SPI_VERSION: tuple[int, int] = (1, 4)  # 1.1: IpcSupport.events; 1.2: attention_support();
+# 1.3: device_for_rank(), distributed_support(); 1.4: linear_support()
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,10 @@ class PlatformPlugin(abc.ABC):
 
     def attention_support(self) -> AttentionSupport | None:
         """The platform's own attention backends; None: torchhal's reference backend only."""
+        return None
+
+    def linear_support(self) -> LinearSupport | None:
+        """The platform's kernel for linears of few rows (decode); None: F.linear everywhere."""
         return None
 
     # -- distributed ------------------------------------------------------------------

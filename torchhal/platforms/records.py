@@ -229,6 +229,48 @@ class AttentionSupport:
 
 
 @dataclass(frozen=True)
+class LinearSupport:
+    """A platform's matrix-vector kernel for decode-shaped linears (contract 8).
+
+    kernel:        `kernel(x, weight, bias)`: x [M, K], weight [N, K] contiguous, bias [N] or
+                   None -> [M, N] in x's dtype, F.linear's numbers within the dtype's rounding.
+    max_rows:      engines route inputs of at most this many rows to it (F.linear the rest).
+    dtypes:        the dtypes of x (and of weight and bias) it takes.
+    graph_capture: a call records into the platform's device graphs and replays.
+    note:          one line for reports.
+    """
+
+    name: str
+    kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    max_rows: int
+    dtypes: tuple[torch.dtype, ...]
+    graph_capture: bool = False
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        # A wrong type is a TypeError, a value out of range a ValueError; each names the field.
+        def bad(field: str, must: str, error: type[Exception] = TypeError) -> Exception:
+            return error(f"LinearSupport.{field} is {getattr(self, field)!r}; it must be {must}")
+
+        if not isinstance(self.name, str) or not self.name:
+            raise bad("name", "a non-empty str naming the kernel (e.g. 'triton-gemv')")
+        if not callable(self.kernel):
+            raise bad("kernel", "a callable kernel(x, weight, bias) -> tensor")
+        if not isinstance(self.max_rows, int) or isinstance(self.max_rows, bool):
+            raise bad("max_rows", "an int: the most rows an input routed to the kernel has")
+        if self.max_rows < 1:
+            raise bad("max_rows", ">= 1 (the most rows an input routed to the kernel has)", ValueError)
+        if not isinstance(self.dtypes, tuple) or not all(isinstance(d, torch.dtype) for d in self.dtypes):
+            raise bad("dtypes", "a tuple of torch dtypes, e.g. (torch.float16, torch.bfloat16)")
+        if not self.dtypes:
+            raise bad("dtypes", "non-empty: the dtypes the kernel takes", ValueError)
+        if not isinstance(self.graph_capture, bool):
+            raise bad("graph_capture", "True or False")
+        if not isinstance(self.note, str):
+            raise bad("note", "a str (one line for reports)")
+
+
+@dataclass(frozen=True)
 class DistributedSupport:
     """How a platform's ranks talk to each other (contract 7), beyond `dist_backend`.
 

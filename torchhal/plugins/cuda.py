@@ -12,6 +12,7 @@ from torchhal.platforms import (
     DistributedSupport,
     IpcEvents,
     IpcHandleError,
+    LinearSupport,
     MemoryInfo,
     PlatformPlugin,
     hookimpl,
@@ -121,6 +122,14 @@ class CudaPlatform(AcceleratorPlatform):
         from torchhal.plugins.cuda_attention import TritonPagedAttention
 
         return AttentionSupport(backends=(TritonPagedAttention(),), note="Triton kernels (torchhal)")
+
+    def linear_support(self) -> LinearSupport | None:
+        # The Triton GEMV for one-row linears (decode); without Triton, F.linear everywhere.
+        if importlib.util.find_spec("triton") is None:
+            return None
+        from torchhal.plugins.cuda_linear import triton_gemv
+
+        return triton_gemv()
 
     def runtime_version(self) -> str | None:
         text = f"CUDA runtime {torch.version.cuda}"

@@ -10,14 +10,15 @@ targets AMD GPUs too, but its launch configurations are tuned for an H200 (its 2
 bf16 prefill tiles need about 128 KiB of shared memory by the kernel's own count; an
 MI300 CU has 64 KiB of LDS) and it has never run on AMD hardware. ROCm declares no
 backend, so engines run the portable reference, until the kernels are verified (and
-tuned) on an AMD GPU.
+tuned) on an AMD GPU. The CUDA plugin's Triton GEMV (`linear_support`) is withheld for the
+same reason: its launch configurations were measured on an H200 only.
 """
 
 from __future__ import annotations
 
 import torch
 
-from torchhal.platforms import DistributedSupport, PlatformPlugin, hookimpl
+from torchhal.platforms import DistributedSupport, LinearSupport, PlatformPlugin, hookimpl
 from torchhal.plugins.cuda import CudaPlatform
 from torchhal.plugins.vendor_attention import ReferenceAttentionOnly
 
@@ -29,6 +30,9 @@ class RocmPlatform(ReferenceAttentionOnly, CudaPlatform):
         "the CUDA plugin's Triton kernels are tuned for NVIDIA GPUs and not verified on AMD hardware; "
         "ROCm has no vendor paged-attention entry point in torch"
     )
+
+    def linear_support(self) -> LinearSupport | None:
+        return None  # the CUDA plugin's Triton GEMV is not verified on AMD hardware: F.linear
 
     def runtime_missing(self) -> str | None:
         if not getattr(torch.version, "hip", None):

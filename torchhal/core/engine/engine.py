@@ -53,6 +53,7 @@ from torchhal.core.engine.weights import NamedTensors, WeightUpdater
 from torchhal.core.graphs.decode import BlockTable, DecodeGraphRunner, DecodeWindow
 from torchhal.core.graphs.runner import GraphRunner
 from torchhal.core.model import AttentionMetadata, KVCache, Model, ModelConfig, ReferenceDecoder
+from torchhal.core.model.linear import use_platform_linear
 from torchhal.core.model.protocol import missing_model_members
 from torchhal.platforms import Platform, ReleasePoint, current_platform
 
@@ -140,6 +141,7 @@ class GenerationEngine:
             built = _rank_model(built, self.group)
         built.to(self.device, config.dtype)
         built.eval()
+        linear_kernel, linear_why = use_platform_linear(built, self.platform.linear_support, config.dtype)
         if config.compile_layers is not None:
             compile_layers = getattr(built, "compile_layers", None)
             if compile_layers is None:
@@ -170,6 +172,7 @@ class GenerationEngine:
         self.occupation = MemoryOccupation(self.platform, self.device)
         self.events = EngineEvents(self.platform, self.device_index)
         self.events.record("attention_backend", backend=self.attention.name, why=self.attention.why)
+        self.events.record("linear_kernel", kernel=linear_kernel, why=linear_why)
         self.paused: PauseMode | None = None
         # Reentrant: public methods call each other (flush_cache drains, pause drains, ...).
         self._lock = threading.RLock()

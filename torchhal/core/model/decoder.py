@@ -24,10 +24,12 @@ from torch import nn
 from torchhal.core.graphs.program import BreakStep, GraphStep, StackState, Step, run_eager
 from torchhal.core.model.config import Llama3RopeScaling, ModelConfig
 from torchhal.core.model.kv_cache import AttentionMetadata, KVCache
+from torchhal.core.model.linear import LinearFn, routed_linear
 from torchhal.core.model.parallel import RankShard, TensorParallelPlan
 
 if TYPE_CHECKING:
     from torchhal.distributed import Communicator
+    from torchhal.platforms import LinearSupport
 
 __all__ = ["AttentionMetadata", "KVCache", "Llama3RopeScaling", "LlamaDecoder", "ModelConfig"]
 
@@ -221,6 +223,8 @@ class LayerMath:
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
+        # Every projection: F.linear, or the platform's kernel for few rows (`LlamaDecoder.use_linear`).
+        self.linear: LinearFn = F.linear
         self.pre_attention: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._pre_attention
         self.post_attention: Callable[..., torch.Tensor] = self._post_attention
         self.final_norm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._final_norm
@@ -249,7 +253,7 @@ class LayerMath:
         config = self.config
         heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
         t = residual.shape[0]
-        qkv = F.linear(rms_norm(residual, norm_weight, config.rms_eps), qkv_weight, qkv_bias)
+        qkv = self.linear(rms_norm(residual, norm_weight, config.rms_eps), qkv_weight, qkv_bias)
         q_size, kv_size = heads * dim, kv_heads * dim
         v = qkv[:, q_size + kv_size :].reshape(t, kv_heads, dim)  # a view: attention copies it into the pool
         if q_norm_weight is not None and k_norm_weight is not None:
@@ -265,17 +269,18 @@ class LayerMath:
         norm_weight: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
     ) -> torch.Tensor:
         """Output projection and residual, then the SwiGLU MLP and its residual."""
-        residual = residual + F.linear(attn_out.reshape(residual.shape[0], -1), o_weight, o_bias)
+        residual = residual + self.linear(attn_out.reshape(residual.shape[0], -1), o_weight, o_bias)
         return residual + self._mlp(residual, norm_weight, gate_up_weight, down_weight)
 
     def _mlp(self, residual: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight: torch.Tensor,
              down_weight: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(rms_norm(residual, norm_weight, self.config.rms_eps), gate_up_weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, down_weight)
+        gate, up = self.linear(rms_norm(residual, norm_weight, self.config.rms_eps), gate_up_weight, None).chunk(
+            2, dim=-1)
+        return self.linear(F.silu(gate) * up, down_weight, None)
 
     def _attention_partial(self, attn_out: torch.Tensor, o_weight: torch.Tensor) -> torch.Tensor:
         """This rank's heads through its columns of o_proj: one term of the all-reduced sum."""
-        return F.linear(attn_out.reshape(attn_out.shape[0], -1), o_weight)
+        return self.linear(attn_out.reshape(attn_out.shape[0], -1), o_weight, None)
 
     def _mlp_partial(
         self, residual: torch.Tensor, attention: torch.Tensor, o_bias: torch.Tensor | None,
@@ -405,6 +410,14 @@ class LlamaDecoder(nn.Module):
         (the engine does, for `EngineConfig.compile_layers`); captured graphs keep the kernels
         they were captured with."""
         self.layer_math.compile(backend)
+
+    def use_linear(self, support: LinearSupport | None) -> None:
+        """Run every projection (QKV, o_proj, gate-up, down, the tensor-parallel partials and
+        lm_head) through `routed_linear(support)`: the platform's kernel for inputs of at most
+        `support.max_rows` rows in a dtype it declares, F.linear for the rest; None restores
+        F.linear everywhere. Call it before graphs are captured (the engine does, before
+        `compile_layers`): a captured graph keeps the kernels it was captured with."""
+        self.layer_math.linear = routed_linear(support)
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head when the config ties them (after a move, too)."""
@@ -544,7 +557,8 @@ class LlamaDecoder(nn.Module):
         return self._communicator().all_reduce(hidden.masked_fill_(outside[:, None], 0))
 
     def logits(self, hidden: torch.Tensor, last_token_index: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden.index_select(0, last_token_index)).float()
+        logits = self.layer_math.linear(hidden.index_select(0, last_token_index), self.lm_head.weight,
+                                        self.lm_head.bias).float()
         if self.shard is None:
             return logits
         # Every rank's vocabulary rows, in rank order; the last shard's padding rows cut off.
