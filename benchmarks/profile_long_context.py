@@ -18,10 +18,13 @@ last kernel's end that no kernel covers). Each class carries the bytes or FLOPs 
 it must move or do and the achieved fraction of 4.8 TB/s or of the measured bf16 matrix rate.
 
 Levers (each timed before and after in this process, tokens compared; `--levers NAME ...`
-picks them; the first by default, the others were this file's earlier levers):
+picks them; the first two by default, the others were this file's earlier levers):
 
 - `prefill_graphs`: the engine's breakable graphs for short prefills (`PrefillGraphConfig`, as
   `engine_config` sets it) against the eager runner, on 32x1, 32x8 and 32x32 prefill alone;
+- `linear_kernel`: the platform's kernel for one-row projections (`linear_support`, the engine's
+  choice) against F.linear everywhere, on the captured decode step and end to end at 32x1 and
+  16000x1 (decode graphs re-captured for each side);
 - `write_kv_kernel`: the CUDA backend's one-launch Triton `write_kv` (strided K/V) against the
   generic indexed copy (patched back in), on prefill alone (32x1, 32x8, 3968x8) and on the
   captured decode step (32x1, 16000x8; graphs re-captured for each);
@@ -74,12 +77,15 @@ SCENARIOS = (("decode_1x32", "32x1", 32), ("decode_1x16000", "16000x1", 16), ("d
              ("prefill_32x32", "32x32", 0))
 TINY_SCENARIOS = (("decode_1x32", "32x1", 4), ("prefill_32x32", "32x32", 0))
 CLASSES = ("gemm", "attention", "norm", "elementwise", "copy", "other")
-LEVERS = ("prefill_graphs", "write_kv_kernel", "whole_prompt_admission", "flash_prefill_runs", "decode_splits")
+LEVERS = ("prefill_graphs", "linear_kernel", "write_kv_kernel", "whole_prompt_admission", "flash_prefill_runs",
+          "decode_splits")
 
 
 def kernel_class(name: str) -> str:
     """A kernel's class from its name (cuBLAS / CUTLASS, flash / Triton paged, inductor, aten)."""
     low = name.lower()
+    if low.startswith("triton_"):  # inductor's fused kernels, named after what they fuse (a GEMV's input too)
+        return "norm" if "rms" in low else "elementwise"
     if any(k in low for k in ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "cublas", "_mm_", "matmul")):
         return "gemm"
     if any(k in low for k in ("flash", "fmha", "attention", "merge_splits", "attn")):
@@ -420,6 +426,41 @@ def whole_prompt_lever(generate: Callable[[list[list[int]], int], list[list[int]
     return result
 
 
+def linear_kernel_lever(engine: GenerationEngine, generate: Callable[[list[list[int]], int], list[list[int]]],
+                        prompts: dict[str, list[list[int]]], shape: dict[str, Any],
+                        sync: Callable[[], None]) -> dict[str, Any]:
+    """F.linear everywhere against the platform's linear kernel for one-row projections (the
+    engine's choice); the decode graphs are re-captured for each side."""
+    support = engine.platform.linear_support
+    model: Any = engine.model
+    if support is None:
+        return {"skipped": "the platform supplies no linear kernel"}
+    folder = Path(tempfile.mkdtemp())
+    sides: dict[str, Any] = {}
+    try:
+        for label, choice in (("before_f_linear", None), ("after_platform_kernel", support)):
+            model.use_linear(choice)
+            assert engine.decode_runner is not None
+            engine.decode_runner.capture()  # the projections are captured inside the decode graphs
+            rows: dict[str, Any] = {}
+            for cell, steps in (("32x1", 32), ("16000x1", 16)):
+                new = PROMPTS[len(prompts[cell][0])]
+                e2e_s, _ = median_run(lambda p=prompts[cell], n=new: generate(p, n), 1, 3, sync)
+                raw = pure_decode(engine, prompts[cell], steps, folder, f"{label}_{cell}", True,
+                                  shape["num_hidden_layers"])
+                rows[cell] = {"e2e_s": e2e_s, "new_tokens": new, "span_ms": raw["span_us"] / 1e3,
+                              "device_ms": raw["busy_us"] / 1e3,
+                              "kernels": sum(count for _, count in raw["kernels"].values()), "tokens": raw["tokens"]}
+            sides[label] = rows
+    finally:
+        model.use_linear(support)
+        engine.decode_runner.capture()  # type: ignore[union-attr]
+    result = {"decode_step": compare(sides["before_f_linear"], sides["after_platform_kernel"], "span_ms"),
+              "e2e": compare(sides["before_f_linear"], sides["after_platform_kernel"], "e2e_s")}
+    print(f"  lever linear kernel: {result}", flush=True)
+    return result
+
+
 def prefill_graphs_lever(engine: GenerationEngine, generate: Callable[[list[list[int]], int], list[list[int]]],
                          prompts: dict[str, list[list[int]]], sync: Callable[[], None]) -> dict[str, Any]:
     from torchhal.core.engine import EagerRunner
@@ -452,7 +493,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default="results")
     parser.add_argument("--skip-levers", action="store_true")
     parser.add_argument("--skip-profile", action="store_true", help="the levers only, no kernel profile")
-    parser.add_argument("--levers", nargs="+", choices=LEVERS, default=list(LEVERS[:1]))
+    parser.add_argument("--levers", nargs="+", choices=LEVERS, default=list(LEVERS[:2]))
     parser.add_argument("--tiny", action="store_true", help="a tiny model on whatever device there is")
     args = parser.parse_args(argv)
     platform = torchhal.current_platform()
@@ -514,6 +555,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             sync = platform.synchronize
             run_lever = {
                 "prefill_graphs": lambda: prefill_graphs_lever(engine, generate, prompts, sync),
+                "linear_kernel": lambda: linear_kernel_lever(engine, generate, prompts, shape, sync),
                 "write_kv_kernel": lambda: write_kv_lever(engine, generate, prompts, shape, sync),
                 "whole_prompt_admission": lambda: whole_prompt_lever(generate, prompts, sync),
                 "flash_prefill_runs": lambda: flash_prefill_lever(generate, prompts, sync),
