@@ -93,6 +93,13 @@ class WeightUpdateIncomplete(RuntimeError):
     generate until an update covering the named weights succeeds."""
 
 
+def check_buckets(label: str, buckets: object, example: str) -> None:
+    """A graph config's buckets: a non-empty tuple of positive ints."""
+    if (not isinstance(buckets, tuple) or not buckets
+            or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets)):
+        raise ValueError(f"{label} = {buckets!r} must be a non-empty tuple of positive ints, e.g. {example}")
+
+
 @dataclass(frozen=True)
 class DecodeGraphConfig:
     """Full-graph decode: a pure decode step (no prefill in the batch) whose batch and
@@ -116,16 +123,7 @@ class DecodeGraphConfig:
 
     def __post_init__(self) -> None:
         for name in ("batch_buckets", "context_buckets"):
-            buckets = getattr(self, name)
-            if (
-                not isinstance(buckets, tuple)
-                or not buckets
-                or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets)
-            ):
-                raise ValueError(
-                    f"DecodeGraphConfig.{name} = {buckets!r} must be a non-empty tuple of positive ints, "
-                    "e.g. (1, 8, 32)"
-                )
+            check_buckets(f"DecodeGraphConfig.{name}", getattr(self, name), "(1, 8, 32)")
         steps = self.steps_per_sync
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(
@@ -151,13 +149,7 @@ class PrefillGraphConfig:
     emulate: bool = False
 
     def __post_init__(self) -> None:
-        buckets = self.token_buckets
-        if (not isinstance(buckets, tuple) or not buckets
-                or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets)):
-            raise ValueError(
-                f"PrefillGraphConfig.token_buckets = {buckets!r} must be a non-empty tuple of positive ints, "
-                "e.g. (16, 64, 256)"
-            )
+        check_buckets("PrefillGraphConfig.token_buckets", self.token_buckets, "(16, 64, 256)")
 
 
 @dataclass(frozen=True)

@@ -149,16 +149,13 @@ class Attention(FusedProjections):
 
 
 class MLP(FusedProjections):
-    """SwiGLU with HF-named projections; gate/up are views of the fused gate-up weight."""
+    """SwiGLU's weights under HF names; gate/up are views of the fused gate-up weight. The
+    arithmetic is `LayerMath`'s (through the routed linear), not a forward of its own."""
 
     def __init__(self, config: ModelConfig) -> None:
         h, i = config.hidden_size, config.intermediate_size
         super().__init__({"gate_proj": i, "up_proj": i}, h, bias=False)
         self.down_proj = Linear(i, h, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.fused_weight).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
