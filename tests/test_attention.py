@@ -20,6 +20,7 @@ from torchhal.attention import (
     build_metadata,
     choose_backend,
     new_kv_cache,
+    query_positions,
     write_kv,
 )
 from torchhal.platforms import AttentionSupport
@@ -137,6 +138,33 @@ def test_build_metadata_addresses_slots_and_pads_rows_to_scratch():
     assert meta.query_start.tolist() == [0, 2, 3, 6] and meta.seq_lens.tolist() == [6, 0, 3]
     assert meta.block_tables.dtype == meta.seq_lens.dtype == meta.query_start.dtype == torch.int32
     assert meta.max_query_len == 3
+
+
+def test_build_metadata_slots_and_positions_equal_a_per_token_walk():
+    """Slots and positions are worked out on the device from the tables and offsets; they
+    equal walking every query token of every request on the host (mixed chunk lengths,
+    cached tokens before a chunk, padded decode rows, empty prefill rows, block edges)."""
+    rng = random.Random(11)
+    block_size = 4
+    for _ in range(30):
+        tables, seq_lens, query_lens = [], [], []
+        for _ in range(rng.randint(1, 6)):
+            kind = rng.random()
+            if kind < 0.15:  # a padded row: a decode row writes scratch, a prefill row writes nothing
+                tables.append([]), seq_lens.append(0), query_lens.append(rng.choice([0, 1]))
+                continue
+            seq_len = rng.randint(1, 23)
+            blocks = rng.sample(range(1, 64), math.ceil(seq_len / block_size))
+            tables.append(blocks), seq_lens.append(seq_len), query_lens.append(rng.randint(1, seq_len))
+        meta = build_metadata(tables, seq_lens, query_lens, block_size, CPU)
+        slots, positions = [], []
+        for blocks, seq_len, query_len in zip(tables, seq_lens, query_lens, strict=True):
+            for position in range(seq_len - query_len, seq_len):
+                positions.append(position)
+                slots.append(SCRATCH_BLOCK * block_size if seq_len == 0 else
+                             blocks[position // block_size] * block_size + position % block_size)
+        assert meta.slot_mapping.tolist() == slots and meta.slot_mapping.dtype == torch.int64
+        assert query_positions(meta).tolist() == positions
 
 
 @pytest.mark.parametrize("args, message", [

@@ -22,6 +22,7 @@ from torchhal.attention.layout import (
     build_metadata,
     check_write,
     new_kv_cache,
+    query_positions,
     write_kv,
 )
 from torchhal.attention.reference import ReferenceBackend, attend
@@ -42,6 +43,7 @@ __all__ = [
     "check_write",
     "choose_backend",
     "new_kv_cache",
+    "query_positions",
     "unsupported_reason",
     "write_kv",
 ]

@@ -130,6 +130,11 @@ def build_metadata(
 
     A padded row has seq_len 0 and query_len 0 (prefill) or 1 (a decode row of a padded
     batch: it writes the scratch slot and outputs zeros).
+
+    The host's work grows with the requests and their blocks, not with the tokens: the
+    tables, lengths and offsets go to the device in one upload, and each token's write slot
+    is worked out there (a 16k-token prompt would otherwise cost milliseconds of Python per
+    step while the device waits).
     """
     if not len(block_tables) == len(seq_lens) == len(query_lens):
         raise ValueError(f"build_metadata: {len(block_tables)} block tables, {len(seq_lens)} seq_lens and "
@@ -139,7 +144,10 @@ def build_metadata(
     if width < need:
         raise ValueError(f"build_metadata: max_blocks={max_blocks} but a request of {max(seq_lens)} tokens needs "
                          f"{need} blocks of {block_size}; raise max_blocks")
-    tables, slots, starts = [], [], [0]
+    batch, starts = len(seq_lens), [0]
+    # One host buffer, one upload: the tables, then seq_lens, then query_start.
+    host = torch.full((batch * width + 2 * batch + 1,), SCRATCH_BLOCK, dtype=torch.int32)
+    tables = host[: batch * width].view(batch, width)
     for i, (blocks, seq_len, query_len) in enumerate(zip(block_tables, seq_lens, query_lens, strict=True)):
         if seq_len < 0 or query_len < 0 or (seq_len > 0 and query_len > seq_len):
             raise ValueError(f"build_metadata: request {i} has seq_len {seq_len} and query_len {query_len}; "
@@ -148,22 +156,44 @@ def build_metadata(
         if len(blocks) < used or SCRATCH_BLOCK in list(blocks)[:used]:
             raise ValueError(f"build_metadata: request {i} ({seq_len} tokens) needs {used} blocks, none the scratch "
                              f"block {SCRATCH_BLOCK}; its table is {list(blocks)}")
-        tables.append(list(blocks)[:used] + [SCRATCH_BLOCK] * (width - used))
-        if seq_len == 0:
-            slots += [SCRATCH_BLOCK * block_size] * query_len
-        else:
-            positions = range(seq_len - query_len, seq_len)
-            slots += [blocks[p // block_size] * block_size + p % block_size for p in positions]
+        if used:
+            tables[i, :used] = torch.tensor(list(blocks)[:used], dtype=torch.int32)
         starts.append(starts[-1] + query_len)
+    host[batch * width : batch * width + batch] = torch.tensor(list(seq_lens), dtype=torch.int32)
+    host[batch * width + batch :] = torch.tensor(starts, dtype=torch.int32)
+    uploaded = host.to(device, non_blocking=True)
+    block_table = uploaded[: batch * width].view(batch, width)
+    device_seq_lens = uploaded[batch * width : batch * width + batch]
+    query_start = uploaded[batch * width + batch :]
+    rows, positions = _token_rows_and_positions(device_seq_lens, query_start, starts[-1])
+    columns = positions.clamp(min=0)
+    slots = block_table[rows, columns // block_size].to(torch.int64) * block_size + columns % block_size
+    padded = device_seq_lens[rows] == 0
     return PagedMetadata(
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
-        query_start=torch.tensor(starts, dtype=torch.int32, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=block_table,
+        seq_lens=device_seq_lens,
+        query_start=query_start,
+        slot_mapping=slots.masked_fill_(padded, SCRATCH_BLOCK * block_size),
         max_query_len=max(query_lens, default=0),
         host_seq_lens=tuple(seq_lens),
         host_query_start=tuple(starts),
     )
+
+
+def _token_rows_and_positions(seq_lens: torch.Tensor, query_start: torch.Tensor,
+                              num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query token's request row and absolute position ([num_tokens] int64 each), on the
+    metadata's device with no host sync: a row's queries are its last tokens, so token t of
+    row r sits at seq_lens[r] - (query_start[r + 1] - t) (-1 for a padded decode row)."""
+    tokens = torch.arange(num_tokens, dtype=torch.int64, device=query_start.device)
+    rows = torch.searchsorted(query_start[1:], tokens, right=True)
+    return rows, seq_lens[rows].to(torch.int64) - (query_start[rows + 1].to(torch.int64) - tokens)
+
+
+def query_positions(meta: PagedMetadata) -> torch.Tensor:
+    """[num_tokens] int64: each of the step's query tokens' absolute position (the rotary
+    position too), worked out on the metadata's device."""
+    return _token_rows_and_positions(meta.seq_lens, meta.query_start, int(meta.slot_mapping.shape[0]))[1]
 
 
 @dataclass(frozen=True)
@@ -202,12 +232,11 @@ def split_whole_prompts(meta: PagedMetadata, sliding_window: int | None) -> Prom
     if not whole:
         return PromptSplit([], meta, None)  # every row: the metadata as it is
     device = meta.seq_lens.device
-    tokens = [t for row in rest for t in range(starts[row], starts[row + 1])]
     query_start = [0]
     for row in rest:
         query_start.append(query_start[-1] + starts[row + 1] - starts[row])
     rows = torch.tensor(rest, dtype=torch.int64).to(device, non_blocking=True)
-    rest_tokens = torch.tensor(tokens, dtype=torch.int64).to(device, non_blocking=True)
+    rest_tokens = torch.cat([torch.arange(starts[row], starts[row + 1]) for row in rest]).to(device, non_blocking=True)
     sub = PagedMetadata(
         block_tables=meta.block_tables.index_select(0, rows),
         seq_lens=meta.seq_lens.index_select(0, rows),

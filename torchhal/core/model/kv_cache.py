@@ -17,7 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
-from torchhal.attention import SCRATCH_BLOCK, AttentionBackend, PagedMetadata, ReferenceBackend, build_metadata
+from torchhal.attention import (
+    SCRATCH_BLOCK,
+    AttentionBackend,
+    PagedMetadata,
+    ReferenceBackend,
+    build_metadata,
+    query_positions,
+)
 from torchhal.core.model.config import ModelConfig
 
 __all__ = ["SCRATCH_BLOCK", "AttentionMetadata", "KVCache"]
@@ -79,14 +86,13 @@ class AttentionMetadata:
         backend: AttentionBackend | None = None,
     ) -> AttentionMetadata:
         """From host lists: request i's last `query_lens[i]` of `seq_lens[i]` tokens are this
-        step's queries, its KV in `block_tables[i]`. Host work grows with the step's tokens
-        (prefill); decode steps that repeat are advanced on the device instead
-        (`torchhal.core.graphs.decode`). `backend` None: the portable reference."""
+        step's queries, its KV in `block_tables[i]`. Host work grows with the requests and
+        their blocks; slots and positions are worked out on the device (`build_metadata`).
+        `backend` None: the portable reference."""
         paged = build_metadata(block_tables, seq_lens, query_lens, block_size, device)
-        positions = [p for n, q in zip(seq_lens, query_lens, strict=True) for p in range(n - q, n)]
         return cls(
             paged=paged,
-            positions=torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
+            positions=query_positions(paged),
             backend=backend or _REFERENCE,
             decode=bool(query_lens) and all(q == 1 for q in query_lens),
         )
