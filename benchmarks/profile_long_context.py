@@ -1,6 +1,7 @@
 """Kernel profile of the long-context benchmark's torchhal side, and the levers it names, timed before/after.
 
-    python benchmarks/profile_long_context.py [--out DIR] [--levers NAME ...] [--skip-levers] [--skip-profile] [--tiny]
+    python benchmarks/profile_long_context.py [--out DIR] [--levers NAME ...] [--skip-levers] [--skip-profile]
+                                               [--idle] [--tiny]
 
 The engine is the one `long_context.py` times (same checkpoint shape, seeded weights, prompts
 and `engine_config`: full-graph decode, compiled layers, chunked prefill). torch.profiler
@@ -36,13 +37,18 @@ picks them; the first two by default, the others were this file's earlier levers
 - `decode_splits`: the split-K paged decode kernel at batch 8 / 16k context, graph-replayed,
   per split count, then the engine's decode step with the best count against the current rule.
 
+`--idle` profiles each prefill scenario once more with Python stacks and charges the device's
+idle time to what the host was running then (`host_during_idle`).
+
 `--tiny` runs a tiny model on the CPU (no profile of device kernels: the script's plumbing only).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import gc
+import hashlib
 import json
 import sys
 import tempfile
@@ -122,6 +128,52 @@ def busy_and_span(kernels: list[tuple[str, float, float]]) -> tuple[float, float
     return busy, intervals[-1][1] - intervals[0][0]
 
 
+def idle_intervals(kernels: list[tuple[str, float, float]], least_us: float) -> list[tuple[float, float]]:
+    """The spans of at least `least_us` between the first kernel's start and the last one's end
+    that no kernel covers (the device waiting for the host)."""
+    intervals = sorted((start, start + dur) for _, start, dur in kernels)
+    idle, reach = [], intervals[0][1] if intervals else 0.0
+    for start, end in intervals[1:]:
+        if start - reach >= least_us:
+            idle.append((reach, start))
+        reach = max(reach, end)
+    return idle
+
+
+def host_during_idle(trace_path: Path, least_us: float = 10.0, step_us: float = 2.0,
+                     top: int = 20) -> dict[str, Any]:
+    """What the host ran while the device idled: each idle span is sampled every `step_us` and
+    each sample is charged to the innermost host event covering it (a Python frame, an aten op
+    or a runtime call such as a synchronize), on the thread that launched the kernels."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    kernels = [(e["name"], float(e["ts"]), float(e["dur"])) for e in events
+               if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    launches = [e for e in events if e.get("cat") == "cuda_runtime" and "dur" in e]
+    if not kernels or not launches:
+        return {"idle_us": 0.0, "spans": 0, "host": []}
+    thread = max({e["tid"] for e in launches}, key=lambda t: sum(1 for e in launches if e["tid"] == t))
+    host = sorted(((float(e["ts"]), float(e["ts"]) + float(e["dur"]), str(e["name"])) for e in events
+                   if e.get("cat") in ("python_function", "cpu_op", "cuda_runtime", "user_annotation")
+                   and e.get("tid") == thread and "dur" in e), key=lambda h: h[0])
+    idle = idle_intervals(kernels, least_us)
+    starts = [h[0] for h in host]
+    charged: dict[str, float] = defaultdict(float)
+    for begin, end in idle:
+        t = begin + step_us / 2
+        while t < end:
+            # The latest-starting event that covers t is the innermost (host events nest).
+            i, name = bisect.bisect_right(starts, t) - 1, "(no host event)"
+            for j in range(i, max(i - 5000, -1), -1):
+                if host[j][1] >= t:
+                    name = host[j][2][:160]
+                    break
+            charged[name] += step_us
+            t += step_us
+    ranked = sorted(charged.items(), key=lambda kv: -kv[1])[:top]
+    return {"idle_us": sum(e - b for b, e in idle), "spans": len(idle),
+            "host": [{"name": name, "us": us} for name, us in ranked]}
+
+
 def profiled(fn: Callable[[], Any], folder: Path, label: str, on_gpu: bool) -> dict[str, Any]:
     """Per-kernel totals (us, count), busy and span of one profiled call of `fn`."""
     from torch.profiler import ProfilerActivity, profile
@@ -141,6 +193,21 @@ def profiled(fn: Callable[[], Any], folder: Path, label: str, on_gpu: bool) -> d
         totals[name][1] += 1
     busy, span = busy_and_span(kernels)
     return {"kernels": {k: tuple(v) for k, v in totals.items()}, "busy_us": busy, "span_us": span}
+
+
+def idle_profile(fn: Callable[[], Any], folder: Path, label: str) -> dict[str, Any]:
+    """`host_during_idle` of one call of `fn`, recorded with Python stacks (which slow the host:
+    the shares say where the device waits, the microseconds are inflated)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        fn()
+        torch.cuda.synchronize()
+    path = folder / f"{label}_idle.json"
+    prof.export_chrome_trace(str(path))
+    report = host_during_idle(path)
+    path.unlink()
+    return report
 
 
 def pure_decode(engine: GenerationEngine, batch_prompts: list[list[int]], steps: int, folder: Path, label: str,
@@ -495,6 +562,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--skip-profile", action="store_true", help="the levers only, no kernel profile")
     parser.add_argument("--levers", nargs="+", choices=LEVERS, default=list(LEVERS[:2]))
     parser.add_argument("--tiny", action="store_true", help="a tiny model on whatever device there is")
+    parser.add_argument("--scenarios", nargs="+", help="profile only these scenarios (default: all)")
+    parser.add_argument("--idle", action="store_true",
+                        help="also profile each prefill scenario with Python stacks: what the host ran while the "
+                        "device idled")
     args = parser.parse_args(argv)
     platform = torchhal.current_platform()
     device = platform.device(platform.current_device())
@@ -502,6 +573,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dtype = torch.bfloat16 if on_gpu else torch.float32
     shape = TINY if args.tiny else LLAMA31_8B
     scenarios = TINY_SCENARIOS if args.tiny else SCENARIOS
+    if args.scenarios:
+        unknown = sorted(set(args.scenarios) - {name for name, _, _ in scenarios})
+        if unknown:
+            parser.error(f"--scenarios {' '.join(unknown)}: choose from {', '.join(n for n, _, _ in scenarios)}")
+        scenarios = tuple(s for s in scenarios if s[0] in args.scenarios)
     prompts = prompts_for(CELLS, shape["vocab_size"])  # the benchmark's own prompts
     if args.tiny:  # its positions stop at 4096
         prompts = {cell: prompts[cell] for _, cell, _ in scenarios}
@@ -536,13 +612,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if steps:
                 raw = pure_decode(engine, batch_prompts, steps, folder, name, on_gpu, shape["num_hidden_layers"])
                 steps = raw.pop("steps")
-                raw.pop("tokens")
+                tokens = raw.pop("tokens")
             else:
                 raw = profiled(lambda p=batch_prompts: generate(p, 1), folder, name, on_gpu)
+                tokens = generate(batch_prompts, 1)
             summary = summarize(raw, model_work(shape, prompt, batch, steps, element), results.get("matrix_flop_s"))
             summary.update({"cell": cell, "decode_steps_profiled": steps,
+                            # equal digests: two runs (another setting, say) gave the same tokens
+                            "tokens_digest": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16],
                             "what": "one pure decode step (mean over the profiled steps)" if steps else
                             "prefill alone (generate with one new token)"})
+            if args.idle and on_gpu and not steps:
+                summary["host_during_idle"] = idle_profile(lambda p=batch_prompts: generate(p, 1), folder, name)
+                for row in summary["host_during_idle"]["host"][:8]:
+                    print(f"   idle {row['us'] / 1e3:8.3f} ms  {row['name'][:100]}")
             results["scenarios"][name] = summary
             print(f"== {name}: {summary['device_us'] / 1e3:.2f} ms of kernels, span {summary['span_us'] / 1e3:.2f} ms",
                   flush=True)

@@ -1,0 +1,60 @@
+"""The profile's charge of device idle time to host work (`benchmarks/profile_long_context.py`):
+each idle span goes to the innermost host event running then, on the launching thread."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("profile_long_context", ROOT / "benchmarks" /
+                                                      "profile_long_context.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+def _event(cat: str, name: str, ts: float, dur: float, tid: int = 1) -> dict[str, object]:
+    return {"cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "ph": "X"}
+
+
+def test_idle_time_is_charged_to_the_innermost_host_event(bench, tmp_path):
+    events = [
+        _event("kernel", "gemm", 0, 10, tid=7), _event("gpu_memcpy", "Memcpy HtoD", 50, 10, tid=7),
+        _event("kernel", "gemm", 62, 4, tid=7),  # a 2 us gap: under the threshold
+        _event("python_function", "engine.py: step", 0, 100),
+        _event("python_function", "layout.py: build_metadata", 12, 30),
+        _event("cpu_op", "aten::copy_", 20, 10),
+        _event("cuda_runtime", "cudaLaunchKernel", 44, 4),
+        _event("cuda_runtime", "cudaLaunchKernel", 1, 2),  # before the idle span
+        _event("python_function", "other_thread.py: busy", 0, 100, tid=2),
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    report = bench.host_during_idle(path, least_us=5.0, step_us=1.0)
+    charged = {row["name"]: row["us"] for row in report["host"]}
+    assert report["spans"] == 1 and report["idle_us"] == pytest.approx(40.0)
+    assert charged == {"engine.py: step": pytest.approx(6.0, abs=1),
+                       "layout.py: build_metadata": pytest.approx(20, abs=1),
+                       "aten::copy_": pytest.approx(10, abs=1), "cudaLaunchKernel": pytest.approx(4, abs=1)}
+    assert sum(charged.values()) == pytest.approx(40.0)
+
+
+def test_no_kernels_no_idle(bench, tmp_path):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": [_event("python_function", "x", 0, 10)]}))
+    assert bench.host_during_idle(path) == {"idle_us": 0.0, "spans": 0, "host": []}
