@@ -135,3 +135,13 @@ def test_a_plugin_written_before_spi_1_4_runs_f_linear(make_registry):
     assert reg.notices == [] and SPI_VERSION >= (1, 4)
     platform = torchhal.get_platform("before14")
     assert platform.linear_support is None
+
+
+def test_a_plugin_written_before_spi_1_5_compiles_with_inductors_defaults(make_registry):
+    """SPI 1.5 added compile_support(): a 1.4 plugin inherits the None default, with no notice."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg = make_registry(plugin_module(versioned("before15", (1, 4))))
+    assert reg.notices == [] and SPI_VERSION >= (1, 5)
+    platform = torchhal.get_platform("before15")
+    assert platform.compile_support is None

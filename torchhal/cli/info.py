@@ -91,6 +91,14 @@ def _linear_row(platform: Any) -> dict[str, Any]:
             "graph_capture": support.graph_capture, "note": support.note}
 
 
+def _compile_row(platform: Any) -> dict[str, Any]:
+    """The inductor options the platform asks for compiled layers ({} : inductor's defaults)."""
+    support = platform.compile_support
+    if support is None:
+        return {"inductor_options": {}, "note": ""}
+    return {"inductor_options": dict(support.inductor_options), "note": support.note}
+
+
 def collect_info() -> dict[str, Any]:
     """Everything `torchhal info` shows, as plain data.
 
@@ -121,6 +129,7 @@ def collect_info() -> dict[str, Any]:
         ipc, ipc_ok = _plugin_query(reg, platform, "ipc_support()", lambda: platform.ipc_support)
         attention, attention_ok = _plugin_query(reg, platform, "attention_support()", lambda: _attention_rows(platform))
         linear, linear_ok = _plugin_query(reg, platform, "linear_support()", lambda: _linear_row(platform))
+        compiled, compile_ok = _plugin_query(reg, platform, "compile_support()", lambda: _compile_row(platform))
         distributed, distributed_ok = _plugin_query(reg, platform, "distributed_support()",
                                                     lambda: platform.distributed_support)
         info["current"] = {
@@ -142,6 +151,7 @@ def collect_info() -> dict[str, Any]:
                 ),
                 "attention": attention if attention_ok else None,
                 "linear": linear if linear_ok else None,
+                "compile": compiled if compile_ok else None,
                 "distributed": (
                     {"backend": platform.dist_backend,
                      "communicator": "vendor" if distributed.communicator is not None else "default",
@@ -222,6 +232,14 @@ def format_info(info: dict[str, Any]) -> str:
     else:
         lines.append(f"  linear: {linear['name']} for inputs of at most {linear['max_rows']} row(s), F.linear above "
                      f"({'/'.join(linear['dtypes'])}{', graph capture' if linear['graph_capture'] else ''})")
+    compiled = caps["compile"]
+    if compiled is None:
+        lines.append("  compile: (compile_support() failed: see plugin errors)")
+    elif not compiled["inductor_options"]:
+        lines.append("  compile: inductor's defaults (the platform asks for no options)")
+    else:
+        options = ", ".join(f"{k}={v!r}" for k, v in compiled["inductor_options"].items())
+        lines.append(f"  compile: inductor options {options}" + (f" ({compiled['note']})" if compiled["note"] else ""))
     return "\n".join(lines)
 
 

@@ -72,6 +72,8 @@ METHOD_GUIDANCE: dict[str, str] = {
     "linear_support": "return a LinearSupport naming your kernel for linears of few rows (decode): "
     "kernel(x [M, K], weight [N, K], bias or None) -> [M, N] with F.linear's numbers, max_rows, dtypes "
     "(default None: F.linear everywhere)",
+    "compile_support": "return a CompileSupport with inductor options for the layers engines compile, e.g. "
+    "{{'triton.enable_pdl': True}}; result-neutral only (default None: inductor's defaults)",
     "device_for_rank": "the default maps local rank r to visible device r (or 0 when each rank sees one "
     "device) and refuses more ranks than devices, naming visible_devices_env",
     "distributed_support": "return a DistributedSupport to supply your own communicator (a function given "
@@ -171,6 +173,7 @@ import torch
 from torchhal.platforms import (
     AttentionSupport,
     Availability,
+    CompileSupport,
     DeviceInfo,
     DistributedSupport,
     GraphSupport,

@@ -7,7 +7,7 @@ Each test belongs to one capability group; see docs/conformance.md.
 """
 
 SUITE_VERSION = "1.0.0"
-GROUPS = ("contract", "device", "memory", "graphs", "ipc", "distributed", "attention", "linear")
+GROUPS = ("contract", "device", "memory", "graphs", "ipc", "distributed", "attention", "linear", "compile")
 PROFILES = {
     "core": ("contract", "device", "memory"),
     "full": GROUPS,

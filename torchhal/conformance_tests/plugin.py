@@ -262,7 +262,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if test_id is None:
         return
     group = test_id.split("::")[0]
-    if group not in ("graphs", "ipc", "distributed", "attention", "linear"):
+    if group not in ("graphs", "ipc", "distributed", "attention", "linear", "compile"):
         return
     state = item.config.stash[STATE_KEY]
     try:
@@ -277,6 +277,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.skip("undeclared: the platform declares no attention backend (the reference serves it)")
     if group == "linear" and platform.linear_support is None:
         pytest.skip("undeclared: the platform declares no linear kernel (F.linear serves it)")
+    if group == "compile" and platform.compile_support is None:
+        pytest.skip("undeclared: the platform asks for no inductor options")
     if group == "distributed":
         import torch.distributed as dist
 

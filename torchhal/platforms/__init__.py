@@ -35,6 +35,7 @@ from torchhal.platforms.plugin import (
 from torchhal.platforms.records import (
     AttentionSupport,
     Availability,
+    CompileSupport,
     DeviceInfo,
     DistributedSupport,
     GraphSupport,
@@ -71,6 +72,7 @@ __all__ = [
     "TIE_RULE",
     "AmbiguousPlatformError",
     "AttentionSupport",
+    "CompileSupport",
     "Availability",
     "Deprecation",
     "DeviceInfo",

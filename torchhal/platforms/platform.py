@@ -5,8 +5,8 @@ the default device index, index validation, release points, observers and
 tracing. An SPI call the API exposes unchanged (a pass-through) is the
 plugin's own bound method, set on the instance when the platform is made, so
 calling it costs exactly the plugin's call. A fact that cannot change for the
-process (`graph_support`, `ipc_support`, `attention_support`, `linear_support`, `oom_error_types`) is
-asked of the plugin once and kept as a value. There is no pluggy on the hot path: observer
+process (`graph_support`, `ipc_support`, `attention_support`, `linear_support`, `compile_support`,
+`oom_error_types`) is asked of the plugin once and kept as a value. There is no pluggy on the hot path: observer
 hooks fire only where the engine changes memory or asks to trace.
 
 The observer call (`notify_observers`) lives here, below the registry, so
@@ -109,6 +109,7 @@ class Platform:
     ipc_support = _Fact(PlatformPlugin.ipc_support)
     attention_support = _Fact(PlatformPlugin.attention_support)
     linear_support = _Fact(PlatformPlugin.linear_support)
+    compile_support = _Fact(PlatformPlugin.compile_support)
     distributed_support = _Fact(PlatformPlugin.distributed_support)
 
     def __init__(

@@ -35,6 +35,7 @@ from torchhal.platforms.errors import TorchhalPluginWarning
 from torchhal.platforms.records import (
     AttentionSupport,
     Availability,
+    CompileSupport,
     DeviceInfo,
     DistributedSupport,
     GraphSupport,
@@ -47,8 +48,8 @@ from torchhal.platforms.records import (
 #: The SPI version this torchhal implements: (major, minor). A minor release only adds
 #: members, each with a default; a major release may remove or change members.
 #: docs/vendor-guide.md ("Compatibility") states the policy.
-SPI_VERSION: tuple[int, int] = (1, 4)  # 1.1: IpcSupport.events; 1.2: attention_support();
-# 1.3: device_for_rank(), distributed_support(); 1.4: linear_support()
+SPI_VERSION: tuple[int, int] = (1, 5)  # 1.1: IpcSupport.events; 1.2: attention_support();
+# 1.3: device_for_rank(), distributed_support(); 1.4: linear_support(); 1.5: compile_support()
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,10 @@ class PlatformPlugin(abc.ABC):
 
     def linear_support(self) -> LinearSupport | None:
         """The platform's kernel for linears of few rows (decode); None: F.linear everywhere."""
+        return None
+
+    def compile_support(self) -> CompileSupport | None:
+        """Inductor options for the layers engines compile; None: inductor's defaults."""
         return None
 
     # -- distributed ------------------------------------------------------------------

@@ -271,6 +271,39 @@ class LinearSupport:
 
 
 @dataclass(frozen=True)
+class CompileSupport:
+    """Inductor settings a platform wants for the layers engines compile (contract 9).
+
+    inductor_options: `torch.compile(backend="inductor", options=...)` entries, e.g.
+                      {"triton.enable_pdl": True} (CUDA on Hopper: each kernel may launch while
+                      the one before it finishes). They must be result-neutral: they change how
+                      kernels are built, launched or scheduled, never the numbers (the
+                      conformance clause `compile` compares bits); settings that trade numbers
+                      for speed are the user's to choose, not the platform's.
+    note:             one line for reports.
+    """
+
+    inductor_options: dict[str, bool | int | str]
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        options = self.inductor_options
+        if not isinstance(options, dict) or not options:
+            raise TypeError(f"CompileSupport.inductor_options is {options!r}; it must be a non-empty dict of "
+                            "inductor config names to values, e.g. {'triton.enable_pdl': True} "
+                            "(no options: return None from compile_support())")
+        for key, value in options.items():
+            if not isinstance(key, str) or not key:
+                raise TypeError(f"CompileSupport.inductor_options has key {key!r}; keys are inductor config names "
+                                "(str), e.g. 'triton.enable_pdl'")
+            if not isinstance(value, (bool, int, str)):
+                raise TypeError(f"CompileSupport.inductor_options[{key!r}] is {value!r}; values are bool, int "
+                                "or str")
+        if not isinstance(self.note, str):
+            raise TypeError(f"CompileSupport.note is {self.note!r}; it must be a str (one line for reports)")
+
+
+@dataclass(frozen=True)
 class DistributedSupport:
     """How a platform's ranks talk to each other (contract 7), beyond `dist_backend`.
 

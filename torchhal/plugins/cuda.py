@@ -9,6 +9,7 @@ import torch
 
 from torchhal.platforms import (
     AttentionSupport,
+    CompileSupport,
     DistributedSupport,
     IpcEvents,
     IpcHandleError,
@@ -130,6 +131,20 @@ class CudaPlatform(AcceleratorPlatform):
         from torchhal.plugins.cuda_linear import triton_gemv
 
         return triton_gemv()
+
+    def compile_support(self) -> CompileSupport | None:
+        # Programmatic dependent launch for inductor's kernels, as the plugin's own Triton
+        # kernels use it (cuda_pdl): Hopper and later, unless TORCHHAL_CUDA_PDL=0.
+        if importlib.util.find_spec("triton") is None or not torch.cuda.is_available():
+            return None
+        from torchhal.plugins.cuda_pdl import programmatic_launch
+
+        if not programmatic_launch(torch.cuda.current_device()):
+            return None
+        return CompileSupport(
+            inductor_options={"triton.enable_pdl": True},
+            note="programmatic dependent launch: a kernel launches while the one before it finishes",
+        )
 
     def runtime_version(self) -> str | None:
         text = f"CUDA runtime {torch.version.cuda}"

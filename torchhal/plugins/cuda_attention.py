@@ -24,6 +24,7 @@ import triton.language as tl
 
 from torchhal.attention import AttentionCapability, PagedMetadata, check_call, check_write, write_kv
 from torchhal.attention.layout import equal_length_runs, split_whole_prompts
+from torchhal.plugins.cuda_pdl import programmatic_launch, wait_for_previous_kernels
 
 LOG2E = 1.4426950408889634
 #: Split the context only while each split keeps at least this many tokens.
@@ -84,8 +85,9 @@ def _paged_attention_kernel(
     stride_ot, stride_oh, stride_bt, kv_heads, scale, soft_cap, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernels(USE_PDL)
     tile = tl.program_id(0)
     seq = tl.program_id(1) // kv_heads
     kv_head = tl.program_id(1) % kv_heads
@@ -148,7 +150,9 @@ def _paged_attention_kernel(
 def _merge_splits_kernel(
     PartOut, PartLse, Out, stride_ot, stride_oh, q_heads,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernels(USE_PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -169,8 +173,10 @@ def _merge_splits_kernel(
 def _write_kv_kernel(
     Key, Value, KCache, VCache, Slots, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One token's K and V, every KV head, into its slot of both caches."""
+    wait_for_previous_kernels(USE_PDL)
     token = tl.program_id(0)
     slot = tl.load(Slots + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -229,10 +235,12 @@ class TritonPagedAttention:
             key = key.contiguous()
         if value.stride(-1) != 1:
             value = value.contiguous()
+        pdl = programmatic_launch(key.device.index or 0)
         _write_kv_kernel[(tokens,)](
             key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0),
             value.stride(1), k_cache.stride(1), k_cache.stride(2),
             HEADS=heads, HEAD_DIM=dim, BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(dim),
+            USE_PDL=pdl, launch_pdl=pdl,
         )
 
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
@@ -303,6 +311,7 @@ class TritonPagedAttention:
         else:
             part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
         grid = (triton.cdiv(max_query_len * group, block_m), meta.batch * kv_heads, splits)
+        pdl = programmatic_launch(query.device.index or 0)
         _paged_attention_kernel[grid](
             query, k_cache, v_cache, out, part_out, part_lse, meta.block_tables, meta.seq_lens, meta.query_start,
             query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -311,11 +320,12 @@ class TritonPagedAttention:
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=k_cache.shape[1], BLOCK_M=block_m,
             BLOCK_N=config["block_n"], NUM_SPLITS=splits, HAS_WINDOW=sliding_window is not None,
             HAS_SOFTCAP=soft_cap is not None, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-            num_warps=config["num_warps"], num_stages=config["num_stages"],
+            USE_PDL=pdl, num_warps=config["num_warps"], num_stages=config["num_stages"], launch_pdl=pdl,
         )
         if splits > 1:
             _merge_splits_kernel[(tokens, q_heads)](
                 part_out, part_lse, out, out.stride(0), out.stride(1), q_heads,
                 HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+                USE_PDL=pdl, launch_pdl=pdl,
             )
         return out

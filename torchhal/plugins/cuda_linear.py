@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from torchhal.platforms import LinearSupport
+from torchhal.plugins.cuda_pdl import programmatic_launch, wait_for_previous_kernels
 
 #: Launch configurations (BLOCK_N, BLOCK_K, num_warps, num_stages), measured on an H200 at the
 #: Llama-3.1-8B decode shapes (bf16, one row): outputs under 16384 (QKV 6144, o_proj and down
@@ -39,7 +40,8 @@ def launch_config(n: int) -> tuple[int, int, int, int]:
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_ym,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous_kernels(USE_PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
@@ -80,9 +82,11 @@ def cuda_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     if m == 0 or n == 0:
         return y
     block_n, block_k, warps, stages = launch_config(n)
+    pdl = programmatic_launch(x.device.index or 0)
     _gemv_kernel[(triton.cdiv(n, block_n), m)](
         x, weight, bias if bias is not None else x, y, n, k, x.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=pdl, num_warps=warps,
+        num_stages=stages, launch_pdl=pdl,
     )
     return y
 

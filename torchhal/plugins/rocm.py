@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from torchhal.platforms import DistributedSupport, LinearSupport, PlatformPlugin, hookimpl
+from torchhal.platforms import CompileSupport, DistributedSupport, LinearSupport, PlatformPlugin, hookimpl
 from torchhal.plugins.cuda import CudaPlatform
 from torchhal.plugins.vendor_attention import ReferenceAttentionOnly
 
@@ -33,6 +33,9 @@ class RocmPlatform(ReferenceAttentionOnly, CudaPlatform):
 
     def linear_support(self) -> LinearSupport | None:
         return None  # the CUDA plugin's Triton GEMV is not verified on AMD hardware: F.linear
+
+    def compile_support(self) -> CompileSupport | None:
+        return None  # programmatic dependent launch is an NVIDIA (sm_90+) feature: inductor's defaults
 
     def runtime_missing(self) -> str | None:
         if not getattr(torch.version, "hip", None):

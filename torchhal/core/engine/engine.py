@@ -19,6 +19,7 @@ continuous batch and each returns exactly its own results (`_serialized`).
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 import time
 from collections import deque
@@ -55,7 +56,7 @@ from torchhal.core.graphs.runner import GraphRunner
 from torchhal.core.model import AttentionMetadata, KVCache, Model, ModelConfig, ReferenceDecoder
 from torchhal.core.model.linear import use_platform_linear
 from torchhal.core.model.protocol import missing_model_members
-from torchhal.platforms import Platform, ReleasePoint, current_platform
+from torchhal.platforms import CompileSupport, Platform, ReleasePoint, current_platform
 
 if TYPE_CHECKING:
     from torchhal.core.model.checkpoint import LoadReport
@@ -142,6 +143,8 @@ class GenerationEngine:
         built.to(self.device, config.dtype)
         built.eval()
         linear_kernel, linear_why = use_platform_linear(built, self.platform.linear_support, config.dtype)
+        compile_options: dict[str, Any] | None = None
+        compile_why = "layers are not compiled (EngineConfig.compile_layers is None)"
         if config.compile_layers is not None:
             compile_layers = getattr(built, "compile_layers", None)
             if compile_layers is None:
@@ -149,7 +152,12 @@ class GenerationEngine:
                     f"EngineConfig.compile_layers = {config.compile_layers!r}, but model {type(built).__name__} "
                     "has no compile_layers(backend); leave compile_layers None for this model"
                 )
-            compile_layers(config.compile_layers)  # before any graph is captured
+            compile_options, compile_why = platform_compile_options(
+                compile_layers, config.compile_layers, self.platform.compile_support)
+            if compile_options:  # before any graph is captured
+                compile_layers(config.compile_layers, compile_options)
+            else:
+                compile_layers(config.compile_layers)
         self.model: Model = built
         model_config, local = self.model_config, self.local_config
         self.kv_sizing: KVPoolSizing = size_kv_pool(
@@ -173,6 +181,7 @@ class GenerationEngine:
         self.events = EngineEvents(self.platform, self.device_index)
         self.events.record("attention_backend", backend=self.attention.name, why=self.attention.why)
         self.events.record("linear_kernel", kernel=linear_kernel, why=linear_why)
+        self.events.record("compile_options", options=compile_options, why=compile_why)
         self.paused: PauseMode | None = None
         # Reentrant: public methods call each other (flush_cache drains, pause drains, ...).
         self._lock = threading.RLock()
@@ -713,6 +722,20 @@ class GenerationEngine:
         engine = cls(config, platform=platform, model=model, runner_factory=runner_factory, group=group)
         engine.checkpoint = report
         return engine
+
+
+def platform_compile_options(compile_layers: Callable[..., None], backend: str | Callable[..., Any],
+                             support: CompileSupport | None) -> tuple[dict[str, Any] | None, str]:
+    """The platform's inductor options for `compile_layers(backend, options)`, and why (or why
+    none): only the inductor backend takes them, and only a model whose `compile_layers` has an
+    `options` parameter."""
+    if support is None:
+        return None, "the platform asks for no inductor options (compile_support() is None)"
+    if backend != "inductor":
+        return None, f"the platform's inductor options do not apply to compile backend {backend!r}"
+    if "options" not in inspect.signature(compile_layers).parameters:
+        return None, "the model's compile_layers(backend) takes no options"
+    return dict(support.inductor_options), support.note or "the platform's inductor options"
 
 
 def _rank_model(model: Model, group: DeviceGroup) -> Model:

@@ -14,7 +14,7 @@ vocabulary (`ModelConfig`, the cache, the metadata) lives in `config` and `kv_ca
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -229,10 +229,18 @@ class LayerMath:
         self.attention_partial: Callable[..., torch.Tensor] = self._attention_partial
         self.mlp_partial: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._mlp_partial
 
-    def compile(self, backend: str | Callable[..., Any] = "inductor") -> None:
+    def compile(self, backend: str | Callable[..., Any] = "inductor",
+                options: Mapping[str, bool | int | str] | None = None) -> None:
+        """`options`: inductor settings (`torch.compile(options=...)`), for backend "inductor" only."""
         check_compile_backend(backend, "compile backend")
+        if options and backend != "inductor":
+            raise ValueError(f"compile options {dict(options)!r} are inductor settings, but the backend is "
+                             f"{backend!r}; pass backend='inductor' or no options")
+        settings: dict[str, str | int | bool | Callable[..., Any]] | None = dict(options) if options else None
+
         def compiled(fn: Callable[..., Any], *token_args: int) -> Callable[..., Any]:
-            return _token_dim_dynamic(torch.compile(fn, backend=backend, fullgraph=True), token_args)
+            return _token_dim_dynamic(torch.compile(fn, backend=backend, fullgraph=True, options=settings),
+                                      token_args)
 
         # The positions of the arguments with a token dimension: residual, cos, sin; residual, attn_out.
         self.pre_attention = compiled(self._pre_attention, 0, 6, 7)
@@ -401,12 +409,14 @@ class LlamaDecoder(nn.Module):
         part.train(self.training)
         return part
 
-    def compile_layers(self, backend: str | Callable[..., Any] = "inductor") -> None:
+    def compile_layers(self, backend: str | Callable[..., Any] = "inductor",
+                       options: Mapping[str, bool | int | str] | None = None) -> None:
         """Run every layer's arithmetic outside attention through `torch.compile` (see
-        `LayerMath`): fewer, fused kernels per decode step. Call it before graphs are captured
+        `LayerMath`): fewer, fused kernels per decode step. `options` are inductor settings (the
+        engine passes the platform's `compile_support()`). Call it before graphs are captured
         (the engine does, for `EngineConfig.compile_layers`); captured graphs keep the kernels
         they were captured with."""
-        self.layer_math.compile(backend)
+        self.layer_math.compile(backend, options)
 
     def use_linear(self, support: LinearSupport | None) -> None:
         """Run every projection (QKV, o_proj, gate-up, down, the tensor-parallel partials and
