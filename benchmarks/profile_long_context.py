@@ -34,8 +34,9 @@ picks them; the first two by default, the others were this file's earlier levers
   step (the previous rule, `cut_to_fill`, patched in), on 3968x8 and 16000x8 prefill alone;
 - `flash_prefill_runs`: whole prompts of equal length in one SDPA call (the backend now)
   against one call per prompt (the previous code, patched back in), on 32x32 and 8x3968 prefill;
-- `decode_splits`: the split-K paged decode kernel at batch 8 / 16k context, graph-replayed,
-  per split count, then the engine's decode step with the best count against the current rule.
+- `decode_splits`: the split-K paged decode kernel at batch 8 and 1 / 16k context, graph-replayed,
+  per split count, then the engine's decode step (16000x8, 16000x1) with each batch's best count
+  against the current rule.
 
 `--idle` profiles each prefill scenario once more with Python stacks and charges the device's
 idle time to what the host was running then (`host_during_idle`).
@@ -356,7 +357,7 @@ def split_kernel_sweep(device: torch.device, shape: dict[str, Any], batch: int, 
     kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
     reference = None
     rows = []
-    for splits in sorted({1, 2, 4, current, 8, 11, 16, 22, 32, 64}):
+    for splits in sorted({1, 2, 4, current, 8, 11, 16, 22, 32, 48, 64, 96, 128}):
         out = torch.empty_like(query)
 
         def call(s: int = splits, o: torch.Tensor = out) -> None:
@@ -377,6 +378,9 @@ def split_kernel_sweep(device: torch.device, shape: dict[str, Any], batch: int, 
 def decode_splits_lever(engine: GenerationEngine, generate: Callable[[list[list[int]], int], list[list[int]]],
                         prompts: dict[str, list[list[int]]], shape: dict[str, Any],
                         sync: Callable[[], None]) -> dict[str, Any]:
+    """The split-K decode kernel swept per split count at batch 8 and 1 (16k context) and batch 1
+    at a short one; then the engine's captured decode step at 16000x1 and 16000x8, the rule's
+    split count against the kernel sweep's best for that batch (graphs re-captured for each)."""
     from torchhal.plugins import cuda_attention
 
     device = engine.device
@@ -385,31 +389,32 @@ def decode_splits_lever(engine: GenerationEngine, generate: Callable[[list[list[
     for sweep in result["kernel"]:
         print(f"  lever splits kernel b{sweep['batch']} ctx{sweep['context']}: current {sweep['current_rule_splits']}"
               f" best {sweep['best']}", flush=True)
-    best = result["kernel"][0]["best"]["splits"]
-    batch_prompts, layers = prompts["16000x8"], shape["num_hidden_layers"]
-    rule = cuda_attention.decode_splits
+    layers, rule = shape["num_hidden_layers"], cuda_attention.decode_splits
     folder = Path(tempfile.mkdtemp())
 
-    def engine_step(label: str) -> dict[str, Any]:
+    def engine_step(cell: str, label: str) -> dict[str, Any]:
         assert engine.decode_runner is not None
         engine.decode_runner.capture()  # the split count is baked into the captured graphs
-        raw = pure_decode(engine, batch_prompts, 16, folder, label, True, layers)
+        raw = pure_decode(engine, prompts[cell], 16, folder, label, True, layers)
         row = {"device_ms": raw["busy_us"] / 1e3, "span_ms": raw["span_us"] / 1e3, "steps": raw["steps"],
                "attention_ms": sum(us for name, (us, _) in raw["kernels"].items()
                                    if kernel_class(name) == "attention") / 1e3, "tokens": raw["tokens"]}
-        print(f"  lever splits engine {label}: {row['span_ms']:.2f} ms a step, attention {row['attention_ms']:.2f} ms",
-              flush=True)
+        print(f"  lever splits engine {cell} {label}: {row['span_ms']:.2f} ms a step, attention "
+              f"{row['attention_ms']:.2f} ms", flush=True)
         return row
 
-    before = engine_step("current rule")
-    try:
-        cuda_attention.decode_splits = lambda batch, *rest: best if batch == 8 else rule(batch, *rest)
-        after = engine_step(f"{best} splits at batch 8")
-    finally:
-        cuda_attention.decode_splits = rule
-        engine.decode_runner.capture()  # type: ignore[union-attr]
-    result["engine"] = {"best_splits": best, "before": before, "after": after,
-                        "tokens_equal": before["tokens"] == after["tokens"]}
+    result["engine"] = {}
+    for cell, sweep in (("16000x8", result["kernel"][0]), ("16000x1", result["kernel"][1])):
+        best, batch = sweep["best"]["splits"], sweep["batch"]
+        before = engine_step(cell, "current rule")
+        try:
+            cuda_attention.decode_splits = lambda b, *rest, n=best, at=batch: n if b == at else rule(b, *rest)
+            after = engine_step(cell, f"{best} splits at batch {batch}")
+        finally:
+            cuda_attention.decode_splits = rule
+            engine.decode_runner.capture()  # type: ignore[union-attr]
+        result["engine"][cell] = {"best_splits": best, "before": before, "after": after,
+                                  "tokens_equal": before["tokens"] == after["tokens"]}
     return result
 
 
