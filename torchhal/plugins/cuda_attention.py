@@ -27,14 +27,11 @@ from torchhal.attention.layout import equal_length_runs, split_whole_prompts
 from torchhal.plugins.cuda_pdl import programmatic_launch, wait_for_previous_kernels
 
 LOG2E = 1.4426950408889634
-#: Split the context only while each split keeps at least one key tile (DECODE's block_n).
-MIN_TOKENS_PER_SPLIT = 64
+#: Split the context only while each split keeps at least this many tokens.
+MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 #: Launch configurations (tuned on an H200, bf16, head_dim 128; benchmarks/attention_kernels.py --sweep).
-#: Four waves of split programs (profile_long_context.py's decode_splits lever, H200, 8B shape:
-#: batch 1 at 16k context reads the KV 8% faster with 64 splits than with two waves' 33, batch
-#: 8 6% faster with 8-16 than with 5, batch 1 at 160 tokens 19% faster with 4 than with 1).
-DECODE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4}
+DECODE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 2}
 #: Prefill by element size: 256-row tiles of 4-byte elements need more shared memory than an
 #: H200 has (263168 > 232448 bytes at head_dim 128), so float32 keeps 128-row tiles.
 PREFILL = {
@@ -198,7 +195,7 @@ def _multiprocessors(device_index: int) -> int:
 
 
 def decode_splits(batch: int, kv_heads: int, context_capacity: int, multiprocessors: int) -> int:
-    """Splits per row: enough programs for about DECODE["waves"] waves, each split >= MIN_TOKENS_PER_SPLIT.
+    """Splits per row: enough programs for about two waves, each split >= MIN_TOKENS_PER_SPLIT.
 
     A function of launch shapes only (the table's capacity, not the lengths): graph-safe.
     """
