@@ -18,6 +18,7 @@ from torchhal.attention import (
     DecodeMetadata,
     ReferenceBackend,
     build_metadata,
+    build_metadata_and_positions,
     choose_backend,
     new_kv_cache,
     query_positions,
@@ -165,6 +166,8 @@ def test_build_metadata_slots_and_positions_equal_a_per_token_walk():
                              blocks[position // block_size] * block_size + position % block_size)
         assert meta.slot_mapping.tolist() == slots and meta.slot_mapping.dtype == torch.int64
         assert query_positions(meta).tolist() == positions
+        _, given = build_metadata_and_positions(tables, seq_lens, query_lens, block_size, CPU)
+        assert given.tolist() == positions
 
 
 @pytest.mark.parametrize("args, message", [

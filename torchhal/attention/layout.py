@@ -125,8 +125,21 @@ def build_metadata(
     device: torch.device,
     max_blocks: int | None = None,
 ) -> PagedMetadata:
-    """Metadata for one step from host lists (prefill, tests): request i's last
-    `query_lens[i]` of `seq_lens[i]` tokens are this step's queries.
+    """`build_metadata_and_positions` without the positions."""
+    return build_metadata_and_positions(block_tables, seq_lens, query_lens, block_size, device, max_blocks)[0]
+
+
+def build_metadata_and_positions(
+    block_tables: Sequence[Sequence[int]],
+    seq_lens: Sequence[int],
+    query_lens: Sequence[int],
+    block_size: int,
+    device: torch.device,
+    max_blocks: int | None = None,
+) -> tuple[PagedMetadata, torch.Tensor]:
+    """Metadata for one step from host lists (prefill, tests), and its query tokens' positions
+    ([num_tokens] int64, as `query_positions` gives them: the slots are worked out from them,
+    so they come free). Request i's last `query_lens[i]` of `seq_lens[i]` tokens are this step's queries.
 
     A padded row has seq_len 0 and query_len 0 (prefill) or 1 (a decode row of a padded
     batch: it writes the scratch slot and outputs zeros).
@@ -169,7 +182,7 @@ def build_metadata(
     columns = positions.clamp(min=0)
     slots = block_table[rows, columns // block_size].to(torch.int64) * block_size + columns % block_size
     padded = device_seq_lens[rows] == 0
-    return PagedMetadata(
+    meta = PagedMetadata(
         block_tables=block_table,
         seq_lens=device_seq_lens,
         query_start=query_start,
@@ -178,6 +191,7 @@ def build_metadata(
         host_seq_lens=tuple(seq_lens),
         host_query_start=tuple(starts),
     )
+    return meta, positions
 
 
 def _token_rows_and_positions(seq_lens: torch.Tensor, query_start: torch.Tensor,

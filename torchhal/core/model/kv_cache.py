@@ -22,8 +22,7 @@ from torchhal.attention import (
     AttentionBackend,
     PagedMetadata,
     ReferenceBackend,
-    build_metadata,
-    query_positions,
+    build_metadata_and_positions,
 )
 from torchhal.core.model.config import ModelConfig
 
@@ -87,12 +86,13 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """From host lists: request i's last `query_lens[i]` of `seq_lens[i]` tokens are this
         step's queries, its KV in `block_tables[i]`. Host work grows with the requests and
-        their blocks; slots and positions are worked out on the device (`build_metadata`).
+        their blocks; slots and positions are worked out on the device, once
+        (`build_metadata_and_positions`).
         `backend` None: the portable reference."""
-        paged = build_metadata(block_tables, seq_lens, query_lens, block_size, device)
+        paged, positions = build_metadata_and_positions(block_tables, seq_lens, query_lens, block_size, device)
         return cls(
             paged=paged,
-            positions=query_positions(paged),
+            positions=positions,
             backend=backend or _REFERENCE,
             decode=bool(query_lens) and all(q == 1 for q in query_lens),
         )
