@@ -141,11 +141,29 @@ def idle_intervals(kernels: list[tuple[str, float, float]], least_us: float) -> 
     return idle
 
 
+CALL = "profiled_call"  # the annotation `profiled` wraps around the call and its synchronize
+
+
+def call_edges(trace_path: Path) -> dict[str, float]:
+    """How long the profiled call took (`CALL`'s annotation) and how much of it lies outside the
+    kernels' span: host work before the first kernel starts, and after the last one ends."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    calls = [e for e in events if e.get("name") == CALL and "dur" in e]
+    kernels = device_kernels(trace_path)
+    if not calls or not kernels:
+        return {}
+    begin, end = float(calls[0]["ts"]), float(calls[0]["ts"]) + float(calls[0]["dur"])
+    first, last = min(k[1] for k in kernels), max(k[1] + k[2] for k in kernels)
+    return {"call_us": end - begin, "before_first_kernel_us": first - begin, "after_last_kernel_us": end - last}
+
+
 def host_during_idle(trace_path: Path, least_us: float = 10.0, step_us: float = 2.0,
                      top: int = 20) -> dict[str, Any]:
     """What the host ran while the device idled: each idle span is sampled every `step_us` and
     each sample is charged to the innermost host event covering it (a Python frame, an aten op
-    or a runtime call such as a synchronize), on the thread that launched the kernels."""
+    or a runtime call such as a synchronize), on the thread that launched the kernels. The time
+    from the start of `CALL`'s annotation (when the trace has one) to the first kernel is
+    charged the same way, apart (`before_first_kernel`): the device idles then too."""
     events = json.loads(trace_path.read_text())["traceEvents"]
     kernels = [(e["name"], float(e["ts"]), float(e["dur"])) for e in events
                if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
@@ -154,25 +172,33 @@ def host_during_idle(trace_path: Path, least_us: float = 10.0, step_us: float = 
         return {"idle_us": 0.0, "spans": 0, "host": []}
     thread = max({e["tid"] for e in launches}, key=lambda t: sum(1 for e in launches if e["tid"] == t))
     host = sorted(((float(e["ts"]), float(e["ts"]) + float(e["dur"]), str(e["name"])) for e in events
-                   if e.get("cat") in ("python_function", "cpu_op", "cuda_runtime", "user_annotation")
-                   and e.get("tid") == thread and "dur" in e), key=lambda h: h[0])
-    idle = idle_intervals(kernels, least_us)
+                  if e.get("cat") in ("python_function", "cpu_op", "cuda_runtime", "user_annotation")
+                  and e.get("tid") == thread and "dur" in e and e.get("name") != CALL), key=lambda h: h[0])
     starts = [h[0] for h in host]
-    charged: dict[str, float] = defaultdict(float)
-    for begin, end in idle:
-        t = begin + step_us / 2
-        while t < end:
-            # The latest-starting event that covers t is the innermost (host events nest).
-            i, name = bisect.bisect_right(starts, t) - 1, "(no host event)"
-            for j in range(i, max(i - 5000, -1), -1):
-                if host[j][1] >= t:
-                    name = host[j][2][:160]
-                    break
-            charged[name] += step_us
-            t += step_us
-    ranked = sorted(charged.items(), key=lambda kv: -kv[1])[:top]
-    return {"idle_us": sum(e - b for b, e in idle), "spans": len(idle),
-            "host": [{"name": name, "us": us} for name, us in ranked]}
+
+    def charge(spans: list[tuple[float, float]]) -> list[dict[str, Any]]:
+        charged: dict[str, float] = defaultdict(float)
+        for begin, end in spans:
+            t = begin + step_us / 2
+            while t < end:
+                # The latest-starting event that covers t is the innermost (host events nest).
+                i, name = bisect.bisect_right(starts, t) - 1, "(no host event)"
+                for j in range(i, max(i - 5000, -1), -1):
+                    if host[j][1] >= t:
+                        name = host[j][2][:160]
+                        break
+                charged[name] += step_us
+                t += step_us
+        ranked = sorted(charged.items(), key=lambda kv: -kv[1])[:top]
+        return [{"name": name, "us": us} for name, us in ranked]
+
+    idle = idle_intervals(kernels, least_us)
+    report: dict[str, Any] = {"idle_us": sum(e - b for b, e in idle), "spans": len(idle), "host": charge(idle)}
+    calls = [float(e["ts"]) for e in events if e.get("name") == CALL and "dur" in e]
+    if calls:
+        lead = (calls[0], min(k[1] for k in kernels))
+        report["before_first_kernel"] = {"us": lead[1] - lead[0], "host": charge([lead])}
+    return report
 
 
 def profiled(fn: Callable[[], Any], folder: Path, label: str, on_gpu: bool) -> dict[str, Any]:
@@ -180,20 +206,21 @@ def profiled(fn: Callable[[], Any], folder: Path, label: str, on_gpu: bool) -> d
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities) as prof, torch.profiler.record_function(CALL):
         fn()
         if on_gpu:
             torch.cuda.synchronize()
     path = folder / f"{label}.json"
     prof.export_chrome_trace(str(path))
     kernels = device_kernels(path)
+    edges = call_edges(path)
     path.unlink()
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for name, _, dur in kernels:
         totals[name][0] += dur
         totals[name][1] += 1
     busy, span = busy_and_span(kernels)
-    return {"kernels": {k: tuple(v) for k, v in totals.items()}, "busy_us": busy, "span_us": span}
+    return {"kernels": {k: tuple(v) for k, v in totals.items()}, "busy_us": busy, "span_us": span, **edges}
 
 
 def idle_profile(fn: Callable[[], Any], folder: Path, label: str) -> dict[str, Any]:
@@ -201,7 +228,8 @@ def idle_profile(fn: Callable[[], Any], folder: Path, label: str) -> dict[str, A
     the shares say where the device waits, the microseconds are inflated)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof, \
+            torch.profiler.record_function(CALL):
         fn()
         torch.cuda.synchronize()
     path = folder / f"{label}_idle.json"
@@ -282,8 +310,10 @@ def summarize(raw: dict[str, Any], work: dict[str, dict[str, float]], matrix_flo
             if matrix_flops:
                 row["matrix_rate_fraction"] = need["flops"] / seconds / matrix_flops
     gaps = max(raw["span_us"] - raw["busy_us"], 0.0)
+    edges = {key: raw[key] for key in ("call_us", "before_first_kernel_us", "after_last_kernel_us",
+                                       "unprofiled_call_us") if key in raw}
     return {
-        "device_us": total, "busy_us": raw["busy_us"], "span_us": raw["span_us"],
+        "device_us": total, "busy_us": raw["busy_us"], "span_us": raw["span_us"], **edges,
         "launch_gaps_us": gaps, "launch_gap_share_of_span": gaps / raw["span_us"] if raw["span_us"] else 0.0,
         "classes": classes,
         "top_kernels": [{"name": name[:160], "us": us, "count": count, "share": us / total,
@@ -621,6 +651,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             else:
                 raw = profiled(lambda p=batch_prompts: generate(p, 1), folder, name, on_gpu)
                 tokens = generate(batch_prompts, 1)
+                # The same call unprofiled, as long_context.py times it: what the span leaves out.
+                raw["unprofiled_call_us"] = 1e6 * median_run(lambda p=batch_prompts: generate(p, 1), 1, 3,
+                                                             platform.synchronize)[0]
             summary = summarize(raw, model_work(shape, prompt, batch, steps, element), results.get("matrix_flop_s"))
             summary.update({"cell": cell, "decode_steps_profiled": steps,
                             # equal digests: two runs (another setting, say) gave the same tokens
@@ -631,9 +664,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 summary["host_during_idle"] = idle_profile(lambda p=batch_prompts: generate(p, 1), folder, name)
                 for row in summary["host_during_idle"]["host"][:8]:
                     print(f"   idle {row['us'] / 1e3:8.3f} ms  {row['name'][:100]}")
+                for row in summary["host_during_idle"].get("before_first_kernel", {}).get("host", [])[:8]:
+                    print(f"   lead {row['us'] / 1e3:8.3f} ms  {row['name'][:100]}")
             results["scenarios"][name] = summary
-            print(f"== {name}: {summary['device_us'] / 1e3:.2f} ms of kernels, span {summary['span_us'] / 1e3:.2f} ms",
-                  flush=True)
+            print(f"== {name}: {summary['device_us'] / 1e3:.2f} ms of kernels, span {summary['span_us'] / 1e3:.2f} ms, "
+                  + " ".join(f"{key[:-3]} {summary[key] / 1e3:.2f} ms" for key in
+                             ("call_us", "before_first_kernel_us", "after_last_kernel_us", "unprofiled_call_us")
+                             if key in summary), flush=True)
             for cls, row in summary["classes"].items():
                 extra = " ".join(f"{k}={row[k]:.2f}" for k in ("hbm_fraction", "matrix_rate_fraction") if k in row)
                 print(f"   {cls:11s} {row['us'] / 1e3:8.3f} ms {row['share']:6.1%} x{row['kernels']:.0f} {extra}")
