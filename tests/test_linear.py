@@ -97,14 +97,14 @@ def test_no_support_is_f_linear_itself():
     assert routed_linear(None) is F.linear
 
 
-def test_layer_math_routes_the_tensor_parallel_partials_too():
+def test_layer_math_routes_the_output_projection_and_the_mlp():
     config = ModelConfig()
     math = LayerMath(config)
     math.linear = routed_linear(counting())
     h, i = config.hidden_size, config.intermediate_size
     o_weight, gate_up, down = torch.randn(h, h), torch.randn(2 * i, h), torch.randn(h, i)
-    math.attention_partial(torch.randn(1, config.num_heads, config.head_dim), o_weight)
-    math.mlp_partial(torch.randn(1, h), torch.randn(1, h), None, torch.ones(h), gate_up, down)
+    math.attention_output(torch.randn(1, config.num_heads, config.head_dim), o_weight, None)
+    math.mlp(torch.randn(1, h), torch.randn(1, h), None, torch.ones(h), gate_up, down)
     assert [ptr for _, ptr in CALLS] == [o_weight.data_ptr(), gate_up.data_ptr(), down.data_ptr()]
 
 

@@ -222,12 +222,10 @@ class LayerMath:
         self.config = config
         # Every projection: F.linear, or the platform's kernel for few rows (`LlamaDecoder.use_linear`).
         self.linear: LinearFn = F.linear
-        self.pre_attention: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._pre_attention
-        self.post_attention: Callable[..., torch.Tensor] = self._post_attention
-        self.final_norm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._final_norm
-        # Tensor parallel: the post-attention arithmetic cut at its two all-reduces.
-        self.attention_partial: Callable[..., torch.Tensor] = self._attention_partial
-        self.mlp_partial: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._mlp_partial
+        self.pre_attention: Callable[..., tuple[torch.Tensor, ...]] = self._pre_attention
+        self.attention_output: Callable[..., torch.Tensor] = self._attention_output
+        self.mlp: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._mlp_block
+        self.final_norm: Callable[..., torch.Tensor] = self._final_norm
 
     def compile(self, backend: str | Callable[..., Any] = "inductor",
                 options: Mapping[str, bool | int | str] | None = None) -> None:
@@ -242,21 +240,28 @@ class LayerMath:
             return _token_dim_dynamic(torch.compile(fn, backend=backend, fullgraph=True, options=settings),
                                       token_args)
 
-        # The positions of the arguments with a token dimension: residual, cos, sin; residual, attn_out.
-        self.pre_attention = compiled(self._pre_attention, 0, 6, 7)
-        self.post_attention = compiled(self._post_attention, 0, 1)
-        self.final_norm = compiled(self._final_norm, 0)
-        self.attention_partial = compiled(self._attention_partial, 0)
-        self.mlp_partial = compiled(self._mlp_partial, 0, 1)
+        # The positions of the arguments with a token dimension.
+        self.pre_attention = compiled(self._pre_attention, 0, 1, 7, 8)  # residual, mlp_out, cos, sin
+        self.attention_output = compiled(self._attention_output, 0)  # attn_out
+        self.mlp = compiled(self._mlp_block, 0, 1)  # residual, attention
+        self.final_norm = compiled(self._final_norm, 0, 1)  # residual, mlp_out
 
+    # The residual stream: each sum `residual + x` is taken where a norm reads it next, so a
+    # compiled layer adds and normalises in one kernel and every projection writes a fresh
+    # output. (`residual + matmul` read by a norm would become an addmm, which copies the
+    # residual into its output before the product.) Eager, the sums are HF's, in HF's order.
     def _pre_attention(
-        self, residual: torch.Tensor, norm_weight: torch.Tensor, qkv_weight: torch.Tensor,
-        qkv_bias: torch.Tensor | None, q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
-        cos: torch.Tensor, sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Input norm, fused QKV projection, q/k norms (Qwen3) and rotary: q [T, H, D], k and v [T, Hkv, D]."""
+        self, residual: torch.Tensor, mlp_out: torch.Tensor | None, norm_weight: torch.Tensor,
+        qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None, q_norm_weight: torch.Tensor | None,
+        k_norm_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer before's MLP output added to the residual (`mlp_out`; None in the first
+        layer), input norm, fused QKV projection, q/k norms (Qwen3) and rotary: the residual,
+        q [T, H, D], k and v [T, Hkv, D]."""
         config = self.config
         heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
+        if mlp_out is not None:
+            residual = residual + mlp_out
         t = residual.shape[0]
         qkv = self.linear(rms_norm(residual, norm_weight, config.rms_eps), qkv_weight, qkv_bias)
         q_size, kv_size = heads * dim, kv_heads * dim
@@ -264,40 +269,32 @@ class LayerMath:
         if q_norm_weight is not None and k_norm_weight is not None:
             q = rms_norm(qkv[:, :q_size].reshape(t, heads, dim), q_norm_weight, config.rms_eps)
             k = rms_norm(qkv[:, q_size : q_size + kv_size].reshape(t, kv_heads, dim), k_norm_weight, config.rms_eps)
-            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+            return residual, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
         # q and k rotate together: they are adjacent in the fused projection's output.
         qk = apply_rotary(qkv[:, : q_size + kv_size].reshape(t, heads + kv_heads, dim), cos, sin)
-        return qk[:, :heads], qk[:, heads:], v
+        return residual, qk[:, :heads], qk[:, heads:], v
 
-    def _post_attention(
-        self, residual: torch.Tensor, attn_out: torch.Tensor, o_weight: torch.Tensor, o_bias: torch.Tensor | None,
-        norm_weight: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
-    ) -> torch.Tensor:
-        """Output projection and residual, then the SwiGLU MLP and its residual."""
-        residual = residual + self.linear(attn_out.reshape(residual.shape[0], -1), o_weight, o_bias)
-        return residual + self._mlp(residual, norm_weight, gate_up_weight, down_weight)
+    def _attention_output(self, attn_out: torch.Tensor, o_weight: torch.Tensor,
+                          o_bias: torch.Tensor | None) -> torch.Tensor:
+        """The output projection of [T, H, D] attention. Tensor parallel: this rank's heads
+        through its columns of o_proj, one term of the all-reduced sum (no bias: `_mlp_block`
+        adds it once, after the sum)."""
+        return self.linear(attn_out.reshape(attn_out.shape[0], -1), o_weight, o_bias)
 
-    def _mlp(self, residual: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight: torch.Tensor,
-             down_weight: torch.Tensor) -> torch.Tensor:
-        gate, up = self.linear(rms_norm(residual, norm_weight, self.config.rms_eps), gate_up_weight, None).chunk(
-            2, dim=-1)
-        return self.linear(F.silu(gate) * up, down_weight, None)
-
-    def _attention_partial(self, attn_out: torch.Tensor, o_weight: torch.Tensor) -> torch.Tensor:
-        """This rank's heads through its columns of o_proj: one term of the all-reduced sum."""
-        return self.linear(attn_out.reshape(attn_out.shape[0], -1), o_weight, None)
-
-    def _mlp_partial(
+    def _mlp_block(
         self, residual: torch.Tensor, attention: torch.Tensor, o_bias: torch.Tensor | None,
         norm_weight: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual after the all-reduced attention output (o_proj's bias added once, here),
-        and this rank's term of the MLP output (its slice of the intermediate width)."""
+        """The residual after the (all-reduced) attention output, plus o_proj's bias when it was
+        left out of the projection, and the SwiGLU MLP's output (this rank's term of it, tensor
+        parallel: its slice of the intermediate width); the next norm adds that to the residual."""
         residual = residual + attention if o_bias is None else residual + attention + o_bias
-        return residual, self._mlp(residual, norm_weight, gate_up_weight, down_weight)
+        gate, up = self.linear(rms_norm(residual, norm_weight, self.config.rms_eps), gate_up_weight, None).chunk(
+            2, dim=-1)
+        return residual, self.linear(F.silu(gate) * up, down_weight, None)
 
-    def _final_norm(self, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return rms_norm(residual, weight, self.config.rms_eps)
+    def _final_norm(self, residual: torch.Tensor, mlp_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(residual + mlp_out, weight, self.config.rms_eps)
 
 
 def check_compile_backend(backend: object, label: str) -> None:
@@ -308,14 +305,15 @@ def check_compile_backend(backend: object, label: str) -> None:
 
 
 def _token_dim_dynamic(compiled: Callable[..., Any], token_args: tuple[int, ...]) -> Callable[..., Any]:
-    """Call `compiled` with the token dimension (dim 0) of the arguments at `token_args` marked
-    dynamic, so every token count above 1 shares one compiled graph (one set of kernels, hence
-    the same numbers for a padded graph batch and the eager batch it stands for); a count of 1
-    gets its own."""
+    """Call `compiled` with the token dimension (dim 0) of the tensors at `token_args` marked
+    dynamic (an argument that is None is left alone), so every token count above 1 shares one
+    compiled graph (one set of kernels, hence the same numbers for a padded graph batch and the
+    eager batch it stands for); a count of 1 gets its own."""
 
     def call(*args: Any) -> Any:
         for index in token_args:
-            torch._dynamo.maybe_mark_dynamic(args[index], 0)
+            if args[index] is not None:
+                torch._dynamo.maybe_mark_dynamic(args[index], 0)
         return compiled(*args)
 
     return call
@@ -444,53 +442,51 @@ class LlamaDecoder(nn.Module):
         """Graph-safe steps and breakable attention ops for the whole layer stack.
 
         Inputs in the state: "hidden" [T, H] (embedded tokens), "positions" [T].
-        Output: "hidden" [T, H] after the final norm.
+        Output: "hidden" [T, H] after the final norm. Between layers the state carries the
+        residual and the layer's MLP output ("mlp_out"), which the next layer's norm adds.
         """
         steps: list[Step] = []
-        layers = self.decoder_layers
-        for index, layer in enumerate(layers):
+        for index, layer in enumerate(self.decoder_layers):
             steps.append(GraphStep(f"layer{index}.pre_attention", self._pre_attention(layer, first=index == 0)))
             steps.append(BreakStep(f"layer{index}.attention", self._attention(index)))
-            last = index == len(layers) - 1
-            if self.shard is None:
-                steps.append(GraphStep(f"layer{index}.post_attention", self._post_attention(layer, last)))
-            else:
-                steps += self._parallel_post_attention(index, layer, last)
+            steps += self._post_attention(index, layer)
+        steps.append(GraphStep("final_norm", self._final_norm))
         return steps
 
-    def _parallel_post_attention(self, index: int, layer: DecoderLayer, last: bool) -> list[Step]:
-        """Tensor parallel: o_proj and down_proj are row-parallel, each followed by one all-reduce
-        of the partial sums in place in state["partial"]. The all-reduces are graph steps when the
-        communicator's collectives can be captured, breaks otherwise (the segments around them stay graphs)."""
-        comm = self._communicator()
+    def _post_attention(self, index: int, layer: DecoderLayer) -> list[Step]:
+        """o_proj, then the MLP block. Tensor parallel, both are row-parallel and each is
+        followed by one all-reduce of its partial sums in place: a graph step when the
+        communicator's collectives can be captured, a break otherwise (the segments around it
+        stay graphs). One device: the same steps without the all-reduces."""
         attn, mlp, layer_math = layer.self_attn, layer.mlp, self.layer_math
+        # Tensor parallel, o_proj's bias is added once, after the sum; on one device inside the
+        # projection, as HF adds it.
+        projection_bias, sum_bias = (attn.o_proj.bias, None) if self.shard is None else (None, attn.o_proj.bias)
 
-        def reduce(state: StackState) -> None:
-            comm.all_reduce(state["partial"])
+        def o_proj(state: StackState) -> None:
+            state["attention"] = layer_math.attention_output(state["attn_out"], attn.o_proj.weight, projection_bias)
 
-        def all_reduce(name: str) -> Step:
+        def mlp_block(state: StackState) -> None:
+            state["residual"], state["mlp_out"] = layer_math.mlp(
+                state["residual"], state["attention"], sum_bias, layer.post_attention_layernorm.weight,
+                mlp.fused_weight, mlp.down_proj.weight,
+            )
+
+        if self.shard is None:
+            return [GraphStep(f"layer{index}.o_proj", o_proj), GraphStep(f"layer{index}.mlp", mlp_block)]
+        comm = self._communicator()
+
+        def all_reduce(name: str, key: str) -> Step:
+            def reduce(state: StackState) -> None:
+                comm.all_reduce(state[key])
+
             if comm.graph_capturable:
                 return GraphStep(name, reduce)
             return BreakStep(name, lambda state, num_tokens, meta: reduce(state))
 
-        def o_proj(state: StackState) -> None:
-            state["partial"] = layer_math.attention_partial(state["attn_out"], attn.o_proj.weight)
-
-        def mlp_partial(state: StackState) -> None:
-            state["residual"], state["partial"] = layer_math.mlp_partial(
-                state["residual"], state["partial"], attn.o_proj.bias, layer.post_attention_layernorm.weight,
-                mlp.fused_weight, mlp.down_proj.weight,
-            )
-
-        def mlp_residual(state: StackState) -> None:
-            state["residual"] = residual = state["residual"] + state["partial"]
-            if last:
-                state["hidden"] = layer_math.final_norm(residual, self.model.norm.weight)
-
         return [
-            GraphStep(f"layer{index}.o_proj", o_proj), all_reduce(f"layer{index}.o_proj.all_reduce"),
-            GraphStep(f"layer{index}.mlp", mlp_partial), all_reduce(f"layer{index}.mlp.all_reduce"),
-            GraphStep(f"layer{index}.mlp_residual", mlp_residual),
+            GraphStep(f"layer{index}.o_proj", o_proj), all_reduce(f"layer{index}.o_proj.all_reduce", "attention"),
+            GraphStep(f"layer{index}.mlp", mlp_block), all_reduce(f"layer{index}.mlp.all_reduce", "mlp_out"),
         ]
 
     def _pre_attention(self, layer: DecoderLayer, first: bool) -> Callable[[StackState], None]:
@@ -505,18 +501,20 @@ class LlamaDecoder(nn.Module):
                 # The rotary tables depend only on the positions: once per step, for every layer.
                 cos, sin = self.model.rotary_emb(state["positions"], state["hidden"].dtype)
                 state["rotary_cos"], state["rotary_sin"] = cos, signed_sin(sin)
-            residual = state["residual"]
-            state["q"], state["k"], state["v"] = self.layer_math.pre_attention(
-                residual, layer.input_layernorm.weight, attn.fused_weight, attn.fused_bias,
-                q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
-                state["rotary_cos"], state["rotary_sin"],
+            state["residual"], state["q"], state["k"], state["v"] = self.layer_math.pre_attention(
+                state["residual"], None if first else state["mlp_out"], layer.input_layernorm.weight, attn.fused_weight,
+                attn.fused_bias, q_norm.weight if q_norm is not None else None,
+                k_norm.weight if k_norm is not None else None, state["rotary_cos"], state["rotary_sin"],
             )
-            t = residual.shape[0]
+            residual = state["residual"]
             state["attn_out"] = torch.empty(
-                t, config.num_heads, config.head_dim, dtype=residual.dtype, device=residual.device
+                residual.shape[0], config.num_heads, config.head_dim, dtype=residual.dtype, device=residual.device
             )
 
         return run
+
+    def _final_norm(self, state: StackState) -> None:
+        state["hidden"] = self.layer_math.final_norm(state["residual"], state["mlp_out"], self.model.norm.weight)
 
     def _attention(self, index: int) -> Callable[[StackState, int, AttentionMetadata], None]:
         config = self.local_config
@@ -533,20 +531,6 @@ class LlamaDecoder(nn.Module):
             attend = backend.decode if meta.decode else backend.prefill
             attend(state["q"][:num_tokens], k_cache, v_cache, meta.paged, scale=scale,
                    sliding_window=config.sliding_window, out=state["attn_out"][:num_tokens])
-
-        return run
-
-    def _post_attention(self, layer: DecoderLayer, last: bool) -> Callable[[StackState], None]:
-        attn, mlp = layer.self_attn, layer.mlp
-
-        def run(state: StackState) -> None:
-            residual = self.layer_math.post_attention(
-                state["residual"], state["attn_out"], attn.o_proj.weight, attn.o_proj.bias,
-                layer.post_attention_layernorm.weight, mlp.fused_weight, mlp.down_proj.weight,
-            )
-            state["residual"] = residual
-            if last:
-                state["hidden"] = self.layer_math.final_norm(residual, self.model.norm.weight)
 
         return run
 
