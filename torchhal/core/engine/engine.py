@@ -54,6 +54,7 @@ from torchhal.core.engine.weights import NamedTensors, WeightUpdater
 from torchhal.core.graphs.decode import BlockTable, DecodeGraphRunner, DecodeWindow
 from torchhal.core.graphs.runner import GraphRunner
 from torchhal.core.model import AttentionMetadata, KVCache, Model, ModelConfig, ReferenceDecoder
+from torchhal.core.model.greedy import greedy_tokens
 from torchhal.core.model.linear import use_platform_linear
 from torchhal.core.model.protocol import missing_model_members
 from torchhal.platforms import CompileSupport, Platform, ReleasePoint, current_platform
@@ -433,7 +434,7 @@ class GenerationEngine:
         else:
             inputs = self._decode_inputs(plan.decodes)
         hidden = self.runner.forward(inputs.input_ids, inputs.meta)
-        tokens: list[int] = self.model.logits(hidden, inputs.last_index).argmax(-1).tolist()
+        tokens: list[int] = greedy_tokens(self.model.logits(hidden, inputs.last_index)).tolist()
         # A prefill chunk short of its request's last token yields nothing yet.
         return [[token] if emits else [] for token, emits in zip(tokens, inputs.emits, strict=True)]
 

@@ -38,6 +38,7 @@ from torch import nn
 
 from torchhal.attention import SCRATCH_BLOCK, AttentionBackend, PagedMetadata
 from torchhal.core.graphs.program import BreakStep, StackState, Step, run_eager
+from torchhal.core.model.greedy import greedy_tokens
 from torchhal.core.model.kv_cache import AttentionMetadata
 from torchhal.platforms import Platform
 
@@ -510,7 +511,7 @@ class DecodeGraphRunner:
         meta = AttentionMetadata(self.step_metadata(batch, context), positions, self.backend, decode=True)
         state: StackState = {"hidden": model.embed_tokens(tokens), "positions": positions}
         run_eager(self._program(), state, batch, meta)
-        self.advance_inputs(batch, model.logits(state["hidden"], self._row_index[:batch]).argmax(-1))
+        self.advance_inputs(batch, greedy_tokens(model.logits(state["hidden"], self._row_index[:batch])))
 
     def _program(self) -> list[Step]:
         program: list[Step] = self.model.layer_program()  # type: ignore[operator]

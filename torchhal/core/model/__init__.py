@@ -2,7 +2,7 @@
 reference instance, and Hugging Face checkpoint loading (`torchhal.core.model.checkpoint`).
 
 Vocabulary: `config` (ModelConfig, Llama3RopeScaling), `kv_cache` (the paged KVCache and
-the per-step AttentionMetadata); `decoder` holds the decoder."""
+the per-step AttentionMetadata); `decoder` holds the decoder; `greedy` picks each row's token."""
 
 from torchhal.core.model.config import Llama3RopeScaling, ModelConfig
 from torchhal.core.model.decoder import LlamaDecoder
