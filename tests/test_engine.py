@@ -240,7 +240,8 @@ def test_idle_interval_empties_once(empties):
 
 @pytest.mark.parametrize("field, value", [("max_running", 0), ("max_batch_tokens", -1), ("max_kv_slots", 1.5),
                                           ("idle_empty_after_s", -2.0), ("compile_layers", ""),
-                                          ("compile_layers", 3)])
+                                          ("compile_layers", 3), ("device", -1), ("device", "cuda:0"),
+                                          ("device", True)])
 def test_nonsensical_engine_config_is_refused(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field} = {value!r}"):
         EngineConfig(**{field: value})

@@ -97,3 +97,42 @@ def test_graph_runner_path_serves_the_same_tokens(checkpoints):
     engine = GenerationEngine(EngineConfig(max_kv_slots=1024), model=model, runner_factory=graphs)
     assert isinstance(engine.runner, GraphRunner)
     assert [list(r.output) for r in engine.generate(PROMPTS, NEW_TOKENS)] == expected
+
+
+def test_a_device_the_platform_lacks_is_refused_before_any_weight_is_read(checkpoints, monkeypatch):
+    """EngineConfig.device past the platform's devices: a ValueError naming it and the range,
+    from GenerationEngine and from from_checkpoint, which reads nothing first."""
+    import torchhal.core.model.checkpoint as checkpoint
+
+    def no_read(*args: object, **kwargs: object) -> None:
+        raise AssertionError("from_checkpoint read the checkpoint before refusing the device")
+
+    monkeypatch.setattr(checkpoint, "load_checkpoint", no_read)
+    config = EngineConfig(max_kv_slots=1024, device=3)  # the CPU platform has one device
+    with pytest.raises(ValueError, match=r"EngineConfig.device = 3, but platform 'cpu' has 1 device\(s\); pass 0..0"):
+        GenerationEngine.from_checkpoint(checkpoints["a"][0], config)
+    with pytest.raises(ValueError, match="EngineConfig.device = 3"):
+        GenerationEngine(config)
+
+
+def test_a_device_against_the_groups_is_refused_before_any_weight_is_read(checkpoints, monkeypatch):
+    """With a group, the rank's device is the group's; a config naming another is refused, by
+    from_checkpoint before it reads anything."""
+    from types import SimpleNamespace
+
+    import torchhal
+    import torchhal.core.model.checkpoint as checkpoint
+
+    def no_read(*args: object, **kwargs: object) -> None:
+        raise AssertionError("from_checkpoint read the checkpoint before refusing the device")
+
+    monkeypatch.setattr(checkpoint, "load_checkpoint", no_read)
+    platform = torchhal.current_platform()
+    # A stand-in group whose rank the platform places on device 1 (the CPU has only device 0,
+    # which the config names: a real device, just not the rank's).
+    monkeypatch.setattr(platform, "device_for_rank", lambda local_rank, local_world_size: 1)
+    group = SimpleNamespace(platform=platform, world_size=2, rank=1,
+                            placement=SimpleNamespace(rank=1, local_rank=1, local_world_size=2))
+    with pytest.raises(ValueError, match="EngineConfig.device = 0 but the group puts rank 1 on device 1"):
+        GenerationEngine.from_checkpoint(checkpoints["a"][0], EngineConfig(max_kv_slots=1024, device=0),
+                                         group=group)  # type: ignore[arg-type]

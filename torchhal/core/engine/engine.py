@@ -136,7 +136,7 @@ class GenerationEngine:
         self.config = config
         self.group = group if group is not None and group.world_size > 1 else None
         self.platform = platform or (group.platform if group is not None else current_platform())
-        self.device_index = self._device_index(config, group)
+        self.device_index = engine_device_index(self.platform, config, group)
         self.device = self.platform.device(self.device_index)
         built: Model = ReferenceDecoder(config.model) if model is None else model
         if self.group is not None:
@@ -205,19 +205,6 @@ class GenerationEngine:
         self._in_flight: _Window | None = None  # a launched decode window whose tokens have not landed
         if config.decode_graphs is not None:
             self.decode_runner = self._new_decode_runner(config.decode_graphs)
-
-    def _device_index(self, config: EngineConfig, group: DeviceGroup | None) -> int:
-        """The config's device, else the group's (its rank's), else the current one."""
-        if group is None:
-            return self.platform.current_device() if config.device is None else config.device
-        placement = group.placement
-        index = self.platform.device_for_rank(placement.local_rank, placement.local_world_size)
-        if config.device is not None and config.device != index:
-            raise ValueError(
-                f"EngineConfig.device = {config.device} but the group puts rank {placement.rank} on device {index}; "
-                "leave EngineConfig.device None with a group"
-            )
-        return index
 
     def _free_bytes_everywhere(self) -> int | None:
         """Tensor parallel: the least free device memory of any rank, so every rank sizes the
@@ -713,16 +700,34 @@ class GenerationEngine:
         if not config.eos_tokens and config.eos_token is None:
             config = replace(config, eos_tokens=eos_token_ids(hf, f"{Path(path) / 'config.json'}"))
         platform = platform or (group.platform if group is not None else current_platform())
-        if group is not None:
-            index = platform.device_for_rank(group.placement.local_rank, group.placement.local_world_size)
-            split = (group.world_size, group.rank)
-        else:
-            index, split = platform.current_device() if config.device is None else config.device, None
+        index = engine_device_index(platform, config, group)  # a bad device is refused before any read
+        split = (group.world_size, group.rank) if group is not None else None
         model, report = load_checkpoint(path, dtype=config.dtype, device=platform.device(index),
                                         tensor_parallel=split)
         engine = cls(config, platform=platform, model=model, runner_factory=runner_factory, group=group)
         engine.checkpoint = report
         return engine
+
+
+def engine_device_index(platform: Platform, config: EngineConfig, group: DeviceGroup | None) -> int:
+    """The engine's device: the config's, else the group's (its rank's), else the current one.
+    A config device the platform does not have, or one that contradicts the group's, is refused."""
+    count = platform.device_count()
+    if config.device is not None and not 0 <= config.device < max(count, 1):
+        raise ValueError(
+            f"EngineConfig.device = {config.device!r}, but platform {platform.name!r} has {count} device(s); "
+            f"pass 0..{max(count - 1, 0)}, or None for the current device"
+        )
+    if group is None:
+        return platform.current_device() if config.device is None else config.device
+    placement = group.placement
+    index = platform.device_for_rank(placement.local_rank, placement.local_world_size)
+    if config.device is not None and config.device != index:
+        raise ValueError(
+            f"EngineConfig.device = {config.device} but the group puts rank {placement.rank} on device {index}; "
+            "leave EngineConfig.device None with a group"
+        )
+    return index
 
 
 def platform_compile_options(compile_layers: Callable[..., None], backend: str | Callable[..., Any],

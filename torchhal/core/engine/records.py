@@ -178,6 +178,10 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EngineConfig.{name} = {value!r} must be a positive int")
+        if self.device is not None and (not isinstance(self.device, int) or isinstance(self.device, bool)
+                                        or self.device < 0):
+            raise ValueError(f"EngineConfig.device = {self.device!r} must be a device index (an int >= 0, e.g. 0) "
+                             "or None for the current device")
         if not isinstance(self.eos_tokens, tuple) or any(
             not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.eos_tokens
         ):
