@@ -106,11 +106,19 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-def device_kernels(trace_path: Path) -> list[tuple[str, float, float]]:
-    """(name, start us, duration us) of every kernel, memcpy and memset in a chrome trace."""
-    events = json.loads(trace_path.read_text())["traceEvents"]
+def trace_events(trace_path: Path) -> list[dict[str, Any]]:
+    return list(json.loads(trace_path.read_text())["traceEvents"])
+
+
+def kernels_of(events: list[dict[str, Any]]) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of every kernel, memcpy and memset among trace events."""
     return [(e["name"], float(e["ts"]), float(e["dur"])) for e in events
             if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+
+
+def device_kernels(trace_path: Path) -> list[tuple[str, float, float]]:
+    """`kernels_of` a chrome trace file."""
+    return kernels_of(trace_events(trace_path))
 
 
 def busy_and_span(kernels: list[tuple[str, float, float]]) -> tuple[float, float]:
@@ -147,9 +155,9 @@ CALL = "profiled_call"  # the annotation `profiled` wraps around the call and it
 def call_edges(trace_path: Path) -> dict[str, float]:
     """How long the profiled call took (`CALL`'s annotation) and how much of it lies outside the
     kernels' span: host work before the first kernel starts, and after the last one ends."""
-    events = json.loads(trace_path.read_text())["traceEvents"]
+    events = trace_events(trace_path)
     calls = [e for e in events if e.get("name") == CALL and "dur" in e]
-    kernels = device_kernels(trace_path)
+    kernels = kernels_of(events)
     if not calls or not kernels:
         return {}
     begin, end = float(calls[0]["ts"]), float(calls[0]["ts"]) + float(calls[0]["dur"])
@@ -164,9 +172,8 @@ def host_during_idle(trace_path: Path, least_us: float = 10.0, step_us: float = 
     or a runtime call such as a synchronize), on the thread that launched the kernels. The time
     from the start of `CALL`'s annotation (when the trace has one) to the first kernel is
     charged the same way, apart (`before_first_kernel`): the device idles then too."""
-    events = json.loads(trace_path.read_text())["traceEvents"]
-    kernels = [(e["name"], float(e["ts"]), float(e["dur"])) for e in events
-               if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    events = trace_events(trace_path)
+    kernels = kernels_of(events)
     launches = [e for e in events if e.get("cat") == "cuda_runtime" and "dur" in e]
     if not kernels or not launches:
         return {"idle_us": 0.0, "spans": 0, "host": []}
