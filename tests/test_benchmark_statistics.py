@@ -3,23 +3,17 @@ ratios with a distribution-free 95% interval, and paths interleaved in a rotatin
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.benchmark_modules import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ipc_transport_bench", ROOT / "benchmarks" / "ipc_transport.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("ipc_transport")
 
 
 def test_the_interval_covers_the_true_median_about_95_percent_of_the_time(bench):

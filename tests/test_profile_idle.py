@@ -3,29 +3,17 @@ each idle span goes to the innermost host event running then, on the launching t
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.benchmark_modules import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("profile_long_context", ROOT / "benchmarks" /
-                                                      "profile_long_context.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return module
+    return load_benchmark("profile_long_context")
 
 
 def _event(cat: str, name: str, ts: float, dur: float, tid: int = 1) -> dict[str, object]:
