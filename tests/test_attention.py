@@ -127,7 +127,7 @@ def test_write_kv_refuses_mismatched_shapes_naming_them():
     k, v = new_kv_cache(4, 4, 2, 3, torch.float32, CPU)
     with pytest.raises(ValueError, match=r"key \(3, 2, 4\) / value \(3, 2, 4\) must both be \[num_tokens, 2, 3\]"):
         write_kv(k, v, torch.zeros(3, 2, 4), torch.zeros(3, 2, 4), torch.zeros(3, dtype=torch.int64))
-    with pytest.raises(ValueError, match="slot_mapping has shape \\(2,\\); it needs one slot per token \\(3\\)"):
+    with pytest.raises(ValueError, match=r"slot_mapping is \(2,\) torch.int64; it needs one int64 slot per token"):
         write_kv(k, v, torch.zeros(3, 2, 3), torch.zeros(3, 2, 3), torch.zeros(2, dtype=torch.int64))
     assert not k.any() and not v.any()
 
@@ -149,13 +149,14 @@ def test_build_metadata_slots_and_positions_equal_a_per_token_walk():
     block_size = 4
     for _ in range(30):
         tables, seq_lens, query_lens = [], [], []
+        free = rng.sample(range(1, 64), 63)  # each request's blocks its own, as the engine gives them
         for _ in range(rng.randint(1, 6)):
             kind = rng.random()
             if kind < 0.15:  # a padded row: a decode row writes scratch, a prefill row writes nothing
                 tables.append([]), seq_lens.append(0), query_lens.append(rng.choice([0, 1]))
                 continue
             seq_len = rng.randint(1, 23)
-            blocks = rng.sample(range(1, 64), math.ceil(seq_len / block_size))
+            blocks = [free.pop() for _ in range(math.ceil(seq_len / block_size))]
             tables.append(blocks), seq_lens.append(seq_len), query_lens.append(rng.randint(1, seq_len))
         meta = build_metadata(tables, seq_lens, query_lens, block_size, CPU)
         slots, positions = [], []
@@ -172,7 +173,7 @@ def test_build_metadata_slots_and_positions_equal_a_per_token_walk():
 
 @pytest.mark.parametrize("args, message", [
     (([[1]], [5], [1]), "request 0 \\(5 tokens\\) needs 2 blocks"),
-    (([[0, 3]], [5], [1]), "none the scratch block 0"),
+    (([[0, 3]], [5], [1]), "request 0 has block id 0; a block id is an int from 1 .* \\(block 0 is scratch\\)"),
     (([[1]], [2], [3]), "request 0 has seq_len 2 and query_len 3"),
     (([[1], [2]], [2], [1]), "2 block tables, 1 seq_lens and 1 query_lens"),
 ])
@@ -241,7 +242,7 @@ def test_decode_metadata_refuses_a_missing_or_scratch_block_and_keeps_its_state(
     before = (meta.seq_lens.clone(), meta.block_tables.clone(), meta.lengths)
     with pytest.raises(ValueError, match=r"new_blocks covers rows \[\], but rows \[0\] start a new block"):
         meta.step()
-    with pytest.raises(ValueError, match="names the scratch block 0"):
+    with pytest.raises(ValueError, match=r"new_blocks \{0: 0\} has block id 0; .*\(block 0 is scratch\)"):
         meta.step({0: SCRATCH_BLOCK})
     with pytest.raises(ValueError, match=r"covers rows \[0, 1\], but rows \[0\]"):
         meta.step({0: 5, 1: 6})
@@ -254,7 +255,7 @@ def test_decode_metadata_refuses_a_missing_or_scratch_block_and_keeps_its_state(
         meta.step({0: 6})
     with pytest.raises(ValueError, match="row 0 is in use; release it first"):
         meta.admit(0, [7], 1)
-    with pytest.raises(ValueError, match="pass exactly 1 blocks .*none the scratch block"):
+    with pytest.raises(ValueError, match=r"row 1 has block id 0; .*\(block 0 is scratch\)"):
         meta.admit(1, [0], 1)
 
 

@@ -8,6 +8,7 @@ the model's `AttentionSpec`, else the portable reference, and says why.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -16,6 +17,7 @@ import torch
 from torchhal.attention.layout import PagedMetadata
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_NO_SCALE = object()
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,47 @@ class AttentionCapability:
     graph_capture: bool = False
     note: str = ""
 
+    def __post_init__(self) -> None:
+        # A plugin's declaration is checked where it is made, not when selection reads it.
+        def bad(field: str, must: str) -> TypeError:
+            return TypeError(f"AttentionCapability.{field} is {getattr(self, field)!r}; it must be {must}")
+
+        if not isinstance(self.name, str) or not self.name:
+            raise bad("name", "a non-empty str naming the backend (e.g. 'triton-paged')")
+        if (not isinstance(self.dtypes, tuple) or not self.dtypes
+                or not all(isinstance(d, torch.dtype) for d in self.dtypes)):
+            raise bad("dtypes", "a non-empty tuple of torch dtypes, e.g. (torch.bfloat16,)")
+        for field in ("head_dims", "block_sizes"):
+            sizes = getattr(self, field)
+            if sizes is not None and (not isinstance(sizes, tuple) or not sizes
+                                      or not all(_is_int(n) and n >= 1 for n in sizes)):
+                raise bad(field, "None (any) or a non-empty tuple of ints >= 1")
+        for field in ("prefill", "sliding_window", "soft_cap", "graph_capture"):
+            if not isinstance(getattr(self, field), bool):
+                raise bad(field, "True or False")
+        if not isinstance(self.note, str):
+            raise bad("note", "a str")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_window(label: str, window: object) -> None:
+    """A sliding window is None or an int >= 1 (a bool or a float is refused, not truncated)."""
+    if window is not None and not (_is_int(window) and window >= 1):  # type: ignore[operator]
+        raise ValueError(f"{label} is {window!r}; pass None or an int >= 1")
+
+
+def check_positive(label: str, value: object, optional: bool) -> None:
+    """`scale` and `soft_cap` are finite real numbers > 0 (`soft_cap` may be None): an
+    infinite or NaN one would turn every output into NaN without an error."""
+    if value is None and optional:
+        return
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+            or not value > 0):
+        raise ValueError(f"{label} is {value!r}; pass {'None or ' if optional else ''}a finite number > 0")
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
@@ -70,10 +113,8 @@ class AttentionSpec:
                              f"{self.num_kv_heads}; grouped-query attention needs whole groups")
         if self.dtype not in _DTYPES:
             raise ValueError(f"AttentionSpec.dtype is {self.dtype}; use one of {', '.join(map(str, _DTYPES))}")
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
-            raise ValueError(f"AttentionSpec.sliding_window is {self.sliding_window!r}; pass None or an int >= 1")
-        if self.soft_cap is not None and not self.soft_cap > 0:
-            raise ValueError(f"AttentionSpec.soft_cap is {self.soft_cap!r}; pass None or a number > 0")
+        check_window("AttentionSpec.sliding_window", self.sliding_window)
+        check_positive("AttentionSpec.soft_cap", self.soft_cap, optional=True)
 
 
 @runtime_checkable
@@ -160,8 +201,11 @@ def choose_backend(declared: tuple[AttentionBackend, ...], spec: AttentionSpec,
 
 
 def check_call(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
-               decode: bool, sliding_window: int | None, soft_cap: float | None) -> None:
-    """Raise one line naming the bad argument; shared by every backend's entry points."""
+               decode: bool, sliding_window: int | None, soft_cap: float | None, *,
+               scale: object = _NO_SCALE, out: torch.Tensor | None = None) -> None:
+    """Raise one line naming the bad argument; shared by every backend's entry points.
+    Only what is known on the host is checked (no device sync): shapes, dtypes, the
+    metadata's host copies and the scalars."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"attention: k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} must both be "
                          "[num_blocks, block_size, num_kv_heads, head_dim]")
@@ -178,7 +222,17 @@ def check_call(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if meta.query_start.shape[0] != meta.batch + 1:
         raise ValueError(f"attention: query_start has {meta.query_start.shape[0]} entries for a batch of "
                          f"{meta.batch}; pass batch + 1 offsets")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"attention: sliding_window is {sliding_window}; pass None or an int >= 1")
-    if soft_cap is not None and not soft_cap > 0:
-        raise ValueError(f"attention: soft_cap is {soft_cap}; pass None or a number > 0")
+    if meta.block_size is not None and meta.block_size != k_cache.shape[1]:
+        raise ValueError(f"attention: the metadata was built for blocks of {meta.block_size} tokens but the cache's "
+                         f"blocks hold {k_cache.shape[1]}; build it with the cache's block size")
+    rows = meta.host_query_start[-1] if meta.host_query_start else None
+    if not decode and rows is not None and query.shape[0] != rows:
+        raise ValueError(f"attention.prefill: query has {query.shape[0]} rows but the metadata's requests have "
+                         f"{rows} query tokens; pass one query row per token")
+    if out is not None and (out.shape != query.shape or out.dtype != query.dtype or out.device != query.device):
+        raise ValueError(f"attention: out is {tuple(out.shape)} {out.dtype} on {out.device}; it must match the "
+                         f"query, {tuple(query.shape)} {query.dtype} on {query.device}")
+    check_window("attention: sliding_window", sliding_window)
+    check_positive("attention: soft_cap", soft_cap, optional=True)
+    if scale is not _NO_SCALE:  # callers from before `scale` was checked pass none
+        check_positive("attention: scale", scale, optional=False)

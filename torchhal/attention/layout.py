@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,6 +41,8 @@ class PagedMetadata:
     host_seq_lens, host_query_start: host copies of seq_lens and query_start where the
                   builder had them (`build_metadata`; None on the device-advanced decode
                   path), so a backend can pick a kernel by shape without a device sync.
+    block_size:   the tokens a block holds, as the slots were worked out (None: not recorded);
+                  `check_call` refuses a cache whose blocks hold another count.
     """
 
     block_tables: torch.Tensor
@@ -49,6 +52,7 @@ class PagedMetadata:
     max_query_len: int
     host_seq_lens: tuple[int, ...] | None = None
     host_query_start: tuple[int, ...] | None = None
+    block_size: int | None = None
 
     @property
     def batch(self) -> int:
@@ -75,19 +79,27 @@ def new_kv_cache(
 
 def check_write(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 slot_mapping: torch.Tensor) -> None:
-    """Raise one line naming the bad argument of a `write_kv` call (every writer checks these)."""
+    """Raise one line naming the bad argument of a `write_kv` call (every writer checks these),
+    before anything is written. The slots' range is checked where that costs no device sync
+    (a host-resident slot_mapping); on a device the metadata builders guarantee it."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"write_kv: k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} must be one "
+                         "layer's pair from the same KV cache, [num_blocks, block_size, num_kv_heads, head_dim]")
     heads, dim = k_cache.shape[2], k_cache.shape[3]
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"write_kv: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ; "
-                         "pass one layer's pair from the same KV cache")
     if key.shape != value.shape or key.dim() != 3 or tuple(key.shape[1:]) != (heads, dim):
         raise ValueError(
             f"write_kv: key {tuple(key.shape)} / value {tuple(value.shape)} must both be "
             f"[num_tokens, {heads}, {dim}] to match the cache"
         )
-    if slot_mapping.shape != key.shape[:1]:
-        raise ValueError(f"write_kv: slot_mapping has shape {tuple(slot_mapping.shape)}; it needs one slot per token "
-                         f"({key.shape[0]})")
+    if slot_mapping.shape != key.shape[:1] or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"write_kv: slot_mapping is {tuple(slot_mapping.shape)} {slot_mapping.dtype}; it needs one "
+                         f"int64 slot per token ({key.shape[0]})")
+    slots = k_cache.shape[0] * k_cache.shape[1]
+    if slot_mapping.device.type == "cpu" and slot_mapping.numel():
+        low, high = int(slot_mapping.min()), int(slot_mapping.max())
+        if low < 0 or high >= slots:
+            raise ValueError(f"write_kv: slot {low if low < 0 else high} is outside the cache's {slots} slots "
+                             f"(0..{slots - 1})")
 
 
 def write_kv(
@@ -115,6 +127,41 @@ class PagedWriter:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_block_ids(label: str, ids: list[Any]) -> torch.Tensor:
+    """`ids` as an int32 tensor, once each is known to be an int from 1 (block
+    SCRATCH_BLOCK is scratch) to 2**31 - 1 and none is repeated: a repeated block would hold
+    two positions' K/V in one slot, a negative one would index another request's block."""
+    try:  # dtype inferred, not forced: a float among the ids makes the tensor a float one
+        row: torch.Tensor | None = torch.tensor(ids) if ids else torch.empty(0, dtype=torch.int64)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        row = None
+    if row is None or row.dtype != torch.int64 or (row.numel() and (int(row.min()) < 1 or int(row.max()) >= 2**31)):
+        bad = next((b for b in ids if not _is_int(b) or not 1 <= b < 2**31), ids)
+        raise ValueError(f"{label} has block id {bad!r}; a block id is an int from 1 to 2**31 - 1 (block "
+                         f"{SCRATCH_BLOCK} is scratch)")
+    if len(set(ids)) < len(ids):
+        repeated = next(b for i, b in enumerate(ids) if b in ids[:i])
+        raise ValueError(f"{label} names block {repeated} twice; each block holds one span of a request's tokens")
+    return row.to(torch.int32)
+
+
+def _check_shared(label: str, ids: list[int], written: list[int], seen: set[int], seen_written: set[int]) -> None:
+    """Requests of one step may share the blocks they only read (a common prefix), never one
+    that any of them writes: two writes would race for its slots, and a read would race the write."""
+    clash = next((b for b in written if b in seen), None)
+    if clash is None:
+        clash = next((b for b in ids if b in seen_written), None)
+    if clash is not None:
+        raise ValueError(f"{label} shares block {clash} with an earlier request while one of them writes it this "
+                         "step; give each request the blocks it writes to itself")
+    seen.update(ids)
+    seen_written.update(written)
 
 
 def build_metadata(
@@ -152,6 +199,13 @@ def build_metadata_and_positions(
     if not len(block_tables) == len(seq_lens) == len(query_lens):
         raise ValueError(f"build_metadata: {len(block_tables)} block tables, {len(seq_lens)} seq_lens and "
                          f"{len(query_lens)} query_lens; pass one of each per request")
+    if not _is_int(block_size) or block_size < 1:
+        raise ValueError(f"build_metadata: block_size is {block_size!r}; pass the cache's block size, an int >= 1")
+    for i, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        if not (_is_int(seq_len) and _is_int(query_len)) or seq_len < 0 or query_len < 0 or (
+                seq_len > 0 and query_len > seq_len):
+            raise ValueError(f"build_metadata: request {i} has seq_len {seq_len!r} and query_len {query_len!r}; "
+                             "need ints 0 <= query_len <= seq_len (or seq_len 0 for a padded row)")
     need = max([_cdiv(n, block_size) for n in seq_lens], default=0)
     width = max(max_blocks if max_blocks is not None else need, 1)
     if width < need:
@@ -161,16 +215,19 @@ def build_metadata_and_positions(
     # One host buffer, one upload: the tables, then seq_lens, then query_start.
     host = torch.full((batch * width + 2 * batch + 1,), SCRATCH_BLOCK, dtype=torch.int32)
     tables = host[: batch * width].view(batch, width)
+    seen: set[int] = set()
+    seen_written: set[int] = set()
     for i, (blocks, seq_len, query_len) in enumerate(zip(block_tables, seq_lens, query_lens, strict=True)):
-        if seq_len < 0 or query_len < 0 or (seq_len > 0 and query_len > seq_len):
-            raise ValueError(f"build_metadata: request {i} has seq_len {seq_len} and query_len {query_len}; "
-                             "need 0 <= query_len <= seq_len (or seq_len 0 for a padded row)")
         used = _cdiv(seq_len, block_size)
-        if len(blocks) < used or SCRATCH_BLOCK in list(blocks)[:used]:
-            raise ValueError(f"build_metadata: request {i} ({seq_len} tokens) needs {used} blocks, none the scratch "
-                             f"block {SCRATCH_BLOCK}; its table is {list(blocks)}")
+        ids = list(blocks)[:used]
+        if len(ids) < used:
+            raise ValueError(f"build_metadata: request {i} ({seq_len} tokens) needs {used} blocks of {block_size}; "
+                             f"its table is {list(blocks)}")
         if used:
-            tables[i, :used] = torch.tensor(list(blocks)[:used], dtype=torch.int32)
+            label = f"build_metadata: request {i}"
+            tables[i, :used] = _check_block_ids(label, ids)
+            _check_shared(label, ids, ids[(seq_len - query_len) // block_size :] if query_len else [], seen,
+                          seen_written)
         starts.append(starts[-1] + query_len)
     host[batch * width : batch * width + batch] = torch.tensor(list(seq_lens), dtype=torch.int32)
     host[batch * width + batch :] = torch.tensor(starts, dtype=torch.int32)
@@ -190,6 +247,7 @@ def build_metadata_and_positions(
         max_query_len=max(query_lens, default=0),
         host_seq_lens=tuple(seq_lens),
         host_query_start=tuple(starts),
+        block_size=block_size,
     )
     return meta, positions
 
@@ -259,6 +317,7 @@ def split_whole_prompts(meta: PagedMetadata, sliding_window: int | None) -> Prom
         max_query_len=max(b - a for a, b in zip(query_start, query_start[1:], strict=False)),
         host_seq_lens=tuple(meta.host_seq_lens[row] for row in rest),
         host_query_start=tuple(query_start),
+        block_size=meta.block_size,
     )
     return PromptSplit(whole, sub, rest_tokens)
 
@@ -290,9 +349,9 @@ class DecodeMetadata:
     """
 
     def __init__(self, capacity: int, max_blocks: int, block_size: int, device: torch.device) -> None:
-        if capacity < 1 or max_blocks < 1 or block_size < 1:
-            raise ValueError(f"DecodeMetadata: capacity={capacity}, max_blocks={max_blocks}, "
-                             f"block_size={block_size}; each must be >= 1")
+        if not all(_is_int(n) and n >= 1 for n in (capacity, max_blocks, block_size)):
+            raise ValueError(f"DecodeMetadata: capacity={capacity!r}, max_blocks={max_blocks!r}, "
+                             f"block_size={block_size!r}; each must be an int >= 1")
         self.block_size, self.max_blocks, self.device = block_size, max_blocks, device
         self.block_tables = torch.full((capacity, max_blocks), SCRATCH_BLOCK, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(capacity, dtype=torch.int32, device=device)
@@ -304,15 +363,17 @@ class DecodeMetadata:
 
     @property
     def metadata(self) -> PagedMetadata:
-        return PagedMetadata(self.block_tables, self.seq_lens, self.query_start, self.slot_mapping, 1)
+        return PagedMetadata(self.block_tables, self.seq_lens, self.query_start, self.slot_mapping, 1,
+                             block_size=self.block_size)
 
     def admit(self, row: int, blocks: Sequence[int], seq_len: int) -> None:
         """Put a request with `seq_len` cached tokens in `blocks` into a free row."""
         self._check_row(row, want_free=True)
-        used = _cdiv(seq_len, self.block_size)
-        if seq_len < 0 or len(blocks) != used or used > self.max_blocks or SCRATCH_BLOCK in blocks:
-            raise ValueError(f"DecodeMetadata.admit: row {row} has {seq_len} tokens in blocks {list(blocks)}; pass "
-                             f"exactly {used} blocks (at most {self.max_blocks}), none the scratch block")
+        used = _cdiv(seq_len, self.block_size) if _is_int(seq_len) else -1
+        if used < 0 or seq_len < 0 or len(blocks) != used or used > self.max_blocks:
+            raise ValueError(f"DecodeMetadata.admit: row {row} has {seq_len!r} tokens in blocks {list(blocks)}; pass "
+                             f"an int and exactly {max(used, 0)} blocks (at most {self.max_blocks})")
+        _check_block_ids(f"DecodeMetadata.admit: row {row}", list(blocks))
         self._upload(row, 0, list(blocks))
         self.seq_lens[row] = seq_len
         self.active[row] = True
@@ -354,9 +415,7 @@ class DecodeMetadata:
         if sorted(new_blocks) != needed:
             raise ValueError(f"DecodeMetadata.step: new_blocks covers rows {sorted(new_blocks)}, but rows {needed} "
                              "start a new block this step; pass exactly one block for each")
-        bad = {row: block for row, block in new_blocks.items() if block == SCRATCH_BLOCK}
-        if bad:
-            raise ValueError(f"DecodeMetadata.step: new_blocks {bad} names the scratch block {SCRATCH_BLOCK}")
+        _check_block_ids(f"DecodeMetadata.step: new_blocks {new_blocks}", [new_blocks[row] for row in needed])
         columns = [self._lengths[row] // self.block_size for row in needed]  # type: ignore[operator]
         for row, column in zip(needed, columns, strict=True):
             if column >= self.max_blocks:

@@ -61,7 +61,7 @@ class ReferenceBackend(PagedWriter):
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
                scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        check_call(query, k_cache, v_cache, meta, True, sliding_window, soft_cap)
+        check_call(query, k_cache, v_cache, meta, True, sliding_window, soft_cap, scale=scale, out=out)
         batch, block_size = meta.batch, k_cache.shape[1]
         shape = (batch, meta.max_blocks * block_size, k_cache.shape[2], k_cache.shape[3])
         keys = k_cache[meta.block_tables.long()].view(shape)
@@ -74,7 +74,7 @@ class ReferenceBackend(PagedWriter):
     def prefill(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
                 scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        check_call(query, k_cache, v_cache, meta, False, sliding_window, soft_cap)
+        check_call(query, k_cache, v_cache, meta, False, sliding_window, soft_cap, scale=scale, out=out)
         block_size = k_cache.shape[1]
         result = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
         starts, seq_lens = meta.query_start.tolist(), meta.seq_lens.tolist()  # host walk: not capturable

@@ -76,6 +76,7 @@ def _attention_rows(platform: Any) -> list[dict[str, Any]]:
         cap = backend.capability
         rows.append({"name": cap.name, "dtypes": [str(d).removeprefix("torch.") for d in cap.dtypes],
                      "head_dims": list(cap.head_dims) if cap.head_dims is not None else None,
+                     "block_sizes": list(cap.block_sizes) if cap.block_sizes is not None else None,
                      "prefill": cap.prefill, "sliding_window": cap.sliding_window, "soft_cap": cap.soft_cap,
                      "graph_capture": cap.graph_capture, "note": cap.note})
     return rows
@@ -221,9 +222,10 @@ def format_info(info: dict[str, Any]) -> str:
     for rank, row in enumerate(attention or []):
         label = "attention:" if rank == 0 else "           "
         why = "platform backend" if rank < len(attention) - 1 else "portable reference, used when none above runs"
-        dims = ",".join(map(str, row["head_dims"])) if row["head_dims"] else "any"
-        lines.append(f"  {label} {rank + 1}. {row['name']} ({why}; {'/'.join(row['dtypes'])}, head dims {dims}"
-                     f"{', graph capture' if row['graph_capture'] else ''})")
+        dims = ",".join(map(str, row["head_dims"])) if row["head_dims"] is not None else "any"
+        blocks = ",".join(map(str, row["block_sizes"])) if row["block_sizes"] is not None else "any"
+        lines.append(f"  {label} {rank + 1}. {row['name']} ({why}; {'/'.join(row['dtypes'])}, head dims {dims}, "
+                     f"block sizes {blocks}{', graph capture' if row['graph_capture'] else ''})")
     linear = caps["linear"]
     if linear is None:
         lines.append("  linear: (linear_support() failed: see plugin errors)")

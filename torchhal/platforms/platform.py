@@ -24,7 +24,18 @@ import torch
 
 from torchhal.platforms.errors import PluginContractError, TorchhalPluginWarning
 from torchhal.platforms.plugin import PlatformPlugin
-from torchhal.platforms.records import DeviceInfo, MemoryInfo, PeakMemory, ReleasePoint
+from torchhal.platforms.records import (
+    AttentionSupport,
+    CompileSupport,
+    DeviceInfo,
+    DistributedSupport,
+    GraphSupport,
+    IpcSupport,
+    LinearSupport,
+    MemoryInfo,
+    PeakMemory,
+    ReleasePoint,
+)
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -71,11 +82,16 @@ class _PassThrough(Generic[_P, _R]):
 
 
 class _Fact(Generic[_R]):
-    """An SPI query whose answer is fixed for the process: asked once, then a plain value."""
+    """An SPI query whose answer is fixed for the process: asked once, then a plain value.
+    With `record`, the answer must be that record type (or None where `optional`): a plugin
+    that returns anything else gets a `PluginContractError` at the first read, not an
+    attribute error wherever the engine first touches the value."""
 
-    def __init__(self, spi_method: Callable[[PlatformPlugin], _R]) -> None:
+    def __init__(self, spi_method: Callable[[PlatformPlugin], _R], record: type | None = None,
+                 optional: bool = True) -> None:
         self.name = spi_method.__name__
         self.__doc__ = spi_method.__doc__
+        self.record, self.optional = record, optional
 
     @overload
     def __get__(self, obj: None, owner: type | None = None) -> _Fact[_R]: ...
@@ -85,6 +101,11 @@ class _Fact(Generic[_R]):
         if obj is None:
             return self
         value = getattr(obj._plugin, self.name)()
+        if self.record is not None and not (isinstance(value, self.record) or (value is None and self.optional)):
+            raise PluginContractError(
+                f"platform {obj.name!r}: {self.name}() returned {value!r}; it must return "
+                f"{'an' if self.record.__name__[0] in 'AEIOU' else 'a'} {self.record.__name__}"
+                f"{' or None' if self.optional else ''}")
         obj.__dict__[self.name] = value  # later reads are an instance-dict hit
         return value
 
@@ -105,12 +126,12 @@ class Platform:
 
     # -- facts: asked of the plugin once ----------------------------------------------
     oom_error_types = _Fact(PlatformPlugin.oom_error_types)
-    graph_support = _Fact(PlatformPlugin.graph_support)
-    ipc_support = _Fact(PlatformPlugin.ipc_support)
-    attention_support = _Fact(PlatformPlugin.attention_support)
-    linear_support = _Fact(PlatformPlugin.linear_support)
-    compile_support = _Fact(PlatformPlugin.compile_support)
-    distributed_support = _Fact(PlatformPlugin.distributed_support)
+    graph_support = _Fact(PlatformPlugin.graph_support, GraphSupport)
+    ipc_support = _Fact(PlatformPlugin.ipc_support, IpcSupport)
+    attention_support = _Fact(PlatformPlugin.attention_support, AttentionSupport)
+    linear_support = _Fact(PlatformPlugin.linear_support, LinearSupport)
+    compile_support = _Fact(PlatformPlugin.compile_support, CompileSupport)
+    distributed_support = _Fact(PlatformPlugin.distributed_support, DistributedSupport, optional=False)
 
     def __init__(
         self, plugin: PlatformPlugin, pm: pluggy.PluginManager, distribution: str, version: str

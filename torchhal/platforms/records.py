@@ -227,6 +227,21 @@ class AttentionSupport:
     backends: tuple[AttentionBackend, ...]
     note: str = ""
 
+    def __post_init__(self) -> None:
+        from torchhal.attention import AttentionCapability
+
+        if not isinstance(self.backends, tuple):
+            raise TypeError(f"AttentionSupport.backends is {self.backends!r}; it must be a tuple of backends, "
+                            "in order of preference")
+        for index, backend in enumerate(self.backends):
+            missing = [name for name in ("write_kv", "decode", "prefill") if not callable(getattr(backend, name, None))]
+            if not isinstance(getattr(backend, "capability", None), AttentionCapability) or missing:
+                raise TypeError(f"AttentionSupport.backends[{index}] is {backend!r}; a backend needs a `capability` "
+                                f"(an AttentionCapability) and the methods write_kv, decode and prefill"
+                                + (f" (missing: {', '.join(missing)})" if missing else ""))
+        if not isinstance(self.note, str):
+            raise TypeError(f"AttentionSupport.note is {self.note!r}; it must be a str")
+
 
 @dataclass(frozen=True)
 class LinearSupport:

@@ -246,7 +246,7 @@ class TritonPagedAttention:
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
                scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        check_call(query, k_cache, v_cache, meta, True, sliding_window, soft_cap)
+        check_call(query, k_cache, v_cache, meta, True, sliding_window, soft_cap, scale=scale, out=out)
         splits = decode_splits(meta.batch, k_cache.shape[2], meta.max_blocks * k_cache.shape[1],
                                _multiprocessors(query.device.index or 0))
         return self._launch(query, k_cache, v_cache, meta, 1, splits, scale, sliding_window, soft_cap, out)
@@ -254,7 +254,7 @@ class TritonPagedAttention:
     def prefill(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
                 scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        check_call(query, k_cache, v_cache, meta, False, sliding_window, soft_cap)
+        check_call(query, k_cache, v_cache, meta, False, sliding_window, soft_cap, scale=scale, out=out)
         split = split_whole_prompts(meta, sliding_window) if soft_cap is None else None
         if split is None or not split.whole:
             return self._launch(query, k_cache, v_cache, meta, meta.max_query_len, 1, scale, sliding_window,

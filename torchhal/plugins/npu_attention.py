@@ -68,14 +68,14 @@ class NpuFusedAttention(PagedWriter):
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
                scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        check_call(query, k_cache, v_cache, meta, True, sliding_window, soft_cap)
+        check_call(query, k_cache, v_cache, meta, True, sliding_window, soft_cap, scale=scale, out=out)
         result = self._attend(query[:, None], k_cache, v_cache, meta, None, scale, sliding_window, soft_cap)[:, 0]
         return _finish(result, out)
 
     def prefill(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
                 scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        check_call(query, k_cache, v_cache, meta, False, sliding_window, soft_cap)
+        check_call(query, k_cache, v_cache, meta, False, sliding_window, soft_cap, scale=scale, out=out)
         starts = list(meta.host_query_start) if meta.host_query_start is not None else meta.query_start.tolist()
         seq_lens = _host_seq_lens(meta)
         # A padded row (seq_len 0) gets no queries in FIA: its rows are zeroed below anyway.

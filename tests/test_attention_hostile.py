@@ -1,0 +1,198 @@
+"""Bad input to the attention surfaces is refused in one line that names the value, before
+anything is written: K/V writes, metadata builders, backend calls, a plugin's capability and
+support records, and the platform's facts. Each case here was accepted (silently wrong, or
+failing deep inside torch) before these checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import torchhal
+from torchhal.attention import (
+    AttentionCapability,
+    AttentionSpec,
+    DecodeMetadata,
+    ReferenceBackend,
+    build_metadata,
+    new_kv_cache,
+    write_kv,
+)
+from torchhal.platforms import AttentionSupport, PluginContractError
+from torchhal.platforms.testing import patched_plugin
+
+CPU = torch.device("cpu")
+
+
+def caches(blocks: int = 4, block_size: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    return new_kv_cache(blocks, block_size, 1, 2, torch.float32, CPU)
+
+
+# -- K/V writes -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("slots, message", [
+    (torch.tensor([2, 99]), r"slot 99 is outside the cache's 8 slots \(0..7\)"),
+    (torch.tensor([2, -1]), "slot -1 is outside the cache's 8 slots"),
+    (torch.tensor([2, 3], dtype=torch.int32), r"slot_mapping is \(2,\) torch.int32; it needs one int64 slot"),
+])
+def test_a_bad_slot_is_refused_before_either_cache_is_written(slots, message):
+    k, v = caches()
+    with pytest.raises(ValueError, match=message):
+        write_kv(k, v, torch.ones(2, 1, 2), torch.ones(2, 1, 2), slots)
+    assert not k.any() and not v.any()  # neither half of the pair was written
+    write_kv(k, v, torch.ones(2, 1, 2), torch.ones(2, 1, 2), torch.tensor([2, 3]))  # a good call still works
+    assert k.view(-1, 1, 2)[2:4].eq(1).all() and v.view(-1, 1, 2)[2:4].eq(1).all()
+
+
+def test_a_cache_of_the_wrong_rank_is_named_not_indexed():
+    k, v = caches()
+    with pytest.raises(ValueError, match=r"k_cache \(8, 1, 2\) / v_cache \(8, 1, 2\) must be one layer's pair"):
+        write_kv(k.flatten(0, 1), v.flatten(0, 1), torch.ones(1, 1, 2), torch.ones(1, 1, 2), torch.tensor([0]))
+
+
+# -- metadata -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tables, seq_lens, query_lens, message", [
+    ([[1, -1]], [3], [1], "request 0 has block id -1; a block id is an int from 1"),
+    ([[1, 1.7]], [3], [1], "request 0 has block id 1.7"),
+    ([[1, 2**40]], [3], [1], "request 0 has block id 1099511627776"),
+    ([[1, 1]], [3], [3], "request 0 names block 1 twice"),
+    ([[1, 2], [2, 3]], [4, 4], [1, 1], "request 1 shares block 2 with an earlier request while one of them "
+                                       "writes it"),
+    ([[1]], [2.5], [1], "request 0 has seq_len 2.5 and query_len 1; need ints"),
+    ([[1]], [2], [True], "request 0 has seq_len 2 and query_len True"),
+])
+def test_build_metadata_refuses_tables_that_would_alias_slots(tables, seq_lens, query_lens, message):
+    with pytest.raises(ValueError, match=message):
+        build_metadata(tables, seq_lens, query_lens, 2, CPU)
+
+
+def test_requests_may_share_the_blocks_they_only_read():
+    # Both rows decode their third token into their own block; block 1 (positions 0-1) is a
+    # prefix both only read, as a shared-prefix cache would give them.
+    meta = build_metadata([[1, 2], [1, 3]], [3, 3], [1, 1], 2, CPU)
+    assert meta.slot_mapping.tolist() == [4, 6]
+
+
+@pytest.mark.parametrize("block_size", [0, -4, 2.0, True])
+def test_build_metadata_refuses_a_block_size_that_is_not_a_positive_int(block_size):
+    with pytest.raises(ValueError, match=f"block_size is {block_size!r}; pass the cache's block size"):
+        build_metadata([[1]], [1], [1], block_size, CPU)
+
+
+def test_decode_metadata_refuses_bad_block_ids_and_keeps_its_rows():
+    meta = DecodeMetadata(2, max_blocks=4, block_size=4, device=CPU)
+    with pytest.raises(ValueError, match="block_size=4.0; each must be an int >= 1"):
+        DecodeMetadata(2, max_blocks=4, block_size=4.0, device=CPU)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="row 0 has block id -1"):
+        meta.admit(0, [-1], 3)
+    with pytest.raises(ValueError, match="row 0 names block 5 twice"):
+        meta.admit(0, [5, 5], 8)
+    assert meta.lengths == (None, None)
+    meta.admit(0, [5], 4)
+    with pytest.raises(ValueError, match="has block id -3"):
+        meta.step({0: -3})
+    assert meta.lengths == (4, None)
+    meta.step({0: 6})
+    assert meta.slot_mapping.tolist()[0] == 6 * 4
+
+
+# -- backend calls --------------------------------------------------------------------------
+
+def decode_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]:
+    k, v = new_kv_cache(4, 2, 1, 4, torch.float32, CPU)
+    torch.manual_seed(0)
+    k.normal_(), v.normal_()
+    return torch.randn(1, 2, 4), k, v, build_metadata([[1, 2]], [3], [1], 2, CPU)
+
+
+@pytest.mark.parametrize("keywords, message", [
+    ({"scale": math.nan}, "scale is nan; pass a finite number > 0"),
+    ({"scale": math.inf}, "scale is inf"),
+    ({"scale": None}, "scale is None; pass a finite number > 0"),
+    ({"scale": 1.0, "soft_cap": math.inf}, "soft_cap is inf; pass None or a finite number > 0"),
+    ({"scale": 1.0, "soft_cap": "5"}, "soft_cap is '5'"),
+    ({"scale": 1.0, "sliding_window": True}, "sliding_window is True; pass None or an int >= 1"),
+    ({"scale": 1.0, "sliding_window": 2.5}, "sliding_window is 2.5"),
+    ({"scale": 1.0, "out": torch.zeros(3, 1, 2, 4)}, r"out is \(3, 1, 2, 4\) torch.float32 on cpu; it must match"),
+    ({"scale": 1.0, "out": torch.zeros(1, 2, 4, dtype=torch.int32)}, "out is .* torch.int32"),
+])
+def test_decode_refuses_scalars_that_would_give_nan_or_a_torch_error(keywords, message):
+    query, k, v, meta = decode_case()
+    with pytest.raises(ValueError, match=message):
+        ReferenceBackend().decode(query, k, v, meta, **keywords)
+    assert torch.isfinite(ReferenceBackend().decode(query, k, v, meta, scale=0.5)).all()
+
+
+def test_prefill_refuses_a_query_whose_rows_do_not_match_the_metadata():
+    k, v = new_kv_cache(4, 4, 1, 8, torch.float32, CPU)
+    meta = build_metadata([[1, 2]], [5], [3], 4, CPU)
+    with pytest.raises(ValueError, match="query has 5 rows but the metadata's requests have 3 query tokens"):
+        ReferenceBackend().prefill(torch.randn(5, 4, 8), k, v, meta, scale=1.0)
+    assert ReferenceBackend().prefill(torch.randn(3, 4, 8), k, v, meta, scale=1.0).shape == (3, 4, 8)
+
+
+def test_metadata_built_for_another_block_size_is_refused():
+    k, v = new_kv_cache(8, 4, 1, 8, torch.float32, CPU)
+    query = torch.randn(1, 2, 8)
+    with pytest.raises(ValueError, match="built for blocks of 2 tokens but the cache's blocks hold 4"):
+        ReferenceBackend().decode(query, k, v, build_metadata([[1, 2]], [3], [1], 2, CPU), scale=1.0)
+    ReferenceBackend().decode(query, k, v, build_metadata([[1]], [3], [1], 4, CPU), scale=1.0)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("sliding_window", True), ("sliding_window", 2.5), ("soft_cap", math.inf), ("soft_cap", True),
+])
+def test_the_spec_refuses_window_and_cap_values_that_are_not_numbers_of_their_kind(field, value):
+    with pytest.raises(ValueError, match=f"AttentionSpec.{field} is {value!r}"):
+        AttentionSpec(4, 2, 8, torch.float32, 4, **{field: value})
+
+
+# -- a plugin's declarations ----------------------------------------------------------------
+
+@pytest.mark.parametrize("field, value, must", [
+    ("name", "", "a non-empty str"),
+    ("dtypes", torch.float32, "a non-empty tuple of torch dtypes"),
+    ("dtypes", (), "a non-empty tuple of torch dtypes"),
+    ("head_dims", 128, r"None \(any\) or a non-empty tuple of ints >= 1"),
+    ("head_dims", (), r"None \(any\) or a non-empty tuple"),
+    ("block_sizes", (16, 0), r"None \(any\) or a non-empty tuple of ints >= 1"),
+    ("graph_capture", "false", "True or False"),
+    ("note", None, "a str"),
+])
+def test_a_capability_is_checked_where_the_plugin_declares_it(field, value, must):
+    base: dict[str, object] = {"name": "fast", "dtypes": (torch.bfloat16,)}
+    with pytest.raises(TypeError, match=f"AttentionCapability.{field} is .*; it must be {must}"):
+        AttentionCapability(**{**base, field: value})  # type: ignore[arg-type]
+
+
+class NoWrite:
+    capability = AttentionCapability(name="nowrite", dtypes=(torch.float32,))
+
+    def decode(self) -> None: ...
+
+    def prefill(self) -> None: ...
+
+
+@pytest.mark.parametrize("backends, message", [
+    ([ReferenceBackend()], r"AttentionSupport.backends is \[.*\]; it must be a tuple of backends"),
+    ((object(),), r"backends\[0\] is <object .*>; a backend needs a `capability`"),
+    ((NoWrite(),), r"backends\[0\] is .*NoWrite.* \(missing: write_kv\)"),
+])
+def test_support_names_the_backend_that_is_not_one(backends, message):
+    with pytest.raises(TypeError, match=message):
+        AttentionSupport(backends=backends)
+
+
+@pytest.mark.parametrize("spi, answer", [
+    ("attention_support", [ReferenceBackend()]), ("linear_support", "triton"), ("graph_support", 1),
+    ("distributed_support", None),
+])
+def test_a_fact_of_the_wrong_type_is_a_contract_error_at_its_first_read(spi, answer):
+    platform = torchhal.get_platform("cpu")
+    with patched_plugin(platform, **{spi: lambda: answer}):
+        with pytest.raises(PluginContractError, match=f"platform 'cpu': {spi}\\(\\) returned .*; it must return a"):
+            getattr(platform, spi)
+    assert getattr(platform, spi) is None or spi == "distributed_support"  # the plugin's own answer again
