@@ -46,6 +46,7 @@ from torchhal.core.engine.records import (
     RequestState,
     WeightUpdateIncomplete,
     WeightUpdateResult,
+    usable_context_buckets,
 )
 from torchhal.core.engine.requests import RequestBook
 from torchhal.core.engine.runners import EagerRunner, ModelRunner
@@ -123,15 +124,17 @@ class GenerationEngine:
         refuses every later step (`broken`); a rank whose peer failed raises from its
         collective within the group's timeout, then refuses likewise. Make a new group and
         engines to go on."""
-        if runner_factory is not None and config.prefill_graphs is not None:
-            raise ValueError(
-                "EngineConfig.prefill_graphs and runner_factory both choose the engine's runner; pass one "
-                "(prefill_graphs builds a GraphRunner with its token buckets)"
-            )
         if model is not None and missing_model_members(model):
             raise TypeError(
                 f"model {type(model).__name__} lacks {', '.join(missing_model_members(model))} of the "
                 "torchhal.core.model.Model protocol"
+            )
+        # Every refusal the config alone decides comes before the model is moved or changed.
+        check_engine_config(config, runner_factory)
+        if config.compile_layers is not None and model is not None and getattr(model, "compile_layers", None) is None:
+            raise TypeError(
+                f"EngineConfig.compile_layers = {config.compile_layers!r}, but model {type(model).__name__} "
+                "has no compile_layers(backend); leave compile_layers None for this model"
             )
         self.config = config
         self.group = group if group is not None and group.world_size > 1 else None
@@ -147,12 +150,7 @@ class GenerationEngine:
         compile_options: dict[str, Any] | None = None
         compile_why = "layers are not compiled (EngineConfig.compile_layers is None)"
         if config.compile_layers is not None:
-            compile_layers = getattr(built, "compile_layers", None)
-            if compile_layers is None:
-                raise TypeError(
-                    f"EngineConfig.compile_layers = {config.compile_layers!r}, but model {type(built).__name__} "
-                    "has no compile_layers(backend); leave compile_layers None for this model"
-                )
+            compile_layers = built.compile_layers  # type: ignore[attr-defined]  # checked above
             compile_options, compile_why = platform_compile_options(
                 compile_layers, config.compile_layers, self.platform.compile_support)
             if compile_options:  # before any graph is captured
@@ -235,7 +233,7 @@ class GenerationEngine:
             block_size=self.config.kv_block_size,
             backend=self.attention.backend,
             batch_buckets=settings.batch_buckets,
-            context_buckets=settings.context_buckets,
+            context_buckets=usable_context_buckets(settings.context_buckets, self.model.config.max_position),
             steps_per_sync=settings.steps_per_sync,
             emulate=settings.emulate,
         )
@@ -695,10 +693,11 @@ class GenerationEngine:
         a model that cannot be split over the group is refused before any weight is read."""
         from torchhal.core.model.checkpoint import checkpoint_dtype, eos_token_ids, load_checkpoint, read_hf_config
 
-        hf = read_hf_config(path)
+        hf, where = read_hf_config(path), f"{Path(path) / 'config.json'}"
         config = config or EngineConfig(dtype=checkpoint_dtype(hf))
+        check_engine_config(config, runner_factory)  # before any weight is read
         if not config.eos_tokens and config.eos_token is None:
-            config = replace(config, eos_tokens=eos_token_ids(hf, f"{Path(path) / 'config.json'}"))
+            config = replace(config, eos_tokens=eos_token_ids(hf, where))
         platform = platform or (group.platform if group is not None else current_platform())
         index = engine_device_index(platform, config, group)  # a bad device is refused before any read
         split = (group.world_size, group.rank) if group is not None else None
@@ -707,6 +706,16 @@ class GenerationEngine:
         engine = cls(config, platform=platform, model=model, runner_factory=runner_factory, group=group)
         engine.checkpoint = report
         return engine
+
+
+def check_engine_config(config: EngineConfig,
+                        runner_factory: Callable[[GenerationEngine], ModelRunner] | None) -> None:
+    """The refusals the engine's arguments decide alone, before anything is moved or read."""
+    if runner_factory is not None and config.prefill_graphs is not None:
+        raise ValueError(
+            "EngineConfig.prefill_graphs and runner_factory both choose the engine's runner; pass one "
+            "(prefill_graphs builds a GraphRunner with its token buckets)"
+        )
 
 
 def engine_device_index(platform: Platform, config: EngineConfig, group: DeviceGroup | None) -> int:

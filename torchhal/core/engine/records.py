@@ -100,6 +100,19 @@ def check_buckets(label: str, buckets: object, example: str) -> None:
         raise ValueError(f"{label} = {buckets!r} must be a non-empty tuple of positive ints, e.g. {example}")
 
 
+def check_bool(label: str, value: object) -> None:
+    """A flag: a real bool, not a truthy stand-in ("no" is truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{label} = {value!r} must be True or False")
+
+
+def usable_context_buckets(buckets: tuple[int, ...], max_position: int) -> tuple[int, ...]:
+    """The context buckets with each one above the model's max_position lowered to it: no
+    context grows past max_position, so a larger bucket would only size block-table rows no
+    step fills (and a huge one would fail allocating them)."""
+    return tuple(sorted({min(bucket, max_position) for bucket in buckets}))
+
+
 @dataclass(frozen=True)
 class DecodeGraphConfig:
     """Full-graph decode: a pure decode step (no prefill in the batch) whose batch and
@@ -129,6 +142,7 @@ class DecodeGraphConfig:
             raise ValueError(
                 f"DecodeGraphConfig.steps_per_sync = {steps!r} must be a positive int; 1 reads tokens back every step"
             )
+        check_bool("DecodeGraphConfig.emulate", self.emulate)
 
 
 @dataclass(frozen=True)
@@ -150,6 +164,11 @@ class PrefillGraphConfig:
 
     def __post_init__(self) -> None:
         check_buckets("PrefillGraphConfig.token_buckets", self.token_buckets, "(16, 64, 256)")
+        check_bool("PrefillGraphConfig.emulate", self.emulate)
+
+
+#: What the KV cache and every attention backend compute in (`AttentionSpec` takes no other).
+ENGINE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -178,6 +197,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EngineConfig.{name} = {value!r} must be a positive int")
+        if not isinstance(self.dtype, torch.dtype) or self.dtype not in ENGINE_DTYPES:
+            raise ValueError(f"EngineConfig.dtype = {self.dtype!r} must be one of "
+                             f"{', '.join(map(str, ENGINE_DTYPES))}, e.g. dtype=torch.bfloat16")
         if self.device is not None and (not isinstance(self.device, int) or isinstance(self.device, bool)
                                         or self.device < 0):
             raise ValueError(f"EngineConfig.device = {self.device!r} must be a device index (an int >= 0, e.g. 0) "

@@ -383,6 +383,14 @@ class LlamaDecoder(nn.Module):
             )
         return self.comm
 
+    def _kv_cache(self) -> KVCache:
+        if self.kv is None:
+            raise RuntimeError(
+                "model.kv is None: assign a KVCache (model.kv = KVCache(model.local_config, num_blocks, block_size, "
+                "device, dtype)) before forward, or run the model through GenerationEngine, which allocates one"
+            )
+        return self.kv
+
     def materialize(self, device: torch.device) -> LlamaDecoder:
         """Uninitialised storage on `device` for a meta-built decoder: the one device allocation.
         (`Module.to_empty` would do it through `empty_like`, whose meta path imports the compiler stack.)"""
@@ -523,8 +531,8 @@ class LlamaDecoder(nn.Module):
         def run(state: StackState, num_tokens: int, meta: AttentionMetadata) -> None:
             """Write this step's K/V into the paged cache, then attend in place through the
             chosen backend: no gather of the context, no copy of KV heads for GQA."""
-            assert self.kv is not None, "allocate the KV cache before running the model"
-            k_cache, v_cache = self.kv.k[index], self.kv.v[index]
+            kv = self._kv_cache()
+            k_cache, v_cache = kv.k[index], kv.v[index]
             backend = meta.backend
             backend.write_kv(k_cache, v_cache, state["k"][:num_tokens], state["v"][:num_tokens],
                              meta.paged.slot_mapping)
@@ -557,6 +565,7 @@ class LlamaDecoder(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        self._kv_cache()  # refuse before any layer runs
         state: StackState = {"hidden": self.embed_tokens(input_ids), "positions": meta.positions}
         run_eager(self.layer_program(), state, input_ids.numel(), meta)
         return state["hidden"]
