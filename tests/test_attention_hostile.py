@@ -59,8 +59,8 @@ def test_a_cache_of_the_wrong_rank_is_named_not_indexed():
     ([[1, 1.7]], [3], [1], "request 0 has block id 1.7"),
     ([[1, 2**40]], [3], [1], "request 0 has block id 1099511627776"),
     ([[1, 1]], [3], [3], "request 0 names block 1 twice"),
-    ([[1, 2], [2, 3]], [4, 4], [1, 1], "request 1 shares block 2 with an earlier request while one of them "
-                                       "writes it"),
+    ([[1, 2], [2, 3]], [4, 4], [1, 1], "request 0 writes block 2 this step, and another request's table has it"),
+    ([[2, 3], [1, 2]], [4, 4], [1, 1], "request 1 writes block 2 this step, and another request's table has it"),
     ([[1]], [2.5], [1], "request 0 has seq_len 2.5 and query_len 1; need ints"),
     ([[1]], [2], [True], "request 0 has seq_len 2 and query_len True"),
 ])
