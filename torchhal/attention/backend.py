@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from torchhal.attention.layout import PagedMetadata
+from torchhal.attention.layout import PagedMetadata, _is_int
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _NO_SCALE = object()
@@ -67,10 +67,6 @@ class AttentionCapability:
                 raise bad(field, "True or False")
         if not isinstance(self.note, str):
             raise bad("note", "a str")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_window(label: str, window: object) -> None:
