@@ -88,6 +88,12 @@ def parse_samples(text: str) -> dict[str, float | int | None]:
             "power_w_max": max(watts) if watts else None}
 
 
+def smi_id(device: int = 0) -> str:
+    """The device as nvidia-smi names it: its UUID (CUDA_VISIBLE_DEVICES may renumber devices,
+    so cuda:0 need not be nvidia-smi's GPU 0)."""
+    return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+
+
 class Sampler:
     """`nvidia-smi` sampling the SM clock and board power every `period_ms` while the block runs
     (no samples where nvidia-smi is missing)."""
@@ -100,7 +106,7 @@ class Sampler:
     def __enter__(self) -> Sampler:
         if shutil.which("nvidia-smi"):
             self._process = subprocess.Popen(
-                ["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits", "-i", "0",
+                ["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits", "-i", smi_id(),
                  f"--loop-ms={self.period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         return self
 
@@ -116,7 +122,7 @@ def device_limits() -> dict[str, str]:
     if not shutil.which("nvidia-smi"):
         return {}
     out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.max.sm,power.limit", "--format=csv,noheader",
-                          "-i", "0"], capture_output=True, text=True, check=False).stdout.strip()
+                          "-i", smi_id()], capture_output=True, text=True, check=False).stdout.strip()
     clock, _, power = out.partition(",")
     return {"sm_clock_max": clock.strip(), "power_limit": power.strip()}
 

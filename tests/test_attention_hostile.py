@@ -20,7 +20,7 @@ from torchhal.attention import (
     new_kv_cache,
     write_kv,
 )
-from torchhal.platforms import AttentionSupport, PluginContractError
+from torchhal.platforms import AttentionSupport, DistributedSupport, PluginContractError
 from torchhal.platforms.testing import patched_plugin
 
 CPU = torch.device("cpu")
@@ -69,6 +69,18 @@ def test_build_metadata_refuses_tables_that_would_alias_slots(tables, seq_lens, 
         build_metadata(tables, seq_lens, query_lens, 2, CPU)
 
 
+def test_integer_ids_of_any_kind_are_checked_by_value():
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ValueError, match="request 0 names block 3 twice"):
+        build_metadata([[torch.tensor(3), torch.tensor(3)]], [20], [20], 16, CPU)  # hashed by identity before
+    with pytest.raises(ValueError, match="request 0 writes block 3 this step"):
+        build_metadata([[np.int64(3)], [torch.tensor(3)]], [5, 5], [5, 5], 16, CPU)
+    with pytest.raises(ValueError, match="request 0 has block id 2.5"):  # the bad one named, not the numpy int
+        build_metadata([[np.int64(3), 2.5]], [32], [32], 16, CPU)
+    meta = build_metadata([[np.int64(3)]], [np.int64(5)], [torch.tensor(1)], np.int64(16), CPU)
+    assert meta.slot_mapping.tolist() == [3 * 16 + 4] and meta.host_seq_lens == (5,)
+
+
 def test_requests_may_share_the_blocks_they_only_read():
     # Both rows decode their third token into their own block; block 1 (positions 0-1) is a
     # prefix both only read, as a shared-prefix cache would give them.
@@ -88,6 +100,8 @@ def test_decode_metadata_refuses_bad_block_ids_and_keeps_its_rows():
         DecodeMetadata(2, max_blocks=4, block_size=4.0, device=CPU)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="row 0 has block id -1"):
         meta.admit(0, [-1], 3)
+    with pytest.raises(ValueError, match="row 0 has seq_len 5.0; pass an int >= 0"):
+        meta.admit(0, [4], 5.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="row 0 names block 5 twice"):
         meta.admit(0, [5, 5], 8)
     assert meta.lengths == (None, None)
@@ -195,4 +209,5 @@ def test_a_fact_of_the_wrong_type_is_a_contract_error_at_its_first_read(spi, ans
     with patched_plugin(platform, **{spi: lambda: answer}):
         with pytest.raises(PluginContractError, match=f"platform 'cpu': {spi}\\(\\) returned .*; it must return a"):
             getattr(platform, spi)
-    assert getattr(platform, spi) is None or spi == "distributed_support"  # the plugin's own answer again
+    restored = getattr(platform, spi)  # the plugin's own answer again, once the patch is gone
+    assert isinstance(restored, DistributedSupport) if spi == "distributed_support" else restored is None

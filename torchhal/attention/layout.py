@@ -15,10 +15,11 @@ host work grows with the batch, never with the context.
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -130,18 +131,31 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _block_row(label: str, ids: list[Any]) -> torch.Tensor:
-    """`ids` as an int64 tensor. The array's strict conversion refuses a float (or anything
-    else that is not an int) instead of truncating it, at C speed: it runs for every request
-    of every step."""
+def _index(value: object) -> int | None:
+    """`value` as a plain int when it is an integer (Python, numpy or a one-element torch
+    integer tensor; not a bool), else None."""
+    if isinstance(value, bool):
+        return None
     try:
-        return torch.frombuffer(array("q", ids), dtype=torch.int64) if ids else torch.empty(0, dtype=torch.int64)
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _is_int(value: object) -> bool:
+    return _index(value) is not None
+
+
+def _block_row(label: str, ids: list[Any]) -> tuple[torch.Tensor, array[int]]:
+    """`ids` as an int64 tensor and as an array of plain ints, which the tensor shares (the
+    repeat checks need values: a torch integer hashes by identity). The array's strict
+    conversion refuses a float (or anything else that is not an integer) instead of
+    truncating it, at C speed: it runs for every request of every step."""
+    try:
+        packed = array("q", ids)
     except (TypeError, OverflowError):
-        raise _bad_block(label, next((b for b in ids if not _is_int(b) or not 1 <= b < 2**31), ids)) from None
+        raise _bad_block(label, next((b for b in ids if not 1 <= (_index(b) or 0) < 2**31), ids)) from None
+    return (torch.frombuffer(packed, dtype=torch.int64) if ids else torch.empty(0, dtype=torch.int64)), packed
 
 
 def _bad_block(label: str, block: object) -> ValueError:
@@ -149,7 +163,7 @@ def _bad_block(label: str, block: object) -> ValueError:
                       f"{SCRATCH_BLOCK} is scratch)")
 
 
-def _check_tables(label: Callable[[int], str], tables: torch.Tensor, ids: list[list[int]],
+def _check_tables(label: Callable[[int], str], tables: torch.Tensor, ids: Sequence[Sequence[int]],
                   first_written: list[int]) -> None:
     """Block ids of one step's requests (`ids[i]`: request i's blocks, from index
     `first_written[i]` on the ones this step writes; `tables`: the same, host [batch, width]
@@ -215,13 +229,17 @@ def build_metadata_and_positions(
     if not len(block_tables) == len(seq_lens) == len(query_lens):
         raise ValueError(f"build_metadata: {len(block_tables)} block tables, {len(seq_lens)} seq_lens and "
                          f"{len(query_lens)} query_lens; pass one of each per request")
-    if not _is_int(block_size) or block_size < 1:
+    size = _index(block_size)
+    if size is None or size < 1:
         raise ValueError(f"build_metadata: block_size is {block_size!r}; pass the cache's block size, an int >= 1")
-    for i, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
-        if not (_is_int(seq_len) and _is_int(query_len)) or seq_len < 0 or query_len < 0 or (
+    block_size = size
+    lengths, queries = [_index(n) for n in seq_lens], [_index(n) for n in query_lens]
+    for i, (seq_len, query_len) in enumerate(zip(lengths, queries, strict=True)):
+        if seq_len is None or query_len is None or seq_len < 0 or query_len < 0 or (
                 seq_len > 0 and query_len > seq_len):
-            raise ValueError(f"build_metadata: request {i} has seq_len {seq_len!r} and query_len {query_len!r}; "
-                             "need ints 0 <= query_len <= seq_len (or seq_len 0 for a padded row)")
+            raise ValueError(f"build_metadata: request {i} has seq_len {seq_lens[i]!r} and query_len "
+                             f"{query_lens[i]!r}; need ints 0 <= query_len <= seq_len (or seq_len 0 for a padded row)")
+    seq_lens, query_lens = cast(list[int], lengths), cast(list[int], queries)
     need = max([_cdiv(n, block_size) for n in seq_lens], default=0)
     width = max(max_blocks if max_blocks is not None else need, 1)
     if width < need:
@@ -232,15 +250,15 @@ def build_metadata_and_positions(
     host = torch.full((batch * width + 2 * batch + 1,), SCRATCH_BLOCK, dtype=torch.int32)
     tables = host[: batch * width].view(batch, width)
     blocks64 = torch.zeros((batch, width), dtype=torch.int64)  # checked whole, then copied into `tables`
-    requests: list[list[int]] = []
+    requests: list[Sequence[int]] = []
     for i, (blocks, seq_len, query_len) in enumerate(zip(block_tables, seq_lens, query_lens, strict=True)):
         used = _cdiv(seq_len, block_size)
         ids = list(blocks)[:used]
         if len(ids) < used:
             raise ValueError(f"build_metadata: request {i} ({seq_len} tokens) needs {used} blocks of {block_size}; "
                              f"its table is {list(blocks)}")
-        blocks64[i, :used] = _block_row(f"build_metadata: request {i}", ids)
-        requests.append(ids)
+        blocks64[i, :used], plain = _block_row(f"build_metadata: request {i}", ids)
+        requests.append(plain)
         starts.append(starts[-1] + query_len)
     # A request writes from the block of its first query on; one without queries writes nothing.
     first_written = [(n - q) // block_size if q else len(ids) for n, q, ids in zip(seq_lens, query_lens, requests,
@@ -367,9 +385,11 @@ class DecodeMetadata:
     """
 
     def __init__(self, capacity: int, max_blocks: int, block_size: int, device: torch.device) -> None:
-        if not all(_is_int(n) and n >= 1 for n in (capacity, max_blocks, block_size)):
+        sizes = [_index(n) for n in (capacity, max_blocks, block_size)]
+        if not all(n is not None and n >= 1 for n in sizes):
             raise ValueError(f"DecodeMetadata: capacity={capacity!r}, max_blocks={max_blocks!r}, "
                              f"block_size={block_size!r}; each must be an int >= 1")
+        capacity, max_blocks, block_size = cast(list[int], sizes)
         self.block_size, self.max_blocks, self.device = block_size, max_blocks, device
         self.block_tables = torch.full((capacity, max_blocks), SCRATCH_BLOCK, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(capacity, dtype=torch.int32, device=device)
@@ -387,16 +407,20 @@ class DecodeMetadata:
     def admit(self, row: int, blocks: Sequence[int], seq_len: int) -> None:
         """Put a request with `seq_len` cached tokens in `blocks` into a free row."""
         self._check_row(row, want_free=True)
-        used = _cdiv(seq_len, self.block_size) if _is_int(seq_len) else -1
-        if used < 0 or seq_len < 0 or len(blocks) != used or used > self.max_blocks:
-            raise ValueError(f"DecodeMetadata.admit: row {row} has {seq_len!r} tokens in blocks {list(blocks)}; pass "
-                             f"an int and exactly {max(used, 0)} blocks (at most {self.max_blocks})")
+        length = _index(seq_len)
+        if length is None or length < 0:
+            raise ValueError(f"DecodeMetadata.admit: row {row} has seq_len {seq_len!r}; pass an int >= 0")
+        used = _cdiv(length, self.block_size)
+        if len(blocks) != used or used > self.max_blocks:
+            raise ValueError(f"DecodeMetadata.admit: row {row} has {length} tokens in blocks {list(blocks)}; pass "
+                             f"exactly {used} blocks (at most {self.max_blocks})")
         label = f"DecodeMetadata.admit: row {row}"
-        _check_tables(lambda _: label, _block_row(label, list(blocks))[None], [list(blocks)], [0])
-        self._upload(row, 0, list(blocks))
-        self.seq_lens[row] = seq_len
+        table, plain = _block_row(label, list(blocks))
+        _check_tables(lambda _: label, table[None], [plain], [0])
+        self._upload(row, 0, plain)
+        self.seq_lens[row] = length
         self.active[row] = True
-        self._lengths[row] = seq_len
+        self._lengths[row] = length
 
     def release(self, row: int) -> None:
         """Free a row: it becomes a padded row (seq_len 0, scratch table, scratch slot)."""
@@ -434,14 +458,15 @@ class DecodeMetadata:
         if sorted(new_blocks) != needed:
             raise ValueError(f"DecodeMetadata.step: new_blocks covers rows {sorted(new_blocks)}, but rows {needed} "
                              "start a new block this step; pass exactly one block for each")
-        label, appended = f"DecodeMetadata.step: new_blocks {new_blocks}", [new_blocks[row] for row in needed]
-        _check_tables(lambda _: label, _block_row(label, appended)[None], [appended], [0])
+        label = f"DecodeMetadata.step: new_blocks {new_blocks}"
+        table, appended = _block_row(label, [new_blocks[row] for row in needed])
+        _check_tables(lambda _: label, table[None], [appended], [0])
         columns = [self._lengths[row] // self.block_size for row in needed]  # type: ignore[operator]
         for row, column in zip(needed, columns, strict=True):
             if column >= self.max_blocks:
                 raise ValueError(f"DecodeMetadata.step: row {row} would need block {column + 1} of "
                                  f"{self.max_blocks}; release it or build with a larger max_blocks")
-        self._upload_many(needed, columns, [new_blocks[row] for row in needed])
+        self._upload_many(needed, columns, appended)
         for row, n in enumerate(self._lengths):
             if n is not None:
                 self._lengths[row] = n + 1
@@ -462,10 +487,10 @@ class DecodeMetadata:
         if not want_free and self._lengths[row] is None:
             raise ValueError(f"DecodeMetadata.release: row {row} is not in use")
 
-    def _upload(self, row: int, first: int, blocks: list[int]) -> None:
+    def _upload(self, row: int, first: int, blocks: Sequence[int]) -> None:
         self._upload_many([row] * len(blocks), list(range(first, first + len(blocks))), blocks)
 
-    def _upload_many(self, rows: list[int], columns: list[int], blocks: list[int]) -> None:
+    def _upload_many(self, rows: list[int], columns: list[int], blocks: Sequence[int]) -> None:
         if not blocks:
             return
         self.uploads += 1
