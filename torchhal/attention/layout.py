@@ -261,8 +261,8 @@ def build_metadata_and_positions(
         requests.append(plain)
         starts.append(starts[-1] + query_len)
     # A request writes from the block of its first query on; one without queries writes nothing.
-    first_written = [(n - q) // block_size if q else len(ids) for n, q, ids in zip(seq_lens, query_lens, requests,
-                                                                                  strict=True)]
+    first_written = [(n - q) // block_size if q else len(blocks)
+                     for n, q, blocks in zip(seq_lens, query_lens, requests, strict=True)]
     _check_tables(lambda row: f"build_metadata: request {row}", blocks64, requests, first_written)
     tables.copy_(blocks64)
     host[batch * width : batch * width + batch] = torch.tensor(list(seq_lens), dtype=torch.int32)

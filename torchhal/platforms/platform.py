@@ -15,6 +15,9 @@ neither the API nor the registry needs the other.
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
@@ -24,18 +27,7 @@ import torch
 
 from torchhal.platforms.errors import PluginContractError, TorchhalPluginWarning
 from torchhal.platforms.plugin import PlatformPlugin
-from torchhal.platforms.records import (
-    AttentionSupport,
-    CompileSupport,
-    DeviceInfo,
-    DistributedSupport,
-    GraphSupport,
-    IpcSupport,
-    LinearSupport,
-    MemoryInfo,
-    PeakMemory,
-    ReleasePoint,
-)
+from torchhal.platforms.records import DeviceInfo, MemoryInfo, PeakMemory, ReleasePoint
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -81,17 +73,27 @@ class _PassThrough(Generic[_P, _R]):
         return getattr(obj._plugin, self.name)  # only reached before binding
 
 
+def _declared_record(spi_method: Callable[..., Any]) -> tuple[type | None, bool]:
+    """The record an SPI query's return annotation declares (`GraphSupport | None`), and
+    whether None is allowed; (None, False) for an answer that is not one record."""
+    hint = typing.get_type_hints(spi_method)["return"]
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    records = [option for option in options if option is not type(None)]
+    if len(records) == 1 and isinstance(records[0], type) and dataclasses.is_dataclass(records[0]):
+        return records[0], type(None) in options
+    return None, False
+
+
 class _Fact(Generic[_R]):
     """An SPI query whose answer is fixed for the process: asked once, then a plain value.
-    With `record`, the answer must be that record type (or None where `optional`): a plugin
-    that returns anything else gets a `PluginContractError` at the first read, not an
+    Where the SPI declares a record, the answer must be one (or None where declared): a
+    plugin that returns anything else gets a `PluginContractError` at the first read, not an
     attribute error wherever the engine first touches the value."""
 
-    def __init__(self, spi_method: Callable[[PlatformPlugin], _R], record: type | None = None,
-                 optional: bool = True) -> None:
+    def __init__(self, spi_method: Callable[[PlatformPlugin], _R]) -> None:
         self.name = spi_method.__name__
         self.__doc__ = spi_method.__doc__
-        self.record, self.optional = record, optional
+        self.record, self.optional = _declared_record(spi_method)
 
     @overload
     def __get__(self, obj: None, owner: type | None = None) -> _Fact[_R]: ...
@@ -126,12 +128,12 @@ class Platform:
 
     # -- facts: asked of the plugin once ----------------------------------------------
     oom_error_types = _Fact(PlatformPlugin.oom_error_types)
-    graph_support = _Fact(PlatformPlugin.graph_support, GraphSupport)
-    ipc_support = _Fact(PlatformPlugin.ipc_support, IpcSupport)
-    attention_support = _Fact(PlatformPlugin.attention_support, AttentionSupport)
-    linear_support = _Fact(PlatformPlugin.linear_support, LinearSupport)
-    compile_support = _Fact(PlatformPlugin.compile_support, CompileSupport)
-    distributed_support = _Fact(PlatformPlugin.distributed_support, DistributedSupport, optional=False)
+    graph_support = _Fact(PlatformPlugin.graph_support)
+    ipc_support = _Fact(PlatformPlugin.ipc_support)
+    attention_support = _Fact(PlatformPlugin.attention_support)
+    linear_support = _Fact(PlatformPlugin.linear_support)
+    compile_support = _Fact(PlatformPlugin.compile_support)
+    distributed_support = _Fact(PlatformPlugin.distributed_support)
 
     def __init__(
         self, plugin: PlatformPlugin, pm: pluggy.PluginManager, distribution: str, version: str
