@@ -315,13 +315,20 @@ def test_the_next_producer_reclaims_files_of_a_crashed_one():
     producer.close()
 
 
-def test_the_reclaim_command_removes_files_of_a_crashed_one():
+def test_the_reclaim_command_removes_files_of_a_crashed_one(tmp_path):
+    # The crashed producer's own file names, recreated in a private directory: in /dev/shm any
+    # other producer on the machine (a second test suite) may reclaim them first.
     files = _crashed_producer_files()
+    for name in files:
+        (tmp_path / name).write_bytes(b"x")
+    live, foreign = f"torchhal-{os.getpid()}-{uuid.uuid4().hex[:12]}", "someone-elses-file"
+    (tmp_path / live).write_bytes(b"x")
+    (tmp_path / foreign).write_bytes(b"x")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-m", "torchhal.core.transport", "reclaim"], capture_output=True,
-                            text=True, timeout=120, env=env)
+    result = subprocess.run([sys.executable, "-m", "torchhal.core.transport", "reclaim", "--dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
-    assert not set(files) & set(os.listdir(SHM))
+    assert sorted(os.listdir(tmp_path)) == sorted([live, foreign])
     assert all(f"removed {name}" in result.stdout for name in files)
 
 
