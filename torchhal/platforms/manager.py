@@ -274,13 +274,32 @@ class PlatformRegistry:
         return True
 
     def _resolve_conflicts(self, candidates: dict[str, list[RegisteredPlatform]]) -> None:
-        replaced = {
-            reg.plugin.replaces: reg
-            for regs in candidates.values()
-            for reg in regs
-            if reg.plugin.replaces
-        }
+        replacers: dict[str, list[RegisteredPlatform]] = {}
+        for regs in candidates.values():
+            for reg in regs:
+                if reg.plugin.replaces:
+                    replacers.setdefault(reg.plugin.replaces, []).append(reg)
+        replaced: dict[str, RegisteredPlatform] = {}
+        for target, regs in replacers.items():
+            if len(regs) == 1:
+                replaced[target] = regs[0]
+                continue
+            # Two replacements of one platform: neither wins, the replaced one stays.
+            who = " and ".join(f"{r.source} (distribution {r.distribution})" for r in regs)
+            for reg in regs:
+                self._record_failure(
+                    PluginFailure(
+                        reg.source,
+                        "conflict",
+                        f"{who} each declare `replaces = {target!r}`; both are dropped and {target!r} is "
+                        "kept. Uninstall one of them",
+                        reg.distribution,
+                    )
+                )
+                candidates[reg.plugin.name].remove(reg)
         for name, regs in candidates.items():
+            if not regs:
+                continue
             if name in replaced:
                 winner = replaced[name]
                 if winner.plugin.name != name:
@@ -393,6 +412,13 @@ def _validate_platform_object(item: Any) -> str | None:
         value = getattr(item, attr, None)
         if not isinstance(value, kind) or isinstance(value, bool):
             return f"{cls}.{attr} is {value!r}; it must be a {kind.__name__}"
+    replaces = getattr(item, "replaces", None)
+    if replaces is not None and not (isinstance(replaces, str) and _NAME_PATTERN.fullmatch(replaces)):
+        return f"{cls}.replaces is {replaces!r}; it must be None or one platform name, e.g. 'cuda'"
+    variables = getattr(item, "visible_devices_env", None)
+    if not (isinstance(variables, tuple) and all(isinstance(var, str) and var for var in variables)):
+        return (f"{cls}.visible_devices_env is {variables!r}; it must be a tuple of environment variable names, "
+                "e.g. ('MYACCEL_VISIBLE_DEVICES',), or () for none")
     version = getattr(item, "spi_version", None)
     if not (
         isinstance(version, tuple)

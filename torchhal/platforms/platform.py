@@ -73,27 +73,39 @@ class _PassThrough(Generic[_P, _R]):
         return getattr(obj._plugin, self.name)  # only reached before binding
 
 
-def _declared_record(spi_method: Callable[..., Any]) -> tuple[type | None, bool]:
-    """The record an SPI query's return annotation declares (`GraphSupport | None`), and
-    whether None is allowed; (None, False) for an answer that is not one record."""
+def _answer_contract(spi_method: Callable[..., Any]) -> tuple[Callable[[object], bool], str] | None:
+    """What an SPI query's return annotation lets its answer be, as (a test, a phrase naming it):
+    one record (`GraphSupport | None`: or None), or a tuple of exception classes; None for an
+    answer of any other kind, which is not checked."""
     hint = typing.get_type_hints(spi_method)["return"]
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    optional = type(None) in options
     records = [option for option in options if option is not type(None)]
     if len(records) == 1 and isinstance(records[0], type) and dataclasses.is_dataclass(records[0]):
-        return records[0], type(None) in options
-    return None, False
+        record = records[0]
+        article = "an" if record.__name__[0] in "AEIOU" else "a"
+        return (lambda value: isinstance(value, record) or (value is None and optional),
+                f"{article} {record.__name__}{' or None' if optional else ''}")
+    if typing.get_origin(hint) is tuple:  # tuple[type[BaseException], ...]
+        item, _ = typing.get_args(hint)
+        (base,) = typing.get_args(item)
+        return (lambda value: isinstance(value, tuple) and all(
+            isinstance(kind, type) and issubclass(kind, base) for kind in value),
+            f"a tuple of {base.__name__} subclasses, e.g. (torch.OutOfMemoryError,)")
+    return None
 
 
 class _Fact(Generic[_R]):
     """An SPI query whose answer is fixed for the process: asked once, then a plain value.
-    Where the SPI declares a record, the answer must be one (or None where declared): a
-    plugin that returns anything else gets a `PluginContractError` at the first read, not an
-    attribute error wherever the engine first touches the value."""
+    Where the SPI's annotation says what the answer is (a record, or None where declared; a
+    tuple of exception classes), a plugin that returns anything else gets a
+    `PluginContractError` at the first read, not an attribute error wherever the engine first
+    touches the value."""
 
     def __init__(self, spi_method: Callable[[PlatformPlugin], _R]) -> None:
         self.name = spi_method.__name__
         self.__doc__ = spi_method.__doc__
-        self.record, self.optional = _declared_record(spi_method)
+        self.contract = _answer_contract(spi_method)
 
     @overload
     def __get__(self, obj: None, owner: type | None = None) -> _Fact[_R]: ...
@@ -103,11 +115,9 @@ class _Fact(Generic[_R]):
         if obj is None:
             return self
         value = getattr(obj._plugin, self.name)()
-        if self.record is not None and not (isinstance(value, self.record) or (value is None and self.optional)):
+        if self.contract is not None and not self.contract[0](value):
             raise PluginContractError(
-                f"platform {obj.name!r}: {self.name}() returned {value!r}; it must return "
-                f"{'an' if self.record.__name__[0] in 'AEIOU' else 'a'} {self.record.__name__}"
-                f"{' or None' if self.optional else ''}")
+                f"platform {obj.name!r}: {self.name}() returned {value!r}; it must return {self.contract[1]}")
         obj.__dict__[self.name] = value  # later reads are an instance-dict hit
         return value
 
@@ -154,8 +164,15 @@ class Platform:
         """Set each pass-through to the plugin's bound method; forget facts already asked."""
         for name in _PASS_THROUGHS:
             self.__dict__[name] = getattr(self._plugin, name, None)
+        if getattr(self.__dict__["is_out_of_memory"], "__func__", None) is PlatformPlugin.is_out_of_memory:
+            # The SPI's default asks the plugin for its types on every call; this reads the
+            # checked fact instead, so a wrong answer is a contract error, not a TypeError.
+            self.__dict__["is_out_of_memory"] = self._is_out_of_memory
         for name in _FACTS:
             self.__dict__.pop(name, None)
+
+    def _is_out_of_memory(self, error: BaseException) -> bool:
+        return isinstance(error, self.oom_error_types)
 
     def __repr__(self) -> str:
         return f"<Platform {self.name} ({self.distribution} {self.version})>"
