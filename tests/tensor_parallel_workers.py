@@ -141,4 +141,51 @@ def failure(group: Any, job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-JOBS = {"generate": generate, "lifecycle": lifecycle, "failure": failure, "reference": reference}
+def disagreement(group: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """Ranks that disagree: a weight batch one rank refuses (a NaN only in its slice), configs
+    that differ, then a closed group: every rank must refuse alike, nothing applied or read."""
+    import dataclasses
+
+    from torchhal.core.engine import GenerationEngine
+    from torchhal.core.model import checkpoint
+    from torchhal.core.model.checkpoint import iter_checkpoint_tensors
+
+    config = dataclasses.replace(engine_config(False), check_finite_weights=True)
+    engine = GenerationEngine.from_checkpoint(job["path"], config, group=group)
+    prompts, new = job["prompts"], job["new_tokens"]
+    out: dict[str, Any] = {"before": [list(r.output) for r in engine.generate(prompts, new)]}
+    name = job["weight"]
+    poisoned = dict(iter_checkpoint_tensors(job["path"]))[name] * -3
+    poisoned[tuple(job["nan_at"])] = float("nan")  # a column only the last rank holds
+    try:
+        engine.update_weights_from_tensors({name: poisoned})
+        out["update"] = "applied"
+    except ValueError as exc:
+        out["update"] = str(exc)
+    out["version"] = engine.weight_version
+    out["after"] = [list(r.output) for r in engine.generate(prompts, new)]
+
+    differing = dataclasses.replace(config, max_kv_slots=256 if group.rank == 0 else 512)
+    try:
+        GenerationEngine.from_checkpoint(job["path"], differing, group=group)
+        out["config"] = "built"
+    except ValueError as exc:
+        out["config"] = str(exc)
+
+    reads: list[str] = []
+    real_load = checkpoint.load_checkpoint
+    checkpoint.load_checkpoint = lambda *args, **kwargs: reads.append("read") or real_load(*args, **kwargs)
+    group.close()
+    try:
+        GenerationEngine.from_checkpoint(job["path"], config, group=group)
+        out["closed"] = "built"
+    except RuntimeError as exc:
+        out["closed"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        checkpoint.load_checkpoint = real_load
+    out["reads_after_close"] = len(reads)
+    return out
+
+
+JOBS = {"generate": generate, "lifecycle": lifecycle, "failure": failure, "reference": reference,
+        "disagreement": disagreement}

@@ -118,10 +118,9 @@ def test_a_device_the_platform_lacks_is_refused_before_any_weight_is_read(checkp
 def test_a_device_against_the_groups_is_refused_before_any_weight_is_read(checkpoints, monkeypatch):
     """With a group, the rank's device is the group's; a config naming another is refused, by
     from_checkpoint before it reads anything."""
-    from types import SimpleNamespace
-
     import torchhal
     import torchhal.core.model.checkpoint as checkpoint
+    from torchhal.distributed import DeviceGroup, RankPlacement
 
     def no_read(*args: object, **kwargs: object) -> None:
         raise AssertionError("from_checkpoint read the checkpoint before refusing the device")
@@ -131,8 +130,8 @@ def test_a_device_against_the_groups_is_refused_before_any_weight_is_read(checkp
     # A stand-in group whose rank the platform places on device 1 (the CPU has only device 0,
     # which the config names: a real device, just not the rank's).
     monkeypatch.setattr(platform, "device_for_rank", lambda local_rank, local_world_size: 1)
-    group = SimpleNamespace(platform=platform, world_size=2, rank=1,
-                            placement=SimpleNamespace(rank=1, local_rank=1, local_world_size=2))
+    group = DeviceGroup("two", RankPlacement(1, 2, 1, 2), platform, platform.device(0),  # type: ignore[arg-type]
+                        comm=None, host=None, timeout=None)  # its communicators are never reached
     with pytest.raises(ValueError, match="EngineConfig.device = 0 but the group puts rank 1 on device 1"):
         GenerationEngine.from_checkpoint(checkpoints["a"][0], EngineConfig(max_kv_slots=1024, device=0),
                                          group=group)  # type: ignore[arg-type]

@@ -175,11 +175,21 @@ def test_a_model_that_cannot_be_split_is_refused_before_any_weight_is_read(
                                               r"choose a tensor-parallel size from \[1, 2, 4, 8\]"):
         load_checkpoint(path, tensor_parallel=(3, 0))
     platform = current_platform()
-    group = DeviceGroup("three", RankPlacement(0, 3, 0, 1), platform, platform.device(0),
-                        comm=None, host=None, timeout=None)  # type: ignore[arg-type]  # never reached
+    group = DeviceGroup("three", RankPlacement(0, 3, 0, 1), platform, platform.device(0),  # type: ignore[arg-type]
+                        comm=None, host=AgreeingHost(3), timeout=None)  # comm never reached
     with pytest.raises(ValueError, match="cannot split this model over 3 ranks"):
         GenerationEngine.from_checkpoint(path, workers.engine_config(False), group=group)
     assert touched == []
+
+
+class AgreeingHost:
+    """A host communicator of `world_size` ranks that all passed what this one passes."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return torch.cat([tensor] * self.world_size, dim)
 
 
 class FakeCommunicator:

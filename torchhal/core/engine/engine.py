@@ -35,6 +35,7 @@ from torchhal.attention import AttentionChoice, AttentionSpec
 from torchhal.core.engine.events import EngineEvents
 from torchhal.core.engine.kv_pool import BlockAllocator, KVPoolSizing, size_kv_pool
 from torchhal.core.engine.occupation import MemoryOccupation
+from torchhal.core.engine.ranks import agree_on_config, agree_on_verdict, check_group, check_shard_has_group
 from torchhal.core.engine.records import (
     ContinueReport,
     DecodeGraphConfig,
@@ -131,6 +132,9 @@ class GenerationEngine:
             )
         # Every refusal the config alone decides comes before the model is moved or changed.
         check_engine_config(config, runner_factory)
+        check_group(group)
+        check_shard_has_group(model, group)
+        agree_on_config(config, group)
         if config.compile_layers is not None and model is not None and getattr(model, "compile_layers", None) is None:
             raise TypeError(
                 f"EngineConfig.compile_layers = {config.compile_layers!r}, but model {type(model).__name__} "
@@ -174,8 +178,12 @@ class GenerationEngine:
             model_config.max_position,
         )
         self.scheduler = Scheduler(self.requests, config.max_batch_tokens, config.max_running)
-        self.weights = WeightUpdater(self.model, check_finite=config.check_finite_weights,
-                                     shard=getattr(self.model, "shard", None) if self.group is not None else None)
+        tensor_parallel = self.group
+        self.weights = WeightUpdater(
+            self.model, check_finite=config.check_finite_weights,
+            shard=getattr(self.model, "shard", None) if tensor_parallel is not None else None,
+            agree=(lambda refused: agree_on_verdict(tensor_parallel, refused)) if tensor_parallel is not None else None,
+        )
         self.occupation = MemoryOccupation(self.platform, self.device)
         self.events = EngineEvents(self.platform, self.device_index)
         self.events.record("attention_backend", backend=self.attention.name, why=self.attention.why)
@@ -693,6 +701,7 @@ class GenerationEngine:
         a model that cannot be split over the group is refused before any weight is read."""
         from torchhal.core.model.checkpoint import checkpoint_dtype, eos_token_ids, load_checkpoint, read_hf_config
 
+        check_group(group)
         hf, where = read_hf_config(path), f"{Path(path) / 'config.json'}"
         config = config or EngineConfig(dtype=checkpoint_dtype(hf))
         check_engine_config(config, runner_factory)  # before any weight is read
@@ -700,6 +709,7 @@ class GenerationEngine:
             config = replace(config, eos_tokens=eos_token_ids(hf, where))
         platform = platform or (group.platform if group is not None else current_platform())
         index = engine_device_index(platform, config, group)  # a bad device is refused before any read
+        agree_on_config(config, group)  # and configs that differ between ranks, or a closed group
         split = (group.world_size, group.rank) if group is not None else None
         model, report = load_checkpoint(path, dtype=config.dtype, device=platform.device(index),
                                         tensor_parallel=split)

@@ -8,7 +8,7 @@ then only same-shape, same-dtype dense copies.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -23,10 +23,14 @@ class WeightUpdater:
     """`shard`: the model is one tensor-parallel rank's shard; updates still give whole HF
     tensors, checked against the whole shapes, and this rank writes its slice of each."""
 
-    def __init__(self, model: Model, check_finite: bool = False, shard: RankShard | None = None) -> None:
+    def __init__(self, model: Model, check_finite: bool = False, shard: RankShard | None = None,
+                 agree: Callable[[bool], list[int]] | None = None) -> None:
+        """`agree(refused)` (tensor parallel): every rank's verdict on a batch, the ranks that
+        refused it, so that a batch one rank refuses (a NaN in its slice) no rank applies."""
         self.model = model
         self.check_finite = check_finite
         self.shard = shard
+        self.agree = agree
         self.version = 0
         # Weights a failed write may have left half-updated; generation is refused until
         # an update covering them succeeds (the old values cannot be restored without a
@@ -35,6 +39,38 @@ class WeightUpdater:
 
     def apply(self, named_tensors: NamedTensors) -> int:
         """Replace the named weights all together and rebuild derived weights; returns the count."""
+        try:
+            names, staged = self._checked_and_staged(named_tensors)
+        except WeightUpdateRejected:
+            if self.agree is not None:
+                self.agree(True)  # the peers refuse with this rank
+            raise
+        refused_by = self.agree(False) if self.agree is not None else []
+        if refused_by:
+            raise WeightUpdateRejected(
+                f"weight update rejected, nothing applied: rank(s) {refused_by} of the group refused it (their error "
+                "names why); every rank refuses a batch any rank refuses"
+            )
+        try:
+            with torch.no_grad():
+                for param, value in staged:
+                    param.copy_(value)
+                del staged
+                self.model.process_weights()
+        except BaseException as exc:
+            self.incomplete.update(names)
+            raise WeightUpdateIncomplete(
+                f"writing the validated weights failed part-way ({type(exc).__name__}: {exc}); generation is "
+                "refused until an update of every weight in this batch succeeds"
+            ) from exc
+        self.incomplete.difference_update(names)
+        self.version += 1
+        return len(names)
+
+    def _checked_and_staged(
+        self, named_tensors: NamedTensors,
+    ) -> tuple[list[str], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Every check, and each value in its parameter's dtype and place: (names, (param, value))."""
         items = self._items(named_tensors)
         params = dict(self.model.named_parameters())
         problems = self._problems(items, params, self.shard)
@@ -55,22 +91,7 @@ class WeightUpdater:
                     f"(in {params[name].dtype})"
                 )
             staged.append((params[name], value))
-        names = [name for name, _ in items]
-        try:
-            with torch.no_grad():
-                for param, value in staged:
-                    param.copy_(value)
-                del staged
-                self.model.process_weights()
-        except BaseException as exc:
-            self.incomplete.update(names)
-            raise WeightUpdateIncomplete(
-                f"writing the validated weights failed part-way ({type(exc).__name__}: {exc}); generation is "
-                "refused until an update of every weight in this batch succeeds"
-            ) from exc
-        self.incomplete.difference_update(names)
-        self.version += 1
-        return len(items)
+        return [name for name, _ in items], staged
 
     def refusal(self) -> str | None:
         """Why the model must not run (a failed write), or None."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchhal.core.model.config import ModelConfig
+from torchhal.core.model.config import ModelConfig, short_repr
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,12 @@ class TensorParallelPlan:
 
 def check_tensor_parallel(config: ModelConfig, world_size: object) -> None:
     """Refuse a split `TensorParallelPlan` cannot make (ValueError naming the sizes and the fix)."""
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"tensor-parallel size {world_size!r} must be a positive integer")
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"tensor-parallel plan: config is a {type(config).__name__}, not a ModelConfig; pass the "
+                        "model's config (model.config, or ModelConfig.from_hf(...))")
+    if type(world_size) is not int or world_size < 1:
+        raise ValueError(f"tensor-parallel size {world_size!r} must be a positive int (it is a "
+                         f"{type(world_size).__name__}; pass a plain int such as 2)")
     problems = []
     heads, kv = config.num_heads, config.num_kv_heads
     if heads % world_size:
@@ -151,14 +155,22 @@ class RankShard:
     rank: int
 
     def __post_init__(self) -> None:
+        if not isinstance(self.plan, TensorParallelPlan):
+            raise TypeError(f"tensor_parallel: the plan is {short_repr(self.plan)}; pass (TensorParallelPlan(config, "
+                            "world_size), rank) or a RankShard ((world_size, rank) is load_checkpoint's form)")
         world = self.plan.world_size
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 0 <= self.rank < world:
+        if type(self.rank) is not int or not 0 <= self.rank < world:
             raise ValueError(f"tensor-parallel rank {self.rank!r} must be an int in 0..{world - 1}")
 
     @classmethod
     def of(cls, tensor_parallel: RankShard | tuple[TensorParallelPlan, int]) -> RankShard:
         """A `RankShard` as given, or made from `(plan, rank)`."""
-        return tensor_parallel if isinstance(tensor_parallel, RankShard) else cls(*tensor_parallel)
+        if isinstance(tensor_parallel, RankShard):
+            return tensor_parallel
+        if not (isinstance(tensor_parallel, tuple) and len(tensor_parallel) == 2):
+            raise TypeError(f"tensor_parallel = {short_repr(tensor_parallel)}; pass (TensorParallelPlan(config, "
+                            "world_size), rank) or a RankShard")
+        return cls(*tensor_parallel)
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,98 @@
+"""Tensor parallel under hostile input: arguments of the wrong kind are refused where they are
+given, and ranks that disagree (a config, a weight batch one rank refuses) refuse together
+instead of computing different models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy
+import pytest
+import torch
+
+from torchhal.core.engine import EngineConfig, GenerationEngine
+from torchhal.core.model import LlamaDecoder, ModelConfig
+from torchhal.core.model.checkpoint import load_checkpoint
+from torchhal.core.model.parallel import TensorParallelPlan
+
+from .hf_models import PROMPTS
+from .test_tensor_parallel import NEW_TOKENS, run_group, save
+
+CONFIG = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                     intermediate_size=48)
+
+
+@pytest.mark.parametrize("tensor_parallel, message", [
+    ((2, 0), r"the plan is 2; pass \(TensorParallelPlan\(config, world_size\), rank\) or a RankShard \(\(world_size, "
+             r"rank\) is load_checkpoint's form\)"),
+    ((TensorParallelPlan(CONFIG, 2),), r"tensor_parallel = \(TensorParallelPlan"),
+    (TensorParallelPlan(CONFIG, 2), r"tensor_parallel = TensorParallelPlan"),
+    ({"plan": 1}, r"tensor_parallel = \{'plan': 1\}"),
+])
+def test_a_tensor_parallel_argument_of_the_wrong_form_names_the_forms(tensor_parallel, message):
+    with pytest.raises(TypeError, match=message):
+        LlamaDecoder(CONFIG, tensor_parallel=tensor_parallel)
+
+
+@pytest.mark.parametrize("config, world_size, error, message", [
+    (None, 2, TypeError, "config is a NoneType, not a ModelConfig"),
+    (CONFIG, numpy.int64(2), ValueError, r"tensor-parallel size np.int64\(2\) must be a positive int \(it is a int64"),
+    (CONFIG, True, ValueError, r"tensor-parallel size True must be a positive int \(it is a bool"),
+    (CONFIG, 0, ValueError, r"tensor-parallel size 0 must be a positive int"),
+])
+def test_a_plan_of_the_wrong_kind_is_refused_naming_it(config, world_size, error, message):
+    with pytest.raises(error, match=message):
+        TensorParallelPlan(config, world_size)
+
+
+def test_an_engine_refuses_a_shard_without_its_group_before_touching_it():
+    shard = LlamaDecoder(CONFIG, tensor_parallel=(TensorParallelPlan(CONFIG, 2), 1))
+    before = {name: param.clone() for name, param in shard.named_parameters()}
+    with pytest.raises(ValueError, match=r"rank 1 of a 2-way tensor-parallel shard, but the engine's group has 1 "
+                                         r"rank\(s\); pass group=init_group\(world_size=2"):
+        GenerationEngine(EngineConfig(dtype=torch.bfloat16), model=shard)
+    assert all(param.dtype == torch.float32 for param in shard.parameters()), "the refused model was cast"
+    assert shard.kv is None
+    assert all(torch.equal(before[name], param) for name, param in shard.named_parameters() if param.isfinite().all())
+
+
+def test_a_checkpoint_shard_without_its_group_is_refused(tmp_path: Path):
+    path = save("gqa", tmp_path / "model")
+    shard, _ = load_checkpoint(path, tensor_parallel=(2, 0))
+    with pytest.raises(ValueError, match="rank 0 of a 2-way tensor-parallel shard"):
+        GenerationEngine(EngineConfig(), model=shard)
+
+
+@pytest.mark.parametrize("group", ["not a group", 42])
+def test_a_group_of_the_wrong_type_is_refused_before_any_weight_is_read(tmp_path: Path, monkeypatch, group):
+    from torchhal.core.model import checkpoint
+
+    path = save("gqa", tmp_path / "model")
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("a weight was read"))
+    with pytest.raises(TypeError, match=f"group is a {type(group).__name__}; pass the DeviceGroup from "
+                                        r"torchhal.distributed.init_group"):
+        GenerationEngine.from_checkpoint(path, group=group)
+    with pytest.raises(TypeError, match=f"group is a {type(group).__name__}"):
+        GenerationEngine(EngineConfig(), group=group)
+
+
+def test_ranks_that_disagree_refuse_together(tmp_path: Path) -> None:
+    """TP=2 (gqa: intermediate 96, so rank 1 holds down_proj's columns 48..95): a NaN in
+    column 95 is in rank 1's slice only; every rank must refuse the batch and keep its
+    tokens. Then configs that differ (max_kv_slots), then a closed group: refused before a
+    weight is read."""
+    path = save("gqa", tmp_path / "model")
+    prompts = PROMPTS[:2]
+    job = dict(kind="disagreement", name="disagreement", path=str(path), prompts=prompts, new_tokens=NEW_TOKENS,
+               weight="model.layers.0.mlp.down_proj.weight", nan_at=[0, 95])
+    ranks = run_group(2, [job], tmp_path, timeout_s=8.0)
+    for rank, results in enumerate(ranks):
+        out = results["disagreement"]
+        expected = "holds NaN" if rank == 1 else r"rank(s) [1] of the group refused it"
+        assert expected in out["update"], f"rank {rank}: {out['update']}"
+        assert out["version"] == 0
+        assert out["after"] == out["before"], f"rank {rank}: the refused update changed the model"
+        assert "EngineConfig differs between the group's ranks in max_kv_slots (this rank: " \
+               f"{256 if rank == 0 else 512})" in out["config"], out["config"]
+        assert out["closed"].startswith("CollectiveError") and "closed" in out["closed"], out["closed"]
+        assert out["reads_after_close"] == 0, f"rank {rank}: a closed group read weights before refusing"

@@ -1,0 +1,76 @@
+"""Tensor parallel: what every rank's engine must agree on before it acts.
+
+Ranks run the same engine calls (SPMD), but nothing makes their arguments equal: a config
+that differs, or a weight update one rank refuses and another applies, would leave the
+ranks computing different models and meeting in collectives of different sizes. These
+checks make every rank reach the same verdict over the group's host communicator, before
+anything is moved, allocated or written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import TYPE_CHECKING
+
+import torch
+
+from torchhal.core.engine.records import EngineConfig
+
+if TYPE_CHECKING:
+    from torchhal.core.model import Model
+    from torchhal.distributed import DeviceGroup
+
+
+def check_group(group: object) -> None:
+    """`group` is a `DeviceGroup` (from `init_group`) or None."""
+    from torchhal.distributed import DeviceGroup
+
+    if group is not None and not isinstance(group, DeviceGroup):
+        raise TypeError(f"group is a {type(group).__name__}; pass the DeviceGroup from "
+                        "torchhal.distributed.init_group(...), or None for one device")
+
+
+def check_shard_has_group(model: Model | None, group: DeviceGroup | None) -> None:
+    """A tensor-parallel shard runs only in a group of its size (else every step would fail)."""
+    shard = getattr(model, "shard", None)
+    if shard is None:
+        return
+    ranks = group.world_size if group is not None else 1
+    if ranks != shard.world_size:
+        raise ValueError(
+            f"the model is rank {shard.rank} of a {shard.world_size}-way tensor-parallel shard, but the engine's "
+            f"group has {ranks} rank(s); pass group=init_group(world_size={shard.world_size}, ...), or a whole model"
+        )
+
+
+def _describe(value: object) -> str:
+    """A value's text that is the same in every process (a function's repr holds its address)."""
+    if callable(value) and not isinstance(value, type) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    return repr(value)
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")  # fits int64
+
+
+def agree_on_config(config: EngineConfig, group: DeviceGroup | None) -> None:
+    """Every rank's `EngineConfig` field by field; a difference is a ValueError on every rank
+    naming the fields (one collective on the host communicator; a closed group refuses here)."""
+    if group is None or group.world_size == 1:
+        return
+    names = [field.name for field in dataclasses.fields(config)]
+    mine = torch.tensor([[_digest(_describe(getattr(config, name))) for name in names]], dtype=torch.int64)
+    everyone = group.host.all_gather(mine)
+    differing = [name for column, name in enumerate(names) if bool((everyone[:, column] != mine[0, column]).any())]
+    if differing:
+        shown = ", ".join(f"{name} (this rank: {_describe(getattr(config, name))})" for name in differing)
+        raise ValueError(f"EngineConfig differs between the group's ranks in {shown}; every rank must build its "
+                         "engine with the same EngineConfig")
+
+
+def agree_on_verdict(group: DeviceGroup, refused: bool) -> list[int]:
+    """The ranks that refused (an empty list: none did); every rank gets the same list."""
+    flags = group.host.all_gather(torch.tensor([int(refused)], dtype=torch.int64))
+    return [rank for rank, flag in enumerate(flags.tolist()) if flag]
