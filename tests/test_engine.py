@@ -37,7 +37,7 @@ def test_kv_pool_is_sized_from_memory_info(make_registry):
     free = torchhal.current_platform().memory_info().free
     assert e.kv_sizing.num_blocks == pytest.approx(free * 0.01 // e.kv_sizing.bytes_per_block, rel=0.05)
     assert e.model.kv.num_blocks == e.kv_sizing.num_blocks + 1  # + the scratch block
-    with pytest.raises(ValueError, match="kv_fraction 1.5"):
+    with pytest.raises(ValueError, match=r"EngineConfig.kv_fraction = 1.5 must be a fraction of free memory"):
         GenerationEngine(EngineConfig(kv_fraction=1.5))
 
 

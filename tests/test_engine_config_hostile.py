@@ -3,7 +3,9 @@ the bad value and the fix, before the user's model is moved, cast or read."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -103,3 +105,194 @@ def test_forward_without_a_kv_cache_names_the_fix() -> None:
     meta = AttentionMetadata.build([[1]], [3], [3], 4, torch.device("cpu"))
     with pytest.raises(RuntimeError, match=r"model\.kv is None: assign a KVCache \(.*\) before forward"):
         model(torch.tensor([1, 2, 3]), meta)
+
+
+# -- 4. config fields: checked by the config itself, before any model is touched -----------------
+@pytest.mark.parametrize("field, value, message", [
+    ("kv_fraction", 0, r"EngineConfig\.kv_fraction = 0 must be a fraction of free memory in \(0, 1\]"),
+    ("kv_fraction", 5, r"kv_fraction = 5 must be"),
+    ("kv_fraction", float("nan"), r"kv_fraction = nan must be"),
+    ("kv_fraction", "0.3", r"kv_fraction = '0.3' must be"),
+    ("kv_fraction", None, r"kv_fraction = None must be"),
+    ("kv_fraction", True, r"kv_fraction = True must be"),
+    ("eos_token", "5", r"EngineConfig\.eos_token = '5' must be a token id \(an int >= 0\) or None"),
+    ("eos_token", 5.5, r"eos_token = 5\.5 must be"),
+    ("eos_token", -1, r"eos_token = -1 must be"),
+    ("eos_token", True, r"eos_token = True must be"),
+    ("eos_token", [5], r"eos_token = \[5\] must be"),
+    ("idle_empty_after_s", "5", r"EngineConfig\.idle_empty_after_s = '5' must be a finite number of seconds >= 0"),
+    ("idle_empty_after_s", float("nan"), r"idle_empty_after_s = nan must be"),
+    ("idle_empty_after_s", True, r"idle_empty_after_s = True must be"),
+    ("idle_empty_after_s", -1, r"idle_empty_after_s = -1 must be"),
+])
+def test_a_bad_config_value_is_refused_by_the_config(field: str, value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field, value, error, message", [
+    ("check_finite_weights", "no", TypeError, r"EngineConfig\.check_finite_weights = 'no' must be True or False"),
+    ("model", "x", TypeError, r"EngineConfig\.model = 'x' must be a ModelConfig"),
+    ("model", None, TypeError, r"EngineConfig\.model = None must be a ModelConfig"),
+])
+def test_a_config_value_of_the_wrong_kind_is_refused(field: str, value: object, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        EngineConfig(**{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("config", [EngineConfig(max_kv_slots=512, eos_token=64),
+                                    EngineConfig(max_kv_slots=512, eos_tokens=(2, 10**6))])
+def test_an_end_token_outside_the_vocabulary_is_refused_before_the_model_is_touched(config: EngineConfig) -> None:
+    model = ReferenceDecoder(SMALL)
+    before = params_snapshot(model)
+    with pytest.raises(ValueError, match=r"end-of-sequence token\(s\) \[\d+\] are outside the model's vocabulary "
+                                         r"0\.\.63"):
+        GenerationEngine(config, model=model)
+    assert_untouched(model, before)
+
+
+def test_runner_factory_must_return_a_runner() -> None:
+    with pytest.raises(TypeError, match=r"runner_factory returned NoneType, which lacks forward, release, resume"):
+        GenerationEngine(EngineConfig(max_kv_slots=512, model=SMALL),
+                         runner_factory=lambda engine: None)  # type: ignore[arg-type,return-value]
+
+
+# -- 5. sizes no step can use are not allocated ----------------------------------------------------
+def test_buckets_and_windows_no_step_can_use_are_left_out() -> None:
+    """max_running above the pool's blocks, batch buckets above it, a window past the largest
+    context bucket and token buckets above max_batch_tokens: each would only size buffers
+    (30M-token ones here) that no step fills."""
+    config = EngineConfig(
+        model=SMALL, max_kv_slots=128, kv_block_size=16, max_batch_tokens=64, max_running=4_000_000,
+        decode_graphs=DecodeGraphConfig(batch_buckets=(1, 2, 4, 30_000_000), context_buckets=(32, 64),
+                                        steps_per_sync=50_000_000, emulate=True),
+        prefill_graphs=PrefillGraphConfig(token_buckets=(16, 32, 128, 30_000_000), emulate=True),
+    )
+    engine = GenerationEngine(config)
+    assert engine.kv_sizing.num_blocks == engine.max_running_requests == 8  # 128 slots of 16 tokens
+    assert engine.decode_rows.max_rows == 8
+    decode = engine.decode_runner
+    assert decode is not None and decode.batch_buckets == [1, 2, 4, 8]
+    assert decode.steps_per_sync == 64 and decode.history.shape == (64, 8)  # the largest context bucket
+    assert engine.runner.bucket_sizes == [16, 32, 64]  # type: ignore[attr-defined]
+    assert [list(r.output) for r in engine.generate([[1, 2, 3], [4, 5]], 3)] == [
+        list(r.output) for r in GenerationEngine(EngineConfig(model=SMALL, max_kv_slots=128)).generate(
+            [[1, 2, 3], [4, 5]], 3)]
+
+
+# -- 6. requests: nothing of a refused call is left behind -----------------------------------------
+def small_engine(**overrides: object) -> GenerationEngine:
+    return GenerationEngine(EngineConfig(**{"model": SMALL, "max_kv_slots": 512, **overrides}))  # type: ignore[arg-type]
+
+
+def test_prompts_that_fail_part_way_leave_nothing_queued() -> None:
+    engine = small_engine()
+
+    def prompts():
+        yield [1, 2, 3]
+        yield [4, 5]
+        raise OSError("the prompt file went away")
+
+    with pytest.raises(OSError, match="went away"):
+        engine.generate(prompts(), 4)
+    assert engine.pending() is None and not engine.waiting and not engine.results
+    assert engine.flush_cache().flushed
+
+
+@pytest.mark.parametrize("prompts, message", [
+    (None, r"generate\(prompts=None\): pass a list of prompts, each a list of int token ids"),
+    ("1 2 3", r"generate\(prompts='1 2 3'\): pass a list of prompts"),
+    ([1, 2, 3], r"generate\(prompts=\[1, 2, 3\]\) is one prompt; pass a list of prompts: \[\[1, 2, 3\]\]"),
+])
+def test_prompts_that_are_not_a_list_of_prompts_are_refused_at_the_call(prompts: object, message: str) -> None:
+    engine = small_engine()
+    with pytest.raises(TypeError, match=message):
+        engine.generate(prompts, 4)  # type: ignore[arg-type]
+    assert engine.pending() is None and not engine.results
+
+
+@pytest.mark.parametrize("prompt, new_tokens, message", [
+    ([True, False, 3], 2, r"token True at position 0 is a bool, not an int token id"),
+    ([1, 2], True, r"max_new_tokens True must be a positive int"),
+])
+def test_bools_are_not_token_ids_or_counts(prompt: list, new_tokens: object, message: str) -> None:
+    engine = small_engine()
+    with pytest.raises((TypeError, ValueError), match=message):
+        engine.add_request(prompt, new_tokens)  # type: ignore[arg-type]
+    assert not engine.waiting
+    (result,) = engine.generate([prompt], new_tokens)  # type: ignore[arg-type]
+    assert result.state.value == "failed" and result.output == () and result.error is not None
+    assert re.search(message, result.error)
+
+
+# -- 7. weight updates --------------------------------------------------------------------------
+def test_an_empty_update_is_refused_and_is_no_new_version() -> None:
+    engine = small_engine()
+    for empty in ({}, iter([])):
+        with pytest.raises(ValueError, match="the update names no weights"):
+            engine.update_weights_from_tensors(empty)
+    assert engine.weight_version == 0
+
+
+def test_a_tied_model_takes_its_own_state_dict_back() -> None:
+    tied = dataclasses.replace(SMALL, tie_word_embeddings=True)
+    engine = small_engine(model=tied)
+    tokens = [list(r.output) for r in engine.generate([[1, 2, 3]], 4)]
+    state = {name: tensor.clone() for name, tensor in engine.model.state_dict().items()}
+    assert "lm_head.weight" in state
+    result = engine.update_weights_from_tensors(state)
+    assert result.weight_version == 1 and result.updated == len(state) - 1  # the tied pair is one weight
+    assert [list(r.output) for r in engine.generate([[1, 2, 3]], 4)] == tokens
+    state["lm_head.weight"] = state["lm_head.weight"] + 1
+    with pytest.raises(ValueError, match=r"'lm_head.weight' and 'model.embed_tokens.weight' are one tied weight, "
+                                         r"given different values; send one"):
+        engine.update_weights_from_tensors(state)
+    assert engine.weight_version == 1
+
+
+def test_an_update_whose_sources_are_the_models_own_weights_is_all_at_once() -> None:
+    engine = small_engine()
+    params = dict(engine.model.named_parameters())
+    a, b = "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"
+    with torch.no_grad():
+        params[a].copy_(torch.arange(32.0))
+        params[b].copy_(-torch.arange(32.0))
+    engine.update_weights_from_tensors({a: params[b], b: params[a]})  # a swap, read before anything is written
+    assert torch.equal(params[a], -torch.arange(32.0)) and torch.equal(params[b], torch.arange(32.0))
+
+
+# -- 8. lifecycle arguments ----------------------------------------------------------------------
+@pytest.mark.parametrize("call, label", [
+    (lambda e: e.flush_cache(empty_cache="no"), r"flush_cache\(empty_cache\) = 'no' must be True or False"),
+    (lambda e: e.update_weights_from_tensors({}, flush_cache="no"),
+     r"update_weights_from_tensors\(flush_cache\) = 'no' must be True or False"),
+    (lambda e: e.update_weights_from_disk("x", flush_cache="no"),
+     r"update_weights_from_disk\(flush_cache\) = 'no' must be True or False"),
+])
+def test_flags_must_be_real_bools(call, label: str) -> None:
+    with pytest.raises(TypeError, match=label):
+        call(small_engine())
+
+
+def test_continue_generation_flag_must_be_a_real_bool() -> None:
+    engine = small_engine()
+    engine.pause_generation("in_place")
+    with pytest.raises(TypeError, match=r"continue_generation\(empty_cache\) = 'no' must be True or False"):
+        engine.continue_generation(empty_cache="no")  # type: ignore[arg-type]
+    assert engine.paused is not None  # still paused: nothing changed
+    engine.continue_generation(empty_cache=False)
+
+
+@pytest.mark.parametrize("path", [None, 42])
+def test_update_from_disk_names_a_path_that_is_not_one(path: object) -> None:
+    with pytest.raises(TypeError, match=rf"update_weights_from_disk\(path={path!r}\): pass the checkpoint's "
+                                        "directory or safetensors file as a str or Path"):
+        small_engine().update_weights_from_disk(path)  # type: ignore[arg-type]
+
+
+def test_a_bad_pause_mode_lists_the_modes() -> None:
+    engine = small_engine()
+    with pytest.raises(ValueError, match=r"pause_generation\(mode='ABORT'\): choose one of 'abort', 'retract', "
+                                         r"'in_place'"):
+        engine.pause_generation("ABORT")
+    assert engine.paused is None

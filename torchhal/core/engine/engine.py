@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -47,7 +48,8 @@ from torchhal.core.engine.records import (
     RequestState,
     WeightUpdateIncomplete,
     WeightUpdateResult,
-    usable_context_buckets,
+    check_bool,
+    usable_buckets,
 )
 from torchhal.core.engine.requests import RequestBook
 from torchhal.core.engine.runners import EagerRunner, ModelRunner
@@ -56,6 +58,7 @@ from torchhal.core.engine.weights import NamedTensors, WeightUpdater
 from torchhal.core.graphs.decode import BlockTable, DecodeGraphRunner, DecodeWindow
 from torchhal.core.graphs.runner import GraphRunner
 from torchhal.core.model import AttentionMetadata, KVCache, Model, ModelConfig, ReferenceDecoder
+from torchhal.core.model.config import short_repr
 from torchhal.core.model.greedy import greedy_tokens
 from torchhal.core.model.linear import use_platform_linear
 from torchhal.core.model.protocol import missing_model_members
@@ -134,6 +137,7 @@ class GenerationEngine:
         check_engine_config(config, runner_factory)
         check_group(group)
         check_shard_has_group(model, group)
+        check_eos_tokens(config, (model.config if model is not None else config.model).vocab_size)
         agree_on_config(config, group)
         if config.compile_layers is not None and model is not None and getattr(model, "compile_layers", None) is None:
             raise TypeError(
@@ -203,7 +207,7 @@ class GenerationEngine:
         self._eos: frozenset[int] = frozenset(eos)
         # Pure decode steps on the runner read their metadata from here: each request keeps a
         # row whose blocks are uploaded once, so a step's host work does not grow with the context.
-        self.decode_rows = BlockTable(config.max_running, model_config.max_position, config.kv_block_size,
+        self.decode_rows = BlockTable(self.max_running_requests, model_config.max_position, config.kv_block_size,
                                       self.device, pin=self.platform.pin_memory)
         self.requests.on_leave = self._forget_rows
         self.decode_runner: DecodeGraphRunner | None = None
@@ -223,30 +227,45 @@ class GenerationEngine:
         """The runner of every step full-graph decode does not take: the caller's, breakable
         graphs for `config.prefill_graphs` (captured here, after the KV cache exists), or eager."""
         if runner_factory is not None:
-            return runner_factory(self)
+            made = runner_factory(self)
+            missing = [name for name in ("forward", "release", "resume") if not callable(getattr(made, name, None))]
+            if missing:
+                raise TypeError(f"runner_factory returned {type(made).__name__}, which lacks {', '.join(missing)} of "
+                                "the ModelRunner protocol (forward(input_ids, meta), release(), resume())")
+            return made
         settings = self.config.prefill_graphs
         if settings is None:
             return EagerRunner(self.model)
+        # A step has at most max_batch_tokens tokens: larger buckets would only hold memory.
         runner = GraphRunner(self.model, self.platform, self.device_index, dtype=self.config.dtype,
-                             buckets=settings.token_buckets, emulate=settings.emulate)
+                             buckets=usable_buckets(settings.token_buckets, self.config.max_batch_tokens),
+                             emulate=settings.emulate)
         self.events.record("prefill_graphs", buckets=list(runner.bucket_sizes), eager_reason=runner.eager_reason)
         return runner
 
     def _new_decode_runner(self, settings: DecodeGraphConfig) -> DecodeGraphRunner:
-        """Built after the KV cache exists: capture needs it (and the scratch block in it)."""
+        """Built after the KV cache exists: capture needs it (and the scratch block in it).
+        Buckets no step can use are left out, and a window never runs past the largest
+        context bucket, so neither sizes buffers beyond what a step can fill."""
+        context_buckets = usable_buckets(settings.context_buckets, self.model.config.max_position)
         return DecodeGraphRunner(
             self.model,  # type: ignore[arg-type]  # the Model protocol is satisfied by nn.Modules
             self.platform,
             self.device_index,
             block_size=self.config.kv_block_size,
             backend=self.attention.backend,
-            batch_buckets=settings.batch_buckets,
-            context_buckets=usable_context_buckets(settings.context_buckets, self.model.config.max_position),
-            steps_per_sync=settings.steps_per_sync,
+            batch_buckets=usable_buckets(settings.batch_buckets, self.max_running_requests),
+            context_buckets=context_buckets,
+            steps_per_sync=min(settings.steps_per_sync, context_buckets[-1]),
             emulate=settings.emulate,
         )
 
     # -- views of the parts ---------------------------------------------------------------
+    @property
+    def max_running_requests(self) -> int:
+        """`config.max_running`, or fewer when the pool has fewer blocks (a running request holds one)."""
+        return min(self.config.max_running, self.kv_sizing.num_blocks)
+
     @property
     def model_config(self) -> ModelConfig:
         return self.model.config
@@ -322,7 +341,7 @@ class GenerationEngine:
                 raise RuntimeError(f"the engine is paused ({self.paused.value}); call continue_generation() first")
             self._check_can_run()
             rids = []
-            for prompt in prompts:
+            for prompt in listed_prompts(prompts):
                 try:
                     rids.append(self.requests.add(prompt, max_new_tokens))
                 except (TypeError, ValueError) as exc:
@@ -587,6 +606,7 @@ class GenerationEngine:
     @_serialized
     def flush_cache(self, empty_cache: bool = True, reason: ReleasePoint = ReleasePoint.USER) -> FlushResult:
         """Clear the KV pool (there is no prefix cache), only when fully idle."""
+        check_bool("flush_cache(empty_cache)", empty_cache)
         self.drain()
         pending = self.pending()
         if pending:
@@ -598,6 +618,9 @@ class GenerationEngine:
     @_serialized
     def pause_generation(self, mode: PauseMode | str) -> list[GenerationResult]:
         """Pause. Returns the requests ended by an abort (empty for retract / in_place)."""
+        if not isinstance(mode, PauseMode) and mode not in {m.value for m in PauseMode}:
+            raise ValueError(f"pause_generation(mode={mode!r}): choose one of "
+                             f"{', '.join(repr(m.value) for m in PauseMode)} (or a PauseMode)")
         mode = PauseMode(mode)
         if self.paused is not None:
             raise RuntimeError(f"already paused ({self.paused.value}); call continue_generation() first")
@@ -614,6 +637,7 @@ class GenerationEngine:
     @_serialized
     def continue_generation(self, empty_cache: bool = True) -> ContinueReport:
         """Resume. Empties the cache first, while still paused: the fragmentation release point."""
+        check_bool("continue_generation(empty_cache)", empty_cache)
         if self.paused is None:
             raise RuntimeError("the engine is not paused; nothing to continue")
         before = self.platform.memory_info(self.device_index).reserved
@@ -630,6 +654,7 @@ class GenerationEngine:
 
         Raises WeightUpdateRejected (a ValueError) with nothing applied. Allowed while
         paused and while asleep (the update is what wake brings back)."""
+        check_bool("update_weights_from_tensors(flush_cache)", flush_cache)
         self.drain()  # every token launched with the old weights lands first
         count = self.weights.apply(named_tensors)
         self.events.record("weights_updated", count=count, version=self.weight_version)
@@ -642,11 +667,16 @@ class GenerationEngine:
         `update_weights_from_tensors` (all or nothing)."""
         from torchhal.core.model.checkpoint import iter_checkpoint_tensors
 
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"update_weights_from_disk(path={short_repr(path)}): pass the checkpoint's directory or "
+                            "safetensors file as a str or Path")
+        check_bool("update_weights_from_disk(flush_cache)", flush_cache)
         return self.update_weights_from_tensors(iter_checkpoint_tensors(path), flush_cache)
 
     @_serialized
     def flush_cache_after_weight_update(self, requested: bool) -> FlushResult | None:
         """The one place every weight-update path flushes, when the caller asked."""
+        check_bool("flush_cache_after_weight_update(requested)", requested)
         if not requested:
             return None
         return self.flush_cache(empty_cache=True, reason=ReleasePoint.WEIGHT_UPDATE)
@@ -716,6 +746,28 @@ class GenerationEngine:
         engine = cls(config, platform=platform, model=model, runner_factory=runner_factory, group=group)
         engine.checkpoint = report
         return engine
+
+
+def listed_prompts(prompts: object) -> list[object]:
+    """`generate`'s prompts as a list, read whole before anything is queued (an iterator that
+    raises part-way leaves nothing behind); each prompt is checked by its own result."""
+    if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, Iterable):
+        raise TypeError(f"generate(prompts={short_repr(prompts)}): pass a list of prompts, each a list of int token "
+                        "ids, e.g. [[1, 2, 3]]")
+    listed = list(prompts)
+    if listed and all(type(token) is int for token in listed):
+        raise TypeError(f"generate(prompts={short_repr(listed)}) is one prompt; pass a list of prompts: "
+                        f"[{short_repr(listed)}]")
+    return listed
+
+
+def check_eos_tokens(config: EngineConfig, vocab_size: int) -> None:
+    """End-of-sequence ids the model can emit: one outside the vocabulary would never stop a request."""
+    ids = set(config.eos_tokens) | ({config.eos_token} if config.eos_token is not None else set())
+    outside = sorted(token for token in ids if token >= vocab_size)
+    if outside:
+        raise ValueError(f"EngineConfig end-of-sequence token(s) {outside} are outside the model's vocabulary "
+                         f"0..{vocab_size - 1}; no request would ever stop on them")
 
 
 def check_engine_config(config: EngineConfig,

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from torchhal.core.model import ModelConfig
+from torchhal.core.model.config import ConfigValueError, check_number, short_repr
 from torchhal.core.model.decoder import check_compile_backend
 
 
@@ -106,11 +107,11 @@ def check_bool(label: str, value: object) -> None:
         raise TypeError(f"{label} = {value!r} must be True or False")
 
 
-def usable_context_buckets(buckets: tuple[int, ...], max_position: int) -> tuple[int, ...]:
-    """The context buckets with each one above the model's max_position lowered to it: no
-    context grows past max_position, so a larger bucket would only size block-table rows no
-    step fills (and a huge one would fail allocating them)."""
-    return tuple(sorted({min(bucket, max_position) for bucket in buckets}))
+def usable_buckets(buckets: tuple[int, ...], limit: int) -> tuple[int, ...]:
+    """The buckets with each one above `limit` lowered to it. No step exceeds its limit (a
+    context max_position, a batch max_running, a prefill max_batch_tokens), so a larger
+    bucket would only size buffers no step fills (and a huge one would fail allocating them)."""
+    return tuple(sorted({min(bucket, limit) for bucket in buckets}))
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,13 @@ class EngineConfig:
     compile_layers: str | Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, ModelConfig):
+            raise TypeError(f"EngineConfig.model = {short_repr(self.model)} must be a ModelConfig (the model the "
+                            "engine builds when given none), e.g. ModelConfig(vocab_size=32000, ...)")
+        fraction_rule = "a fraction of free memory in (0, 1], e.g. 0.3"
+        check_number(self, "kv_fraction", self.kv_fraction, fraction_rule, above=0.0)
+        if self.kv_fraction > 1:
+            raise ConfigValueError(self, "kv_fraction", self.kv_fraction, fraction_rule)
         for name in ("max_kv_slots", "max_batch_tokens", "max_running", "kv_block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -208,6 +216,9 @@ class EngineConfig:
             not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.eos_tokens
         ):
             raise ValueError(f"EngineConfig.eos_tokens = {self.eos_tokens!r} must be a tuple of token ids, e.g. (2,)")
+        if self.eos_token is not None and (type(self.eos_token) is not int or self.eos_token < 0):
+            raise ValueError(f"EngineConfig.eos_token = {self.eos_token!r} must be a token id (an int >= 0) or None")
+        check_bool("EngineConfig.check_finite_weights", self.check_finite_weights)
         if self.max_kv_slots < self.kv_block_size:
             raise ValueError(f"EngineConfig.max_kv_slots = {self.max_kv_slots} holds no block of kv_block_size = "
                              f"{self.kv_block_size} tokens; raise max_kv_slots or lower kv_block_size")
@@ -223,5 +234,6 @@ class EngineConfig:
             )
         if self.compile_layers is not None:
             check_compile_backend(self.compile_layers, "EngineConfig.compile_layers")
-        if self.idle_empty_after_s is not None and self.idle_empty_after_s < 0:
-            raise ValueError(f"EngineConfig.idle_empty_after_s = {self.idle_empty_after_s!r} must be >= 0 or None")
+        if self.idle_empty_after_s is not None:
+            check_number(self, "idle_empty_after_s", self.idle_empty_after_s,
+                         "a finite number of seconds >= 0, or None", minimum=0.0)

@@ -20,12 +20,12 @@ def check_prompt(prompt: object, max_new_tokens: object, vocab_size: int, max_po
     if not prompt:
         raise ValueError("prompt is empty; pass at least one token id")
     for position, token in enumerate(prompt):
-        if not isinstance(token, int):
+        if type(token) is not int:  # not a bool either: True would run as token 1
             raise TypeError(f"token {token!r} at position {position} is a {type(token).__name__}, not an int token id")
     bad = [t for t in prompt if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"token id {bad[0]!r} is outside the vocabulary 0..{vocab_size - 1}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if type(max_new_tokens) is not int or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens {max_new_tokens!r} must be a positive int")
     needed = len(prompt) + max_new_tokens
     if needed > max_position:
@@ -56,7 +56,7 @@ class RequestBook:
         if self.on_leave is not None:
             self.on_leave(request.rid)
 
-    def add(self, prompt: list[int], max_new_tokens: int) -> int:
+    def add(self, prompt: object, max_new_tokens: int) -> int:
         """Queue a prompt; raises TypeError/ValueError naming a bad token or length (nothing queued)."""
         tokens = check_prompt(prompt, max_new_tokens, self.vocab_size, self.max_position)
         rid = self._new_rid()

@@ -51,6 +51,7 @@ class WeightUpdater:
                 f"weight update rejected, nothing applied: rank(s) {refused_by} of the group refused it (their error "
                 "names why); every rank refuses a batch any rank refuses"
             )
+        written = len(staged)  # a tied weight given under both names is one
         try:
             with torch.no_grad():
                 for param, value in staged:
@@ -65,19 +66,24 @@ class WeightUpdater:
             ) from exc
         self.incomplete.difference_update(names)
         self.version += 1
-        return len(names)
+        return written
 
     def _checked_and_staged(
         self, named_tensors: NamedTensors,
     ) -> tuple[list[str], list[tuple[torch.Tensor, torch.Tensor]]]:
         """Every check, and each value in its parameter's dtype and place: (names, (param, value))."""
         items = self._items(named_tensors)
-        params = dict(self.model.named_parameters())
+        if not items:
+            raise WeightUpdateRejected("weight update rejected, nothing applied: the update names no weights (an "
+                                       "empty dict or iterable); weight_version is unchanged")
+        # Tied weights are one parameter under two names (lm_head.weight and the embedding's).
+        params = dict(self.model.named_parameters(remove_duplicate=False))
         problems = self._problems(items, params, self.shard)
         if problems:
             raise WeightUpdateRejected("weight update rejected, nothing applied: " + "; ".join(problems))
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for name, tensor in items:
+        written: list[torch.Tensor] = []  # the targets written before each source is read
+        for name, tensor in _once_per_parameter(items, params):
             try:
                 value = self._stage(tensor if self.shard is None else self.shard.take(name, tensor), params[name])
             except Exception as exc:
@@ -90,6 +96,9 @@ class WeightUpdater:
                     f"weight update rejected, nothing applied: {name!r} holds NaN or infinite values "
                     f"(in {params[name].dtype})"
                 )
+            if any(_overlaps(value, target) for target in written):
+                value = value.clone()  # its source is a weight this batch writes first (a swap)
+            written.append(params[name])
             staged.append((params[name], value))
         return [name for name, _ in items], staged
 
@@ -127,6 +136,7 @@ class WeightUpdater:
                   shard: RankShard | None) -> list[str]:
         problems = []
         seen: set[str] = set()
+        first_name: dict[int, tuple[str, object]] = {}  # a parameter's first name in the batch, and its value
         for name, tensor in items:
             if not isinstance(name, str):  # checked first: a list or dict name is not even hashable
                 kind = type(name).__name__
@@ -138,6 +148,12 @@ class WeightUpdater:
             target = params.get(name)
             if target is None:
                 problems.append(f"unknown weight {name!r}")
+                continue
+            tied = first_name.setdefault(id(target), (name, tensor))
+            if tied[0] != name and not (isinstance(tensor, torch.Tensor) and isinstance(tied[1], torch.Tensor)
+                                         and tensor.shape == tied[1].shape
+                                         and (tensor is tied[1] or torch.equal(tensor, tied[1].to(tensor.device)))):
+                problems.append(f"{name!r} and {tied[0]!r} are one tied weight, given different values; send one")
                 continue
             shape = tuple(target.shape) if shard is None else shard.full_shape(name, tuple(target.shape))
             if not isinstance(tensor, torch.Tensor):
@@ -175,6 +191,32 @@ class WeightUpdater:
         if value.dtype != param.dtype or value.shape != param.shape or value.layout != torch.strided:
             raise TypeError(f"staged as {value.dtype} {tuple(value.shape)} {value.layout}")
         return value
+
+
+def _once_per_parameter(items: list[tuple[str, torch.Tensor]],
+                        params: dict[str, torch.nn.Parameter]) -> list[tuple[str, torch.Tensor]]:
+    """The batch with a tied weight's second name left out (it writes the same parameter);
+    `_problems` has already refused a batch that gives the two names different values."""
+    seen: set[int] = set()
+    kept = []
+    for name, tensor in items:
+        if id(params[name]) not in seen:
+            seen.add(id(params[name]))
+            kept.append((name, tensor))
+    return kept
+
+
+def _overlaps(source: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether `source` reads memory that writing `target` changes."""
+    if source.device != target.device or source.numel() == 0 or target.numel() == 0:
+        return False
+
+    def span(tensor: torch.Tensor) -> tuple[int, int]:
+        extent = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)) + 1
+        return tensor.data_ptr(), tensor.data_ptr() + extent * tensor.element_size()
+
+    (start, end), (target_start, target_end) = span(source), span(target)
+    return start < target_end and target_start < end
 
 
 def _short(value: object) -> str:
