@@ -44,7 +44,8 @@ class ResidencyManager:
         every boundary (for benchmarks only). `empty_on_release=False` makes no release a
         release point: a memory-intensive component that leaves gives its memory to the
         allocator's cache, which serves the next use (only an out-of-memory error empties).
-        Events go to `self.trace` (see ResidencyTrace).
+        Events go to `self.trace` (see ResidencyTrace) and, with `log` (a logging.Logger,
+        or anything with an `.info` method), one JSON line each.
         """
         unknown = set(placements) - set(components)
         if unknown:
@@ -53,6 +54,9 @@ class ResidencyManager:
                                          or device_index < 0):
             raise ValueError(f"device_index must be a device number >= 0 or None (the current device), "
                              f"got {device_index!r}")
+        if log is not None and not callable(getattr(log, "info", None)):
+            raise TypeError(f"log must be a logging.Logger (anything with an .info method) or None, got {log!r}; "
+                            "e.g. log=logging.getLogger('torchhal.residency')")
         strategies = {name: strategy_for(name, placements.get(name, Strategy.RESIDENT)) for name in components}
         shared = [name for name, s in strategies.items() if sum(s is o for o in strategies.values()) > 1]
         if shared:
@@ -146,10 +150,12 @@ class ResidencyManager:
         unknown = sorted({u.component for u in timeline} - known)
         if unknown:
             raise ValueError(f"stages use unknown components {unknown}; registered: {sorted(known)}")
+        copied = self.copied_bytes()
+        # before the request counts as started: an event that fails leaves no request behind
+        self.event("request_start", None, uses=len(timeline), warmup=warmup)
         self._timeline, self._cursor, self._prefetched = timeline, 0, False
         self._warmup, self._in_request = warmup, True
-        self._copied_at_request_start = self.copied_bytes()
-        self.event("request_start", None, uses=len(timeline), warmup=warmup)
+        self._copied_at_request_start = copied
 
     def begin_use(self, component: str, phase: str | None = None) -> None:
         if not self._in_request:
