@@ -60,6 +60,22 @@ def test_a_request_whose_start_event_fails_is_not_started():
     serves(manager)  # not stuck in a request that never started: it runs one and closes
 
 
+# -- 2. finish_request during a use -----------------------------------------------------------
+
+def test_finish_request_during_a_use_is_refused_and_changes_nothing():
+    manager = ResidencyManager({"enc": nn.Linear(4, 4)}, {"enc": "offload"})
+    manager.begin_request(ONE_USE)
+    manager.begin_use("enc")
+    events = len(manager.trace.events)
+    with pytest.raises(RuntimeError, match=r"finish_request\(\) while 'enc' is in use; end_use\('enc'\) first"):
+        manager.finish_request()
+    assert manager.in_use == "enc" and manager.components["enc"].on_device  # not released under the use
+    assert len(manager.trace.events) == events
+    manager.end_use("enc")
+    manager.finish_request()
+    serves(manager)
+
+
 # -- 1 through the diffusers adapter ------------------------------------------------------------
 
 def flux():

@@ -217,6 +217,9 @@ class ResidencyManager:
     def finish_request(self) -> None:
         if not self._in_request:
             raise RuntimeError("finish_request without a request")
+        if self._active is not None:  # its weights would leave the device under the running use
+            name = self._active.component
+            raise RuntimeError(f"finish_request() while {name!r} is in use; end_use({name!r}) first")
         preferred = {u.component for u in self._timeline if u.preferred_ready_after_request}
         kept = {u.component for u in self._timeline if self._keep_after_warmup(u)}
         released_any = False
