@@ -13,10 +13,21 @@ import pytest
 import torch
 from torch import nn
 
-from torchhal.core.residency import ComponentUse, ResidencyManager, Stage
+from torchhal.core.residency import ComponentUse, LayerwiseStrategy, ResidencyManager, ResidencyStrategy, Stage
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 ONE_USE = [Stage("encode", (ComponentUse("enc"),))]
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(layers)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
 
 
 def snapshot(*modules: nn.Module) -> list[tuple[int, bool]]:
@@ -74,6 +85,59 @@ def test_finish_request_during_a_use_is_refused_and_changes_nothing():
     manager.end_use("enc")
     manager.finish_request()
     serves(manager)
+
+
+# -- 3. what the constructor is given ---------------------------------------------------------
+
+@pytest.mark.parametrize(("components", "placements", "error", "message"), [
+    ([("enc", "module")], {}, TypeError, r"components must be a dict of component name -> nn.Module.*got a list"),
+    ({"enc": "module"}, None, TypeError, r"placements must be a dict .*got None; pass \{\} to keep every"),
+    ({"enc": "module"}, ["enc"], TypeError, r"placements must be a dict .*got \['enc'\]"),
+    ({"enc": "module", "oops": torch.randn(3)}, {}, TypeError, r"component 'oops' is a Tensor, not an nn.Module"),
+    ({"enc": "module", "gone": None}, {"gone": "offload"}, TypeError, r"component 'gone' is a NoneType"),
+    ({"enc": "module", 3: "module"}, {}, TypeError, r"component name 3 must be a non-empty str"),
+    ({"enc": "module", "mixed": "mixed"}, {"mixed": "offload"}, ValueError,
+     r"component 'mixed': the offloaded module moves as one block of one dtype but holds torch.float16 and "
+     r"torch.float32; cast the component to one dtype first"),
+    ({"enc": "module", "act": nn.ReLU()}, {"act": "offload"}, ValueError,
+     r"component 'act': the offloaded module has no parameters to move; leave it resident"),
+    ({"enc": "module", "stack": "mixed-stack"}, {"stack": LayerwiseStrategy(1)}, ValueError,
+     r"component 'stack': streamed layer 1 moves as one block of one dtype but holds torch.float16 and torch.float32"),
+])
+def test_bad_components_and_placements_are_refused_before_anything_is_touched(components, placements, error, message):
+    enc = nn.Linear(4, 4).train()
+    stack = Stack()
+    stack.layers[1].bias.data = stack.layers[1].bias.data.half()
+    made = {"module": enc, "mixed": nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).half()).train(),
+            "mixed-stack": stack.train()}
+    if isinstance(components, dict):
+        components = {name: made.get(value, value) if isinstance(value, str) else value
+                      for name, value in components.items()}
+    modules = [m for m in (components.values() if isinstance(components, dict) else ()) if isinstance(m, nn.Module)]
+    before = snapshot(*modules)
+    with pytest.raises(error, match=message):
+        ResidencyManager(components, placements)
+    assert snapshot(*modules) == before  # same storage, still in train mode
+    assert all(not layer._forward_pre_hooks for layer in stack.layers)
+
+
+class LosesTheDevice(ResidencyStrategy):
+    """A third-party strategy whose attach fails after the components before it were attached."""
+
+    def attach(self, manager: object, component: object) -> None:
+        raise RuntimeError("device lost during attach")
+
+
+def test_a_failing_attach_leaves_the_modules_as_they_were_given():
+    enc, stack = nn.Linear(4, 4).train(), Stack().train()
+    values = [p.detach().clone() for m in (enc, stack) for p in m.parameters()]
+    with pytest.raises(RuntimeError, match="device lost during attach"):
+        ResidencyManager({"enc": enc, "stack": stack, "last": nn.Linear(4, 4)},
+                         {"enc": "offload", "stack": LayerwiseStrategy(1), "last": LosesTheDevice()})
+    assert all(sub.training for m in (enc, stack) for sub in m.modules())  # still in train mode
+    assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in stack.layers)
+    params = [p for m in (enc, stack) for p in m.parameters()]
+    assert all(torch.equal(p, value) for p, value in zip(params, values, strict=True))
 
 
 # -- 1 through the diffusers adapter ------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 
 from torchhal.core.residency.declarations import ComponentUse, Stage, Strategy
-from torchhal.core.residency.manager import PlacementSpec, ResidencyManager
+from torchhal.core.residency.manager import PlacementSpec, ResidencyManager, check_placements
 from torchhal.core.residency.strategies import LayerwiseStrategy, ResidencyStrategy
 from torchhal.platforms import Platform
 
@@ -130,11 +130,7 @@ class ManagedPipeline:
         log: Any = None,
     ) -> None:
         modules = _modules_of(pipeline)
-        if not isinstance(placements, Mapping):
-            raise TypeError(
-                f"placements must be a dict of component name -> strategy name or object, e.g. "
-                f"{{'transformer': 'offload'}}, got {placements!r}; pass {{}} to keep every component resident"
-            )
+        check_placements(placements)
         denoiser = _check_denoiser(pipeline, modules, denoiser)
         if isinstance(calls_per_step, bool) or not isinstance(calls_per_step, int) or calls_per_step < 1:
             raise ValueError(f"calls_per_step must be an int >= 1 (2 with true CFG), got {calls_per_step!r}")

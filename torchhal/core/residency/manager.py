@@ -25,6 +25,15 @@ from torchhal.platforms import Platform, ReleasePoint, current_platform
 PlacementSpec = ResidencyStrategy | Strategy | str
 
 
+def check_placements(placements: object) -> None:
+    """`placements` is a dict (checked before anything reads it)."""
+    if not isinstance(placements, Mapping):
+        raise TypeError(
+            f"placements must be a dict of component name -> strategy name or object, e.g. "
+            f"{{'transformer': 'offload'}}, got {placements!r}; pass {{}} to keep every component resident"
+        )
+
+
 class ResidencyManager:
     def __init__(
         self,
@@ -47,6 +56,16 @@ class ResidencyManager:
         Events go to `self.trace` (see ResidencyTrace) and, with `log` (a logging.Logger,
         or anything with an `.info` method), one JSON line each.
         """
+        check_placements(placements)
+        if not isinstance(components, Mapping):
+            raise TypeError(f"components must be a dict of component name -> nn.Module, e.g. {{'vae': vae}}, "
+                            f"got a {type(components).__name__}")
+        for name, module in components.items():
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"component name {name!r} must be a non-empty str (uses name components by it)")
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"component {name!r} is a {type(module).__name__}, not an nn.Module; "
+                                "pass the module whose weights the manager should place")
         unknown = set(placements) - set(components)
         if unknown:
             raise ValueError(f"placements name unknown components {sorted(unknown)}; known: {sorted(components)}")
@@ -77,14 +96,18 @@ class ResidencyManager:
         for state in states:  # every refusal before anything moves
             state.strategy.check(state)
         self.components: dict[str, ComponentState] = {}
+        # every submodule's train/eval flag, so a failed attach can leave the modules as they were given
+        training = [(sub, sub.training) for state in states for sub in state.module.modules()]
         try:
             for state in states:
                 state.module.eval()
                 state.strategy.attach(self, state)
                 self.components[state.name] = state
         except BaseException:
-            for attached in self.components.values():  # leave the modules as they were given
+            for attached in self.components.values():
                 attached.strategy.detach(self, attached)
+            for sub, was_training in training:
+                sub.training = was_training
             raise
         self._timeline: list[ComponentUse] = []
         self._cursor = 0
@@ -325,4 +348,4 @@ class ResidencyManager:
         self.platform.notify_component_moved(state.name, source, destination, nbytes)
 
 
-__all__ = ["PlacementSpec", "ResidencyManager"]
+__all__ = ["PlacementSpec", "ResidencyManager", "check_placements"]
