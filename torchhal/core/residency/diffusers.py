@@ -134,9 +134,8 @@ class ManagedPipeline:
         denoiser = _check_denoiser(pipeline, modules, denoiser)
         if isinstance(calls_per_step, bool) or not isinstance(calls_per_step, int) or calls_per_step < 1:
             raise ValueError(f"calls_per_step must be an int >= 1 (2 with true CFG), got {calls_per_step!r}")
-        for flag, value in (("prefetch", prefetch), ("record_trace", record_trace)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{flag} must be True or False, got {value!r}")
+        if not isinstance(prefetch, bool):  # the manager checks its own flags before it attaches anything
+            raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
         managed = [name for name, m in modules.items() if isinstance(m.__dict__.get("_hf_hook"), _ExecutionDevice)]
         if managed:  # wrapping the other's wrappers: closing both would leave them behind
             raise ValueError(

@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from torchhal.core.devices import check_device_index
 from torchhal.core.residency.declarations import ComponentUse, RequestFailed, Stage, Strategy
 from torchhal.core.residency.strategies import ComponentState, ResidencyStrategy, strategy_for
 from torchhal.core.residency.trace import ResidencyTrace
@@ -54,7 +55,8 @@ class ResidencyManager:
         release point: a memory-intensive component that leaves gives its memory to the
         allocator's cache, which serves the next use (only an out-of-memory error empties).
         Events go to `self.trace` (see ResidencyTrace) and, with `log` (a logging.Logger,
-        or anything with an `.info` method), one JSON line each.
+        or anything with an `.info` method), one JSON line each. Every argument is checked
+        before anything is attached: a refusal changes nothing.
         """
         check_placements(placements)
         if not isinstance(components, Mapping):
@@ -69,10 +71,10 @@ class ResidencyManager:
         unknown = set(placements) - set(components)
         if unknown:
             raise ValueError(f"placements name unknown components {sorted(unknown)}; known: {sorted(components)}")
-        if device_index is not None and (isinstance(device_index, bool) or not isinstance(device_index, int)
-                                         or device_index < 0):
-            raise ValueError(f"device_index must be a device number >= 0 or None (the current device), "
-                             f"got {device_index!r}")
+        for flag, value in (("empty_after_every_use", empty_after_every_use),
+                            ("empty_on_release", empty_on_release), ("record_trace", record_trace)):
+            if not isinstance(value, bool):  # "no" is truthy
+                raise ValueError(f"{flag} must be True or False, got {value!r}")
         if log is not None and not callable(getattr(log, "info", None)):
             raise TypeError(f"log must be a logging.Logger (anything with an .info method) or None, got {log!r}; "
                             "e.g. log=logging.getLogger('torchhal.residency')")
@@ -84,17 +86,18 @@ class ResidencyManager:
                 "one component's state: pass a separate instance for each"
             )
         self.platform = platform or current_platform()
-        self.device_index = self.platform.current_device() if device_index is None else device_index
-        self.device = self.platform.device(self.device_index)
-        self.side_stream = self.platform.new_stream(self.device_index)
-        self.empty_after_every_use = empty_after_every_use
-        if not isinstance(empty_on_release, bool):
-            raise ValueError(f"empty_on_release must be True or False, got {empty_on_release!r}")
-        self.empty_on_release = empty_on_release
-        self.trace = ResidencyTrace(self.platform, self.device_index, record=record_trace, log=log)
+        if device_index is None:
+            self.device_index = self.platform.current_device()
+        else:
+            self.device_index = check_device_index(self.platform, device_index, "device_index")
         states = [ComponentState(name, module, strategies[name]) for name, module in components.items()]
         for state in states:  # every refusal before anything moves
             state.strategy.check(state)
+        self.device = self.platform.device(self.device_index)
+        self.side_stream = self.platform.new_stream(self.device_index)
+        self.empty_after_every_use = empty_after_every_use
+        self.empty_on_release = empty_on_release
+        self.trace = ResidencyTrace(self.platform, self.device_index, record=record_trace, log=log)
         self.components: dict[str, ComponentState] = {}
         # every submodule's train/eval flag, so a failed attach can leave the modules as they were given
         training = [(sub, sub.training) for state in states for sub in state.module.modules()]
@@ -165,6 +168,10 @@ class ResidencyManager:
             raise RuntimeError("this ResidencyManager is closed; build a new one for more requests")
         if self._in_request:
             raise RuntimeError("a request is already running; call finish_request() first")
+        if not isinstance(warmup, bool):  # "no" is truthy
+            raise ValueError(f"warmup must be True or False, got {warmup!r}")
+        if isinstance(stages, (str, Stage)) or not isinstance(stages, Sequence):
+            raise TypeError(f"a request is declared as a list of Stage records, got {stages!r}")
         bad = [s for s in stages if not isinstance(s, Stage)]
         if bad:
             raise ValueError(f"a request is declared as Stage records, got {bad[0]!r}")
