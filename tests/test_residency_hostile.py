@@ -2,11 +2,12 @@
 
 Each refusal comes before anything is attached, moved or started (the modules keep their
 storage and train/eval flags, the manager serves the next request), and a failure inside
-the manager's own bookkeeping never leaves it stuck in a request.
+the manager's own bookkeeping or the platform's OOM rule never leaves it stuck in a request.
 """
 
 import logging
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ import torch
 from torch import nn
 
 from torchhal.core.residency import ComponentUse, LayerwiseStrategy, ResidencyManager, ResidencyStrategy, Stage
+from torchhal.platforms import TorchhalPluginWarning, hookimpl
+from torchhal.plugins.cpu import CpuPlatform
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 ONE_USE = [Stage("encode", (ComponentUse("enc"),))]
@@ -164,6 +167,41 @@ def test_a_bad_request_declaration_is_refused_and_the_manager_still_serves():
             manager.begin_request(stages)
     assert manager.trace.of_kind("request_start") == []  # none was started
     serves(manager)
+
+
+# -- 5. a platform whose OOM rule fails ------------------------------------------------------------
+
+class BrokenOomRule(CpuPlatform):
+    """The CPU platform, preferred, with an OOM rule that itself raises (a plugin bug)."""
+
+    name = "brokenoomrule"
+    priority = 500
+
+    def is_out_of_memory(self, error: BaseException) -> bool:
+        raise TypeError("isinstance() arg 2 must be a type, a tuple of types, or a union")
+
+
+@pytest.mark.parametrize("where", ["request", "use_component"])
+def test_a_failing_oom_rule_lets_the_callers_error_through_and_the_request_is_abandoned(make_registry, where):
+    class Registers:
+        @hookimpl
+        def torchhal_register_platforms(self):
+            return [BrokenOomRule()]
+
+    make_registry(Registers())
+    manager = ResidencyManager({"enc": nn.Linear(4, 4)}, {"enc": "offload"})
+    assert manager.platform.name == "brokenoomrule"
+    with pytest.warns(TorchhalPluginWarning, match="'brokenoomrule': is_out_of_memory raised TypeError.*"
+                                                   "the KeyError it was asked about is handled as not out of memory"):
+        with pytest.raises(KeyError, match="the caller's own error"), manager.request(ONE_USE):
+            if where == "request":
+                raise KeyError("the caller's own error")
+            with manager.use_component("enc"):
+                raise KeyError("the caller's own error")
+    assert manager.in_use is None and not manager.components["enc"].on_device  # abandoned: weights went home
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a request without an error never asks the rule
+        serves(manager)
 
 
 # -- 1 through the diffusers adapter ------------------------------------------------------------
