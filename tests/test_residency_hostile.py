@@ -47,7 +47,7 @@ def serves(manager: ResidencyManager) -> None:
     manager.close()
 
 
-# -- 1. the log -------------------------------------------------------------------------------
+# -- the log ---------------------------------------------------------------------------------------
 
 def test_a_log_without_info_is_refused_at_construction():
     enc = nn.Linear(4, 4)
@@ -74,7 +74,7 @@ def test_a_request_whose_start_event_fails_is_not_started():
     serves(manager)  # not stuck in a request that never started: it runs one and closes
 
 
-# -- 2. finish_request during a use -----------------------------------------------------------
+# -- finish_request during a use -------------------------------------------------------------------
 
 def test_finish_request_during_a_use_is_refused_and_changes_nothing():
     manager = ResidencyManager({"enc": nn.Linear(4, 4)}, {"enc": "offload"})
@@ -90,7 +90,7 @@ def test_finish_request_during_a_use_is_refused_and_changes_nothing():
     serves(manager)
 
 
-# -- 3. what the constructor is given ---------------------------------------------------------
+# -- what the constructor is given -----------------------------------------------------------------
 
 @pytest.mark.parametrize(("components", "placements", "error", "message"), [
     ([("enc", "module")], {}, TypeError, r"components must be a dict of component name -> nn.Module.*got a list"),
@@ -143,7 +143,7 @@ def test_a_failing_attach_leaves_the_modules_as_they_were_given():
     assert all(torch.equal(p, value) for p, value in zip(params, values, strict=True))
 
 
-# -- 4. flags and the device index -------------------------------------------------------------
+# -- flags and the device index --------------------------------------------------------------------
 
 @pytest.mark.parametrize(("keyword", "value", "message"), [
     ("empty_after_every_use", "no", "empty_after_every_use must be True or False, got 'no'"),
@@ -169,7 +169,7 @@ def test_a_bad_request_declaration_is_refused_and_the_manager_still_serves():
     serves(manager)
 
 
-# -- 5. a platform whose OOM rule fails ------------------------------------------------------------
+# -- a platform whose OOM rule fails ---------------------------------------------------------------
 
 class BrokenOomRule(CpuPlatform):
     """The CPU platform, preferred, with an OOM rule that itself raises (a plugin bug)."""
@@ -204,7 +204,7 @@ def test_a_failing_oom_rule_lets_the_callers_error_through_and_the_request_is_ab
         serves(manager)
 
 
-# -- 1 through the diffusers adapter ------------------------------------------------------------
+# -- the log and custom schedules through the diffusers adapter ------------------------------------
 
 def flux():
     pytest.importorskip("diffusers")
@@ -228,4 +228,24 @@ def test_a_managed_pipeline_refuses_a_log_without_info_and_stays_a_plain_pipelin
     assert "forward" not in pipe.transformer.__dict__ and not hasattr(pipe.vae, "_hf_hook")
     managed = ManagedPipeline(pipe, OFFLOADED)  # not half-managed: it can be managed now
     managed(**call_kwargs())
+    managed.close()
+
+
+def test_custom_sigmas_or_timesteps_set_the_denoising_steps():
+    flux_pipeline, call_kwargs = flux()
+    from torchhal.core.residency.diffusers import ManagedPipeline
+
+    sigmas = [1.0, 0.75, 0.5, 0.25]
+    expected = flux_pipeline()(**call_kwargs(steps=2), sigmas=sigmas).images  # diffusers runs 4 steps, not 2
+    managed = ManagedPipeline(flux_pipeline(), OFFLOADED)
+    assert torch.equal(managed(**call_kwargs(steps=2), sigmas=sigmas).images, expected)
+    starts = [e for e in managed.manager.trace.last_request() if e["kind"] == "request_start"]
+    assert starts[0]["uses"] == 2 + 4 + 1  # two encoders, four denoiser steps, the VAE
+    denoise = {s.name: len(s.uses) for s in managed.stages(num_inference_steps=2, timesteps=[900, 500, 100])}
+    assert denoise["denoise"] == 3
+    for schedule, values, message in (("sigmas", [], r"sigmas=\[\] gives no denoising step"),
+                                      ("timesteps", 0.5, r"timesteps=0.5 must be a list with one value per")):
+        with pytest.raises(ValueError, match=message):
+            managed(**call_kwargs(), **{schedule: values})
+    assert managed.manager.trace.last_request()[0]["uses"] == 7  # refused before any request started
     managed.close()

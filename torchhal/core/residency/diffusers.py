@@ -165,7 +165,8 @@ class ManagedPipeline:
     # -- declared uses ------------------------------------------------------------------------
     def stages(self, **call_kwargs: Any) -> list[Stage]:
         """The uses one `pipeline(**call_kwargs)` makes: encoders (unless prompt embeddings are
-        given), the denoiser once per step and call, then the decoders (unless latents are asked for)."""
+        given), the denoiser once per step and call, then the decoders (unless latents are asked
+        for). The steps are `num_inference_steps`, or one per value of `timesteps`/`sigmas`."""
         order = [n for n in getattr(self.pipeline, "model_cpu_offload_seq", "").split("->")
                  if n in self.manager.components]
         if self.denoiser not in order:
@@ -180,9 +181,7 @@ class ManagedPipeline:
         def use(name: str, phase: str | None = None) -> ComponentUse:
             return ComponentUse(name, phase=phase, memory_intensive=True, allow_prefetch=prefetch)
 
-        steps = call_kwargs.get("num_inference_steps", self._default("num_inference_steps"))
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"num_inference_steps {steps!r}: pass stages= for a pipeline without a step count")
+        steps = self._step_count(call_kwargs)
         result = []
         if call_kwargs.get("prompt_embeds") is None and before:
             result.append(Stage("encode", tuple(use(n) for n in before)))
@@ -216,6 +215,28 @@ class ManagedPipeline:
         return released
 
     # -- internals ------------------------------------------------------------------------------
+    def _step_count(self, call_kwargs: Mapping[str, Any]) -> int:
+        """Denoising steps of one call. Custom `timesteps` or `sigmas` set the count, not
+        `num_inference_steps` (diffusers' retrieve_timesteps then ignores it): one step per
+        value, as the flow-matching schedulers (Flux, SD3) make them; a scheduler that
+        counts them otherwise (Euler's takes a final sigma more) needs stages=."""
+        for schedule in ("timesteps", "sigmas"):
+            values = call_kwargs.get(schedule)
+            if values is None:
+                continue
+            try:
+                steps = len(values)
+            except TypeError:
+                raise ValueError(f"{schedule}={values!r} must be a list with one value per denoising step, "
+                                 "e.g. [1.0, 0.75, 0.5, 0.25]") from None
+            if steps < 1:
+                raise ValueError(f"{schedule}={values!r} gives no denoising step; pass one value per step")
+            return steps
+        steps = call_kwargs.get("num_inference_steps", self._default("num_inference_steps"))
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"num_inference_steps {steps!r}: pass stages= for a pipeline without a step count")
+        return steps
+
     def _default(self, parameter: str) -> Any:
         found = inspect.signature(self.pipeline.__call__).parameters.get(parameter)
         return None if found is None else found.default
