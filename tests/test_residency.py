@@ -337,7 +337,7 @@ def test_prefetch_beyond_the_layer_count_is_refused_before_anything_moves(observ
     ResidencyManager(components, {"transformer": LayerwiseStrategy(prefetch_layers=3)})  # the bound itself is fine
 
 
-def test_a_failing_attach_detaches_the_components_attached_before_it(observed):
+def test_a_mixed_dtype_offload_is_refused_before_any_component_is_attached(observed):
     components = make_components(layers=4)
     components["vae"].layers[0].up.weight.data = components["vae"].layers[0].up.weight.data.double()
     placements = {"transformer": LayerwiseStrategy(1), "vae": Strategy.OFFLOAD}  # vae: two dtypes

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 import torch
 
 from torchhal.attention import AttentionChoice, AttentionSpec
+from torchhal.core.devices import check_device_index
 from torchhal.core.engine.events import EngineEvents
 from torchhal.core.engine.kv_pool import BlockAllocator, KVPoolSizing, size_kv_pool
 from torchhal.core.engine.occupation import MemoryOccupation
@@ -783,12 +784,8 @@ def check_engine_config(config: EngineConfig,
 def engine_device_index(platform: Platform, config: EngineConfig, group: DeviceGroup | None) -> int:
     """The engine's device: the config's, else the group's (its rank's), else the current one.
     A config device the platform does not have, or one that contradicts the group's, is refused."""
-    count = platform.device_count()
-    if config.device is not None and not 0 <= config.device < max(count, 1):
-        raise ValueError(
-            f"EngineConfig.device = {config.device!r}, but platform {platform.name!r} has {count} device(s); "
-            f"pass 0..{max(count - 1, 0)}, or None for the current device"
-        )
+    if config.device is not None:
+        check_device_index(platform, config.device, "EngineConfig.device")
     if group is None:
         return platform.current_device() if config.device is None else config.device
     placement = group.placement

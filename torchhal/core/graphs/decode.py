@@ -63,9 +63,12 @@ def pick_bucket(buckets: Sequence[int], size: int) -> int | None:
     return buckets[index] if index < len(buckets) else None
 
 
-def _check_buckets(label: str, buckets: Sequence[int]) -> list[int]:
-    if not buckets or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets):
-        raise ValueError(f"{label} {tuple(buckets)!r} must be a non-empty list of positive ints, e.g. (1, 8, 32)")
+def check_buckets(label: str, buckets: Sequence[int]) -> list[int]:
+    """A runner's buckets, sorted and deduplicated; a ValueError naming them unless they are a
+    non-empty sequence of positive ints (True is not a size; a bare int is not a sequence)."""
+    if (isinstance(buckets, str) or not isinstance(buckets, Sequence) or not buckets
+            or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets)):
+        raise ValueError(f"{label} {buckets!r} must be a non-empty list of positive ints, e.g. (1, 8, 32)")
     return sorted(set(buckets))
 
 
@@ -380,8 +383,8 @@ class DecodeGraphRunner:
         steps_per_sync: int = 1,
         emulate: bool = False,
     ) -> None:
-        self.batch_buckets = _check_buckets("batch_buckets", batch_buckets)
-        self.context_buckets = _check_buckets("context_buckets", context_buckets)
+        self.batch_buckets = check_buckets("batch_buckets", batch_buckets)
+        self.context_buckets = check_buckets("context_buckets", context_buckets)
         self.model, self.platform, self.device_index = model, platform, device_index
         self.backend, self.emulate = backend, emulate
         self.device = platform.device(device_index)

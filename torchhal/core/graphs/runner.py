@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from torchhal.core.graphs.decode import check_buckets
 from torchhal.core.graphs.program import BreakStep, GraphStep, StackState, Step, run_eager, split_segments
 from torchhal.platforms import Platform
 
@@ -84,6 +85,36 @@ def resolve_layer_stack(model: Model | nn.Module) -> ResolvedStack | str:
     )
 
 
+def _check_hidden_size(model: Model | nn.Module, hidden_size: object) -> int:
+    """The runner's hidden size: the model's (`config.hidden_size`), or the one given, which
+    must be a positive int and, where the model states one, the same."""
+    stated = getattr(getattr(model, "config", None), "hidden_size", None)
+    if hidden_size is None:
+        if isinstance(stated, bool) or not isinstance(stated, int):
+            raise ValueError(
+                f"GraphRunner cannot read hidden_size from {type(model).__name__}.config; pass hidden_size="
+            )
+        return stated
+    if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
+        raise ValueError(f"hidden_size = {hidden_size!r} must be a positive int (the model's hidden width)")
+    if isinstance(stated, int) and hidden_size != stated:
+        raise ValueError(f"hidden_size = {hidden_size} but {type(model).__name__}.config.hidden_size is {stated}; "
+                         "leave hidden_size out to use the model's")
+    return hidden_size
+
+
+def _check_dtype(model: Model | nn.Module, dtype: object) -> None:
+    """A floating torch.dtype that the model's weights are in (the static buffers feed its layers)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype = {dtype!r} must be the floating torch.dtype of the model's weights, e.g. "
+                         "torch.bfloat16 (an engine's runner_factory: dtype=e.config.dtype)")
+    weights = {p.dtype for _, p in model.named_parameters() if p.is_floating_point()}
+    if weights and dtype not in weights:
+        held = ", ".join(sorted(map(str, weights)))
+        raise ValueError(f"dtype = {dtype} but {type(model).__name__}'s weights are {held}; pass the weights' "
+                         "dtype (an engine's runner_factory: dtype=e.config.dtype)")
+
+
 @dataclass
 class _Bucket:
     inputs: tuple[torch.Tensor, torch.Tensor]  # static hidden [B, H] and positions [B]
@@ -113,19 +144,16 @@ class GraphRunner:
         buckets: Sequence[int] = (8, 16, 32, 64, 128, 256, 512),
         emulate: bool = False,
     ) -> None:
-        """`hidden_size` defaults to `model.config.hidden_size`. `emulate=True` runs the
-        bucketed, padded path without graphs (CPU tests, debugging)."""
-        if not buckets or any(not isinstance(b, int) or b < 1 for b in buckets):
-            raise ValueError(f"buckets {tuple(buckets)!r} must be positive token counts")
-        if hidden_size is None:
-            hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
-            if not isinstance(hidden_size, int):
-                raise ValueError(
-                    f"GraphRunner cannot read hidden_size from {type(model).__name__}.config; pass hidden_size="
-                )
+        """`hidden_size` defaults to `model.config.hidden_size` (one given must match it);
+        `dtype` is the floating dtype of the model's weights. `emulate=True` runs the
+        bucketed, padded path without graphs (CPU tests, debugging). `buckets`,
+        `hidden_size` and `dtype` are checked here, before anything is allocated."""
+        bucket_sizes = check_buckets("buckets", buckets)
+        hidden_size = _check_hidden_size(model, hidden_size)
+        _check_dtype(model, dtype)
         self.model, self.platform, self.device_index = model, platform, device_index
         self.hidden_size, self.dtype = hidden_size, dtype
-        self.bucket_sizes = sorted(set(buckets))
+        self.bucket_sizes = bucket_sizes
         self.emulate = emulate
         self._buckets: dict[int, _Bucket] = {}
         self.report: CaptureReport | None = None

@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 
 from torchhal.core.residency.declarations import ComponentUse, Stage, Strategy
-from torchhal.core.residency.manager import PlacementSpec, ResidencyManager
+from torchhal.core.residency.manager import PlacementSpec, ResidencyManager, check_placements
 from torchhal.core.residency.strategies import LayerwiseStrategy, ResidencyStrategy
 from torchhal.platforms import Platform
 
@@ -130,17 +130,12 @@ class ManagedPipeline:
         log: Any = None,
     ) -> None:
         modules = _modules_of(pipeline)
-        if not isinstance(placements, Mapping):
-            raise TypeError(
-                f"placements must be a dict of component name -> strategy name or object, e.g. "
-                f"{{'transformer': 'offload'}}, got {placements!r}; pass {{}} to keep every component resident"
-            )
+        check_placements(placements)
         denoiser = _check_denoiser(pipeline, modules, denoiser)
         if isinstance(calls_per_step, bool) or not isinstance(calls_per_step, int) or calls_per_step < 1:
             raise ValueError(f"calls_per_step must be an int >= 1 (2 with true CFG), got {calls_per_step!r}")
-        for flag, value in (("prefetch", prefetch), ("record_trace", record_trace)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{flag} must be True or False, got {value!r}")
+        if not isinstance(prefetch, bool):  # the manager checks its own flags before it attaches anything
+            raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
         managed = [name for name, m in modules.items() if isinstance(m.__dict__.get("_hf_hook"), _ExecutionDevice)]
         if managed:  # wrapping the other's wrappers: closing both would leave them behind
             raise ValueError(
@@ -170,7 +165,8 @@ class ManagedPipeline:
     # -- declared uses ------------------------------------------------------------------------
     def stages(self, **call_kwargs: Any) -> list[Stage]:
         """The uses one `pipeline(**call_kwargs)` makes: encoders (unless prompt embeddings are
-        given), the denoiser once per step and call, then the decoders (unless latents are asked for)."""
+        given), the denoiser once per step and call, then the decoders (unless latents are asked
+        for). The steps are `num_inference_steps`, or one per value of `timesteps`/`sigmas`."""
         order = [n for n in getattr(self.pipeline, "model_cpu_offload_seq", "").split("->")
                  if n in self.manager.components]
         if self.denoiser not in order:
@@ -185,9 +181,7 @@ class ManagedPipeline:
         def use(name: str, phase: str | None = None) -> ComponentUse:
             return ComponentUse(name, phase=phase, memory_intensive=True, allow_prefetch=prefetch)
 
-        steps = call_kwargs.get("num_inference_steps", self._default("num_inference_steps"))
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"num_inference_steps {steps!r}: pass stages= for a pipeline without a step count")
+        steps = self._step_count(call_kwargs)
         result = []
         if call_kwargs.get("prompt_embeds") is None and before:
             result.append(Stage("encode", tuple(use(n) for n in before)))
@@ -221,6 +215,28 @@ class ManagedPipeline:
         return released
 
     # -- internals ------------------------------------------------------------------------------
+    def _step_count(self, call_kwargs: Mapping[str, Any]) -> int:
+        """Denoising steps of one call. Custom `timesteps` or `sigmas` set the count, not
+        `num_inference_steps` (diffusers' retrieve_timesteps then ignores it): one step per
+        value, as the flow-matching schedulers (Flux, SD3) make them; a scheduler that
+        counts them otherwise (Euler's takes a final sigma more) needs stages=."""
+        for schedule in ("timesteps", "sigmas"):
+            values = call_kwargs.get(schedule)
+            if values is None:
+                continue
+            try:
+                steps = len(values)
+            except TypeError:
+                raise ValueError(f"{schedule}={values!r} must be a list with one value per denoising step, "
+                                 "e.g. [1.0, 0.75, 0.5, 0.25]") from None
+            if steps < 1:
+                raise ValueError(f"{schedule}={values!r} gives no denoising step; pass one value per step")
+            return steps
+        steps = call_kwargs.get("num_inference_steps", self._default("num_inference_steps"))
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"num_inference_steps {steps!r}: pass stages= for a pipeline without a step count")
+        return steps
+
     def _default(self, parameter: str) -> Any:
         found = inspect.signature(self.pipeline.__call__).parameters.get(parameter)
         return None if found is None else found.default

@@ -11,18 +11,29 @@ out-of-memory error (ReleasePoint.OOM). Never between uses, never inside a memor
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import nn
 
+from torchhal.core.devices import check_device_index
 from torchhal.core.residency.declarations import ComponentUse, RequestFailed, Stage, Strategy
 from torchhal.core.residency.strategies import ComponentState, ResidencyStrategy, strategy_for
 from torchhal.core.residency.trace import ResidencyTrace
-from torchhal.platforms import Platform, ReleasePoint, current_platform
+from torchhal.platforms import Platform, ReleasePoint, TorchhalPluginWarning, current_platform
 
 #: A component's placement: a built-in strategy's name, or a strategy object (one per component).
 PlacementSpec = ResidencyStrategy | Strategy | str
+
+
+def check_placements(placements: object) -> None:
+    """`placements` is a dict (checked before anything reads it)."""
+    if not isinstance(placements, Mapping):
+        raise TypeError(
+            f"placements must be a dict of component name -> strategy name or object, e.g. "
+            f"{{'transformer': 'offload'}}, got {placements!r}; pass {{}} to keep every component resident"
+        )
 
 
 class ResidencyManager:
@@ -44,15 +55,30 @@ class ResidencyManager:
         every boundary (for benchmarks only). `empty_on_release=False` makes no release a
         release point: a memory-intensive component that leaves gives its memory to the
         allocator's cache, which serves the next use (only an out-of-memory error empties).
-        Events go to `self.trace` (see ResidencyTrace).
+        Events go to `self.trace` (see ResidencyTrace) and, with `log` (a logging.Logger,
+        or anything with an `.info` method), one JSON line each. Every argument is checked
+        before anything is attached: a refusal changes nothing.
         """
+        check_placements(placements)
+        if not isinstance(components, Mapping):
+            raise TypeError(f"components must be a dict of component name -> nn.Module, e.g. {{'vae': vae}}, "
+                            f"got a {type(components).__name__}")
+        for name, module in components.items():
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"component name {name!r} must be a non-empty str (uses name components by it)")
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"component {name!r} is a {type(module).__name__}, not an nn.Module; "
+                                "pass the module whose weights the manager should place")
         unknown = set(placements) - set(components)
         if unknown:
             raise ValueError(f"placements name unknown components {sorted(unknown)}; known: {sorted(components)}")
-        if device_index is not None and (isinstance(device_index, bool) or not isinstance(device_index, int)
-                                         or device_index < 0):
-            raise ValueError(f"device_index must be a device number >= 0 or None (the current device), "
-                             f"got {device_index!r}")
+        for flag, value in (("empty_after_every_use", empty_after_every_use),
+                            ("empty_on_release", empty_on_release), ("record_trace", record_trace)):
+            if not isinstance(value, bool):  # "no" is truthy
+                raise ValueError(f"{flag} must be True or False, got {value!r}")
+        if log is not None and not callable(getattr(log, "info", None)):
+            raise TypeError(f"log must be a logging.Logger (anything with an .info method) or None, got {log!r}; "
+                            "e.g. log=logging.getLogger('torchhal.residency')")
         strategies = {name: strategy_for(name, placements.get(name, Strategy.RESIDENT)) for name in components}
         shared = [name for name, s in strategies.items() if sum(s is o for o in strategies.values()) > 1]
         if shared:
@@ -61,26 +87,31 @@ class ResidencyManager:
                 "one component's state: pass a separate instance for each"
             )
         self.platform = platform or current_platform()
-        self.device_index = self.platform.current_device() if device_index is None else device_index
-        self.device = self.platform.device(self.device_index)
-        self.side_stream = self.platform.new_stream(self.device_index)
-        self.empty_after_every_use = empty_after_every_use
-        if not isinstance(empty_on_release, bool):
-            raise ValueError(f"empty_on_release must be True or False, got {empty_on_release!r}")
-        self.empty_on_release = empty_on_release
-        self.trace = ResidencyTrace(self.platform, self.device_index, record=record_trace, log=log)
+        if device_index is None:
+            self.device_index = self.platform.current_device()
+        else:
+            self.device_index = check_device_index(self.platform, device_index, "device_index")
         states = [ComponentState(name, module, strategies[name]) for name, module in components.items()]
         for state in states:  # every refusal before anything moves
             state.strategy.check(state)
+        self.device = self.platform.device(self.device_index)
+        self.side_stream = self.platform.new_stream(self.device_index)
+        self.empty_after_every_use = empty_after_every_use
+        self.empty_on_release = empty_on_release
+        self.trace = ResidencyTrace(self.platform, self.device_index, record=record_trace, log=log)
         self.components: dict[str, ComponentState] = {}
+        # every submodule's train/eval flag, so a failed attach can leave the modules as they were given
+        training = [(sub, sub.training) for state in states for sub in state.module.modules()]
         try:
             for state in states:
                 state.module.eval()
                 state.strategy.attach(self, state)
                 self.components[state.name] = state
         except BaseException:
-            for attached in self.components.values():  # leave the modules as they were given
+            for attached in self.components.values():
                 attached.strategy.detach(self, attached)
+            for sub, was_training in training:
+                sub.training = was_training
             raise
         self._timeline: list[ComponentUse] = []
         self._cursor = 0
@@ -124,7 +155,7 @@ class ResidencyManager:
         try:
             yield
         except BaseException as exc:
-            if not self.platform.is_out_of_memory(exc):
+            if not self._is_out_of_memory(exc):
                 self._abandon()
                 raise
             self._handle_oom(exc)
@@ -138,6 +169,10 @@ class ResidencyManager:
             raise RuntimeError("this ResidencyManager is closed; build a new one for more requests")
         if self._in_request:
             raise RuntimeError("a request is already running; call finish_request() first")
+        if not isinstance(warmup, bool):  # "no" is truthy
+            raise ValueError(f"warmup must be True or False, got {warmup!r}")
+        if isinstance(stages, (str, Stage)) or not isinstance(stages, Sequence):
+            raise TypeError(f"a request is declared as a list of Stage records, got {stages!r}")
         bad = [s for s in stages if not isinstance(s, Stage)]
         if bad:
             raise ValueError(f"a request is declared as Stage records, got {bad[0]!r}")
@@ -146,10 +181,12 @@ class ResidencyManager:
         unknown = sorted({u.component for u in timeline} - known)
         if unknown:
             raise ValueError(f"stages use unknown components {unknown}; registered: {sorted(known)}")
+        copied = self.copied_bytes()
+        # before the request counts as started: an event that fails leaves no request behind
+        self.event("request_start", None, uses=len(timeline), warmup=warmup)
         self._timeline, self._cursor, self._prefetched = timeline, 0, False
         self._warmup, self._in_request = warmup, True
-        self._copied_at_request_start = self.copied_bytes()
-        self.event("request_start", None, uses=len(timeline), warmup=warmup)
+        self._copied_at_request_start = copied
 
     def begin_use(self, component: str, phase: str | None = None) -> None:
         if not self._in_request:
@@ -202,7 +239,7 @@ class ResidencyManager:
             if self._active is not None:
                 # Inside request(), an OOM is emptied once where the request fails (reason
                 # OOM): releasing this component is then not a release point of its own.
-                oom = self._oom_handled_by_request and self.platform.is_out_of_memory(exc)
+                oom = self._oom_handled_by_request and self._is_out_of_memory(exc)
                 self._end_use(component, release_point=not oom)
             raise
         if self._active is not None:
@@ -211,6 +248,9 @@ class ResidencyManager:
     def finish_request(self) -> None:
         if not self._in_request:
             raise RuntimeError("finish_request without a request")
+        if self._active is not None:  # its weights would leave the device under the running use
+            name = self._active.component
+            raise RuntimeError(f"finish_request() while {name!r} is in use; end_use({name!r}) first")
         preferred = {u.component for u in self._timeline if u.preferred_ready_after_request}
         kept = {u.component for u in self._timeline if self._keep_after_warmup(u)}
         released_any = False
@@ -293,6 +333,20 @@ class ResidencyManager:
         self.event("release", state.name, nbytes=nbytes)
         return True
 
+    def _is_out_of_memory(self, error: BaseException) -> bool:
+        """The platform's rule, on the path of an error already raised: a rule that itself
+        fails (a plugin bug) is warned about and the error handled as not an OOM, so it
+        is the caller's error that propagates and the request is still abandoned."""
+        try:
+            return bool(self.platform.is_out_of_memory(error))
+        except Exception as broken:
+            warnings.warn(
+                f"platform {self.platform.name!r}: is_out_of_memory raised {type(broken).__name__}: {broken}; "
+                f"the {type(error).__name__} it was asked about is handled as not out of memory",
+                TorchhalPluginWarning, stacklevel=3,
+            )
+            return False
+
     def _abandon(self) -> None:
         """Leave a consistent state after a failed request: non-resident weights go home."""
         for state in self.components.values():
@@ -316,4 +370,4 @@ class ResidencyManager:
         self.platform.notify_component_moved(state.name, source, destination, nbytes)
 
 
-__all__ = ["PlacementSpec", "ResidencyManager"]
+__all__ = ["PlacementSpec", "ResidencyManager", "check_placements"]

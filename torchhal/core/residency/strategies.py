@@ -102,6 +102,17 @@ def _cast_on_device(module: nn.Module, dtype: torch.dtype | None, skip: frozense
             param.data = param.data.to(dtype)
 
 
+def _check_one_block(component: str, part: str, params: list[nn.Parameter], if_empty: str) -> None:
+    """What WeightBlock needs of its parameters (some, all of one dtype), checked before any
+    component is attached, naming the component and the part of it that would be one block."""
+    dtypes = sorted({str(p.dtype) for p in params})
+    if not dtypes:
+        raise ValueError(f"component {component!r}: {part} has no parameters to move; {if_empty}")
+    if len(dtypes) > 1:
+        raise ValueError(f"component {component!r}: {part} moves as one block of one dtype but holds "
+                         f"{' and '.join(dtypes)}; cast the component to one dtype first (module.to(dtype))")
+
+
 def _buffers_to(module: nn.Module, device: torch.device) -> None:
     for dotted, buf in module.named_buffers():
         owner = module
@@ -144,6 +155,8 @@ class OffloadStrategy(ResidencyStrategy):
         if self.block is not None:
             raise ValueError(f"this OffloadStrategy already serves a component; pass a new one for "
                              f"{component.name!r}")
+        _check_one_block(component.name, "the offloaded module", list(component.module.parameters()),
+                         "leave it resident")
 
     def attach(self, manager: StrategyHost, component: ComponentState) -> None:
         _buffers_to(component.module, manager.device)
@@ -264,6 +277,9 @@ class LayerwiseStrategy(ResidencyStrategy):
         if self.hooks:
             raise ValueError(f"this LayerwiseStrategy already serves a component; pass a new one for "
                              f"{component.name!r}")
+        for index, layer in enumerate(layers):
+            _check_one_block(component.name, f"streamed layer {index}", list(layer.parameters()),
+                             "name only layer lists whose layers hold weights (layers_attr)")
 
     def attach(self, manager: StrategyHost, component: ComponentState) -> None:
         module = component.module

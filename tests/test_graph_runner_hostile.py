@@ -1,0 +1,65 @@
+"""Hostile arguments to GraphRunner, on the CPU (emulate=True builds the static buffers).
+
+Each is refused at construction with a ValueError naming the value, not at the first
+bucketed forward or capture deep inside torch.
+"""
+
+import pytest
+import torch
+
+import torchhal
+from torchhal.core.engine import EngineConfig, GenerationEngine
+from torchhal.core.graphs import DecodeGraphRunner, GraphRunner
+from torchhal.core.model import ModelConfig, ReferenceDecoder
+
+HIDDEN = ModelConfig().hidden_size
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ReferenceDecoder(ModelConfig(num_layers=1))
+
+
+def build(model, **kwargs):
+    arguments = {"dtype": torch.float32, "emulate": True, "buckets": (4, 16), **kwargs}
+    return GraphRunner(model, torchhal.current_platform(), 0, **arguments)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"hidden_size": 0}, r"hidden_size = 0 must be a positive int"),
+    ({"hidden_size": -1}, r"hidden_size = -1 must be a positive int"),
+    ({"hidden_size": True}, r"hidden_size = True must be a positive int"),
+    ({"hidden_size": str(HIDDEN)}, rf"hidden_size = '{HIDDEN}' must be a positive int"),
+    ({"dtype": torch.int64}, r"dtype = torch.int64 must be the floating torch.dtype of the model's weights"),
+    ({"dtype": "float32"}, r"dtype = 'float32' must be the floating torch.dtype"),
+    ({"dtype": None}, r"dtype = None must be the floating torch.dtype"),
+    ({"dtype": torch.float16}, r"dtype = torch.float16 but ReferenceDecoder's weights are torch.float32; pass the "
+                               r"weights' dtype \(an engine's runner_factory: dtype=e.config.dtype\)"),
+    ({"buckets": 8}, r"buckets 8 must be a non-empty list of positive ints, e.g. \(1, 8, 32\)"),
+    ({"buckets": (True, 8)}, r"buckets \(True, 8\) must be a non-empty list of positive ints"),
+])
+def test_bad_arguments_are_refused_at_construction_naming_the_value(model, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        build(model, **kwargs)
+
+
+def test_a_hidden_size_given_must_be_the_models(model):
+    with pytest.raises(ValueError, match=rf"hidden_size = {HIDDEN // 2} but ReferenceDecoder.config.hidden_size is "
+                                         rf"{HIDDEN}; leave hidden_size out to use the model's"):
+        build(model, hidden_size=HIDDEN // 2)
+    runner = build(model, hidden_size=HIDDEN, buckets=[16, 4, 16])  # the model's own: accepted
+    assert runner.hidden_size == HIDDEN and runner.bucket_sizes == [4, 16] and runner.graphs_enabled
+
+
+def test_an_engine_refuses_a_runner_in_another_dtype_before_any_step():
+    def factory(engine):
+        return GraphRunner(engine.model, engine.platform, engine.device_index, dtype=torch.float16, emulate=True)
+
+    with pytest.raises(ValueError, match="dtype = torch.float16 but ReferenceDecoder's weights are torch.float32"):
+        GenerationEngine(EngineConfig(model=ModelConfig(num_layers=1), max_kv_slots=256), runner_factory=factory)
+
+
+def test_the_decode_runner_shares_the_bucket_check(model):
+    with pytest.raises(ValueError, match=r"batch_buckets 8 must be a non-empty list of positive ints"):
+        DecodeGraphRunner(model, torchhal.current_platform(), 0, block_size=16, backend=None,  # type: ignore[arg-type]
+                          batch_buckets=8)  # type: ignore[arg-type]

@@ -1,0 +1,251 @@
+"""Hostile input to the residency manager and the diffusers adapter, on the CPU platform.
+
+Each refusal comes before anything is attached, moved or started (the modules keep their
+storage and train/eval flags, the manager serves the next request), and a failure inside
+the manager's own bookkeeping or the platform's OOM rule never leaves it stuck in a request.
+"""
+
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from torchhal.core.residency import ComponentUse, LayerwiseStrategy, ResidencyManager, ResidencyStrategy, Stage
+from torchhal.platforms import TorchhalPluginWarning, hookimpl
+from torchhal.plugins.cpu import CpuPlatform
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+ONE_USE = [Stage("encode", (ComponentUse("enc"),))]
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(layers)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def snapshot(*modules: nn.Module) -> list[tuple[int, bool]]:
+    """Each parameter's storage and each submodule's train flag: what attaching would change."""
+    return [(p.data_ptr(), True) for m in modules for p in m.parameters()] + [
+        (0, sub.training) for m in modules for sub in m.modules()]
+
+
+def serves(manager: ResidencyManager) -> None:
+    """The manager runs a whole request and can be closed: nothing was left half-started."""
+    with torch.no_grad(), manager.request(ONE_USE), manager.use_component("enc") as enc:
+        enc(torch.randn(1, 4))
+    assert manager.in_use is None and not manager.components["enc"].on_device
+    manager.close()
+
+
+# -- the log ---------------------------------------------------------------------------------------
+
+def test_a_log_without_info_is_refused_at_construction():
+    enc = nn.Linear(4, 4)
+    before = snapshot(enc)
+    with pytest.raises(TypeError, match=r"log must be a logging.Logger \(anything with an .info method\) or None, "
+                                        r"got <_io.TextIOWrapper .*; e.g. log=logging.getLogger"):
+        ResidencyManager({"enc": enc}, {"enc": "offload"}, log=sys.stderr)
+    assert snapshot(enc) == before
+    serves(ResidencyManager({"enc": enc}, {"enc": "offload"}, log=logging.getLogger("residency-hostile")))
+
+
+def test_a_request_whose_start_event_fails_is_not_started():
+    class FailsOnce:
+        failed = False
+
+        def info(self, *args: object) -> None:
+            if not self.failed:
+                self.failed = True
+                raise OSError("log disk full")
+
+    manager = ResidencyManager({"enc": nn.Linear(4, 4)}, {"enc": "offload"}, log=FailsOnce())
+    with pytest.raises(OSError, match="log disk full"), manager.request(ONE_USE):
+        pass
+    serves(manager)  # not stuck in a request that never started: it runs one and closes
+
+
+# -- finish_request during a use -------------------------------------------------------------------
+
+def test_finish_request_during_a_use_is_refused_and_changes_nothing():
+    manager = ResidencyManager({"enc": nn.Linear(4, 4)}, {"enc": "offload"})
+    manager.begin_request(ONE_USE)
+    manager.begin_use("enc")
+    events = len(manager.trace.events)
+    with pytest.raises(RuntimeError, match=r"finish_request\(\) while 'enc' is in use; end_use\('enc'\) first"):
+        manager.finish_request()
+    assert manager.in_use == "enc" and manager.components["enc"].on_device  # not released under the use
+    assert len(manager.trace.events) == events
+    manager.end_use("enc")
+    manager.finish_request()
+    serves(manager)
+
+
+# -- what the constructor is given -----------------------------------------------------------------
+
+@pytest.mark.parametrize(("components", "placements", "error", "message"), [
+    ([("enc", "module")], {}, TypeError, r"components must be a dict of component name -> nn.Module.*got a list"),
+    ({"enc": "module"}, None, TypeError, r"placements must be a dict .*got None; pass \{\} to keep every"),
+    ({"enc": "module"}, ["enc"], TypeError, r"placements must be a dict .*got \['enc'\]"),
+    ({"enc": "module", "oops": torch.randn(3)}, {}, TypeError, r"component 'oops' is a Tensor, not an nn.Module"),
+    ({"enc": "module", "gone": None}, {"gone": "offload"}, TypeError, r"component 'gone' is a NoneType"),
+    ({"enc": "module", 3: "module"}, {}, TypeError, r"component name 3 must be a non-empty str"),
+    ({"enc": "module", "mixed": "mixed"}, {"mixed": "offload"}, ValueError,
+     r"component 'mixed': the offloaded module moves as one block of one dtype but holds torch.float16 and "
+     r"torch.float32; cast the component to one dtype first"),
+    ({"enc": "module", "act": nn.ReLU()}, {"act": "offload"}, ValueError,
+     r"component 'act': the offloaded module has no parameters to move; leave it resident"),
+    ({"enc": "module", "stack": "mixed-stack"}, {"stack": LayerwiseStrategy(1)}, ValueError,
+     r"component 'stack': streamed layer 1 moves as one block of one dtype but holds torch.float16 and torch.float32"),
+])
+def test_bad_components_and_placements_are_refused_before_anything_is_touched(components, placements, error, message):
+    enc = nn.Linear(4, 4).train()
+    stack = Stack()
+    stack.layers[1].bias.data = stack.layers[1].bias.data.half()
+    made = {"module": enc, "mixed": nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).half()).train(),
+            "mixed-stack": stack.train()}
+    if isinstance(components, dict):
+        components = {name: made.get(value, value) if isinstance(value, str) else value
+                      for name, value in components.items()}
+    modules = [m for m in (components.values() if isinstance(components, dict) else ()) if isinstance(m, nn.Module)]
+    before = snapshot(*modules)
+    with pytest.raises(error, match=message):
+        ResidencyManager(components, placements)
+    assert snapshot(*modules) == before  # same storage, still in train mode
+    assert all(not layer._forward_pre_hooks for layer in stack.layers)
+
+
+class LosesTheDevice(ResidencyStrategy):
+    """A third-party strategy whose attach fails after the components before it were attached."""
+
+    def attach(self, manager: object, component: object) -> None:
+        raise RuntimeError("device lost during attach")
+
+
+def test_a_failing_attach_leaves_the_modules_as_they_were_given():
+    enc, stack = nn.Linear(4, 4).train(), Stack().train()
+    values = [p.detach().clone() for m in (enc, stack) for p in m.parameters()]
+    with pytest.raises(RuntimeError, match="device lost during attach"):
+        ResidencyManager({"enc": enc, "stack": stack, "last": nn.Linear(4, 4)},
+                         {"enc": "offload", "stack": LayerwiseStrategy(1), "last": LosesTheDevice()})
+    assert all(sub.training for m in (enc, stack) for sub in m.modules())  # still in train mode
+    assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in stack.layers)
+    params = [p for m in (enc, stack) for p in m.parameters()]
+    assert all(torch.equal(p, value) for p, value in zip(params, values, strict=True))
+
+
+# -- flags and the device index --------------------------------------------------------------------
+
+@pytest.mark.parametrize(("keyword", "value", "message"), [
+    ("empty_after_every_use", "no", "empty_after_every_use must be True or False, got 'no'"),
+    ("record_trace", "no", "record_trace must be True or False, got 'no'"),
+    ("device_index", 7, r"device_index = 7, but platform 'cpu' has 1 device\(s\); pass 0..0, or None"),
+])
+def test_bad_flags_and_device_indexes_are_refused_at_construction(keyword, value, message):
+    enc = nn.Linear(4, 4)
+    before = snapshot(enc)
+    with pytest.raises(ValueError, match=message):
+        ResidencyManager({"enc": enc}, {"enc": "offload"}, **{keyword: value})
+    assert snapshot(enc) == before
+
+
+def test_a_bad_request_declaration_is_refused_and_the_manager_still_serves():
+    manager = ResidencyManager({"enc": nn.Linear(4, 4)}, {"enc": "offload"})
+    with pytest.raises(ValueError, match="warmup must be True or False, got 'no'"):
+        manager.begin_request(ONE_USE, warmup="no")
+    for stages in (ONE_USE[0], None, "encode", (s for s in ONE_USE)):
+        with pytest.raises(TypeError, match="a request is declared as a list of Stage records, got"):
+            manager.begin_request(stages)
+    assert manager.trace.of_kind("request_start") == []  # none was started
+    serves(manager)
+
+
+# -- a platform whose OOM rule fails ---------------------------------------------------------------
+
+class BrokenOomRule(CpuPlatform):
+    """The CPU platform, preferred, with an OOM rule that itself raises (a plugin bug)."""
+
+    name = "brokenoomrule"
+    priority = 500
+
+    def is_out_of_memory(self, error: BaseException) -> bool:
+        raise TypeError("isinstance() arg 2 must be a type, a tuple of types, or a union")
+
+
+@pytest.mark.parametrize("where", ["request", "use_component"])
+def test_a_failing_oom_rule_lets_the_callers_error_through_and_the_request_is_abandoned(make_registry, where):
+    class Registers:
+        @hookimpl
+        def torchhal_register_platforms(self):
+            return [BrokenOomRule()]
+
+    make_registry(Registers())
+    manager = ResidencyManager({"enc": nn.Linear(4, 4)}, {"enc": "offload"})
+    assert manager.platform.name == "brokenoomrule"
+    with pytest.warns(TorchhalPluginWarning, match="'brokenoomrule': is_out_of_memory raised TypeError.*"
+                                                   "the KeyError it was asked about is handled as not out of memory"):
+        with pytest.raises(KeyError, match="the caller's own error"), manager.request(ONE_USE):
+            if where == "request":
+                raise KeyError("the caller's own error")
+            with manager.use_component("enc"):
+                raise KeyError("the caller's own error")
+    assert manager.in_use is None and not manager.components["enc"].on_device  # abandoned: weights went home
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a request without an error never asks the rule
+        serves(manager)
+
+
+# -- the log and custom schedules through the diffusers adapter ------------------------------------
+
+def flux():
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(EXAMPLES))
+    from diffusers_flux import call_kwargs, flux_pipeline
+
+    return flux_pipeline, call_kwargs
+
+
+OFFLOADED = {"text_encoder": "offload", "text_encoder_2": "offload", "vae": "offload", "transformer": "offload"}
+
+
+def test_a_managed_pipeline_refuses_a_log_without_info_and_stays_a_plain_pipeline():
+    flux_pipeline, call_kwargs = flux()
+    from torchhal.core.residency.diffusers import ManagedPipeline
+
+    pipe = flux_pipeline()
+    with pytest.raises(TypeError, match="log must be a logging.Logger"):
+        ManagedPipeline(pipe, OFFLOADED, log=sys.stderr)
+    assert "forward" not in pipe.transformer.__dict__ and not hasattr(pipe.vae, "_hf_hook")
+    managed = ManagedPipeline(pipe, OFFLOADED)  # not half-managed: it can be managed now
+    managed(**call_kwargs())
+    managed.close()
+
+
+def test_custom_sigmas_or_timesteps_set_the_denoising_steps():
+    flux_pipeline, call_kwargs = flux()
+    from torchhal.core.residency.diffusers import ManagedPipeline
+
+    sigmas = [1.0, 0.75, 0.5, 0.25]
+    expected = flux_pipeline()(**call_kwargs(steps=2), sigmas=sigmas).images  # diffusers runs 4 steps, not 2
+    managed = ManagedPipeline(flux_pipeline(), OFFLOADED)
+    assert torch.equal(managed(**call_kwargs(steps=2), sigmas=sigmas).images, expected)
+    starts = [e for e in managed.manager.trace.last_request() if e["kind"] == "request_start"]
+    assert starts[0]["uses"] == 2 + 4 + 1  # two encoders, four denoiser steps, the VAE
+    denoise = {s.name: len(s.uses) for s in managed.stages(num_inference_steps=2, timesteps=[900, 500, 100])}
+    assert denoise["denoise"] == 3
+    for schedule, values, message in (("sigmas", [], r"sigmas=\[\] gives no denoising step"),
+                                      ("timesteps", 0.5, r"timesteps=0.5 must be a list with one value per")):
+        with pytest.raises(ValueError, match=message):
+            managed(**call_kwargs(), **{schedule: values})
+    assert managed.manager.trace.last_request()[0]["uses"] == 7  # refused before any request started
+    managed.close()
