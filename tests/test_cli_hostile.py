@@ -1,0 +1,103 @@
+"""A mistake on the command line (a name, a number, a setting, a broken file) is one line on
+stderr and exit 2, said before anything runs: never a traceback, nor a verdict blaming a plugin."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+
+from tests.conftest import Ran
+from torchhal.platforms import hookimpl
+
+from .test_selection import fake_platform, plugin_module
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., Ran]:
+    """`torchhal ARGS...` run in this process, captured."""
+    from torchhal.cli import main
+
+    def run(*args: str) -> Ran:
+        code = main(list(args))
+        out = capsys.readouterr()
+        return Ran(code, out.out, out.err)
+
+    return run
+
+
+def refused(ran: Ran, command: str, *expected: str) -> str:
+    """The one line `ran` was refused with (exit 2, nothing on stdout), after checking it says `expected`."""
+    assert ran.returncode == 2, ran
+    assert ran.stdout == "" and "Traceback" not in ran.stderr, ran
+    lines = ran.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"torchhal {command}: "), ran.stderr
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0].removeprefix(f"torchhal {command}: ")
+
+
+# -- conformance: what to test is checked before the suite runs ------------------------
+
+
+@pytest.mark.parametrize("args, env, expected", [
+    (("--platform", "nosuch"), {}, ["--platform 'nosuch' is not a registered platform", "registered: cpu"]),
+    ((), {"TORCHHAL_PLATFORM": "nosuch"}, ["TORCHHAL_PLATFORM='nosuch' is not a registered platform"]),
+    (("--device", "99"), {}, ["--device 99 is out of range", "platform 'cpu' has 1 device(s) here, 0..0"]),
+    (("--device", "-1"), {}, ["--device -1 is out of range"]),
+    (("--platform", "cpu"), {"TORCHHAL_DETECT_TIMEOUT": "abc"}, ["TORCHHAL_DETECT_TIMEOUT='abc'"]),
+], ids=["platform", "platform-env", "device-high", "device-negative", "detect-timeout"])
+def test_conformance_refuses_a_target_it_cannot_test(tmp_path, monkeypatch, cli, args, env, expected):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    report = tmp_path / "report.json"
+    refused(cli("conformance", *args, "--json", str(report)), "conformance", *expected)
+    assert not report.exists()  # no NOT CONFORMANT report blaming a plugin for a typo
+
+
+def test_plain_pytest_refuses_an_unknown_platform_before_any_test(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "torchhal.conformance_tests", "--torchhal-platform", "nosuch",
+         "-p", "no:cacheprovider"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        env={k: v for k, v in os.environ.items() if not k.startswith("TORCHHAL_")},
+    )
+    assert out.returncode == 4, out.stdout[-2000:]  # pytest's own usage-error code
+    assert "--torchhal-platform 'nosuch' is not a registered platform" in out.stderr
+    assert "VERDICT" not in out.stdout and "Traceback" not in out.stdout + out.stderr
+
+
+def _failing_to_register() -> object:
+    class Module:
+        @hookimpl
+        def torchhal_register_platforms(self):
+            raise RuntimeError("libghost.so is missing")
+
+    return Module()
+
+
+def _counting(name: str, count: Callable[[], int]) -> object:
+    """A plugin module registering platform `name` whose device_count() is `count()`."""
+    cls = type(fake_platform(name, 5))
+    return plugin_module(type(f"Counting{cls.__name__}", (cls,), {"device_count": lambda self: count()})())
+
+
+def _no_count() -> int:
+    raise RuntimeError("driver crashed")
+
+
+@pytest.mark.filterwarnings("ignore::torchhal.platforms.TorchhalPluginWarning")
+@pytest.mark.parametrize("plugin, name, device", [
+    (lambda: plugin_module(fake_platform("sleepy", 5, available=False)), "sleepy", 3),  # INCOMPLETE
+    (_failing_to_register, "ghost", 0),  # the plugin that failed may be the one named
+    (lambda: _counting("zero", lambda: 0), "zero", 0),  # a device test fails on it
+    (lambda: _counting("crashing", _no_count), "crashing", 0),  # so does this one
+], ids=["unavailable", "failed-to-register", "no-devices", "count-raises"])
+def test_a_plugins_own_trouble_is_left_to_the_suite(make_registry, plugin, name, device):
+    from torchhal.conformance_tests.plugin import check_target
+
+    make_registry(plugin())
+    check_target(name, device, "--platform", "--device")  # no usage error: the suite reports it
