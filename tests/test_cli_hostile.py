@@ -7,13 +7,22 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import Ran
+from tests.hf_models import save_hf_model
 from torchhal.platforms import hookimpl
 
 from .test_selection import fake_platform, plugin_module
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny")
+    save_hf_model("llama3", directory)  # vocab 128, max_position 256
+    return directory
 
 
 @pytest.fixture
@@ -101,3 +110,22 @@ def test_a_plugins_own_trouble_is_left_to_the_suite(make_registry, plugin, name,
 
     make_registry(plugin())
     check_target(name, device, "--platform", "--device")  # no usage error: the suite reports it
+
+
+# -- generate: the platform settings, the tokenizer, --max-new-tokens -------------------
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"TORCHHAL_PLATFORM": "nosuch"}, "unknown platform 'nosuch'"),
+    ({"TORCHHAL_PLATFORM": "sleepy"}, "platform 'sleepy' is not available: fake: no device"),
+    ({"TORCHHAL_DETECT_TIMEOUT": "abc"}, "TORCHHAL_DETECT_TIMEOUT='abc' is not a number of seconds"),
+], ids=["unknown", "unavailable", "detect-timeout"])
+def test_generate_refuses_a_bad_platform_setting_as_info_does(tiny, monkeypatch, make_registry, cli, env, expected):
+    if "TORCHHAL_DETECT_TIMEOUT" not in env:  # that one must fail while the registry is built
+        make_registry(plugin_module(fake_platform("sleepy", 5, available=False)))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    line = refused(cli("generate", "--model", str(tiny), "--prompt-ids", "1,2", "--max-new-tokens", "2"),
+                   "generate", expected)
+    info = cli("info")
+    assert info.returncode == 2 and info.stderr.strip().splitlines()[-1] == f"torchhal info: {line}", info.stderr
