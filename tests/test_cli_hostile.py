@@ -129,3 +129,17 @@ def test_generate_refuses_a_bad_platform_setting_as_info_does(tiny, monkeypatch,
                    "generate", expected)
     info = cli("info")
     assert info.returncode == 2 and info.stderr.strip().splitlines()[-1] == f"torchhal info: {line}", info.stderr
+
+
+@pytest.mark.parametrize("file, content, error", [
+    ("tokenizer.json", "{not json", "JSONDecodeError"),
+    ("tokenizer_config.json", "{}", "ValueError"),
+], ids=["tokenizer-json", "bare-config"])
+def test_a_broken_tokenizer_is_one_line_naming_the_file(tmp_path, tiny, cli, file, content, error):
+    pytest.importorskip("transformers")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((tiny / "config.json").read_text())
+    (model / file).write_text(content)
+    refused(cli("generate", "--model", str(model), "--prompt", "hi"), "generate",
+            f"cannot load the tokenizer from {model / file}: {error}", "give --prompt-ids instead of --prompt")

@@ -50,14 +50,23 @@ class GenerationRequest:
 
 def load_tokenizer(path: Path) -> Any | None:
     """The checkpoint's tokenizer through transformers' AutoTokenizer, or None when it ships none
-    or transformers is not installed (the `hf` extra)."""
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+    or transformers is not installed (the `hf` extra); GenerateError naming the files when they
+    do not load."""
+    files = [path / name for name in TOKENIZER_FILES if (path / name).is_file()]
+    if not files:
         return None
     try:
         from transformers import AutoTokenizer
     except ImportError:
         return None
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # transformers raises whatever its parsers do (JSON, tokenizers, sentencepiece)
+        reason = " ".join(str(exc).split())
+        reason = reason if len(reason) <= 400 else reason[:400] + "..."
+        raise GenerateError(f"cannot load the tokenizer from {', '.join(map(str, files))}: "
+                            f"{type(exc).__name__}: {reason}; fix the file, or give --prompt-ids instead of --prompt"
+                            ) from None
 
 
 def parse_prompt_ids(text: str) -> list[int]:
