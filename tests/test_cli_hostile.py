@@ -143,3 +143,9 @@ def test_a_broken_tokenizer_is_one_line_naming_the_file(tmp_path, tiny, cli, fil
     (model / file).write_text(content)
     refused(cli("generate", "--model", str(model), "--prompt", "hi"), "generate",
             f"cannot load the tokenizer from {model / file}: {error}", "give --prompt-ids instead of --prompt")
+
+
+def test_max_new_tokens_refusal_names_the_flag(tiny, cli):
+    line = refused(cli("generate", "--model", str(tiny), "--prompt-ids", "1,2", "--max-new-tokens", "0"), "generate",
+                   "--max-new-tokens 0 must be a positive integer")
+    assert "config.json" not in line  # the value came from the command line, not the checkpoint

@@ -141,6 +141,9 @@ def prepare_generation(
     root = Path(path)
     if dtype_name is not None and dtype_name not in DTYPES:
         raise GenerateError(f"--dtype {dtype_name!r} is not one of {', '.join(DTYPES)}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise GenerateError(f"--max-new-tokens {max_new_tokens!r} must be a positive integer: the number of tokens "
+                            "to generate")
     try:
         # A bad TORCHHAL_PLATFORM / TORCHHAL_DETECT_TIMEOUT: the same line `torchhal info` refuses with.
         platform = current_platform()
