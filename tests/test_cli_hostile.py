@@ -149,3 +149,24 @@ def test_max_new_tokens_refusal_names_the_flag(tiny, cli):
     line = refused(cli("generate", "--model", str(tiny), "--prompt-ids", "1,2", "--max-new-tokens", "0"), "generate",
                    "--max-new-tokens 0 must be a positive integer")
     assert "config.json" not in line  # the value came from the command line, not the checkpoint
+
+
+# -- plugin new: a built-in's name would be dropped as a conflict -----------------------
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda"])
+def test_plugin_new_refuses_a_built_in_name(tmp_path, cli, name):
+    target = tmp_path / "plugin"
+    refused(cli("plugin", "new", name, "--dir", str(target)), "plugin new",
+            f"plugin name {name!r} is torchhal's built-in", "choose another name", f'replaces = "{name}"')
+    assert not target.exists()
+
+
+def test_every_built_in_name_is_refused():
+    from torchhal.cli.plugin_template import TemplateError, builtin_platform_names, check_name
+
+    names = builtin_platform_names()
+    assert {"cpu", "cuda", "rocm", "xpu", "npu", "musa"} <= set(names), names
+    for name in names:
+        with pytest.raises(TemplateError, match="built-in"):
+            check_name(name)
