@@ -3,6 +3,7 @@ stderr and exit 2, said before anything runs: never a traceback, nor a verdict b
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -170,3 +171,14 @@ def test_every_built_in_name_is_refused():
     for name in names:
         with pytest.raises(TemplateError, match="built-in"):
             check_name(name)
+
+
+# -- python -m torchhal ------------------------------------------------------------------
+
+
+def test_python_dash_m_torchhal_is_the_torchhal_command():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHHAL_")}
+    out = subprocess.run([sys.executable, "-m", "torchhal", "info", "--json"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["current"]["name"] == "cpu"
