@@ -42,8 +42,8 @@ def test_bad_prompt_ids_are_one_line(tiny, generate, ids, expected):
 
 
 @pytest.mark.parametrize("new, expected", [
-    ("0", "max_new_tokens 0 must be a positive int"),
-    ("-5", "max_new_tokens -5 must be a positive int"),
+    ("0", "--max-new-tokens 0 must be a positive integer"),
+    ("-5", "--max-new-tokens -5 must be a positive integer"),
     ("1000000000", "exceeds max_position 256"),
 ])
 def test_bad_lengths_are_refused_before_loading(tiny, generate, new, expected):

@@ -93,7 +93,7 @@ def test_more_ranks_than_accelerator_devices_is_one_line(gqa, generate, no_ranks
 
 @pytest.mark.parametrize("args, expected", [
     (("--prompt-ids", "1,128"), "token id 128 is outside the vocabulary 0..127"),
-    (("--prompt-ids", "1,2", "--max-new-tokens", "0"), "max_new_tokens 0 must be a positive int"),
+    (("--prompt-ids", "1,2", "--max-new-tokens", "0"), "--max-new-tokens 0 must be a positive integer"),
     (("--prompt-ids", "1,2", "--max-new-tokens", "1000000"), "exceeds max_position 256"),
     (("--prompt", "hello"), "ships no tokenizer"),
 ])

@@ -22,7 +22,12 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     from torchhal import conformance_tests
     from torchhal.conformance_tests import EXIT_CODES
     from torchhal.conformance_tests import plugin as suite_plugin
-    from torchhal.conformance_tests.plugin import ConformanceUsageError, check_report_path, load_expectations
+    from torchhal.conformance_tests.plugin import (
+        ConformanceUsageError,
+        check_report_path,
+        check_target,
+        load_expectations,
+    )
 
     # Bad inputs are one line now, not a pytest INTERNALERROR or a traceback after the verdict.
     try:
@@ -32,6 +37,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
             check_report_path(args.json, "--json")
         if args.junit:
             check_report_path(args.junit, "--junit")
+        check_target(args.platform or "", args.device, "--platform", "--device")
     except ConformanceUsageError as exc:
         refuse("conformance", str(exc))
         return EXIT_CODES["USAGE ERROR"]

@@ -50,14 +50,23 @@ class GenerationRequest:
 
 def load_tokenizer(path: Path) -> Any | None:
     """The checkpoint's tokenizer through transformers' AutoTokenizer, or None when it ships none
-    or transformers is not installed (the `hf` extra)."""
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+    or transformers is not installed (the `hf` extra); GenerateError naming the files when they
+    do not load."""
+    files = [path / name for name in TOKENIZER_FILES if (path / name).is_file()]
+    if not files:
         return None
     try:
         from transformers import AutoTokenizer
     except ImportError:
         return None
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # transformers raises whatever its parsers do (JSON, tokenizers, sentencepiece)
+        reason = " ".join(str(exc).split())
+        reason = reason if len(reason) <= 400 else reason[:400] + "..."
+        raise GenerateError(f"cannot load the tokenizer from {', '.join(map(str, files))}: "
+                            f"{type(exc).__name__}: {reason}; fix the file, or give --prompt-ids instead of --prompt"
+                            ) from None
 
 
 def parse_prompt_ids(text: str) -> list[int]:
@@ -126,10 +135,20 @@ def prepare_generation(
     tokenizer (None for `prompt_ids`), or GenerateError naming the fix."""
     from torchhal.core.engine.requests import check_prompt
     from torchhal.core.model.checkpoint import checkpoint_dtype, config_from_hf, read_hf_config
+    from torchhal.platforms import PlatformError
+    from torchhal.platforms.selection import current_platform
 
     root = Path(path)
     if dtype_name is not None and dtype_name not in DTYPES:
         raise GenerateError(f"--dtype {dtype_name!r} is not one of {', '.join(DTYPES)}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise GenerateError(f"--max-new-tokens {max_new_tokens!r} must be a positive integer: the number of tokens "
+                            "to generate")
+    try:
+        # A bad TORCHHAL_PLATFORM / TORCHHAL_DETECT_TIMEOUT: the same line `torchhal info` refuses with.
+        platform = current_platform()
+    except PlatformError as exc:
+        raise GenerateError(str(exc)) from None
     hf = read_hf_config(root)
     model_config = config_from_hf(hf, str(root / "config.json"))
     tokenizer = None
@@ -148,22 +167,20 @@ def prepare_generation(
     except (TypeError, ValueError) as exc:
         raise GenerateError(f"{exc} (the model's config.json)") from None
     if tensor_parallel != 1:
-        check_tensor_parallel_request(model_config, tensor_parallel, root)
+        check_tensor_parallel_request(model_config, tensor_parallel, root, platform)
     dtype_name = dtype_name or str(checkpoint_dtype(hf)).removeprefix("torch.")
     return GenerationRequest(root, list(prompt_ids), max_new_tokens, dtype_name, graphs, tensor_parallel), tokenizer
 
 
-def check_tensor_parallel_request(model_config: ModelConfig, size: int, root: Path) -> None:
+def check_tensor_parallel_request(model_config: ModelConfig, size: int, root: Path, platform: Platform) -> None:
     """Refuse `--tensor-parallel size` when the model cannot be split that way or the
     platform has fewer devices than ranks (on the CPU the ranks share the host's cores)."""
     from torchhal.core.model.parallel import check_tensor_parallel
-    from torchhal.platforms.selection import current_platform
 
     try:
         check_tensor_parallel(model_config, size)
     except ValueError as exc:
         raise GenerateError(f"--tensor-parallel {size}: {exc} ({root / 'config.json'})") from None
-    platform = current_platform()
     if platform.device_type == "cpu":
         cores = os.cpu_count() or 1
         if size > cores:

@@ -20,6 +20,7 @@ import re
 import textwrap
 from pathlib import Path
 
+from torchhal.platforms.manager import DEFAULT_PLUGINS, PlatformRegistry, new_plugin_manager
 from torchhal.platforms.plugin import SPI_ATTRIBUTES, SPI_METHODS, SPI_VERSION, PlatformPlugin
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
@@ -101,6 +102,20 @@ class TemplateError(ValueError):
 def check_name(name: str) -> None:
     if not _NAME.fullmatch(name):
         raise TemplateError(f"plugin name {name!r} must be a lowercase identifier such as 'myaccel'")
+    if name in builtin_platform_names():
+        raise TemplateError(
+            f"plugin name {name!r} is torchhal's built-in {name!r} platform, which the host keeps over a plugin "
+            f"of the same name (dropped as a conflict): choose another name, such as 'my{name}'; to replace "
+            f'the built-in, also set `replaces = "{name}"` in the generated class'
+        )
+
+
+def builtin_platform_names() -> list[str]:
+    """The names torchhal's own plugins register, read from them (no detection, no entry points)."""
+    registry = PlatformRegistry(new_plugin_manager())
+    registry.load_builtins(DEFAULT_PLUGINS)
+    registry.collect_platforms()
+    return registry.names()
 
 
 def _signature(method: str) -> str:

@@ -22,9 +22,17 @@ import torch
 
 import torchhal
 from torchhal.conformance_tests import EXIT_CODES, GROUPS, NOT_REQUIRED_PREFIXES, PROFILES, SUITE_VERSION
-from torchhal.platforms import Platform, PlatformError, RegisteredPlatform
+from torchhal.platforms import (
+    PLATFORM_ENV,
+    Platform,
+    PlatformError,
+    PlatformUnavailableError,
+    RegisteredPlatform,
+)
 
 EXPECT_CATEGORIES = ("temporary", "unsupported", "permanent")
+#: PluginFailure stages that leave a plugin unregistered: the name it would have had is unknown.
+LOAD_STAGES = ("import", "register", "validate", "version", "conflict")
 
 
 @dataclass
@@ -56,7 +64,7 @@ class SuiteState:
 
 
 class ConformanceUsageError(ValueError):
-    """A bad --expect file or report path: said in one line before any test runs."""
+    """A bad --expect file, report path, platform name or device index: said in one line before any test runs."""
 
 
 STATE_KEY = pytest.StashKey[SuiteState]()
@@ -83,6 +91,9 @@ def pytest_configure(config: pytest.Config) -> None:
             path = config.getoption(option, default=None)
             if path:
                 check_report_path(path, option)
+        if _collecting_conformance(config):  # other pytest sessions never resolve a platform here
+            check_target(config.getoption("--torchhal-platform") or "", config.getoption("--torchhal-device"),
+                         "--torchhal-platform", "--torchhal-device")
     except ConformanceUsageError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.stash[STATE_KEY] = _STATE = SuiteState(
@@ -164,6 +175,41 @@ def check_report_path(path: str, option: str) -> None:
         raise ConformanceUsageError(f"{option} {path}: cannot write the report there ({exc.strerror or exc})") from None
     if not existed:
         target.unlink()  # only probed: the report itself is written at the end
+
+
+def check_target(name: str, device: int, platform_option: str, device_option: str) -> None:
+    """Fail now, before any test runs, on a platform name no plugin provides, a bad torchhal
+    setting (TORCHHAL_DETECT_TIMEOUT, TORCHHAL_PLUGINS) or a device index the platform does
+    not have: a mistake in the command, not the plugin's failure.
+
+    `name` "" means TORCHHAL_PLATFORM, else the current platform. The plugin's own trouble
+    stays the suite's to report: a plugin that failed to load (it may be the one named), a
+    platform unavailable here (INCOMPLETE), a device_count() that raises or counts none."""
+    if device < 0:
+        raise ConformanceUsageError(f"{device_option} {device} is out of range: device indices start at 0")
+    env_name = os.environ.get(PLATFORM_ENV, "").strip()
+    requested, named_by = (name, f"{platform_option} {name!r}") if name else (env_name, f"{PLATFORM_ENV}={env_name!r}")
+    try:
+        reg = torchhal.registry()
+        if requested and requested not in reg.platforms and requested not in reg.excluded:
+            if any(f.stage in LOAD_STAGES for f in reg.failures):
+                return
+            raise ConformanceUsageError(
+                f"{named_by} is not a registered platform (registered: {', '.join(reg.names())}); name one "
+                f"of them, or install the plugin that provides {requested!r} (torchhal info lists them)"
+            )
+        platform = torchhal.get_platform(requested) if requested else torchhal.current_platform()
+    except PlatformUnavailableError:
+        return
+    except PlatformError as exc:  # a bad setting; the platform layer's message names it and the fix
+        raise ConformanceUsageError(str(exc)) from None
+    try:
+        count = platform.device_count()
+    except Exception:  # a plugin bug: the device tests report it
+        return
+    if isinstance(count, int) and 0 < count <= device:
+        raise ConformanceUsageError(f"{device_option} {device} is out of range: platform {platform.name!r} has "
+                                    f"{count} device(s) here, 0..{count - 1}")
 
 
 def conformance_id(item: pytest.Item) -> str | None:

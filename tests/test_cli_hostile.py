@@ -1,0 +1,184 @@
+"""A mistake on the command line (a name, a number, a setting, a broken file) is one line on
+stderr and exit 2, said before anything runs: never a traceback, nor a verdict blaming a plugin."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Ran
+from tests.hf_models import save_hf_model
+from torchhal.platforms import hookimpl
+
+from .test_selection import fake_platform, plugin_module
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny")
+    save_hf_model("llama3", directory)  # vocab 128, max_position 256
+    return directory
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., Ran]:
+    """`torchhal ARGS...` run in this process, captured."""
+    from torchhal.cli import main
+
+    def run(*args: str) -> Ran:
+        code = main(list(args))
+        out = capsys.readouterr()
+        return Ran(code, out.out, out.err)
+
+    return run
+
+
+def refused(ran: Ran, command: str, *expected: str) -> str:
+    """The one line `ran` was refused with (exit 2, nothing on stdout), after checking it says `expected`."""
+    assert ran.returncode == 2, ran
+    assert ran.stdout == "" and "Traceback" not in ran.stderr, ran
+    lines = ran.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"torchhal {command}: "), ran.stderr
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0].removeprefix(f"torchhal {command}: ")
+
+
+# -- conformance: what to test is checked before the suite runs ------------------------
+
+
+@pytest.mark.parametrize("args, env, expected", [
+    (("--platform", "nosuch"), {}, ["--platform 'nosuch' is not a registered platform", "registered: cpu"]),
+    ((), {"TORCHHAL_PLATFORM": "nosuch"}, ["TORCHHAL_PLATFORM='nosuch' is not a registered platform"]),
+    (("--device", "99"), {}, ["--device 99 is out of range", "platform 'cpu' has 1 device(s) here, 0..0"]),
+    (("--device", "-1"), {}, ["--device -1 is out of range"]),
+    (("--platform", "cpu"), {"TORCHHAL_DETECT_TIMEOUT": "abc"}, ["TORCHHAL_DETECT_TIMEOUT='abc'"]),
+], ids=["platform", "platform-env", "device-high", "device-negative", "detect-timeout"])
+def test_conformance_refuses_a_target_it_cannot_test(tmp_path, monkeypatch, cli, args, env, expected):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    report = tmp_path / "report.json"
+    refused(cli("conformance", *args, "--json", str(report)), "conformance", *expected)
+    assert not report.exists()  # no NOT CONFORMANT report blaming a plugin for a typo
+
+
+def test_plain_pytest_refuses_an_unknown_platform_before_any_test(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "torchhal.conformance_tests", "--torchhal-platform", "nosuch",
+         "-p", "no:cacheprovider"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        env={k: v for k, v in os.environ.items() if not k.startswith("TORCHHAL_")},
+    )
+    assert out.returncode == 4, out.stdout[-2000:]  # pytest's own usage-error code
+    assert "--torchhal-platform 'nosuch' is not a registered platform" in out.stderr
+    assert "VERDICT" not in out.stdout and "Traceback" not in out.stdout + out.stderr
+
+
+def _failing_to_register() -> object:
+    class Module:
+        @hookimpl
+        def torchhal_register_platforms(self):
+            raise RuntimeError("libghost.so is missing")
+
+    return Module()
+
+
+def _counting(name: str, count: Callable[[], int]) -> object:
+    """A plugin module registering platform `name` whose device_count() is `count()`."""
+    cls = type(fake_platform(name, 5))
+    return plugin_module(type(f"Counting{cls.__name__}", (cls,), {"device_count": lambda self: count()})())
+
+
+def _no_count() -> int:
+    raise RuntimeError("driver crashed")
+
+
+@pytest.mark.filterwarnings("ignore::torchhal.platforms.TorchhalPluginWarning")
+@pytest.mark.parametrize("plugin, name, device", [
+    (lambda: plugin_module(fake_platform("sleepy", 5, available=False)), "sleepy", 3),  # INCOMPLETE
+    (_failing_to_register, "ghost", 0),  # the plugin that failed may be the one named
+    (lambda: _counting("zero", lambda: 0), "zero", 0),  # a device test fails on it
+    (lambda: _counting("crashing", _no_count), "crashing", 0),  # so does this one
+], ids=["unavailable", "failed-to-register", "no-devices", "count-raises"])
+def test_a_plugins_own_trouble_is_left_to_the_suite(make_registry, plugin, name, device):
+    from torchhal.conformance_tests.plugin import check_target
+
+    make_registry(plugin())
+    check_target(name, device, "--platform", "--device")  # no usage error: the suite reports it
+
+
+# -- generate: the platform settings, the tokenizer, --max-new-tokens -------------------
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"TORCHHAL_PLATFORM": "nosuch"}, "unknown platform 'nosuch'"),
+    ({"TORCHHAL_PLATFORM": "sleepy"}, "platform 'sleepy' is not available: fake: no device"),
+    ({"TORCHHAL_DETECT_TIMEOUT": "abc"}, "TORCHHAL_DETECT_TIMEOUT='abc' is not a number of seconds"),
+], ids=["unknown", "unavailable", "detect-timeout"])
+def test_generate_refuses_a_bad_platform_setting_as_info_does(tiny, monkeypatch, make_registry, cli, env, expected):
+    if "TORCHHAL_DETECT_TIMEOUT" not in env:  # that one must fail while the registry is built
+        make_registry(plugin_module(fake_platform("sleepy", 5, available=False)))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    line = refused(cli("generate", "--model", str(tiny), "--prompt-ids", "1,2", "--max-new-tokens", "2"),
+                   "generate", expected)
+    info = cli("info")
+    assert info.returncode == 2 and info.stderr.strip().splitlines()[-1] == f"torchhal info: {line}", info.stderr
+
+
+@pytest.mark.parametrize("file, content, error", [
+    ("tokenizer.json", "{not json", "JSONDecodeError"),
+    ("tokenizer_config.json", "{}", "ValueError"),
+], ids=["tokenizer-json", "bare-config"])
+def test_a_broken_tokenizer_is_one_line_naming_the_file(tmp_path, tiny, cli, file, content, error):
+    pytest.importorskip("transformers")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((tiny / "config.json").read_text())
+    (model / file).write_text(content)
+    refused(cli("generate", "--model", str(model), "--prompt", "hi"), "generate",
+            f"cannot load the tokenizer from {model / file}: {error}", "give --prompt-ids instead of --prompt")
+
+
+def test_max_new_tokens_refusal_names_the_flag(tiny, cli):
+    line = refused(cli("generate", "--model", str(tiny), "--prompt-ids", "1,2", "--max-new-tokens", "0"), "generate",
+                   "--max-new-tokens 0 must be a positive integer")
+    assert "config.json" not in line  # the value came from the command line, not the checkpoint
+
+
+# -- plugin new: a built-in's name would be dropped as a conflict -----------------------
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda"])
+def test_plugin_new_refuses_a_built_in_name(tmp_path, cli, name):
+    target = tmp_path / "plugin"
+    refused(cli("plugin", "new", name, "--dir", str(target)), "plugin new",
+            f"plugin name {name!r} is torchhal's built-in", "choose another name", f'replaces = "{name}"')
+    assert not target.exists()
+
+
+def test_every_built_in_name_is_refused():
+    from torchhal.cli.plugin_template import TemplateError, builtin_platform_names, check_name
+
+    names = builtin_platform_names()
+    assert {"cpu", "cuda", "rocm", "xpu", "npu", "musa"} <= set(names), names
+    for name in names:
+        with pytest.raises(TemplateError, match="built-in"):
+            check_name(name)
+
+
+# -- python -m torchhal ------------------------------------------------------------------
+
+
+def test_python_dash_m_torchhal_is_the_torchhal_command():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHHAL_")}
+    out = subprocess.run([sys.executable, "-m", "torchhal", "info", "--json"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["current"]["name"] == "cpu"
