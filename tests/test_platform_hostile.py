@@ -38,6 +38,12 @@ def test_a_bad_class_attribute_drops_that_plugin_and_every_other_platform_still_
     assert torchhal.current_platform().name == "cpu"
 
 
+def test_a_list_of_visible_devices_variables_is_taken_as_a_tuple(make_registry):
+    # Not what the SPI says (the conformance suite's attribute clause flags it), but harmless.
+    make_registry(plugin_module(plugin_with("vendor", visible_devices_env=["VENDOR_VISIBLE_DEVICES"])))
+    assert torchhal.get_platform("vendor").visible_devices_env == ("VENDOR_VISIBLE_DEVICES",)
+
+
 def test_two_plugins_replacing_one_platform_are_both_dropped_and_it_stays():
     reg = manager.PlatformRegistry(manager.new_plugin_manager())
     reg.load_builtins(["torchhal.plugins.cpu"])

@@ -416,7 +416,9 @@ def _validate_platform_object(item: Any) -> str | None:
     if replaces is not None and not (isinstance(replaces, str) and _NAME_PATTERN.fullmatch(replaces)):
         return f"{cls}.replaces is {replaces!r}; it must be None or one platform name, e.g. 'cuda'"
     variables = getattr(item, "visible_devices_env", None)
-    if not (isinstance(variables, tuple) and all(isinstance(var, str) and var for var in variables)):
+    # A list of names is normalised to a tuple (the conformance suite flags it); None or a bare
+    # str would break the host (a str is split into letters).
+    if not (isinstance(variables, (tuple, list)) and all(isinstance(var, str) and var for var in variables)):
         return (f"{cls}.visible_devices_env is {variables!r}; it must be a tuple of environment variable names, "
                 "e.g. ('MYACCEL_VISIBLE_DEVICES',), or () for none")
     version = getattr(item, "spi_version", None)
