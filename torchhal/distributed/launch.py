@@ -2,9 +2,10 @@
 
 `launch(target, world_size, args)` spawns (never forks) one process per rank with
 torchrun's variables set (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, and
-MASTER_ADDR=127.0.0.1 with a free MASTER_PORT for the rendezvous), so a target that calls
-`torchhal.distributed.init_group()` runs the same here as under `torchrun`. It returns each
-rank's result (picklable) in rank order.
+MASTER_ADDR=127.0.0.1 with a free MASTER_PORT for the rendezvous) and torchrun's agent
+variables (TORCHELASTIC_*, inherited when launch itself runs under torchrun) removed, so a
+target that calls `torchhal.distributed.init_group()` runs the same here as under `torchrun`.
+It returns each rank's result (picklable) in rank order.
 
 The point is failure: a rank that raises, exits or is killed, or ranks still running at
 the deadline, make the launcher stop every rank (terminate, then kill after `grace`) and
@@ -35,6 +36,9 @@ DEFAULT_GRACE = 3.0
 #: Lines of a failed rank's stderr quoted in the error.
 STDERR_TAIL_LINES = 15
 _PARENT_POLL_SECONDS = 1.0
+#: torchrun's agent variables, dropped from every rank: launch's ranks are not torchrun's workers
+#: (TORCHELASTIC_USE_AGENT_STORE=True would send them looking for torchrun's store on launch's port).
+_TORCHRUN_PREFIX = "TORCHELASTIC_"
 
 
 class LaunchError(RuntimeError):
@@ -188,6 +192,8 @@ def _rank_main(target: Callable[..., Any], args: tuple[Any, ...], variables: dic
                sender: Connection, stderr_path: str, parent_pid: int) -> None:
     """One rank: its variables set, its stderr (fd 2, so native output too) kept for the
     parent's error, the outcome sent back."""
+    for name in [name for name in os.environ if name.startswith(_TORCHRUN_PREFIX)]:
+        del os.environ[name]
     os.environ.update(variables)
     log = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(log, 2)
