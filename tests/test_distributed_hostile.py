@@ -8,10 +8,13 @@ HashStore; only three tests start processes."""
 
 from __future__ import annotations
 
+import multiprocessing.context
 import os
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from torchhal.distributed import init_group, launch
@@ -30,6 +33,33 @@ def group_sum_and_torchelastic_variables(timeout_s: float) -> tuple[float, list[
     return total, sorted(name for name in os.environ if name.startswith("TORCHELASTIC_"))
 
 
+def rank_number() -> int:
+    return int(os.environ["RANK"])
+
+
+# -- fixtures --------------------------------------------------------------------------------
+@pytest.fixture
+def no_spawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refusal must come before any rank starts: starting one fails the test."""
+    def refuse(self: Any) -> None:
+        raise AssertionError(f"{self.name} was spawned before the bad argument was refused")
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", refuse)
+
+
+# -- launch: refused before any rank starts --------------------------------------------------
+@pytest.mark.parametrize("timeout", [float("inf"), "5", True])
+def test_launch_refuses_a_timeout_that_is_not_finite_positive_seconds(no_spawn, timeout):
+    with pytest.raises(ValueError, match=f"^timeout = {timeout!r} must be a positive number of seconds"):
+        launch(rank_number, 1, timeout=timeout)
+
+
+@pytest.mark.parametrize("grace", ["3", None, True, -1, float("inf"), float("nan")])
+def test_launch_refuses_a_grace_that_is_not_finite_seconds(no_spawn, grace):
+    with pytest.raises(ValueError, match=f"^grace = {grace!r} must be a number of seconds"):
+        launch(rank_number, 1, grace=grace)
+
+
 # -- launch: ranks that used to hang or overflow ----------------------------------------------
 def test_ranks_launched_from_a_torchrun_worker_do_not_look_for_torchruns_store(monkeypatch):
     # What torchrun puts in its workers' environment: ranks inheriting it waited for an agent
@@ -39,3 +69,7 @@ def test_ranks_launched_from_a_torchrun_worker_do_not_look_for_torchruns_store(m
     results = launch(group_sum_and_torchelastic_variables, 2, (5.0,), timeout=60, grace=1.0)
     assert results == [(3.0, []), (3.0, [])]
     assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the parent's own is kept
+
+
+def test_a_long_finite_timeout_and_grace_are_waited_in_steps():
+    assert launch(rank_number, 1, timeout=1e300, grace=1e300) == [0]

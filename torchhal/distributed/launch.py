@@ -16,7 +16,9 @@ call; a rank whose parent dies exits on its own.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
+import numbers
 import os
 import signal
 import socket
@@ -36,6 +38,8 @@ DEFAULT_GRACE = 3.0
 #: Lines of a failed rank's stderr quoted in the error.
 STDERR_TAIL_LINES = 15
 _PARENT_POLL_SECONDS = 1.0
+#: The longest single wait: poll() takes at most 2**31 - 1 ms, so longer waits are made in steps.
+_LONGEST_WAIT_SECONDS = 86400.0
 #: torchrun's agent variables, dropped from every rank: launch's ranks are not torchrun's workers
 #: (TORCHELASTIC_USE_AGENT_STORE=True would send them looking for torchrun's store on launch's port).
 _TORCHRUN_PREFIX = "TORCHELASTIC_"
@@ -80,8 +84,11 @@ def launch(
     through `init_group(timeout=...)`). `env`: more variables for every rank."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size = {world_size!r} must be a positive integer")
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"timeout = {timeout!r} must be a positive number of seconds, or None")
+    if timeout is not None and not (_is_seconds(timeout) and timeout > 0):
+        raise ValueError(f"timeout = {timeout!r} must be a positive number of seconds (a finite int or float), "
+                         "or None for no deadline")
+    if not (_is_seconds(grace) and grace >= 0):
+        raise ValueError(f"grace = {grace!r} must be a number of seconds (a finite int or float), 0 or more")
     context = multiprocessing.get_context("spawn")
     rank_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
                 "LOCAL_WORLD_SIZE": str(world_size), **(env or {})}
@@ -108,6 +115,11 @@ def launch(
                 receiver.close()
 
 
+def _is_seconds(value: object) -> bool:
+    """A finite real number that is not a bool (True seconds is a mistake, not 1 s)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _collect(processes: list[BaseProcess], receivers: list[Connection], logs: str,
              deadline: float | None, timeout: float | None) -> list[Any]:
     results: dict[int, Any] = {}
@@ -120,7 +132,8 @@ def _collect(processes: list[BaseProcess], receivers: list[Connection], logs: st
                 f"rank(s) {', '.join(map(str, late))} of {len(processes)} did not finish within {timeout:g} s; "
                 f"stopped every rank{_tails(logs, late)}"
             )
-        ready = wait([*pending.values(), *(processes[rank].sentinel for rank in pending)], remaining)
+        ready = wait([*pending.values(), *(processes[rank].sentinel for rank in pending)],
+                     None if remaining is None else min(remaining, _LONGEST_WAIT_SECONDS))
         for rank in sorted(pending):
             receiver, process = pending[rank], processes[rank]
             if receiver in ready or process.sentinel in ready:
@@ -155,7 +168,8 @@ def _stop(processes: list[BaseProcess], grace: float) -> None:
             process.terminate()
     end = time.monotonic() + grace
     for process in processes:
-        process.join(max(0.0, end - time.monotonic()))
+        while process.is_alive() and (left := end - time.monotonic()) > 0:
+            process.join(min(left, _LONGEST_WAIT_SECONDS))
     for process in processes:
         if process.is_alive():
             process.kill()
