@@ -60,6 +60,25 @@ def test_launch_refuses_a_grace_that_is_not_finite_seconds(no_spawn, grace):
         launch(rank_number, 1, grace=grace)
 
 
+@pytest.mark.parametrize("name", [*RANK_VARIABLES, "TORCHELASTIC_USE_AGENT_STORE"])
+def test_launch_refuses_env_that_would_override_or_lose_what_it_sets(no_spawn, name):
+    with pytest.raises(ValueError, match=f"^env\\['{name}'\\]: launch sets RANK, .* leave {name} out of env$"):
+        launch(rank_number, 2, env={"TORCHHAL_FINE": "1", name: "3"})
+
+
+@pytest.mark.parametrize("env, named", [
+    ({"TORCHHAL_X": 1}, "env['TORCHHAL_X'] = 1: variable names and values must be str"),
+    ({1: "x"}, "env[1] = 'x': variable names and values must be str"),
+    ({"": "x"}, "env[''] = 'x': a variable name must be non-empty"),
+    ({"A=B": "x"}, "env['A=B'] = 'x': a variable name must be non-empty, without '='"),
+    (["TORCHHAL_X"], "env = ['TORCHHAL_X'] must be a mapping"),
+])
+def test_launch_refuses_env_a_rank_could_not_set_naming_the_variable(no_spawn, env, named):
+    with pytest.raises(ValueError) as caught:
+        launch(rank_number, 1, env=env)
+    assert str(caught.value).startswith(named)
+
+
 # -- launch: ranks that used to hang or overflow ----------------------------------------------
 def test_ranks_launched_from_a_torchrun_worker_do_not_look_for_torchruns_store(monkeypatch):
     # What torchrun puts in its workers' environment: ranks inheriting it waited for an agent

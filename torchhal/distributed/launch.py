@@ -40,6 +40,8 @@ STDERR_TAIL_LINES = 15
 _PARENT_POLL_SECONDS = 1.0
 #: The longest single wait: poll() takes at most 2**31 - 1 ms, so longer waits are made in steps.
 _LONGEST_WAIT_SECONDS = 86400.0
+#: What launch sets in every rank: the rendezvous torchrun would give it.
+_RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 #: torchrun's agent variables, dropped from every rank: launch's ranks are not torchrun's workers
 #: (TORCHELASTIC_USE_AGENT_STORE=True would send them looking for torchrun's store on launch's port).
 _TORCHRUN_PREFIX = "TORCHELASTIC_"
@@ -81,7 +83,9 @@ def launch(
 
     `target` must be importable by name (a module-level function): ranks are spawned.
     `timeout`: seconds for the whole run (None: no deadline; collectives still time out
-    through `init_group(timeout=...)`). `env`: more variables for every rank."""
+    through `init_group(timeout=...)`). `env`: more variables for every rank, other than
+    those launch sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT) or drops (TORCHELASTIC_*). Bad arguments are refused before any rank starts."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size = {world_size!r} must be a positive integer")
     if timeout is not None and not (_is_seconds(timeout) and timeout > 0):
@@ -89,6 +93,7 @@ def launch(
                          "or None for no deadline")
     if not (_is_seconds(grace) and grace >= 0):
         raise ValueError(f"grace = {grace!r} must be a number of seconds (a finite int or float), 0 or more")
+    _check_env(env)
     context = multiprocessing.get_context("spawn")
     rank_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
                 "LOCAL_WORLD_SIZE": str(world_size), **(env or {})}
@@ -118,6 +123,23 @@ def launch(
 def _is_seconds(value: object) -> bool:
     """A finite real number that is not a bool (True seconds is a mistake, not 1 s)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_env(env: Mapping[str, str] | None) -> None:
+    """Every variable a rank could set: str names and values, none that launch sets or drops."""
+    if env is None:
+        return
+    if not isinstance(env, Mapping):
+        raise ValueError(f"env = {env!r} must be a mapping of variable names to values (a dict of str), or None")
+    for name, value in env.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise ValueError(f"env[{name!r}] = {value!r}: variable names and values must be str")
+        if not name or "=" in name or "\0" in name or "\0" in value:
+            raise ValueError(f"env[{name!r}] = {value!r}: a variable name must be non-empty, without '=' or NUL, "
+                             "and a value without NUL")
+        if name in _RANK_VARIABLES or name.startswith(_TORCHRUN_PREFIX):
+            raise ValueError(f"env[{name!r}]: launch sets {', '.join(_RANK_VARIABLES)} for every rank and drops "
+                             f"{_TORCHRUN_PREFIX}*; leave {name} out of env")
 
 
 def _collect(processes: list[BaseProcess], receivers: list[Connection], logs: str,
