@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import multiprocessing.context
 import os
+import subprocess
+import sys
+import types
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -77,6 +80,42 @@ def test_launch_refuses_env_a_rank_could_not_set_naming_the_variable(no_spawn, e
     with pytest.raises(ValueError) as caught:
         launch(rank_number, 1, env=env)
     assert str(caught.value).startswith(named)
+
+
+def test_launch_refuses_a_target_no_rank_can_import(no_spawn):
+    def nested() -> int:
+        return 1
+
+    for target, named in [(nested, "nested"), (lambda: 1, "<lambda>")]:
+        with pytest.raises(ValueError, match=f"<locals>.{named} .*cannot be imported by name.*define it at the top "
+                                             "level of a module$"):
+            launch(target, 2)
+    with pytest.raises(ValueError, match="target = 'rank_number' must be a callable"):
+        launch("rank_number", 2)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("main_file, main_spec", [
+    (None, None),  # python -c, an interactive session
+    ("<stdin>", None),  # python - < script
+    (None, "tool.__main__"),  # python -m tool: a package's __main__ is not run again in a rank
+])
+def test_launch_refuses_a_target_in_a_main_the_ranks_cannot_run_again(no_spawn, monkeypatch, main_file, main_spec):
+    main = types.ModuleType("__main__")
+    exec("def rank_fn():\n    return 1\n", main.__dict__)
+    main.__file__ = main_file  # type: ignore[assignment]
+    main.__spec__ = None if main_spec is None else types.SimpleNamespace(name=main_spec)  # type: ignore[assignment]
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    with pytest.raises(ValueError, match="target 'rank_fn' is defined in __main__ of a session the ranks cannot "
+                                         "import .*: define it in a module or a script file"):
+        launch(main.rank_fn, 2)
+
+
+def test_launch_from_stdin_names_why_instead_of_a_bare_exit_code():
+    script = "from torchhal.distributed import launch\ndef rank_fn():\n    return 1\nlaunch(rank_fn, 2)\n"
+    ran = subprocess.run([sys.executable, "-"], input=script, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert ran.returncode != 0
+    last = ran.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError: target 'rank_fn' is defined in __main__"), ran.stderr[-2000:]
 
 
 # -- launch: ranks that used to hang or overflow ----------------------------------------------

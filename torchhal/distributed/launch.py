@@ -22,10 +22,12 @@ import numbers
 import os
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -94,6 +96,7 @@ def launch(
     if not (_is_seconds(grace) and grace >= 0):
         raise ValueError(f"grace = {grace!r} must be a number of seconds (a finite int or float), 0 or more")
     _check_env(env)
+    _check_importable(target)
     context = multiprocessing.get_context("spawn")
     rank_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
                 "LOCAL_WORLD_SIZE": str(world_size), **(env or {})}
@@ -140,6 +143,37 @@ def _check_env(env: Mapping[str, str] | None) -> None:
         if name in _RANK_VARIABLES or name.startswith(_TORCHRUN_PREFIX):
             raise ValueError(f"env[{name!r}]: launch sets {', '.join(_RANK_VARIABLES)} for every rank and drops "
                              f"{_TORCHRUN_PREFIX}*; leave {name} out of env")
+
+
+def _check_importable(target: Callable[..., Any]) -> None:
+    """Ranks are spawned, so they import `target` by its module and name, as pickle does: a
+    function nested in another, a lambda, or one defined where no rank can import it (`python -c`,
+    stdin, an interactive session) would fail there with no cause to show."""
+    if not callable(target):
+        raise ValueError(f"target = {target!r} must be a callable (a module-level function)")
+    module_name = getattr(target, "__module__", None)
+    if isinstance(target, types.FunctionType):
+        found: Any = sys.modules.get(module_name or "")
+        for part in target.__qualname__.split("."):
+            found = getattr(found, part, None)
+        if found is not target:
+            raise ValueError(f"target {target.__qualname__} (in {module_name}) cannot be imported by name, and "
+                             "ranks are spawned processes that import it: define it at the top level of a module")
+    if module_name == "__main__" and not _main_is_importable():
+        raise ValueError(f"target {getattr(target, '__qualname__', target)!r} is defined in __main__ of a "
+                         "session the ranks cannot import (python -c, stdin, interactive): define it in a "
+                         "module or a script file")
+
+
+def _main_is_importable() -> bool:
+    """Whether a spawned process can run this process's __main__ again, as multiprocessing.spawn
+    does: by module name (not a package's __main__), or from a script file (not ipython's)."""
+    main = sys.modules["__main__"]
+    module_name = getattr(getattr(main, "__spec__", None), "name", None)
+    if module_name is not None:
+        return not (module_name == "__main__" or module_name.endswith(".__main__"))
+    path = getattr(main, "__file__", None)
+    return isinstance(path, str) and os.path.isfile(path) and Path(path).stem != "ipython"
 
 
 def _collect(processes: list[BaseProcess], receivers: list[Connection], logs: str,
