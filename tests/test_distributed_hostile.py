@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from torchhal.distributed import init_group, launch
+from torchhal.distributed import RankPlacement, init_group, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -131,3 +131,9 @@ def test_ranks_launched_from_a_torchrun_worker_do_not_look_for_torchruns_store(m
 
 def test_a_long_finite_timeout_and_grace_are_waited_in_steps():
     assert launch(rank_number, 1, timeout=1e300, grace=1e300) == [0]
+
+
+def test_more_local_ranks_than_ranks_is_refused():
+    with pytest.raises(ValueError, match="^local_world_size 8 > world_size 1: a host cannot hold more"):
+        RankPlacement(0, 1, 0, 8)
+    RankPlacement(1, 4, 1, 2)  # two hosts of two ranks

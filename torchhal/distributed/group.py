@@ -46,6 +46,10 @@ class RankPlacement:
         if self.local_world_size < 1 or not 0 <= self.local_rank < self.local_world_size:
             raise ValueError(f"local_rank {self.local_rank} of local_world_size {self.local_world_size}: "
                              "need 0 <= local_rank < local_world_size")
+        if self.local_world_size > self.world_size:
+            raise ValueError(f"local_world_size {self.local_world_size} > world_size {self.world_size}: a host "
+                             "cannot hold more of the group's ranks than the group has (LOCAL_WORLD_SIZE in the "
+                             "environment must not exceed WORLD_SIZE or the world_size given)")
 
     @classmethod
     def from_env(cls, rank: int | None = None, world_size: int | None = None,
