@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import types
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,10 @@ from typing import Any
 import pytest
 import torch
 
+import torchhal
 from torchhal.distributed import RankPlacement, init_group, launch
+from torchhal.platforms import Platform
+from torchhal.platforms.testing import patched_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -48,6 +52,21 @@ def no_spawn(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError(f"{self.name} was spawned before the bad argument was refused")
 
     monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", refuse)
+
+
+@pytest.fixture
+def cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[Platform]:
+    """The CPU platform, no torchrun variables, and a set_device that fails the test: a refusal
+    must come before the device is touched."""
+    for var in RANK_VARIABLES:
+        monkeypatch.delenv(var, raising=False)
+    platform = torchhal.get_platform("cpu")
+
+    def touched(index: int) -> None:
+        raise AssertionError(f"set_device({index}) ran before the bad argument was refused")
+
+    with patched_plugin(platform, set_device=touched):
+        yield platform
 
 
 # -- launch: refused before any rank starts --------------------------------------------------
@@ -131,6 +150,31 @@ def test_ranks_launched_from_a_torchrun_worker_do_not_look_for_torchruns_store(m
 
 def test_a_long_finite_timeout_and_grace_are_waited_in_steps():
     assert launch(rank_number, 1, timeout=1e300, grace=1e300) == [0]
+
+
+# -- init_group: refused before anything is touched -----------------------------------------
+@pytest.mark.parametrize("call, error, named", [
+    (lambda cpu: init_group("cpu"), TypeError, "platform = 'cpu' must be a torchhal Platform"),
+    (lambda cpu: init_group(cpu, store="x"), TypeError, "store = 'x' must be a torch.distributed.Store"),
+    (lambda cpu: init_group(cpu, timeout=timedelta.max), ValueError, "timeout = datetime.timedelta(days=999999999"),
+    (lambda cpu: init_group(cpu, timeout=timedelta(days=366)), ValueError,
+     "timeout = datetime.timedelta(days=366) must be a positive datetime.timedelta of at most 365 days"),
+    (lambda cpu: init_group(cpu, name=""), ValueError, "name = '' must be a non-empty str"),
+    (lambda cpu: init_group(cpu, name=5), ValueError, "name = 5 must be a non-empty str"),
+])
+def test_init_group_refuses_a_bad_argument_naming_it(cpu, call, error, named):
+    with pytest.raises(error) as caught:
+        call(cpu)
+    assert str(caught.value).startswith(named), caught.value
+
+
+@pytest.mark.parametrize("port", ["notaport", "70000", "0", "-1", ""])
+def test_init_group_names_a_bad_master_port(cpu, monkeypatch, port):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", port)
+    expected = "set MASTER_PORT" if port == "" else f"MASTER_PORT={port!r} must be a TCP port number, 1 to 65535"
+    with pytest.raises(ValueError, match=expected):
+        init_group(cpu, rank=0, world_size=2)
 
 
 def test_more_local_ranks_than_ranks_is_refused():
