@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -181,3 +181,30 @@ def test_more_local_ranks_than_ranks_is_refused():
     with pytest.raises(ValueError, match="^local_world_size 8 > world_size 1: a host cannot hold more"):
         RankPlacement(0, 1, 0, 8)
     RankPlacement(1, 4, 1, 2)  # two hosts of two ranks
+
+
+def test_a_refused_or_failed_init_group_takes_no_default_name(monkeypatch):
+    for var in (*RANK_VARIABLES, "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(var, raising=False)
+    cpu = torchhal.get_platform("cpu")
+    first = init_group(cpu)
+    first.close()
+    refused: list[Callable[[], Any]] = [
+        lambda: init_group(cpu, timeout=timedelta.max),
+        lambda: init_group(cpu, store="x"),
+        lambda: init_group(cpu, rank=0, world_size=2),  # no MASTER_ADDR / MASTER_PORT
+    ]
+    for call in refused:
+        with pytest.raises((ValueError, TypeError)):
+            call()
+    # One that passes the checks and fails in the rendezvous: rank 1 finds no store on the port.
+    from torchhal.distributed.launch import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    with pytest.raises(Exception, match="127.0.0.1"):
+        init_group(cpu, rank=1, world_size=2, timeout=timedelta(seconds=1))
+    monkeypatch.delenv("MASTER_PORT")
+    second = init_group(cpu)
+    second.close()
+    assert int(second.name.removeprefix("group")) == int(first.name.removeprefix("group")) + 1

@@ -10,7 +10,6 @@ torch.distributed users, and two engines with two groups can live in one process
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +27,8 @@ DEFAULT_TIMEOUT = timedelta(minutes=5)
 #: The longest timeout taken: a year is no timeout in practice, and much longer ones overflow
 #: the backends' deadline arithmetic (gloo refuses timedelta.max, and hangs given 274 years).
 MAX_TIMEOUT = timedelta(days=365)
-_group_numbers = itertools.count()
+#: Default names given to groups built so far (a refused or failed call takes none).
+_default_names_taken = 0
 
 
 @dataclass(frozen=True)
@@ -134,8 +134,9 @@ def init_group(
     call order, which every rank must then follow). The rank's device is
     `platform.device_for_rank` and is made current. A collective on a dead or hung peer
     raises `CollectiveError` (within `timeout` on gloo). Call `close()` before exiting.
-    Bad arguments are refused before anything is touched (the device, the store).
+    Bad arguments are refused before anything is touched (the device, the store, the names).
     """
+    global _default_names_taken
     if platform is not None and not isinstance(platform, Platform):
         raise TypeError(f"platform = {platform!r} must be a torchhal Platform (torchhal.get_platform(name) gives "
                         "one), or None for the current platform")
@@ -151,24 +152,28 @@ def init_group(
     platform = platform if platform is not None else current_platform()
     index = platform.device_for_rank(placement.local_rank, placement.local_world_size)
     connect = _rendezvous(placement, timeout) if store is None else lambda: store
+    group_name = f"group{_default_names_taken}" if name is None else name
     platform.set_device(index)
     device = platform.device(index)
-    name = name if name is not None else f"group{next(_group_numbers)}"
     support = platform.distributed_support
     base = connect()
-    host_backend = _new_backend("gloo", dist.PrefixStore(f"torchhal/{name}/host", base), placement, timeout, name)
+    host_backend = _new_backend("gloo", dist.PrefixStore(f"torchhal/{group_name}/host", base), placement, timeout,
+                                group_name)
     host = TorchCommunicator(host_backend, placement.rank, placement.world_size, torch.device("cpu"),
-                             name=f"{name}/host", timeout=timeout)
+                             name=f"{group_name}/host", timeout=timeout)
     if platform.dist_backend == "gloo" and device.type == "cpu":
         device_backend = host_backend  # host memory is the device: one gloo group serves both
     else:
         device_backend = _new_backend(
-            platform.dist_backend, dist.PrefixStore(f"torchhal/{name}/device", base), placement, timeout, name
+            platform.dist_backend, dist.PrefixStore(f"torchhal/{group_name}/device", base), placement, timeout,
+            group_name
         )
     default = TorchCommunicator(device_backend, placement.rank, placement.world_size, device,
-                                graph_capturable=support.graph_capturable, name=name, timeout=timeout)
+                                graph_capturable=support.graph_capturable, name=group_name, timeout=timeout)
     comm = support.communicator(default) if support.communicator is not None else default
-    return DeviceGroup(name, placement, platform, device, comm, host, timeout, (host, default))
+    if name is None:
+        _default_names_taken += 1  # only now: a refused or failed call must not shift this rank's names
+    return DeviceGroup(group_name, placement, platform, device, comm, host, timeout, (host, default))
 
 
 def _rendezvous(placement: RankPlacement, timeout: timedelta) -> Callable[[], dist.Store]:
