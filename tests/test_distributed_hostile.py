@@ -12,6 +12,8 @@ import multiprocessing.context
 import os
 import subprocess
 import sys
+import threading
+import time
 import types
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -20,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import torchhal
 from torchhal.distributed import RankPlacement, init_group, launch
@@ -67,6 +70,24 @@ def cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[Platform]:
 
     with patched_plugin(platform, set_device=touched):
         yield platform
+
+
+def on_threads(world: int, body: Callable[[int], Any]) -> list[Any]:
+    """`body(rank)` for each rank on its own thread; each rank's result or error, in rank order."""
+    results: list[Any] = ["hung"] * world
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = body(rank)
+        except Exception as exc:
+            results[rank] = f"{type(exc).__name__}: {str(exc)[:200]}"
+
+    threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results
 
 
 # -- launch: refused before any rank starts --------------------------------------------------
@@ -208,3 +229,33 @@ def test_a_refused_or_failed_init_group_takes_no_default_name(monkeypatch):
     second = init_group(cpu)
     second.close()
     assert int(second.name.removeprefix("group")) == int(first.name.removeprefix("group")) + 1
+
+
+# -- init_group: a name used again on the same store -----------------------------------------
+@pytest.mark.parametrize("first_closed", [True, False], ids=["after close", "while open"])
+def test_a_group_made_again_under_its_name_on_the_same_store_works(first_closed):
+    store = dist.HashStore()
+    cpu = torchhal.get_platform("cpu")
+
+    def rank_main(rank: int) -> list[float]:
+        def make() -> Any:
+            return init_group(cpu, rank=rank, world_size=2, local_rank=rank, store=store, name="tp",
+                              timeout=timedelta(seconds=5))
+
+        first = make()
+        sums = [first.comm.all_reduce(torch.tensor([rank + 1.0])).item()]
+        if first_closed:
+            first.close()
+        if rank == 1:
+            time.sleep(0.5)  # rank 0 makes its group first and must wait for this rank's new address
+        again = make()
+        sums.append(again.comm.all_reduce(torch.tensor([rank + 10.0])).item())
+        if not first_closed:
+            sums.append(first.comm.all_reduce(torch.tensor([rank + 100.0])).item())  # the first still works
+            first.close()
+        again.close()
+        return sums
+
+    expected = [3.0, 21.0] if first_closed else [3.0, 21.0, 201.0]
+    assert on_threads(2, rank_main) == [expected, expected]
+

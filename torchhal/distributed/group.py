@@ -133,7 +133,8 @@ def init_group(
     store). `name` keeps two groups in one store apart (default: one per call, numbered in
     call order, which every rank must then follow). The rank's device is
     `platform.device_for_rank` and is made current. A collective on a dead or hung peer
-    raises `CollectiveError` (within `timeout` on gloo). Call `close()` before exiting.
+    raises `CollectiveError` (within `timeout` on gloo). Call `close()` before exiting; a
+    group made again under a closed one's name, on the same store, is a new group.
     Bad arguments are refused before anything is touched (the device, the store, the names).
     """
     global _default_names_taken
@@ -157,16 +158,15 @@ def init_group(
     device = platform.device(index)
     support = platform.distributed_support
     base = connect()
-    host_backend = _new_backend("gloo", dist.PrefixStore(f"torchhal/{group_name}/host", base), placement, timeout,
-                                group_name)
+    prefix = _incarnation(base, group_name, placement.world_size)
+    host_backend = _new_backend("gloo", dist.PrefixStore(f"{prefix}/host", base), placement, timeout, group_name)
     host = TorchCommunicator(host_backend, placement.rank, placement.world_size, torch.device("cpu"),
                              name=f"{group_name}/host", timeout=timeout)
     if platform.dist_backend == "gloo" and device.type == "cpu":
         device_backend = host_backend  # host memory is the device: one gloo group serves both
     else:
         device_backend = _new_backend(
-            platform.dist_backend, dist.PrefixStore(f"torchhal/{group_name}/device", base), placement, timeout,
-            group_name
+            platform.dist_backend, dist.PrefixStore(f"{prefix}/device", base), placement, timeout, group_name
         )
     default = TorchCommunicator(device_backend, placement.rank, placement.world_size, device,
                                 graph_capturable=support.graph_capturable, name=group_name, timeout=timeout)
@@ -201,6 +201,15 @@ def _rendezvous(placement: RankPlacement, timeout: timedelta) -> Callable[[], di
         return store
 
     return connect
+
+
+def _incarnation(store: dist.Store, name: str, world_size: int) -> str:
+    """The key prefix of this group: one of its own each time a group named `name` is made on
+    `store`, as a re-made group (after close) would hang on its predecessor's keys. Every rank
+    counts its join; all ranks of one incarnation join before any can start the next (gloo's
+    rendezvous waits for them all), so all derive the same number."""
+    joins = store.add(f"torchhal/{name}/joins/{world_size}", 1)
+    return f"torchhal/{name}/{world_size}.{(joins - 1) // world_size}"
 
 
 def _new_backend(backend: str, store: dist.Store, placement: RankPlacement, timeout: timedelta,
