@@ -10,8 +10,8 @@ torch.distributed users, and two engines with two groups can live in one process
 
 from __future__ import annotations
 
-import itertools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -24,7 +24,11 @@ from torchhal.platforms.communicator import Communicator, TorchCommunicator
 
 #: How long a collective waits for a peer before it raises (a dead or hung rank).
 DEFAULT_TIMEOUT = timedelta(minutes=5)
-_group_numbers = itertools.count()
+#: The longest timeout taken: a year is no timeout in practice, and much longer ones overflow
+#: the backends' deadline arithmetic (gloo refuses timedelta.max, and hangs given 274 years).
+MAX_TIMEOUT = timedelta(days=365)
+#: Default names given to groups built so far (a refused or failed call takes none).
+_default_names_taken = 0
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,10 @@ class RankPlacement:
         if self.local_world_size < 1 or not 0 <= self.local_rank < self.local_world_size:
             raise ValueError(f"local_rank {self.local_rank} of local_world_size {self.local_world_size}: "
                              "need 0 <= local_rank < local_world_size")
+        if self.local_world_size > self.world_size:
+            raise ValueError(f"local_world_size {self.local_world_size} > world_size {self.world_size}: a host "
+                             "cannot hold more of the group's ranks than the group has (LOCAL_WORLD_SIZE in the "
+                             "environment must not exceed WORLD_SIZE or the world_size given)")
 
     @classmethod
     def from_env(cls, rank: int | None = None, world_size: int | None = None,
@@ -125,50 +133,83 @@ def init_group(
     store). `name` keeps two groups in one store apart (default: one per call, numbered in
     call order, which every rank must then follow). The rank's device is
     `platform.device_for_rank` and is made current. A collective on a dead or hung peer
-    raises `CollectiveError` (within `timeout` on gloo). Call `close()` before exiting.
+    raises `CollectiveError` (within `timeout` on gloo). Call `close()` before exiting; a
+    group made again under a closed one's name, on the same store, is a new group.
+    Bad arguments are refused before anything is touched (the device, the store, the names).
     """
-    platform = platform or current_platform()
+    global _default_names_taken
+    if platform is not None and not isinstance(platform, Platform):
+        raise TypeError(f"platform = {platform!r} must be a torchhal Platform (torchhal.get_platform(name) gives "
+                        "one), or None for the current platform")
     placement = RankPlacement.from_env(rank, world_size, local_rank)
-    if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
-        raise ValueError(f"timeout = {timeout!r} must be a positive datetime.timedelta")
+    if not isinstance(timeout, timedelta) or not timedelta(0) < timeout <= MAX_TIMEOUT:
+        raise ValueError(f"timeout = {timeout!r} must be a positive datetime.timedelta of at most {MAX_TIMEOUT.days} "
+                         "days")
+    if store is not None and not isinstance(store, dist.Store):
+        raise TypeError(f"store = {store!r} must be a torch.distributed.Store (TCPStore, FileStore, HashStore ...), "
+                        "or None for the rendezvous in the environment")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"name = {name!r} must be a non-empty str, or None for a default name")
+    platform = platform if platform is not None else current_platform()
     index = platform.device_for_rank(placement.local_rank, placement.local_world_size)
+    connect = _rendezvous(placement, timeout) if store is None else lambda: store
+    group_name = f"group{_default_names_taken}" if name is None else name
     platform.set_device(index)
     device = platform.device(index)
-    name = name if name is not None else f"group{next(_group_numbers)}"
     support = platform.distributed_support
-    base = store if store is not None else _rendezvous_store(placement, timeout)
-    host_backend = _new_backend("gloo", dist.PrefixStore(f"torchhal/{name}/host", base), placement, timeout, name)
+    base = connect()
+    prefix = _incarnation(base, group_name, placement.world_size)
+    host_backend = _new_backend("gloo", dist.PrefixStore(f"{prefix}/host", base), placement, timeout, group_name)
     host = TorchCommunicator(host_backend, placement.rank, placement.world_size, torch.device("cpu"),
-                             name=f"{name}/host", timeout=timeout)
+                             name=f"{group_name}/host", timeout=timeout)
     if platform.dist_backend == "gloo" and device.type == "cpu":
         device_backend = host_backend  # host memory is the device: one gloo group serves both
     else:
         device_backend = _new_backend(
-            platform.dist_backend, dist.PrefixStore(f"torchhal/{name}/device", base), placement, timeout, name
+            platform.dist_backend, dist.PrefixStore(f"{prefix}/device", base), placement, timeout, group_name
         )
     default = TorchCommunicator(device_backend, placement.rank, placement.world_size, device,
-                                graph_capturable=support.graph_capturable, name=name, timeout=timeout)
+                                graph_capturable=support.graph_capturable, name=group_name, timeout=timeout)
     comm = support.communicator(default) if support.communicator is not None else default
-    return DeviceGroup(name, placement, platform, device, comm, host, timeout, (host, default))
+    if name is None:
+        _default_names_taken += 1  # only now: a refused or failed call must not shift this rank's names
+    return DeviceGroup(group_name, placement, platform, device, comm, host, timeout, (host, default))
 
 
-def _rendezvous_store(placement: RankPlacement, timeout: timedelta) -> dist.Store:
+def _rendezvous(placement: RankPlacement, timeout: timedelta) -> Callable[[], dist.Store]:
+    """How this rank will reach its peers: checked now, connected when called."""
     if dist.is_available() and dist.is_initialized():
-        return dist.distributed_c10d._get_default_store()
+        return dist.distributed_c10d._get_default_store
     if placement.world_size == 1:
-        return dist.HashStore()
+        return dist.HashStore
     missing = [var for var in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(var)]
     if missing:
         raise ValueError(
             f"{placement.world_size} ranks need a rendezvous: set {' and '.join(missing)} (torchrun does), "
             "or pass store= to init_group"
         )
-    # torch's own env:// rendezvous, so torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE)
-    # and a multi-tenant TCPStore on rank 0 (several groups, one port) work as they do for
-    # init_process_group.
-    store, _, _ = next(dist.rendezvous("env://", rank=placement.rank, world_size=placement.world_size,
-                                       timeout=timeout))
-    return store
+    port = os.environ["MASTER_PORT"]
+    if not (port.isdecimal() and 0 < int(port) < 65536):
+        raise ValueError(f"MASTER_PORT={port!r} must be a TCP port number, 1 to 65535 (the port of rank 0's store)")
+
+    def connect() -> dist.Store:
+        # torch's own env:// rendezvous, so torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE)
+        # and a multi-tenant TCPStore on rank 0 (several groups, one port) work as they do for
+        # init_process_group.
+        store, _, _ = next(dist.rendezvous("env://", rank=placement.rank, world_size=placement.world_size,
+                                           timeout=timeout))
+        return store
+
+    return connect
+
+
+def _incarnation(store: dist.Store, name: str, world_size: int) -> str:
+    """The key prefix of this group: one of its own each time a group named `name` is made on
+    `store`, as a re-made group (after close) would hang on its predecessor's keys. Every rank
+    counts its join; all ranks of one incarnation join before any can start the next (gloo's
+    rendezvous waits for them all), so all derive the same number."""
+    joins = store.add(f"torchhal/{name}/joins/{world_size}", 1)
+    return f"torchhal/{name}/{world_size}.{(joins - 1) // world_size}"
 
 
 def _new_backend(backend: str, store: dist.Store, placement: RankPlacement, timeout: timedelta,

@@ -2,9 +2,10 @@
 
 `launch(target, world_size, args)` spawns (never forks) one process per rank with
 torchrun's variables set (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, and
-MASTER_ADDR=127.0.0.1 with a free MASTER_PORT for the rendezvous), so a target that calls
-`torchhal.distributed.init_group()` runs the same here as under `torchrun`. It returns each
-rank's result (picklable) in rank order.
+MASTER_ADDR=127.0.0.1 with a free MASTER_PORT for the rendezvous) and torchrun's agent
+variables (TORCHELASTIC_*, inherited when launch itself runs under torchrun) removed, so a
+target that calls `torchhal.distributed.init_group()` runs the same here as under `torchrun`.
+It returns each rank's result (picklable) in rank order.
 
 The point is failure: a rank that raises, exits or is killed, or ranks still running at
 the deadline, make the launcher stop every rank (terminate, then kill after `grace`) and
@@ -15,14 +16,18 @@ call; a rank whose parent dies exits on its own.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
+import numbers
 import os
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -35,6 +40,13 @@ DEFAULT_GRACE = 3.0
 #: Lines of a failed rank's stderr quoted in the error.
 STDERR_TAIL_LINES = 15
 _PARENT_POLL_SECONDS = 1.0
+#: The longest single wait: poll() takes at most 2**31 - 1 ms, so longer waits are made in steps.
+_LONGEST_WAIT_SECONDS = 86400.0
+#: What launch sets in every rank: the rendezvous torchrun would give it.
+_RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: torchrun's agent variables, dropped from every rank: launch's ranks are not torchrun's workers
+#: (TORCHELASTIC_USE_AGENT_STORE=True would send them looking for torchrun's store on launch's port).
+_TORCHRUN_PREFIX = "TORCHELASTIC_"
 
 
 class LaunchError(RuntimeError):
@@ -73,11 +85,18 @@ def launch(
 
     `target` must be importable by name (a module-level function): ranks are spawned.
     `timeout`: seconds for the whole run (None: no deadline; collectives still time out
-    through `init_group(timeout=...)`). `env`: more variables for every rank."""
+    through `init_group(timeout=...)`). `env`: more variables for every rank, other than
+    those launch sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT) or drops (TORCHELASTIC_*). Bad arguments are refused before any rank starts."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size = {world_size!r} must be a positive integer")
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"timeout = {timeout!r} must be a positive number of seconds, or None")
+    if timeout is not None and not (_is_seconds(timeout) and timeout > 0):
+        raise ValueError(f"timeout = {timeout!r} must be a positive number of seconds (a finite int or float), "
+                         "or None for no deadline")
+    if not (_is_seconds(grace) and grace >= 0):
+        raise ValueError(f"grace = {grace!r} must be a number of seconds (a finite int or float), 0 or more")
+    _check_env(env)
+    _check_importable(target)
     context = multiprocessing.get_context("spawn")
     rank_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
                 "LOCAL_WORLD_SIZE": str(world_size), **(env or {})}
@@ -104,6 +123,59 @@ def launch(
                 receiver.close()
 
 
+def _is_seconds(value: object) -> bool:
+    """A finite real number that is not a bool (True seconds is a mistake, not 1 s)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_env(env: Mapping[str, str] | None) -> None:
+    """Every variable a rank could set: str names and values, none that launch sets or drops."""
+    if env is None:
+        return
+    if not isinstance(env, Mapping):
+        raise ValueError(f"env = {env!r} must be a mapping of variable names to values (a dict of str), or None")
+    for name, value in env.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise ValueError(f"env[{name!r}] = {value!r}: variable names and values must be str")
+        if not name or "=" in name or "\0" in name or "\0" in value:
+            raise ValueError(f"env[{name!r}] = {value!r}: a variable name must be non-empty, without '=' or NUL, "
+                             "and a value without NUL")
+        if name in _RANK_VARIABLES or name.startswith(_TORCHRUN_PREFIX):
+            raise ValueError(f"env[{name!r}]: launch sets {', '.join(_RANK_VARIABLES)} for every rank and drops "
+                             f"{_TORCHRUN_PREFIX}*; leave {name} out of env")
+
+
+def _check_importable(target: Callable[..., Any]) -> None:
+    """Ranks are spawned, so they import `target` by its module and name, as pickle does: a
+    function nested in another, a lambda, or one defined where no rank can import it (`python -c`,
+    stdin, an interactive session) would fail there with no cause to show."""
+    if not callable(target):
+        raise ValueError(f"target = {target!r} must be a callable (a module-level function)")
+    module_name = getattr(target, "__module__", None)
+    if isinstance(target, types.FunctionType):
+        found: Any = sys.modules.get(module_name or "")
+        for part in target.__qualname__.split("."):
+            found = getattr(found, part, None)
+        if found is not target:
+            raise ValueError(f"target {target.__qualname__} (in {module_name}) cannot be imported by name, and "
+                             "ranks are spawned processes that import it: define it at the top level of a module")
+    if module_name == "__main__" and not _main_is_importable():
+        raise ValueError(f"target {getattr(target, '__qualname__', target)!r} is defined in __main__ of a "
+                         "session the ranks cannot import (python -c, stdin, interactive): define it in a "
+                         "module or a script file")
+
+
+def _main_is_importable() -> bool:
+    """Whether a spawned process can run this process's __main__ again, as multiprocessing.spawn
+    does: by module name (not a package's __main__), or from a script file (not ipython's)."""
+    main = sys.modules["__main__"]
+    module_name = getattr(getattr(main, "__spec__", None), "name", None)
+    if module_name is not None:
+        return not (module_name == "__main__" or module_name.endswith(".__main__"))
+    path = getattr(main, "__file__", None)
+    return isinstance(path, str) and os.path.isfile(path) and Path(path).stem != "ipython"
+
+
 def _collect(processes: list[BaseProcess], receivers: list[Connection], logs: str,
              deadline: float | None, timeout: float | None) -> list[Any]:
     results: dict[int, Any] = {}
@@ -116,7 +188,8 @@ def _collect(processes: list[BaseProcess], receivers: list[Connection], logs: st
                 f"rank(s) {', '.join(map(str, late))} of {len(processes)} did not finish within {timeout:g} s; "
                 f"stopped every rank{_tails(logs, late)}"
             )
-        ready = wait([*pending.values(), *(processes[rank].sentinel for rank in pending)], remaining)
+        ready = wait([*pending.values(), *(processes[rank].sentinel for rank in pending)],
+                     None if remaining is None else min(remaining, _LONGEST_WAIT_SECONDS))
         for rank in sorted(pending):
             receiver, process = pending[rank], processes[rank]
             if receiver in ready or process.sentinel in ready:
@@ -151,7 +224,8 @@ def _stop(processes: list[BaseProcess], grace: float) -> None:
             process.terminate()
     end = time.monotonic() + grace
     for process in processes:
-        process.join(max(0.0, end - time.monotonic()))
+        while process.is_alive() and (left := end - time.monotonic()) > 0:
+            process.join(min(left, _LONGEST_WAIT_SECONDS))
     for process in processes:
         if process.is_alive():
             process.kill()
@@ -188,6 +262,8 @@ def _rank_main(target: Callable[..., Any], args: tuple[Any, ...], variables: dic
                sender: Connection, stderr_path: str, parent_pid: int) -> None:
     """One rank: its variables set, its stderr (fd 2, so native output too) kept for the
     parent's error, the outcome sent back."""
+    for name in [name for name in os.environ if name.startswith(_TORCHRUN_PREFIX)]:
+        del os.environ[name]
     os.environ.update(variables)
     log = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(log, 2)

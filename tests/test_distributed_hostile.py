@@ -1,0 +1,261 @@
+"""Hostile input to torchhal.distributed: a bad argument to `launch` or `init_group` is refused
+in one line naming it, before anything starts (no rank spawned, no device set, no default
+group name taken), and what used to hang (launch under torchrun, a group made again under a
+closed one's name) works.
+
+Most tests refuse before spawning, and ranks of a group are threads of this process over a
+HashStore; only three tests start processes."""
+
+from __future__ import annotations
+
+import multiprocessing.context
+import os
+import subprocess
+import sys
+import threading
+import time
+import types
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchhal
+from torchhal.distributed import RankPlacement, init_group, launch
+from torchhal.platforms import Platform
+from torchhal.platforms.testing import patched_plugin
+
+ROOT = Path(__file__).resolve().parents[1]
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+# -- targets (run in spawned ranks) ----------------------------------------------------------
+def group_sum_and_torchelastic_variables(timeout_s: float) -> tuple[float, list[str]]:
+    group = init_group(timeout=timedelta(seconds=timeout_s))
+    try:
+        total = group.comm.all_reduce(torch.tensor([float(group.rank + 1)])).item()
+    finally:
+        group.close()
+    return total, sorted(name for name in os.environ if name.startswith("TORCHELASTIC_"))
+
+
+def rank_number() -> int:
+    return int(os.environ["RANK"])
+
+
+# -- fixtures --------------------------------------------------------------------------------
+@pytest.fixture
+def no_spawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refusal must come before any rank starts: starting one fails the test."""
+    def refuse(self: Any) -> None:
+        raise AssertionError(f"{self.name} was spawned before the bad argument was refused")
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", refuse)
+
+
+@pytest.fixture
+def cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[Platform]:
+    """The CPU platform, no torchrun variables, and a set_device that fails the test: a refusal
+    must come before the device is touched."""
+    for var in RANK_VARIABLES:
+        monkeypatch.delenv(var, raising=False)
+    platform = torchhal.get_platform("cpu")
+
+    def touched(index: int) -> None:
+        raise AssertionError(f"set_device({index}) ran before the bad argument was refused")
+
+    with patched_plugin(platform, set_device=touched):
+        yield platform
+
+
+def on_threads(world: int, body: Callable[[int], Any]) -> list[Any]:
+    """`body(rank)` for each rank on its own thread; each rank's result or error, in rank order."""
+    results: list[Any] = ["hung"] * world
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = body(rank)
+        except Exception as exc:
+            results[rank] = f"{type(exc).__name__}: {str(exc)[:200]}"
+
+    threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
+# -- launch: refused before any rank starts --------------------------------------------------
+@pytest.mark.parametrize("timeout", [float("inf"), "5", True])
+def test_launch_refuses_a_timeout_that_is_not_finite_positive_seconds(no_spawn, timeout):
+    with pytest.raises(ValueError, match=f"^timeout = {timeout!r} must be a positive number of seconds"):
+        launch(rank_number, 1, timeout=timeout)
+
+
+@pytest.mark.parametrize("grace", ["3", None, True, -1, float("inf"), float("nan")])
+def test_launch_refuses_a_grace_that_is_not_finite_seconds(no_spawn, grace):
+    with pytest.raises(ValueError, match=f"^grace = {grace!r} must be a number of seconds"):
+        launch(rank_number, 1, grace=grace)
+
+
+@pytest.mark.parametrize("name", [*RANK_VARIABLES, "TORCHELASTIC_USE_AGENT_STORE"])
+def test_launch_refuses_env_that_would_override_or_lose_what_it_sets(no_spawn, name):
+    with pytest.raises(ValueError, match=f"^env\\['{name}'\\]: launch sets RANK, .* leave {name} out of env$"):
+        launch(rank_number, 2, env={"TORCHHAL_FINE": "1", name: "3"})
+
+
+@pytest.mark.parametrize("env, named", [
+    ({"TORCHHAL_X": 1}, "env['TORCHHAL_X'] = 1: variable names and values must be str"),
+    ({1: "x"}, "env[1] = 'x': variable names and values must be str"),
+    ({"": "x"}, "env[''] = 'x': a variable name must be non-empty"),
+    ({"A=B": "x"}, "env['A=B'] = 'x': a variable name must be non-empty, without '='"),
+    (["TORCHHAL_X"], "env = ['TORCHHAL_X'] must be a mapping"),
+])
+def test_launch_refuses_env_a_rank_could_not_set_naming_the_variable(no_spawn, env, named):
+    with pytest.raises(ValueError) as caught:
+        launch(rank_number, 1, env=env)
+    assert str(caught.value).startswith(named)
+
+
+def test_launch_refuses_a_target_no_rank_can_import(no_spawn):
+    def nested() -> int:
+        return 1
+
+    for target, named in [(nested, "nested"), (lambda: 1, "<lambda>")]:
+        with pytest.raises(ValueError, match=f"<locals>.{named} .*cannot be imported by name.*define it at the top "
+                                             "level of a module$"):
+            launch(target, 2)
+    with pytest.raises(ValueError, match="target = 'rank_number' must be a callable"):
+        launch("rank_number", 2)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("main_file, main_spec", [
+    (None, None),  # python -c, an interactive session
+    ("<stdin>", None),  # python - < script
+    (None, "tool.__main__"),  # python -m tool: a package's __main__ is not run again in a rank
+])
+def test_launch_refuses_a_target_in_a_main_the_ranks_cannot_run_again(no_spawn, monkeypatch, main_file, main_spec):
+    main = types.ModuleType("__main__")
+    exec("def rank_fn():\n    return 1\n", main.__dict__)
+    main.__file__ = main_file  # type: ignore[assignment]
+    main.__spec__ = None if main_spec is None else types.SimpleNamespace(name=main_spec)  # type: ignore[assignment]
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    with pytest.raises(ValueError, match="target 'rank_fn' is defined in __main__ of a session the ranks cannot "
+                                         "import .*: define it in a module or a script file"):
+        launch(main.rank_fn, 2)
+
+
+def test_launch_from_stdin_names_why_instead_of_a_bare_exit_code():
+    script = "from torchhal.distributed import launch\ndef rank_fn():\n    return 1\nlaunch(rank_fn, 2)\n"
+    ran = subprocess.run([sys.executable, "-"], input=script, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert ran.returncode != 0
+    last = ran.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError: target 'rank_fn' is defined in __main__"), ran.stderr[-2000:]
+
+
+# -- launch: ranks that used to hang or overflow ----------------------------------------------
+def test_ranks_launched_from_a_torchrun_worker_do_not_look_for_torchruns_store(monkeypatch):
+    # What torchrun puts in its workers' environment: ranks inheriting it waited for an agent
+    # store on launch's port and timed out.
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer")
+    results = launch(group_sum_and_torchelastic_variables, 2, (5.0,), timeout=60, grace=1.0)
+    assert results == [(3.0, []), (3.0, [])]
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the parent's own is kept
+
+
+def test_a_long_finite_timeout_and_grace_are_waited_in_steps():
+    assert launch(rank_number, 1, timeout=1e300, grace=1e300) == [0]
+
+
+# -- init_group: refused before anything is touched -----------------------------------------
+@pytest.mark.parametrize("call, error, named", [
+    (lambda cpu: init_group("cpu"), TypeError, "platform = 'cpu' must be a torchhal Platform"),
+    (lambda cpu: init_group(cpu, store="x"), TypeError, "store = 'x' must be a torch.distributed.Store"),
+    (lambda cpu: init_group(cpu, timeout=timedelta.max), ValueError, "timeout = datetime.timedelta(days=999999999"),
+    (lambda cpu: init_group(cpu, timeout=timedelta(days=366)), ValueError,
+     "timeout = datetime.timedelta(days=366) must be a positive datetime.timedelta of at most 365 days"),
+    (lambda cpu: init_group(cpu, name=""), ValueError, "name = '' must be a non-empty str"),
+    (lambda cpu: init_group(cpu, name=5), ValueError, "name = 5 must be a non-empty str"),
+])
+def test_init_group_refuses_a_bad_argument_naming_it(cpu, call, error, named):
+    with pytest.raises(error) as caught:
+        call(cpu)
+    assert str(caught.value).startswith(named), caught.value
+
+
+@pytest.mark.parametrize("port", ["notaport", "70000", "0", "-1", ""])
+def test_init_group_names_a_bad_master_port(cpu, monkeypatch, port):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", port)
+    expected = "set MASTER_PORT" if port == "" else f"MASTER_PORT={port!r} must be a TCP port number, 1 to 65535"
+    with pytest.raises(ValueError, match=expected):
+        init_group(cpu, rank=0, world_size=2)
+
+
+def test_more_local_ranks_than_ranks_is_refused():
+    with pytest.raises(ValueError, match="^local_world_size 8 > world_size 1: a host cannot hold more"):
+        RankPlacement(0, 1, 0, 8)
+    RankPlacement(1, 4, 1, 2)  # two hosts of two ranks
+
+
+def test_a_refused_or_failed_init_group_takes_no_default_name(monkeypatch):
+    for var in (*RANK_VARIABLES, "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(var, raising=False)
+    cpu = torchhal.get_platform("cpu")
+    first = init_group(cpu)
+    first.close()
+    refused: list[Callable[[], Any]] = [
+        lambda: init_group(cpu, timeout=timedelta.max),
+        lambda: init_group(cpu, store="x"),
+        lambda: init_group(cpu, rank=0, world_size=2),  # no MASTER_ADDR / MASTER_PORT
+    ]
+    for call in refused:
+        with pytest.raises((ValueError, TypeError)):
+            call()
+    # One that passes the checks and fails in the rendezvous: rank 1 finds no store on the port.
+    from torchhal.distributed.launch import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    with pytest.raises(Exception, match="127.0.0.1"):
+        init_group(cpu, rank=1, world_size=2, timeout=timedelta(seconds=1))
+    monkeypatch.delenv("MASTER_PORT")
+    second = init_group(cpu)
+    second.close()
+    assert int(second.name.removeprefix("group")) == int(first.name.removeprefix("group")) + 1
+
+
+# -- init_group: a name used again on the same store -----------------------------------------
+@pytest.mark.parametrize("first_closed", [True, False], ids=["after close", "while open"])
+def test_a_group_made_again_under_its_name_on_the_same_store_works(first_closed):
+    store = dist.HashStore()
+    cpu = torchhal.get_platform("cpu")
+
+    def rank_main(rank: int) -> list[float]:
+        def make() -> Any:
+            return init_group(cpu, rank=rank, world_size=2, local_rank=rank, store=store, name="tp",
+                              timeout=timedelta(seconds=5))
+
+        first = make()
+        sums = [first.comm.all_reduce(torch.tensor([rank + 1.0])).item()]
+        if first_closed:
+            first.close()
+        if rank == 1:
+            time.sleep(0.5)  # rank 0 makes its group first and must wait for this rank's new address
+        again = make()
+        sums.append(again.comm.all_reduce(torch.tensor([rank + 10.0])).item())
+        if not first_closed:
+            sums.append(first.comm.all_reduce(torch.tensor([rank + 100.0])).item())  # the first still works
+            first.close()
+        again.close()
+        return sums
+
+    expected = [3.0, 21.0] if first_closed else [3.0, 21.0, 201.0]
+    assert on_threads(2, rank_main) == [expected, expected]
+
