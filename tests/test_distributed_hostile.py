@@ -259,3 +259,15 @@ def test_a_group_made_again_under_its_name_on_the_same_store_works(first_closed)
     expected = [3.0, 21.0] if first_closed else [3.0, 21.0, 201.0]
     assert on_threads(2, rank_main) == [expected, expected]
 
+
+
+def test_a_group_of_the_callers_own_inside_a_larger_torchrun_job_ignores_its_local_variables(monkeypatch):
+    """torchrun's LOCAL_* describe its job of 8 local ranks; a 1-rank group the caller makes
+    inside it is not that job (a host cannot hold 8 of its 1 ranks)."""
+    from torchhal.distributed import RankPlacement
+
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert RankPlacement.from_env(rank=0, world_size=1) == RankPlacement(0, 1, 0, 1)
+    # A group as large as the job (several hosts of 8) still reads them.
+    assert RankPlacement.from_env(rank=13, world_size=16) == RankPlacement(13, 16, 5, 8)

@@ -59,7 +59,10 @@ class RankPlacement:
     def from_env(cls, rank: int | None = None, world_size: int | None = None,
                  local_rank: int | None = None) -> RankPlacement:
         """Given values first, then torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
-        LOCAL_WORLD_SIZE); a single process (rank 0 of 1) when neither says."""
+        LOCAL_WORLD_SIZE); a single process (rank 0 of 1) when neither says. torchrun's
+        LOCAL_* describe its job: when they hold more ranks than a given `world_size` (a group
+        of the caller's own inside a larger job), they are not this group's and are not read
+        (the local rank is `local_rank`, else the rank)."""
         def read(var: str, given: int | None, default: int) -> int:
             if given is not None:
                 return given
@@ -75,6 +78,8 @@ class RankPlacement:
         the_rank = read("RANK", rank, 0)
         local = read("LOCAL_RANK", local_rank, the_rank if world_size is not None or rank is not None else 0)
         local_world = read("LOCAL_WORLD_SIZE", None, world)
+        if world_size is not None and local_world > world:
+            return cls(the_rank, world, the_rank if local_rank is None else local_rank, world)
         return cls(the_rank, world, local, local_world)
 
 
