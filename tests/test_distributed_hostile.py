@@ -198,10 +198,14 @@ def test_init_group_names_a_bad_master_port(cpu, monkeypatch, port):
         init_group(cpu, rank=0, world_size=2)
 
 
-def test_more_local_ranks_than_ranks_is_refused():
-    with pytest.raises(ValueError, match="^local_world_size 8 > world_size 1: a host cannot hold more"):
-        RankPlacement(0, 1, 0, 8)
-    RankPlacement(1, 4, 1, 2)  # two hosts of two ranks
+def test_a_sub_group_inside_a_larger_torchrun_job_keeps_the_workers_device(monkeypatch):
+    """Data parallel x tensor parallel: worker 5 of a 16-rank job on hosts of 8 makes a 2-rank
+    group of its own. Its device is still its LOCAL_RANK's: the local variables say where the
+    process sits on the host, which may hold more ranks than the group has."""
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert RankPlacement.from_env(rank=1, world_size=2) == RankPlacement(1, 2, 5, 8)
+    assert RankPlacement.from_env(rank=0, world_size=1) == RankPlacement(0, 1, 5, 8)
 
 
 def test_a_refused_or_failed_init_group_takes_no_default_name(monkeypatch):
@@ -259,15 +263,3 @@ def test_a_group_made_again_under_its_name_on_the_same_store_works(first_closed)
     expected = [3.0, 21.0] if first_closed else [3.0, 21.0, 201.0]
     assert on_threads(2, rank_main) == [expected, expected]
 
-
-
-def test_a_group_of_the_callers_own_inside_a_larger_torchrun_job_ignores_its_local_variables(monkeypatch):
-    """torchrun's LOCAL_* describe its job of 8 local ranks; a 1-rank group the caller makes
-    inside it is not that job (a host cannot hold 8 of its 1 ranks)."""
-    from torchhal.distributed import RankPlacement
-
-    monkeypatch.setenv("LOCAL_RANK", "5")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert RankPlacement.from_env(rank=0, world_size=1) == RankPlacement(0, 1, 0, 1)
-    # A group as large as the job (several hosts of 8) still reads them.
-    assert RankPlacement.from_env(rank=13, world_size=16) == RankPlacement(13, 16, 5, 8)

@@ -50,19 +50,14 @@ class RankPlacement:
         if self.local_world_size < 1 or not 0 <= self.local_rank < self.local_world_size:
             raise ValueError(f"local_rank {self.local_rank} of local_world_size {self.local_world_size}: "
                              "need 0 <= local_rank < local_world_size")
-        if self.local_world_size > self.world_size:
-            raise ValueError(f"local_world_size {self.local_world_size} > world_size {self.world_size}: a host "
-                             "cannot hold more of the group's ranks than the group has (LOCAL_WORLD_SIZE in the "
-                             "environment must not exceed WORLD_SIZE or the world_size given)")
 
     @classmethod
     def from_env(cls, rank: int | None = None, world_size: int | None = None,
                  local_rank: int | None = None) -> RankPlacement:
         """Given values first, then torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
-        LOCAL_WORLD_SIZE); a single process (rank 0 of 1) when neither says. torchrun's
-        LOCAL_* describe its job: when they hold more ranks than a given `world_size` (a group
-        of the caller's own inside a larger job), they are not this group's and are not read
-        (the local rank is `local_rank`, else the rank)."""
+        LOCAL_WORLD_SIZE); a single process (rank 0 of 1) when neither says. The local values
+        say where this process sits on its host (its device), so a group of the caller's own
+        inside a larger torchrun job keeps the worker's LOCAL_RANK device."""
         def read(var: str, given: int | None, default: int) -> int:
             if given is not None:
                 return given
@@ -78,8 +73,6 @@ class RankPlacement:
         the_rank = read("RANK", rank, 0)
         local = read("LOCAL_RANK", local_rank, the_rank if world_size is not None or rank is not None else 0)
         local_world = read("LOCAL_WORLD_SIZE", None, world)
-        if world_size is not None and local_world > world:
-            return cls(the_rank, world, the_rank if local_rank is None else local_rank, world)
         return cls(the_rank, world, local, local_world)
 
 
