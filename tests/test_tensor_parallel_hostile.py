@@ -4,6 +4,7 @@ instead of computing different models."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy
@@ -96,3 +97,47 @@ def test_ranks_that_disagree_refuse_together(tmp_path: Path) -> None:
                f"{256 if rank == 0 else 512})" in out["config"], out["config"]
         assert out["closed"].startswith("CollectiveError") and "closed" in out["closed"], out["closed"]
         assert out["reads_after_close"] == 0, f"rank {rank}: a closed group read weights before refusing"
+
+
+class PeerHost:
+    """The host communicator of a 2-rank group whose other rank built its engine with `peer`."""
+
+    world_size = 2
+
+    def __init__(self, peer: EngineConfig) -> None:
+        self.peer = peer
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        from torchhal.core.engine.ranks import config_digests
+
+        return torch.cat([tensor, config_digests(self.peer)], dim)
+
+
+class Backend:
+    """A compile backend object: its repr holds its address, which differs between processes."""
+
+    def __call__(self, graph, inputs):  # pragma: no cover - never compiled here
+        return graph
+
+
+def agree(mine: EngineConfig, peer: EngineConfig) -> None:
+    from types import SimpleNamespace
+
+    from torchhal.core.engine.ranks import agree_on_config
+
+    agree_on_config(mine, SimpleNamespace(world_size=2, host=PeerHost(peer)))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mine, peer", [
+    (EngineConfig(compile_layers=Backend()), EngineConfig(compile_layers=Backend())),
+    (EngineConfig(compile_layers=functools.partial(Backend(), mode="x")),
+     EngineConfig(compile_layers=functools.partial(Backend(), mode="x"))),
+    (EngineConfig(device=0), EngineConfig(device=1)),  # each rank's own device
+])
+def test_configs_equal_in_every_rank_agree(mine: EngineConfig, peer: EngineConfig) -> None:
+    agree(mine, peer)
+
+
+def test_configs_that_differ_name_the_field() -> None:
+    with pytest.raises(ValueError, match=r"differs between the group's ranks in kv_fraction \(this rank: 0.3\)"):
+        agree(EngineConfig(kv_fraction=0.3), EngineConfig(kv_fraction=0.5))

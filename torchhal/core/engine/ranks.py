@@ -44,10 +44,17 @@ def check_shard_has_group(model: Model | None, group: DeviceGroup | None) -> Non
         )
 
 
+#: Fields each rank sets for itself: the device is the rank's own (`engine_device_index`
+#: checks it against the group's placement).
+PER_RANK_FIELDS = frozenset({"device"})
+
+
 def _describe(value: object) -> str:
-    """A value's text that is the same in every process (a function's repr holds its address)."""
-    if callable(value) and not isinstance(value, type) and hasattr(value, "__qualname__"):
-        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    """A value's text that is the same in every process: a callable (a compile backend) by its
+    name, or its class's (a function's, a partial's or an object's repr holds an address)."""
+    if callable(value) and not isinstance(value, type):
+        named = value if hasattr(value, "__qualname__") else type(value)
+        return f"{getattr(named, '__module__', '?')}.{getattr(named, '__qualname__', '?')}"
     return repr(value)
 
 
@@ -55,13 +62,23 @@ def _digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")  # fits int64
 
 
+def agreed_fields(config: EngineConfig) -> list[str]:
+    return [field.name for field in dataclasses.fields(config) if field.name not in PER_RANK_FIELDS]
+
+
+def config_digests(config: EngineConfig) -> torch.Tensor:
+    """[1, fields]: one int64 digest of each agreed field's value, equal in every process."""
+    return torch.tensor([[_digest(_describe(getattr(config, name))) for name in agreed_fields(config)]],
+                        dtype=torch.int64)
+
+
 def agree_on_config(config: EngineConfig, group: DeviceGroup | None) -> None:
     """Every rank's `EngineConfig` field by field; a difference is a ValueError on every rank
     naming the fields (one collective on the host communicator; a closed group refuses here)."""
     if group is None or group.world_size == 1:
         return
-    names = [field.name for field in dataclasses.fields(config)]
-    mine = torch.tensor([[_digest(_describe(getattr(config, name))) for name in names]], dtype=torch.int64)
+    names = agreed_fields(config)
+    mine = config_digests(config)
     everyone = group.host.all_gather(mine)
     differing = [name for column, name in enumerate(names) if bool((everyone[:, column] != mine[0, column]).any())]
     if differing:
