@@ -296,3 +296,41 @@ def test_a_bad_pause_mode_lists_the_modes() -> None:
                                          r"'in_place'"):
         engine.pause_generation("ABORT")
     assert engine.paused is None
+
+
+def test_a_tied_pair_is_checked_after_each_value_and_nan_equals_nan() -> None:
+    tied = dataclasses.replace(SMALL, tie_word_embeddings=True)
+    engine = small_engine(model=tied)
+    embedding = engine.model.state_dict()["model.embed_tokens.weight"]
+    meta = torch.empty(embedding.shape, device="meta")
+    with pytest.raises(ValueError, match="'model.embed_tokens.weight' is a meta tensor and holds no values"):
+        engine.update_weights_from_tensors({"model.embed_tokens.weight": meta, "lm_head.weight": meta})
+    poisoned = embedding.clone()
+    poisoned[0, 0] = float("nan")
+    result = engine.update_weights_from_tensors(  # check_finite_weights is off: NaN is a value like any
+        {"model.embed_tokens.weight": poisoned, "lm_head.weight": poisoned.clone()})
+    assert result.updated == 1 and engine.model.lm_head.weight[0, 0].isnan()
+
+
+def test_a_swap_of_views_into_one_fused_weight_reads_both_first() -> None:
+    engine = small_engine()
+    params = dict(engine.model.named_parameters())
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    old_q, old_k = params[q].detach().clone(), params[k].detach().clone()
+    engine.update_weights_from_tensors({q: params[k], k: params[q]})  # two views of the fused QKV
+    assert torch.equal(params[q], old_k) and torch.equal(params[k], old_q)
+
+
+def test_a_rank_whose_update_fails_in_any_way_tells_its_peers() -> None:
+    from torchhal.core.engine.weights import WeightUpdater
+
+    verdicts: list[bool] = []
+
+    def batch():
+        yield "lm_head.weight", torch.zeros(64, 32)
+        raise OSError("the weight stream broke")
+
+    updater = WeightUpdater(ReferenceDecoder(SMALL), agree=lambda refused: verdicts.append(refused) or [])
+    with pytest.raises(OSError, match="stream broke"):
+        updater.apply(batch())
+    assert verdicts == [True], "the peers would wait in the agreement until the group's timeout"

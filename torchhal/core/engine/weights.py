@@ -41,7 +41,7 @@ class WeightUpdater:
         """Replace the named weights all together and rebuild derived weights; returns the count."""
         try:
             names, staged = self._checked_and_staged(named_tensors)
-        except WeightUpdateRejected:
+        except Exception:  # a refusal, or anything staging raised: the peers must not wait for this rank
             if self.agree is not None:
                 self.agree(True)  # the peers refuse with this rank
             raise
@@ -82,7 +82,7 @@ class WeightUpdater:
         if problems:
             raise WeightUpdateRejected("weight update rejected, nothing applied: " + "; ".join(problems))
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-        written: list[torch.Tensor] = []  # the targets written before each source is read
+        written = _WrittenFirst()
         for name, tensor in _once_per_parameter(items, params):
             try:
                 value = self._stage(tensor if self.shard is None else self.shard.take(name, tensor), params[name])
@@ -96,9 +96,9 @@ class WeightUpdater:
                     f"weight update rejected, nothing applied: {name!r} holds NaN or infinite values "
                     f"(in {params[name].dtype})"
                 )
-            if any(_overlaps(value, target) for target in written):
+            if written.overlaps(value):
                 value = value.clone()  # its source is a weight this batch writes first (a swap)
-            written.append(params[name])
+            written.add(params[name])
             staged.append((params[name], value))
         return [name for name, _ in items], staged
 
@@ -136,7 +136,7 @@ class WeightUpdater:
                   shard: RankShard | None) -> list[str]:
         problems = []
         seen: set[str] = set()
-        first_name: dict[int, tuple[str, object]] = {}  # a parameter's first name in the batch, and its value
+        first_name: dict[int, tuple[str, torch.Tensor]] = {}  # a parameter's first good name, and its value
         for name, tensor in items:
             if not isinstance(name, str):  # checked first: a list or dict name is not even hashable
                 kind = type(name).__name__
@@ -148,12 +148,6 @@ class WeightUpdater:
             target = params.get(name)
             if target is None:
                 problems.append(f"unknown weight {name!r}")
-                continue
-            tied = first_name.setdefault(id(target), (name, tensor))
-            if tied[0] != name and not (isinstance(tensor, torch.Tensor) and isinstance(tied[1], torch.Tensor)
-                                         and tensor.shape == tied[1].shape
-                                         and (tensor is tied[1] or torch.equal(tensor, tied[1].to(tensor.device)))):
-                problems.append(f"{name!r} and {tied[0]!r} are one tied weight, given different values; send one")
                 continue
             shape = tuple(target.shape) if shard is None else shard.full_shape(name, tuple(target.shape))
             if not isinstance(tensor, torch.Tensor):
@@ -167,6 +161,11 @@ class WeightUpdater:
                 problems.append(f"{name!r} is not a dense tensor (layout {tensor.layout}); pass tensor.to_dense()")
             elif tensor.is_meta:
                 problems.append(f"{name!r} is a meta tensor and holds no values")
+            else:
+                tied_name, tied_value = first_name.setdefault(id(target), (name, tensor))
+                if tied_name != name and not _same_values(tensor, tied_value):
+                    problems.append(f"{name!r} and {tied_name!r} are one tied weight, given different values; "
+                                    "send one")
         return problems
 
     @staticmethod
@@ -206,17 +205,40 @@ def _once_per_parameter(items: list[tuple[str, torch.Tensor]],
     return kept
 
 
-def _overlaps(source: torch.Tensor, target: torch.Tensor) -> bool:
-    """Whether `source` reads memory that writing `target` changes."""
-    if source.device != target.device or source.numel() == 0 or target.numel() == 0:
-        return False
+def _same_values(tensor: torch.Tensor, other: torch.Tensor) -> bool:
+    """Equal values (NaN equal to NaN: a tied pair holding NaN is still one value)."""
+    if tensor is other:
+        return True
+    return torch.allclose(tensor, other.to(tensor.device, tensor.dtype), rtol=0, atol=0, equal_nan=True)
 
-    def span(tensor: torch.Tensor) -> tuple[int, int]:
+
+class _WrittenFirst:
+    """The weights a batch writes, in order, by storage: a later source that reads one of them
+    (a swap of two weights, views into one fused weight) must be copied before the writes.
+    Only targets sharing the source's storage are compared, so a batch costs O(weights)."""
+
+    def __init__(self) -> None:
+        self._spans: dict[tuple[torch.device, int], list[tuple[int, int]]] = {}
+
+    @staticmethod
+    def _key(tensor: torch.Tensor) -> tuple[torch.device, int]:
+        return tensor.device, tensor.untyped_storage().data_ptr()
+
+    @staticmethod
+    def _span(tensor: torch.Tensor) -> tuple[int, int]:
         extent = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)) + 1
         return tensor.data_ptr(), tensor.data_ptr() + extent * tensor.element_size()
 
-    (start, end), (target_start, target_end) = span(source), span(target)
-    return start < target_end and target_start < end
+    def add(self, target: torch.Tensor) -> None:
+        if target.numel():
+            self._spans.setdefault(self._key(target), []).append(self._span(target))
+
+    def overlaps(self, source: torch.Tensor) -> bool:
+        spans = self._spans.get(self._key(source)) if source.numel() else None
+        if not spans:
+            return False
+        start, end = self._span(source)
+        return any(start < target_end and target_start < end for target_start, target_end in spans)
 
 
 def _short(value: object) -> str:
