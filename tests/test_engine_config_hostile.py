@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 
@@ -334,3 +335,21 @@ def test_a_rank_whose_update_fails_in_any_way_tells_its_peers() -> None:
     with pytest.raises(OSError, match="stream broke"):
         updater.apply(batch())
     assert verdicts == [True], "the peers would wait in the agreement until the group's timeout"
+
+
+@pytest.mark.parametrize("value", [numpy.float64(0.5), numpy.float32(0.5)])
+def test_numpy_numbers_are_numbers(value: object) -> None:
+    assert EngineConfig(kv_fraction=value, idle_empty_after_s=value).kv_fraction == value  # type: ignore[arg-type]
+
+
+def test_from_checkpoint_refuses_an_end_token_outside_the_vocabulary_before_reading(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    from torchhal.core.model import checkpoint
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "intermediate_size": 48, "max_position_embeddings": 256,
+    }))
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("a weight was read"))
+    with pytest.raises(ValueError, match=r"end-of-sequence token\(s\) \[64\] are outside the model's vocabulary"):
+        GenerationEngine.from_checkpoint(tmp_path, EngineConfig(max_kv_slots=512, eos_token=64))

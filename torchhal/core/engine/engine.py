@@ -740,6 +740,8 @@ class GenerationEngine:
             config = replace(config, eos_tokens=eos_token_ids(hf, where))
         platform = platform or (group.platform if group is not None else current_platform())
         index = engine_device_index(platform, config, group)  # a bad device is refused before any read
+        if isinstance(hf.get("vocab_size"), int):  # and end tokens the model cannot emit
+            check_eos_tokens(config, hf["vocab_size"])
         agree_on_config(config, group)  # and configs that differ between ranks, or a closed group
         split = (group.world_size, group.rank) if group is not None else None
         model, report = load_checkpoint(path, dtype=config.dtype, device=platform.device(index),

@@ -4,6 +4,7 @@ Llama 3.1 rotary scaling. The decoder, the KV cache and the checkpoint loader sp
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 
@@ -54,9 +55,9 @@ def check_number(
     owner: object, field: str, value: object, rule: str,
     minimum: float | None = None, above: float | None = None, below: float | None = None,
 ) -> None:
-    """`value` a finite int or float (not a bool) within the given bounds."""
+    """`value` a finite real number (not a bool; numpy's too) within the given bounds."""
     number = math.nan
-    if type(value) in (int, float):
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
         try:
             number = float(value)  # type: ignore[arg-type]
         except OverflowError:  # an int beyond any float
