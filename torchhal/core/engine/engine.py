@@ -183,11 +183,10 @@ class GenerationEngine:
             model_config.max_position,
         )
         self.scheduler = Scheduler(self.requests, config.max_batch_tokens, config.max_running)
-        tensor_parallel = self.group
         self.weights = WeightUpdater(
             self.model, check_finite=config.check_finite_weights,
-            shard=getattr(self.model, "shard", None) if tensor_parallel is not None else None,
-            agree=(lambda refused: agree_on_verdict(tensor_parallel, refused)) if tensor_parallel is not None else None,
+            shard=getattr(self.model, "shard", None) if self.group is not None else None,
+            agree=functools.partial(agree_on_verdict, self.group) if self.group is not None else None,
         )
         self.occupation = MemoryOccupation(self.platform, self.device)
         self.events = EngineEvents(self.platform, self.device_index)
@@ -619,10 +618,11 @@ class GenerationEngine:
     @_serialized
     def pause_generation(self, mode: PauseMode | str) -> list[GenerationResult]:
         """Pause. Returns the requests ended by an abort (empty for retract / in_place)."""
-        if not isinstance(mode, PauseMode) and mode not in {m.value for m in PauseMode}:
+        try:
+            mode = PauseMode(mode)
+        except ValueError:
             raise ValueError(f"pause_generation(mode={mode!r}): choose one of "
-                             f"{', '.join(repr(m.value) for m in PauseMode)} (or a PauseMode)")
-        mode = PauseMode(mode)
+                             f"{', '.join(repr(m.value) for m in PauseMode)} (or a PauseMode)") from None
         if self.paused is not None:
             raise RuntimeError(f"already paused ({self.paused.value}); call continue_generation() first")
         self.drain()  # tokens already computed are kept, whatever the mode

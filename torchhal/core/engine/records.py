@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from torchhal.core.model import ModelConfig
-from torchhal.core.model.config import ConfigValueError, check_number, short_repr
+from torchhal.core.model.config import check_number, short_repr
 from torchhal.core.model.decoder import check_compile_backend
 
 
@@ -197,10 +197,8 @@ class EngineConfig:
         if not isinstance(self.model, ModelConfig):
             raise TypeError(f"EngineConfig.model = {short_repr(self.model)} must be a ModelConfig (the model the "
                             "engine builds when given none), e.g. ModelConfig(vocab_size=32000, ...)")
-        fraction_rule = "a fraction of free memory in (0, 1], e.g. 0.3"
-        check_number(self, "kv_fraction", self.kv_fraction, fraction_rule, above=0.0)
-        if self.kv_fraction > 1:
-            raise ConfigValueError(self, "kv_fraction", self.kv_fraction, fraction_rule)
+        check_number(self, "kv_fraction", self.kv_fraction, "a fraction of free memory in (0, 1], e.g. 0.3",
+                     above=0.0, maximum=1.0)
         for name in ("max_kv_slots", "max_batch_tokens", "max_running", "kv_block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

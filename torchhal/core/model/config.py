@@ -54,6 +54,7 @@ def check_int(owner: object, field: str, value: object, minimum: int = 1) -> Non
 def check_number(
     owner: object, field: str, value: object, rule: str,
     minimum: float | None = None, above: float | None = None, below: float | None = None,
+    maximum: float | None = None,
 ) -> None:
     """`value` a finite real number (not a bool; numpy's too) within the given bounds."""
     number = math.nan
@@ -69,6 +70,8 @@ def check_number(
         ok = number > above
     if ok and below is not None:
         ok = number < below
+    if ok and maximum is not None:
+        ok = number <= maximum
     if not ok:
         raise ConfigValueError(owner, field, value, rule)
 
