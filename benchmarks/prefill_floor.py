@@ -2,7 +2,8 @@
 whole-prompt attention alone, as a layer stack runs them back to back, against each of the same
 kernels timed from an idle device; the SM clock and board power sampled while the stack runs.
 
-    python benchmarks/prefill_floor.py [--long-context results/long_context_h200.json] [--out results]
+    python benchmarks/prefill_floor.py [--long-context results/long_context_h200.json] [--gemm-variants]
+        [--out results]
 
 The question it answers: how far can any work outside the matrix products and attention (norms,
 rotary, SwiGLU, K/V writes, copies, launch gaps) move the prefill against the long-context
@@ -18,7 +19,9 @@ idle device (median of three calls after `--idle-s` of idle), with TFLOP/s; the 
 board power (`nvidia-smi` samples) while the stack runs and while the device idles. With
 `--long-context` (a `long_context.py` result file) each measured cell also gets its floor
 (the steps' stacks), the goal's prefill time (0.8x transformers'), the room the goal leaves
-above the floor, and torchhal's measured prefill above the floor. Needs a CUDA GPU.
+above the floor, and torchhal's measured prefill above the floor. `--gemm-variants` also times
+the stack with cuBLASLt preferred and with the weights stored [in, out], interleaved with the
+plain cuBLAS stack: whether another kernel choice moves the floor. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -132,7 +135,7 @@ class LayerStack:
     operation reading and writing buffers allocated once; q is the engine's layout (a view of
     the rotated [T, Hq + Hkv, D] projection), k and v are [prompts, L, Hkv, D]."""
 
-    def __init__(self, prompts: int, length: int, device: torch.device) -> None:
+    def __init__(self, prompts: int, length: int, device: torch.device, layout: str = "tn") -> None:
         tokens, dtype = prompts * length, torch.bfloat16
 
         def randn(*shape: int) -> torch.Tensor:
@@ -151,12 +154,17 @@ class LayerStack:
         self.v = randn(prompts, length, KV_HEADS, HEAD_DIM).transpose(1, 2)
         inputs = {"qkv": self.hidden, "o_proj": self.attended, "gate_up": self.hidden, "down": self.act}
         self.operations: dict[str, Callable[[], object]] = {
-            name: self._projection(inputs[name], self.weights[name], self.outputs[name]) for name in inputs}
+            name: self._projection(inputs[name], self.weights[name], self.outputs[name], layout) for name in inputs}
         self.operations["attention"] = self._attention
         self.order = ("qkv", "attention", "o_proj", "gate_up", "down")
 
     @staticmethod
-    def _projection(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> Callable[[], object]:
+    def _projection(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, layout: str) -> Callable[[], object]:
+        """layout "tn": the [out, in] weight as nn.Linear and the engine store it; "nn": stored
+        [in, out], so cuBLAS gets the other operand order (and may pick other kernels)."""
+        if layout == "nn":
+            stored = weight.t().contiguous()
+            return lambda: torch.mm(x, stored, out=out)
         return lambda: torch.mm(x, weight.t(), out=out)
 
     def _attention(self) -> torch.Tensor:
@@ -217,6 +225,39 @@ def measure_step(prompts: int, length: int, reps: int, idle_s: float, device: to
             "while_stack_runs": sampler.samples}
 
 
+#: the GEMM variants `--gemm-variants` times: (name, weight layout, torch's preferred BLAS library)
+GEMM_VARIANTS = (("cublas", "tn", "cublas"), ("cublaslt", "tn", "cublaslt"), ("cublas_nn_weights", "nn", "cublas"))
+
+
+def measure_gemm_variants(prompts: int, length: int, reps: int, device: torch.device) -> dict[str, Any]:
+    """The same stack under each of GEMM_VARIANTS, interleaved rep by rep (order alternating), so
+    a drift of the device's clock under its power limit falls on every variant alike: whether
+    the floor is cuBLAS's choice of kernel or the device's rate."""
+    stacks = {name: LayerStack(prompts, length, device, layout) for name, layout, _ in GEMM_VARIANTS}
+    library = {name: blas for name, _, blas in GEMM_VARIANTS}
+    before = torch.backends.cuda.preferred_blas_library()
+    times: dict[str, list[float]] = {name: [] for name in stacks}
+    try:
+        for rep in range(reps + 1):  # the first round is the warm-up (plans for each library)
+            names = list(stacks) if rep % 2 else list(stacks)[::-1]
+            for name in names:
+                torch.backends.cuda.preferred_blas_library(library[name])
+                begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                stacks[name].run()
+                finish.record()
+                torch.cuda.synchronize()
+                if rep:
+                    times[name].append(begin.elapsed_time(finish))
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+    del stacks
+    torch.cuda.empty_cache()
+    base = statistics.median(times["cublas"])
+    return {name: {"stack_ms": statistics.median(t), "stack_ms_all": t,
+                   "over_cublas": statistics.median(t) / base} for name, t in times.items()}
+
+
 def judge_cells(steps: dict[str, dict[str, Any]], long_context: dict[str, Any] | None,
                 max_batch_tokens: int) -> dict[str, Any]:
     """Each long cell's prefill floor (its steps' stack time) and, given a long-context result,
@@ -246,6 +287,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-batch-tokens", type=int, default=16384, help="the engine's (long_context.py's)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--idle-s", type=float, default=1.0, help="idle before each operation's idle-device timing")
+    parser.add_argument("--gemm-variants", action="store_true",
+                        help="also time the stack under cuBLASLt and with [in, out] weights, interleaved")
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -263,6 +306,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = {"gpu": torch.cuda.get_device_name(0), "limits": device_limits(), "while_idle": idle_sampler.samples,
                "max_batch_tokens": args.max_batch_tokens, "steps": steps,
                "cells": judge_cells(steps, long_context, args.max_batch_tokens)}
+    if args.gemm_variants:
+        results["gemm_variants"] = {}
+        for prompts, length in shapes:
+            variants = measure_gemm_variants(prompts, length, args.reps, device)
+            results["gemm_variants"][f"{prompts}x{length}"] = variants
+            print(f"{prompts}x{length}: " + ", ".join(f"{n} {v['stack_ms']:.1f} ms" for n, v in variants.items()),
+                  flush=True)
     write_json("prefill_floor", results, args.out)
     return results
 
