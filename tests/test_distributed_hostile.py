@@ -8,6 +8,8 @@ HashStore; only three tests start processes."""
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
 import multiprocessing.context
 import os
 import subprocess
@@ -120,6 +122,50 @@ def test_launch_refuses_env_a_rank_could_not_set_naming_the_variable(no_spawn, e
     with pytest.raises(ValueError) as caught:
         launch(rank_number, 1, env=env)
     assert str(caught.value).startswith(named)
+
+
+@pytest.mark.parametrize("args, shown", [
+    (5, "5 (int)"), ("ab", "'ab' (str)"), (b"ab", "b'ab' (bytes)"), (None, "None (NoneType)"),
+    ({"a": 1}, "{'a': 1} (dict)"),
+])
+def test_launch_refuses_args_that_are_not_a_tuple_or_list(no_spawn: None, args: Any, shown: str) -> None:
+    # 5 was a bare TypeError from the spawning loop; "ab" ran target('a', 'b').
+    with pytest.raises(ValueError) as caught:
+        launch(rank_number, 2, args)
+    message = str(caught.value)
+    assert message.startswith(f"args = {shown} must be a tuple or list of the target's arguments"), message
+    assert message.endswith(f"pass args=({args!r},) for a single argument, args=() for none")
+
+
+def module_level_lambda() -> Callable[[], int]:
+    return lambda: 1
+
+
+@pytest.mark.parametrize("args, named", [
+    ((1, module_level_lambda()), r"args\[1\] = <function module_level_lambda.<locals>.<lambda> at 0x\w+>"),
+    ([[threading.Lock()]], r"args\[0\] = \[<unlocked _thread.lock object at 0x\w+>\]"),
+    ((torch.ones(2, 2), (n for n in range(3))), r"args\[1\] = <generator object .*>"),
+])
+def test_launch_refuses_args_that_cannot_be_pickled_naming_the_value(no_spawn: None, args: Any, named: str) -> None:
+    # Each failed at process start, with a pickling traceback.
+    with pytest.raises(ValueError, match=f"^{named} cannot be pickled \\(\\w+: .*\\), and ranks are spawned "
+                                         "processes that receive them pickled: pass picklable values") as caught:
+        launch(rank_number, 2, args)
+    assert "\n" not in str(caught.value)
+
+
+def test_launch_takes_args_that_only_spawn_can_send_and_leaves_them_as_they_were(no_spawn: None) -> None:
+    """A spawn-context queue pickles only while a rank is being spawned, and a tensor would be
+    moved to shared memory: the check must accept both and change neither (reaching the spawn
+    is passing the checks)."""
+    queue = multiprocessing.get_context("spawn").Queue()
+    tensor = torch.ones(3)
+    try:
+        with pytest.raises(AssertionError, match="torchhal-rank0 was spawned"):
+            launch(rank_number, 1, [tensor, queue, functools.partial(rank_number)])
+        assert not tensor.is_shared()
+    finally:
+        queue.close()
 
 
 def test_launch_refuses_a_target_no_rank_can_import(no_spawn):

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import multiprocessing.context
 import numbers
 import os
+import reprlib
 import signal
 import socket
 import sys
@@ -28,12 +30,15 @@ import threading
 import time
 import traceback
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
+
+import torch
 
 #: Seconds a rank gets to exit after SIGTERM before it is killed.
 DEFAULT_GRACE = 3.0
@@ -44,6 +49,9 @@ _PARENT_POLL_SECONDS = 1.0
 _LONGEST_WAIT_SECONDS = 86400.0
 #: What launch sets in every rank: the rendezvous torchrun would give it.
 _RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: How a refused value is shown: short, on one line.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 80
 #: torchrun's agent variables, dropped from every rank: launch's ranks are not torchrun's workers
 #: (TORCHELASTIC_USE_AGENT_STORE=True would send them looking for torchrun's store on launch's port).
 _TORCHRUN_PREFIX = "TORCHELASTIC_"
@@ -75,7 +83,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def launch(
     target: Callable[..., Any],
     world_size: int,
-    args: Sequence[Any] = (),
+    args: tuple[Any, ...] | list[Any] = (),
     *,
     timeout: float | None = None,
     grace: float = DEFAULT_GRACE,
@@ -83,7 +91,8 @@ def launch(
 ) -> list[Any]:
     """`target(*args)` on `world_size` ranks of this host; the results in rank order.
 
-    `target` must be importable by name (a module-level function): ranks are spawned.
+    `target` must be importable by name (a module-level function): ranks are spawned. So are
+    `args`: a tuple or list of picklable values.
     `timeout`: seconds for the whole run (None: no deadline; collectives still time out
     through `init_group(timeout=...)`). `env`: more variables for every rank, other than
     those launch sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
@@ -97,6 +106,7 @@ def launch(
         raise ValueError(f"grace = {grace!r} must be a number of seconds (a finite int or float), 0 or more")
     _check_env(env)
     _check_importable(target)
+    _check_args(args)
     context = multiprocessing.get_context("spawn")
     rank_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
                 "LOCAL_WORLD_SIZE": str(world_size), **(env or {})}
@@ -145,6 +155,64 @@ def _check_env(env: Mapping[str, str] | None) -> None:
                              f"{_TORCHRUN_PREFIX}*; leave {name} out of env")
 
 
+def _check_args(args: object) -> None:
+    """A tuple or list (a str would be spread into characters), of values each rank can be sent.
+
+    Pickled as spawn pickles them, into nothing: inside a spawning context, as multiprocessing's
+    queues and locks pickle only there; tensors and storages are left to torch's reducers, which
+    would move them to shared memory here."""
+    if not isinstance(args, (tuple, list)):
+        shown = _shown(args)
+        raise ValueError(f"args = {shown} ({type(args).__name__}) must be a tuple or list of the target's "
+                         f"arguments: pass args=({shown},) for a single argument, args=() for none")
+    previous = multiprocessing.context.get_spawning_popen()
+    multiprocessing.context.set_spawning_popen(_ProbePopen())  # type: ignore[arg-type]  # a stand-in for what pickling asks
+    try:
+        for index, value in enumerate(args):
+            try:
+                _ProbePickler(_Discard()).dump(value)
+            except Exception as exc:  # noqa: BLE001 - any failure to pickle is a refusal, named
+                raise ValueError(f"args[{index}] = {_shown(value)} cannot be pickled ({type(exc).__name__}: "
+                                 f"{_shown_text(exc)}), and ranks are spawned processes that receive them pickled: "
+                                 "pass picklable values (data, module-level functions and classes), not lambdas, "
+                                 "local functions, locks, open files or generators") from None
+    finally:
+        multiprocessing.context.set_spawning_popen(previous)
+
+
+class _ProbePickler(ForkingPickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
+            return tuple, ()  # torch sends these itself
+        return NotImplemented
+
+
+class _ProbePopen:
+    """The rank being spawned, as far as pickling asks: file descriptors are passed as they are."""
+
+    @staticmethod
+    def duplicate_for_child(fd: int) -> int:
+        return fd
+
+    @staticmethod
+    def DupFd(fd: int) -> int:  # the name multiprocessing calls
+        return fd
+
+
+class _Discard:
+    @staticmethod
+    def write(data: bytes) -> int:
+        return len(data)
+
+
+def _shown(value: object) -> str:
+    return _shown_text(_SHOWN.repr(value))
+
+
+def _shown_text(text: object) -> str:
+    return " ".join(str(text).split())
+
+
 def _check_importable(target: Callable[..., Any]) -> None:
     """Ranks are spawned, so they import `target` by its module and name, as pickle does: a
     function nested in another, a lambda, or one defined where no rank can import it (`python -c`,
@@ -163,7 +231,6 @@ def _check_importable(target: Callable[..., Any]) -> None:
         raise ValueError(f"target {getattr(target, '__qualname__', target)!r} is defined in __main__ of a "
                          "session the ranks cannot import (python -c, stdin, interactive): define it in a "
                          "module or a script file")
-
 
 def _main_is_importable() -> bool:
     """Whether a spawned process can run this process's __main__ again, as multiprocessing.spawn
