@@ -4,7 +4,7 @@ group name taken), and what used to hang (launch under torchrun, a group made ag
 closed one's name) works.
 
 Most tests refuse before spawning, and ranks of a group are threads of this process over a
-HashStore; only three tests start processes."""
+HashStore; only a few tests start processes (and the scripts run as __main__ start them)."""
 
 from __future__ import annotations
 
@@ -90,6 +90,24 @@ def on_threads(world: int, body: Callable[[int], Any]) -> list[Any]:
     for thread in threads:
         thread.join(60)
     return results
+
+
+def run_script(directory: Path, code: str) -> subprocess.CompletedProcess[str]:
+    """`code` saved as a script in `directory` and run as __main__, importing this repository's torchhal."""
+    (directory / "script.py").write_text(code)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "script.py"], cwd=directory, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def main_module(monkeypatch: pytest.MonkeyPatch, source: str, file: Path, spec: str | None = None) -> types.ModuleType:
+    """This process's __main__ replaced by `source`, run as the script `file` (or as module `spec`, python -m)."""
+    main = types.ModuleType("__main__")
+    main.__file__ = str(file)
+    main.__spec__ = None if spec is None else types.SimpleNamespace(name=spec)  # type: ignore[assignment]
+    exec(source, main.__dict__)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    return main
 
 
 # -- launch: refused before any rank starts --------------------------------------------------
@@ -202,6 +220,110 @@ def test_launch_from_stdin_names_why_instead_of_a_bare_exit_code():
     assert ran.returncode != 0
     last = ran.stderr.strip().splitlines()[-1]
     assert last.startswith("ValueError: target 'rank_fn' is defined in __main__"), ran.stderr[-2000:]
+
+
+def test_launch_refuses_a_target_defined_in_the_scripts_main_block(tmp_path: Path) -> None:
+    # The ranks import the script as __mp_main__, where the block does not run: each one failed
+    # with "Can't get attribute 'rank_fn' on <module '__mp_main__'>".
+    ran = run_script(tmp_path, """\
+import multiprocessing.context
+
+from torchhal.distributed import launch
+
+
+def refuse(self):
+    raise SystemExit(f"{self.name} was spawned before the target was refused")
+
+
+if __name__ == "__main__":
+    def rank_fn() -> int:
+        return 1
+
+    multiprocessing.context.SpawnProcess.start = refuse
+    launch(rank_fn, 2)
+""")
+    assert ran.returncode != 0
+    last = ran.stderr.strip().splitlines()[-1]
+    assert last == (f"ValueError: target 'rank_fn' is defined inside the `if __name__ == \"__main__\":` block of "
+                    f"{tmp_path / 'script.py'}, which the ranks do not run (they import the script as __mp_main__): "
+                    "define it at the top level of the script, outside that block"), ran.stderr[-2000:]
+
+
+def test_a_target_at_the_top_level_of_a_script_run_as_main_still_launches(tmp_path: Path) -> None:
+    ran = run_script(tmp_path, """\
+import os
+
+from torchhal.distributed import launch
+
+
+def rank_fn() -> int:
+    return int(os.environ["RANK"]) + 10
+
+
+try:
+    def in_a_block() -> str:
+        return "in a block"
+except ImportError:
+    pass
+
+
+if __name__ == "__main__":
+    print(launch(rank_fn, 2), launch(in_a_block, 1))
+""")
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.strip() == "[10, 11] ['in a block']"
+
+
+MAIN_ONLY = 'if __name__ == "__main__":\n'
+
+
+@pytest.mark.parametrize("source", [
+    MAIN_ONLY + "    def rank_fn():\n        return 1\n",
+    MAIN_ONLY + "    for _ in range(1):\n        try:\n            def rank_fn():\n                return 1\n"
+                "        finally:\n            pass\n",
+    'if "__main__" == __name__:\n    def rank_fn():\n        return 1\n',
+    'if __name__ != "__main__":\n    pass\nelse:\n    def rank_fn():\n        return 1\n',
+    'try:\n    if __name__ == "__main__":\n        async def rank_fn():\n            return 1\nexcept Exception:\n'
+    '    pass\n',
+    MAIN_ONLY + "    class Ranks:\n        @staticmethod\n        def rank_fn():\n            return 1\n"
+                "    rank_fn = Ranks.rank_fn\n",
+], ids=["in the block", "nested in the block", "reversed", "else of !=", "inside try", "a method"])
+def test_launch_refuses_a_target_the_scripts_main_block_defines(no_spawn: None, monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path, source: str) -> None:
+    (tmp_path / "script.py").write_text(source)
+    main = main_module(monkeypatch, source, tmp_path / "script.py")
+    with pytest.raises(ValueError, match=r"^target '(Ranks\.)?rank_fn' is defined inside the `if __name__ == "
+                                         r"\"__main__\":` block of .*script\.py, .*: define it at the top level of "
+                                         "the script, outside that block$"):
+        launch(main.rank_fn, 2)
+
+
+@pytest.mark.parametrize("source", [
+    "def rank_fn():\n    return 1\n",
+    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    pass\nelse:\n    def rank_fn():\n        return 1\n",
+    "try:\n    def rank_fn():\n        return 1\nexcept ImportError:\n    pass\n",
+    'def rank_fn():\n    return 1\nif __name__ == "__main__":\n    def rank_fn():\n        return 2\n',
+], ids=["top level", "else of TYPE_CHECKING", "inside try", "also at the top level"])
+def test_launch_takes_a_target_the_ranks_define_when_importing_the_script(
+        no_spawn: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, source: str) -> None:
+    (tmp_path / "script.py").write_text(source)
+    main = main_module(monkeypatch, source, tmp_path / "script.py")
+    with pytest.raises(AssertionError, match="was spawned"):  # past every check
+        launch(main.rank_fn, 1)
+
+
+@pytest.mark.parametrize("file_state", ["absent", "not python"])
+def test_launch_does_not_refuse_a_main_block_target_when_the_script_cannot_be_read(
+        no_spawn: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, file_state: str) -> None:
+    """No source to read (a module run by name whose file is gone, a compiled script): launch
+    cannot tell, so the ranks decide."""
+    file = tmp_path / "script.py"
+    if file_state == "not python":
+        file.write_bytes(b"\x00\x01compiled")
+    source = MAIN_ONLY + "    def rank_fn():\n        return 1\n"
+    main = main_module(monkeypatch, source, file, "tool" if file_state == "absent" else None)
+    with pytest.raises(AssertionError, match="was spawned"):
+        launch(main.rank_fn, 1)
 
 
 # -- launch: ranks that used to hang or overflow ----------------------------------------------

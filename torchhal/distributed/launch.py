@@ -16,6 +16,7 @@ call; a rank whose parent dies exits on its own.
 
 from __future__ import annotations
 
+import ast
 import math
 import multiprocessing
 import multiprocessing.context
@@ -216,7 +217,8 @@ def _shown_text(text: object) -> str:
 def _check_importable(target: Callable[..., Any]) -> None:
     """Ranks are spawned, so they import `target` by its module and name, as pickle does: a
     function nested in another, a lambda, or one defined where no rank can import it (`python -c`,
-    stdin, an interactive session) would fail there with no cause to show."""
+    stdin, an interactive session, a script's `if __name__ == "__main__":` block) would fail
+    there with no cause to show."""
     if not callable(target):
         raise ValueError(f"target = {target!r} must be a callable (a module-level function)")
     module_name = getattr(target, "__module__", None)
@@ -231,6 +233,14 @@ def _check_importable(target: Callable[..., Any]) -> None:
         raise ValueError(f"target {getattr(target, '__qualname__', target)!r} is defined in __main__ of a "
                          "session the ranks cannot import (python -c, stdin, interactive): define it in a "
                          "module or a script file")
+    if module_name == "__main__":
+        qualname = getattr(target, "__qualname__", None)
+        path = getattr(sys.modules["__main__"], "__file__", None)
+        if isinstance(qualname, str) and isinstance(path, str) and _only_in_main_block(path, qualname.split(".")[0]):
+            raise ValueError(f"target {qualname!r} is defined inside the `if __name__ == \"__main__\":` block of "
+                             f"{path}, which the ranks do not run (they import the script as __mp_main__): define "
+                             "it at the top level of the script, outside that block")
+
 
 def _main_is_importable() -> bool:
     """Whether a spawned process can run this process's __main__ again, as multiprocessing.spawn
@@ -241,6 +251,45 @@ def _main_is_importable() -> bool:
         return not (module_name == "__main__" or module_name.endswith(".__main__"))
     path = getattr(main, "__file__", None)
     return isinstance(path, str) and os.path.isfile(path) and Path(path).stem != "ipython"
+
+
+def _only_in_main_block(path: str, name: str) -> bool:
+    """Whether every def or class named `name` at the top level of the script at `path` (in
+    blocks, not in other defs) is inside an `if __name__ == "__main__":` block. False when the
+    source cannot be read or has no such def: the ranks are then left to find it."""
+    try:
+        tree = ast.parse(Path(path).read_bytes(), path)
+    except (OSError, SyntaxError, ValueError):
+        return False
+    guarded: list[bool] = []
+
+    def visit(node: ast.AST, in_main_block: bool) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name == name:
+                guarded.append(in_main_block)
+            return  # what a def's body defines is not at the top level
+        if isinstance(node, ast.If) and (is_main := _tests_main(node.test)) is not None:
+            for statement in node.body:
+                visit(statement, in_main_block or is_main)
+            for statement in node.orelse:
+                visit(statement, in_main_block or not is_main)
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_main_block)
+
+    visit(tree, False)
+    return bool(guarded) and all(guarded)
+
+
+def _tests_main(test: ast.expr) -> bool | None:
+    """True for `__name__ == "__main__"` (either way round), False for `!=`, None for any other test."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.NotEq))):
+        return None
+    sides = [test.left, test.comparators[0]]
+    if not (any(isinstance(side, ast.Name) and side.id == "__name__" for side in sides)
+            and any(isinstance(side, ast.Constant) and side.value == "__main__" for side in sides)):
+        return None
+    return isinstance(test.ops[0], ast.Eq)
 
 
 def _collect(processes: list[BaseProcess], receivers: list[Connection], logs: str,
