@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 import torchhal
+import torchhal.distributed.group as group_module
 from torchhal.distributed import RankPlacement, init_group, launch
 from torchhal.platforms import Platform
 from torchhal.platforms.testing import patched_plugin
@@ -431,3 +432,45 @@ def test_a_group_made_again_under_its_name_on_the_same_store_works(first_closed)
     expected = [3.0, 21.0] if first_closed else [3.0, 21.0, 201.0]
     assert on_threads(2, rank_main) == [expected, expected]
 
+
+# -- init_group: default names under threads -------------------------------------------------
+def test_a_default_named_init_group_while_another_thread_is_in_one_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both read the same counter and built "group0" (sharing its store keys). Default names
+    follow call order, which threads do not have: the second is refused, the first works,
+    and the next default-named call gets the next name."""
+    for var in (*RANK_VARIABLES, "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(var, raising=False)
+    cpu = torchhal.get_platform("cpu")
+    inside, release = threading.Event(), threading.Event()
+    real_incarnation = group_module._incarnation
+    store_names: list[str] = []
+
+    def slow_incarnation(store: dist.Store, name: str, world_size: int) -> str:
+        store_names.append(name)
+        if not inside.is_set():  # the first caller waits here, inside init_group, for the second's
+            inside.set()
+            release.wait(30)
+        return real_incarnation(store, name, world_size)
+
+    monkeypatch.setattr(group_module, "_incarnation", slow_incarnation)
+    made: list[Any] = []
+    first = threading.Thread(target=lambda: made.append(init_group(cpu)), daemon=True)
+    first.start()
+    try:
+        assert inside.wait(30)
+        with pytest.raises(ValueError, match="^name = None: another thread of this process is inside a default-named "
+                                             "init_group; default names follow call order, which threads do not "
+                                             "have: pass name= to each group when threads make groups$"):
+            init_group(cpu)
+    finally:
+        release.set()
+        first.join(30)
+    [group] = made
+    try:
+        assert group.comm.all_reduce(torch.tensor([2.0])).item() == 2.0
+    finally:
+        group.close()
+    after = init_group(cpu)
+    after.close()
+    assert int(after.name.removeprefix("group")) == int(group.name.removeprefix("group")) + 1
+    assert store_names == [group.name, after.name]  # the refused call reached no store

@@ -11,6 +11,7 @@ torch.distributed users, and two engines with two groups can live in one process
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -29,6 +30,8 @@ DEFAULT_TIMEOUT = timedelta(minutes=5)
 MAX_TIMEOUT = timedelta(days=365)
 #: Default names given to groups built so far (a refused or failed call takes none).
 _default_names_taken = 0
+#: Held by the init_group that is making a default-named group, from taking its name to counting it.
+_default_naming = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,9 @@ def init_group(
     group exists (that group keeps working); else torch's env:// rendezvous on
     MASTER_ADDR:MASTER_PORT, as `init_process_group` does it (under torchrun, the agent's
     store). `name` keeps two groups in one store apart (default: one per call, numbered in
-    call order, which every rank must then follow). The rank's device is
+    call order, which every rank must then follow). Threads have no call order: a default-named
+    call while another thread is inside one is refused, so pass `name=` to each group when
+    threads make groups. The rank's device is
     `platform.device_for_rank` and is made current. A collective on a dead or hung peer
     raises `CollectiveError` (within `timeout` on gloo). Call `close()` before exiting; a
     group made again under a closed one's name, on the same store, is a new group.
@@ -151,7 +156,24 @@ def init_group(
     platform = platform if platform is not None else current_platform()
     index = platform.device_for_rank(placement.local_rank, placement.local_world_size)
     connect = _rendezvous(placement, timeout) if store is None else lambda: store
-    group_name = f"group{_default_names_taken}" if name is None else name
+    if name is None:
+        # Non-blocking: waiting would number the groups in whichever order the threads ran.
+        if not _default_naming.acquire(blocking=False):
+            raise ValueError("name = None: another thread of this process is inside a default-named init_group; "
+                             "default names follow call order, which threads do not have: pass name= to each group "
+                             "when threads make groups")
+        try:
+            group = _make_group(platform, placement, index, connect, f"group{_default_names_taken}", timeout)
+            _default_names_taken += 1  # only now: a refused or failed call must not shift this rank's names
+            return group
+        finally:
+            _default_naming.release()
+    return _make_group(platform, placement, index, connect, name, timeout)
+
+
+def _make_group(platform: Platform, placement: RankPlacement, index: int, connect: Callable[[], dist.Store],
+                group_name: str, timeout: timedelta) -> DeviceGroup:
+    """The checked init_group's group: the device made current, the store reached, the backends made."""
     platform.set_device(index)
     device = platform.device(index)
     support = platform.distributed_support
@@ -169,8 +191,6 @@ def init_group(
     default = TorchCommunicator(device_backend, placement.rank, placement.world_size, device,
                                 graph_capturable=support.graph_capturable, name=group_name, timeout=timeout)
     comm = support.communicator(default) if support.communicator is not None else default
-    if name is None:
-        _default_names_taken += 1  # only now: a refused or failed call must not shift this rank's names
     return DeviceGroup(group_name, placement, platform, device, comm, host, timeout, (host, default))
 
 
