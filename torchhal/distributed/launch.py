@@ -19,9 +19,9 @@ from __future__ import annotations
 import ast
 import math
 import multiprocessing
-import multiprocessing.context
 import numbers
 import os
+import pickle
 import reprlib
 import signal
 import socket
@@ -35,11 +35,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
-
-import torch
 
 #: Seconds a rank gets to exit after SIGTERM before it is killed.
 DEFAULT_GRACE = 3.0
@@ -123,7 +120,18 @@ def launch(
                     target=_rank_main, name=f"torchhal-rank{rank}",
                     args=(target, tuple(args), variables, sender, str(_stderr_path(logs, rank)), os.getpid()),
                 )
-                process.start()
+                try:
+                    process.start()
+                except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                    receiver.close()
+                    sender.close()
+                    if rank:  # the first rank's start pickled the same arguments
+                        raise
+                    # Spawn pickles the process object before it creates the child: no rank runs.
+                    raise ValueError(f"args cannot be sent to the ranks, spawned processes that receive them "
+                                     f"pickled ({type(exc).__name__}: {_shown_text(exc)}): pass picklable values "
+                                     "(data, module-level functions and classes), not lambdas, local functions, "
+                                     "locks, open files or generators") from exc
                 sender.close()  # the child holds the only sending end: its exit closes the pipe
                 processes.append(process)
                 receivers.append(receiver)
@@ -157,53 +165,12 @@ def _check_env(env: Mapping[str, str] | None) -> None:
 
 
 def _check_args(args: object) -> None:
-    """A tuple or list (a str would be spread into characters), of values each rank can be sent.
-
-    Pickled as spawn pickles them, into nothing: inside a spawning context, as multiprocessing's
-    queues and locks pickle only there; tensors and storages are left to torch's reducers, which
-    would move them to shared memory here."""
+    """A tuple or list: a str would be spread into characters, and a single value is no list of
+    arguments. Whether each value can be sent is found when the first rank is spawned."""
     if not isinstance(args, (tuple, list)):
         shown = _shown(args)
         raise ValueError(f"args = {shown} ({type(args).__name__}) must be a tuple or list of the target's "
                          f"arguments: pass args=({shown},) for a single argument, args=() for none")
-    previous = multiprocessing.context.get_spawning_popen()
-    multiprocessing.context.set_spawning_popen(_ProbePopen())  # type: ignore[arg-type]  # a stand-in for what pickling asks
-    try:
-        for index, value in enumerate(args):
-            try:
-                _ProbePickler(_Discard()).dump(value)
-            except Exception as exc:  # noqa: BLE001 - any failure to pickle is a refusal, named
-                raise ValueError(f"args[{index}] = {_shown(value)} cannot be pickled ({type(exc).__name__}: "
-                                 f"{_shown_text(exc)}), and ranks are spawned processes that receive them pickled: "
-                                 "pass picklable values (data, module-level functions and classes), not lambdas, "
-                                 "local functions, locks, open files or generators") from None
-    finally:
-        multiprocessing.context.set_spawning_popen(previous)
-
-
-class _ProbePickler(ForkingPickler):
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
-            return tuple, ()  # torch sends these itself
-        return NotImplemented
-
-
-class _ProbePopen:
-    """The rank being spawned, as far as pickling asks: file descriptors are passed as they are."""
-
-    @staticmethod
-    def duplicate_for_child(fd: int) -> int:
-        return fd
-
-    @staticmethod
-    def DupFd(fd: int) -> int:  # the name multiprocessing calls
-        return fd
-
-
-class _Discard:
-    @staticmethod
-    def write(data: bytes) -> int:
-        return len(data)
 
 
 def _shown(value: object) -> str:
