@@ -143,6 +143,24 @@ def test_a_failing_attach_leaves_the_modules_as_they_were_given():
     assert all(torch.equal(p, value) for p, value in zip(params, values, strict=True))
 
 
+# -- stages ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("name", "uses", "message"), [
+    ("denoise", ComponentUse("unet"), r"stage 'denoise': uses must be a tuple of ComponentUse records, got the "
+                                      r"single use of 'unet'; pass uses=\(use,\)$"),
+    ("denoise", "unet", r"stage 'denoise': uses must be a tuple of ComponentUse records, got 'unet'; pass e.g. "
+                        r"uses=\(ComponentUse\('unet'\),\)$"),
+    ("denoise", None, r"stage 'denoise': uses must be a tuple of ComponentUse records, got None"),
+    ("", (ComponentUse("unet"),), r"Stage name must be a non-empty str such as 'denoise', got ''$"),
+    (3, (ComponentUse("unet"),), r"Stage name must be a non-empty str such as 'denoise', got 3$"),
+    (None, (), r"Stage name must be a non-empty str such as 'denoise', got None$"),
+])
+def test_a_bad_stage_is_refused_naming_the_value_and_the_fix(name, uses, message):
+    with pytest.raises(ValueError, match=message):
+        Stage(name, uses)
+    assert Stage("denoise", [ComponentUse("unet")]).uses == (ComponentUse("unet"),)  # any sequence becomes a tuple
+
+
 # -- flags and the device index --------------------------------------------------------------------
 
 @pytest.mark.parametrize(("keyword", "value", "message"), [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,14 @@ class Stage:
     uses: tuple[ComponentUse, ...]
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"Stage name must be a non-empty str such as 'denoise', got {self.name!r}")
+        if isinstance(self.uses, ComponentUse):  # tuple() of it is a bare "not iterable" TypeError
+            raise ValueError(f"stage {self.name!r}: uses must be a tuple of ComponentUse records, got the single "
+                             f"use of {self.uses.component!r}; pass uses=(use,)")
+        if isinstance(self.uses, (str, bytes)) or not isinstance(self.uses, Iterable):
+            raise ValueError(f"stage {self.name!r}: uses must be a tuple of ComponentUse records, got "
+                             f"{self.uses!r}; pass e.g. uses=(ComponentUse('unet'),)")
         uses = tuple(self.uses)
         bad = [u for u in uses if not isinstance(u, ComponentUse)]
         if bad:
