@@ -143,6 +143,30 @@ def test_a_failing_attach_leaves_the_modules_as_they_were_given():
     assert all(torch.equal(p, value) for p, value in zip(params, values, strict=True))
 
 
+@pytest.mark.parametrize("share", ["module", "layer", "tied weight"])
+def test_a_module_or_parameter_under_two_component_names_is_refused_before_anything_is_attached(share):
+    enc, stack = nn.Linear(4, 4).train(), Stack().train()
+    if share == "module":
+        components: dict[str, nn.Module] = {"enc": enc, "again": enc}
+        message = r"components 'enc' and 'again' are the same Linear; pass it once, under one name"
+    elif share == "layer":
+        components = {"stack": stack, "layer": stack.layers[1]}
+        message = (r"components 'stack' and 'layer' share a parameter \('layers.1.weight' of 'stack', 'weight' of "
+                   r"'layer'\); a parameter may belong to one component only: pass the module holding it once, "
+                   r"or untie the weight")
+    else:
+        head = nn.Linear(4, 4)
+        head.weight = enc.weight
+        components = {"enc": enc, "head": head}
+        message = r"components 'enc' and 'head' share a parameter \('weight' of 'enc', 'weight' of 'head'\)"
+    modules = list(components.values())
+    before = snapshot(*modules)
+    with pytest.raises(ValueError, match=message):
+        ResidencyManager(components, dict.fromkeys(components, "offload"))
+    assert snapshot(*modules) == before  # same storage, still in train mode
+    assert all(not layer._forward_pre_hooks for layer in stack.layers)
+
+
 # -- stages ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("name", "uses", "message"), [

@@ -36,6 +36,24 @@ def check_placements(placements: object) -> None:
         )
 
 
+def _check_disjoint(components: Mapping[str, nn.Module]) -> None:
+    """No module or parameter is given under two component names: each strategy moves its
+    component's parameters, so a shared one would be attached (moved, pinned, hooked) twice."""
+    modules: dict[int, str] = {}
+    owners: dict[int, tuple[str, str]] = {}  # id(parameter) -> (component, parameter name)
+    for name, module in components.items():
+        if id(module) in modules:
+            raise ValueError(f"components {modules[id(module)]!r} and {name!r} are the same "
+                             f"{type(module).__name__}; pass it once, under one name")
+        modules[id(module)] = name
+        for param_name, param in module.named_parameters():
+            first = owners.setdefault(id(param), (name, param_name))
+            if first[0] != name:
+                raise ValueError(f"components {first[0]!r} and {name!r} share a parameter ({first[1]!r} of "
+                                 f"{first[0]!r}, {param_name!r} of {name!r}); a parameter may belong to one "
+                                 "component only: pass the module holding it once, or untie the weight")
+
+
 class ResidencyManager:
     def __init__(
         self,
@@ -57,7 +75,8 @@ class ResidencyManager:
         allocator's cache, which serves the next use (only an out-of-memory error empties).
         Events go to `self.trace` (see ResidencyTrace) and, with `log` (a logging.Logger,
         or anything with an `.info` method), one JSON line each. Every argument is checked
-        before anything is attached: a refusal changes nothing.
+        before anything is attached: a refusal changes nothing. A module or parameter belongs
+        to one component only.
         """
         check_placements(placements)
         if not isinstance(components, Mapping):
@@ -69,6 +88,7 @@ class ResidencyManager:
             if not isinstance(module, nn.Module):
                 raise TypeError(f"component {name!r} is a {type(module).__name__}, not an nn.Module; "
                                 "pass the module whose weights the manager should place")
+        _check_disjoint(components)
         unknown = set(placements) - set(components)
         if unknown:
             raise ValueError(f"placements name unknown components {sorted(unknown)}; known: {sorted(components)}")
