@@ -8,7 +8,14 @@ import pytest
 import torch
 
 import torchhal
-from torchhal.core.residency import ComponentUse, LayerwiseStrategy, ResidencyManager, Stage
+from torchhal.core.residency import (
+    ComponentUse,
+    LayerwiseStrategy,
+    OffloadStrategy,
+    ResidencyManager,
+    ResidencyStrategy,
+    Stage,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from diffusion_pipeline import default_placements, make_components, run_request  # noqa: E402
@@ -122,6 +129,24 @@ def test_a_block_loaded_without_a_buffer_allocates_no_more_than_the_modules_own_
         assert p.device.type == "cuda"
         torch.testing.assert_close(p, q, rtol=0, atol=0)
     block.release()
+
+
+def test_a_failed_construction_puts_components_given_on_the_gpu_back_there():
+    class LosesTheDevice(ResidencyStrategy):
+        def attach(self, manager: object, component: object) -> None:
+            raise RuntimeError("device lost during attach")
+
+    given = {"enc": torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64)).cuda(),
+             "stack": make_components(512, 3)["transformer"].cuda()}
+    values = {(name, key): t.detach().clone() for name, m in given.items()
+              for key, t in (*m.named_parameters(), *m.named_buffers())}
+    placements = {"enc": OffloadStrategy(), "stack": LayerwiseStrategy(1)}
+    with pytest.raises(RuntimeError, match="device lost during attach"):
+        ResidencyManager({**given, "last": torch.nn.Linear(4, 4)}, {**placements, "last": LosesTheDevice()})
+    for name, module in given.items():  # detach moved them to the host; the rollback moved them back
+        for key, t in (*module.named_parameters(), *module.named_buffers()):
+            assert t.device.type == "cuda" and torch.equal(t, values[(name, key)]), (name, key)
+    ResidencyManager(given, placements).close()  # the same strategies serve again
 
 
 def test_a_prefetched_component_arrives_in_the_dtype_its_use_asks_for():

@@ -458,22 +458,22 @@ def test_layer_buffers_are_a_ring_of_the_largest_layer_or_each_layers_own_size(o
             module(torch.randn(2, 256))
         for h in hooks:
             h.remove()
-        sizes = [b.numel * 4 for b in strategy.blocks]
-        assert not any(b.on_device for b in strategy.blocks) and strategy.ring == []
+        blocks = strategy.blocks  # close() frees the strategy: its blocks go with it
+        sizes = [b.numel * 4 for b in blocks]
+        assert not any(b.on_device for b in blocks) and strategy.ring == []
         manager.close()
         if buffers == "ring":  # every layer lands in one slot of the largest layer
             assert seen["ring"] == [[max(sizes)]] * 4
         else:  # each layer at its own size: a head of whole granules, the rest in own allocations
             from torchhal.core.residency.weights import GRANULE
 
-            layouts = [b.layout(torch.float32) for b in strategy.blocks]
+            layouts = [b.layout(torch.float32) for b in blocks]
             own = [sorted(([lay.head_numel * 4] if lay.head_numel else [])
                           + [p.numel() * 4 for p, o in zip(b.params, lay.offsets, strict=True) if o is None])
-                   for b, lay in zip(strategy.blocks, layouts, strict=True)]
+                   for b, lay in zip(blocks, layouts, strict=True)]
             assert seen["exact"] == own and sizes[3] < sizes[0]
             # a block layer (2 MiB + biases) packs its weights into one granule; the LayerNorm is all tail
-            assert GRANULE in seen["exact"][0] and seen["exact"][3] == sorted(p.numel() * 4 for p in
-                                                                              strategy.blocks[3].params)
+            assert GRANULE in seen["exact"][0] and seen["exact"][3] == sorted(p.numel() * 4 for p in blocks[3].params)
 
 
 def test_a_released_block_waits_for_a_prefetch_nobody_waited_for(observed):

@@ -5,16 +5,25 @@ storage and train/eval flags, the manager serves the next request), and a failur
 the manager's own bookkeeping or the platform's OOM rule never leaves it stuck in a request.
 """
 
+import copy
 import logging
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from torchhal.core.residency import ComponentUse, LayerwiseStrategy, ResidencyManager, ResidencyStrategy, Stage
+from torchhal.core.residency import (
+    ComponentUse,
+    LayerwiseStrategy,
+    OffloadStrategy,
+    ResidencyManager,
+    ResidencyStrategy,
+    Stage,
+)
 from torchhal.platforms import TorchhalPluginWarning, hookimpl
 from torchhal.plugins.cpu import CpuPlatform
 
@@ -141,6 +150,136 @@ def test_a_failing_attach_leaves_the_modules_as_they_were_given():
     assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in stack.layers)
     params = [p for m in (enc, stack) for p in m.parameters()]
     assert all(torch.equal(p, value) for p, value in zip(params, values, strict=True))
+
+
+def with_buffers() -> tuple[nn.Module, Stack]:
+    """An encoder and a layer stack, each holding a buffer beside its parameters, in train mode."""
+    enc = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train()
+    stack = Stack().train()
+    stack.register_buffer("scale", torch.full((4,), 2.0))
+    return enc, stack
+
+
+def as_given(*modules: nn.Module) -> list[tuple[object, ...]]:
+    """What a failed construction must leave as it was: each parameter's and buffer's value,
+    device, dtype and requires_grad, and each submodule's train flag."""
+    tensors = [(name, t.detach().clone(), t.device, t.dtype, t.requires_grad)
+               for m in modules for name, t in (*m.named_parameters(), *m.named_buffers())]
+    return tensors + [(sub.training,) for m in modules for sub in m.modules()]
+
+
+def assert_as_given(before: list[tuple[object, ...]], *modules: nn.Module) -> None:
+    now = as_given(*modules)
+    assert len(now) == len(before)
+    for was, is_now in zip(before, now, strict=True):
+        if len(was) == 1:
+            assert was == is_now  # train flag
+        else:
+            assert was[0] == is_now[0] and torch.equal(was[1], is_now[1]), was[0]  # type: ignore[arg-type]
+            assert was[2:] == is_now[2:], (was[0], was[2:], is_now[2:])
+
+
+TWO_USES = [Stage("encode", (ComponentUse("enc"),)), Stage("denoise", (ComponentUse("stack"),))]
+
+
+def serves_both(manager: ResidencyManager, enc: nn.Module, stack: nn.Module, expected: torch.Tensor) -> None:
+    """A request through both components gives the unmanaged output; then the manager closes."""
+    x = torch.arange(8.0).view(2, 4)
+    with torch.no_grad(), manager.request(TWO_USES):
+        with manager.use_component("enc") as module:
+            hidden = module(x)
+        with manager.use_component("stack") as module:
+            out = module(hidden) * stack.scale
+    assert torch.equal(out, expected)
+    manager.close()
+
+
+def unmanaged(enc: nn.Module, stack: nn.Module) -> torch.Tensor:
+    enc_copy, stack_copy = copy.deepcopy(enc).eval(), copy.deepcopy(stack).eval()
+    with torch.no_grad():
+        return stack_copy(enc_copy(torch.arange(8.0).view(2, 4))) * stack_copy.scale
+
+
+class OffloadOomAfterItsBlock(OffloadStrategy):
+    """Runs out of memory once after its pinned block was made: the component is half attached."""
+
+    def __init__(self, fail: bool) -> None:
+        super().__init__()
+        self.fail = fail
+
+    def attach(self, manager: Any, component: Any) -> None:
+        super().attach(manager, component)
+        if self.fail:
+            self.fail = False
+            raise torch.OutOfMemoryError("simulated: out of memory after the offload block")
+
+
+class LayerwiseOomAtLayer2(LayerwiseStrategy):
+    """Runs out of memory once while hooking layer 2: buffers placed, blocks made, layers 0 and 1 hooked."""
+
+    def __init__(self, fail: bool) -> None:
+        super().__init__(1)
+        self.fail = fail
+
+    def _before_layer(self, manager: Any, component: Any, index: int) -> Any:
+        if index == 2 and self.fail:
+            self.fail = False
+            raise torch.OutOfMemoryError("simulated: out of memory at layer 2")
+        return super()._before_layer(manager, component, index)
+
+
+@pytest.mark.parametrize("fails", ["offload part way", "layerwise part way", "a later component"])
+def test_a_construction_that_fails_is_undone_and_the_same_strategies_serve_again(fails):
+    enc, stack = with_buffers()
+    expected = unmanaged(enc, stack)
+    placements: dict[str, ResidencyStrategy] = {
+        "enc": OffloadOomAfterItsBlock(fail=fails == "offload part way"),
+        "stack": LayerwiseOomAtLayer2(fail=fails == "layerwise part way")}
+    components: dict[str, nn.Module] = {"enc": enc, "stack": stack}
+    if fails == "a later component":  # both attached fully before it raised
+        components["last"], placements["last"] = nn.Linear(4, 4), LosesTheDevice()
+    before = as_given(enc, stack)
+    with pytest.raises((torch.OutOfMemoryError, RuntimeError), match="simulated|device lost during attach"):
+        ResidencyManager(components, placements)
+    assert_as_given(before, enc, stack)  # values, devices, dtypes, train flags
+    assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in stack.layers)
+    assert placements["enc"].block is None and placements["stack"].hooks == []  # type: ignore[attr-defined]
+    # the same placements, strategy objects and all, serve a manager now
+    again = {"enc": placements["enc"], "stack": placements["stack"]}
+    serves_both(ResidencyManager({"enc": enc, "stack": stack}, again), enc, stack, expected)
+
+
+class BuffersToTheHost(ResidencyStrategy):
+    """Stands in for a strategy that moves buffers to the manager's device: CPU-only torch has no
+    second device with values, so the buffers are given on meta and attach moves them to the host
+    (parameters take the same path back; a Parameter cannot be set to meta data, and
+    tests/test_gpu_residency.py gives them on the GPU)."""
+
+    def attach(self, manager: Any, component: Any) -> None:
+        for sub in component.module.modules():
+            for key, buf in sub._buffers.items():
+                sub._buffers[key] = torch.zeros_like(buf, device="cpu")
+
+
+def test_a_failed_construction_puts_buffers_back_on_the_device_they_were_given_on():
+    given = nn.BatchNorm1d(4).to_empty(device="meta")
+    given.weight, given.bias = nn.Parameter(torch.ones(4)), nn.Parameter(torch.zeros(4))
+    with pytest.raises(RuntimeError, match="device lost during attach"):
+        ResidencyManager({"given": given, "last": nn.Linear(4, 4)},
+                         {"given": BuffersToTheHost(), "last": LosesTheDevice()})
+    assert [b.device.type for b in given.buffers()] == ["meta"] * 3
+    assert [p.device.type for p in given.parameters()] == ["cpu"] * 2
+
+
+def test_after_close_the_strategies_serve_another_manager():
+    enc, stack = with_buffers()
+    expected = unmanaged(enc, stack)
+    placements = {"enc": OffloadStrategy(), "stack": LayerwiseStrategy(1)}
+    first = ResidencyManager({"enc": enc, "stack": stack}, placements)
+    copied = first.copied_bytes()
+    serves_both(first, enc, stack, expected)
+    assert first.copied_bytes() != copied and first.copied_bytes()["stack"] > 0  # the counts outlive close
+    serves_both(ResidencyManager({"enc": enc, "stack": stack}, placements), enc, stack, expected)
 
 
 @pytest.mark.parametrize("share", ["module", "layer", "tied weight"])

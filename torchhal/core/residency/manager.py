@@ -54,6 +54,30 @@ def _check_disjoint(components: Mapping[str, nn.Module]) -> None:
                                  "component only: pass the module holding it once, or untie the weight")
 
 
+class _AsGiven:
+    """Where a module's parameters and buffers are and its submodules' train/eval flags, to
+    put a module back as it was given after a failed attach. Devices only, not the tensors:
+    holding those would keep a second copy of the weights alive while the strategies attach."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.params = [(p, p.device) for p in module.parameters()]
+        self.buffers = [(sub, key, buf.device) for sub in module.modules()
+                        for key, buf in sub._buffers.items() if buf is not None]
+        self.training = [(sub, sub.training) for sub in module.modules()]
+
+    def restore(self) -> None:
+        """Back on their devices with the values they hold now (detach kept them)."""
+        for param, device in self.params:
+            if param.device != device:
+                param.data = param.data.to(device)
+        for sub, key, device in self.buffers:
+            buf = sub._buffers[key]
+            if buf is not None and buf.device != device:
+                sub._buffers[key] = buf.to(device)
+        for sub, was_training in self.training:
+            sub.training = was_training
+
+
 class ResidencyManager:
     def __init__(
         self,
@@ -76,7 +100,10 @@ class ResidencyManager:
         Events go to `self.trace` (see ResidencyTrace) and, with `log` (a logging.Logger,
         or anything with an `.info` method), one JSON line each. Every argument is checked
         before anything is attached: a refusal changes nothing. A module or parameter belongs
-        to one component only.
+        to one component only. An attach that raises (an out-of-memory error while a component
+        attaches) is rolled back: every component started, the failing one included, is
+        detached, its parameters and buffers go back to the devices they were given on (values
+        kept) and its train/eval flags are restored; the strategy objects can be passed again.
         """
         check_placements(placements)
         if not isinstance(components, Mapping):
@@ -120,18 +147,20 @@ class ResidencyManager:
         self.empty_on_release = empty_on_release
         self.trace = ResidencyTrace(self.platform, self.device_index, record=record_trace, log=log)
         self.components: dict[str, ComponentState] = {}
-        # every submodule's train/eval flag, so a failed attach can leave the modules as they were given
-        training = [(sub, sub.training) for state in states for sub in state.module.modules()]
+        given = [_AsGiven(state.module) for state in states]
+        started: list[ComponentState] = []
         try:
             for state in states:
+                started.append(state)
                 state.module.eval()
                 state.strategy.attach(self, state)
                 self.components[state.name] = state
         except BaseException:
-            for attached in self.components.values():
-                attached.strategy.detach(self, attached)
-            for sub, was_training in training:
-                sub.training = was_training
+            # the component whose attach raised too: it may be half attached (detach undoes that)
+            for state in reversed(started):
+                state.strategy.detach(self, state)
+            for as_given in given:
+                as_given.restore()
             raise
         self._timeline: list[ComponentUse] = []
         self._cursor = 0
@@ -140,6 +169,7 @@ class ResidencyManager:
         self._in_request = False
         self._oom_handled_by_request = False
         self._closed = False
+        self._copied_at_close: dict[str, int] = {}
         self._active: ComponentUse | None = None
         # bytes that load() reported, for strategies that do not count their own copies
         self._loaded_bytes = dict.fromkeys(self.components, 0)
@@ -150,6 +180,8 @@ class ResidencyManager:
     def copied_bytes(self) -> dict[str, int]:
         """Host -> device bytes each component's strategy has copied since registration: its own
         count (`ResidencyStrategy.copied_bytes`), else the bytes its `load` calls returned."""
+        if self._closed:  # the strategies' own counts ended with their detach
+            return dict(self._copied_at_close)
         counts = {}
         for name, state in self.components.items():
             own = state.strategy.copied_bytes()
@@ -299,11 +331,13 @@ class ResidencyManager:
     def close(self) -> int | None:
         """Give the device back: every component returns to host memory, the layerwise
         hooks are removed (the modules run as plain host modules again), and the cache
-        is emptied once. Returns the bytes the empty released. Not during a request."""
+        is emptied once. Returns the bytes the empty released. Not during a request.
+        The strategy objects are free to serve a component of another manager."""
         if self._in_request:
             raise RuntimeError("close() during a request; finish_request() first")
         if self._closed:
             return None
+        self._copied_at_close = self.copied_bytes()
         for state in self.components.values():
             state.strategy.detach(self, state)
             self.event("release", state.name, why="close")

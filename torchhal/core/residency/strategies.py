@@ -88,7 +88,10 @@ class ResidencyStrategy:
         return None
 
     def detach(self, manager: StrategyHost, component: ComponentState) -> None:
-        """close(): everything back to host memory, hooks removed."""
+        """close(), and the rollback of a construction that failed: everything back to host
+        memory, hooks removed, and this strategy free to serve a component again. Also called
+        for the component whose `attach` raised: it must undo whatever part of attach ran,
+        without failing on what was never set up."""
         self.release(manager, component)
         component.module.to("cpu")
 
@@ -178,10 +181,16 @@ class OffloadStrategy(ResidencyStrategy):
         return self._block().release()
 
     def on_device(self, component: ComponentState) -> bool:
-        return self._block().on_device
+        return self.block is not None and self.block.on_device
 
     def copied_bytes(self) -> int | None:
         return 0 if self.block is None else self.block.copied_bytes
+
+    def detach(self, manager: StrategyHost, component: ComponentState) -> None:
+        if self.block is not None:  # None: attach failed before the block was made
+            self.block.release()
+        component.module.to("cpu")
+        self.block = None
 
 
 def _lookup(module: nn.Module, dotted: str) -> Any:
@@ -317,17 +326,18 @@ class LayerwiseStrategy(ResidencyStrategy):
         return released
 
     def on_device(self, component: ComponentState) -> bool:
-        return all(b.on_device for b in self.blocks)
+        return bool(self.blocks) and all(b.on_device for b in self.blocks)
 
     def copied_bytes(self) -> int | None:
         rest = sum(block.copied_bytes for blocks in self.rest_blocks.values() for block in blocks)
         return rest + sum(block.copied_bytes for block in self.blocks)
 
     def detach(self, manager: StrategyHost, component: ComponentState) -> None:
-        super().detach(manager, component)
         for handle in self.hooks:
             handle.remove()
-        self.hooks = []
+        super().detach(manager, component)  # releases what attach made, however far it got
+        self.layers, self.blocks, self.ring, self.rest_blocks, self.hooks = [], [], [], {}, []
+        self.released_bytes = 0
 
     def _load_rest(self, manager: StrategyHost, component: ComponentState, name: str) -> int:
         moved = 0
