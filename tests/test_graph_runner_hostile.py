@@ -1,7 +1,7 @@
 """Hostile arguments to GraphRunner, on the CPU (emulate=True builds the static buffers).
 
 Each is refused at construction with a ValueError naming the value, not at the first
-bucketed forward or capture deep inside torch.
+bucketed forward or capture deep inside torch (or, for a non-bool emulate, not at all).
 """
 
 import pytest
@@ -21,8 +21,8 @@ def model():
 
 
 def build(model, **kwargs):
-    arguments = {"dtype": torch.float32, "emulate": True, "buckets": (4, 16), **kwargs}
-    return GraphRunner(model, torchhal.current_platform(), 0, **arguments)
+    arguments = {"device_index": 0, "dtype": torch.float32, "emulate": True, "buckets": (4, 16), **kwargs}
+    return GraphRunner(model, torchhal.current_platform(), **arguments)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -37,10 +37,20 @@ def build(model, **kwargs):
                                r"weights' dtype \(an engine's runner_factory: dtype=e.config.dtype\)"),
     ({"buckets": 8}, r"buckets 8 must be a non-empty list of positive ints, e.g. \(1, 8, 32\)"),
     ({"buckets": (True, 8)}, r"buckets \(True, 8\) must be a non-empty list of positive ints"),
+    ({"emulate": "no"}, r"emulate must be True or False, got 'no'$"),
+    ({"emulate": 1}, r"emulate must be True or False, got 1$"),
+    ({"device_index": 1}, r"device_index = 1, but platform 'cpu' has 1 device\(s\); pass 0..0, or None for the "
+                          r"current device$"),
+    ({"device_index": -1}, r"device_index = -1 must be a device index \(an int >= 0, e.g. 0\) or None"),
+    ({"device_index": "0"}, r"device_index = '0' must be a device index"),
 ])
 def test_bad_arguments_are_refused_at_construction_naming_the_value(model, kwargs, message):
     with pytest.raises(ValueError, match=message):
         build(model, **kwargs)
+
+
+def test_no_device_index_is_the_platforms_current_device(model):
+    assert build(model, device_index=None).device_index == torchhal.current_platform().current_device()
 
 
 def test_a_hidden_size_given_must_be_the_models(model):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from torchhal.core.devices import check_device_index
 from torchhal.core.graphs.decode import check_buckets
 from torchhal.core.graphs.program import BreakStep, GraphStep, StackState, Step, run_eager, split_segments
 from torchhal.platforms import Platform
@@ -137,17 +138,24 @@ class GraphRunner:
         self,
         model: Model | nn.Module,
         platform: Platform,
-        device_index: int,
+        device_index: int | None,
         *,
         hidden_size: int | None = None,
         dtype: torch.dtype,
         buckets: Sequence[int] = (8, 16, 32, 64, 128, 256, 512),
         emulate: bool = False,
     ) -> None:
-        """`hidden_size` defaults to `model.config.hidden_size` (one given must match it);
+        """`device_index` is one of the platform's devices (None: its current device).
+        `hidden_size` defaults to `model.config.hidden_size` (one given must match it);
         `dtype` is the floating dtype of the model's weights. `emulate=True` runs the
-        bucketed, padded path without graphs (CPU tests, debugging). `buckets`,
-        `hidden_size` and `dtype` are checked here, before anything is allocated."""
+        bucketed, padded path without graphs (CPU tests, debugging). Every argument is
+        checked here, before anything is allocated."""
+        if device_index is None:
+            device_index = platform.current_device()
+        else:
+            device_index = check_device_index(platform, device_index, "device_index")
+        if not isinstance(emulate, bool):  # "no" is truthy
+            raise ValueError(f"emulate must be True or False, got {emulate!r}")
         bucket_sizes = check_buckets("buckets", buckets)
         hidden_size = _check_hidden_size(model, hidden_size)
         _check_dtype(model, dtype)
