@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-from torchhal.core.residency import LayerwiseStrategy, RequestFailed, Strategy  # noqa: E402
+from torchhal.core.residency import LayerwiseStrategy, RequestFailed, Stage, Strategy, UndeclaredUse  # noqa: E402
 from torchhal.core.residency.diffusers import ManagedPipeline, guess_block_lists  # noqa: E402
 from torchhal.platforms import ReleasePoint  # noqa: E402
 
@@ -104,6 +104,96 @@ def test_a_call_that_does_not_match_its_declaration_fails_clearly(empties):
         managed(stages=one_step, **call_kwargs(steps=2))
     assert not any(c.on_device for n, c in managed.manager.components.items())  # everything went home
     assert torch.equal(managed(**call_kwargs()).images, flux_pipeline()(**call_kwargs()).images)  # still serves
+
+
+def sd_pipeline(scheduler):
+    """A StableDiffusionPipeline on the tiny Flux pipeline's CLIP encoder, tokenizer and VAE, with a
+    tiny UNet: the pipeline family whose schedulers (Heun, PNDM) call the denoiser otherwise."""
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+
+    flux = flux_pipeline()
+    torch.manual_seed(1)
+    unet = UNet2DConditionModel(
+        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(8, 16),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32, norm_num_groups=4, attention_head_dim=2).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # steps_offset of a scheduler made from its defaults
+        pipe = StableDiffusionPipeline(vae=flux.vae, text_encoder=flux.text_encoder, tokenizer=flux.tokenizer,
+                                       unet=unet, scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                       requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def sd_kwargs(steps=3):
+    # guidance 1: no negative prompt, so the text encoder runs once, as the derived uses say
+    return {"prompt": "a photo of an astronaut riding a horse", "num_inference_steps": steps, "height": 32,
+            "width": 32, "guidance_scale": 1.0, "output_type": "pt", "generator": torch.Generator().manual_seed(0)}
+
+
+SD_OFFLOADED = {"text_encoder": "offload", "unet": "offload", "vae": "offload"}
+
+
+def test_a_second_order_scheduler_calls_the_denoiser_twice_per_step_but_the_last(empties):
+    from diffusers import HeunDiscreteScheduler
+
+    expected = sd_pipeline(HeunDiscreteScheduler())(**sd_kwargs()).images
+    managed = ManagedPipeline(sd_pipeline(HeunDiscreteScheduler()), SD_OFFLOADED)
+    assert torch.equal(managed(**sd_kwargs()).images, expected)
+    assert managed.manager.trace.last_request()[0]["uses"] == 1 + (2 * 3 - 1) + 1
+    managed.close()
+
+
+def test_a_call_that_departs_from_its_derived_uses_says_what_happened_and_the_fix(empties):
+    from diffusers import FluxImg2ImgPipeline, PNDMScheduler
+
+    # PNDM's PLMS steps call the UNet once more than num_inference_steps
+    expected = sd_pipeline(PNDMScheduler(skip_prk_steps=True))(**sd_kwargs()).images
+    managed = ManagedPipeline(sd_pipeline(PNDMScheduler(skip_prk_steps=True)), SD_OFFLOADED)
+    with pytest.raises(UndeclaredUse, match=r"^StableDiffusionPipeline with PNDMScheduler called 'unet' after 3 of "
+                                            r"the 3 uses of 'unet' derived for this call, where 'vae' was declared "
+                                            r"next; pass stages= to the call declaring the uses it makes$"):
+        managed(**sd_kwargs())
+    assert not any(c.on_device for c in managed.manager.components.values())
+    image = managed(**sd_kwargs(), stages=managed.stages(**sd_kwargs(steps=4))).images  # the fix
+    assert torch.equal(image, expected)
+    managed.close()
+
+    # img2img: the VAE encodes the image before the denoiser, which runs fewer steps by strength
+    def img2img():
+        pipe = FluxImg2ImgPipeline(**flux_pipeline().components)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    arguments = {**call_kwargs(steps=4), "image": torch.linspace(0, 1, 3 * 32 * 32).view(1, 3, 32, 32),
+                 "strength": 0.5}
+    expected = img2img()(**arguments).images
+    managed = ManagedPipeline(img2img(), {**ENCODERS, "transformer": Strategy.OFFLOAD})
+    with pytest.raises(UndeclaredUse, match=r"^FluxImg2ImgPipeline with FlowMatchEulerDiscreteScheduler called "
+                                            r"'vae' after 0 of the 4 uses of 'transformer' derived for this call, "
+                                            r"where 'transformer' was declared next; strength=0.5 runs fewer steps "
+                                            r"than num_inference_steps, by the pipeline's own rounding; pass stages= "
+                                            r"to the call declaring the uses it makes$"):
+        managed(**arguments)
+    encode, denoise, decode = managed.stages(**{**arguments, "num_inference_steps": 2})  # 4 x 0.5 steps run
+    arguments["generator"] = torch.Generator().manual_seed(0)
+    image = managed(**arguments, stages=[encode, Stage("image", decode.uses), denoise, decode]).images
+    assert torch.equal(image, expected)
+    managed.close()
+
+
+def test_a_scheduler_of_another_order_is_refused_before_the_call_runs(empties):
+    pipe = flux_pipeline()
+    pipe.scheduler.order = 3
+    managed = ManagedPipeline(pipe, {**ENCODERS, "transformer": Strategy.OFFLOAD})
+    with pytest.raises(ValueError, match=r"^FlowMatchEulerDiscreteScheduler.order is 3: only first- and second-order "
+                                         r"schedulers' denoiser calls are counted; pass stages= to the call$"):
+        managed(**call_kwargs())
+    assert managed.manager.trace.of_kind("request_start") == []  # refused before any request started
+    pipe.scheduler.order = 1
+    managed(**call_kwargs(), stages=managed.stages(**call_kwargs()))
+    managed.close()
 
 
 def test_an_oom_in_the_denoiser_fails_the_request_and_empties_once(empties, monkeypatch):

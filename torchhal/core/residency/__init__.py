@@ -7,7 +7,7 @@
 - diffusers: `manage_pipeline` for an existing diffusers pipeline (needs diffusers only when called)
 """
 
-from torchhal.core.residency.declarations import ComponentUse, RequestFailed, Stage, Strategy
+from torchhal.core.residency.declarations import ComponentUse, RequestFailed, Stage, Strategy, UndeclaredUse
 from torchhal.core.residency.manager import PlacementSpec, ResidencyManager
 from torchhal.core.residency.strategies import (
     ComponentState,
@@ -32,6 +32,7 @@ __all__ = [
     "ResidentStrategy",
     "Stage",
     "Strategy",
+    "UndeclaredUse",
     "WeightBlock",
     "plot_memory_timelines",
 ]

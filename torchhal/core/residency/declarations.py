@@ -76,3 +76,13 @@ class Stage:
 
 class RequestFailed(RuntimeError):
     """A request ended by an error at the request boundary; the manager stays consistent."""
+
+
+class UndeclaredUse(RuntimeError):
+    """begin_use of a use that is not the request's declared next one (out of order, or after
+    the declared uses ran out): the pipeline runs otherwise than its stages say."""
+
+    def __init__(self, message: str, component: str | None = None, expected: str | None = None) -> None:
+        super().__init__(message)
+        #: the component whose use began, and the one declared next (None: the uses ran out)
+        self.component, self.expected = component, expected

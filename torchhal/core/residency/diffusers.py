@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from torchhal.core.residency.declarations import ComponentUse, Stage, Strategy
+from torchhal.core.residency.declarations import ComponentUse, Stage, Strategy, UndeclaredUse
 from torchhal.core.residency.manager import PlacementSpec, ResidencyManager, check_placements
 from torchhal.core.residency.strategies import LayerwiseStrategy, ResidencyStrategy
 from torchhal.platforms import Platform
@@ -154,6 +154,7 @@ class ManagedPipeline:
             for module in modules.values() for attribute in _PATCHED
         ]
         self.pipeline, self.denoiser, self.calls_per_step, self.prefetch = pipeline, denoiser, calls_per_step, prefetch
+        self._denoiser_ran = 0  # uses of the denoiser begun in the running call
         self.manager = ResidencyManager(modules, strategies, platform, device_index, empty_on_release=empty_on_release,
                                         record_trace=record_trace, log=log)
         marker = _ExecutionDevice(self.manager.device)
@@ -165,8 +166,10 @@ class ManagedPipeline:
     # -- declared uses ------------------------------------------------------------------------
     def stages(self, **call_kwargs: Any) -> list[Stage]:
         """The uses one `pipeline(**call_kwargs)` makes: encoders (unless prompt embeddings are
-        given), the denoiser once per step and call, then the decoders (unless latents are asked
-        for). The steps are `num_inference_steps`, or one per value of `timesteps`/`sigmas`."""
+        given), the denoiser once per step (2 * steps - 1 times with a second-order scheduler)
+        and `calls_per_step` times each, then the decoders (unless latents are asked for). The
+        steps are `num_inference_steps`, or one per value of `timesteps`/`sigmas`. A pipeline
+        that runs otherwise (img2img, PNDM) needs stages= on the call."""
         order = [n for n in getattr(self.pipeline, "model_cpu_offload_seq", "").split("->")
                  if n in self.manager.components]
         if self.denoiser not in order:
@@ -181,12 +184,11 @@ class ManagedPipeline:
         def use(name: str, phase: str | None = None) -> ComponentUse:
             return ComponentUse(name, phase=phase, memory_intensive=True, allow_prefetch=prefetch)
 
-        steps = self._step_count(call_kwargs)
+        calls = self._scheduler_calls(self._step_count(call_kwargs)) * self.calls_per_step
         result = []
         if call_kwargs.get("prompt_embeds") is None and before:
             result.append(Stage("encode", tuple(use(n) for n in before)))
-        result.append(Stage("denoise", tuple(use(self.denoiser, f"step{i}")
-                                             for i in range(steps * self.calls_per_step))))
+        result.append(Stage("denoise", tuple(use(self.denoiser, f"step{i}") for i in range(calls))))
         if call_kwargs.get("output_type") != "latent" and after:
             result.append(Stage("decode", tuple(use(n) for n in after)))
         return result
@@ -196,8 +198,15 @@ class ManagedPipeline:
         if self._closed:
             raise RuntimeError("this ManagedPipeline is closed; the pipeline is a plain pipeline again")
         declared = list(stages) if stages is not None else self.stages(**kwargs)
-        with self.manager.request(declared):
-            return self.pipeline(*args, **kwargs)
+        self._denoiser_ran = 0
+        try:
+            with self.manager.request(declared):
+                return self.pipeline(*args, **kwargs)
+        except UndeclaredUse as departed:
+            if stages is not None:  # the caller's own declaration: the manager's message says it all
+                raise
+            raise UndeclaredUse(self._departure(departed, declared, kwargs), departed.component,
+                                departed.expected) from departed
 
     def close(self) -> int | None:
         """Give the device back (see ResidencyManager.close) and restore exactly what each
@@ -237,6 +246,30 @@ class ManagedPipeline:
             raise ValueError(f"num_inference_steps {steps!r}: pass stages= for a pipeline without a step count")
         return steps
 
+    def _scheduler_calls(self, steps: int) -> int:
+        """Denoiser calls a scheduler makes in `steps` steps: one per step, or for a second-order
+        one (`order == 2`: diffusers' Heun, KDPM2, DPMSolverSDE) two per step but the last, which
+        has no correction (its timesteps repeat every one but the first)."""
+        scheduler = getattr(self.pipeline, "scheduler", None)
+        order = getattr(scheduler, "order", 1)  # none given: one call per timestep
+        if isinstance(order, bool) or order not in (1, 2):
+            raise ValueError(f"{type(scheduler).__name__}.order is {order!r}: only first- and second-order "
+                             "schedulers' denoiser calls are counted; pass stages= to the call")
+        return steps if order == 1 else 2 * steps - 1
+
+    def _departure(self, departed: UndeclaredUse, declared: Sequence[Stage], call_kwargs: Mapping[str, Any]) -> str:
+        """What the pipeline did otherwise than the uses derived for its call, and the fix."""
+        derived = sum(u.component == self.denoiser for stage in declared for u in stage.uses)
+        expected = "nothing" if departed.expected is None else repr(departed.expected)
+        strength = call_kwargs.get("strength", self._default("strength"))
+        fewer = ""
+        if isinstance(strength, (int, float)) and not isinstance(strength, bool) and strength < 1:
+            fewer = f"; strength={strength!r} runs fewer steps than num_inference_steps, by the pipeline's own rounding"
+        return (f"{type(self.pipeline).__name__} with {type(getattr(self.pipeline, 'scheduler', None)).__name__} "
+                f"called {departed.component!r} after {self._denoiser_ran} of the {derived} uses of "
+                f"{self.denoiser!r} derived for this call, where {expected} was declared next{fewer}; pass "
+                "stages= to the call declaring the uses it makes")
+
     def _default(self, parameter: str) -> Any:
         found = inspect.signature(self.pipeline.__call__).parameters.get(parameter)
         return None if found is None else found.default
@@ -253,6 +286,8 @@ class ManagedPipeline:
             if manager.in_use == name:  # e.g. AutoencoderKL.forward calling its own decode
                 return original(*args, **kwargs)
             with manager.use_component(name):
+                if name == self.denoiser:  # for the message when the call departs from its uses
+                    self._denoiser_ran += 1
                 return original(*args, **kwargs)
 
         return entry

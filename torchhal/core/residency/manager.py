@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from torchhal.core.devices import check_device_index
-from torchhal.core.residency.declarations import ComponentUse, RequestFailed, Stage, Strategy
+from torchhal.core.residency.declarations import ComponentUse, RequestFailed, Stage, Strategy, UndeclaredUse
 from torchhal.core.residency.strategies import ComponentState, ResidencyStrategy, strategy_for
 from torchhal.core.residency.trace import ResidencyTrace
 from torchhal.platforms import Platform, ReleasePoint, TorchhalPluginWarning, current_platform
@@ -351,12 +351,13 @@ class ResidencyManager:
         if self._active is not None:
             raise RuntimeError(f"begin_use({component!r}) while {self._active.component!r} is in use")
         if self._cursor >= len(self._timeline):
-            raise RuntimeError(f"begin_use({component!r}) after the request's declared uses ran out")
+            raise UndeclaredUse(f"begin_use({component!r}) after the request's declared uses ran out", component)
         use = self._timeline[self._cursor]
         if use.component != component or (phase is not None and use.phase not in (None, phase)):
-            raise RuntimeError(
+            raise UndeclaredUse(
                 f"begin_use({component!r}, phase={phase!r}) but the declared next use is "
-                f"{use.component!r} (phase {use.phase!r}); declare the stages in the order they run"
+                f"{use.component!r} (phase {use.phase!r}); declare the stages in the order they run",
+                component, use.component,
             )
         return use
 
