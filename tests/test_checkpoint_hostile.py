@@ -83,7 +83,8 @@ def refused(path: Path, match: str, call=load_checkpoint) -> str:
         if call is iter_checkpoint_tensors:
             list(result)
     message = str(info.value)
-    assert "\n" not in message and len(message) < 1000
+    # short apart from the paths, which are as long as the user's own (a deep TMPDIR in CI)
+    assert "\n" not in message and len(message.replace(str(path), "DIR")) < 1000
     return message
 
 
