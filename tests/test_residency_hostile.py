@@ -249,6 +249,35 @@ def test_a_construction_that_fails_is_undone_and_the_same_strategies_serve_again
     serves_both(ResidencyManager({"enc": enc, "stack": stack}, again), enc, stack, expected)
 
 
+class DetachAssumesAFullAttach(ResidencyStrategy):
+    """A strategy written to the contract before detach had to undo a half attach: it raises
+    in attach before its state exists, and its detach then fails on the missing state."""
+
+    def attach(self, manager: Any, component: Any) -> None:
+        raise torch.OutOfMemoryError("simulated: out of memory before the block")
+
+    def detach(self, manager: Any, component: Any) -> None:
+        self.block.release()  # type: ignore[attr-defined]  # never set: attach raised first
+
+
+def test_an_undo_step_that_raises_is_reported_and_the_rest_still_undone():
+    # The undo stopped at the failing detach: the attach's error was lost to an AttributeError,
+    # and the layerwise component kept its hooks and its strategy stayed taken.
+    enc, stack = with_buffers()
+    expected = unmanaged(enc, stack)
+    placements: dict[str, ResidencyStrategy] = {"stack": LayerwiseStrategy(1), "enc": OffloadStrategy(),
+                                                "last": DetachAssumesAFullAttach()}
+    before = as_given(enc, stack)
+    with pytest.warns(RuntimeWarning, match=r"^undoing a failed ResidencyManager construction: "
+                                            r"DetachAssumesAFullAttach.detach of 'last' raised AttributeError"), \
+            pytest.raises(torch.OutOfMemoryError, match="simulated: out of memory before the block"):
+        ResidencyManager({"stack": stack, "enc": enc, "last": nn.Linear(4, 4)}, placements)
+    assert_as_given(before, enc, stack)
+    assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in stack.layers)
+    again = {"enc": placements["enc"], "stack": placements["stack"]}
+    serves_both(ResidencyManager({"enc": enc, "stack": stack}, again), enc, stack, expected)
+
+
 class BuffersToTheHost(ResidencyStrategy):
     """Stands in for a strategy that moves buffers to the manager's device: CPU-only torch has no
     second device with values, so the buffers are given on meta and attach moves them to the host
@@ -283,27 +312,43 @@ def test_after_close_the_strategies_serve_another_manager():
 
 
 @pytest.mark.parametrize("share", ["module", "layer", "tied weight"])
-def test_a_module_or_parameter_under_two_component_names_is_refused_before_anything_is_attached(share):
+def test_a_weight_two_components_hold_is_refused_where_either_would_move_it(share):
     enc, stack = nn.Linear(4, 4).train(), Stack().train()
     if share == "module":
         components: dict[str, nn.Module] = {"enc": enc, "again": enc}
-        message = r"components 'enc' and 'again' are the same Linear; pass it once, under one name"
+        message = (r"components 'enc' and 'again' are the same Linear, and 'again' would move it: a weight two "
+                   r"components hold must stay resident in both; leave 'again' resident, or pass the module "
+                   r"holding it once")
+        placements = {"again": "offload"}
     elif share == "layer":
         components = {"stack": stack, "layer": stack.layers[1]}
         message = (r"components 'stack' and 'layer' share a parameter \('layers.1.weight' of 'stack', 'weight' of "
-                   r"'layer'\); a parameter may belong to one component only: pass the module holding it once, "
-                   r"or untie the weight")
+                   r"'layer'\), and 'stack' would move it")
+        placements = {"stack": "layerwise"}
     else:
         head = nn.Linear(4, 4)
         head.weight = enc.weight
         components = {"enc": enc, "head": head}
-        message = r"components 'enc' and 'head' share a parameter \('weight' of 'enc', 'weight' of 'head'\)"
+        message = (r"components 'enc' and 'head' share a parameter \('weight' of 'enc', 'weight' of 'head'\), and "
+                   r"'enc' and 'head' would move it")
+        placements = {"enc": "offload", "head": "offload"}
     modules = list(components.values())
     before = snapshot(*modules)
     with pytest.raises(ValueError, match=message):
-        ResidencyManager(components, dict.fromkeys(components, "offload"))
+        ResidencyManager(components, placements)
     assert snapshot(*modules) == before  # same storage, still in train mode
     assert all(not layer._forward_pre_hooks for layer in stack.layers)
+
+
+def test_a_weight_two_components_hold_serves_both_while_resident():
+    # A controlnet built from its transformer's own blocks shares them: refusing every sharing
+    # made such pipelines unmanageable whatever their placements.
+    enc, stack = with_buffers()
+    expected = unmanaged(enc, stack)
+    shared = nn.Module()
+    shared.proj = enc  # the second component holds the first's module
+    manager = ResidencyManager({"enc": enc, "stack": stack, "shared": shared}, {"stack": "layerwise"})
+    serves_both(manager, enc, stack, expected)
 
 
 # -- stages ------------------------------------------------------------------------------------------

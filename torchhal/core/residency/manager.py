@@ -11,15 +11,16 @@ out-of-memory error (ReleasePoint.OOM). Never between uses, never inside a memor
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import nn
 
 from torchhal.core.devices import check_device_index
 from torchhal.core.residency.declarations import ComponentUse, RequestFailed, Stage, Strategy, UndeclaredUse
-from torchhal.core.residency.strategies import ComponentState, ResidencyStrategy, strategy_for
+from torchhal.core.residency.strategies import ComponentState, ResidencyStrategy, ResidentStrategy, strategy_for
 from torchhal.core.residency.trace import ResidencyTrace
 from torchhal.platforms import Platform, ReleasePoint, TorchhalPluginWarning, current_platform
 
@@ -36,22 +37,25 @@ def check_placements(placements: object) -> None:
         )
 
 
-def _check_disjoint(components: Mapping[str, nn.Module]) -> None:
-    """No module or parameter is given under two component names: each strategy moves its
-    component's parameters, so a shared one would be attached (moved, pinned, hooked) twice."""
-    modules: dict[int, str] = {}
-    owners: dict[int, tuple[str, str]] = {}  # id(parameter) -> (component, parameter name)
+def _check_shared(components: Mapping[str, nn.Module], strategies: Mapping[str, ResidencyStrategy]) -> None:
+    """A module or parameter held by two components must stay resident in both: a strategy
+    that moves one component's weights (offload, layerwise, one of the user's) would move the
+    other's under it. Shared and resident is fine (a controlnet built from its transformer's
+    own blocks, as some diffusers pipelines do)."""
+    owners: dict[int, tuple[str, str]] = {}  # id(parameter or module) -> (component, its name there)
     for name, module in components.items():
-        if id(module) in modules:
-            raise ValueError(f"components {modules[id(module)]!r} and {name!r} are the same "
-                             f"{type(module).__name__}; pass it once, under one name")
-        modules[id(module)] = name
-        for param_name, param in module.named_parameters():
-            first = owners.setdefault(id(param), (name, param_name))
-            if first[0] != name:
-                raise ValueError(f"components {first[0]!r} and {name!r} share a parameter ({first[1]!r} of "
-                                 f"{first[0]!r}, {param_name!r} of {name!r}); a parameter may belong to one "
-                                 "component only: pass the module holding it once, or untie the weight")
+        held = [("the module itself", module), *module.named_parameters()]
+        for part, item in held:
+            first = owners.setdefault(id(item), (name, part))
+            if first[0] == name:
+                continue
+            moved = [n for n in (first[0], name) if not isinstance(strategies[n], ResidentStrategy)]
+            if moved:
+                what = (f"are the same {type(module).__name__}" if part == "the module itself" else
+                        f"share a parameter ({first[1]!r} of {first[0]!r}, {part!r} of {name!r})")
+                raise ValueError(f"components {first[0]!r} and {name!r} {what}, and {' and '.join(map(repr, moved))} "
+                                 f"would move it: a weight two components hold must stay resident in both; leave "
+                                 f"{' and '.join(map(repr, moved))} resident, or pass the module holding it once")
 
 
 class _AsGiven:
@@ -99,11 +103,13 @@ class ResidencyManager:
         allocator's cache, which serves the next use (only an out-of-memory error empties).
         Events go to `self.trace` (see ResidencyTrace) and, with `log` (a logging.Logger,
         or anything with an `.info` method), one JSON line each. Every argument is checked
-        before anything is attached: a refusal changes nothing. A module or parameter belongs
-        to one component only. An attach that raises (an out-of-memory error while a component
+        before anything is attached: a refusal changes nothing. A module or parameter two
+        components hold must stay resident in both. An attach that raises (an out-of-memory error while a component
         attaches) is rolled back: every component started, the failing one included, is
         detached, its parameters and buffers go back to the devices they were given on (values
         kept) and its train/eval flags are restored; the strategy objects can be passed again.
+        A step of that undo that raises is reported as a RuntimeWarning and the others still
+        run; the attach's own error is the one raised.
         """
         check_placements(placements)
         if not isinstance(components, Mapping):
@@ -115,7 +121,6 @@ class ResidencyManager:
             if not isinstance(module, nn.Module):
                 raise TypeError(f"component {name!r} is a {type(module).__name__}, not an nn.Module; "
                                 "pass the module whose weights the manager should place")
-        _check_disjoint(components)
         unknown = set(placements) - set(components)
         if unknown:
             raise ValueError(f"placements name unknown components {sorted(unknown)}; known: {sorted(components)}")
@@ -133,6 +138,7 @@ class ResidencyManager:
                 f"components {sorted(shared)} were given the same strategy object; a strategy keeps "
                 "one component's state: pass a separate instance for each"
             )
+        _check_shared(components, strategies)
         self.platform = platform or current_platform()
         if device_index is None:
             self.device_index = self.platform.current_device()
@@ -156,11 +162,20 @@ class ResidencyManager:
                 state.strategy.attach(self, state)
                 self.components[state.name] = state
         except BaseException:
-            # the component whose attach raised too: it may be half attached (detach undoes that)
-            for state in reversed(started):
-                state.strategy.detach(self, state)
-            for as_given in given:
-                as_given.restore()
+            # the component whose attach raised too: it may be half attached (detach undoes that).
+            # Each step is undone even if another fails; the attach's error is the one raised.
+            undo: list[tuple[str, Callable[[], object]]] = [
+                *((f"{type(state.strategy).__name__}.detach of {state.name!r}",
+                   functools.partial(state.strategy.detach, self, state)) for state in reversed(started)),
+                *((f"putting {state.name!r} back on its devices", as_given.restore)
+                  for state, as_given in zip(states, given, strict=True)),
+            ]
+            for what, step in undo:
+                try:
+                    step()
+                except Exception as failed:  # noqa: BLE001 - reported, then the next step runs
+                    warnings.warn(f"undoing a failed ResidencyManager construction: {what} raised "
+                                  f"{type(failed).__name__}: {failed}", RuntimeWarning, stacklevel=2)
             raise
         self._timeline: list[ComponentUse] = []
         self._cursor = 0
