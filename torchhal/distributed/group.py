@@ -34,6 +34,16 @@ _default_names_taken = 0
 _default_naming = threading.Lock()
 
 
+def _fresh_default_naming() -> None:
+    """A forked child has only the forking thread: a lock another thread held stays held there."""
+    global _default_naming
+    _default_naming = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which cannot fork
+    os.register_at_fork(after_in_child=_fresh_default_naming)
+
+
 @dataclass(frozen=True)
 class RankPlacement:
     """Where this process sits: its rank in the group and on its host."""

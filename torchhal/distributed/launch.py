@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -128,10 +129,10 @@ def launch(
                     if rank:  # the first rank's start pickled the same arguments
                         raise
                     # Spawn pickles the process object before it creates the child: no rank runs.
-                    raise ValueError(f"args cannot be sent to the ranks, spawned processes that receive them "
-                                     f"pickled ({type(exc).__name__}: {_shown_text(exc)}): pass picklable values "
-                                     "(data, module-level functions and classes), not lambdas, local functions, "
-                                     "locks, open files or generators") from exc
+                    raise ValueError(f"{_unsendable(target)} cannot be sent to the ranks, spawned processes that "
+                                     f"receive their inputs pickled ({type(exc).__name__}: {_shown_text(exc)}): pass "
+                                     "picklable values (data, module-level functions and classes), not lambdas, "
+                                     "local functions, locks, open files or generators") from exc
                 sender.close()  # the child holds the only sending end: its exit closes the pipe
                 processes.append(process)
                 receivers.append(receiver)
@@ -171,6 +172,16 @@ def _check_args(args: object) -> None:
         shown = _shown(args)
         raise ValueError(f"args = {shown} ({type(args).__name__}) must be a tuple or list of the target's "
                          f"arguments: pass args=({shown},) for a single argument, args=() for none")
+
+
+def _unsendable(target: Callable[..., Any]) -> str:
+    """Which of launch's inputs failed to pickle: the target (a bound method or callable object
+    carries its state), else the args."""
+    try:
+        ForkingPickler.dumps(target)
+    except Exception:  # noqa: BLE001 - any failure names the target
+        return f"target {_shown(target)}"
+    return "args"
 
 
 def _shown(value: object) -> str:
