@@ -104,12 +104,12 @@ class ResidencyManager:
         Events go to `self.trace` (see ResidencyTrace) and, with `log` (a logging.Logger,
         or anything with an `.info` method), one JSON line each. Every argument is checked
         before anything is attached: a refusal changes nothing. A module or parameter two
-        components hold must stay resident in both. An attach that raises (an out-of-memory error while a component
-        attaches) is rolled back: every component started, the failing one included, is
-        detached, its parameters and buffers go back to the devices they were given on (values
-        kept) and its train/eval flags are restored; the strategy objects can be passed again.
-        A step of that undo that raises is reported as a RuntimeWarning and the others still
-        run; the attach's own error is the one raised.
+        components hold must stay resident in both. An attach that raises (an out-of-memory
+        error while a component attaches) is rolled back: every component started, the failing
+        one included, is detached, its parameters and buffers go back to the devices they were
+        given on (values kept) and its train/eval flags are restored; the strategy objects can
+        be passed again. A step of that undo that raises is reported as a RuntimeWarning and
+        the others still run; the attach's own error is the one raised.
         """
         check_placements(placements)
         if not isinstance(components, Mapping):
