@@ -150,10 +150,7 @@ class GraphRunner:
         `dtype` is the floating dtype of the model's weights. `emulate=True` runs the
         bucketed, padded path without graphs (CPU tests, debugging). Every argument is
         checked here, before anything is allocated."""
-        if device_index is None:
-            device_index = platform.current_device()
-        else:
-            device_index = check_device_index(platform, device_index, "device_index")
+        device_index = check_device_index(platform, device_index, "device_index")
         if not isinstance(emulate, bool):  # "no" is truthy
             raise ValueError(f"emulate must be True or False, got {emulate!r}")
         bucket_sizes = check_buckets("buckets", buckets)

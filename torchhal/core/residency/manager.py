@@ -140,10 +140,7 @@ class ResidencyManager:
             )
         _check_shared(components, strategies)
         self.platform = platform or current_platform()
-        if device_index is None:
-            self.device_index = self.platform.current_device()
-        else:
-            self.device_index = check_device_index(self.platform, device_index, "device_index")
+        self.device_index = check_device_index(self.platform, device_index, "device_index")
         states = [ComponentState(name, module, strategies[name]) for name, module in components.items()]
         for state in states:  # every refusal before anything moves
             state.strategy.check(state)
