@@ -254,6 +254,10 @@ class LayerwiseStrategy(ResidencyStrategy):
         self.prefetch_layers = prefetch_layers
         self.layers_attr: tuple[str, ...] = names
         self.buffers, self.rest = buffers, rest
+        self._unattached()
+
+    def _unattached(self) -> None:
+        """The state of a strategy serving no component (made, detached)."""
         self.layers: list[nn.Module] = []  # every streamed layer, in run order
         self.blocks: list[WeightBlock] = []  # one per layer
         self.ring: list[torch.Tensor] = []  # buffers="ring": p + 1 reusable device buffers while in use
@@ -336,8 +340,7 @@ class LayerwiseStrategy(ResidencyStrategy):
         for handle in self.hooks:
             handle.remove()
         super().detach(manager, component)  # releases what attach made, however far it got
-        self.layers, self.blocks, self.ring, self.rest_blocks, self.hooks = [], [], [], {}, []
-        self.released_bytes = 0
+        self._unattached()
 
     def _load_rest(self, manager: StrategyHost, component: ComponentState, name: str) -> int:
         moved = 0
