@@ -34,6 +34,9 @@ picks them; the first two by default, the others were this file's earlier levers
   step (the previous rule, `cut_to_fill`, patched in), on 3968x8 and 16000x8 prefill alone;
 - `flash_prefill_runs`: whole prompts of equal length in one SDPA call (the backend now)
   against one call per prompt (the previous code, patched back in), on 32x32 and 8x3968 prefill;
+- `gemv_eviction`: the platform GEMV's weights loaded evict-first (the kernel now) against plain
+  loads (the previous kernel, patched back in), sides alternating over three rounds, decode graphs
+  re-captured for each: the captured decode step and end to end at 32x1, 3968x1 and 16000x1;
 - `decode_splits`: the split-K paged decode kernel at batch 8 and 1 / 16k context, graph-replayed,
   per split count, then the engine's decode step (16000x8, 16000x1) with each batch's best count
   against the current rule.
@@ -51,6 +54,7 @@ import bisect
 import gc
 import hashlib
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -78,6 +82,35 @@ from long_context import (  # noqa: E402
 import torchhal  # noqa: E402
 from torchhal.core.engine import GenerationEngine  # noqa: E402
 
+try:  # only the GEMV lever's 'before' kernel needs Triton
+    import triton
+    import triton.language as tl
+
+    from torchhal.plugins.cuda_pdl import wait_for_previous_kernels
+except ImportError:
+    _plain_gemv: Any = None
+else:
+    @triton.jit
+    def _plain_gemv(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_ym, HAS_BIAS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+        wait_for_previous_kernels(USE_PDL)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row = tl.program_id(1).to(tl.int64)
+        rk = tl.arange(0, BLOCK_K)
+        n_ok = rn < N
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :]
+        x_ptrs = x_ptr + row * stride_xm + rk
+        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = k0 + rk < K
+            w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs + k0, mask=k_ok, other=0.0).to(tl.float32)
+            acc += w.to(tl.float32) * x[None, :]
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
 #: (name, cell, decode steps; 0 = prefill alone)
 SCENARIOS = (("decode_1x32", "32x1", 32), ("decode_1x16000", "16000x1", 16), ("decode_8x16000", "16000x8", 16),
              ("prefill_1x3968", "3968x1", 0), ("prefill_8x3968", "3968x8", 0), ("prefill_1x16000", "16000x1", 0),
@@ -85,7 +118,7 @@ SCENARIOS = (("decode_1x32", "32x1", 32), ("decode_1x16000", "16000x1", 16), ("d
 TINY_SCENARIOS = (("decode_1x32", "32x1", 4), ("prefill_32x32", "32x32", 0))
 CLASSES = ("gemm", "attention", "norm", "elementwise", "copy", "other")
 LEVERS = ("prefill_graphs", "linear_kernel", "write_kv_kernel", "whole_prompt_admission", "flash_prefill_runs",
-          "decode_splits")
+          "decode_splits", "gemv_eviction")
 
 
 def kernel_class(name: str) -> str:
@@ -455,6 +488,50 @@ def decode_splits_lever(engine: GenerationEngine, generate: Callable[[list[list[
     return result
 
 
+def plain_gemv_kernel() -> Any:
+    """The platform GEMV before its weights were loaded evict-first (the lever's 'before')."""
+    if _plain_gemv is None:
+        raise RuntimeError("the GEMV eviction lever needs Triton")
+    return _plain_gemv
+
+
+def gemv_eviction_lever(engine: GenerationEngine, generate: Callable[[list[list[int]], int], list[list[int]]],
+                        prompts: dict[str, list[list[int]]], sync: Callable[[], None],
+                        rounds: int = 3) -> dict[str, Any]:
+    """The GEMV with plain weight loads against evict-first ones, alternating, graphs re-captured."""
+    from torchhal.plugins import cuda_linear
+
+    kernels = {"before_plain_loads": plain_gemv_kernel(), "after_evict_first": cuda_linear._gemv_kernel}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {label: {} for label in kernels}
+    assert engine.decode_runner is not None
+    try:
+        for _ in range(rounds):
+            for label, kernel in kernels.items():
+                cuda_linear._gemv_kernel = kernel
+                engine.decode_runner.capture()  # the GEMVs are captured inside the decode graphs
+                for cell in ("32x1", "3968x1", "16000x1"):
+                    new = PROMPTS[len(prompts[cell][0])]
+                    e2e_s, tokens = median_run(lambda p=prompts[cell], n=new: generate(p, n), 1, 3, sync)
+                    prefill_s, _ = median_run(lambda p=prompts[cell]: generate(p, 1), 1, 3, sync)
+                    runs[label].setdefault(cell, []).append({
+                        "e2e_s": e2e_s, "prefill_s": prefill_s, "tokens": tokens,
+                        "decode_step_ms": (e2e_s - prefill_s) / (new - 1) * 1e3})
+    finally:
+        cuda_linear._gemv_kernel = kernels["after_evict_first"]
+        engine.decode_runner.capture()
+    result: dict[str, Any] = {}
+    for cell in runs["after_evict_first"]:
+        before, after = runs["before_plain_loads"][cell], runs["after_evict_first"][cell]
+        row: dict[str, Any] = {label: {key: [run[key] for run in side] for key in ("decode_step_ms", "e2e_s")}
+                               for label, side in (("before_plain_loads", before), ("after_evict_first", after))}
+        row["decode_step_ms_median"] = {"before": statistics.median(row["before_plain_loads"]["decode_step_ms"]),
+                                        "after": statistics.median(row["after_evict_first"]["decode_step_ms"])}
+        row["tokens_equal"] = all(run["tokens"] == before[0]["tokens"] for run in before + after)
+        result[cell] = row
+    print(f"  lever GEMV eviction: {result}", flush=True)
+    return result
+
+
 def prefill_medians(generate: Callable[[list[list[int]], int], list[list[int]]], prompts: dict[str, list[list[int]]],
                     cells: tuple[str, ...], sync: Callable[[], None]) -> dict[str, Any]:
     """Prefill alone (median of 5 after a warm-up) and the first 8 tokens, per cell."""
@@ -692,6 +769,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "whole_prompt_admission": lambda: whole_prompt_lever(generate, prompts, sync),
                 "flash_prefill_runs": lambda: flash_prefill_lever(generate, prompts, sync),
                 "decode_splits": lambda: decode_splits_lever(engine, generate, prompts, shape, sync),
+                "gemv_eviction": lambda: gemv_eviction_lever(engine, generate, prompts, sync),
             }
             results["levers"] = {name: run_lever[name]() for name in args.levers}
     for lever in results.get("levers", {}).values():
