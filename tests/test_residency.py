@@ -156,6 +156,15 @@ def test_oom_fails_the_request_empties_once_and_the_next_request_succeeds(observ
     run_request(manager, torch.randn(4, 256), 2)
 
 
+def test_no_component_reads_on_device_after_close_whatever_its_strategy(observed):
+    # A resident strategy's own answer is "always on the device"; after close() it is not.
+    manager = ResidencyManager(make_components(), {**default_placements("layerwise"), "vae": Strategy.RESIDENT})
+    run_request(manager, torch.randn(4, 256), 2)
+    assert manager.components["vae"].on_device
+    manager.close()
+    assert not [name for name, c in manager.components.items() if c.on_device]
+
+
 def test_misuse_is_refused_with_clear_errors(observed):
     manager = ResidencyManager(make_components(), default_placements())
     with pytest.raises(RuntimeError, match="outside a request"):

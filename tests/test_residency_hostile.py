@@ -362,6 +362,9 @@ def test_a_weight_two_components_hold_serves_both_while_resident():
     ("", (ComponentUse("unet"),), r"Stage name must be a non-empty str such as 'denoise', got ''$"),
     (3, (ComponentUse("unet"),), r"Stage name must be a non-empty str such as 'denoise', got 3$"),
     (None, (), r"Stage name must be a non-empty str such as 'denoise', got None$"),
+    ("decode", (), r"stage 'decode' has no uses; a stage declares the component uses it makes: pass at least one "
+                   r"ComponentUse, or leave the stage out$"),
+    ("decode", [], r"stage 'decode' has no uses"),
 ])
 def test_a_bad_stage_is_refused_naming_the_value_and_the_fix(name, uses, message):
     with pytest.raises(ValueError, match=message):

@@ -68,6 +68,9 @@ class Stage:
             raise ValueError(f"stage {self.name!r}: uses must be a tuple of ComponentUse records, got "
                              f"{self.uses!r}; pass e.g. uses=(ComponentUse('unet'),)")
         uses = tuple(self.uses)
+        if not uses:  # e.g. a comprehension over a component list that came out empty
+            raise ValueError(f"stage {self.name!r} has no uses; a stage declares the component uses it makes: pass "
+                             "at least one ComponentUse, or leave the stage out")
         bad = [u for u in uses if not isinstance(u, ComponentUse)]
         if bad:
             raise ValueError(f"stage {self.name!r}: uses must be ComponentUse records, got {bad[0]!r}")

@@ -157,6 +157,7 @@ class ResidencyManager:
                 started.append(state)
                 state.module.eval()
                 state.strategy.attach(self, state)
+                state.attached = True
                 self.components[state.name] = state
         except BaseException:
             # the component whose attach raised too: it may be half attached (detach undoes that).
@@ -352,6 +353,7 @@ class ResidencyManager:
         self._copied_at_close = self.copied_bytes()
         for state in self.components.values():
             state.strategy.detach(self, state)
+            state.attached = False
             self.event("release", state.name, why="close")
         self._closed = True
         return self._empty(where="close")

@@ -38,10 +38,13 @@ class ComponentState:
     module: nn.Module
     strategy: ResidencyStrategy
     dtype: torch.dtype | None = None
+    #: Between the strategy's attach and its detach (the manager sets it): outside that span
+    #: nothing of the component is on the device, whatever the strategy reports.
+    attached: bool = False
 
     @property
     def on_device(self) -> bool:
-        return self.strategy.on_device(self)
+        return self.attached and self.strategy.on_device(self)
 
 
 class ResidencyStrategy:
