@@ -488,6 +488,25 @@ def test_a_default_named_init_group_while_another_thread_is_in_one_is_refused(mo
     assert store_names == [group.name, after.name]  # the refused call reached no store
 
 
+def test_a_default_named_init_group_inside_one_on_the_same_thread_is_refused_as_such(monkeypatch):
+    # E.g. a plugin's communicator hook making a helper group: not "another thread".
+    cpu = torchhal.get_platform("cpu")
+    real_incarnation = group_module._incarnation
+
+    def nested(store: dist.Store, name: str, world_size: int) -> str:
+        init_group(cpu)
+        return real_incarnation(store, name, world_size)
+
+    monkeypatch.setattr(group_module, "_incarnation", nested)
+    with pytest.raises(ValueError, match="^name = None: init_group was called from inside a default-named init_group "
+                                         "on the same thread, which would take the outer group's name; pass name= to "
+                                         "the inner one$"):
+        init_group(cpu)
+    monkeypatch.setattr(group_module, "_incarnation", real_incarnation)
+    group = init_group(cpu)  # the refusal left the naming free
+    group.close()
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_can_make_a_default_named_group_while_the_parent_is_inside_one():
     # The child inherited the lock held, with no thread left to release it: refused forever.

@@ -30,14 +30,16 @@ DEFAULT_TIMEOUT = timedelta(minutes=5)
 MAX_TIMEOUT = timedelta(days=365)
 #: Default names given to groups built so far (a refused or failed call takes none).
 _default_names_taken = 0
-#: Held by the init_group that is making a default-named group, from taking its name to counting it.
+#: Held by the init_group that is making a default-named group, from taking its name to counting it,
+#: and the thread that holds it (None while free).
 _default_naming = threading.Lock()
+_default_naming_thread: int | None = None
 
 
 def _fresh_default_naming() -> None:
     """A forked child has only the forking thread: a lock another thread held stays held there."""
-    global _default_naming
-    _default_naming = threading.Lock()
+    global _default_naming, _default_naming_thread
+    _default_naming, _default_naming_thread = threading.Lock(), None
 
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which cannot fork
@@ -144,13 +146,13 @@ def init_group(
     store). `name` keeps two groups in one store apart (default: one per call, numbered in
     call order, which every rank must then follow). Threads have no call order: a default-named
     call while another thread is inside one is refused, so pass `name=` to each group when
-    threads make groups. The rank's device is
+    threads make groups (a default-named call from inside one, on its thread, is refused too). The rank's device is
     `platform.device_for_rank` and is made current. A collective on a dead or hung peer
     raises `CollectiveError` (within `timeout` on gloo). Call `close()` before exiting; a
     group made again under a closed one's name, on the same store, is a new group.
     Bad arguments are refused before anything is touched (the device, the store, the names).
     """
-    global _default_names_taken
+    global _default_names_taken, _default_naming_thread
     if platform is not None and not isinstance(platform, Platform):
         raise TypeError(f"platform = {platform!r} must be a torchhal Platform (torchhal.get_platform(name) gives "
                         "one), or None for the current platform")
@@ -169,14 +171,19 @@ def init_group(
     if name is None:
         # Non-blocking: waiting would number the groups in whichever order the threads ran.
         if not _default_naming.acquire(blocking=False):
+            if _default_naming_thread == threading.get_ident():  # e.g. a plugin's communicator hook
+                raise ValueError("name = None: init_group was called from inside a default-named init_group on the "
+                                 "same thread, which would take the outer group's name; pass name= to the inner one")
             raise ValueError("name = None: another thread of this process is inside a default-named init_group; "
                              "default names follow call order, which threads do not have: pass name= to each group "
                              "when threads make groups")
+        _default_naming_thread = threading.get_ident()
         try:
             group = _make_group(platform, placement, index, connect, f"group{_default_names_taken}", timeout)
             _default_names_taken += 1  # only now: a refused or failed call must not shift this rank's names
             return group
         finally:
+            _default_naming_thread = None
             _default_naming.release()
     return _make_group(platform, placement, index, connect, name, timeout)
 
