@@ -22,6 +22,7 @@ from torchhal.core.residency import (
     OffloadStrategy,
     ResidencyManager,
     ResidencyStrategy,
+    ResidentStrategy,
     Stage,
 )
 from torchhal.platforms import TorchhalPluginWarning, hookimpl
@@ -138,6 +139,21 @@ class LosesTheDevice(ResidencyStrategy):
 
     def attach(self, manager: object, component: object) -> None:
         raise RuntimeError("device lost during attach")
+
+
+class KeepsItsComponent(ResidentStrategy):
+    """Resident (its own answer is always "on the device"), and keeps the state it served."""
+
+    def attach(self, manager: Any, component: Any) -> None:
+        super().attach(manager, component)
+        self.component = component
+
+
+def test_a_failed_construction_leaves_no_component_reading_on_device():
+    kept = KeepsItsComponent()
+    with pytest.raises(RuntimeError, match="device lost during attach"):
+        ResidencyManager({"enc": nn.Linear(4, 4), "last": nn.Linear(4, 4)}, {"enc": kept, "last": LosesTheDevice()})
+    assert not kept.component.on_device  # detached by the undo: back on the host
 
 
 def test_a_failing_attach_leaves_the_modules_as_they_were_given():

@@ -160,6 +160,8 @@ class ResidencyManager:
                 state.attached = True
                 self.components[state.name] = state
         except BaseException:
+            for state in started:
+                state.attached = False
             # the component whose attach raised too: it may be half attached (detach undoes that).
             # Each step is undone even if another fails; the attach's error is the one raised.
             undo: list[tuple[str, Callable[[], object]]] = [
