@@ -490,6 +490,8 @@ def test_a_default_named_init_group_while_another_thread_is_in_one_is_refused(mo
 
 def test_a_default_named_init_group_inside_one_on_the_same_thread_is_refused_as_such(monkeypatch):
     # E.g. a plugin's communicator hook making a helper group: not "another thread".
+    for var in (*RANK_VARIABLES, "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(var, raising=False)
     cpu = torchhal.get_platform("cpu")
     real_incarnation = group_module._incarnation
 
@@ -505,6 +507,34 @@ def test_a_default_named_init_group_inside_one_on_the_same_thread_is_refused_as_
     monkeypatch.setattr(group_module, "_incarnation", real_incarnation)
     group = init_group(cpu)  # the refusal left the naming free
     group.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_inside_a_default_named_init_group_unwinds_with_its_own_error(monkeypatch):
+    # The child's init_group releases the lock it took, not the fresh one the fork gave it
+    # (releasing that raised "release unlocked lock" over the child's own error).
+    for var in (*RANK_VARIABLES, "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(var, raising=False)
+    real_incarnation = group_module._incarnation
+
+    def forks(store: dist.Store, name: str, world_size: int) -> str:
+        if os.fork() == 0:
+            raise KeyError("the child's own error")  # the child unwinds through init_group
+        return real_incarnation(store, name, world_size)
+
+    monkeypatch.setattr(group_module, "_incarnation", forks)
+    parent = os.getpid()
+    try:
+        group = init_group(torchhal.get_platform("cpu"))
+    except KeyError:
+        os._exit(0 if os.getpid() != parent else 9)  # the child, its own error: as it should be
+    except BaseException:
+        if os.getpid() != parent:
+            os._exit(1)  # the child, another error in place of its own
+        raise
+    group.close()
+    _, status = os.wait()
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")

@@ -169,8 +169,11 @@ def init_group(
     index = platform.device_for_rank(placement.local_rank, placement.local_world_size)
     connect = _rendezvous(placement, timeout) if store is None else lambda: store
     if name is None:
-        # Non-blocking: waiting would number the groups in whichever order the threads ran.
-        if not _default_naming.acquire(blocking=False):
+        # This call's own lock: a fork inside the call gives the child a fresh one, and the
+        # child must release the one it holds. Non-blocking: waiting would number the groups
+        # in whichever order the threads ran.
+        naming = _default_naming
+        if not naming.acquire(blocking=False):
             if _default_naming_thread == threading.get_ident():  # e.g. a plugin's communicator hook
                 raise ValueError("name = None: init_group was called from inside a default-named init_group on the "
                                  "same thread, which would take the outer group's name; pass name= to the inner one")
@@ -184,7 +187,7 @@ def init_group(
             return group
         finally:
             _default_naming_thread = None
-            _default_naming.release()
+            naming.release()
     return _make_group(platform, placement, index, connect, name, timeout)
 
 
