@@ -509,7 +509,7 @@ def gemv_eviction_lever(engine: GenerationEngine, generate: Callable[[list[list[
             for label, kernel in kernels.items():
                 cuda_linear._gemv_kernel = kernel
                 engine.decode_runner.capture()  # the GEMVs are captured inside the decode graphs
-                for cell in ("32x1", "3968x1", "16000x1"):
+                for cell in ran(("32x1", "3968x1", "16000x1"), prompts):
                     new = PROMPTS[len(prompts[cell][0])]
                     e2e_s, tokens = median_run(lambda p=prompts[cell], n=new: generate(p, n), 1, 3, sync)
                     prefill_s, _ = median_run(lambda p=prompts[cell]: generate(p, 1), 1, 3, sync)
@@ -532,11 +532,17 @@ def gemv_eviction_lever(engine: GenerationEngine, generate: Callable[[list[list[
     return result
 
 
+def ran(cells: tuple[str, ...], prompts: dict[str, list[list[int]]]) -> list[str]:
+    """The cells a lever names that this run has prompts for (`--tiny` keeps the short ones)."""
+    return [cell for cell in cells if cell in prompts]
+
+
 def prefill_medians(generate: Callable[[list[list[int]], int], list[list[int]]], prompts: dict[str, list[list[int]]],
                     cells: tuple[str, ...], sync: Callable[[], None]) -> dict[str, Any]:
-    """Prefill alone (median of 5 after a warm-up) and the first 8 tokens, per cell."""
+    """Prefill alone (median of 5 after a warm-up) and the first 8 tokens, per cell (those of
+    `cells` that `prompts` holds: `--tiny` keeps the short ones)."""
     rows: dict[str, Any] = {}
-    for cell in cells:
+    for cell in ran(cells, prompts):
         seconds, _ = median_run(lambda p=prompts[cell]: generate(p, 1), 1, 5, sync)
         rows[cell] = {"prefill_s": seconds, "tokens": generate(prompts[cell], 8)}
     return rows
@@ -565,7 +571,7 @@ def write_kv_lever(engine: GenerationEngine, generate: Callable[[list[list[int]]
             engine.decode_runner.capture()  # the write is captured inside the decode graphs
             prefill = prefill_medians(generate, prompts, ("32x1", "32x8", "3968x8"), sync)
             decode = {}
-            for cell, steps in (("32x1", 32), ("16000x8", 16)):
+            for cell, steps in ((c, n) for c, n in (("32x1", 32), ("16000x8", 16)) if c in prompts):
                 raw = pure_decode(engine, prompts[cell], steps, folder, f"{label}_{cell}", True,
                                   shape["num_hidden_layers"])
                 decode[cell] = {"span_ms": raw["span_us"] / 1e3, "device_ms": raw["busy_us"] / 1e3,
@@ -629,7 +635,7 @@ def linear_kernel_lever(engine: GenerationEngine, generate: Callable[[list[list[
             assert engine.decode_runner is not None
             engine.decode_runner.capture()  # the projections are captured inside the decode graphs
             rows: dict[str, Any] = {}
-            for cell, steps in (("32x1", 32), ("16000x1", 16)):
+            for cell, steps in ((c, n) for c, n in (("32x1", 32), ("16000x1", 16)) if c in prompts):
                 new = PROMPTS[len(prompts[cell][0])]
                 e2e_s, _ = median_run(lambda p=prompts[cell], n=new: generate(p, n), 1, 3, sync)
                 raw = pure_decode(engine, prompts[cell], steps, folder, f"{label}_{cell}", True,
