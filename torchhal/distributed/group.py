@@ -146,8 +146,8 @@ def init_group(
     store). `name` keeps two groups in one store apart (default: one per call, numbered in
     call order, which every rank must then follow). Threads have no call order: a default-named
     call while another thread is inside one is refused, so pass `name=` to each group when
-    threads make groups (a default-named call from inside one, on its thread, is refused too). The rank's device is
-    `platform.device_for_rank` and is made current. A collective on a dead or hung peer
+    threads make groups (a default-named call from inside one, on its thread, is refused too).
+    The rank's device is `platform.device_for_rank` and is made current. A collective on a dead or hung peer
     raises `CollectiveError` (within `timeout` on gloo). Call `close()` before exiting; a
     group made again under a closed one's name, on the same store, is a new group.
     Bad arguments are refused before anything is touched (the device, the store, the names).
