@@ -116,6 +116,8 @@ SCENARIOS = (("decode_1x32", "32x1", 32), ("decode_1x16000", "16000x1", 16), ("d
              ("prefill_1x3968", "3968x1", 0), ("prefill_8x3968", "3968x8", 0), ("prefill_1x16000", "16000x1", 0),
              ("prefill_32x32", "32x32", 0))
 TINY_SCENARIOS = (("decode_1x32", "32x1", 4), ("prefill_32x32", "32x32", 0))
+#: Decode steps a lever profiles per cell: the decode scenarios' own counts.
+DECODE_STEPS = {cell: steps for _, cell, steps in SCENARIOS if steps}
 CLASSES = ("gemm", "attention", "norm", "elementwise", "copy", "other")
 LEVERS = ("prefill_graphs", "linear_kernel", "write_kv_kernel", "whole_prompt_admission", "flash_prefill_runs",
           "decode_splits", "gemv_eviction")
@@ -488,20 +490,13 @@ def decode_splits_lever(engine: GenerationEngine, generate: Callable[[list[list[
     return result
 
 
-def plain_gemv_kernel() -> Any:
-    """The platform GEMV before its weights were loaded evict-first (the lever's 'before')."""
-    if _plain_gemv is None:
-        raise RuntimeError("the GEMV eviction lever needs Triton")
-    return _plain_gemv
-
-
 def gemv_eviction_lever(engine: GenerationEngine, generate: Callable[[list[list[int]], int], list[list[int]]],
                         prompts: dict[str, list[list[int]]], sync: Callable[[], None],
                         rounds: int = 3) -> dict[str, Any]:
     """The GEMV with plain weight loads against evict-first ones, alternating, graphs re-captured."""
-    from torchhal.plugins import cuda_linear
+    from torchhal.plugins import cuda_linear  # imports Triton: _plain_gemv is defined too
 
-    kernels = {"before_plain_loads": plain_gemv_kernel(), "after_evict_first": cuda_linear._gemv_kernel}
+    kernels = {"before_plain_loads": _plain_gemv, "after_evict_first": cuda_linear._gemv_kernel}
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {label: {} for label in kernels}
     assert engine.decode_runner is not None
     try:
@@ -571,8 +566,8 @@ def write_kv_lever(engine: GenerationEngine, generate: Callable[[list[list[int]]
             engine.decode_runner.capture()  # the write is captured inside the decode graphs
             prefill = prefill_medians(generate, prompts, ("32x1", "32x8", "3968x8"), sync)
             decode = {}
-            for cell, steps in ((c, n) for c, n in (("32x1", 32), ("16000x8", 16)) if c in prompts):
-                raw = pure_decode(engine, prompts[cell], steps, folder, f"{label}_{cell}", True,
+            for cell in ran(("32x1", "16000x8"), prompts):
+                raw = pure_decode(engine, prompts[cell], DECODE_STEPS[cell], folder, f"{label}_{cell}", True,
                                   shape["num_hidden_layers"])
                 decode[cell] = {"span_ms": raw["span_us"] / 1e3, "device_ms": raw["busy_us"] / 1e3,
                                 "kernels": sum(count for _, count in raw["kernels"].values()), "tokens": raw["tokens"]}
@@ -635,10 +630,10 @@ def linear_kernel_lever(engine: GenerationEngine, generate: Callable[[list[list[
             assert engine.decode_runner is not None
             engine.decode_runner.capture()  # the projections are captured inside the decode graphs
             rows: dict[str, Any] = {}
-            for cell, steps in ((c, n) for c, n in (("32x1", 32), ("16000x1", 16)) if c in prompts):
+            for cell in ran(("32x1", "16000x1"), prompts):
                 new = PROMPTS[len(prompts[cell][0])]
                 e2e_s, _ = median_run(lambda p=prompts[cell], n=new: generate(p, n), 1, 3, sync)
-                raw = pure_decode(engine, prompts[cell], steps, folder, f"{label}_{cell}", True,
+                raw = pure_decode(engine, prompts[cell], DECODE_STEPS[cell], folder, f"{label}_{cell}", True,
                                   shape["num_hidden_layers"])
                 rows[cell] = {"e2e_s": e2e_s, "new_tokens": new, "span_ms": raw["span_us"] / 1e3,
                               "device_ms": raw["busy_us"] / 1e3,
