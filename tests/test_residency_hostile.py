@@ -494,3 +494,146 @@ def test_custom_sigmas_or_timesteps_set_the_denoising_steps():
             managed(**call_kwargs(), **{schedule: values})
     assert managed.manager.trace.last_request()[0]["uses"] == 7  # refused before any request started
     managed.close()
+
+
+# -- dtypes a use casts in place, layers named twice, custom trace fields --------------------------
+
+class Projected(nn.Module):
+    """A weight outside the layer list (resident under layerwise) in front of a stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj_in = nn.Linear(4, 4)
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj_in(x.to(self.proj_in.weight.dtype))
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("placement", ["resident", "layerwise"])
+def test_a_use_without_a_dtype_runs_as_registered_after_one_with_a_dtype(placement):
+    model = Projected()
+    strategy = LayerwiseStrategy(1) if placement == "layerwise" else ResidentStrategy()
+    manager = ResidencyManager({"m": model}, {"m": strategy})
+    stages = [Stage("cast", (ComponentUse("m", phase="bf16", dtype=torch.bfloat16),)),
+              Stage("plain", (ComponentUse("m", phase="plain"),))]
+    x = torch.randn(2, 4)
+    with torch.no_grad(), manager.request(stages):
+        with manager.use_component("m", "bf16") as m:
+            assert m(x).dtype == torch.bfloat16
+        with manager.use_component("m", "plain") as m:
+            assert m.proj_in.weight.dtype == torch.float32  # cast back, not left in bfloat16
+            assert m(x).dtype == torch.float32
+    manager.close()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # close leaves it as registered
+
+
+def layers_named_twice(case: str) -> tuple[nn.Module, tuple[str, ...]]:
+    """A module and layer lists in which some layer's weights are streamed twice."""
+    model = nn.Module()
+    if case == "one list twice":
+        model.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+        return model, ("layers", "layers")
+    if case == "one layer repeated":
+        one = nn.Linear(4, 4)
+        model.layers = nn.ModuleList([one, one, one])
+        return model, ("layers",)
+    model.layers = nn.ModuleList([nn.Sequential(nn.Linear(4, 4)) for _ in range(2)])  # "a list inside another"
+    model.inner = nn.ModuleList([model.layers[0][0], model.layers[1][0]])
+    return model, ("layers", "inner")
+
+
+@pytest.mark.parametrize("case", ["one list twice", "one layer repeated", "a list inside another"])
+def test_layerwise_refuses_layers_that_hold_the_same_weights(case):
+    model, layers = layers_named_twice(case)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"component 'm': streamed layers 0 and \d hold the same weights .*"
+                                         r"name each layer once"):
+        ResidencyManager({"m": model}, {"m": LayerwiseStrategy(1, layers)})
+    assert snapshot(model) == before
+
+
+def test_a_trace_with_a_strategys_own_fields_exports_as_json(tmp_path):
+    import json
+
+    manager = ResidencyManager({"enc": nn.Linear(4, 4)}, {"enc": "offload"})
+    manager.event("cast", "enc", dtype=torch.bfloat16)  # a custom strategy may report any value
+    path = tmp_path / "trace.json"
+    manager.trace.export(str(path))
+    events = json.loads(path.read_text())
+    assert [e["dtype"] for e in events if e["kind"] == "cast"] == ["torch.bfloat16"]
+    manager.close()
+
+
+def test_positional_arguments_set_the_uses_as_keywords_do():
+    flux_pipeline, call_kwargs = flux()
+    from torchhal.core.residency.diffusers import ManagedPipeline
+
+    keywords = call_kwargs(steps=3)
+    expected = flux_pipeline()(**call_kwargs(steps=3)).images
+    order = ("prompt", "prompt_2", "negative_prompt", "negative_prompt_2", "true_cfg_scale", "height", "width",
+             "num_inference_steps")  # FluxPipeline.__call__'s first parameters
+    defaults = {"prompt_2": None, "negative_prompt": None, "negative_prompt_2": None, "true_cfg_scale": 1.0}
+    positional = [keywords.pop(name) if name in keywords else defaults[name] for name in order]
+    managed = ManagedPipeline(flux_pipeline(), OFFLOADED)
+    assert torch.equal(managed(*positional, **keywords).images, expected)  # three steps, not the default 28
+    assert managed.manager.trace.last_request()[0]["uses"] == 2 + 3 + 1
+    managed.close()
+
+
+def test_components_called_outside_a_pipeline_call_run_as_a_request_of_their_own():
+    flux_pipeline, call_kwargs = flux()
+    from torchhal.core.residency.diffusers import ManagedPipeline
+
+    plain, pipe = flux_pipeline(), flux_pipeline()
+    managed = ManagedPipeline(pipe, OFFLOADED)
+    prompt = call_kwargs()["prompt"]
+    with torch.no_grad():
+        expected = plain.encode_prompt(prompt=prompt, prompt_2=None, max_sequence_length=16)
+        embeds = pipe.encode_prompt(prompt=prompt, prompt_2=None, max_sequence_length=16)  # precomputed prompts
+        latents = torch.randn(1, 4, 4, 4, generator=torch.Generator().manual_seed(0))
+        decoded = pipe.vae.decode(latents).sample  # latents from an output_type="latent" call
+        assert torch.equal(decoded, plain.vae.decode(latents).sample)
+    assert all(torch.equal(a, b) for a, b in zip(embeds, expected, strict=True))
+    trace = managed.manager.trace
+    assert [e["uses"] for e in trace.of_kind("request_start")] == [1, 1, 1]  # CLIP, T5, the VAE: one use each
+    assert [e["component"] for e in trace.of_kind("release")] == ["text_encoder", "text_encoder_2", "vae"]
+    assert not managed.manager.in_request and not any(c.on_device for c in managed.manager.components.values())
+    managed(**call_kwargs())  # and the pipeline's own calls are served as before
+    managed.close()
+
+
+def test_a_pipeline_that_declares_no_component_order_asks_for_stages():
+    flux_pipeline, call_kwargs = flux()
+    from torchhal.core.residency.diffusers import ManagedPipeline
+
+    pipe = flux_pipeline()
+    pipe.model_cpu_offload_seq = None  # what DiffusionPipeline itself sets: a subclass that declares none
+    managed = ManagedPipeline(pipe, OFFLOADED)
+    with pytest.raises(ValueError, match="FluxPipeline.model_cpu_offload_seq does not name 'transformer'; pass "
+                                         "stages= to the call"):
+        managed(**call_kwargs())
+    with pytest.raises(TypeError, match="got the single stage 'all'; pass \\[stage\\]"):
+        managed(stages=Stage("all", (ComponentUse("transformer"),)), **call_kwargs())
+    assert managed.manager.trace.of_kind("request_start") == []  # neither call started a request
+    managed.close()
+
+
+def test_one_module_under_two_component_names_is_refused():
+    flux_pipeline, _ = flux()
+    from torchhal.core.residency.diffusers import ManagedPipeline
+
+    pipe = flux_pipeline()
+    pipe.text_encoder_2 = pipe.text_encoder
+    before = own_attributes_of(pipe.text_encoder)
+    with pytest.raises(ValueError, match="components 'text_encoder' and 'text_encoder_2' are the same module; "
+                                         "a managed pipeline tells uses apart by the component instance called"):
+        ManagedPipeline(pipe, {"vae": "offload"})
+    assert own_attributes_of(pipe.text_encoder) == before
+
+
+def own_attributes_of(module: nn.Module) -> set[str]:
+    return {name for name in ("forward", "encode", "decode", "_hf_hook") if name in module.__dict__}

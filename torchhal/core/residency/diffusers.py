@@ -170,7 +170,9 @@ class ManagedPipeline:
         and `calls_per_step` times each, then the decoders (unless latents are asked for). The
         steps are `num_inference_steps`, or one per value of `timesteps`/`sigmas`. A pipeline
         that runs otherwise (img2img, PNDM) needs stages= on the call."""
-        order = [n for n in getattr(self.pipeline, "model_cpu_offload_seq", "").split("->")
+        sequence = getattr(self.pipeline, "model_cpu_offload_seq", None)
+        # DiffusionPipeline itself sets it to None; a subclass that declares no order names nothing
+        order = [n for n in (sequence if isinstance(sequence, str) else "").split("->")
                  if n in self.manager.components]
         if self.denoiser not in order:
             raise ValueError(
@@ -194,10 +196,13 @@ class ManagedPipeline:
         return result
 
     def __call__(self, *args: Any, stages: Sequence[Stage] | None = None, **kwargs: Any) -> Any:
-        """Run the pipeline's own `__call__` as one request of the manager."""
+        """Run the pipeline's own `__call__` as one request of the manager. The uses are
+        derived from its arguments, positional ones included, unless `stages=` declares them."""
         if self._closed:
             raise RuntimeError("this ManagedPipeline is closed; the pipeline is a plain pipeline again")
-        declared = list(stages) if stages is not None else self.stages(**kwargs)
+        named = self._named_arguments(args, kwargs)
+        # the caller's stages as given: the manager checks them and names the fix
+        declared = stages if stages is not None else self.stages(**named)
         self._denoiser_ran = 0
         try:
             with self.manager.request(declared):
@@ -205,7 +210,7 @@ class ManagedPipeline:
         except UndeclaredUse as departed:
             if stages is not None:  # the caller's own declaration: the manager's message says it all
                 raise
-            raise UndeclaredUse(self._departure(departed, declared, kwargs), departed.component,
+            raise UndeclaredUse(self._departure(departed, declared, named), departed.component,
                                 departed.expected) from departed
 
     def close(self) -> int | None:
@@ -270,6 +275,26 @@ class ManagedPipeline:
                 f"{self.denoiser!r} derived for this call, where {expected} was declared next{fewer}; pass "
                 "stages= to the call declaring the uses it makes")
 
+    def _named_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The call's arguments by parameter name (`pipe(prompt, 30)` gives num_inference_steps=30),
+        the ones that bind to `**kwargs` included; as given when they do not bind (the pipeline's
+        own call then raises its TypeError)."""
+        if not args:
+            return kwargs
+        try:
+            signature = inspect.signature(self.pipeline.__call__)
+            bound = signature.bind_partial(*args, **kwargs)
+        except (TypeError, ValueError):
+            return kwargs
+        named: dict[str, Any] = {}
+        for name, value in bound.arguments.items():
+            kind = signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                named.update(value)
+            elif kind is not inspect.Parameter.VAR_POSITIONAL:
+                named[name] = value
+        return named
+
     def _default(self, parameter: str) -> Any:
         found = inspect.signature(self.pipeline.__call__).parameters.get(parameter)
         return None if found is None else found.default
@@ -285,6 +310,10 @@ class ManagedPipeline:
         def entry(*args: Any, **kwargs: Any) -> Any:
             if manager.in_use == name:  # e.g. AutoencoderKL.forward calling its own decode
                 return original(*args, **kwargs)
+            if not manager.in_request:  # e.g. pipe.vae.decode(latents), pipe.encode_prompt(...)
+                own = ComponentUse(name, memory_intensive=True, allow_prefetch=False)
+                with manager.request([Stage(f"{name} outside a pipeline call", (own,))]):
+                    return entry(*args, **kwargs)
             with manager.use_component(name):
                 if name == self.denoiser:  # for the message when the call departs from its uses
                     self._denoiser_ran += 1
@@ -301,7 +330,17 @@ def _modules_of(pipeline: Any) -> dict[str, nn.Module]:
             f"pipeline must be a diffusers pipeline (callable, with a .components dict of its modules), "
             f"got {type(pipeline).__name__}"
         )
-    return {name: m for name, m in components.items() if isinstance(m, nn.Module)}
+    modules = {name: m for name, m in components.items() if isinstance(m, nn.Module)}
+    first_name: dict[int, str] = {}
+    for name, module in modules.items():
+        earlier = first_name.setdefault(id(module), name)
+        if earlier != name:  # its calls could not say which component's use they are
+            raise ValueError(
+                f"{type(pipeline).__name__} components {earlier!r} and {name!r} are the same module; a managed "
+                f"pipeline tells uses apart by the component instance called: give {name!r} a module of its own, "
+                "or manage the shared one with a ResidencyManager and declared uses"
+            )
+    return modules
 
 
 def _takes_timestep(module: nn.Module) -> bool | None:

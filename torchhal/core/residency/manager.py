@@ -204,6 +204,11 @@ class ResidencyManager:
         return counts
 
     @property
+    def in_request(self) -> bool:
+        """Whether a request is running (between begin_request and its finish or failure)."""
+        return self._in_request
+
+    @property
     def in_use(self) -> str | None:
         """The component whose use is running (between begin_use and end_use), if any."""
         return None if self._active is None else self._active.component
@@ -238,7 +243,10 @@ class ResidencyManager:
             raise RuntimeError("a request is already running; call finish_request() first")
         if not isinstance(warmup, bool):  # "no" is truthy
             raise ValueError(f"warmup must be True or False, got {warmup!r}")
-        if isinstance(stages, (str, Stage)) or not isinstance(stages, Sequence):
+        if isinstance(stages, Stage):
+            raise TypeError(f"a request is declared as a list of Stage records, got the single stage "
+                            f"{stages.name!r}; pass [stage]")
+        if isinstance(stages, str) or not isinstance(stages, Sequence):
             raise TypeError(f"a request is declared as a list of Stage records, got {stages!r}")
         bad = [s for s in stages if not isinstance(s, Stage)]
         if bad:

@@ -99,13 +99,18 @@ class ResidencyStrategy:
         component.module.to("cpu")
 
 
-def _cast_on_device(module: nn.Module, dtype: torch.dtype | None, skip: frozenset[int] = frozenset()) -> None:
-    """Cast device-resident floating parameters in place (their storage is the only copy)."""
-    if dtype is None:
-        return
+def _floating_dtypes(module: nn.Module, skip: frozenset[int] = frozenset()) -> dict[int, torch.dtype]:
+    """Each floating parameter's dtype by id: what a use with dtype None casts back to."""
+    return {id(p): p.dtype for p in module.parameters() if id(p) not in skip and p.dtype.is_floating_point}
+
+
+def _cast_on_device(module: nn.Module, dtype: torch.dtype | None, registered: dict[int, torch.dtype]) -> None:
+    """Cast device-resident floating parameters in place (their storage is the only copy) to
+    the use's dtype, or with dtype None back to the dtype each was registered in."""
     for param in module.parameters():
-        if id(param) not in skip and param.dtype.is_floating_point and param.dtype != dtype:
-            param.data = param.data.to(dtype)
+        want = registered.get(id(param)) if dtype is None or id(param) not in registered else dtype
+        if want is not None and param.dtype != want:
+            param.data = param.data.to(want)
 
 
 def _check_one_block(component: str, part: str, params: list[nn.Parameter], if_empty: str) -> None:
@@ -129,17 +134,27 @@ def _buffers_to(module: nn.Module, device: torch.device) -> None:
 
 
 class ResidentStrategy(ResidencyStrategy):
-    """Stays on the device. A use's dtype casts it in place (narrowing loses precision)."""
+    """Stays on the device. A use's dtype casts it in place (narrowing loses precision); a use
+    with none, and close, cast it back to the dtypes it was registered in."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, torch.dtype] = {}
 
     def copied_bytes(self) -> int | None:
         return 0  # placed once at registration, never copied per request
 
     def attach(self, manager: StrategyHost, component: ComponentState) -> None:
+        self.registered = _floating_dtypes(component.module)
         component.module.to(manager.device)
 
     def load(self, manager: StrategyHost, component: ComponentState, stream: Any | None) -> int:
-        _cast_on_device(component.module, component.dtype)
+        _cast_on_device(component.module, component.dtype, self.registered)
         return 0
+
+    def detach(self, manager: StrategyHost, component: ComponentState) -> None:
+        _cast_on_device(component.module, None, self.registered)
+        super().detach(manager, component)
+        self.registered = {}
 
 
 class OffloadStrategy(ResidencyStrategy):
@@ -269,6 +284,8 @@ class LayerwiseStrategy(ResidencyStrategy):
         self.rest_blocks: dict[str, list[WeightBlock]] = {}
         self.released_bytes = 0  # bytes streamed out since the run of uses began
         self.hooks: list[Any] = []
+        #: rest="resident": the non-layer weights' registered dtypes (uses cast them in place)
+        self.registered: dict[int, torch.dtype] = {}
 
     def _find_layers(self, component: ComponentState) -> list[nn.Module]:
         layers: list[nn.Module] = []
@@ -293,9 +310,20 @@ class LayerwiseStrategy(ResidencyStrategy):
         if self.hooks:
             raise ValueError(f"this LayerwiseStrategy already serves a component; pass a new one for "
                              f"{component.name!r}")
+        holder: dict[int, int] = {}  # parameter id -> the first streamed layer holding it
         for index, layer in enumerate(layers):
-            _check_one_block(component.name, f"streamed layer {index}", list(layer.parameters()),
+            params = list(layer.parameters())
+            _check_one_block(component.name, f"streamed layer {index}", params,
                              "name only layer lists whose layers hold weights (layers_attr)")
+            for p in params:
+                first = holder.setdefault(id(p), index)
+                if first != index:  # two blocks would stream one weight into two buffers, racing
+                    raise ValueError(
+                        f"component {component.name!r}: streamed layers {first} and {index} hold the same weights "
+                        f"(layers_attr={self.layers_attr!r} names a layer twice, a list inside another, or a "
+                        "list that repeats one layer); name each layer once, or keep a component whose layers "
+                        "share weights resident or offloaded"
+                    )
 
     def attach(self, manager: StrategyHost, component: ComponentState) -> None:
         module = component.module
@@ -304,6 +332,7 @@ class LayerwiseStrategy(ResidencyStrategy):
         if self.rest == "on_call":
             self.rest_blocks = _rest_groups(module, layers, layer_params, manager)
         else:
+            self.registered = _floating_dtypes(module, skip=frozenset(layer_params))
             for p in module.parameters():  # non-layer parameters stay resident
                 if id(p) not in layer_params:
                     p.data = p.data.to(manager.device)
@@ -321,8 +350,7 @@ class LayerwiseStrategy(ResidencyStrategy):
     def load(self, manager: StrategyHost, component: ComponentState, stream: Any | None) -> int:
         if self.rest == "on_call":  # only the weights no submodule call would bring in
             return self._load_rest(manager, component, "")
-        skip = frozenset(id(p) for layer in self.layers for p in layer.parameters())
-        _cast_on_device(component.module, component.dtype, skip=skip)
+        _cast_on_device(component.module, component.dtype, self.registered)  # layers: not registered
         return 0  # layers stream in as they run
 
     def release(self, manager: StrategyHost, component: ComponentState) -> int:
@@ -342,6 +370,7 @@ class LayerwiseStrategy(ResidencyStrategy):
     def detach(self, manager: StrategyHost, component: ComponentState) -> None:
         for handle in self.hooks:
             handle.remove()
+        _cast_on_device(component.module, None, self.registered)  # rest="resident": back as registered
         super().detach(manager, component)  # releases what attach made, however far it got
         self._unattached()
 

@@ -61,7 +61,7 @@ class ResidencyTrace:
 
     def export(self, path: str) -> None:
         with open(path, "w") as f:
-            json.dump(self.events, f, indent=1)
+            json.dump(self.events, f, indent=1, default=str)  # a strategy's own fields (a dtype, say)
 
     def plot_memory_timeline(self, path: str) -> None:
         """PNG of device memory over the events, every empty_cache marked (needs matplotlib)."""
