@@ -193,7 +193,7 @@ def test_open_producers_are_bounded_and_dropped_when_they_close():
     assert consumer.receive(survivor).tolist() == [1.0] * 3
     producers[3].close()
     consumer.close()
-    with pytest.raises(ValueError, match="max_producers 0"):
+    with pytest.raises(ValueError, match="max_producers = 0"):
         Consumer(0, max_producers=0)
 
 
@@ -488,3 +488,58 @@ def test_ref_counter_names_are_torch_names_not_the_drivers_ipc_files():
                 _check_refcount_file(name, 0)
     finally:
         os.unlink(f"/dev/shm/{driver_file}")
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("alignment", -512, r"TransportConfig.alignment = -512 must be an int >= 16"),
+    ("alignment", 0, r"TransportConfig.alignment = 0 must be an int >= 16"),
+    ("alignment", 24, r"TransportConfig.alignment = 24 must be a multiple of 16 bytes"),
+    ("consumers", 0, r"TransportConfig.consumers = 0 must be an int >= 1"),
+    ("max_slices", 0, r"TransportConfig.max_slices = 0 must be an int >= 1"),
+    ("workers", True, r"TransportConfig.workers = True must be an int >= 1"),
+    ("budget_bytes", "1G", r"TransportConfig.budget_bytes = '1G' must be an int >= 0"),
+    ("interprocess_events", "no", r"TransportConfig.interprocess_events = 'no' must be True or False"),
+])
+def test_a_bad_transport_config_is_refused_when_it_is_made(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        small(**{field: value})
+
+
+def test_bad_input_to_the_ends_is_refused_without_taking_anything():
+    producer = Producer(small())
+    slots, free = len(producer._free_slots), producer.free_bytes
+    for bad in ([1.0, 2.0], None):
+        with pytest.raises(TypeError, match="send\\(\\) takes a torch.Tensor, got a"):
+            producer.send(bad)  # type: ignore[arg-type]
+    assert (len(producer._free_slots), producer.free_bytes) == (slots, free)
+    message = producer.send(torch.ones(3))
+    producer.close()
+    producer.close()  # a second close does nothing
+    with pytest.raises(RuntimeError, match="this Producer is closed"):
+        producer.send(torch.ones(3))
+    for keyword, value, text in (("rank", -1, "rank = -1 must be an int >= 0"),
+                                 ("rank", "1", "rank = '1' must be an int >= 0"),
+                                 ("max_producers", "3", "max_producers = '3' must be an int >= 1"),
+                                 ("device_index", 7, "device_index = 7, but platform 'cpu' has 1 device"),
+                                 ("copy_stream", "yes", "copy_stream = 'yes' must be True or False")):
+        with pytest.raises(ValueError, match=text):
+            Consumer(**{keyword: value})
+    consumer = Consumer()
+    consumer.close()
+    with pytest.raises(RuntimeError, match="this Consumer is closed"):
+        consumer.receive(message)
+    assert consumer.open_producers == 0  # nothing was reopened
+
+
+def test_a_host_message_names_its_block_from_the_first_byte():
+    producer = Producer(small())
+    with pytest.warns(UserWarning, match="sending through host shared memory"):
+        message = producer.send(torch.arange(2 * MiB // 4, dtype=torch.float32))  # over the 1 MiB pool
+    assert fields(message)["kind"] == "host" and fields(message)["offset"] == 0
+    consumer = Consumer()
+    for offset in (8, 10**9):
+        with pytest.raises(TransportError, match=f"'offset' = {offset} must be 0 in a host message"):
+            consumer.receive(forge(message, offset=offset))
+    assert consumer.receive(message)[:3].tolist() == [0.0, 1.0, 2.0]
+    consumer.close()
+    producer.close()

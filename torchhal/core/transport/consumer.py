@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from torchhal.core.devices import check_device_index
 from torchhal.core.transport._shm import Control, SharedFile, control_name, pid_alive
 from torchhal.core.transport.messages import TensorMessage, TransportError, handle_fingerprint
 from torchhal.platforms import IpcHandle, IpcHandleError, Platform, current_platform
@@ -50,11 +51,16 @@ class _OpenProducer:
 class Consumer:
     def __init__(self, rank: int = 0, platform: Platform | None = None, device_index: int | None = None,
                  max_producers: int = MAX_OPEN_PRODUCERS, copy_stream: bool = False) -> None:
-        if max_producers < 1:
-            raise ValueError(f"max_producers {max_producers} must be >= 1")
+        for name, value, minimum in (("rank", rank, 0), ("max_producers", max_producers, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} = {value!r} must be an int >= {minimum}"
+                                 + (" (this consumer's index among the producer's TransportConfig.consumers)"
+                                    if name == "rank" else ""))
+        if not isinstance(copy_stream, bool):
+            raise ValueError(f"copy_stream = {copy_stream!r} must be True or False")
         self.rank = rank
         self.platform = platform or current_platform()
-        self.device_index = self.platform.current_device() if device_index is None else device_index
+        self.device_index = check_device_index(self.platform, device_index, "device_index")
         self.max_producers = max_producers
         self._open: OrderedDict[str, _OpenProducer] = OrderedDict()  # by pool id
         # copy_stream: copies run on a side stream the caller's stream then waits for (an
@@ -67,6 +73,7 @@ class Consumer:
         self._kept_views = 0  # views kept over all producers (see _kept_view)
         self._spare_events: dict[int, list[Any]] = {}  # done events to reuse, by device (events keep theirs)
         self._lock = threading.Lock()
+        self._closed = False
 
     def receive(self, message: Any, copy: bool = True) -> torch.Tensor:
         """Rebuild the tensor on this consumer's device and acknowledge it.
@@ -81,6 +88,8 @@ class Consumer:
         Any problem with the message raises `TransportError` (the cause chained); only an
         out-of-memory error of the copy itself propagates as the platform's OOM error.
         """
+        if self._closed:
+            raise RuntimeError("this Consumer is closed; make a new one to receive more")
         try:
             return self._receive(message, copy)
         except TransportError:
@@ -332,6 +341,7 @@ class Consumer:
         return host.to(self.platform.device(self.device_index)).contiguous()
 
     def close(self) -> None:
+        self._closed = True
         self.flush_acks(wait=True)  # the copies already returned are done: let producers recycle them
         with self._lock:
             for entry in self._open.values():

@@ -139,6 +139,8 @@ class TensorMessage(NamedTuple):
             raise TransportError(f"message field 'event' = {event!r:.80} is not a bool")
         if event and kind != "pool":
             raise TransportError("only pool messages carry an event")
+        if kind == "host" and offset:  # a host block holds one tensor, from its first byte
+            raise TransportError(f"message field 'offset' = {offset} must be 0 in a host message")
         if type(shape) is not tuple:
             if type(shape) is not list:
                 raise TransportError(f"message field 'shape' = {shape!r:.80} is not a sequence of ints")

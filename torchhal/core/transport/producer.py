@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from torchhal.core.devices import check_device_index
 from torchhal.core.transport._shm import Control, SharedFile, host_name, new_pool_id, reclaim_orphans
 from torchhal.core.transport.messages import checked_contiguous_stride, handle_record
 from torchhal.platforms import IpcEvents, IpcHandle, Platform, current_platform
@@ -35,6 +36,9 @@ BUDGET_SETTING = "TransportConfig.budget_bytes"
 RECLAIM_EVERY = 32
 #: pool slice views kept for reuse (by offset, dtype and shape); past it they start over.
 MAX_KEPT_VIEWS = 1024
+#: slices start on multiples of this (and of TransportConfig.alignment, a multiple of it): the
+#: widest element any sent dtype has, so a slice is a whole number of elements from the pool's start.
+SLICE_ALIGNMENT = 16
 
 
 def pool_size(budget_bytes: int, workers: int, floor: int = POOL_FLOOR_BYTES) -> int:
@@ -56,13 +60,30 @@ class TransportConfig:
     #: copy on the host, as on platforms without them; for comparison).
     interprocess_events: bool = True
 
+    def __post_init__(self) -> None:
+        least = {"budget_bytes": 0, "workers": 1, "consumers": 1, "max_slices": 1, "pool_floor_bytes": 1,
+                 "alignment": SLICE_ALIGNMENT}
+        for name, minimum in least.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"TransportConfig.{name} = {value!r} must be an int >= {minimum}")
+        if self.alignment % SLICE_ALIGNMENT:  # every dtype's slices start on an element boundary
+            raise ValueError(f"TransportConfig.alignment = {self.alignment} must be a multiple of {SLICE_ALIGNMENT} "
+                             "bytes (the default is 512)")
+        if not isinstance(self.interprocess_events, bool):
+            raise ValueError(f"TransportConfig.interprocess_events = {self.interprocess_events!r} must be True or "
+                             "False")
+
 
 class Producer:
     def __init__(self, config: TransportConfig = TransportConfig(), platform: Platform | None = None,
                  device_index: int | None = None) -> None:
+        if not isinstance(config, TransportConfig):
+            raise TypeError(f"config = {config!r} must be a TransportConfig, "
+                            "e.g. TransportConfig(budget_bytes=1 << 30)")
         self.config = config
         self.platform = platform or current_platform()
-        self.device_index = self.platform.current_device() if device_index is None else device_index
+        self.device_index = check_device_index(self.platform, device_index, "device_index")
         self.pool_bytes = pool_size(config.budget_bytes, config.workers, config.pool_floor_bytes)
         self.reclaimed_orphans = reclaim_orphans()  # files of producers that died without close()
         self.pool_id = new_pool_id()
@@ -93,6 +114,7 @@ class Producer:
         self._dtype_names: dict[torch.dtype, str] = {}
         self._sends_since_reclaim = 0
         self._lock = threading.Lock()
+        self._closed = False
 
     # slices -------------------------------------------------------------------------------
     def _allocate(self, nbytes: int) -> int | None:
@@ -157,6 +179,11 @@ class Producer:
         With interprocess events the copy may still be running when this returns (it is
         queued on the pool device's current stream); the consumer's stream waits for it.
         """
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"send() takes a torch.Tensor, got a {type(tensor).__name__}; convert it first "
+                            "(torch.as_tensor)")
+        if self._closed:
+            raise RuntimeError("this Producer is closed; make a new one to send more")
         # Detached: the copy into the pool must join no autograd graph, reverse or forward
         # (a forward-mode tangent would give the whole pool view a tangent of its size).
         source = tensor.detach().contiguous()
@@ -268,6 +295,11 @@ class Producer:
         return block.name
 
     def close(self) -> None:
+        """Unlink the pool, the control block and the host blocks (messages not yet received
+        can no longer be); a second close does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         for event in self._slot_events.values():
             event.synchronize()  # its last copy done before the event (and the pool) go away
         self._slot_events.clear()
