@@ -411,3 +411,17 @@ def test_a_single_rank_group_needs_no_rendezvous_and_its_collectives_are_identit
     with pytest.raises(ValueError, match="'avg'"):
         group.comm.all_reduce(t, "avg")  # type: ignore[arg-type]
     group.close()
+
+
+def test_a_closed_group_of_one_rank_refuses_collectives_too(monkeypatch):
+    from torchhal.distributed import CollectiveError, init_group
+
+    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(variable, raising=False)
+    group = init_group(rank=0, world_size=1, name="solo")
+    assert group.comm.all_reduce(torch.ones(2)).tolist() == [1.0, 1.0]  # open: answered without a backend call
+    group.close()
+    for call in (lambda: group.comm.all_reduce(torch.ones(2)), lambda: group.comm.all_gather(torch.ones(2)),
+                 lambda: group.comm.broadcast(torch.ones(2), 0), lambda: group.host.all_gather(torch.ones(2))):
+        with pytest.raises(CollectiveError, match="group 'solo(/host)?' is closed"):
+            call()

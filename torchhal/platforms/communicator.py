@@ -92,6 +92,7 @@ class TorchCommunicator:
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> torch.Tensor:
         if op not in _TORCH_OPS:
             raise ValueError(f"all_reduce(op={op!r}): choose one of {', '.join(REDUCE_OPS)}")
+        self._check_open(f"all_reduce(op={op!r})")
         if self.world_size == 1:
             return tensor
         options = dist.AllreduceOptions()
@@ -112,6 +113,7 @@ class TorchCommunicator:
                     f"all_gather(sizes={extents}): give one non-negative int per rank ({self.world_size}), "
                     f"this rank's ({self.rank}) equal to its tensor's extent {tensor.shape[dim]} along dim {dim}"
                 )
+        self._check_open("all_gather")
         if self.world_size == 1:
             return tensor
         if sizes is not None:
@@ -132,6 +134,7 @@ class TorchCommunicator:
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         self._check_peer(src, "broadcast(src=...)")
+        self._check_open(f"broadcast(src={src})")
         if self.world_size == 1:
             return tensor
         options = dist.BroadcastOptions()
@@ -149,11 +152,15 @@ class TorchCommunicator:
         self._complete(f"recv(src={src})", lambda: self.backend.recv([tensor], src, 0))
         return tensor
 
-    def _complete(self, call: str, issue: Callable[[], Any]) -> None:
-        """Issue a backend call and wait for it; a backend failure becomes one CollectiveError."""
+    def _check_open(self, call: str) -> None:
+        """Refuse a call on a closed group, a group of one included (it needs no backend to answer)."""
         if self.backend is None:
             raise CollectiveError(f"{call}: group {self.name or '?'!r} is closed (DeviceGroup.close); "
                                   "make a new group with init_group")
+
+    def _complete(self, call: str, issue: Callable[[], Any]) -> None:
+        """Issue a backend call and wait for it; a backend failure becomes one CollectiveError."""
+        self._check_open(call)
         try:
             issue().wait()
         except RuntimeError as exc:  # torch's DistBackendError / DistError are RuntimeErrors
