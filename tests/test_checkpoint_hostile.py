@@ -478,3 +478,20 @@ def test_a_file_moved_outside_between_resolving_and_opening_is_refused(good, can
     monkeypatch.setattr(checkpoint, "_resolve", resolve_then_swap)
     refused(good, "model.safetensors: opened .*elsewhere/x.safetensors, outside the checkpoint directory",
             iter_checkpoint_tensors)
+
+
+@pytest.mark.parametrize(("keyword", "value", "message"), [
+    ("dtype", "bfloat16", r"dtype = 'bfloat16' is not a dtype the model runs in; pass one of torch.float16, "
+                          r"torch.bfloat16, torch.float32, or None"),
+    ("dtype", torch.int8, r"dtype = torch.int8 is not a dtype the model runs in"),
+    ("dtype", torch.float8_e4m3fn, r"dtype = torch.float8_e4m3fn is not a dtype the model runs in"),
+    ("device", "bfloat16", r"device = 'bfloat16' is not a torch device; pass e.g. 'cuda:0'"),
+    ("device", 3.5, r"device = 3.5 is not a torch device"),
+])
+def test_a_bad_dtype_or_device_is_refused_before_anything_is_read(tmp_path, monkeypatch, keyword, value, message):
+    path = write_checkpoint(tmp_path / "model")
+    import torchhal.core.model.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "read_hf_config", lambda *a, **k: pytest.fail("the checkpoint was read"))
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(path, **{keyword: value})

@@ -353,3 +353,59 @@ def test_from_checkpoint_refuses_an_end_token_outside_the_vocabulary_before_read
     monkeypatch.setattr(checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("a weight was read"))
     with pytest.raises(ValueError, match=r"end-of-sequence token\(s\) \[64\] are outside the model's vocabulary"):
         GenerationEngine.from_checkpoint(tmp_path, EngineConfig(max_kv_slots=512, eos_token=64))
+
+
+# -- the config and the model given to the engine ------------------------------------------------
+@pytest.mark.parametrize("config", [torch.bfloat16, {"dtype": torch.bfloat16}, "bfloat16", SMALL, None])
+def test_a_config_that_is_not_an_engine_config_is_refused_naming_it(config: object) -> None:
+    model = ReferenceDecoder(SMALL)
+    before = params_snapshot(model)
+    with pytest.raises(TypeError, match=rf"config = .* is a {type(config).__name__}, not an EngineConfig; pass e\.g\. "
+                                        r"EngineConfig\(dtype=torch.bfloat16\)"):
+        GenerationEngine(config, model=model)  # type: ignore[arg-type]
+    assert_untouched(model, before)
+
+
+def test_from_checkpoint_refuses_a_config_that_is_not_an_engine_config_before_reading(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    import torchhal.core.model.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("a weight was read"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "intermediate_size": 48, "max_position_embeddings": 256,
+    }))
+    for config in (torch.bfloat16, "", {}):  # a falsy one too: not silently replaced by the defaults
+        with pytest.raises(TypeError, match="not an EngineConfig"):
+            GenerationEngine.from_checkpoint(tmp_path, config)  # type: ignore[arg-type]
+
+
+def test_a_model_serves_one_engine_at_a_time() -> None:
+    model = ReferenceDecoder(SMALL)
+    first = GenerationEngine(EngineConfig(max_kv_slots=512), model=model)
+    cache = model.kv
+    with pytest.raises(ValueError, match="model ReferenceDecoder already serves another GenerationEngine, which set "
+                                         r"its KV cache; give each engine its own model .*copy.deepcopy\(model\)"):
+        GenerationEngine(EngineConfig(max_kv_slots=256), model=model)
+    assert model.kv is cache  # the first engine's cache is still the model's
+    expected = [r.output for r in GenerationEngine(EngineConfig(max_kv_slots=512), model=ReferenceDecoder(SMALL))
+                .generate([[1, 2, 3]], 4)]
+    assert [r.output for r in first.generate([[1, 2, 3]], 4)] == expected
+    del first  # dropped: the model may serve a new engine
+    assert [r.output for r in GenerationEngine(EngineConfig(max_kv_slots=512), model=model)
+            .generate([[1, 2, 3]], 4)] == expected
+
+
+def test_a_request_longer_than_a_pool_capped_by_max_kv_slots_names_max_kv_slots() -> None:
+    capped = GenerationEngine(EngineConfig(model=SMALL, max_kv_slots=16, kv_block_size=16))
+    [result] = capped.generate([[1] * 11], 9)
+    assert result.error is not None and result.error.endswith(
+        "the pool holds 1 blocks of 16; raise EngineConfig.max_kv_slots (it caps the pool at 16 tokens), "
+        "or shorten the prompt")
+
+
+def test_decode_rows_are_sized_by_the_pool_not_by_max_position() -> None:
+    huge = dataclasses.replace(SMALL, max_position=(1 << 31) - 1)
+    engine = GenerationEngine(EngineConfig(model=huge, max_kv_slots=512, kv_block_size=16))
+    assert engine.decode_rows.table.shape == (engine.max_running_requests, 512 // 16)
+    assert len(engine.generate([[1, 2, 3]], 4)[0].output) == 4

@@ -379,3 +379,33 @@ def test_nothing_the_engine_runs_records_autograd_history(monkeypatch, runner):
     e.generate(PROMPTS[:2], 3)
     assert seen and all(not tracked and not graph for _, tracked, graph in seen), seen
     assert e.model.kv.k.grad_fn is None and not e.model.kv.k.requires_grad
+
+
+@pytest.mark.parametrize("where", ["collect", "launch"])
+def test_oom_while_a_decode_window_lands_or_chains_is_handled_like_oom_in_a_step(empties, where):
+    from torchhal.core.engine import DecodeGraphConfig
+
+    graphs = DecodeGraphConfig(batch_buckets=(1, 2, 4), context_buckets=(64, 128), steps_per_sync=4, emulate=True)
+    expected = outputs_of(engine(decode_graphs=graphs), PROMPTS[:2], 20)
+    e = engine(decode_graphs=graphs)
+    rids = [e.add_request(p, 20) for p in PROMPTS[:2]]
+    e.step()  # the prefill
+    e.step()  # a decode window launched: its tokens land at the next step
+    assert e._in_flight is not None
+    runner = e.decode_runner
+    real = getattr(runner, where)
+    failed = []
+
+    def out_of_memory_once(*args, **kwargs):
+        if not failed and (where == "collect" or kwargs.get("chained")):
+            failed.append(True)
+            raise torch.OutOfMemoryError(f"simulated: decode window {where}")
+        return real(*args, **kwargs)
+
+    setattr(runner, where, out_of_memory_once)
+    assert e.step() == []  # not raised: the batch is retracted and prefills again
+    assert failed and empties == [ReleasePoint.OOM]
+    while any(rid not in e.results for rid in rids):
+        e.step()
+    assert [e.results[rid].output for rid in rids] == expected
+    assert e.blocks.available == e.blocks.num_blocks

@@ -19,10 +19,12 @@ continuous batch and each returns exactly its own results (`_serialized`).
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -134,6 +136,8 @@ class GenerationEngine:
                 f"model {type(model).__name__} lacks {', '.join(missing_model_members(model))} of the "
                 "torchhal.core.model.Model protocol"
             )
+        if model is not None:
+            check_model_unowned(model)
         # Every refusal the config alone decides comes before the model is moved or changed.
         check_engine_config(config, runner_factory)
         check_group(group)
@@ -180,7 +184,7 @@ class GenerationEngine:
         self.model.kv = self._new_kv_cache()
         self.requests = RequestBook(
             BlockAllocator(self.kv_sizing.num_blocks, config.kv_block_size), model_config.vocab_size,
-            model_config.max_position,
+            model_config.max_position, grow_pool=self.kv_sizing.how_to_grow,
         )
         self.scheduler = Scheduler(self.requests, config.max_batch_tokens, config.max_running)
         self.weights = WeightUpdater(
@@ -207,14 +211,17 @@ class GenerationEngine:
         self._eos: frozenset[int] = frozenset(eos)
         # Pure decode steps on the runner read their metadata from here: each request keeps a
         # row whose blocks are uploaded once, so a step's host work does not grow with the context.
-        self.decode_rows = BlockTable(self.max_running_requests, model_config.max_position, config.kv_block_size,
-                                      self.device, pin=self.platform.pin_memory)
+        # No request holds more tokens than the pool has slots, whatever max_position says.
+        longest = min(model_config.max_position, self.kv_sizing.num_slots)
+        self.decode_rows = BlockTable(self.max_running_requests, longest, config.kv_block_size, self.device,
+                                      pin=self.platform.pin_memory)
         self.requests.on_leave = self._forget_rows
         self.decode_runner: DecodeGraphRunner | None = None
         self.checkpoint: LoadReport | None = None  # set by from_checkpoint
         self._in_flight: _Window | None = None  # a launched decode window whose tokens have not landed
         if config.decode_graphs is not None:
             self.decode_runner = self._new_decode_runner(config.decode_graphs)
+        _ENGINE_OF_MODEL[id(self.model)] = self  # the model now holds this engine's KV cache
 
     def _free_bytes_everywhere(self) -> int | None:
         """Tensor parallel: the least free device memory of any rank, so every rank sizes the
@@ -388,7 +395,13 @@ class GenerationEngine:
         self._check_can_run()
         done: list[GenerationResult] = []
         if self._in_flight is not None:
-            done = self._advance(self._in_flight)
+            flight = self._in_flight
+            try:
+                done = self._advance(flight)
+            except Exception as exc:  # both windows' KV is back: an OOM retracts as in a step
+                if self.broken is None and self.platform.is_out_of_memory(exc):
+                    return self._handle_oom([r for r in flight.requests if r.state is RequestState.RUNNING], exc)
+                raise
             if self._in_flight is not None:  # the next window is already on the device
                 return done
         plan = self.scheduler.plan()
@@ -734,7 +747,7 @@ class GenerationEngine:
 
         check_group(group)
         hf, where = read_hf_config(path), f"{Path(path) / 'config.json'}"
-        config = config or EngineConfig(dtype=checkpoint_dtype(hf))
+        config = EngineConfig(dtype=checkpoint_dtype(hf)) if config is None else config
         check_engine_config(config, runner_factory)  # before any weight is read
         if not config.eos_tokens and config.eos_token is None:
             config = replace(config, eos_tokens=eos_token_ids(hf, where))
@@ -773,9 +786,30 @@ def check_eos_tokens(config: EngineConfig, vocab_size: int) -> None:
                          f"0..{vocab_size - 1}; no request would ever stop on them")
 
 
+#: The engine each model serves, by the model's id: an engine holds its model (so the id is
+#: not reused while the entry lives) and the entry goes with the engine.
+_ENGINE_OF_MODEL: weakref.WeakValueDictionary[int, GenerationEngine] = weakref.WeakValueDictionary()
+
+
+def check_model_unowned(model: Model) -> None:
+    """A model serves one engine: the engine sets its KV cache (`model.kv`) and moves it, so a
+    second engine would run the first one's requests on its own cache."""
+    if id(model) in _ENGINE_OF_MODEL:
+        gc.collect()  # an engine dropped inside a reference cycle is gone only after a collection
+    if id(model) in _ENGINE_OF_MODEL:
+        raise ValueError(
+            f"model {type(model).__name__} already serves another GenerationEngine, which set its KV cache; give "
+            "each engine its own model (load the checkpoint again, or copy.deepcopy(model)), or drop the first "
+            "engine"
+        )
+
+
 def check_engine_config(config: EngineConfig,
                         runner_factory: Callable[[GenerationEngine], ModelRunner] | None) -> None:
     """The refusals the engine's arguments decide alone, before anything is moved or read."""
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"config = {short_repr(config)} is a {type(config).__name__}, not an EngineConfig; pass "
+                        "e.g. EngineConfig(dtype=torch.bfloat16)")
     if runner_factory is not None and config.prefill_graphs is not None:
         raise ValueError(
             "EngineConfig.prefill_graphs and runner_factory both choose the engine's runner; pass one "

@@ -27,6 +27,14 @@ class KVPoolSizing:
     block_size: int
     bytes_per_block: int
     num_blocks: int  # blocks requests can own; the cache holds one more (the scratch block)
+    capped_by_max_slots: bool = False  # max_kv_slots, not the free memory, set num_blocks
+
+    @property
+    def how_to_grow(self) -> str:
+        """The setting that would give the pool more blocks."""
+        if self.capped_by_max_slots:
+            return f"raise EngineConfig.max_kv_slots (it caps the pool at {self.num_slots} tokens)"
+        return "raise EngineConfig.kv_fraction"
 
     @property
     def num_slots(self) -> int:
@@ -49,14 +57,15 @@ def size_kv_pool(
         raise ValueError(f"kv_fraction {fraction!r} must be in (0, 1]; e.g. 0.3 for 30% of free memory")
     free = platform.memory_info(device).free if free_bytes is None else free_bytes
     per_block = KVCache.bytes_per_block(config, dtype, block_size)
-    blocks = min(int(free * fraction) // per_block - 1, max_slots // block_size)
+    fitting = int(free * fraction) // per_block - 1
+    blocks = min(fitting, max_slots // block_size)
     if blocks < 1:
         raise MemoryError(
             f"no KV block fits: {fraction:.0%} of {free} free bytes and max_kv_slots {max_slots} leave no block of "
             f"{block_size} tokens ({per_block} bytes) beside the scratch block; raise kv_fraction or max_kv_slots, "
             "or lower kv_block_size"
         )
-    return KVPoolSizing(free, fraction, block_size, per_block, blocks)
+    return KVPoolSizing(free, fraction, block_size, per_block, blocks, capped_by_max_slots=blocks < fitting)
 
 
 class BlockAllocator:

@@ -41,9 +41,11 @@ def prompt_as_tuple(prompt: object) -> tuple[int, ...]:
 class RequestBook:
     """Owns every request from queueing to result, and the KV blocks they hold."""
 
-    def __init__(self, blocks: BlockAllocator, vocab_size: int, max_position: int) -> None:
+    def __init__(self, blocks: BlockAllocator, vocab_size: int, max_position: int,
+                 grow_pool: str = "raise EngineConfig.kv_fraction") -> None:
         self.blocks = blocks
         self.vocab_size, self.max_position = vocab_size, max_position
+        self.grow_pool = grow_pool  # the fix a request too long for the pool is told
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.results: dict[int, GenerationResult] = {}
@@ -110,7 +112,7 @@ class RequestBook:
             return []
         request.error = (
             f"request {request.rid} needs KV for {len(request.tokens)} tokens but the pool holds "
-            f"{self.blocks.num_blocks} blocks of {self.blocks.block_size}; raise kv_fraction or shorten the prompt"
+            f"{self.blocks.num_blocks} blocks of {self.blocks.block_size}; {self.grow_pool}, or shorten the prompt"
         )
         return [self.finish(request, RequestState.FAILED)]
 

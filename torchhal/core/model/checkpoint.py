@@ -708,6 +708,14 @@ def load_checkpoint(
     that work) before anything is allocated.
     """
     start = time.perf_counter()
+    if dtype is not None and dtype not in _TORCH_DTYPES.values():
+        raise ValueError(f"dtype = {short_repr(dtype)} is not a dtype the model runs in; pass one of "
+                         f"{', '.join(str(d) for d in _TORCH_DTYPES.values())}, or None for the checkpoint's own")
+    try:
+        target = torch.device(device) if device is not None else torch.device("cpu")
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device = {short_repr(device)} is not a torch device; pass e.g. 'cuda:0', "
+                         "torch.device('cpu') or platform.device()") from None
     root = Path(path)
     where = str(root / CONFIG_FILE)
     hf = read_hf_config(root)
@@ -722,7 +730,6 @@ def load_checkpoint(
     rank = _rank_shard(config, tensor_parallel, where)
     if rank is not None and rank.world_size == 1:
         rank = None
-    target = torch.device(device) if device is not None else torch.device("cpu")
     with torch.device("meta"):
         model = LlamaDecoder(config, rank).to(dtype)
     built = {name: tuple(param.shape) for name, param in model.named_parameters()}
