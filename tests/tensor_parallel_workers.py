@@ -187,5 +187,27 @@ def disagreement(group: Any, job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def wrong_shard(group: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """Every rank given rank 0's shard (a copied rank number): every rank refuses at once, in
+    the same collective, and the group still serves the right shards afterwards."""
+    import time
+
+    from torchhal.core.engine import GenerationEngine
+    from torchhal.core.model.checkpoint import load_checkpoint
+
+    shard, _ = load_checkpoint(job["path"], tensor_parallel=(group.world_size, 0))
+    start = time.monotonic()
+    try:
+        GenerationEngine(engine_config(False), model=shard, group=group)
+        refused = "built"
+    except ValueError as exc:
+        refused = str(exc)
+    seconds = time.monotonic() - start
+    own, _ = load_checkpoint(job["path"], tensor_parallel=(group.world_size, group.rank))
+    engine = GenerationEngine(engine_config(False), model=own, group=group)
+    return {"refused": refused, "seconds": seconds,
+            "tokens": [list(r.output) for r in engine.generate(job["prompts"], job["new_tokens"])]}
+
+
 JOBS = {"generate": generate, "lifecycle": lifecycle, "failure": failure, "reference": reference,
-        "disagreement": disagreement}
+        "disagreement": disagreement, "wrong_shard": wrong_shard}

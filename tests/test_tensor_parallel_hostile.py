@@ -104,13 +104,14 @@ class PeerHost:
 
     world_size = 2
 
-    def __init__(self, peer: EngineConfig) -> None:
-        self.peer = peer
+    def __init__(self, peer: EngineConfig, peer_refused: bool = False) -> None:
+        self.peer, self.peer_refused = peer, peer_refused
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         from torchhal.core.engine.ranks import config_digests
 
-        return torch.cat([tensor, config_digests(self.peer)], dim)
+        flag = torch.tensor([[int(self.peer_refused)]], dtype=torch.int64)  # the peer's own problem, if any
+        return torch.cat([tensor, torch.cat([config_digests(self.peer), flag], dim=1)], dim)
 
 
 class Backend:
@@ -136,6 +137,40 @@ def agree(mine: EngineConfig, peer: EngineConfig) -> None:
 ])
 def test_configs_equal_in_every_rank_agree(mine: EngineConfig, peer: EngineConfig) -> None:
     agree(mine, peer)
+
+
+def test_a_shard_of_another_rank_is_refused_on_every_rank_at_once(tmp_path: Path) -> None:
+    """Rank 1 given rank 0's shard: rank 1 names the fix, rank 0 refuses in the same collective
+    (not after the group's timeout in its next one), and the right shards then serve."""
+    path = save("gqa", tmp_path / "model")
+    job = dict(kind="wrong_shard", name="wrong", path=str(path), prompts=PROMPTS[:2], new_tokens=NEW_TOKENS)
+    ranks = run_group(2, [job], tmp_path, timeout_s=8.0)
+    whole = GenerationEngine.from_checkpoint(path, EngineConfig(dtype=torch.float32, max_batch_tokens=8,
+                                                                kv_block_size=4, max_kv_slots=512))
+    expected = [list(r.output) for r in whole.generate(PROMPTS[:2], NEW_TOKENS)]
+    assert ranks[0]["wrong"]["refused"] == ("rank(s) [1] of the group refused their engine arguments (their error "
+                                            "says why); every rank refuses alike")
+    assert ranks[1]["wrong"]["refused"].startswith("the model is rank 0's tensor-parallel shard, but this engine is "
+                                                   "rank 1; load this rank's shard (load_checkpoint(..., "
+                                                   "tensor_parallel=(2, 1))")
+    for rank in ranks:
+        assert rank["wrong"]["seconds"] < 8.0  # refused in the agreement, not at the group's timeout
+        assert rank["wrong"]["tokens"] == expected
+
+
+def test_a_rank_refuses_its_own_problem_and_the_others_refuse_with_it() -> None:
+    from types import SimpleNamespace
+
+    from torchhal.core.engine.ranks import agree_on_config
+
+    config = EngineConfig()
+    with pytest.raises(ValueError, match=r"^rank\(s\) \[1\] of the group refused their engine arguments"):
+        agree_on_config(config, SimpleNamespace(world_size=2, host=PeerHost(config, peer_refused=True)))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^this rank's own problem$"):
+        agree_on_config(config, SimpleNamespace(world_size=2, host=PeerHost(config)),  # type: ignore[arg-type]
+                        problem="this rank's own problem")
+    with pytest.raises(ValueError, match="^alone$"):
+        agree_on_config(config, None, problem="alone")  # no group: refused at once
 
 
 def test_configs_that_differ_name_the_field() -> None:

@@ -39,7 +39,7 @@ from torchhal.core.devices import check_device_index
 from torchhal.core.engine.events import EngineEvents
 from torchhal.core.engine.kv_pool import BlockAllocator, KVPoolSizing, size_kv_pool
 from torchhal.core.engine.occupation import MemoryOccupation
-from torchhal.core.engine.ranks import agree_on_config, agree_on_verdict, check_group, check_shard_has_group
+from torchhal.core.engine.ranks import agree_on_config, agree_on_verdict, check_group, shard_problem
 from torchhal.core.engine.records import (
     ContinueReport,
     DecodeGraphConfig,
@@ -141,9 +141,8 @@ class GenerationEngine:
         # Every refusal the config alone decides comes before the model is moved or changed.
         check_engine_config(config, runner_factory)
         check_group(group)
-        check_shard_has_group(model, group)
         check_eos_tokens(config, (model.config if model is not None else config.model).vocab_size)
-        agree_on_config(config, group)
+        agree_on_config(config, group, shard_problem(model, group))
         if config.compile_layers is not None and model is not None and getattr(model, "compile_layers", None) is None:
             raise TypeError(
                 f"EngineConfig.compile_layers = {config.compile_layers!r}, but model {type(model).__name__} "

@@ -31,17 +31,22 @@ def check_group(group: object) -> None:
                         "torchhal.distributed.init_group(...), or None for one device")
 
 
-def check_shard_has_group(model: Model | None, group: DeviceGroup | None) -> None:
-    """A tensor-parallel shard runs only in a group of its size (else every step would fail)."""
+def shard_problem(model: Model | None, group: DeviceGroup | None) -> str | None:
+    """Why `model` cannot run as this rank's tensor-parallel shard in `group` (None: it can, or
+    it is whole): a shard runs only as its own rank of a group of its size."""
     shard = getattr(model, "shard", None)
     if shard is None:
-        return
+        return None
     ranks = group.world_size if group is not None else 1
     if ranks != shard.world_size:
-        raise ValueError(
-            f"the model is rank {shard.rank} of a {shard.world_size}-way tensor-parallel shard, but the engine's "
-            f"group has {ranks} rank(s); pass group=init_group(world_size={shard.world_size}, ...), or a whole model"
-        )
+        return (f"the model is rank {shard.rank} of a {shard.world_size}-way tensor-parallel shard, but the engine's "
+                f"group has {ranks} rank(s); pass group=init_group(world_size={shard.world_size}, ...), or a whole "
+                "model")
+    if group is not None and shard.rank != group.rank:
+        return (f"the model is rank {shard.rank}'s tensor-parallel shard, but this engine is rank {group.rank}; load "
+                f"this rank's shard (load_checkpoint(..., tensor_parallel=({ranks}, {group.rank})), or "
+                "from_checkpoint(..., group=group))")
+    return None
 
 
 #: Fields each rank sets for itself: the device is the rank's own (`engine_device_index`
@@ -72,14 +77,26 @@ def config_digests(config: EngineConfig) -> torch.Tensor:
                         dtype=torch.int64)
 
 
-def agree_on_config(config: EngineConfig, group: DeviceGroup | None) -> None:
-    """Every rank's `EngineConfig` field by field; a difference is a ValueError on every rank
-    naming the fields (one collective on the host communicator; a closed group refuses here)."""
+def agree_on_config(config: EngineConfig, group: DeviceGroup | None, problem: str | None = None) -> None:
+    """Every rank's `EngineConfig` field by field, and every rank's `problem` (what it found
+    wrong with its own arguments, e.g. `shard_problem`): a difference, or a problem on any
+    rank, is a ValueError on every rank (one collective on the host communicator; a closed
+    group refuses here). A rank raising alone would leave the others waiting in their next
+    collective until the group's timeout."""
     if group is None or group.world_size == 1:
+        if problem is not None:
+            raise ValueError(problem)
         return
     names = agreed_fields(config)
     mine = config_digests(config)
-    everyone = group.host.all_gather(mine)
+    flagged = torch.tensor([[int(problem is not None)]], dtype=torch.int64)
+    everyone = group.host.all_gather(torch.cat([mine, flagged], dim=1))
+    if problem is not None:
+        raise ValueError(problem)
+    refused = [rank for rank, flag in enumerate(everyone[:, -1].tolist()) if flag]
+    if refused:
+        raise ValueError(f"rank(s) {refused} of the group refused their engine arguments (their error says why); "
+                         "every rank refuses alike")
     differing = [name for column, name in enumerate(names) if bool((everyone[:, column] != mine[0, column]).any())]
     if differing:
         shown = ", ".join(f"{name} (this rank: {_describe(getattr(config, name))})" for name in differing)
