@@ -6,6 +6,7 @@ failing deep inside torch) before these checks."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -211,3 +212,15 @@ def test_a_fact_of_the_wrong_type_is_a_contract_error_at_its_first_read(spi, ans
             getattr(platform, spi)
     restored = getattr(platform, spi)  # the plugin's own answer again, once the patch is gone
     assert isinstance(restored, DistributedSupport) if spi == "distributed_support" else restored is None
+
+
+@pytest.mark.parametrize("spec", [None, {"num_q_heads": 4, "head_dim": 64}, "llama"], ids=["none", "dict", "str"])
+@pytest.mark.parametrize("declares_backend", [False, True], ids=["reference-only", "with-backend"])
+def test_choose_attention_refuses_what_is_not_an_attention_spec(spec, declares_backend):
+    # Without a backend a bad spec used to return the reference quietly; with one, an AttributeError.
+    platform = torchhal.get_platform("cpu")
+    support = AttentionSupport((ReferenceBackend(),)) if declares_backend else None
+    with patched_plugin(platform, attention_support=lambda: support):
+        with pytest.raises(TypeError, match=rf"choose_attention: spec is {re.escape(repr(spec))} "
+                                            rf"\({type(spec).__name__}\); pass a torchhal.attention.AttentionSpec"):
+            platform.choose_attention(spec)

@@ -127,3 +127,27 @@ def test_info_shows_the_attention_backends_in_the_order_selection_tries_them():
     assert [row["name"] for row in rows][-1] == "reference"  # the portable fallback, always last
     text = run_cli("info").stdout
     assert "attention: 1. reference (portable reference, used when none above runs" in text
+
+
+def test_conformance_output_that_cannot_be_written_is_one_line_and_the_report_is_still_written(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHHAL_")}
+    command = [sys.executable, "-m", "torchhal.cli", "conformance", "-k", "contract"]
+    report = tmp_path / "report.json"
+    with open("/dev/full", "w") as full:
+        disk = subprocess.run([*command, "--json", str(report)], stdout=full, stderr=subprocess.PIPE, text=True,
+                              env=env, timeout=300)
+    assert disk.returncode == 2, disk.stderr  # the documented code, not NOT CONFORMANT's 1
+    assert disk.stderr.strip() == (f"torchhal conformance: cannot write the output: No space left on device; "
+                                   f"verdict CONFORMANT, report written to {report}"), disk.stderr
+    assert json.loads(report.read_text())["verdict_class"] == "CONFORMANT"  # only stdout broke
+
+    pipe = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert pipe.stdout is not None and pipe.stderr is not None
+    pipe.stdout.close()  # the reader goes away, as `| head -1` does
+    stderr = pipe.stderr.read()
+    assert pipe.wait(timeout=300) == 2
+    assert stderr.strip() == "torchhal conformance: cannot write the output: Broken pipe", stderr

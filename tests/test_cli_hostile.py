@@ -99,18 +99,53 @@ def _no_count() -> int:
     raise RuntimeError("driver crashed")
 
 
+def _exiting_count() -> int:
+    sys.exit(11)
+
+
 @pytest.mark.filterwarnings("ignore::torchhal.platforms.TorchhalPluginWarning")
 @pytest.mark.parametrize("plugin, name, device", [
     (lambda: plugin_module(fake_platform("sleepy", 5, available=False)), "sleepy", 3),  # INCOMPLETE
     (_failing_to_register, "ghost", 0),  # the plugin that failed may be the one named
     (lambda: _counting("zero", lambda: 0), "zero", 0),  # a device test fails on it
     (lambda: _counting("crashing", _no_count), "crashing", 0),  # so does this one
-], ids=["unavailable", "failed-to-register", "no-devices", "count-raises"])
+    (lambda: _counting("exiting", _exiting_count), "exiting", 0),  # sys.exit() must not end the run here
+], ids=["unavailable", "failed-to-register", "no-devices", "count-raises", "count-exits"])
 def test_a_plugins_own_trouble_is_left_to_the_suite(make_registry, plugin, name, device):
     from torchhal.conformance_tests.plugin import check_target
 
     make_registry(plugin())
     check_target(name, device, "--platform", "--device")  # no usage error: the suite reports it
+
+
+def test_naming_a_replaced_platform_names_the_one_that_replaced_it(tmp_path, make_registry, cli):
+    fastcpu = type("FastCpu", (type(fake_platform("fastcpu", 5)),), {"replaces": "cpu"})()
+    make_registry(plugin_module(fastcpu))
+    line = refused(cli("conformance", "--platform", "cpu", "--json", str(tmp_path / "r.json")), "conformance")
+    assert line == ("--platform 'cpu': platform 'cpu' was replaced by platform 'fastcpu' (plugin 'test-plugin-0', "
+                    "distribution <in-process>), which declares `replaces = 'cpu'`; name 'fastcpu' instead, or "
+                    "uninstall <in-process> to get 'cpu' back")
+    assert "install the plugin" not in line
+
+
+# -- info: a plugin's bad DeviceInfo is its query error, not a traceback ------------------
+
+
+@pytest.mark.filterwarnings("ignore::torchhal.platforms.TorchhalPluginWarning")
+@pytest.mark.parametrize("name, says", [
+    (None, "DeviceInfo.name is None (NoneType); it must be a str"),
+    (7, "DeviceInfo.name is 7 (int); it must be a str"),
+])
+def test_info_reports_a_device_info_name_that_is_not_a_str(make_registry, cli, name, says):
+    from torchhal.platforms import DeviceInfo
+
+    cls = type(fake_platform("badname", 5))
+    plugin = type("BadName", (cls,), {"device_info": lambda self, index: DeviceInfo(index, name, 1 << 30)})()
+    make_registry(plugin_module(plugin))
+    ran = cli("info")
+    assert ran.returncode == 0 and "Traceback" not in ran.stderr, ran
+    assert f"badname (<in-process>): failed to answer a query: device_info(0): TypeError: {says}" in ran.stdout
+    assert "device 0: (device_info failed: see plugin errors)" in ran.stdout
 
 
 # -- generate: the platform settings, the tokenizer, --max-new-tokens -------------------
@@ -160,6 +195,16 @@ def test_plugin_new_refuses_a_built_in_name(tmp_path, cli, name):
     target = tmp_path / "plugin"
     refused(cli("plugin", "new", name, "--dir", str(target)), "plugin new",
             f"plugin name {name!r} is torchhal's built-in", "choose another name", f'replaces = "{name}"')
+    assert not target.exists()
+
+
+@pytest.mark.parametrize("name, suggestion", [("my_", "'my'"), ("accel__", "'accel'"), ("cuda_", "'mycuda'")])
+def test_plugin_new_refuses_a_name_pip_cannot_take(tmp_path, cli, name, suggestion):
+    target = tmp_path / "plugin"
+    dist = "torchhal-" + name.replace("_", "-")
+    refused(cli("plugin", "new", name, "--dir", str(target)), "plugin new",
+            f"plugin name {name!r} ends with '_'", f"distribution name {dist!r} is not a valid package name",
+            f"end it with a letter or digit, e.g. {suggestion}")
     assert not target.exists()
 
 

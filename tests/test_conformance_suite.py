@@ -143,6 +143,82 @@ def test_no_tests_ran_has_its_own_exit_code(tmp_path):
     assert "VERDICT: NO TESTS RAN" in out.stdout
 
 
+# -- a plugin that hangs or exits is failed by the suite, which keeps its own exit code ------
+
+
+def test_a_probe_hanging_past_the_detect_timeout_fails_the_contract_test_within_the_limit():
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import PLUGIN_DIST
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHHAL_")}
+    env.update(PYTHONPATH=str(PLUGIN_DIST / "hostile"), TORCHHAL_HOSTILE_MODE="hang-detect",
+               TORCHHAL_DETECT_TIMEOUT="1")
+    # The probe sleeps 30 s; unlimited, the contract tests alone would take 120 s.
+    out = subprocess.run([sys.executable, "-m", "torchhal.cli", "conformance", "--platform", "hostile",
+                          "-k", "is_available"], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == EXIT_CODES["NOT CONFORMANT"], out.stdout[-3000:]
+    assert ("FAILED contract::test_is_available_never_raises_and_is_idempotent: is_available() did not return "
+            "within 1 s (TORCHHAL_DETECT_TIMEOUT)") in out.stdout
+    assert "PASSED" in out.stdout.split("test_is_available_creates_no_device_context")[1].splitlines()[0]
+
+
+def _plugin_dist(root: Path, name: str, source: str) -> dict[str, str]:
+    """A one-module distribution torchhal-NAME with entry point NAME; the environment that installs it."""
+    import os
+
+    (root / f"torchhal_{name}.py").write_text(source)
+    info = root / f"torchhal_{name}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torchhal-{name}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[torchhal]\n{name} = torchhal_{name}\n")
+    return {"PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_a_device_count_calling_sys_exit_is_a_failed_test_not_the_exit_code(tmp_path):
+    env = _plugin_dist(tmp_path, "exitcount", (
+        "import sys\n"
+        "from torchhal.platforms import hookimpl\n"
+        "from torchhal.plugins.cpu import CpuPlatform\n\n"
+        "class ExitCount(CpuPlatform):\n"
+        "    name = 'exitcount'\n"
+        "    priority = 5  # above cpu: the current platform\n\n"
+        "    def device_count(self):\n"
+        "        sys.exit(11)\n\n"
+        "@hookimpl\n"
+        "def torchhal_register_platforms():\n"
+        "    return [ExitCount()]\n"))
+    out = run_cli("conformance", "-k", "device", env=env)
+    assert out.returncode == EXIT_CODES["NOT CONFORMANT"], out.stdout[-3000:] + out.stderr[-2000:]
+    for test in ("test_count_current_and_set", "test_synchronize_waits_for_queued_work"):
+        assert f"ERROR device::{test}: device_count() failed: called sys.exit(11)" in out.stdout
+
+
+def test_the_report_header_survives_a_plugin_that_exits(make_registry):
+    import sys
+
+    from torchhal.conformance_tests.plugin import SuiteState, header_facts
+    from torchhal.plugins.cpu import CpuPlatform
+
+    from .test_selection import plugin_module
+
+    class Exiting(CpuPlatform):
+        name = "exiting"
+
+        def runtime_version(self):
+            sys.exit(9)
+
+        def device_info(self, index):
+            sys.exit(12)
+
+    make_registry(plugin_module(Exiting()))
+    facts = header_facts(SuiteState(platform_name="exiting", device=0, profile="core", expectations={}))
+    assert facts["runtime"] == "<unavailable: called sys.exit(9)>"
+    assert facts["device_name"] == "<unavailable: called sys.exit(12)>"
+
+
 def test_exit_codes_are_distinct_and_documented():
     assert len(set(EXIT_CODES.values())) == len(EXIT_CODES)
     text = (DOCS / "conformance.md").read_text()

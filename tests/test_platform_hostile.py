@@ -67,6 +67,22 @@ def test_one_replacement_still_displaces_the_platform():
     assert reg.names() == ["fastcpu"] and not reg.failures
 
 
+@pytest.mark.parametrize("builtins, rival, dropped_as", [
+    (("torchhal.plugins.cpu",), "fastcpu", "platform name 'fastcpu' is registered by"),  # two plugins, one name
+    (("torchhal.plugins.cpu", "torchhal.plugins.cuda"), "cuda", "torchhal's built-in 'cuda' platform"),
+], ids=["name-conflict", "builtin-name"])
+def test_a_replacer_that_is_itself_dropped_replaces_nothing(builtins, rival, dropped_as):
+    reg = manager.PlatformRegistry(manager.new_plugin_manager())
+    reg.load_builtins(builtins)
+    reg.add_plugin(plugin_module(plugin_with(rival, replaces="cpu")), "vendor-a-plugin", "vendor-a", "1.0")
+    if rival == "fastcpu":
+        reg.add_plugin(plugin_module(fake_platform("fastcpu", 10)), "vendor-b-plugin", "vendor-b", "2.0")
+    with pytest.warns(TorchhalPluginWarning):
+        reg.collect_platforms()
+    assert "cpu" in reg.names() and reg.platforms["cpu"].builtin and "cpu" not in reg.replaced
+    assert [f.error for f in reg.failures if f.stage == "conflict" and dropped_as in f.error]
+
+
 def spi_default_oom_platform(make_registry, oom_error_types):
     """A platform that keeps the SPI's own `is_out_of_memory` (the CPU plugin defines its own)."""
     vendor = plugin_with("vendor", is_out_of_memory=PlatformPlugin.is_out_of_memory,

@@ -86,6 +86,21 @@ def test_a_builtin_that_exits_at_import_is_isolated(make_registry, tmp_path, mon
     assert reg.names() == ["cpu"]
 
 
+@pytest.mark.parametrize("hook, fire", [
+    ("torchhal_platform_activated", lambda: torchhal.current_platform()),
+    ("torchhal_cache_emptied", lambda: torchhal.current_platform().empty_cache(torchhal.ReleasePoint.USER)),
+])
+def test_sys_exit_in_an_observer_is_warned_about_and_the_host_goes_on(make_registry, hook, fire):
+    class ExitingObserver:
+        pass
+
+    setattr(ExitingObserver, hook, hookimpl(lambda self: sys.exit(7)))
+    make_registry(ExitingObserver())
+    with pytest.warns(TorchhalPluginWarning, match=rf"observer 'test-plugin-0' failed in {hook}: called sys.exit\(7\)"):
+        fire()
+    assert torchhal.current_platform().name == "cpu"
+
+
 def test_keyboard_interrupt_is_not_swallowed(make_registry):
     class Interrupted(CpuPlatform):
         name = "interrupted"
@@ -131,6 +146,14 @@ def test_a_bad_detect_timeout_is_a_clear_error(monkeypatch, raw):
 def test_detect_timeout_zero_means_no_limit(monkeypatch):
     monkeypatch.setenv("TORCHHAL_DETECT_TIMEOUT", "0")
     assert manager.build_registry(("torchhal.plugins.cpu",), entry_points=False).detect_timeout is None
+
+
+def test_the_allow_list_may_name_a_builtin_which_always_loads():
+    with pytest.warns(TorchhalPluginWarning, match="'ghost'"):
+        reg = manager.build_registry(("torchhal.plugins.cpu",), allow=frozenset({"cpu", "ghost"}))
+    assert "cpu" in reg.names()
+    # Only the name that is neither a built-in nor an installed entry point is a failure.
+    assert [(f.plugin, f.stage) for f in reg.failures] == [("ghost", "import")]
 
 
 # -- names: built-ins, impostors, ties, validation --------------------------------------------
@@ -228,6 +251,26 @@ def test_records_accept_good_values_and_store_int_subclasses_as_int():
     with pytest.raises(ValueError, match="PeakMemory.reserved is -1"):
         PeakMemory(0, -1, None)
     assert PeakMemory(0, None, None).reserved is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "message"),
+    [
+        ({"name": None}, TypeError, r"DeviceInfo.name is None \(NoneType\); it must be a str"),
+        ({"name": 7}, TypeError, r"DeviceInfo.name is 7 \(int\); it must be a str"),
+        ({"total_memory": 1.5}, TypeError, r"DeviceInfo.total_memory is 1.5 \(float\); it must be an int"),
+        ({"index": -1}, ValueError, "DeviceInfo.index is -1; it must be >= 0"),
+        ({"capability": (9, "0")}, TypeError, r"DeviceInfo.capability is \(9, '0'\); it must be None or \(major"),
+        ({"capability": [9, 0]}, TypeError, r"DeviceInfo.capability is \[9, 0\]"),
+        ({"extra": [1, 2]}, TypeError, r"DeviceInfo.extra is \[1, 2\]; it must be a dict of str to str"),
+        ({"extra": {"cores": 8}}, TypeError, r"DeviceInfo.extra is \{'cores': 8\}"),
+    ],
+)
+def test_device_info_rejects_wrong_fields(fields, error, message):
+    from torchhal.platforms import DeviceInfo
+
+    with pytest.raises(error, match=message):
+        DeviceInfo(**{"index": 0, "name": "accel", "total_memory": 1 << 30, **fields})
 
 
 def test_memory_info_of_the_wrong_type_is_a_named_plugin_error(make_registry, monkeypatch):

@@ -71,6 +71,18 @@ def test_env_unknown_name_lists_known(make_registry, monkeypatch):
         torchhal.current_platform()
 
 
+def test_env_naming_a_replaced_platform_names_the_platform_that_replaced_it(make_registry, monkeypatch):
+    fastcpu = type("FastCpu", (type(fake_platform("fastcpu", 10)),), {"replaces": "cpu"})()
+    make_registry(plugin_module(fastcpu))
+    monkeypatch.setenv("TORCHHAL_PLATFORM", "cpu")
+    with pytest.raises(UnknownPlatformError) as err:
+        torchhal.current_platform()
+    assert str(err.value) == (
+        "platform 'cpu' was replaced by platform 'fastcpu' (plugin 'test-plugin-0', distribution <in-process>), "
+        "which declares `replaces = 'cpu'`; name 'fastcpu' instead, or uninstall <in-process> to get 'cpu' back "
+        "(registered platforms: fastcpu)")
+
+
 def test_env_known_but_unavailable_says_why(make_registry, monkeypatch):
     make_registry(plugin_module(fake_platform("beta", 10, available=False)))
     monkeypatch.setenv("TORCHHAL_PLATFORM", "beta")

@@ -185,6 +185,9 @@ def unsupported_reason(capability: AttentionCapability, spec: AttentionSpec) -> 
 def choose_backend(declared: tuple[AttentionBackend, ...], spec: AttentionSpec,
                    fallback: AttentionBackend) -> AttentionChoice:
     """The first declared backend that runs `spec`, else `fallback`, with the reason."""
+    if not isinstance(spec, AttentionSpec):  # a dict or None would pass as "no backend declared"
+        raise TypeError(f"choose_attention: spec is {spec!r} ({type(spec).__name__}); pass a "
+                        "torchhal.attention.AttentionSpec(num_q_heads, num_kv_heads, head_dim, dtype, block_size)")
     passed_over = []
     for backend in declared:
         reason = unsupported_reason(backend.capability, spec)

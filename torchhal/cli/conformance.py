@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
-from torchhal.cli.output import refuse
+from torchhal.cli.output import GuardedStdout, refuse
 
 #: The suite's own pytest configuration (shipped beside it): the run never reads the
 #: caller's pytest.ini / pyproject.toml / conftest, wherever it is started from.
@@ -57,13 +58,38 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         argv += ["--junitxml", args.junit]
     if args.k:
         argv += ["-k", args.k]
-    code = pytest.main(argv)
+    # A reader that went away (`| head`) or a full disk must not end the run with a traceback: the
+    # suite finishes the tests needed for a --json/--junit report, else stops after the current one.
+    stdout = GuardedStdout(sys.stdout)
+    reports = [path for path in (args.json, args.junit) if path]
+    sys.stdout = stdout  # type: ignore[assignment]
+    try:
+        code = pytest.main(argv, plugins=[] if reports else [_StopWhenUnread(stdout)])
+    finally:
+        sys.stdout = stdout.stream
     outcome = suite_plugin.finished_outcome()
+    if stdout.error is not None:
+        written = [path for path in reports if os.path.exists(path)]
+        return refuse("conformance", f"cannot write the output: {stdout.error.strerror or stdout.error}"
+                      + (f"; verdict {outcome[0]}, report written to {' and '.join(written)}"
+                         if outcome is not None and written else ""))
     if outcome is not None:
         return EXIT_CODES[outcome[0]]
     if code == pytest.ExitCode.USAGE_ERROR:
         return EXIT_CODES["USAGE ERROR"]
     return EXIT_CODES["SUITE ERROR"]  # no verdict: pytest said why above
+
+
+class _StopWhenUnread:
+    """pytest plugin: end the session after the current test once stdout is gone (nothing else to write)."""
+
+    def __init__(self, stdout: GuardedStdout) -> None:
+        self.stdout = stdout
+
+    def pytest_runtest_teardown(self, item: Any) -> None:
+        if self.stdout.error is not None:
+            item.session.shouldstop = "cannot write the output"
+
 
 def add_command(sub: Any) -> None:
     conf = sub.add_parser("conformance", help="run the conformance suite on a platform")

@@ -30,7 +30,7 @@ def _environment(platform_env: tuple[str, ...] = ()) -> dict[str, str]:
 
 def _plugin_query(reg: Any, platform: Any, label: str, call: Callable[..., Any], *args: Any) -> tuple[Any, bool]:
     """(result, True), or (None, False) with a "query" failure recorded: a plugin never ends `info`."""
-    from torchhal.platforms.manager import describe_error, isolated
+    from torchhal.platforms.errors import describe_error, isolated
     from torchhal.platforms.records import PluginFailure
 
     result, error = isolated(call, *args)

@@ -102,7 +102,15 @@ class TemplateError(ValueError):
 def check_name(name: str) -> None:
     if not _NAME.fullmatch(name):
         raise TemplateError(f"plugin name {name!r} must be a lowercase identifier such as 'myaccel'")
-    if name in builtin_platform_names():
+    builtins = builtin_platform_names()
+    if name.endswith("_"):  # the distribution name would end in '-', which pip refuses
+        stripped = name.rstrip("_")
+        raise TemplateError(
+            f"plugin name {name!r} ends with '_', so its distribution name 'torchhal-{name.replace('_', '-')}' "
+            "is not a valid package name (pip refuses it); end it with a letter or digit, e.g. "
+            f"{stripped if stripped not in builtins else 'my' + stripped!r}"
+        )
+    if name in builtins:
         raise TemplateError(
             f"plugin name {name!r} is torchhal's built-in {name!r} platform, which the host keeps over a plugin "
             f"of the same name (dropped as a conflict): choose another name, such as 'my{name}'; to replace "

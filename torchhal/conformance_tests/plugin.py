@@ -13,6 +13,7 @@ import platform as host
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from torchhal.platforms import (
     PlatformUnavailableError,
     RegisteredPlatform,
 )
+from torchhal.platforms.testing import describe_error, isolated
 
 EXPECT_CATEGORIES = ("temporary", "unsupported", "permanent")
 #: PluginFailure stages that leave a plugin unregistered: the name it would have had is unknown.
@@ -192,6 +194,9 @@ def check_target(name: str, device: int, platform_option: str, device_option: st
     try:
         reg = torchhal.registry()
         if requested and requested not in reg.platforms and requested not in reg.excluded:
+            replaced = reg.replacement_note(requested)
+            if replaced is not None:
+                raise ConformanceUsageError(f"{named_by}: {replaced}")
             if any(f.stage in LOAD_STAGES for f in reg.failures):
                 return
             raise ConformanceUsageError(
@@ -203,10 +208,7 @@ def check_target(name: str, device: int, platform_option: str, device_option: st
         return
     except PlatformError as exc:  # a bad setting; the platform layer's message names it and the fix
         raise ConformanceUsageError(str(exc)) from None
-    try:
-        count = platform.device_count()
-    except Exception:  # a plugin bug: the device tests report it
-        return
+    count, _ = isolated(platform.device_count)  # raising or exiting is a plugin bug: the device tests report it
     if isinstance(count, int) and 0 < count <= device:
         raise ConformanceUsageError(f"{device_option} {device} is out of range: platform {platform.name!r} has "
                                     f"{count} device(s) here, 0..{count - 1}")
@@ -281,8 +283,13 @@ def platform(registered: RegisteredPlatform) -> Platform:
 
 @pytest.fixture(scope="session")
 def device_index(platform: Platform, suite: SuiteState) -> int:
-    if not 0 <= suite.device < platform.device_count():
-        pytest.fail(f"--torchhal-device {suite.device} is out of range (0..{platform.device_count() - 1})")
+    count, error = isolated(platform.device_count)  # a sys.exit() here would end the session
+    if error is not None:
+        pytest.fail(f"device_count() failed: {describe_error(error)}")
+    if not isinstance(count, int):
+        pytest.fail(f"device_count() returned {count!r}; it must be an int")
+    if not 0 <= suite.device < count:
+        pytest.fail(f"--torchhal-device {suite.device} is out of range (0..{count - 1})")
     platform.set_device(suite.device)
     return suite.device
 
@@ -439,12 +446,18 @@ def header_facts(state: SuiteState) -> dict[str, Any]:
         facts["distribution"], facts["version"] = entry.distribution, entry.version
         env_names = {k for k in os.environ if k.startswith("TORCHHAL_")} | set(entry.plugin.visible_devices_env)
         facts["environment"] = {k: os.environ[k] for k in sorted(env_names) if k in os.environ}
-        try:
-            platform = torchhal.get_platform(name)
-            facts["runtime"] = platform.runtime_version() if callable(platform.runtime_version) else None
-            facts["device_name"] = platform.device_info(state.device).name
-        except Exception as exc:  # the report must still print for a broken plugin
-            facts["device_name"] = f"<unavailable: {type(exc).__name__}: {exc}>"
+
+        def ask(call: Callable[[], Any]) -> Any:
+            """The plugin's answer, or what went wrong: the report must print for a plugin that raises or exits."""
+            result, error = isolated(call)
+            return result if error is None else f"<unavailable: {describe_error(error)}>"
+
+        platform = ask(lambda: torchhal.get_platform(name))
+        if isinstance(platform, Platform):
+            facts["runtime"] = ask(platform.runtime_version) if callable(platform.runtime_version) else None
+            facts["device_name"] = ask(lambda: platform.device_info(state.device).name)
+        else:
+            facts["device_name"] = platform
     return facts
 
 

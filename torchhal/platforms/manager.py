@@ -19,15 +19,15 @@ import os
 import re
 import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any
 
 import pluggy
 
 from torchhal.platforms import hookspecs
-from torchhal.platforms.errors import PlatformError, TorchhalPluginWarning
+from torchhal.platforms.errors import PlatformError, TorchhalPluginWarning, describe_error, isolated
 from torchhal.platforms.plugin import SPI_VERSION, PlatformPlugin, deprecated_overrides
 from torchhal.platforms.records import Availability, PluginFailure
 
@@ -45,7 +45,6 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "torchhal.plugins.musa",
 )
 _NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]*")  # used with fullmatch: no trailing newline
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -57,26 +56,6 @@ class RegisteredPlatform:
     distribution: str
     version: str
     builtin: bool = False  # registered by a module of DEFAULT_PLUGINS
-
-
-def describe_error(exc: BaseException) -> str:
-    """One line for a plugin's exception; sys.exit() is named as such."""
-    if isinstance(exc, SystemExit):
-        return f"called sys.exit({exc.code!r})"
-    return f"{type(exc).__name__}: {exc}"
-
-
-def isolated(call: Callable[..., _T], *args: Any) -> tuple[_T | None, BaseException | None]:
-    """Run a plugin's code `call(*args)`: (result, None), or (None, what it raised). Only Ctrl-C passes.
-
-    SystemExit and other BaseExceptions are caught: a plugin must never end the host.
-    """
-    try:
-        return call(*args), None
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - isolation is the point
-        return None, exc
 
 
 def _describe_plugin(plugin: object) -> str:
@@ -134,6 +113,9 @@ class PlatformRegistry:
         self._availability: dict[str, Availability] = {}
         self._provenance: dict[str, tuple[str, str]] = {}  # pluggy name -> (dist, version)
         self._builtins: set[str] = set()  # pluggy names of the built-in modules
+        self._builtin_names: set[str] = set()  # their last parts ("cpu"): always loaded, whatever TORCHHAL_PLUGINS says
+        #: Platforms dropped by a `replaces` declaration: replaced name -> the platform that replaced it.
+        self.replaced: dict[str, RegisteredPlatform] = {}
         self._lock = threading.Lock()
 
     # -- loading ---------------------------------------------------------------
@@ -190,6 +172,7 @@ class PlatformRegistry:
     def load_builtins(self, modules: Iterable[str]) -> None:
         version = _torchhal_version()
         for module_name in modules:
+            self._builtin_names.add(module_name.rsplit(".", 1)[-1])
             module, error = isolated(importlib.import_module, module_name)
             if error is not None:
                 self._record_failure(PluginFailure(module_name, "import", describe_error(error), "torchhal"))
@@ -212,7 +195,7 @@ class PlatformRegistry:
                 self._record_failure(PluginFailure(ep.name, "import", describe_error(error), dist))
                 continue
             self.add_plugin(plugin, ep.name, dist, version)
-        for missing in sorted((allow or frozenset()) - seen):
+        for missing in sorted((allow or frozenset()) - seen - self._builtin_names):
             self._record_failure(
                 PluginFailure(
                     missing,
@@ -279,10 +262,8 @@ class PlatformRegistry:
             for reg in regs:
                 if reg.plugin.replaces:
                     replacers.setdefault(reg.plugin.replaces, []).append(reg)
-        replaced: dict[str, RegisteredPlatform] = {}
         for target, regs in replacers.items():
             if len(regs) == 1:
-                replaced[target] = regs[0]
                 continue
             # Two replacements of one platform: neither wins, the replaced one stays.
             who = " and ".join(f"{r.source} (distribution {r.distribution})" for r in regs)
@@ -300,11 +281,9 @@ class PlatformRegistry:
         for name, regs in candidates.items():
             if not regs:
                 continue
-            if name in replaced:
-                winner = replaced[name]
-                if winner.plugin.name != name:
-                    continue  # replaced by a platform of another name
-                regs = [winner]
+            own = [r for r in regs if r.plugin.replaces == name]  # replaces a platform of its own name
+            if own:
+                regs = own
             builtin = next((r for r in regs if r.builtin), None)
             if builtin is not None and len(regs) > 1:
                 # A built-in is displaced only through `replaces`: impostors are dropped.
@@ -334,6 +313,22 @@ class PlatformRegistry:
                 )
                 continue
             self.platforms[name] = regs[0]
+        # Replacements last: only a replacer that kept its own name may drop what it replaces.
+        for reg in list(self.platforms.values()):
+            gone = reg.plugin.replaces
+            if gone is not None and gone != reg.plugin.name and gone in self.platforms:
+                del self.platforms[gone]
+                self.replaced[gone] = reg
+
+    def replacement_note(self, name: str) -> str | None:
+        """Why platform `name` is not registered when a plugin's `replaces` dropped it, naming the platform
+        to use instead; None when nothing replaced it."""
+        reg = self.replaced.get(name)
+        if reg is None:
+            return None
+        return (f"platform {name!r} was replaced by platform {reg.plugin.name!r} (plugin {reg.source!r}, "
+                f"distribution {reg.distribution}), which declares `replaces = {name!r}`; name {reg.plugin.name!r} "
+                f"instead, or uninstall {reg.distribution} to get {name!r} back")
 
     # -- queries ---------------------------------------------------------------
     def names(self) -> list[str]:
@@ -352,7 +347,7 @@ class PlatformRegistry:
             if cached is not None:
                 return cached
             reg = self.platforms[name]
-            result, error = self._detect(reg.plugin)
+            result, error = self.detect(reg.plugin)
             if error is None and not isinstance(result, Availability):
                 error = TypeError(
                     f"is_available() returned {type(result).__name__}; "
@@ -368,8 +363,10 @@ class PlatformRegistry:
             self._availability[name] = result
             return result
 
-    def _detect(self, plugin: PlatformPlugin) -> tuple[object, BaseException | None]:
-        """`plugin.is_available()` in a daemon thread, waited for `detect_timeout` seconds.
+    def detect(self, plugin: PlatformPlugin) -> tuple[object, BaseException | None]:
+        """`plugin.is_available()` in a daemon thread, waited for `detect_timeout` seconds:
+        (its answer, None), or (None, what it raised; a TimeoutError when it did not return).
+        Uncached: the conformance suite probes through it under the host's limit.
 
         A probe that hangs is abandoned, not killed (Python cannot stop a thread): it
         keeps running in the background and does not hold the process open at exit.

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar,
 import pluggy
 import torch
 
-from torchhal.platforms.errors import PluginContractError, TorchhalPluginWarning
+from torchhal.platforms.errors import PluginContractError, TorchhalPluginWarning, describe_error, isolated
 from torchhal.platforms.plugin import PlatformPlugin
 from torchhal.platforms.records import DeviceInfo, MemoryInfo, PeakMemory, ReleasePoint
 
@@ -40,13 +40,12 @@ _R = TypeVar("_R")
 
 
 def notify_observers(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> None:
-    """Call every observer of `hook_name`, each isolated: one that raises is warned about."""
+    """Call every observer of `hook_name`, each isolated: one that raises or exits is warned about."""
     for impl in getattr(pm.hook, hook_name).get_hookimpls():
-        try:
-            impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
-        except Exception as exc:
+        _, error = isolated(impl.function, **{arg: kwargs[arg] for arg in impl.argnames})
+        if error is not None:
             warnings.warn(
-                f"observer {impl.plugin_name!r} raised in {hook_name}: {type(exc).__name__}: {exc}",
+                f"observer {impl.plugin_name!r} failed in {hook_name}: {describe_error(error)}",
                 TorchhalPluginWarning,
                 stacklevel=2,
             )

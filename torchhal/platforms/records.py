@@ -132,11 +132,34 @@ def _reject_fields(record: object, required: tuple[str, ...], optional: tuple[st
 
 @dataclass(frozen=True)
 class DeviceInfo:
+    """Result of `PlatformPlugin.device_info(index)`: one device's facts, for reports."""
+
     index: int
     name: str
     total_memory: int
     capability: tuple[int, int] | None = None
     extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Checked where it is made, like MemoryInfo: a bad field is named at the plugin, not a
+        # TypeError wherever a report first formats it.
+        if not (type(self.index) is int and type(self.total_memory) is int and self.index >= 0
+                and self.total_memory >= 0):
+            _reject_fields(self, ("index", "total_memory"), ())
+        if not isinstance(self.name, str):
+            raise TypeError(f"DeviceInfo.name is {self.name!r} ({type(self.name).__name__}); it must be a str: "
+                            "the product name, e.g. str(props.name)")
+        capability = self.capability
+        if capability is not None and not (
+            isinstance(capability, tuple) and len(capability) == 2
+            and all(isinstance(part, int) and not isinstance(part, bool) for part in capability)
+        ):
+            raise TypeError(f"DeviceInfo.capability is {capability!r}; it must be None or (major, minor) ints, "
+                            "e.g. (9, 0)")
+        extra = self.extra
+        if not (isinstance(extra, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items())):
+            raise TypeError(f"DeviceInfo.extra is {extra!r}; it must be a dict of str to str, e.g. "
+                            "{'driver': '550.54'}")
 
 
 @dataclass(frozen=True)

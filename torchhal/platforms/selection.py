@@ -114,10 +114,13 @@ def _platform(reg: PlatformRegistry, name: str) -> Platform:
 def _require_known(reg: PlatformRegistry, name: str) -> None:
     if name in reg.platforms:
         return
+    known = f"registered platforms: {', '.join(reg.names()) or 'none'}"
+    replaced = reg.replacement_note(name)
+    if replaced is not None:
+        raise UnknownPlatformError(f"{replaced} ({known})")
     conflict = reg.conflict_for(name)
     if conflict is not None:
         raise PluginConflictError(conflict.error)
-    known = f"registered platforms: {', '.join(reg.names()) or 'none'}"
     # A plugin that was installed but not loaded: say why, not "install it".
     failed = [f for f in reg.failures if f.stage in ("import", "register", "version")
               and (name in (f.plugin, f.plugin.rsplit(".", 1)[-1]) or f"(platform {name!r})" in f.error)]

@@ -14,8 +14,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from torchhal.platforms.errors import describe_error, isolated
 from torchhal.platforms.platform import Platform
 from torchhal.platforms.plugin import SPI_METHODS, PlatformPlugin
+
+#: How the host calls plugin code (every BaseException but Ctrl-C caught) and names what it raised;
+#: the suite calls plugin code outside a test the same way, so a sys.exit() there is a plugin failure.
+__all__ = ["describe_error", "isolated", "patched_plugin", "plugin_under_test"]
 
 _ABSENT = object()
 
