@@ -108,8 +108,10 @@ def _cast_on_device(module: nn.Module, dtype: torch.dtype | None, registered: di
     """Cast device-resident floating parameters in place (their storage is the only copy) to
     the use's dtype, or with dtype None back to the dtype each was registered in."""
     for param in module.parameters():
-        want = registered.get(id(param)) if dtype is None or id(param) not in registered else dtype
-        if want is not None and param.dtype != want:
+        if id(param) not in registered:  # not cast in place: streamed, or not floating
+            continue
+        want = dtype or registered[id(param)]
+        if param.dtype != want:
             param.data = param.data.to(want)
 
 

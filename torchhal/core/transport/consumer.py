@@ -51,11 +51,11 @@ class _OpenProducer:
 class Consumer:
     def __init__(self, rank: int = 0, platform: Platform | None = None, device_index: int | None = None,
                  max_producers: int = MAX_OPEN_PRODUCERS, copy_stream: bool = False) -> None:
-        for name, value, minimum in (("rank", rank, 0), ("max_producers", max_producers, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name} = {value!r} must be an int >= {minimum}"
-                                 + (" (this consumer's index among the producer's TransportConfig.consumers)"
-                                    if name == "rank" else ""))
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank = {rank!r} must be an int >= 0 (this consumer's index among the producer's "
+                             "TransportConfig.consumers)")
+        if isinstance(max_producers, bool) or not isinstance(max_producers, int) or max_producers < 1:
+            raise ValueError(f"max_producers = {max_producers!r} must be an int >= 1")
         if not isinstance(copy_stream, bool):
             raise ValueError(f"copy_stream = {copy_stream!r} must be True or False")
         self.rank = rank
