@@ -495,3 +495,23 @@ def test_a_bad_dtype_or_device_is_refused_before_anything_is_read(tmp_path, monk
     monkeypatch.setattr(checkpoint, "read_hf_config", lambda *a, **k: pytest.fail("the checkpoint was read"))
     with pytest.raises(ValueError, match=message):
         load_checkpoint(path, **{keyword: value})
+
+
+def test_an_end_token_outside_the_vocabulary_in_config_json_is_refused_naming_the_file(tmp_path, monkeypatch):
+    from torchhal.core.engine import EngineConfig, GenerationEngine
+
+    path = write_checkpoint(tmp_path / "model", dict(CONFIG, eos_token_id=[2, 99]))
+    with monkeypatch.context() as patch:  # refused before a weight is read
+        patch.setattr(checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("a weight was read"))
+        message = refused(path, "eos_token_id", call=GenerationEngine.from_checkpoint)
+    assert message == (f"{path / 'config.json'}: eos_token_id [2, 99] names token(s) [99] outside the vocabulary "
+                       "0..15 (vocab_size 16), so no request would ever stop on them; correct eos_token_id in the "
+                       "file, or pass EngineConfig(eos_tokens=(...)) with ids the model can emit")
+    # A bad id passed explicitly is still the EngineConfig's, and good ones override the file's.
+    with pytest.raises(ValueError, match=r"^EngineConfig end-of-sequence token\(s\) \[50\] are outside"):
+        GenerationEngine.from_checkpoint(path, EngineConfig(eos_tokens=(3, 50)))
+    assert GenerationEngine.from_checkpoint(path, EngineConfig(eos_tokens=(3,))).config.eos_tokens == (3,)
+    for bad in ("2", -1, True, [2, 2.0]):  # and ids that are no token ids at all
+        typed = write_checkpoint(tmp_path / f"typed-{bad}", dict(CONFIG, eos_token_id=bad))
+        refused(typed, r"config\.json: eos_token_id .* must be a token id or a list of token ids \(ints >= 0\)",
+                call=GenerationEngine.from_checkpoint)

@@ -482,7 +482,8 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json", has_lm_head: 
 
 
 def eos_token_ids(hf: dict[str, Any], where: str = "config.json") -> tuple[int, ...]:
-    """Every end-of-sequence id of a config (Llama 3 lists several); () when it names none."""
+    """Every end-of-sequence id of a config (Llama 3 lists several); () when it names none. Ids outside
+    its `vocab_size` are refused, naming `where`."""
     eos = hf.get("eos_token_id")
     if eos is None:
         return ()
@@ -491,6 +492,16 @@ def eos_token_ids(hf: dict[str, Any], where: str = "config.json") -> tuple[int, 
     if bad:
         raise CheckpointError(
             f"{where}: eos_token_id {short_repr(eos)} must be a token id or a list of token ids (ints >= 0)"
+        )
+    vocab = hf.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        return tuple(ids)  # a bad vocab_size is config_from_hf's to refuse
+    outside = sorted({t for t in ids if t >= vocab})
+    if outside:  # an id the model cannot emit would never stop a request
+        raise CheckpointError(
+            f"{where}: eos_token_id {short_repr(eos)} names token(s) {short_repr(outside)} outside the vocabulary "
+            f"0..{vocab - 1} (vocab_size {vocab}), so no request would ever stop on them; correct eos_token_id in "
+            "the file, or pass EngineConfig(eos_tokens=(...)) with ids the model can emit"
         )
     return tuple(ids)
 
