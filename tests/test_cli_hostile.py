@@ -106,16 +106,36 @@ def _exiting_count() -> int:
 @pytest.mark.filterwarnings("ignore::torchhal.platforms.TorchhalPluginWarning")
 @pytest.mark.parametrize("plugin, name, device", [
     (lambda: plugin_module(fake_platform("sleepy", 5, available=False)), "sleepy", 3),  # INCOMPLETE
-    (_failing_to_register, "ghost", 0),  # the plugin that failed may be the one named
     (lambda: _counting("zero", lambda: 0), "zero", 0),  # a device test fails on it
     (lambda: _counting("crashing", _no_count), "crashing", 0),  # so does this one
     (lambda: _counting("exiting", _exiting_count), "exiting", 0),  # sys.exit() must not end the run here
-], ids=["unavailable", "failed-to-register", "no-devices", "count-raises", "count-exits"])
+], ids=["unavailable", "no-devices", "count-raises", "count-exits"])
 def test_a_plugins_own_trouble_is_left_to_the_suite(make_registry, plugin, name, device):
     from torchhal.conformance_tests.plugin import check_target
 
     make_registry(plugin())
     check_target(name, device, "--platform", "--device")  # no usage error: the suite reports it
+
+
+@pytest.mark.filterwarnings("ignore::torchhal.platforms.TorchhalPluginWarning")
+@pytest.mark.parametrize("args, env, named", [
+    (("--platform", "cpux"), {}, "--platform 'cpux'"),
+    ((), {"TORCHHAL_PLATFORM": "cpux"}, "TORCHHAL_PLATFORM='cpux'"),
+], ids=["platform", "platform-env"])
+def test_an_unregistered_platform_is_refused_while_a_plugin_failed_to_load(tmp_path, monkeypatch, make_registry,
+                                                                            cli, args, env, named):
+    from torchhal.conformance_tests.plugin import check_target
+
+    make_registry(_failing_to_register())
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    report = tmp_path / "report.json"
+    refused(cli("conformance", *args, "--json", str(report)), "conformance",
+            f"{named} is not a registered platform (registered: cpu); name one of them",
+            "failed to load, fix that plugin", "plugin 'test-plugin-0'",
+            "failed to register: RuntimeError: libghost.so is missing")
+    assert not report.exists()  # a typo runs no suite, and writes no report blaming a plugin
+    check_target("cpu", 0, "--platform", "--device")  # a registered platform is still the suite's to test
 
 
 def test_naming_a_replaced_platform_names_the_one_that_replaced_it(tmp_path, make_registry, cli):

@@ -184,9 +184,11 @@ def check_target(name: str, device: int, platform_option: str, device_option: st
     setting (TORCHHAL_DETECT_TIMEOUT, TORCHHAL_PLUGINS) or a device index the platform does
     not have: a mistake in the command, not the plugin's failure.
 
-    `name` "" means TORCHHAL_PLATFORM, else the current platform. The plugin's own trouble
-    stays the suite's to report: a plugin that failed to load (it may be the one named), a
-    platform unavailable here (INCOMPLETE), a device_count() that raises or counts none."""
+    `name` "" means TORCHHAL_PLATFORM, else the current platform. A name no plugin registers
+    is refused even when a plugin failed to load (the line names that plugin and its error, in
+    case it was the one meant): a typo must not run the suite. The plugin's own trouble stays
+    the suite's to report: a platform unavailable here (INCOMPLETE), a device_count() that
+    raises or counts none."""
     if device < 0:
         raise ConformanceUsageError(f"{device_option} {device} is out of range: device indices start at 0")
     env_name = os.environ.get(PLATFORM_ENV, "").strip()
@@ -197,11 +199,16 @@ def check_target(name: str, device: int, platform_option: str, device_option: st
             replaced = reg.replacement_note(requested)
             if replaced is not None:
                 raise ConformanceUsageError(f"{named_by}: {replaced}")
-            if any(f.stage in LOAD_STAGES for f in reg.failures):
-                return
+            unregistered = f"{named_by} is not a registered platform (registered: {', '.join(reg.names())})"
+            failed = [" ".join(str(f).split()) for f in reg.failures if f.stage in LOAD_STAGES]  # one line
+            if failed:  # the platform it would have registered is unknown: it may be the one meant
+                raise ConformanceUsageError(
+                    f"{unregistered}; name one of them, or, if {requested!r} is the platform of a plugin that "
+                    f"failed to load, fix that plugin (torchhal info shows it): {'; '.join(failed)}"
+                )
             raise ConformanceUsageError(
-                f"{named_by} is not a registered platform (registered: {', '.join(reg.names())}); name one "
-                f"of them, or install the plugin that provides {requested!r} (torchhal info lists them)"
+                f"{unregistered}; name one of them, or install the plugin that provides {requested!r} (torchhal "
+                "info lists them)"
             )
         platform = torchhal.get_platform(requested) if requested else torchhal.current_platform()
     except PlatformUnavailableError:
