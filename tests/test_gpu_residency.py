@@ -218,3 +218,25 @@ def test_a_diffusers_pipeline_with_weights_on_call_matches_resident_and_leaves_n
     assert managed.manager.last_request_h2d_bytes["vae"] == sum(
         p.numel() * p.element_size() for p in pipe.vae.decoder.parameters())
     managed.close()
+
+
+def test_stable_diffusion_with_guidance_and_a_multistep_scheduler_matches_resident_on_the_device():
+    pytest.importorskip("diffusers")
+    from diffusers import PNDMScheduler
+
+    from tests.diffusers_pipelines import SD_OFFLOADED, sd_kwargs, sd_pipeline, with_safety_checker
+    from torchhal.core.residency.diffusers import ManagedPipeline
+
+    def make():  # as Stable Diffusion ships: PLMS steps, guidance 7.5, a safety checker left resident
+        return with_safety_checker(sd_pipeline(PNDMScheduler(skip_prk_steps=True)))
+
+    expected = make().to("cuda")(**sd_kwargs()).images
+    pipe = make()
+    managed = ManagedPipeline(pipe, SD_OFFLOADED)
+    for _ in range(2):
+        image = managed(**sd_kwargs()).images
+        torch.testing.assert_close(image, expected, rtol=0, atol=1e-5)
+        assert managed.manager.trace.last_request()[-1]["uses_run"] == 2 + 4 + 1
+        assert pipe.unet.conv_in.weight.device.type == "cpu"  # offloaded again between requests
+    managed.close()
+

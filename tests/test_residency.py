@@ -9,6 +9,7 @@ savings: benchmarks/residency_pipeline.py measures those on a GPU.
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from torchhal.core.residency import (
     ResidencyStrategy,
     Stage,
     Strategy,
+    UndeclaredUse,
 )
 from torchhal.platforms import ReleasePoint, hookimpl
 
@@ -365,6 +367,80 @@ def test_declarations_are_checked_when_written():
     with pytest.raises(ValueError, match="same strategy object"):
         shared = LayerwiseStrategy(1)
         ResidencyManager(make_components(), {"transformer": shared, "vae": shared})
+    with pytest.raises(ValueError, match="stage 'denoise': exact must be True or False, got 'no'"):
+        Stage("denoise", (ComponentUse("transformer"),), exact="no")  # type: ignore[arg-type]
+
+
+# -- stages that are not exact: uses in any order and count, none included -----------------
+
+def _use(manager, component, tokens):
+    with manager.use_component(component) as module:
+        return module(tokens)
+
+
+def _forecast(decode_exact=False):
+    intensive = {"memory_intensive": True}
+    return [Stage("encode", (ComponentUse("text_encoder", **intensive),), exact=False),
+            Stage("denoise", (ComponentUse("transformer", **intensive),), exact=False),
+            Stage("decode", (ComponentUse("vae", **intensive),), exact=decode_exact)]
+
+
+def test_a_stage_that_is_not_exact_takes_its_uses_any_number_of_times(observed):
+    manager = ResidencyManager(make_components(), default_placements("offload"), empty_on_release=False)
+    tokens = torch.randn(4, 256)
+    with torch.no_grad():
+        for encodes, steps in ((2, 3), (0, 1)):  # a negative prompt encoded too; prompt embeddings given
+            start = len(manager.trace.events)
+            with manager.request(_forecast()):
+                for component in ["text_encoder"] * encodes + ["transformer"] * steps + ["vae"]:
+                    _use(manager, component, tokens)
+            events = manager.trace.events[start:]
+            assert events[-1]["uses_run"] == encodes + steps + 1
+            # each component came in once and left once however often it ran: kept between its uses
+            brought = [e["component"] for e in events if e["kind"] in ("prepare", "prefetch")]
+            assert sorted(brought) == sorted({"transformer", "vae"} | ({"text_encoder"} if encodes else set()))
+            assert [e["component"] for e in events if e["kind"] == "release"] == (
+                ["text_encoder"] * bool(encodes) + ["transformer", "vae"])
+            assert {e["why"] for e in events if e["kind"] == "keep"} == {"may be needed by the next use"}
+    assert not any(c.on_device for c in manager.components.values())
+    # the stages still run in their order: an earlier stage's component after a later one began is refused
+    with manager.request(_forecast()), torch.no_grad():
+        _use(manager, "transformer", tokens)
+        with pytest.raises(UndeclaredUse, match=r"begin_use\('text_encoder', phase=None\) but the declared next "
+                                                r"use is one of 'transformer', 'vae'") as raised:
+            manager.begin_use("text_encoder")
+        assert raised.value.allowed == ("transformer", "vae") and raised.value.expected == "transformer"
+        _use(manager, "vae", tokens)  # the refusal changed nothing: the request goes on
+    # an exact stage cannot be skipped, and ends the uses an earlier inexact stage allows
+    manager.begin_request(_forecast(decode_exact=True))
+    _use(manager, "vae", tokens)  # the encode and denoise stages may not run at all
+    with pytest.raises(UndeclaredUse, match="after the request's declared uses ran out"):
+        manager.begin_use("vae")
+    manager.finish_request()
+
+
+def test_a_component_kept_for_a_use_that_does_not_come_leaves_when_another_begins(observed):
+    manager = ResidencyManager(make_components(), default_placements("offload"))  # releases empty the cache
+    tokens = torch.randn(4, 256)
+    stages = [Stage(s.name, tuple(replace(u, allow_prefetch=False) for u in s.uses), exact=s.exact)
+              for s in _forecast()]  # each component comes in at its use: the order below is the manager's
+    seen_on_device: dict[str, bool] = {}
+    with manager.request(stages), torch.no_grad():
+        _use(manager, "text_encoder", tokens)
+        assert manager.components["text_encoder"].on_device  # kept: it may run again for a negative prompt
+        with manager.use_component("transformer") as transformer:
+            seen_on_device["text_encoder"] = manager.components["text_encoder"].on_device
+            transformer(tokens)
+        _use(manager, "vae", tokens)
+    assert seen_on_device == {"text_encoder": False}  # gone before the transformer came in
+    events = manager.trace.last_request()
+    order = [(e["kind"], e["component"]) for e in events if e["kind"] in ("release", "prepare", "empty_cache")]
+    assert order[:4] == [("prepare", "text_encoder"), ("release", "text_encoder"), ("empty_cache", None),
+                         ("prepare", "transformer")]
+    # the last use's component, kept too, leaves at the request's end as at its use's end: a release point
+    assert order[-2:] == [("release", "vae"), ("empty_cache", None)]
+    assert [e["where"] for e in events if e["kind"] == "empty_cache"] == ["component_release"] * 3
+    assert observed["empties"] == [ReleasePoint.COMPONENT_RELEASE] * 3
 
 
 # -- release points: where the cache is emptied, and where it must not be -----------------

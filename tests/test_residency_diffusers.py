@@ -15,12 +15,21 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-from torchhal.core.residency import LayerwiseStrategy, RequestFailed, Stage, Strategy, UndeclaredUse  # noqa: E402
+from torchhal.core.residency import (  # noqa: E402
+    ComponentUse,
+    LayerwiseStrategy,
+    RequestFailed,
+    Stage,
+    Strategy,
+    UndeclaredUse,
+)
 from torchhal.core.residency.diffusers import ManagedPipeline, guess_block_lists  # noqa: E402
 from torchhal.platforms import ReleasePoint  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from diffusers_flux import call_kwargs, flux_pipeline  # noqa: E402
+
+from tests.diffusers_pipelines import SD_OFFLOADED, sd_kwargs, sd_pipeline, with_safety_checker  # noqa: E402
 
 ENCODERS = {"text_encoder": Strategy.OFFLOAD, "text_encoder_2": Strategy.OFFLOAD, "vae": Strategy.OFFLOAD}
 BLOCKS = ("transformer_blocks", "single_transformer_blocks")
@@ -77,10 +86,14 @@ def test_empty_on_release_empties_after_each_component_that_left(reference_image
 
 def test_uses_follow_the_call_arguments(empties):
     managed = ManagedPipeline(flux_pipeline(), {**ENCODERS, "transformer": LayerwiseStrategy(1, BLOCKS)})
-    names = [[u.component for u in s.uses] for s in managed.stages(num_inference_steps=3)]
-    assert names == [["text_encoder", "text_encoder_2"], ["transformer"] * 3, ["vae"]]
-    latent_only = managed.stages(num_inference_steps=2, prompt_embeds=torch.zeros(1), output_type="latent")
-    assert [s.name for s in latent_only] == ["denoise"]
+    derived = managed.stages(num_inference_steps=3)
+    names = [[u.component for u in s.uses] for s in derived]
+    assert names == [["text_encoder", "text_encoder_2"], ["transformer"], ["vae"]]
+    assert [s.exact for s in derived] == [False] * 3  # how often each runs is the pipeline's business
+    assert [s.name for s in managed.stages(output_type="latent")] == ["encode", "denoise"]
+    # an image to encode (img2img, inpainting): the VAE may run before the denoiser too
+    assert [[u.component for u in s.uses] for s in managed.stages(image=torch.zeros(1))][0] == [
+        "text_encoder", "text_encoder_2", "vae"]
     # prompt embeddings given: the encoders never run, and the image is unchanged
     pipe = flux_pipeline()
     with torch.no_grad():
@@ -92,107 +105,112 @@ def test_uses_follow_the_call_arguments(empties):
     expected = pipe(prompt_embeds=embeds, pooled_prompt_embeds=pooled, **without_prompt()).images
     image = managed(prompt_embeds=embeds, pooled_prompt_embeds=pooled, **without_prompt()).images
     assert torch.equal(image, expected)
-    assert {e["component"] for e in managed.manager.trace.last_request() if e["kind"] == "release"} == {
+    assert {e["component"] for e in managed.manager.trace.last_request() if e["kind"] in ("prepare", "prefetch")} == {
         "transformer", "vae"}
     managed.close()
 
 
 def test_a_call_that_does_not_match_its_declaration_fails_clearly(empties):
     managed = ManagedPipeline(flux_pipeline(), {**ENCODERS, "transformer": Strategy.OFFLOAD})
-    one_step = managed.stages(num_inference_steps=1)
+    encode, _, decode = managed.stages()
+    one_step = [Stage("encode", encode.uses), Stage("denoise", (ComponentUse("transformer"),)),
+                Stage("decode", decode.uses)]  # exact: one transformer use, then the VAE
     with pytest.raises(RuntimeError, match="begin_use\\('transformer'.*declared next use is 'vae'"):
         managed(stages=one_step, **call_kwargs(steps=2))
     assert not any(c.on_device for n, c in managed.manager.components.items())  # everything went home
     assert torch.equal(managed(**call_kwargs()).images, flux_pipeline()(**call_kwargs()).images)  # still serves
 
 
-def sd_pipeline(scheduler):
-    """A StableDiffusionPipeline on the tiny Flux pipeline's CLIP encoder, tokenizer and VAE, with a
-    tiny UNet: the pipeline family whose schedulers (Heun, PNDM) call the denoiser otherwise."""
-    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
-
-    flux = flux_pipeline()
-    torch.manual_seed(1)
-    unet = UNet2DConditionModel(
-        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(8, 16),
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=32, norm_num_groups=4, attention_head_dim=2).eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # steps_offset of a scheduler made from its defaults
-        pipe = StableDiffusionPipeline(vae=flux.vae, text_encoder=flux.text_encoder, tokenizer=flux.tokenizer,
-                                       unet=unet, scheduler=scheduler, safety_checker=None, feature_extractor=None,
-                                       requires_safety_checker=False)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+def _uses_run(managed):
+    return managed.manager.trace.last_request()[-1]["uses_run"]
 
 
-def sd_kwargs(steps=3):
-    # guidance 1: no negative prompt, so the text encoder runs once, as the derived uses say
-    return {"prompt": "a photo of an astronaut riding a horse", "num_inference_steps": steps, "height": 32,
-            "width": 32, "guidance_scale": 1.0, "output_type": "pt", "generator": torch.Generator().manual_seed(0)}
+@pytest.mark.parametrize(("scheduler", "guidance", "uses"), [
+    ("PNDMScheduler", 7.5, 2 + 4 + 1),  # as Stable Diffusion ships: PLMS runs the UNet once more than its steps
+    ("HeunDiscreteScheduler", 7.5, 2 + (2 * 3 - 1) + 1),  # second order: twice per step but the last
+    ("EulerDiscreteScheduler", 1.0, 1 + 3 + 1),  # no guidance: the text encoder runs once
+])
+def test_the_denoiser_and_encoders_run_as_often_as_the_pipeline_calls_them(empties, scheduler, guidance, uses):
+    import diffusers
 
+    def make():
+        options = {"skip_prk_steps": True} if scheduler == "PNDMScheduler" else {}
+        return with_safety_checker(sd_pipeline(getattr(diffusers, scheduler)(**options)))
 
-SD_OFFLOADED = {"text_encoder": "offload", "unet": "offload", "vae": "offload"}
-
-
-def test_a_second_order_scheduler_calls_the_denoiser_twice_per_step_but_the_last(empties):
-    from diffusers import HeunDiscreteScheduler
-
-    expected = sd_pipeline(HeunDiscreteScheduler())(**sd_kwargs()).images
-    managed = ManagedPipeline(sd_pipeline(HeunDiscreteScheduler()), SD_OFFLOADED)
-    assert torch.equal(managed(**sd_kwargs()).images, expected)
-    assert managed.manager.trace.last_request()[0]["uses"] == 1 + (2 * 3 - 1) + 1
+    expected = make()(**sd_kwargs(guidance=guidance))
+    managed = ManagedPipeline(make(), SD_OFFLOADED)
+    for _ in range(2):
+        result = managed(**sd_kwargs(guidance=guidance))
+        assert torch.equal(result.images, expected.images)
+        assert result.nsfw_content_detected == expected.nsfw_content_detected  # the resident checker ran
+        assert _uses_run(managed) == uses
+        # each offloaded component came in once, however often it ran
+        assert [e["component"] for e in managed.manager.trace.last_request() if e["kind"] == "release"] == [
+            "text_encoder", "unet", "vae"]
     managed.close()
 
 
-def test_a_call_that_departs_from_its_derived_uses_says_what_happened_and_the_fix(empties):
-    from diffusers import FluxImg2ImgPipeline, PNDMScheduler
+def test_img2img_and_true_guidance_run_without_declaring_their_uses(empties):
+    from diffusers import FluxImg2ImgPipeline
 
-    # PNDM's PLMS steps call the UNet once more than num_inference_steps
-    expected = sd_pipeline(PNDMScheduler(skip_prk_steps=True))(**sd_kwargs()).images
-    managed = ManagedPipeline(sd_pipeline(PNDMScheduler(skip_prk_steps=True)), SD_OFFLOADED)
-    with pytest.raises(UndeclaredUse, match=r"^StableDiffusionPipeline with PNDMScheduler called 'unet' after 3 of "
-                                            r"the 3 uses of 'unet' derived for this call, where 'vae' was declared "
-                                            r"next; pass stages= to the call declaring the uses it makes$"):
-        managed(**sd_kwargs())
-    assert not any(c.on_device for c in managed.manager.components.values())
-    image = managed(**sd_kwargs(), stages=managed.stages(**sd_kwargs(steps=4))).images  # the fix
-    assert torch.equal(image, expected)
-    managed.close()
-
-    # img2img: the VAE encodes the image before the denoiser, which runs fewer steps by strength
     def img2img():
         pipe = FluxImg2ImgPipeline(**flux_pipeline().components)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
-    arguments = {**call_kwargs(steps=4), "image": torch.linspace(0, 1, 3 * 32 * 32).view(1, 3, 32, 32),
-                 "strength": 0.5}
-    expected = img2img()(**arguments).images
+    def arguments():  # the VAE encodes the image first; strength 0.5 runs 2 of the 4 steps
+        return {**call_kwargs(steps=4), "image": torch.linspace(0, 1, 3 * 32 * 32).view(1, 3, 32, 32),
+                "strength": 0.5}
+
+    expected = img2img()(**arguments()).images
     managed = ManagedPipeline(img2img(), {**ENCODERS, "transformer": Strategy.OFFLOAD})
-    with pytest.raises(UndeclaredUse, match=r"^FluxImg2ImgPipeline with FlowMatchEulerDiscreteScheduler called "
-                                            r"'vae' after 0 of the 4 uses of 'transformer' derived for this call, "
-                                            r"where 'transformer' was declared next; strength=0.5 runs fewer steps "
-                                            r"than num_inference_steps, by the pipeline's own rounding; pass stages= "
-                                            r"to the call declaring the uses it makes$"):
-        managed(**arguments)
-    encode, denoise, decode = managed.stages(**{**arguments, "num_inference_steps": 2})  # 4 x 0.5 steps run
-    arguments["generator"] = torch.Generator().manual_seed(0)
-    image = managed(**arguments, stages=[encode, Stage("image", decode.uses), denoise, decode]).images
-    assert torch.equal(image, expected)
+    assert torch.equal(managed(**arguments()).images, expected)
+    assert _uses_run(managed) == 2 + 1 + 2 + 1
+    managed.close()
+
+    # true classifier-free guidance: the encoders run again for the negative prompt, the transformer twice a step
+    def guided():
+        return {**call_kwargs(steps=2), "true_cfg_scale": 2.0, "negative_prompt": "a dog"}
+
+    expected = flux_pipeline()(**guided()).images
+    managed = ManagedPipeline(flux_pipeline(), {**ENCODERS, "transformer": Strategy.OFFLOAD})
+    assert torch.equal(managed(**guided()).images, expected)
+    assert _uses_run(managed) == 4 + 2 * 2 + 1
+    assert managed.manager.last_request_h2d_bytes["transformer"] == _nbytes(managed.pipeline.transformer)
     managed.close()
 
 
-def test_a_scheduler_of_another_order_is_refused_before_the_call_runs(empties):
+def test_a_call_that_departs_from_its_derived_uses_says_what_happened_and_the_fix(empties):
+    from diffusers import EulerDiscreteScheduler
+
+    # an offloaded component that model_cpu_offload_seq does not name: its uses cannot be derived
+    managed = ManagedPipeline(with_safety_checker(sd_pipeline(EulerDiscreteScheduler())),
+                              {**SD_OFFLOADED, "safety_checker": "offload"})
+    with pytest.raises(UndeclaredUse, match=r"^StableDiffusionPipeline called 'safety_checker', which the uses "
+                                            r"derived for this call do not name \(they follow StableDiffusionPipeline"
+                                            r"\.model_cpu_offload_seq = 'text_encoder->image_encoder->unet->vae'\); "
+                                            r"leave 'safety_checker' resident .*, or pass stages= to the call "
+                                            r"declaring the uses it makes$"):
+        managed(**sd_kwargs())
+    assert not any(c.on_device for c in managed.manager.components.values())
+    managed.close()
+
+    # a component called again after the pipeline moved on: a text encoder inside the denoising loop
     pipe = flux_pipeline()
-    pipe.scheduler.order = 3
+
+    def encode_again(pipeline, step, timestep, tensors):
+        pipeline.text_encoder(torch.zeros(1, 77, dtype=torch.long))
+        return tensors
+
     managed = ManagedPipeline(pipe, {**ENCODERS, "transformer": Strategy.OFFLOAD})
-    with pytest.raises(ValueError, match=r"^FlowMatchEulerDiscreteScheduler.order is 3: only first- and second-order "
-                                         r"schedulers' denoiser calls are counted; pass stages= to the call$"):
-        managed(**call_kwargs())
-    assert managed.manager.trace.of_kind("request_start") == []  # refused before any request started
-    pipe.scheduler.order = 1
-    managed(**call_kwargs(), stages=managed.stages(**call_kwargs()))
+    with pytest.raises(UndeclaredUse, match=r"^FluxPipeline called 'text_encoder' where the uses derived for this "
+                                            r"call allow 'transformer' or 'vae' next \(their stages, encode, denoise, "
+                                            r"decode, run in that order\); pass stages= to the call declaring the "
+                                            r"uses it makes$") as raised:
+        managed(**call_kwargs(), callback_on_step_end=encode_again)
+    assert raised.value.allowed == ("transformer", "vae")
+    assert not any(c.on_device for c in managed.manager.components.values())
+    assert torch.equal(managed(**call_kwargs()).images, flux_pipeline()(**call_kwargs()).images)  # still serves
     managed.close()
 
 

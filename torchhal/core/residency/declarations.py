@@ -53,14 +53,23 @@ class ComponentUse:
 
 @dataclass(frozen=True)
 class Stage:
-    """A pipeline stage (e.g. encode, denoise, decode): a name and the uses it makes, in order."""
+    """A pipeline stage (e.g. encode, denoise, decode): a name and the uses it makes, in order.
+
+    `exact=False` makes the uses a forecast rather than a contract: the stage's components may
+    then be used any number of times (none included) in any order, until a use of a later stage
+    begins; prefetching still follows the order listed. For a stage whose count the caller
+    cannot know beforehand: a denoiser run once per step of whatever schedule the scheduler
+    makes, text encoders run a second time for a negative prompt."""
 
     name: str
     uses: tuple[ComponentUse, ...]
+    exact: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"Stage name must be a non-empty str such as 'denoise', got {self.name!r}")
+        if not isinstance(self.exact, bool):  # "no" is truthy
+            raise ValueError(f"stage {self.name!r}: exact must be True or False, got {self.exact!r}")
         if isinstance(self.uses, ComponentUse):  # tuple() of it is a bare "not iterable" TypeError
             raise ValueError(f"stage {self.name!r}: uses must be a tuple of ComponentUse records, got the single "
                              f"use of {self.uses.component!r}; pass uses=(use,)")
@@ -82,10 +91,13 @@ class RequestFailed(RuntimeError):
 
 
 class UndeclaredUse(RuntimeError):
-    """begin_use of a use that is not the request's declared next one (out of order, or after
-    the declared uses ran out): the pipeline runs otherwise than its stages say."""
+    """begin_use of a use that is not one the request's stages allow next (out of order, or
+    after the declared uses ran out): the pipeline runs otherwise than its stages say."""
 
-    def __init__(self, message: str, component: str | None = None, expected: str | None = None) -> None:
+    def __init__(self, message: str, component: str | None = None, expected: str | None = None,
+                 allowed: tuple[str, ...] | None = None) -> None:
         super().__init__(message)
-        #: the component whose use began, and the one declared next (None: the uses ran out)
+        #: the component whose use began, and the first one allowed next (None: the uses ran out)
         self.component, self.expected = component, expected
+        #: every component the stages allowed next, in their order
+        self.allowed = allowed if allowed is not None else (() if expected is None else (expected,))

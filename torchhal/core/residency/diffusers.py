@@ -8,9 +8,10 @@
 The pipeline's own `__call__` runs. Each component's entry points (`forward`, and
 `encode`/`decode` where the class defines them) are wrapped on the instance, so every
 call the pipeline makes is one declared use; the uses of a call are derived from the
-pipeline's `model_cpu_offload_seq` (the component order diffusers itself declares)
-and the call's arguments, or given as `stages=`. Written against the pipeline's
-duck-typed surface only: importing this module does not import diffusers.
+pipeline's `model_cpu_offload_seq` (the component order diffusers itself declares), as
+stages that do not fix how often each component runs, or given as `stages=`. Written
+against the pipeline's duck-typed surface only: importing this module does not import
+diffusers.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import nn
 
 from torchhal.core.residency.declarations import ComponentUse, Stage, Strategy, UndeclaredUse
 from torchhal.core.residency.manager import PlacementSpec, ResidencyManager, check_placements
-from torchhal.core.residency.strategies import LayerwiseStrategy, ResidencyStrategy
+from torchhal.core.residency.strategies import LayerwiseStrategy, ResidencyStrategy, ResidentStrategy
 from torchhal.platforms import Platform
 
 #: Attribute paths of block lists in common diffusers / transformers models, in run order.
@@ -98,9 +99,8 @@ class ManagedPipeline:
     submodules are called and released with the component (rest="on_call"), the denoiser
     through a ring of buffers (its blocks stream every step), any other component through
     buffers of each block's own size (buffers="exact": it runs once a request, and its
-    blocks differ in size, as a VAE decoder's do). `denoiser` is the component called once per
-    step (default: "transformer" or "unet", whichever the pipeline has) and
-    `calls_per_step` how often (2 with true classifier-free guidance).
+    blocks differ in size, as a VAE decoder's do). `denoiser` is the component called every
+    step (default: "transformer" or "unet", whichever the pipeline has).
 
     No use is a release point by default: a component that leaves the device gives its
     memory back to the allocator's cache, from which the next component and its
@@ -121,7 +121,6 @@ class ManagedPipeline:
         placements: Mapping[str, PlacementSpec],
         *,
         denoiser: str | None = None,
-        calls_per_step: int = 1,
         prefetch: bool = True,
         empty_on_release: bool = False,
         platform: Platform | None = None,
@@ -132,8 +131,6 @@ class ManagedPipeline:
         modules = _modules_of(pipeline)
         check_placements(placements)
         denoiser = _check_denoiser(pipeline, modules, denoiser)
-        if isinstance(calls_per_step, bool) or not isinstance(calls_per_step, int) or calls_per_step < 1:
-            raise ValueError(f"calls_per_step must be an int >= 1 (2 with true CFG), got {calls_per_step!r}")
         if not isinstance(prefetch, bool):  # the manager checks its own flags before it attaches anything
             raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
         managed = [name for name, m in modules.items() if isinstance(m.__dict__.get("_hf_hook"), _ExecutionDevice)]
@@ -153,8 +150,8 @@ class ManagedPipeline:
             (module, attribute, module.__dict__.get(attribute, _ABSENT))
             for module in modules.values() for attribute in _PATCHED
         ]
-        self.pipeline, self.denoiser, self.calls_per_step, self.prefetch = pipeline, denoiser, calls_per_step, prefetch
-        self._denoiser_ran = 0  # uses of the denoiser begun in the running call
+        self.pipeline, self.denoiser, self.prefetch = pipeline, denoiser, prefetch
+        self._declared: set[str] = set()  # the components the running call's stages name
         self.manager = ResidencyManager(modules, strategies, platform, device_index, empty_on_release=empty_on_release,
                                         record_trace=record_trace, log=log)
         marker = _ExecutionDevice(self.manager.device)
@@ -165,53 +162,43 @@ class ManagedPipeline:
 
     # -- declared uses ------------------------------------------------------------------------
     def stages(self, **call_kwargs: Any) -> list[Stage]:
-        """The uses one `pipeline(**call_kwargs)` makes: encoders (unless prompt embeddings are
-        given), the denoiser once per step (2 * steps - 1 times with a second-order scheduler)
-        and `calls_per_step` times each, then the decoders (unless latents are asked for). The
-        steps are `num_inference_steps`, or one per value of `timesteps`/`sigmas`. A pipeline
-        that runs otherwise (img2img, PNDM) needs stages= on the call."""
-        sequence = getattr(self.pipeline, "model_cpu_offload_seq", None)
-        # DiffusionPipeline itself sets it to None; a subclass that declares no order names nothing
-        order = [n for n in (sequence if isinstance(sequence, str) else "").split("->")
-                 if n in self.manager.components]
-        if self.denoiser not in order:
-            raise ValueError(
-                f"{type(self.pipeline).__name__}.model_cpu_offload_seq does not name {self.denoiser!r}; "
-                "pass stages= to the call to declare its uses"
-            )
-        split = order.index(self.denoiser)
-        before, after = order[:split], order[split + 1 :]
+        """The uses one `pipeline(**call_kwargs)` may make, as stages that do not fix how often
+        each component runs (`Stage(exact=False)`: the count depends on the scheduler, the
+        guidance and `strength`, which only the pipeline's own call works out): the components
+        `model_cpu_offload_seq` lists before the denoiser (the text encoders, a second time for
+        a negative prompt, none with `prompt_embeds`; the ones after it too when the call gives
+        an `image`, which img2img and inpainting encode with the VAE first), then the denoiser,
+        then the components after it (unless latents are asked for)."""
+        before, after = self._around_denoiser()
+        if call_kwargs.get("image") is not None:
+            before += [name for name in after if name not in before]
         prefetch = self.prefetch
 
-        def use(name: str, phase: str | None = None) -> ComponentUse:
-            return ComponentUse(name, phase=phase, memory_intensive=True, allow_prefetch=prefetch)
+        def uses(names: list[str]) -> tuple[ComponentUse, ...]:
+            return tuple(ComponentUse(n, memory_intensive=True, allow_prefetch=prefetch) for n in names)
 
-        calls = self._scheduler_calls(self._step_count(call_kwargs)) * self.calls_per_step
-        result = []
-        if call_kwargs.get("prompt_embeds") is None and before:
-            result.append(Stage("encode", tuple(use(n) for n in before)))
-        result.append(Stage("denoise", tuple(use(self.denoiser, f"step{i}") for i in range(calls))))
-        if call_kwargs.get("output_type") != "latent" and after:
-            result.append(Stage("decode", tuple(use(n) for n in after)))
-        return result
+        if call_kwargs.get("output_type") == "latent":
+            after = []
+        encode = [Stage("encode", uses(before), exact=False)] if before else []
+        decode = [Stage("decode", uses(after), exact=False)] if after else []
+        return [*encode, Stage("denoise", uses([self.denoiser]), exact=False), *decode]
 
     def __call__(self, *args: Any, stages: Sequence[Stage] | None = None, **kwargs: Any) -> Any:
         """Run the pipeline's own `__call__` as one request of the manager. The uses are
         derived from its arguments, positional ones included, unless `stages=` declares them."""
         if self._closed:
             raise RuntimeError("this ManagedPipeline is closed; the pipeline is a plain pipeline again")
-        named = self._named_arguments(args, kwargs)
         # the caller's stages as given: the manager checks them and names the fix
-        declared = stages if stages is not None else self.stages(**named)
-        self._denoiser_ran = 0
+        declared = stages if stages is not None else self.stages(**self._named_arguments(args, kwargs))
         try:
             with self.manager.request(declared):
+                self._declared = {use.component for stage in declared for use in stage.uses}
                 return self.pipeline(*args, **kwargs)
         except UndeclaredUse as departed:
             if stages is not None:  # the caller's own declaration: the manager's message says it all
                 raise
-            raise UndeclaredUse(self._departure(departed, declared, named), departed.component,
-                                departed.expected) from departed
+            raise UndeclaredUse(self._departure(departed, declared), departed.component, departed.expected,
+                                departed.allowed) from departed
 
     def close(self) -> int | None:
         """Give the device back (see ResidencyManager.close) and restore exactly what each
@@ -229,51 +216,33 @@ class ManagedPipeline:
         return released
 
     # -- internals ------------------------------------------------------------------------------
-    def _step_count(self, call_kwargs: Mapping[str, Any]) -> int:
-        """Denoising steps of one call. Custom `timesteps` or `sigmas` set the count, not
-        `num_inference_steps` (diffusers' retrieve_timesteps then ignores it): one step per
-        value, as the flow-matching schedulers (Flux, SD3) make them; a scheduler that
-        counts them otherwise (Euler's takes a final sigma more) needs stages=."""
-        for schedule in ("timesteps", "sigmas"):
-            values = call_kwargs.get(schedule)
-            if values is None:
-                continue
-            try:
-                steps = len(values)
-            except TypeError:
-                raise ValueError(f"{schedule}={values!r} must be a list with one value per denoising step, "
-                                 "e.g. [1.0, 0.75, 0.5, 0.25]") from None
-            if steps < 1:
-                raise ValueError(f"{schedule}={values!r} gives no denoising step; pass one value per step")
-            return steps
-        steps = call_kwargs.get("num_inference_steps", self._default("num_inference_steps"))
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"num_inference_steps {steps!r}: pass stages= for a pipeline without a step count")
-        return steps
+    def _around_denoiser(self) -> tuple[list[str], list[str]]:
+        """The managed components `model_cpu_offload_seq` lists before and after the denoiser."""
+        sequence = getattr(self.pipeline, "model_cpu_offload_seq", None)
+        # DiffusionPipeline itself sets it to None; a subclass that declares no order names nothing
+        order = [n for n in (sequence if isinstance(sequence, str) else "").split("->")
+                 if n in self.manager.components]
+        if self.denoiser not in order:
+            raise ValueError(
+                f"{type(self.pipeline).__name__}.model_cpu_offload_seq does not name {self.denoiser!r}; "
+                "pass stages= to the call to declare its uses"
+            )
+        split = order.index(self.denoiser)
+        return order[:split], order[split + 1 :]
 
-    def _scheduler_calls(self, steps: int) -> int:
-        """Denoiser calls a scheduler makes in `steps` steps: one per step, or for a second-order
-        one (`order == 2`: diffusers' Heun, KDPM2, DPMSolverSDE) two per step but the last, which
-        has no correction (its timesteps repeat every one but the first)."""
-        scheduler = getattr(self.pipeline, "scheduler", None)
-        order = getattr(scheduler, "order", 1)  # none given: one call per timestep
-        if isinstance(order, bool) or order not in (1, 2):
-            raise ValueError(f"{type(scheduler).__name__}.order is {order!r}: only first- and second-order "
-                             "schedulers' denoiser calls are counted; pass stages= to the call")
-        return steps if order == 1 else 2 * steps - 1
-
-    def _departure(self, departed: UndeclaredUse, declared: Sequence[Stage], call_kwargs: Mapping[str, Any]) -> str:
+    def _departure(self, departed: UndeclaredUse, declared: Sequence[Stage]) -> str:
         """What the pipeline did otherwise than the uses derived for its call, and the fix."""
-        derived = sum(u.component == self.denoiser for stage in declared for u in stage.uses)
-        expected = "nothing" if departed.expected is None else repr(departed.expected)
-        strength = call_kwargs.get("strength", self._default("strength"))
-        fewer = ""
-        if isinstance(strength, (int, float)) and not isinstance(strength, bool) and strength < 1:
-            fewer = f"; strength={strength!r} runs fewer steps than num_inference_steps, by the pipeline's own rounding"
-        return (f"{type(self.pipeline).__name__} with {type(getattr(self.pipeline, 'scheduler', None)).__name__} "
-                f"called {departed.component!r} after {self._denoiser_ran} of the {derived} uses of "
-                f"{self.denoiser!r} derived for this call, where {expected} was declared next{fewer}; pass "
-                "stages= to the call declaring the uses it makes")
+        pipeline = type(self.pipeline).__name__
+        called = departed.component
+        if called not in self._declared:
+            return (f"{pipeline} called {called!r}, which the uses derived for this call do not name (they follow "
+                    f"{pipeline}.model_cpu_offload_seq = {getattr(self.pipeline, 'model_cpu_offload_seq', None)!r}); "
+                    f"leave {called!r} resident (a resident component the uses do not name runs as it is), or pass "
+                    "stages= to the call declaring the uses it makes")
+        allowed = " or ".join(map(repr, departed.allowed)) or "nothing more"
+        return (f"{pipeline} called {called!r} where the uses derived for this call allow {allowed} next (their "
+                f"stages, {', '.join(s.name for s in declared)}, run in that order); pass stages= to the call "
+                "declaring the uses it makes")
 
     def _named_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The call's arguments by parameter name (`pipe(prompt, 30)` gives num_inference_steps=30),
@@ -295,10 +264,6 @@ class ManagedPipeline:
                 named[name] = value
         return named
 
-    def _default(self, parameter: str) -> Any:
-        found = inspect.signature(self.pipeline.__call__).parameters.get(parameter)
-        return None if found is None else found.default
-
     def _wrap(self, name: str, module: nn.Module) -> None:
         for attribute in _ENTRY_METHODS:
             if callable(getattr(type(module), attribute, None)):
@@ -314,9 +279,9 @@ class ManagedPipeline:
                 own = ComponentUse(name, memory_intensive=True, allow_prefetch=False)
                 with manager.request([Stage(f"{name} outside a pipeline call", (own,))]):
                     return entry(*args, **kwargs)
+            if name not in self._declared and isinstance(manager.components[name].strategy, ResidentStrategy):
+                return original(*args, **kwargs)  # named by no use (a safety checker) and never moves
             with manager.use_component(name):
-                if name == self.denoiser:  # for the message when the call departs from its uses
-                    self._denoiser_ran += 1
                 return original(*args, **kwargs)
 
         return entry

@@ -178,7 +178,11 @@ class ResidencyManager:
                                   f"{type(failed).__name__}: {failed}", RuntimeWarning, stacklevel=2)
             raise
         self._timeline: list[ComponentUse] = []
-        self._cursor = 0
+        self._stage_spans: list[tuple[int, int, bool]] = []  # (first use, end, exact) of each stage in the timeline
+        self._stage_at: list[int] = []  # the stage of each use in the timeline
+        self._cursor = -1  # the use running or run last (-1: none yet)
+        self._kept: tuple[ComponentUse, bool] | None = None  # kept for a next use that may not come; release point
+        self._uses_run = 0
         self._prefetched = False
         self._warmup = False
         self._in_request = False
@@ -253,20 +257,31 @@ class ResidencyManager:
             raise ValueError(f"a request is declared as Stage records, got {bad[0]!r}")
         known = set(self.components)
         timeline = [use for stage in stages for use in stage.uses]
+        spans: list[tuple[int, int, bool]] = []
+        stage_at: list[int] = []
+        for index, stage in enumerate(stages):
+            spans.append((len(stage_at), len(stage_at) + len(stage.uses), stage.exact))
+            stage_at.extend([index] * len(stage.uses))
         unknown = sorted({u.component for u in timeline} - known)
         if unknown:
             raise ValueError(f"stages use unknown components {unknown}; registered: {sorted(known)}")
         copied = self.copied_bytes()
         # before the request counts as started: an event that fails leaves no request behind
         self.event("request_start", None, uses=len(timeline), warmup=warmup)
-        self._timeline, self._cursor, self._prefetched = timeline, 0, False
+        self._timeline, self._stage_spans, self._stage_at = timeline, spans, stage_at
+        self._cursor, self._kept, self._uses_run, self._prefetched = -1, None, 0, False
         self._warmup, self._in_request = warmup, True
         self._copied_at_request_start = copied
 
     def begin_use(self, component: str, phase: str | None = None) -> None:
         if not self._in_request:
             raise RuntimeError("begin_use outside a request; call begin_request(stages) first")
-        use = self._expect(component, phase)
+        position = self._expect(component, phase)
+        if self._kept is not None and self._kept[0].component != component:
+            # kept for a use that did not come: it leaves before this one loads, as at its use's end
+            kept, self._kept = self._kept, None
+            self._leave(*kept)
+        use = self._timeline[position]
         state = self.components[component]
         state.dtype = use.dtype
         moved = state.strategy.load(self, state, None)
@@ -275,7 +290,8 @@ class ResidencyManager:
             self.event("prepare", component, nbytes=moved)
         elif state.strategy.wait(self, state):
             self.event("wait", component)
-        self._active = use
+        self._active, self._cursor, self._kept = use, position, None
+        self._uses_run += 1
         self._maybe_prefetch()
 
     def end_use(self, component: str) -> None:
@@ -286,16 +302,23 @@ class ResidencyManager:
         if use is None or use.component != component:
             raise RuntimeError(f"end_use({component!r}) without a matching begin_use")
         self._active = None
-        self._cursor += 1
-        state = self.components[component]
-        following = self._timeline[self._cursor] if self._cursor < len(self._timeline) else None
-        if following is not None and following.component == component:
-            # The very next use needs it again: keep it, and keep the cache warm for
-            # the layers streamed back in (their blocks are reused, not re-allocated).
-            self.event("keep", component, why="needed by the next use")
+        allowed = self._next_positions()
+        if any(self._timeline[p].component == component for p in allowed):
+            # The next use may need it again: keep it, and keep the cache warm for the
+            # layers streamed back in (their blocks are reused, not re-allocated). If a use
+            # of another component comes instead, this one leaves when that one begins.
+            self._kept = (use, release_point)
+            certain = len(allowed) == 1 and self._stage_spans[self._stage_at[allowed[0]]][2]
+            self.event("keep", component, why="needed by the next use" if certain else "may be needed by the next use")
             if self.empty_after_every_use:
                 self._empty(where="every_use")
             return
+        self._leave(use, release_point)
+
+    def _leave(self, use: ComponentUse, release_point: bool) -> None:
+        """The used component leaves the device (unless warmup keeps it); its release empties
+        the cache where it is a release point."""
+        state = self.components[use.component]
         if self._keep_after_warmup(use) and state.strategy.keepable:
             released = False
         else:
@@ -328,6 +351,10 @@ class ResidencyManager:
             raise RuntimeError(f"finish_request() while {name!r} is in use; end_use({name!r}) first")
         preferred = {u.component for u in self._timeline if u.preferred_ready_after_request}
         kept = {u.component for u in self._timeline if self._keep_after_warmup(u)}
+        if self._kept is not None:  # kept for a use that did not come: it leaves as at its use's end
+            last, self._kept = self._kept, None
+            if last[0].component not in preferred:
+                self._leave(*last)
         released_any = False
         for name, state in self.components.items():
             if not state.strategy.keepable:
@@ -347,7 +374,7 @@ class ResidencyManager:
             self._empty(where="request_end")
         now = self.copied_bytes()
         self.last_request_h2d_bytes = {name: now[name] - self._copied_at_request_start.get(name, 0) for name in now}
-        self.event("request_end", None, h2d_bytes=sum(self.last_request_h2d_bytes.values()),
+        self.event("request_end", None, uses_run=self._uses_run, h2d_bytes=sum(self.last_request_h2d_bytes.values()),
                    h2d_bytes_by_component=dict(self.last_request_h2d_bytes))
         self._in_request, self._timeline = False, []
 
@@ -369,21 +396,48 @@ class ResidencyManager:
         return self._empty(where="close")
 
     # -- internals -------------------------------------------------------------------------
-    def _expect(self, component: str, phase: str | None) -> ComponentUse:
+    def _expect(self, component: str, phase: str | None) -> int:
+        """The timeline position of the use beginning: the first the stages allow next that
+        is of this component (and phase)."""
         if component not in self.components:
             raise ValueError(f"unknown component {component!r}; registered: {sorted(self.components)}")
         if self._active is not None:
             raise RuntimeError(f"begin_use({component!r}) while {self._active.component!r} is in use")
-        if self._cursor >= len(self._timeline):
+        allowed = self._next_positions()
+        if not allowed:
             raise UndeclaredUse(f"begin_use({component!r}) after the request's declared uses ran out", component)
-        use = self._timeline[self._cursor]
-        if use.component != component or (phase is not None and use.phase not in (None, phase)):
-            raise UndeclaredUse(
-                f"begin_use({component!r}, phase={phase!r}) but the declared next use is "
-                f"{use.component!r} (phase {use.phase!r}); declare the stages in the order they run",
-                component, use.component,
-            )
-        return use
+        for position in allowed:
+            use = self._timeline[position]
+            if use.component == component and (phase is None or use.phase in (None, phase)):
+                return position
+        first = self._timeline[allowed[0]]
+        names = tuple(dict.fromkeys(self._timeline[p].component for p in allowed))
+        if len(allowed) == 1:
+            declared = f"the declared next use is {first.component!r} (phase {first.phase!r})"
+        else:
+            declared = f"the declared next use is one of {', '.join(map(repr, names))}"
+        raise UndeclaredUse(f"begin_use({component!r}, phase={phase!r}) but {declared}; declare the stages in "
+                            "the order they run", component, first.component, names)
+
+    def _next_positions(self) -> list[int]:
+        """Timeline positions the next use may take: the next use of an exact stage under way;
+        else any use of the current stage if it is not exact, then, stage by stage, any use
+        of a later stage that is not exact (it may not run at all), up to the first use of
+        the next exact stage."""
+        stage = -1 if self._cursor < 0 else self._stage_at[self._cursor]
+        positions: list[int] = []
+        if stage >= 0:
+            first, end, exact = self._stage_spans[stage]
+            if exact and self._cursor + 1 < end:
+                return [self._cursor + 1]
+            if not exact:
+                positions.extend(range(first, end))
+        for first, end, exact in self._stage_spans[stage + 1 :]:
+            if exact:
+                positions.append(first)
+                break
+            positions.extend(range(first, end))
+        return positions
 
     def _maybe_prefetch(self) -> None:
         if self._prefetched:
@@ -430,7 +484,7 @@ class ResidencyManager:
         """Leave a consistent state after a failed request: non-resident weights go home."""
         for state in self.components.values():
             self._release(state)
-        self._active, self._in_request, self._timeline = None, False, []
+        self._active, self._kept, self._in_request, self._timeline = None, None, False, []
 
     def _handle_oom(self, error: BaseException) -> None:
         self.platform.report_out_of_memory(error, "residency request", self.device_index)
