@@ -55,3 +55,35 @@ def sd_kwargs(steps=3, guidance=7.5):
 
 
 SD_OFFLOADED = {"text_encoder": "offload", "unet": "offload", "vae": "offload"}
+
+
+def sd_controlnet_pipeline(scheduler):
+    """sd_pipeline with a ControlNet made from its UNet: its `image` is a control image the VAE never encodes."""
+    from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
+
+    base = sd_pipeline(scheduler)
+    torch.manual_seed(9)
+    controlnet = ControlNetModel.from_unet(base.unet, conditioning_embedding_out_channels=(4, 8)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no safety checker
+        pipe = StableDiffusionControlNetPipeline(**{k: v for k, v in base.components.items() if k != "image_encoder"},
+                                                 controlnet=controlnet)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def flux_control_pipeline():
+    """The tiny Flux pipeline as a FluxControlPipeline: the VAE encodes its control image before the transformer."""
+    from diffusers import FluxControlPipeline, FluxTransformer2DModel
+    from diffusers_flux import _rope_axes
+
+    base = flux_pipeline()
+    torch.manual_seed(3)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=32, out_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+        axes_dims_rope=_rope_axes(16)).eval()
+    parts = ("scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+    pipe = FluxControlPipeline(transformer=transformer, **{k: v for k, v in base.components.items() if k in parts})
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

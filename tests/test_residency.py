@@ -759,3 +759,95 @@ def test_layerwise_refuses_unknown_buffer_and_rest_modes():
         LayerwiseStrategy(1, buffers="rings")
     with pytest.raises(ValueError, match="rest='lazy': use 'resident'.*or 'on_call'"):
         LayerwiseStrategy(1, rest="lazy")
+
+
+def _intensive(component, **flags):
+    return ComponentUse(component, memory_intensive=True, **flags)
+
+
+def test_a_kept_layerwise_component_preferred_ready_still_leaves_at_the_request_end(observed):
+    # a layerwise component cannot be kept ready between requests: preferring it must not leave it held
+    manager = ResidencyManager(make_components(), {"transformer": LayerwiseStrategy(1, rest="on_call")})
+    streamed = manager.components["transformer"].strategy
+    with manager.request([Stage("denoise", (_intensive("transformer", preferred_ready_after_request=True),),
+                                exact=False)]), torch.no_grad():
+        _use(manager, "transformer", torch.randn(4, 256))
+    assert streamed.ring == [] and not any(b.on_device for blocks in streamed.rest_blocks.values() for b in blocks)
+    assert [e["component"] for e in kinds(manager, "release")] == ["transformer"]
+
+
+def test_a_failed_use_is_not_kept_and_keeps_its_release_point(observed, monkeypatch):
+    manager = ResidencyManager(make_components(), default_placements("offload"))  # releases empty the cache
+    stages = [Stage("denoise", (_intensive("transformer"),), exact=False)]
+    with pytest.raises(ValueError, match="bad input"), manager.request(stages), manager.use_component("transformer"):
+        raise ValueError("bad input")
+    events = [(e["kind"], e.get("where")) for e in manager.trace.last_request() if e["kind"] != "prepare"]
+    assert events[1:3] == [("release", None), ("empty_cache", "component_release")]  # as at an exact use's end
+    assert kinds(manager, "keep") == []
+
+
+def test_prefetching_forecasts_from_the_furthest_use_reached(observed):
+    manager = ResidencyManager(make_components(), {"text_encoder": "offload", "vae": "offload",
+                                                   "transformer": LayerwiseStrategy(1)}, empty_on_release=False)
+    stages = [Stage("encode", (_intensive("text_encoder"), _intensive("vae")), exact=False),
+              Stage("denoise", (_intensive("transformer"),), exact=False)]
+    tokens = torch.randn(4, 256)
+    with manager.request(stages), torch.no_grad():
+        _use(manager, "vae", tokens)
+        _use(manager, "text_encoder", tokens)  # back in the stage: the VAE it passed is not fetched again
+        with manager.use_component("transformer") as transformer:
+            assert not manager.components["vae"].on_device
+            transformer(tokens)
+    assert kinds(manager, "prefetch") == []
+
+
+def test_a_use_declared_with_the_phase_asked_for_is_taken_before_one_declared_with_any():
+    manager = ResidencyManager(make_components(), {})
+    stages = [Stage("denoise", (ComponentUse("transformer"),), exact=False),
+              Stage("refine", (ComponentUse("transformer", phase="refine"), ComponentUse("vae")))]
+    tokens = torch.randn(4, 256)
+    with manager.request(stages), torch.no_grad():
+        _use(manager, "transformer", tokens)
+        with manager.use_component("transformer", phase="refine") as transformer:
+            transformer(tokens)
+        _use(manager, "vae", tokens)  # the exact refine stage was entered: its next use is the VAE
+    with manager.request([Stage("denoise", (ComponentUse("transformer", phase="cond"),), exact=False),
+                          Stage("decode", (ComponentUse("vae"),))]):
+        with pytest.raises(UndeclaredUse, match=r"phase='uncond'\) but the declared next use is one of "
+                                                r"'transformer' \(phase 'cond'\), 'vae'; declare"):
+            manager.begin_use("transformer", phase="uncond")
+
+
+def test_the_baseline_empties_once_a_use_in_stages_that_are_not_exact_too(observed):
+    manager = ResidencyManager(make_components(), default_placements("offload"), empty_after_every_use=True)
+    with manager.request(_forecast()), torch.no_grad():
+        for component in ("text_encoder", "transformer", "vae"):
+            _use(manager, component, torch.randn(4, 256))
+    assert [e["where"] for e in kinds(manager, "empty_cache")] == ["every_use"] * 3
+
+
+def test_a_kept_component_whose_release_fails_leaves_when_the_use_is_begun_again(observed, monkeypatch):
+    manager = ResidencyManager(make_components(), {"text_encoder": LayerwiseStrategy(0, rest="on_call"),
+                                                   "transformer": "offload"}, empty_on_release=False)
+    encoder = manager.components["text_encoder"].strategy
+    release = encoder.release
+
+    def fails_once(*args):
+        monkeypatch.setattr(encoder, "release", release)
+        raise RuntimeError("device busy")
+
+    def encoder_on_device():
+        return any(b.on_device for blocks in encoder.rest_blocks.values() for b in blocks)
+
+    monkeypatch.setattr(encoder, "release", fails_once)
+    tokens = torch.randn(4, 256)
+    manager.begin_request(_forecast())
+    with torch.no_grad():
+        _use(manager, "text_encoder", tokens)
+        with pytest.raises(RuntimeError, match="device busy"):
+            manager.begin_use("transformer")  # the kept encoder's late release raises
+        manager.begin_use("transformer")  # begun again: the encoder still leaves first
+        assert not encoder_on_device()
+        manager.end_use("transformer")
+    manager.finish_request()
+    assert not encoder_on_device() and not manager.components["transformer"].on_device

@@ -29,7 +29,14 @@ from torchhal.platforms import ReleasePoint  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from diffusers_flux import call_kwargs, flux_pipeline  # noqa: E402
 
-from tests.diffusers_pipelines import SD_OFFLOADED, sd_kwargs, sd_pipeline, with_safety_checker  # noqa: E402
+from tests.diffusers_pipelines import (  # noqa: E402
+    SD_OFFLOADED,
+    flux_control_pipeline,
+    sd_controlnet_pipeline,
+    sd_kwargs,
+    sd_pipeline,
+    with_safety_checker,
+)
 
 ENCODERS = {"text_encoder": Strategy.OFFLOAD, "text_encoder_2": Strategy.OFFLOAD, "vae": Strategy.OFFLOAD}
 BLOCKS = ("transformer_blocks", "single_transformer_blocks")
@@ -87,13 +94,13 @@ def test_empty_on_release_empties_after_each_component_that_left(reference_image
 def test_uses_follow_the_call_arguments(empties):
     managed = ManagedPipeline(flux_pipeline(), {**ENCODERS, "transformer": LayerwiseStrategy(1, BLOCKS)})
     derived = managed.stages(num_inference_steps=3)
-    names = [[u.component for u in s.uses] for s in derived]
-    assert names == [["text_encoder", "text_encoder_2"], ["transformer"], ["vae"]]
+    names = [[(u.component, u.memory_intensive) for u in s.uses] for s in derived]
+    # the VAE may also run before the denoiser (an img2img image, a control image): a use that may not
+    # come is not memory-intensive, so it is never the one prefetched
+    assert names == [[("text_encoder", True), ("text_encoder_2", True), ("vae", False)], [("transformer", True)],
+                     [("vae", True)]]
     assert [s.exact for s in derived] == [False] * 3  # how often each runs is the pipeline's business
     assert [s.name for s in managed.stages(output_type="latent")] == ["encode", "denoise"]
-    # an image to encode (img2img, inpainting): the VAE may run before the denoiser too
-    assert [[u.component for u in s.uses] for s in managed.stages(image=torch.zeros(1))][0] == [
-        "text_encoder", "text_encoder_2", "vae"]
     # prompt embeddings given: the encoders never run, and the image is unchanged
     pipe = flux_pipeline()
     with torch.no_grad():
@@ -178,6 +185,36 @@ def test_img2img_and_true_guidance_run_without_declaring_their_uses(empties):
     assert _uses_run(managed) == 4 + 2 * 2 + 1
     assert managed.manager.last_request_h2d_bytes["transformer"] == _nbytes(managed.pipeline.transformer)
     managed.close()
+
+
+def test_a_use_before_the_denoiser_that_may_not_come_is_not_prefetched(empties):
+    from diffusers import EulerDiscreteScheduler
+
+    # a control image the VAE never encodes: the UNet is prefetched during the text encoder, and the VAE is
+    # not on the device while the UNet runs
+    control = {**sd_kwargs(), "image": torch.linspace(0, 1, 3 * 32 * 32).view(1, 3, 32, 32)}
+    expected = sd_controlnet_pipeline(EulerDiscreteScheduler())(**control).images
+    pipe = sd_controlnet_pipeline(EulerDiscreteScheduler())
+    managed = ManagedPipeline(pipe, SD_OFFLOADED)
+    vae_during_unet = []
+    hook = pipe.unet.conv_in.register_forward_pre_hook(
+        lambda module, args: vae_during_unet.append(managed.manager.components["vae"].on_device))
+    assert torch.equal(managed(**{**control, "generator": torch.Generator().manual_seed(0)}).images, expected)
+    hook.remove()
+    assert vae_during_unet == [False] * 3  # one UNet call a step (guidance batches both halves)
+    assert [e["component"] for e in managed.manager.trace.last_request() if e["kind"] == "prefetch"] == ["unet"]
+    managed.close()
+
+    # a control image the VAE does encode first (FluxControlPipeline): every placement runs it
+    def controlled():
+        return {**call_kwargs(steps=2), "control_image": torch.linspace(0, 1, 3 * 32 * 32).view(1, 3, 32, 32)}
+
+    expected = flux_control_pipeline()(**controlled()).images
+    for placements in ({}, {**ENCODERS, "transformer": Strategy.OFFLOAD}):
+        managed = ManagedPipeline(flux_control_pipeline(), placements)
+        assert torch.equal(managed(**controlled()).images, expected)
+        assert _uses_run(managed) == 2 + 1 + 2 + 1
+        managed.close()
 
 
 def test_a_call_that_departs_from_its_derived_uses_says_what_happened_and_the_fix(empties):

@@ -580,7 +580,7 @@ def test_positional_arguments_set_the_uses_as_keywords_do():
                 "image": image}  # FluxImg2ImgPipeline.__call__'s first parameters
     positional = [keywords.pop(name) if name in keywords else defaults[name] for name in order]
     managed = ManagedPipeline(img2img(), OFFLOADED)
-    # the image given positionally still declares the VAE's encode before the denoiser
+    # bound to their parameters as keywords are: the call runs as the plain pipeline's does
     assert torch.equal(managed(*positional, **keywords).images, expected)
     assert managed.manager.trace.last_request()[-1]["uses_run"] == 2 + 1 + 1 + 1
     managed.close()

@@ -166,20 +166,20 @@ class ManagedPipeline:
         each component runs (`Stage(exact=False)`: the count depends on the scheduler, the
         guidance and `strength`, which only the pipeline's own call works out): the components
         `model_cpu_offload_seq` lists before the denoiser (the text encoders, a second time for
-        a negative prompt, none with `prompt_embeds`; the ones after it too when the call gives
-        an `image`, which img2img and inpainting encode with the VAE first), then the denoiser,
-        then the components after it (unless latents are asked for)."""
+        a negative prompt, none with `prompt_embeds`), then the denoiser, then the components
+        after it (unless latents are asked for). Those may also run before the denoiser (the
+        VAE encodes an img2img image, a Flux control image): declared there as uses that are
+        not memory-intensive, so that nothing is prefetched for a use that may not come."""
         before, after = self._around_denoiser()
-        if call_kwargs.get("image") is not None:
-            before += [name for name in after if name not in before]
         prefetch = self.prefetch
 
-        def uses(names: list[str]) -> tuple[ComponentUse, ...]:
-            return tuple(ComponentUse(n, memory_intensive=True, allow_prefetch=prefetch) for n in names)
+        def uses(names: list[str], memory_intensive: bool = True) -> tuple[ComponentUse, ...]:
+            return tuple(ComponentUse(n, memory_intensive=memory_intensive, allow_prefetch=prefetch) for n in names)
 
+        early = uses([n for n in after if n not in before], memory_intensive=False)
         if call_kwargs.get("output_type") == "latent":
             after = []
-        encode = [Stage("encode", uses(before), exact=False)] if before else []
+        encode = [Stage("encode", uses(before) + early, exact=False)] if before or early else []
         decode = [Stage("decode", uses(after), exact=False)] if after else []
         return [*encode, Stage("denoise", uses([self.denoiser]), exact=False), *decode]
 

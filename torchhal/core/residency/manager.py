@@ -181,6 +181,7 @@ class ResidencyManager:
         self._stage_spans: list[tuple[int, int, bool]] = []  # (first use, end, exact) of each stage in the timeline
         self._stage_at: list[int] = []  # the stage of each use in the timeline
         self._cursor = -1  # the use running or run last (-1: none yet)
+        self._furthest = -1  # the furthest use reached: prefetching forecasts from there
         self._kept: tuple[ComponentUse, bool] | None = None  # kept for a next use that may not come; release point
         self._uses_run = 0
         self._prefetched = False
@@ -269,7 +270,7 @@ class ResidencyManager:
         # before the request counts as started: an event that fails leaves no request behind
         self.event("request_start", None, uses=len(timeline), warmup=warmup)
         self._timeline, self._stage_spans, self._stage_at = timeline, spans, stage_at
-        self._cursor, self._kept, self._uses_run, self._prefetched = -1, None, 0, False
+        self._cursor, self._furthest, self._kept, self._uses_run, self._prefetched = -1, -1, None, 0, False
         self._warmup, self._in_request = warmup, True
         self._copied_at_request_start = copied
 
@@ -279,8 +280,8 @@ class ResidencyManager:
         position = self._expect(component, phase)
         if self._kept is not None and self._kept[0].component != component:
             # kept for a use that did not come: it leaves before this one loads, as at its use's end
-            kept, self._kept = self._kept, None
-            self._leave(*kept)
+            self._leave(*self._kept)
+            self._kept = None
         use = self._timeline[position]
         state = self.components[component]
         state.dtype = use.dtype
@@ -291,18 +292,19 @@ class ResidencyManager:
         elif state.strategy.wait(self, state):
             self.event("wait", component)
         self._active, self._cursor, self._kept = use, position, None
+        self._furthest = max(self._furthest, position)
         self._uses_run += 1
         self._maybe_prefetch()
 
     def end_use(self, component: str) -> None:
-        self._end_use(component, release_point=True)
+        self._end_use(component, release_point=True, failed=False)
 
-    def _end_use(self, component: str, release_point: bool) -> None:
+    def _end_use(self, component: str, release_point: bool, failed: bool) -> None:
         use = self._active
         if use is None or use.component != component:
             raise RuntimeError(f"end_use({component!r}) without a matching begin_use")
         self._active = None
-        allowed = self._next_positions()
+        allowed = [] if failed else self._next_positions()  # a failed use ends its request: nothing to keep for
         if any(self._timeline[p].component == component for p in allowed):
             # The next use may need it again: keep it, and keep the cache warm for the
             # layers streamed back in (their blocks are reused, not re-allocated). If a use
@@ -314,18 +316,19 @@ class ResidencyManager:
                 self._empty(where="every_use")
             return
         self._leave(use, release_point)
+        if self.empty_after_every_use:
+            self._empty(where="every_use")
 
     def _leave(self, use: ComponentUse, release_point: bool) -> None:
         """The used component leaves the device (unless warmup keeps it); its release empties
-        the cache where it is a release point."""
+        the cache where it is a release point (the baseline that empties after every use has
+        emptied at the use's end)."""
         state = self.components[use.component]
         if self._keep_after_warmup(use) and state.strategy.keepable:
-            released = False
-        else:
-            released = self._release(state)
-        if self.empty_after_every_use:
-            self._empty(where="every_use")
-        elif released and use.memory_intensive and release_point and self.empty_on_release:
+            return
+        released = self._release(state)
+        if released and use.memory_intensive and release_point and self.empty_on_release \
+                and not self.empty_after_every_use:
             self._empty(where="component_release")
 
     @contextlib.contextmanager
@@ -338,7 +341,7 @@ class ResidencyManager:
                 # Inside request(), an OOM is emptied once where the request fails (reason
                 # OOM): releasing this component is then not a release point of its own.
                 oom = self._oom_handled_by_request and self._is_out_of_memory(exc)
-                self._end_use(component, release_point=not oom)
+                self._end_use(component, release_point=not oom, failed=True)
             raise
         if self._active is not None:
             self.end_use(component)
@@ -352,9 +355,10 @@ class ResidencyManager:
         preferred = {u.component for u in self._timeline if u.preferred_ready_after_request}
         kept = {u.component for u in self._timeline if self._keep_after_warmup(u)}
         if self._kept is not None:  # kept for a use that did not come: it leaves as at its use's end
-            last, self._kept = self._kept, None
-            if last[0].component not in preferred:
-                self._leave(*last)
+            last = self._kept
+            if last[0].component not in preferred or not self.components[last[0].component].strategy.keepable:
+                self._leave(*last)  # a preferred one that the loop below keeps ready stays
+            self._kept = None
         released_any = False
         for name, state in self.components.items():
             if not state.strategy.keepable:
@@ -406,16 +410,18 @@ class ResidencyManager:
         allowed = self._next_positions()
         if not allowed:
             raise UndeclaredUse(f"begin_use({component!r}) after the request's declared uses ran out", component)
-        for position in allowed:
-            use = self._timeline[position]
-            if use.component == component and (phase is None or use.phase in (None, phase)):
-                return position
+        fitting = [p for p in allowed if self._timeline[p].component == component
+                   and (phase is None or self._timeline[p].phase in (None, phase))]
+        if fitting:  # a use declared with this very phase before one declared with any
+            return next((p for p in fitting if phase is not None and self._timeline[p].phase == phase), fitting[0])
         first = self._timeline[allowed[0]]
         names = tuple(dict.fromkeys(self._timeline[p].component for p in allowed))
         if len(allowed) == 1:
             declared = f"the declared next use is {first.component!r} (phase {first.phase!r})"
         else:
-            declared = f"the declared next use is one of {', '.join(map(repr, names))}"
+            uses = dict.fromkeys(repr(u.component) + ("" if u.phase is None else f" (phase {u.phase!r})")
+                                 for u in (self._timeline[p] for p in allowed))
+            declared = f"the declared next use is one of {', '.join(uses)}"
         raise UndeclaredUse(f"begin_use({component!r}, phase={phase!r}) but {declared}; declare the stages in "
                             "the order they run", component, first.component, names)
 
@@ -442,7 +448,8 @@ class ResidencyManager:
     def _maybe_prefetch(self) -> None:
         if self._prefetched:
             return
-        for use in self._timeline[self._cursor + 1 :]:
+        # after the furthest use reached: a use of a stage that is not exact may go back in it
+        for use in self._timeline[self._furthest + 1 :]:
             state = self.components[use.component]
             if not use.memory_intensive or use.component == self._timeline[self._cursor].component:
                 continue
