@@ -473,6 +473,16 @@ def test_request_end_empties_once_when_a_prepared_component_goes_unused(observed
     assert observed["empties"] == [ReleasePoint.COMPONENT_RELEASE] * 3  # vae, request end, vae
 
 
+def test_without_release_points_the_request_end_does_not_empty_either(observed):
+    manager = ResidencyManager(make_components(), default_placements("offload"), empty_on_release=False)
+    run_request(manager, torch.randn(4, 256), 2)  # leaves the text encoder prepared
+    without_encoder = [Stage("decode", (ComponentUse("vae", memory_intensive=True),))]
+    with manager.request(without_encoder), torch.no_grad(), manager.use_component("vae") as vae:
+        vae(torch.randn(4, 256))
+    assert not manager.components["text_encoder"].on_device  # the unused encoder went home ...
+    assert observed["empties"] == [] and kinds(manager, "empty_cache") == []  # ... into the allocator's cache
+
+
 def test_request_end_keeps_warm_components_without_emptying(observed):
     manager = ResidencyManager(make_components(), default_placements("offload"))
     run_request(manager, torch.randn(4, 256), 2, warmup=True)

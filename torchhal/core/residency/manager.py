@@ -374,7 +374,7 @@ class ResidencyManager:
                 self.event("keep", name, why="keep_ready_after_warmup")
             else:
                 released_any |= self._release(state)
-        if released_any:
+        if released_any and self.empty_on_release:
             self._empty(where="request_end")
         now = self.copied_bytes()
         self.last_request_h2d_bytes = {name: now[name] - self._copied_at_request_start.get(name, 0) for name in now}
