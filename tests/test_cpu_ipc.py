@@ -56,3 +56,28 @@ def test_malformed_handles_are_rejected(change, message):
         bad = dataclasses.replace(bad, shape=(10**4, 4), stride=(4, 1))
     with pytest.raises(IpcHandleError, match=message):
         torchhal.get_platform("cpu").ipc_support.open(bad, 0)
+
+
+def test_a_vendor_platform_built_on_the_cpu_one_names_itself_in_its_handles(make_registry):
+    from torchhal.platforms import hookimpl
+    from torchhal.plugins.cpu import CpuPlatform
+
+    class AcmePlatform(CpuPlatform):
+        name = "acme"
+        priority = 7
+
+    class Registration:
+        @hookimpl
+        def torchhal_register_platforms(self):
+            return [AcmePlatform()]
+
+    make_registry(Registration())
+    acme, cpu = torchhal.get_platform("acme").ipc_support, torchhal.get_platform("cpu").ipc_support
+    tensor = torch.arange(6.0)
+    handle = acme.share(tensor)
+    assert handle.platform == "acme"  # the producing platform's name, as the SPI says
+    assert acme.open(handle, 0).tolist() == tensor.tolist()
+    with pytest.raises(IpcHandleError, match="acme IPC opens acme handles of device 0 on device 0; got 'cpu'"):
+        acme.open(cpu.share(tensor), 0)
+    with pytest.raises(IpcHandleError, match="cpu IPC opens cpu handles of device 0 on device 0; got 'acme'"):
+        cpu.open(handle, 0)

@@ -369,7 +369,8 @@ def test_a_consumer_without_the_capability_refuses_an_event_it_cannot_wait_on(ma
     make_registry(make_plugin(log, with_events=True))
     producer = Producer(config(), get_platform("fakeevents"), 0)
     message = producer.send(torch.arange(4.0))
-    consumer = Consumer(0, get_platform("cpu"), 0)  # same host memory, but no interprocess events
+    make_registry(make_plugin(log, with_events=False))  # the consumer's process: the platform without events
+    consumer = Consumer(0, get_platform("fakeevents"), 0)
     with pytest.raises(TransportError, match="cannot open interprocess events"):
         consumer.receive(message)
     producer.close()

@@ -8,6 +8,7 @@ storages (file-descriptor-free 'filename' handles, which are plain data).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import stat
@@ -119,9 +120,10 @@ class CpuPlatform(PlatformPlugin):
         return _CpuEvent()
 
     def ipc_support(self) -> IpcSupport | None:
+        # handles name this platform, which may be a vendor's subclass of this one
         return IpcSupport(
-            share=_share,
-            open=_open,
+            share=functools.partial(_share, self.name),
+            open=functools.partial(_open, self.name),
             peer_redirect=False,
             note="host shared memory (torch file_system strategy handles)",
         )
@@ -143,14 +145,14 @@ class _CpuEvent:
         return True
 
 
-def _share(tensor: torch.Tensor) -> IpcHandle:
+def _share(platform: str, tensor: torch.Tensor) -> IpcHandle:
     if tensor.device.type != "cpu":
-        raise ValueError(f"the CPU platform shares CPU tensors; got one on {tensor.device}")
+        raise ValueError(f"the {platform} platform shares CPU tensors; got one on {tensor.device}")
     storage = tensor.untyped_storage()
     manager, name, size = storage._share_filename_cpu_()
     dtype, shape, stride, offset = describe(tensor)
     return IpcHandle(
-        platform="cpu",
+        platform=platform,
         device=0,
         storage=(bytes(manager), bytes(name)),
         storage_nbytes=int(size),
@@ -210,12 +212,12 @@ def _check_manager(manager: bytes) -> None:
     _checked_object(manager.decode("ascii"), "manager socket", stat.S_ISSOCK)
 
 
-def _open(handle: IpcHandle, device: int) -> torch.Tensor:
+def _open(platform: str, handle: IpcHandle, device: int) -> torch.Tensor:
     if not isinstance(handle, IpcHandle):
         raise IpcHandleError(f"expected an IpcHandle, got {type(handle).__name__}")
-    if handle.platform != "cpu" or handle.device != 0 or device != 0:
+    if handle.platform != platform or handle.device != 0 or device != 0:
         raise IpcHandleError(
-            f"CPU IPC opens cpu handles of device 0 on device 0; got {handle.platform!r} device "
+            f"{platform} IPC opens {platform} handles of device 0 on device 0; got {handle.platform!r} device "
             f"{handle.device!r} onto {device!r}"
         )
     if (not isinstance(handle.storage, tuple) or len(handle.storage) != 2
