@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from torchhal.platforms import IpcHandle, IpcHandleError
+from torchhal.platforms import IpcHandle, IpcHandleError, TorchhalPluginWarning
 from torchhal.plugins.cuda import CudaPlatform
 from torchhal.plugins.musa import MusaPlatform
 from torchhal.plugins.npu import NpuPlatform
@@ -101,6 +101,15 @@ def test_capture_keeps_the_collector_off_until_it_ends_without_collecting(vendor
 def test_graphs_declared_unsupported_where_the_build_lacks_them(vendor):
     delattr(vendor.module, vendor.graph_class)
     assert vendor.plugin.graph_support() is None
+
+
+def test_a_graph_class_without_the_rest_of_the_graph_api_is_unsupported_with_a_warning(vendor):
+    delattr(vendor.module, "graph_pool_handle")  # an extension with the class but not the rest
+    with pytest.warns(TorchhalPluginWarning, match=rf"declares graph_class_name='{vendor.graph_class}', which is "
+                                                  r"there, but \S+\.graph_pool_handle is not: no graph support; "
+                                                  "install a device extension that has them all, or declare "
+                                                  "graph_class_name = None"):
+        assert vendor.plugin.graph_support() is None
 
 
 def test_xpu_estimates_free_memory_where_mem_get_info_raises(monkeypatch):

@@ -18,6 +18,7 @@ import importlib.util
 import os
 import re
 import stat
+import warnings
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any, ClassVar
@@ -34,6 +35,7 @@ from torchhal.platforms import (
     IpcSupport,
     MemoryInfo,
     PlatformPlugin,
+    TorchhalPluginWarning,
 )
 from torchhal.platforms.ipc import MAX_BYTES, describe, tensor_from_storage, validate_handle
 
@@ -162,7 +164,10 @@ class AcceleratorPlatform(PlatformPlugin):
     def graph_support(self) -> GraphSupport | None:
         module = self.device_module()
         graph_class = getattr(module, self.graph_class_name or "", None)
-        if graph_class is None or not hasattr(module, "graph_pool_handle"):
+        if graph_class is None:  # none declared, or a build without graphs
+            return None
+        if not _declared_complete(self.name, f"graph_class_name={self.graph_class_name!r}", module,
+                                  ("graph_pool_handle", "is_current_stream_capturing", "stream"), "graph"):
             return None
 
         @contextlib.contextmanager
@@ -200,7 +205,7 @@ class AcceleratorPlatform(PlatformPlugin):
         if not hasattr(torch.UntypedStorage, self.ipc_open_method):
             self.device_module()  # the extension may add the storage methods
             if not hasattr(torch.UntypedStorage, self.ipc_open_method):
-                return None
+                return None  # a build without IPC
         return IpcSupport(
             share=self.ipc_share,
             open=self.ipc_open,
@@ -308,3 +313,16 @@ def _check_refcount_file(name: bytes, offset: int) -> None:
         raise IpcHandleError(f"IPC ref-counter {path!r} is gone: its producer freed it or exited") from exc
     if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_size < 8 * (offset + 1):
         raise IpcHandleError(f"IPC ref-counter {path!r} is not a regular file of this user holding cell {offset}")
+
+
+def _declared_complete(platform: str, declared: str, owner: ModuleType, needed: tuple[str, ...],
+                       capability: str) -> bool:
+    """Whether `owner` has the rest of what a declared capability needs; if not, the capability is
+    unsupported and a warning names what is missing (a build with part of it is a plugin or
+    extension mismatch the vendor must hear of, unlike a build without it at all)."""
+    missing = [f"{owner.__name__}.{name}" for name in needed if not hasattr(owner, name)]
+    if missing:
+        warnings.warn(f"platform {platform!r} declares {declared}, which is there, but {', '.join(missing)} is not: "
+                      f"no {capability} support; install a device extension that has them all, or declare "
+                      f"{declared.split('=')[0]} = None", TorchhalPluginWarning, stacklevel=3)
+    return not missing
