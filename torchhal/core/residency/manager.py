@@ -182,7 +182,7 @@ class ResidencyManager:
         self._stage_at: list[int] = []  # the stage of each use in the timeline
         self._cursor = -1  # the use running or run last (-1: none yet)
         self._furthest = -1  # the furthest use reached: prefetching forecasts from there
-        self._kept: tuple[ComponentUse, bool] | None = None  # kept for a next use that may not come; release point
+        self._kept: ComponentUse | None = None  # a use whose component is kept for a next use that may not come
         self._uses_run = 0
         self._prefetched = False
         self._warmup = False
@@ -278,9 +278,9 @@ class ResidencyManager:
         if not self._in_request:
             raise RuntimeError("begin_use outside a request; call begin_request(stages) first")
         position = self._expect(component, phase)
-        if self._kept is not None and self._kept[0].component != component:
+        if self._kept is not None and self._kept.component != component:
             # kept for a use that did not come: it leaves before this one loads, as at its use's end
-            self._leave(*self._kept)
+            self._leave(self._kept, release_point=True)
             self._kept = None
         use = self._timeline[position]
         state = self.components[component]
@@ -309,7 +309,7 @@ class ResidencyManager:
             # The next use may need it again: keep it, and keep the cache warm for the
             # layers streamed back in (their blocks are reused, not re-allocated). If a use
             # of another component comes instead, this one leaves when that one begins.
-            self._kept = (use, release_point)
+            self._kept = use
             certain = len(allowed) == 1 and self._stage_spans[self._stage_at[allowed[0]]][2]
             self.event("keep", component, why="needed by the next use" if certain else "may be needed by the next use")
             if self.empty_after_every_use:
@@ -354,10 +354,10 @@ class ResidencyManager:
             raise RuntimeError(f"finish_request() while {name!r} is in use; end_use({name!r}) first")
         preferred = {u.component for u in self._timeline if u.preferred_ready_after_request}
         kept = {u.component for u in self._timeline if self._keep_after_warmup(u)}
-        if self._kept is not None:  # kept for a use that did not come: it leaves as at its use's end
-            last = self._kept
-            if last[0].component not in preferred or not self.components[last[0].component].strategy.keepable:
-                self._leave(*last)  # a preferred one that the loop below keeps ready stays
+        last = self._kept
+        if last is not None:  # kept for a use that did not come: it leaves as at its use's end
+            if last.component not in preferred or not self.components[last.component].strategy.keepable:
+                self._leave(last, release_point=True)  # a preferred one that the loop below keeps ready stays
             self._kept = None
         released_any = False
         for name, state in self.components.items():
