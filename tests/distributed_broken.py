@@ -6,17 +6,26 @@ clause's own tests (tests/test_distributed_conformance.py registers this module 
 - `dist_swapped_devices`: two (simulated) devices, and device_for_rank maps rank r to device
   n-1-r, so each rank runs on the device listed for its peer.
 `dist_two_devices` is the same two-device platform mapped correctly: the clauses must pass it.
+
+Graph capture, on a device graph simulated on the host (`SimGraph`: a capturing communicator
+records its collectives, a replay runs them again); each declares graph-capturable collectives:
+- `dist_captures_correctly`: all_reduce and all_gather both join the graph: every clause passes;
+- `dist_gather_not_capturable`: all_gather raises under capture, as a backend that cannot record it does;
+- `dist_gather_stale_in_replay`: all_gather runs once at capture and records nothing, so a replay
+  leaves the capture-time result (the engine's logits then never change).
+`dist_unknown_backend` declares dist_backend "acmeccl", which torch.distributed does not have.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from torchhal.distributed import Communicator
-from torchhal.platforms import DistributedSupport, hookimpl
+from torchhal.platforms import DistributedSupport, GraphSupport, hookimpl
 from torchhal.plugins.cpu import CpuPlatform
 
 
@@ -60,6 +69,69 @@ class IgnoresSizes(Wrapped):
         return self.inner.all_gather(torch.cat((tensor, tensor.new_zeros(pad)), dim), dim)
 
 
+class SimGraph:
+    """A device graph simulated on the host: the collectives recorded while capturing, run again by replay."""
+
+    def __init__(self) -> None:
+        self.recorded: list[Callable[[], object]] = []
+
+    def replay(self) -> None:
+        for call in self.recorded:
+            call()
+
+
+_capturing: SimGraph | None = None  # one rank per process, one thread: a module global is the capture state
+
+
+@contextlib.contextmanager
+def sim_capture(graph: SimGraph, pool: object, stream: object) -> Iterator[None]:
+    global _capturing
+    if _capturing is not None:
+        raise RuntimeError("already capturing")
+    _capturing = graph
+    try:
+        yield
+    finally:
+        _capturing = None
+
+
+def sim_graph_support() -> GraphSupport:
+    return GraphSupport(graph_class=SimGraph, new_pool=object, capture=sim_capture,
+                        is_capturing=lambda: _capturing is not None)
+
+
+class Captures(Wrapped):
+    """Collectives that join a capture: recorded, not run; the replay runs them on the same tensors."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
+        if _capturing is None:
+            return self.inner.all_reduce(tensor, op)
+        _capturing.recorded.append(lambda: self.inner.all_reduce(tensor, op))  # in place
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None) -> torch.Tensor:
+        if _capturing is None:
+            return self.inner.all_gather(tensor, dim, sizes)
+        shape = list(tensor.shape)
+        shape[dim] = sum(sizes) if sizes is not None else tensor.shape[dim] * self.world_size
+        # The graph's output: no values until a replay writes them, as in a real capture.
+        out = torch.full(shape, float("nan"), dtype=tensor.dtype, device=tensor.device)
+        _capturing.recorded.append(lambda: out.copy_(self.inner.all_gather(tensor, dim, sizes)))
+        return out
+
+
+class GatherNotCapturable(Captures):
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None) -> torch.Tensor:
+        if _capturing is not None:  # the bug
+            raise RuntimeError("all_gather: operation not permitted when stream is capturing")
+        return self.inner.all_gather(tensor, dim, sizes)
+
+
+class GatherStaleInReplay(Captures):
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None) -> torch.Tensor:
+        return self.inner.all_gather(tensor, dim, sizes)  # the bug: run at capture, never recorded
+
+
 class TwoDevices(CpuPlatform):
     """Two simulated devices over host memory (cpu:0, cpu:1)."""
 
@@ -83,12 +155,17 @@ class SwappedDevices(TwoDevices):
         return local_world_size - 1 - local_rank  # the bug
 
 
-def with_communicator(name: str, wrapper: type[Wrapped]) -> CpuPlatform:
+def with_communicator(name: str, wrapper: type[Wrapped], captured: bool = False) -> CpuPlatform:
+    """A CPU platform whose communicator is `wrapper`; `captured`: with simulated graphs, and its
+    collectives declared graph-capturable."""
     def distributed_support(self: CpuPlatform) -> DistributedSupport:
-        return DistributedSupport(communicator=wrapper, note=f"{name}: a wrapped default communicator")
+        return DistributedSupport(communicator=wrapper, graph_capturable=captured,
+                                  note=f"{name}: a wrapped default communicator")
 
-    cls = type(f"Dist{name.title()}", (CpuPlatform,), {"name": name, "priority": -1,
-                                                       "distributed_support": distributed_support})
+    members: dict[str, Any] = {"name": name, "priority": -1, "distributed_support": distributed_support}
+    if captured:
+        members["graph_support"] = lambda self: sim_graph_support()
+    cls = type(f"Dist{name.title()}", (CpuPlatform,), members)
     return cls()
 
 
@@ -104,4 +181,9 @@ def torchhal_register_platforms() -> list[CpuPlatform]:
         with_communicator("dist_ignores_sizes", IgnoresSizes),
         named(TwoDevices, "dist_two_devices"),
         named(SwappedDevices, "dist_swapped_devices"),
+        with_communicator("dist_captures_correctly", Captures, captured=True),
+        with_communicator("dist_gather_not_capturable", GatherNotCapturable, captured=True),
+        with_communicator("dist_gather_stale_in_replay", GatherStaleInReplay, captured=True),
+        type("UnknownBackend", (CpuPlatform,), {"name": "dist_unknown_backend", "priority": -1,
+                                                 "dist_backend": "acmeccl"})(),  # a typo of a vendor's backend
     ]

@@ -112,7 +112,7 @@ def test_plugin_failures_lead_the_report_and_fail_an_automatic_run(tmp_path):
     section = out.stdout[out.stdout.index("torchhal conformance ="):]
     assert section.index("PLUGIN FAILURES") < section.index("group"), section  # before the table
     assert "plugin 'testaccel' (distribution torchhal-testplugin) failed to import" in section
-    assert "VERDICT: PLUGIN FAILURES (core)" in out.stdout and "cpu was tested instead" in out.stdout
+    assert "VERDICT: PLUGIN FAILURES (core, " in out.stdout and "cpu was tested instead" in out.stdout
     data = json.loads(report.read_text())
     assert data["conformant"] is False and data["verdict_class"] == "PLUGIN FAILURES"
     assert data["exit_code"] == EXIT_CODES["PLUGIN FAILURES"]
@@ -127,6 +127,7 @@ def test_ci_command_on_a_cpu_host_is_conformant_with_exit_0(tmp_path):
     assert "VERDICT: CONFORMANT (core)" in out.stdout and "PLUGIN FAILURES" not in out.stdout
     data = json.loads(report.read_text())
     assert data["conformant"] is True and data["plugin_failures"] == [] and data["exit_code"] == 0
+    assert data["selection"] is None  # the whole profile ran
 
 
 def test_incomplete_verdict_has_its_own_nonzero_exit_code(tmp_path):
@@ -135,6 +136,49 @@ def test_incomplete_verdict_has_its_own_nonzero_exit_code(tmp_path):
     assert failed == [] and data["verdict"].startswith("INCOMPLETE (core)"), out.stdout[-3000:]
     assert out.returncode == EXIT_CODES["INCOMPLETE"] != 0
     assert data["conformant"] is False and data["exit_code"] == EXIT_CODES["INCOMPLETE"]
+
+
+def test_a_k_selection_is_reported_as_a_selection_never_as_the_verdict(tmp_path):
+    """A vendor's `-k test_attention` that passed read `CONFORMANT (full)`, `conformant: true`, after
+    21 of 73 tests. A selection keeps its class's exit code (0: what ran passed) but the line says
+    how much ran and the report makes no claim."""
+    out, data, failed = run_suite(tmp_path, "--platform", "cpu", "-k", "test_platform_names_are_unique")
+    assert out.returncode == EXIT_CODES["CONFORMANT"] == 0 and failed == [], out.stdout[-3000:]
+    match = re.fullmatch(r"CONFORMANT \(core, 1 of (\d+) tests selected\)", data["verdict"])
+    assert match, data["verdict"]
+    assert data["verdict_class"] == "CONFORMANT" and data["conformant"] is False
+    in_profile = int(match[1])
+    assert in_profile > 10 and data["selection"] == {
+        "selected": 1, "in_profile": in_profile, "keyword": "test_platform_names_are_unique", "markers": None,
+        "deselect": [], "groups_not_collected": [], "how": "-k 'test_platform_names_are_unique'"}
+    assert (f"selection: -k 'test_platform_names_are_unique' (1 of {in_profile} tests selected, profile core): "
+            "not a conformance verdict") in out.stdout
+    assert f"VERDICT: CONFORMANT (core, 1 of {in_profile} tests selected)" in out.stdout
+
+
+def test_a_failure_in_a_selection_is_not_conformant_and_says_it_was_a_selection(tmp_path):
+    out, data, failed = run_suite(tmp_path, "--platform", "broken_query_empties", "-k", "memory_info_never")
+    assert failed == ["memory::test_memory_info_never_empties_the_cache"], out.stdout[-3000:]
+    assert out.returncode == EXIT_CODES["NOT CONFORMANT"] and data["conformant"] is False
+    assert re.fullmatch(r"NOT CONFORMANT \(core, 1 of \d+ tests selected\): 1 required test\(s\) failed",
+                        data["verdict"]), data["verdict"]
+
+
+def test_plain_pytest_given_some_of_the_suites_files_is_a_selection(tmp_path):
+    import subprocess
+    import sys
+
+    report = tmp_path / "r.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "torchhal.conformance_tests.test_contract",
+         "--torchhal-platform", "cpu", "-p", "no:cacheprovider", "--torchhal-json", str(report)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:]
+    data = json.loads(report.read_text())
+    assert data["conformant"] is False and data["selection"]["groups_not_collected"] == ["device", "memory"]
+    assert re.fullmatch(r"CONFORMANT \(core, \d+ test\(s\) selected; group\(s\) device, memory not collected\)",
+                        data["verdict"]), data["verdict"]
 
 
 def test_no_tests_ran_has_its_own_exit_code(tmp_path):
@@ -194,6 +238,65 @@ def test_a_device_count_calling_sys_exit_is_a_failed_test_not_the_exit_code(tmp_
     assert out.returncode == EXIT_CODES["NOT CONFORMANT"], out.stdout[-3000:] + out.stderr[-2000:]
     for test in ("test_count_current_and_set", "test_synchronize_waits_for_queued_work"):
         assert f"ERROR device::{test}: device_count() failed: called sys.exit(11)" in out.stdout
+
+
+def _cpu_based(class_name: str, *names: str) -> str:
+    """A plugin module registering CPU platforms named `names` (priority below cpu's)."""
+    return ("from torchhal.platforms import hookimpl\n"
+            "from torchhal.plugins.cpu import CpuPlatform\n\n"
+            "@hookimpl\n"
+            "def torchhal_register_platforms():\n"
+            f"    return [type({class_name!r}, (CpuPlatform,), {{'name': name, 'priority': -1}})() "
+            f"for name in {list(names)!r}]\n")
+
+
+def _name_test(tmp_path: Path, platform: str, env: dict[str, str]) -> tuple[object, dict, dict]:
+    report = tmp_path / f"{platform}.json"
+    out = run_cli("conformance", "--platform", platform, "-k", "test_platform_names_are_unique", "--json",
+                  str(report), env=env)
+    data = json.loads(report.read_text())
+    [test] = [t for t in data["tests"] if t["id"] == "contract::test_platform_names_are_unique"]
+    return out, data, test
+
+
+def test_a_name_conflict_between_other_plugins_is_reported_not_held_against_the_named_platform(tmp_path):
+    """A second package registering `cpu` failed `--platform acme` with a cut-off bare assert."""
+    env = _plugin_dist(tmp_path, "vendoracme", _cpu_based("VendorAcme", "vendoracme"))
+    _plugin_dist(tmp_path, "secondcpu", _cpu_based("SecondCpu", "cpu"))
+    out, data, test = _name_test(tmp_path, "vendoracme", env)
+    assert test["outcome"] == "passed" and out.returncode == 0, out.stdout[-3000:]
+    conflict = ("plugin 'secondcpu' (distribution torchhal-secondcpu) failed to register a unique name: registers "
+                "platform name 'cpu', which is torchhal's built-in 'cpu' platform")
+    [other] = test["measured"]["other_conflicts"]
+    assert other.startswith(conflict), other
+    # Still reported: first in the report and its plugin failures, and as a warning of the test.
+    assert any(f["plugin"] == "secondcpu" and f["stage"] == "conflict" for f in data["plugin_failures"])
+    assert "PLUGIN FAILURES (1):" in out.stdout
+    assert "platform-name conflict(s) between other plugins, not judged for platform 'vendoracme'" in out.stdout
+
+
+def test_a_name_conflict_over_the_named_platform_fails_naming_the_plugins_and_the_name(tmp_path):
+    env = _plugin_dist(tmp_path, "vendoracme", _cpu_based("VendorAcme", "vendoracme"))
+    _plugin_dist(tmp_path, "secondcpu", _cpu_based("SecondCpu", "cpu"))
+    out, data, test = _name_test(tmp_path, "cpu", env)
+    assert test["outcome"] == "failed" and out.returncode == EXIT_CODES["NOT CONFORMANT"], out.stdout[-3000:]
+    assert test["message"].startswith(
+        "1 platform-name conflict(s) involving platform 'cpu': plugin 'secondcpu' (distribution torchhal-secondcpu) "
+        "failed to register a unique name: registers platform name 'cpu'"), test["message"]
+    assert "assert" not in test["message"] and f"FAILED contract::test_platform_names_are_unique: {test['message']}" \
+        in out.stdout
+
+
+def test_a_name_conflict_of_another_platform_the_named_plugin_registers_fails_it(tmp_path):
+    """The named platform's own plugin is a party: it registers `shared`, which another package registers too."""
+    env = _plugin_dist(tmp_path, "vendoracme", _cpu_based("VendorAcme", "vendoracme", "shared"))
+    _plugin_dist(tmp_path, "othershared", _cpu_based("OtherShared", "shared"))
+    out, data, test = _name_test(tmp_path, "vendoracme", env)
+    assert test["outcome"] == "failed", out.stdout[-3000:]
+    assert test["message"].startswith("1 platform-name conflict(s) involving platform 'vendoracme': plugin 'shared'"), \
+        test["message"]
+    assert "platform name 'shared' is registered by" in test["message"] and "vendoracme (distribution" in \
+        test["message"] and "othershared (distribution" in test["message"], test["message"]
 
 
 def test_the_report_header_survives_a_plugin_that_exits(make_registry):
@@ -321,5 +424,5 @@ def test_the_suite_runs_as_a_plain_pytest_plugin(tmp_path):
         capture_output=True, text=True, cwd=tmp_path, timeout=300,
     )
     assert out.returncode == 0, out.stdout[-2000:]
-    assert "VERDICT: CONFORMANT (core)" in out.stdout
+    assert re.search(r"VERDICT: CONFORMANT \(core, \d+ of \d+ tests selected\)", out.stdout), out.stdout[-2000:]
     assert "torchhal conformance suite" in out.stdout  # the report header

@@ -10,11 +10,15 @@ import pytest
 from .conftest import conformance_group_results, entry_point_distribution, run_cli
 
 CLAUSES = {
+    "the_declared_dist_backend_is_available",
     "each_rank_runs_on_the_device_device_for_rank_names", "all_reduce_sum_max_min_on_float32_bfloat16_int64",
     "all_gather_even_and_uneven_sizes_in_rank_order", "broadcast_from_the_last_rank", "send_recv_around_a_ring",
     "available_memory_over_the_host_communicator_is_the_minimum",
     "a_rank_that_dies_surfaces_as_collective_error_on_the_others",
 }
+
+#: Every collective engines capture in a decode graph: the all_reduces and the logits' all_gather.
+CAPTURE_CLAUSES = ("captured_all_reduce_replays_on_new_inputs", "captured_all_gather_replays_on_new_inputs")
 
 
 @pytest.fixture(scope="module")
@@ -38,19 +42,63 @@ def test_a_correct_platform_passes_every_clause(tmp_path, plugin_path, platform)
     assert outcome(results, "failed") == [] and outcome(results, "error") == [], out.stdout[-3000:]
     assert out.returncode == 0
     assert set(outcome(results, "passed")) == CLAUSES
-    assert results["captured_all_reduce_replays_on_new_inputs"]["skip_reason"].startswith("undeclared:")
+    for clause in CAPTURE_CLAUSES:
+        assert results[clause]["skip_reason"].startswith("undeclared:")
+
+
+def test_a_communicator_whose_collectives_capture_passes_every_clause_and_both_replays(tmp_path, plugin_path):
+    out, results = distributed_results(tmp_path, plugin_path, "dist_captures_correctly")
+    assert outcome(results, "failed") == [] and outcome(results, "error") == [], out.stdout[-3000:]
+    assert set(outcome(results, "passed")) == CLAUSES | set(CAPTURE_CLAUSES)
+    assert out.returncode == 0
 
 
 @pytest.mark.parametrize("platform, clause, words", [
     ("dist_wrong_reduction", "all_reduce_sum_max_min_on_float32_bfloat16_int64", "'max/float32'"),
     ("dist_ignores_sizes", "all_gather_even_and_uneven_sizes_in_rank_order", "all_gather(sizes=...)"),
     ("dist_swapped_devices", "each_rank_runs_on_the_device_device_for_rank_names", "device_for_rank gave index 1"),
+    # The engine captures the logits' all_gather too: a communicator that captures only all_reduce must fail.
+    ("dist_gather_not_capturable", "captured_all_gather_replays_on_new_inputs",
+     "RuntimeError: all_gather: operation not permitted when stream is capturing"),
+    ("dist_gather_stale_in_replay", "captured_all_gather_replays_on_new_inputs",
+     "all_gather(dim=-1) captured in a graph (as engines capture the logits' gather) gave"),
+    # A declared backend torch.distributed lacks is the plugin's failure, not an undeclared skip.
+    ("dist_unknown_backend", "the_declared_dist_backend_is_available", "dist_backend = 'acmeccl'"),
 ])
 def test_a_broken_platform_fails_exactly_the_clause_its_bug_touches(tmp_path, plugin_path, platform, clause, words):
     out, results = distributed_results(tmp_path, plugin_path, platform)
     assert outcome(results, "failed") == [clause], out.stdout[-3000:]
     assert words in results[clause]["message"], results[clause]["message"]
     assert out.returncode == 1
+
+
+def test_a_declared_backend_torch_lacks_names_it_and_the_fix_and_blocks_the_verdict(tmp_path, plugin_path):
+    out, results = distributed_results(tmp_path, plugin_path, "dist_unknown_backend")
+    message = results["the_declared_dist_backend_is_available"]["message"]
+    assert "torch.distributed does not have in this process (available here: gloo" in message, message
+    assert "correct the name" in message and "torch.distributed.Backend.register_backend" in message, message
+    # The clauses that need the backend could not run: required skips that name it, never "undeclared".
+    skipped = {name: t["skip_reason"] for name, t in results.items() if t["outcome"] == "skipped"}
+    assert set(skipped) == CLAUSES - {"the_declared_dist_backend_is_available"} | set(CAPTURE_CLAUSES) | {
+        "visible_devices_renumber_what_ranks_see"}
+    for name in skipped.keys() - {"visible_devices_renumber_what_ranks_see"}:
+        assert skipped[name].startswith("could not run: torch.distributed backend 'acmeccl'"), skipped[name]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["verdict_class"] == "NOT CONFORMANT" and out.returncode == 1
+
+
+def test_ranks_that_disagree_point_at_the_platforms_communicator_and_its_conformance_clause():
+    from torchhal.cli.generate import RanksDisagree, agreed_report
+
+    reports = [{"output_ids": [4, 5, 6], "device": "cpu:0", "platform": "acme"},
+               {"output_ids": [4, 5, 7], "device": "cpu:0", "platform": "acme"}]
+    with pytest.raises(RanksDisagree) as raised:
+        agreed_report(reports)
+    message = str(raised.value)
+    assert message.startswith("tensor-parallel ranks disagree: rank 1 generated [4, 5, 7]"), message
+    assert "communicator" in message and "under graph capture" in message, message
+    assert "torchhal conformance --platform acme --profile full -k test_distributed" in message, message
+    assert "engine's tensor-parallel path is wrong: report it" in message, message
 
 
 def test_info_shows_the_backend_the_communicator_and_graph_capture(plugin_path):

@@ -100,5 +100,6 @@ def add_command(sub: Any) -> None:
     conf.add_argument("--expect", help="vendor expectation file (TOML or YAML)")
     conf.add_argument("--json", help="write the JSON report to this path")
     conf.add_argument("--junit", help="write a JUnit XML report to this path")
-    conf.add_argument("-k", help="only tests matching this pytest -k expression")
+    conf.add_argument("-k", help="only tests matching this pytest -k expression (a selection: the verdict line "
+                      "says how many of the profile's tests ran, and the report does not claim conformance)")
     conf.set_defaults(func=cmd_conformance)

@@ -308,10 +308,13 @@ def agreed_report(reports: list[dict[str, Any]]) -> dict[str, Any]:
         if tokens != expected:
             pairs = zip(expected, tokens, strict=False)
             at = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(expected), len(tokens)))
+            platform = reports[0].get("platform", "<platform>")
             raise RanksDisagree(
                 f"tensor-parallel ranks disagree: rank {rank} generated {tokens} but rank 0 {expected} (first "
-                f"difference at output token {at}); every rank must generate the same tokens, so the engine's "
-                "tensor-parallel path is wrong: report it with this command line"
+                f"difference at output token {at}); every rank must generate the same tokens. The platform's "
+                f"communicator may be wrong: its collectives (all_reduce, all_gather), under graph capture too; "
+                f"check them with `torchhal conformance --platform {platform} --profile full -k test_distributed`. "
+                "If that passes, the engine's tensor-parallel path is wrong: report it with this command line"
             )
     return {**reports[0], "tensor_parallel": {"size": len(reports), "devices": [r["device"] for r in reports]}}
 

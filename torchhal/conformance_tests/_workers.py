@@ -190,6 +190,7 @@ def distributed_clauses(name: str, rank: int, world: int, store_path: str, queue
         clause("send_recv", ring)
         if comm.graph_capturable and platform.graph_support is not None:
             clause("graph", lambda: _captured_all_reduce(platform, comm, rank, index))
+            clause("graph_all_gather", lambda: _captured_all_gather(platform, comm, rank, index))
 
         def available() -> int:
             pinned = dataclasses.replace(platform.memory_info(index), free=(1 << 30) + rank * (1 << 20))
@@ -226,6 +227,41 @@ def _captured_all_reduce(platform: torchhal.Platform, comm: Any, rank: int, inde
         graph.replay()
         platform.synchronize(index)
         replays.append(static.to("cpu").tolist())
+    return replays
+
+
+def captured_gather_input(rank: int, step: int) -> torch.Tensor:
+    """Rank `rank`'s [2, 3] float32 piece at replay `step` (a logits shard: rows by vocabulary slice)."""
+    return torch.arange(6, dtype=torch.float32).reshape(2, 3) + 100 * rank + 1000 * step
+
+
+def captured_gather_expected(world: int, step: int) -> list[list[float]]:
+    """Every rank's piece of `step` side by side along the last dim, in rank order."""
+    return torch.cat([captured_gather_input(r, step) for r in range(world)], dim=-1).tolist()
+
+
+def _captured_all_gather(platform: torchhal.Platform, comm: Any, rank: int, index: int) -> list[Any]:
+    """all_gather along the last dim (as engines gather the logits) recorded in a device graph,
+    replayed on new inputs; each replay's gathered tensor."""
+    support = platform.graph_support
+    assert support is not None
+    device = platform.device(index)
+    static = captured_gather_input(rank, -1).to(device)  # captured on other values than any replay's
+    stream = platform.new_stream(index)
+    stream.wait_stream(platform.current_stream(index))
+    with platform.use_stream(stream):
+        comm.all_gather(static, dim=-1)  # warm up outside the graph
+    platform.current_stream(index).wait_stream(stream)
+    graph = support.graph_class()
+    with support.capture(graph, support.new_pool(), stream):
+        gathered = comm.all_gather(static, dim=-1)  # a tensor of the graph's pool, written by each replay
+    platform.current_stream(index).wait_stream(stream)
+    replays = []
+    for step in range(2):
+        static.copy_(captured_gather_input(rank, step).to(device))
+        graph.replay()
+        platform.synchronize(index)
+        replays.append(gathered.to("cpu").tolist())
     return replays
 
 

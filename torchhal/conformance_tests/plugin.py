@@ -49,6 +49,32 @@ class Record:
 
 
 @dataclass
+class Selection:
+    """What ran of the profile when a selection left tests out (the report's `selection`)."""
+
+    selected: int
+    in_profile: int
+    keyword: str | None = None  # -k
+    markers: str | None = None  # -m
+    deselect: list[str] = field(default_factory=list)  # --deselect
+    #: Groups of the profile no test of which was collected (pytest given some of the suite's files).
+    groups_not_collected: list[str] = field(default_factory=list)
+
+    def note(self) -> str:
+        """The verdict's parenthesis after the profile: `21 of 73 tests selected`."""
+        if self.groups_not_collected:
+            return (f"{self.selected} test(s) selected; group(s) {', '.join(self.groups_not_collected)} "
+                    "not collected")
+        return f"{self.selected} of {self.in_profile} tests selected"
+
+    def how(self) -> str:
+        """The options that made the selection, as typed."""
+        parts = [f"-k {self.keyword!r}" if self.keyword else "", f"-m {self.markers!r}" if self.markers else "",
+                 *(f"--deselect {d}" for d in self.deselect)]
+        return " ".join(p for p in parts if p) or "the test paths given to pytest"
+
+
+@dataclass
 class SuiteState:
     platform_name: str
     device: int
@@ -59,6 +85,11 @@ class SuiteState:
     #: (verdict class, verdict line), set when the session finishes with conformance tests.
     outcome: tuple[str, str] | None = None
     json_error: str | None = None
+    #: Conformance tests of the profile collected, and their groups, before any selection (-k, -m, --deselect).
+    in_profile: int = 0
+    groups_collected: set[str] = field(default_factory=set)
+    #: Set when a selection left out tests of the profile: such a run makes no conformance claim.
+    selection: Selection | None = None
 
     @property
     def platform_chosen_automatically(self) -> bool:
@@ -228,6 +259,7 @@ def conformance_id(item: pytest.Item) -> str | None:
     return f"{marker.args[0]}::{item.name}"
 
 
+@pytest.hookimpl(tryfirst=True)  # before -k, -m and --deselect: counts the whole profile
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     state = config.stash[STATE_KEY]
     groups = PROFILES[state.profile]
@@ -250,9 +282,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    profile_ids = [test_id for item in keep if (test_id := conformance_id(item)) is not None]
+    state.in_profile = len(profile_ids)
+    state.groups_collected = {test_id.split("::")[0] for test_id in profile_ids}
     if seen_ids:
         for unknown in sorted(set(state.expectations) - seen_ids):
             warnings.warn(f"expectation file entry {unknown!r} matches no conformance test", stacklevel=1)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Record a selection: a run of part of the profile is reported as such, never as the verdict."""
+    state = session.config.stash.get(STATE_KEY, None)
+    if state is None:
+        return
+    if not state.in_profile:
+        return  # not a conformance session, or nothing to select from (NO TESTS RAN says so)
+    ran = sum(conformance_id(item) is not None for item in session.items)
+    # pytest given some of the suite's files collects only their groups: a selection too.
+    missing = [g for g in PROFILES[state.profile] if g not in state.groups_collected]
+    if ran < state.in_profile or missing:
+        config = session.config
+        state.selection = Selection(
+            selected=ran, in_profile=state.in_profile,
+            keyword=config.getoption("keyword", default="") or None,
+            markers=config.getoption("markexpr", default="") or None,
+            deselect=[str(d) for d in config.getoption("deselect", default=None) or []],
+            groups_not_collected=missing,
+        )
 
 
 # -- fixtures -----------------------------------------------------------------------
@@ -342,8 +398,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if group == "distributed":
         import torch.distributed as dist
 
-        if not dist.is_available() or not dist.is_backend_available(platform.dist_backend):
-            pytest.skip(f"undeclared: torch.distributed backend {platform.dist_backend!r} is not available")
+        # The torch build, not the plugin: required, so the verdict is INCOMPLETE, never CONFORMANT. A declared
+        # backend this process lacks is the plugin's failure (test_the_declared_dist_backend_is_available).
+        if not dist.is_available():
+            pytest.skip("torch.distributed unavailable: this torch build has none (torch.distributed.is_available() "
+                        "is False); run the suite under a torch build with distributed support")
 
 
 # -- reporting -----------------------------------------------------------------------
@@ -482,18 +541,25 @@ def verdict_class(state: SuiteState, failures: list[str]) -> tuple[str, str]:
     ]
     if not records:
         return "NO TESTS RAN", "NO TESTS RAN"
+    # A selection keeps its class (and exit code) but says so in the line: never the bare verdict.
+    scope = state.profile if state.selection is None else f"{state.profile}, {state.selection.note()}"
     if bad:
-        return "NOT CONFORMANT", f"NOT CONFORMANT ({state.profile}): {len(bad)} required test(s) failed"
+        return "NOT CONFORMANT", f"NOT CONFORMANT ({scope}): {len(bad)} required test(s) failed"
     if failures and state.platform_chosen_automatically:
         # The platform was picked without a failed plugin that may have been the one meant.
         tested = state.header.get("platform", "?") if state.header else "?"
         return "PLUGIN FAILURES", (
-            f"PLUGIN FAILURES ({state.profile}): {len(failures)} installed plugin(s) failed, so "
+            f"PLUGIN FAILURES ({scope}): {len(failures)} installed plugin(s) failed, so "
             f"{tested} was tested instead; fix them or name the platform with --platform"
         )
     if incomplete:
-        return "INCOMPLETE", f"INCOMPLETE ({state.profile}): {len(incomplete)} required test(s) could not run"
-    return "CONFORMANT", f"CONFORMANT ({state.profile})"
+        return "INCOMPLETE", f"INCOMPLETE ({scope}): {len(incomplete)} required test(s) could not run"
+    return "CONFORMANT", f"CONFORMANT ({scope})"
+
+
+def is_conformant(state: SuiteState) -> bool:
+    """The claim a report makes: every required test of the whole profile passed (no selection)."""
+    return state.outcome is not None and state.outcome[0] == "CONFORMANT" and state.selection is None
 
 
 def finished_outcome() -> tuple[str, str] | None:
@@ -503,7 +569,7 @@ def finished_outcome() -> tuple[str, str] | None:
 
 def verdict(state: SuiteState) -> tuple[bool, str]:
     cls, text = verdict_class(state, plugin_failures())
-    return cls == "CONFORMANT", text
+    return cls == "CONFORMANT" and state.selection is None, text
 
 
 @pytest.hookimpl(trylast=True)
@@ -560,9 +626,14 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         elif r.outcome in ("failed", "error", "xpassed"):
             tr.write_line(f"  {r.outcome.upper()} {r.id}: {r.message}")
     cls, text = state.outcome
-    ok = cls == "CONFORMANT"
+    ok = is_conformant(state)
+    selection = state.selection
     tr.write_line("")
-    tr.write_line(f"VERDICT: {text}", bold=True, green=ok, red=not ok)
+    if selection is not None:
+        tr.write_line(f"selection: {selection.how()} ({selection.note()}, profile {state.profile}): not a "
+                      "conformance verdict; run without a selection for one", yellow=True)
+    passed_selection = cls == "CONFORMANT" and not ok
+    tr.write_line(f"VERDICT: {text}", bold=True, green=ok, yellow=passed_selection, red=not ok and not passed_selection)
     tr.write_line(f"exit code: {EXIT_CODES[cls]}")
     json_path = config.getoption("--torchhal-json")
     if state.json_error:
@@ -579,10 +650,12 @@ def write_report(state: SuiteState, path: str) -> None:
         "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "environment": state.header or header_facts(state),
         "profile": state.profile,
-        "conformant": cls == "CONFORMANT",
+        "conformant": is_conformant(state),
         "verdict": text,
         "verdict_class": cls,
         "exit_code": EXIT_CODES[cls],
+        # None for a run of the whole profile; else what was selected: `conformant` is then false.
+        "selection": None if state.selection is None else {**asdict(state.selection), "how": state.selection.how()},
         "plugin_failures": [{**asdict(f), "message": str(f)} for f in torchhal.registry().failures],
         "tests": [vars(r) for r in state.records.values()],
     }

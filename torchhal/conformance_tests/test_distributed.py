@@ -7,19 +7,62 @@ communicator fails exactly the clause its bug touches.
 
 from __future__ import annotations
 
+import difflib
 import os
 from typing import Any
 
 import pytest
 import torch
 
+from torchhal.platforms import Platform
+
 from ._helpers import receive, spawn_context, wait_exit
-from ._workers import DISTRIBUTED_DTYPES, DISTRIBUTED_OPS, rank_values
+from ._workers import DISTRIBUTED_DTYPES, DISTRIBUTED_OPS, captured_gather_expected, rank_values
 
 pytestmark = pytest.mark.conformance("distributed")
 
 #: A rank whose peer died must hear of it within this long (the group's timeout is 10 s).
 DEAD_PEER_BOUND_S = 45.0
+
+
+#: torch.distributed's own backends; a vendor's registers itself (torch.distributed.Backend.register_backend).
+BUILTIN_BACKENDS = ("gloo", "nccl", "xccl", "mpi", "ucc")
+
+
+def backend_problem(platform: Platform) -> str | None:
+    """Why the platform's declared `dist_backend` cannot be initialised in this process, or None."""
+    import torch.distributed as dist
+
+    name = platform.dist_backend
+    try:
+        if dist.is_backend_available(name):
+            return None
+    except (ValueError, RuntimeError):  # a malformed name ("a:b:c"): not available either
+        pass
+    registered = [str(key).lower() for key in getattr(dist.Backend, "_plugins", {})]
+    here = [b for b in BUILTIN_BACKENDS if _available(b)] + registered
+    close = difflib.get_close_matches(str(name).lower(), here + list(BUILTIN_BACKENDS), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (f"platform {platform.name!r} declares dist_backend = {name!r}{hint}, which torch.distributed does not "
+            f"have in this process (available here: {', '.join(here) or 'none'}), so init_group cannot start its "
+            "ranks: correct the name, or have the plugin import the vendor's torch extension that registers it "
+            "(torch.distributed.Backend.register_backend) when it loads")
+
+
+def _available(backend: str) -> bool:
+    import torch.distributed as dist
+
+    try:
+        return bool(dist.is_backend_available(backend))
+    except (ValueError, RuntimeError):
+        return False
+
+
+def skip_without_the_backend(platform: Platform) -> None:
+    """The clauses need the declared backend: without it they cannot run (the backend test fails)."""
+    if backend_problem(platform) is not None:
+        pytest.skip(f"could not run: torch.distributed backend {platform.dist_backend!r} is not available here "
+                    "(distributed::test_the_declared_dist_backend_is_available says why)")
 
 
 def world_size(platform) -> int:
@@ -49,6 +92,7 @@ def run_ranks(platform, target, world: int, *args: Any, timeout: float = 300) ->
 def ranks(platform, tmp_path_factory) -> tuple[int, list[dict[str, Any]]]:
     from ._workers import distributed_clauses
 
+    skip_without_the_backend(platform)
     world = world_size(platform)
     return world, run_ranks(platform, distributed_clauses, world, str(tmp_path_factory.mktemp("dist") / "store"))
 
@@ -62,6 +106,15 @@ def outcomes(ranks, key: str) -> list[Any]:
             pytest.fail(f"rank {report['rank']}: {value}")
         values.append(value)
     return values
+
+
+def test_the_declared_dist_backend_is_available(platform: Platform, device_index: int) -> None:
+    """A declared backend is a promise that init_group can start ranks on it: a typo, or a vendor
+    backend whose extension is not imported, is the plugin's failure, never an undeclared skip."""
+    # device_index made the device current first, as init_group does: an extension imported by the
+    # plugin's device module has registered its backend by now.
+    problem = backend_problem(platform)
+    assert problem is None, problem
 
 
 def test_each_rank_runs_on_the_device_device_for_rank_names(platform, ranks):
@@ -115,15 +168,31 @@ def test_send_recv_around_a_ring(ranks):
         assert got == [(rank - 1) % world] * 3, f"rank {rank}: recv from rank {(rank - 1) % world} gave {got}"
 
 
-def test_captured_all_reduce_replays_on_new_inputs(platform, ranks):
+def require_capturable_collectives(platform: Platform) -> None:
     if not platform.distributed_support.graph_capturable:
         pytest.skip("undeclared: the platform declares its collectives not graph-capturable")
     if platform.graph_support is None:
         pytest.fail("distributed_support declares graph-capturable collectives but the platform has no graphs")
+
+
+# Engines capture every collective of a decode step: the layers' and the embedding's all_reduce,
+# and the logits' all_gather along the vocabulary (torchhal/core/model/decoder.py). Each has its clause.
+def test_captured_all_reduce_replays_on_new_inputs(platform, ranks):
+    require_capturable_collectives(platform)
     world = ranks[0]
     expected = [[float(sum(10 * (step + 1) + r for r in range(world)))] * 8 for step in range(2)]
     for rank, got in enumerate(outcomes(ranks, "graph")):
         assert got == expected, f"rank {rank}: replayed all_reduce gave {got}"
+
+
+def test_captured_all_gather_replays_on_new_inputs(platform: Platform, ranks: tuple[int, list[dict[str, Any]]]) -> None:
+    require_capturable_collectives(platform)
+    world = ranks[0]
+    expected = [captured_gather_expected(world, step) for step in range(2)]
+    for rank, got in enumerate(outcomes(ranks, "graph_all_gather")):
+        for step, (replayed, wanted) in enumerate(zip(got, expected, strict=True)):
+            assert replayed == wanted, (f"rank {rank}: all_gather(dim=-1) captured in a graph (as engines capture "
+                                        f"the logits' gather) gave {replayed} on replay {step}; expected {wanted}")
 
 
 def test_available_memory_over_the_host_communicator_is_the_minimum(ranks, measure):
@@ -134,6 +203,7 @@ def test_available_memory_over_the_host_communicator_is_the_minimum(ranks, measu
 def test_a_rank_that_dies_surfaces_as_collective_error_on_the_others(platform, tmp_path):
     from ._workers import distributed_peer_dies
 
+    skip_without_the_backend(platform)
     world_size(platform)  # skips where two ranks cannot run
     world = 2
     ctx = spawn_context()

@@ -275,6 +275,7 @@ class PlatformRegistry:
                         f"{who} each declare `replaces = {target!r}`; both are dropped and {target!r} is "
                         "kept. Uninstall one of them",
                         reg.distribution,
+                        (target, *dict.fromkeys(x for r in regs for x in (r.plugin.name, r.source))),
                     )
                 )
                 candidates[reg.plugin.name].remove(reg)
@@ -297,6 +298,7 @@ class PlatformRegistry:
                                 f"{name!r} platform; the built-in is kept and this one dropped. "
                                 f"Rename it, or declare `replaces = {name!r}` to replace the built-in",
                                 impostor.distribution,
+                                (name, impostor.source),
                             )
                         )
                 regs = [builtin]
@@ -309,6 +311,7 @@ class PlatformRegistry:
                         f"platform name {name!r} is registered by {who}; uninstall one, or "
                         f"have one declare `replaces = {name!r}`",
                         regs[-1].distribution,
+                        (name, *dict.fromkeys(r.source for r in regs)),
                     )
                 )
                 continue

@@ -367,6 +367,8 @@ class PluginFailure:
     stage: str  # "import" | "register" | "validate" | "version" | "conflict" | "detect" | "query"
     error: str
     distribution: str | None = None
+    #: for a conflict: every platform name and plugin (entry point) it involves
+    involves: tuple[str, ...] = ()
 
     @property
     def failed_to(self) -> str:
