@@ -195,7 +195,7 @@ def sweep(device: torch.device, kinds: str) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default="results")
     parser.add_argument("--quick", action="store_true", help="one small decode and prefill case")
     parser.add_argument("--sweep", choices=("decode", "prefill", "both"), help="time launch configurations first")
     args = parser.parse_args()

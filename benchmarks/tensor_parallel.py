@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for each TP size's launch")
-    parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    parser.add_argument("--out", default=None, help="results folder (default results/)")
     args = parser.parse_args(argv)
     import torchhal
     from torchhal.core.model.parallel import check_tensor_parallel
