@@ -161,6 +161,11 @@ def module_level_lambda() -> Callable[[], int]:
     return lambda: 1
 
 
+class RefusesCopies:
+    def __reduce__(self) -> Any:
+        raise RuntimeError("this handle is bound to its process")
+
+
 class LockedWorker:
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -178,7 +183,9 @@ class LockedWorker:
     # a bound method carries its object: here the target is what cannot be sent, not the empty args
     (LockedWorker().run, (), "target <bound method LockedWorker.run of .*> cannot be sent .* \\(TypeError: cannot "
                              "pickle '_thread.lock' object"),
-], ids=["lambda", "lock", "generator", "bound-method"])
+    # an object's own __reduce__ may raise anything, not only pickling's errors
+    (rank_number, (RefusesCopies(),), "args cannot be sent .* \\(RuntimeError: this handle is bound to its process"),
+], ids=["lambda", "lock", "generator", "bound-method", "own-reduce"])
 def test_launch_refuses_what_cannot_be_pickled_before_a_rank_exists(monkeypatch: pytest.MonkeyPatch, target: Any,
                                                                    args: Any, error: str) -> None:
     # Each failed with a pickling traceback that did not say which input was the cause.

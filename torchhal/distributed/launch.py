@@ -21,7 +21,6 @@ import math
 import multiprocessing
 import numbers
 import os
-import pickle
 import reprlib
 import signal
 import socket
@@ -123,10 +122,11 @@ def launch(
                 )
                 try:
                     process.start()
-                except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                except Exception as exc:
                     receiver.close()
                     sender.close()
-                    if rank:  # the first rank's start pickled the same arguments
+                    # the first rank's start pickled the same inputs; and not every failure is pickling's
+                    if rank or not _fails_to_pickle(target, args):
                         raise
                     # Spawn pickles the process object before it creates the child: no rank runs.
                     raise ValueError(f"{_unsendable(target)} cannot be sent to the ranks, spawned processes that "
@@ -172,6 +172,16 @@ def _check_args(args: object) -> None:
         shown = _shown(args)
         raise ValueError(f"args = {shown} ({type(args).__name__}) must be a tuple or list of the target's "
                          f"arguments: pass args=({shown},) for a single argument, args=() for none")
+
+
+def _fails_to_pickle(target: Callable[..., Any], args: object) -> bool:
+    """Whether the inputs a rank receives fail to pickle, however their pickling raises (an
+    object's own __reduce__ may raise anything)."""
+    try:
+        ForkingPickler.dumps((target, args))
+    except Exception:  # noqa: BLE001 - any failure is the inputs'
+        return True
+    return False
 
 
 def _unsendable(target: Callable[..., Any]) -> str:
