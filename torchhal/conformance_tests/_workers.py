@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -209,25 +210,14 @@ def distributed_clauses(name: str, rank: int, world: int, store_path: str, queue
 
 def _captured_all_reduce(platform: torchhal.Platform, comm: Any, rank: int, index: int) -> list[Any]:
     """all_reduce recorded in a device graph, replayed on new inputs; the replay's sums."""
-    support = platform.graph_support
-    assert support is not None
     static = torch.full((8,), float(rank + 1), device=platform.device(index))
-    stream = platform.new_stream(index)
-    stream.wait_stream(platform.current_stream(index))
-    with platform.use_stream(stream):
-        comm.all_reduce(static)  # warm up (the backend's communicator) outside the graph
-    platform.current_stream(index).wait_stream(stream)
-    graph = support.graph_class()
-    with support.capture(graph, support.new_pool(), stream):
+
+    def reduce() -> torch.Tensor:
         comm.all_reduce(static)
-    platform.current_stream(index).wait_stream(stream)
-    replays = []
-    for step in range(2):
-        static.fill_(float(10 * (step + 1) + rank))
-        graph.replay()
-        platform.synchronize(index)
-        replays.append(static.to("cpu").tolist())
-    return replays
+        return static
+
+    return _replayed(platform, index, static, reduce, [torch.full((8,), float(10 * (step + 1) + rank))
+                                                      for step in range(2)])
 
 
 def captured_gather_input(rank: int, step: int) -> torch.Tensor:
@@ -243,25 +233,32 @@ def captured_gather_expected(world: int, step: int) -> list[list[float]]:
 def _captured_all_gather(platform: torchhal.Platform, comm: Any, rank: int, index: int) -> list[Any]:
     """all_gather along the last dim (as engines gather the logits) recorded in a device graph,
     replayed on new inputs; each replay's gathered tensor."""
+    static = captured_gather_input(rank, -1).to(platform.device(index))  # captured on other values than any replay's
+    return _replayed(platform, index, static, lambda: comm.all_gather(static, dim=-1),
+                     [captured_gather_input(rank, step) for step in range(2)])
+
+
+def _replayed(platform: torchhal.Platform, index: int, static: torch.Tensor,
+              collective: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> list[Any]:
+    """`collective` (reading `static`) warmed up, then recorded in a device graph and replayed
+    once per input copied into `static`; what the captured call returned, after each replay."""
     support = platform.graph_support
     assert support is not None
-    device = platform.device(index)
-    static = captured_gather_input(rank, -1).to(device)  # captured on other values than any replay's
     stream = platform.new_stream(index)
     stream.wait_stream(platform.current_stream(index))
     with platform.use_stream(stream):
-        comm.all_gather(static, dim=-1)  # warm up outside the graph
+        collective()  # warm up (the backend's communicator) outside the graph
     platform.current_stream(index).wait_stream(stream)
     graph = support.graph_class()
     with support.capture(graph, support.new_pool(), stream):
-        gathered = comm.all_gather(static, dim=-1)  # a tensor of the graph's pool, written by each replay
+        result = collective()  # a tensor the replays write (the graph's pool, or static itself)
     platform.current_stream(index).wait_stream(stream)
     replays = []
-    for step in range(2):
-        static.copy_(captured_gather_input(rank, step).to(device))
+    for value in inputs:
+        static.copy_(value.to(static.device))
         graph.replay()
         platform.synchronize(index)
-        replays.append(gathered.to("cpu").tolist())
+        replays.append(result.to("cpu").tolist())
     return replays
 
 

@@ -34,11 +34,8 @@ def backend_problem(platform: Platform) -> str | None:
     import torch.distributed as dist
 
     name = platform.dist_backend
-    try:
-        if dist.is_backend_available(name):
-            return None
-    except (ValueError, RuntimeError):  # a malformed name ("a:b:c"): not available either
-        pass
+    if _available(name):
+        return None
     registered = [str(key).lower() for key in getattr(dist.Backend, "_plugins", {})]
     here = [b for b in BUILTIN_BACKENDS if _available(b)] + registered
     close = difflib.get_close_matches(str(name).lower(), here + list(BUILTIN_BACKENDS), n=1)
@@ -54,7 +51,7 @@ def _available(backend: str) -> bool:
 
     try:
         return bool(dist.is_backend_available(backend))
-    except (ValueError, RuntimeError):
+    except (ValueError, RuntimeError):  # a malformed name ("a:b:c"): not available either
         return False
 
 
