@@ -20,6 +20,7 @@ from torchhal.attention import (
     build_metadata,
     build_metadata_and_positions,
     choose_backend,
+    decode_metadata_for_rows,
     new_kv_cache,
     query_positions,
     write_kv,
@@ -344,6 +345,29 @@ def test_reference_decode_is_the_reference_prefill_of_one_token():
     torch.testing.assert_close(reference.decode(query, k, v, meta, scale=0.4, soft_cap=3.0),
                                reference.prefill(query, k, v, meta, scale=0.4, soft_cap=3.0))
     assert math.isfinite(float(reference.decode(query, k, v, meta, scale=0.4).sum()))
+
+
+@pytest.mark.parametrize("window, soft_cap", FEATURES)
+@pytest.mark.parametrize("q_heads, kv_heads", [(4, 4), (6, 2), (4, 1)])
+def test_decode_over_chosen_rows_equals_those_rows_of_the_prefill(window, soft_cap, q_heads, kv_heads):
+    """The last layer attends from the sampled rows alone: decode over their derived metadata must
+    give those rows of the whole step's prefill: whole prompts, chunks at offsets (ending inside and
+    on a block's edge), decode rows, rows of one request, rows out of order."""
+    seq_lens, query_lens = [9, 8, 17, 6, 12], [9, 3, 5, 1, 4]
+    query, k, v, tables, meta = random_case(seq_lens, query_lens, q_heads, kv_heads, seed=4)
+    reference = ReferenceBackend()
+    full = reference.prefill(query, k, v, meta, scale=0.3, sliding_window=window, soft_cap=soft_cap)
+    for chosen in ([8, 11, 16, 17, 21], [0, 4, 8], [21, 9, 17], [], [20, 21]):
+        rows = torch.tensor(chosen, dtype=torch.int64)
+        sub = decode_metadata_for_rows(meta, rows)
+        assert sub.max_query_len == 1 and sub.batch == len(chosen) and sub.host_query_start == tuple(
+            range(len(chosen) + 1))
+        got = reference.decode(query[rows], k, v, sub, scale=0.3, sliding_window=window, soft_cap=soft_cap)
+        torch.testing.assert_close(got, full[rows], atol=1e-6, rtol=1e-6)
+    # Row 11 is request 1's last query (position 7, one past the first block of 4): context 8.
+    sub = decode_metadata_for_rows(meta, torch.tensor([11, 0]))
+    assert sub.seq_lens.tolist() == [8, 1] and sub.block_tables[0].tolist() == meta.block_tables[1].tolist()
+    assert sub.slot_mapping.tolist() == [meta.slot_mapping[11].item(), meta.slot_mapping[0].item()]
 
 
 def test_split_whole_prompts_parts_a_step_and_the_rest_attends_as_before():

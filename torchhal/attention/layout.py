@@ -289,11 +289,13 @@ def build_metadata_and_positions(
 
 
 def _token_rows_and_positions(seq_lens: torch.Tensor, query_start: torch.Tensor,
-                              num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query token's request row and absolute position ([num_tokens] int64 each), on the
-    metadata's device with no host sync: a row's queries are its last tokens, so token t of
-    row r sits at seq_lens[r] - (query_start[r + 1] - t) (-1 for a padded decode row)."""
-    tokens = torch.arange(num_tokens, dtype=torch.int64, device=query_start.device)
+                              tokens: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query token's request row and absolute position (int64 each), on the metadata's
+    device with no host sync, for the step's first `tokens` tokens or for the token indices
+    given: a row's queries are its last tokens, so token t of row r sits at
+    seq_lens[r] - (query_start[r + 1] - t) (-1 for a padded decode row)."""
+    if isinstance(tokens, int):
+        tokens = torch.arange(tokens, dtype=torch.int64, device=query_start.device)
     rows = torch.searchsorted(query_start[1:], tokens, right=True)
     return rows, seq_lens[rows].to(torch.int64) - (query_start[rows + 1].to(torch.int64) - tokens)
 
@@ -302,6 +304,26 @@ def query_positions(meta: PagedMetadata) -> torch.Tensor:
     """[num_tokens] int64: each of the step's query tokens' absolute position (the rotary
     position too), worked out on the metadata's device."""
     return _token_rows_and_positions(meta.seq_lens, meta.query_start, int(meta.slot_mapping.shape[0]))[1]
+
+
+def decode_metadata_for_rows(meta: PagedMetadata, rows: torch.Tensor) -> PagedMetadata:
+    """Decode metadata (one query per row) that attends from the step's query rows `rows`
+    ([R] int, device) alone: each row gets its request's block table and, as its context,
+    the tokens up to and including its own. So `backend.decode(query[rows], ..., this)`
+    equals `backend.prefill(query, ..., meta)[rows]`, and a layer that needs only some rows'
+    outputs (the last layer, whose other rows nothing reads) attends for those alone.
+    Worked out on the device, no host sync; the host copy of the contexts is not known."""
+    request, position = _token_rows_and_positions(meta.seq_lens, meta.query_start, rows)
+    count = int(rows.shape[0])
+    return PagedMetadata(
+        block_tables=meta.block_tables.index_select(0, request),
+        seq_lens=(position + 1).to(torch.int32),
+        query_start=torch.arange(count + 1, dtype=torch.int32, device=meta.query_start.device),
+        slot_mapping=meta.slot_mapping.index_select(0, rows),
+        max_query_len=1,
+        host_query_start=tuple(range(count + 1)),
+        block_size=meta.block_size,
+    )
 
 
 @dataclass(frozen=True)
