@@ -205,11 +205,11 @@ def test_oom_in_a_step_retracts_empties_once_and_keeps_serving(empties, monkeypa
     real_forward = e.runner.forward
     calls = {"n": 0}
 
-    def flaky(ids, meta):
+    def flaky(ids, meta, rows):
         calls["n"] += 1
         if calls["n"] == 2:
             raise torch.OutOfMemoryError("simulated: tried to allocate 2 GiB")
-        return real_forward(ids, meta)
+        return real_forward(ids, meta, rows)
 
     monkeypatch.setattr(e.runner, "forward", flaky)
     results = e.generate(PROMPTS, 6)
@@ -220,7 +220,7 @@ def test_oom_in_a_step_retracts_empties_once_and_keeps_serving(empties, monkeypa
 def test_repeated_oom_fails_the_request_with_a_clear_error(empties, monkeypatch):
     e = engine()
 
-    def always(ids, meta):
+    def always(ids, meta, rows):
         raise torch.OutOfMemoryError("simulated OOM")
 
     monkeypatch.setattr(e.runner, "forward", always)

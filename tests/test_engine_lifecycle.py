@@ -364,8 +364,8 @@ def test_nothing_the_engine_runs_records_autograd_history(monkeypatch, runner):
     seen = []
     real_forward, real_logits = e.runner.forward, e.model.logits
 
-    def forward(ids, meta):
-        hidden = real_forward(ids, meta)
+    def forward(ids, meta, rows):
+        hidden = real_forward(ids, meta, rows)
         seen.append(("hidden", hidden.requires_grad, hidden.grad_fn is not None))
         return hidden
 

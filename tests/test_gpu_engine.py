@@ -108,11 +108,11 @@ def test_a_failed_step_with_graphs_rolls_back_and_continues_unchanged(monkeypatc
     real_forward = engine.runner.forward
     calls = {"n": 0}
 
-    def fail_first(ids, meta):
+    def fail_first(ids, meta, rows):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("simulated kernel failure")
-        return real_forward(ids, meta)
+        return real_forward(ids, meta, rows)
 
     monkeypatch.setattr(engine.runner, "forward", fail_first)
     with pytest.raises(RuntimeError, match="simulated kernel failure"):

@@ -122,9 +122,9 @@ def test_prefill_graphs_build_the_runner_record_it_and_run_fitting_steps_on_buck
     sizes = []
     real_forward = runner.forward
 
-    def forward(ids, meta):
+    def forward(ids, meta, rows):
         sizes.append((ids.numel(), runner.bucketed_steps))
-        return real_forward(ids, meta)
+        return real_forward(ids, meta, rows)
 
     runner.forward = forward
     assert [r.output for r in engine.generate(PROMPTS, 6)] == [r.output for r in reference]

@@ -172,3 +172,46 @@ def test_rotary_and_rms_norm_equal_hugging_faces_bit_for_bit(dtype):
     weight = torch.randn(32, generator=generator).to(dtype)
     ours.weight.data, theirs.weight.data = weight.clone(), weight.clone()
     assert torch.equal(ours(x), theirs(x))
+
+
+@pytest.mark.parametrize("config", [
+    ModelConfig(num_layers=3),
+    ModelConfig(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=24, attention_bias=True, qk_norm=True),
+    ModelConfig(num_layers=2, sliding_window=3, rope_scaling=Llama3RopeScaling(original_max_position=8)),
+], ids=["plain", "gqa-bias-qknorm", "window-llama3"])
+def test_output_rows_narrow_the_last_layer_and_equal_those_rows_of_every_row(config):
+    """A mixed step (a chunk after 3 cached tokens, a decode row, a whole prompt): asking for some
+    rows gives exactly those rows of the full output, in the order asked, while the last layer's
+    MLP and final norm run on those rows only; the KV every layer writes is the same either way."""
+    tables, seq_lens, query_lens = [[1, 2], [3], [5, 6]], [7, 3, 6], [4, 1, 6]
+    tokens = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5])
+    history = torch.tensor([2, 7, 1, 8, 2])  # request 0's first 3 tokens and request 1's first 2
+    full_model, narrowed = fresh_model(config), fresh_model(config)
+    for model in (full_model, narrowed):
+        model(history, meta([[1], [3]], [3, 2], [3, 2]))
+    step = meta(tables, seq_lens, query_lens)
+    every_row = full_model(tokens, step)
+    mlp_rows: list[int] = []
+    real_mlp = narrowed.layer_math.mlp
+
+    def counting_mlp(residual, *args):
+        mlp_rows.append(residual.shape[0])
+        return real_mlp(residual, *args)
+
+    narrowed.layer_math.mlp = counting_mlp
+    for rows in ([3, 4, 10], [10, 0, 4], [4]):
+        mlp_rows.clear()
+        got = narrowed(tokens, step, torch.tensor(rows))
+        torch.testing.assert_close(got, every_row[rows], atol=1e-5, rtol=1e-5)
+        assert mlp_rows == [11] * (config.num_layers - 1) + [len(rows)]
+    assert torch.equal(narrowed.kv.k, full_model.kv.k) and torch.equal(narrowed.kv.v, full_model.kv.v)
+    # No rows (chunks short of their prompts' ends): every row runs, no kernel sees an empty input.
+    mlp_rows.clear()
+    assert narrowed(tokens, step, torch.tensor([], dtype=torch.int64)).shape == (0, config.hidden_size)
+    assert mlp_rows == [11] * config.num_layers
+    # A pure decode step attends every row through decode anyway: the rows are taken at the end.
+    decode = meta([[1, 2], [3]], [8, 4], [1, 1])
+    mlp_rows.clear()
+    got = narrowed(torch.tensor([7, 7]), decode, torch.tensor([1, 0]))
+    torch.testing.assert_close(got, full_model(torch.tensor([7, 7]), decode)[[1, 0]], atol=1e-5, rtol=1e-5)
+    assert mlp_rows == [2] * config.num_layers

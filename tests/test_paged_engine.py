@@ -153,7 +153,7 @@ def test_chunked_prefill_steps_roll_back_exactly():
     held = {r.rid: (list(r.blocks), r.kv_tokens) for r in e.running}
     real_forward = e.runner.forward
 
-    def failing(ids, meta):  # noqa: ANN001, ANN202
+    def failing(ids, meta, rows):  # noqa: ANN001, ANN202
         raise RuntimeError("device fault")
 
     e.runner.forward = failing  # type: ignore[method-assign]

@@ -457,10 +457,15 @@ class GenerationEngine:
             inputs = self.scheduler.build_inputs(plan, self.config.kv_block_size, self.device, self.attention.backend)
         else:
             inputs = self._decode_inputs(plan.decodes)
-        hidden = self.runner.forward(inputs.input_ids, inputs.meta)
-        tokens: list[int] = greedy_tokens(self.model.logits(hidden, inputs.last_index)).tolist()
-        # A prefill chunk short of its request's last token yields nothing yet.
-        return [[token] if emits else [] for token, emits in zip(tokens, inputs.emits, strict=True)]
+        # The runner returns the sampled rows' hidden states only (in order): the model may
+        # skip the rest of its last layer for the others.
+        hidden = self.runner.forward(inputs.input_ids, inputs.meta, inputs.sample_rows)
+        sampled: list[int] = []
+        if hidden.shape[0]:
+            every_row = torch.arange(hidden.shape[0], device=hidden.device)
+            sampled = greedy_tokens(self.model.logits(hidden, every_row)).tolist()
+        tokens = iter(sampled)
+        return [[next(tokens)] if emits else [] for emits in inputs.emits]
 
     def _decode_inputs(self, decodes: list[Request]) -> StepInputs:
         """A pure decode step's inputs and metadata from the device rows (`decode_rows`): the
@@ -470,8 +475,8 @@ class GenerationEngine:
         count = len(decodes)
         meta = AttentionMetadata(table.metadata(count, max(r.kv_tokens for r in decodes)),
                                  table.step_inputs[1, :count], self.attention.backend, decode=True)
-        last_index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-        return StepInputs(table.step_inputs[0, :count], meta, last_index, [True] * count)
+        sample_rows = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        return StepInputs(table.step_inputs[0, :count], meta, sample_rows, [True] * count)
 
     def _forget_rows(self, rid: int) -> None:
         """The request left the running batch (or its step failed): its device rows go."""

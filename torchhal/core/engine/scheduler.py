@@ -45,7 +45,7 @@ class StepPlan:
 class StepInputs:
     input_ids: torch.Tensor  # [T] this step's tokens, request by request
     meta: AttentionMetadata
-    last_index: torch.Tensor  # [B] each request's last token in input_ids
+    sample_rows: torch.Tensor  # [E] the last token in input_ids of each request that emits, in batch order
     emits: list[bool]  # per request: this step reaches its last token, so it yields one
 
 
@@ -114,14 +114,16 @@ class Scheduler:
         batch = plan.batch
         meta = AttentionMetadata.build([r.blocks for r in batch], [r.kv_tokens for r in batch], counts, block_size,
                                        device, backend)
-        ends, total = [], 0
-        for count in counts:
-            total += count
-            ends.append(total - 1)
-        last_index = torch.tensor(ends, dtype=torch.long, device=device)
+        # A prefill chunk short of its request's last token yields nothing: no row to sample.
         emits = [r.kv_tokens == len(r.prompt) + len(r.output) for r in batch]
+        ends, total = [], 0
+        for count, emitting in zip(counts, emits, strict=True):
+            total += count
+            if emitting:
+                ends.append(total - 1)
+        sample_rows = torch.tensor(ends, dtype=torch.long, device=device)
         input_ids = torch.frombuffer(ids, dtype=torch.int64) if ids else torch.empty(0, dtype=torch.int64)
-        return StepInputs(input_ids.to(device, non_blocking=True), meta, last_index, emits)
+        return StepInputs(input_ids.to(device, non_blocking=True), meta, sample_rows, emits)
 
     def _reserve_decodes(self) -> list[Request]:
         """One token per decoding request; retract the newest requests while the pool is short."""

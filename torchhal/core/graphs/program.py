@@ -6,6 +6,9 @@ computation and may live in a device graph; a `BreakStep` (attention first of
 all) needs per-batch metadata and always runs eagerly. A break step writes its
 results *in place* into tensors that already exist in the state, so that the
 graph segment after it reads them from fixed addresses.
+
+A caller that wants some rows' hidden states only (the tokens it samples from) names them
+under `OUTPUT_ROWS`; `run_for_rows` runs the program and returns those rows.
 """
 
 from __future__ import annotations
@@ -17,6 +20,13 @@ from typing import Any
 import torch
 
 StackState = dict[str, torch.Tensor]
+
+#: State key of the rows ([R] int64) whose hidden states the caller wants, in its order. A
+#: program may narrow its state to them once nothing reads the other rows (the last layer
+#: after its attention has written the step's KV); it then removes the key, so the rows are
+#: not taken twice. A program that ignores the key computes every row, and the rows are
+#: selected from its output.
+OUTPUT_ROWS = "output_rows"
 
 
 @dataclass(frozen=True)
@@ -61,3 +71,19 @@ def run_eager(steps: list[Step], state: StackState, num_tokens: int, metadata: A
             step.run(state, num_tokens, metadata)
         else:
             step.run(state)
+
+
+def run_for_rows(steps: list[Step], state: StackState, num_tokens: int, metadata: Any,
+                 rows: torch.Tensor | None) -> torch.Tensor:
+    """Run the program eagerly: the hidden states of `rows` ([R, H], in their order), or of
+    the first `num_tokens` tokens when `rows` is None. No rows (a step whose prefill chunks
+    all stop short of their prompts' ends): the program runs as for every row, so no
+    kernel is handed an empty input, and none is returned."""
+    if rows is None or rows.shape[0] == 0:
+        run_eager(steps, state, num_tokens, metadata)
+        return state["hidden"][:num_tokens] if rows is None else state["hidden"][:0]
+    state[OUTPUT_ROWS] = rows
+    run_eager(steps, state, num_tokens, metadata)
+    if state.pop(OUTPUT_ROWS, None) is None:  # the program narrowed to the rows itself
+        return state["hidden"]
+    return state["hidden"].index_select(0, rows)

@@ -21,7 +21,15 @@ from torch import nn
 
 from torchhal.core.devices import check_device_index
 from torchhal.core.graphs.decode import check_buckets
-from torchhal.core.graphs.program import BreakStep, GraphStep, StackState, Step, run_eager, split_segments
+from torchhal.core.graphs.program import (
+    BreakStep,
+    GraphStep,
+    StackState,
+    Step,
+    run_eager,
+    run_for_rows,
+    split_segments,
+)
 from torchhal.platforms import Platform
 
 if TYPE_CHECKING:  # core.model imports core.graphs.program: a runtime import here would be circular
@@ -238,39 +246,41 @@ class GraphRunner:
         self.platform.current_stream(self.device_index).wait_stream(stream)
 
     # -- replay --------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, meta: Any) -> torch.Tensor:
-        """Hidden states [T, H] for the batch. With graphs, a view of a static buffer:
+    def forward(self, input_ids: torch.Tensor, meta: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states for the batch: of `rows` ([R] int64 token indices, in their order), or
+        [T, H] of every token when None. With graphs and no `rows`, a view of a static buffer:
         consume it before the next forward."""
         # no_grad, not inference_mode: the static buffers written here persist across calls.
         with torch.no_grad():
-            return self._forward(input_ids, meta)
+            return self._forward(input_ids, meta, rows)
 
-    def _forward(self, input_ids: torch.Tensor, meta: Any) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, meta: Any, rows: torch.Tensor | None) -> torch.Tensor:
         num_tokens = input_ids.numel()
         if self.stack is None:
-            return self.model.forward(input_ids, meta)
+            hidden = self.model.forward(input_ids, meta)
+            return hidden if rows is None else hidden.index_select(0, rows)
         hidden = self.stack.embed(input_ids)
-        if not self.can_run(num_tokens):
+        if not self.can_run(num_tokens):  # past the buckets: eager, and the program may narrow to the rows
             state: StackState = {"hidden": hidden, "positions": meta.positions}
-            run_eager(self.stack.program(), state, num_tokens, meta)
-            return state["hidden"]
+            return run_for_rows(self.stack.program(), state, num_tokens, meta, rows)
         bucket = self._buckets[self.bucket_for(num_tokens)]
         self.bucketed_steps += 1
         static_hidden, static_positions = bucket.inputs
         static_hidden[:num_tokens].copy_(hidden)
         static_positions[:num_tokens].copy_(meta.positions)
         static_positions[num_tokens:].zero_()  # padded rows: in range, and every op but attention is per token
-        if bucket.parts is None:
+        if bucket.parts is None:  # emulation: every row, as the captured graphs compute them
             state = {"hidden": static_hidden, "positions": static_positions}
             run_eager(self.stack.program(), state, num_tokens, meta)
-            return state["hidden"][:num_tokens]
-        for part in bucket.parts:
-            if isinstance(part, tuple):
-                step, state_at_break = part
-                step.run(state_at_break, num_tokens, meta)
-            else:
-                part.replay()
-        return bucket.state["hidden"][:num_tokens]
+        else:
+            for part in bucket.parts:
+                if isinstance(part, tuple):
+                    step, state_at_break = part
+                    step.run(state_at_break, num_tokens, meta)
+                else:
+                    part.replay()
+            state = bucket.state
+        return state["hidden"][:num_tokens] if rows is None else state["hidden"].index_select(0, rows)
 
     # -- lifecycle (sleep / wake) -------------------------------------------------------------
     def release(self) -> None:

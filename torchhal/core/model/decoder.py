@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchhal.core.graphs.program import BreakStep, GraphStep, StackState, Step, run_eager
+from torchhal.attention import decode_metadata_for_rows
+from torchhal.core.graphs.program import OUTPUT_ROWS, BreakStep, GraphStep, StackState, Step, run_for_rows
 from torchhal.core.model.config import Llama3RopeScaling, ModelConfig
 from torchhal.core.model.kv_cache import AttentionMetadata, KVCache
 from torchhal.core.model.linear import LinearFn, routed_linear
@@ -449,9 +450,11 @@ class LlamaDecoder(nn.Module):
     def layer_program(self) -> list[Step]:
         """Graph-safe steps and breakable attention ops for the whole layer stack.
 
-        Inputs in the state: "hidden" [T, H] (embedded tokens), "positions" [T].
-        Output: "hidden" [T, H] after the final norm. Between layers the state carries the
-        residual and the layer's MLP output ("mlp_out"), which the next layer's norm adds.
+        Inputs in the state: "hidden" [T, H] (embedded tokens), "positions" [T], and
+        optionally `OUTPUT_ROWS` [R]. Output: "hidden" [T, H] after the final norm, or [R, H]
+        when the last layer narrowed to the output rows (a step that is not a pure decode:
+        see `graphs.program.OUTPUT_ROWS`). Between layers the state carries the residual and
+        the layer's MLP output ("mlp_out"), which the next layer's norm adds.
         """
         steps: list[Step] = []
         for index, layer in enumerate(self.decoder_layers):
@@ -527,6 +530,7 @@ class LlamaDecoder(nn.Module):
     def _attention(self, index: int) -> Callable[[StackState, int, AttentionMetadata], None]:
         config = self.local_config
         scale = config.head_dim**-0.5
+        last_layer = index == config.num_layers - 1
 
         def run(state: StackState, num_tokens: int, meta: AttentionMetadata) -> None:
             """Write this step's K/V into the paged cache, then attend in place through the
@@ -536,9 +540,21 @@ class LlamaDecoder(nn.Module):
             backend = meta.backend
             backend.write_kv(k_cache, v_cache, state["k"][:num_tokens], state["v"][:num_tokens],
                              meta.paged.slot_mapping)
-            attend = backend.decode if meta.decode else backend.prefill
-            attend(state["q"][:num_tokens], k_cache, v_cache, meta.paged, scale=scale,
-                   sliding_window=config.sliding_window, out=state["attn_out"][:num_tokens])
+            rows = state.get(OUTPUT_ROWS) if last_layer and not meta.decode else None
+            if rows is None:
+                attend = backend.decode if meta.decode else backend.prefill
+                attend(state["q"][:num_tokens], k_cache, v_cache, meta.paged, scale=scale,
+                       sliding_window=config.sliding_window, out=state["attn_out"][:num_tokens])
+                return
+            # The step's KV is written, and past this point a row feeds only its own output:
+            # the last layer attends, projects and runs its MLP for the output rows alone (at a
+            # long prompt's prefill that is one row per request, not thousands).
+            del state[OUTPUT_ROWS]
+            out = state["attn_out"][: rows.shape[0]]
+            backend.decode(state["q"][:num_tokens].index_select(0, rows), k_cache, v_cache,
+                           decode_metadata_for_rows(meta.paged, rows), scale=scale,
+                           sliding_window=config.sliding_window, out=out)
+            state["attn_out"], state["residual"] = out, state["residual"].index_select(0, rows)
 
         return run
 
@@ -564,8 +580,11 @@ class LlamaDecoder(nn.Module):
         return self._communicator().all_gather(logits, dim=-1)[:, : self.config.vocab_size]
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[T] ids -> [T, H] hidden states after the final norm (this step's KV written), or
+        those of `rows` ([R] int64 token indices) only, computing no more of the last layer
+        than they need."""
         self._kv_cache()  # refuse before any layer runs
         state: StackState = {"hidden": self.embed_tokens(input_ids), "positions": meta.positions}
-        run_eager(self.layer_program(), state, input_ids.numel(), meta)
-        return state["hidden"]
+        return run_for_rows(self.layer_program(), state, input_ids.numel(), meta, rows)

@@ -53,8 +53,10 @@ class Model(Protocol):
     def layer_program(self) -> list[Step]:
         """The layer stack as graph steps and breakable steps (see `graphs.program`).
 
-        State in: "hidden" [T, H] (embedded tokens) and "positions" [T];
-        state out: "hidden" [T, H], ready for `logits`."""
+        State in: "hidden" [T, H] (embedded tokens) and "positions" [T], and from the
+        engine's runners `OUTPUT_ROWS` [R], the rows it samples; state out: "hidden" [T, H],
+        ready for `logits`, or [R, H] when the program narrowed to those rows and removed
+        the key (`graphs.program.OUTPUT_ROWS`: a program may ignore it)."""
         ...
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -62,11 +64,13 @@ class Model(Protocol):
         ...
 
     def logits(self, hidden: torch.Tensor, last_token_index: torch.Tensor) -> torch.Tensor:
-        """[T, H] hidden states and [B] token indices -> [B, vocab] float logits."""
+        """Hidden states and [B] row indices into them -> [B, vocab] float logits."""
         ...
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Eager layer stack: [T] ids -> [T, H] hidden states (writes this step's KV)."""
+        """Eager layer stack: [T] ids -> [T, H] hidden states (writes this step's KV). The
+        engine's runners run `layer_program()`; the graph runner falls back on this only
+        for a model whose layer stack it cannot find."""
         ...
 
     def process_weights(self) -> None:
