@@ -139,7 +139,7 @@ def transformers_side(directory: str, dtype: torch.dtype, prompts: dict[str, lis
 
 
 def engine_config(prompts: dict[str, list[list[int]]], new_tokens: dict[int, int], dtype: torch.dtype,
-                  on_gpu: bool) -> EngineConfig:
+                  on_gpu: bool, max_batch_tokens: int = 16384) -> EngineConfig:
     """The engine as a user would configure it for these cells: full-graph decode over their
     batches and contexts, graphs for short prefills, compiled layers on a GPU, chunked prefill."""
     longest = max(len(p[0]) + new_tokens[len(p[0])] for p in prompts.values())
@@ -148,7 +148,7 @@ def engine_config(prompts: dict[str, list[list[int]]], new_tokens: dict[int, int
     return EngineConfig(
         dtype=dtype,
         max_kv_slots=widest * longest + 1024,
-        max_batch_tokens=16384,
+        max_batch_tokens=max_batch_tokens,
         max_running=widest,
         decode_graphs=DecodeGraphConfig(batch_buckets=tuple(sorted({len(p) for p in prompts.values()})),
                                         context_buckets=tuple(c for c in contexts if c <= max(longest, 256)) or
@@ -160,9 +160,10 @@ def engine_config(prompts: dict[str, list[list[int]]], new_tokens: dict[int, int
 
 
 def torchhal_side(directory: str, dtype: torch.dtype, prompts: dict[str, list[list[int]]],
-                  new_tokens: dict[int, int], reps: int, deadline: float, on_gpu: bool) -> dict[str, Any]:
+                  new_tokens: dict[int, int], reps: int, deadline: float, on_gpu: bool,
+                  max_batch_tokens: int) -> dict[str, Any]:
     """The engine as `engine_config` configures it, timed over the cells."""
-    config = engine_config(prompts, new_tokens, dtype, on_gpu)
+    config = engine_config(prompts, new_tokens, dtype, on_gpu, max_batch_tokens)
     started = time.perf_counter()
     engine = GenerationEngine.from_checkpoint(directory, config)
     setup_s = time.perf_counter() - started
@@ -189,7 +190,7 @@ def child(job_path: str, answer_path: str) -> None:
         rows = transformers_side(job["directory"], dtype, job["prompts"], new_tokens, job["reps"], deadline)
     else:
         rows = torchhal_side(job["directory"], dtype, job["prompts"], new_tokens, job["reps"], deadline,
-                             job["on_gpu"])
+                             job["on_gpu"], job["max_batch_tokens"])
     Path(answer_path).write_text(json.dumps(rows))
 
 
@@ -279,6 +280,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--reps", type=int, default=3, help="timed runs per figure after one warm-up")
     parser.add_argument("--budget-s", type=float, default=500.0, help="per side: skip the cells left after this")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on whatever device there is")
+    parser.add_argument("--max-batch-tokens", type=int, default=16384,
+                        help="torchhal's EngineConfig.max_batch_tokens (tokens a step prefills at most)")
     parser.add_argument("--child-job", help=argparse.SUPPRESS)
     parser.add_argument("--child-answer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -300,6 +303,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prompts = prompts_for(cells, shape["vocab_size"])
     results: dict[str, Any] = {"platform": platform.name, "device": str(device), "dtype": str(dtype),
                                "shape": shape, "cells": list(prompts), "reps": args.reps,
+                               "max_batch_tokens": args.max_batch_tokens,
                                "kv_bytes_per_token": kv_bytes_per_token(shape, dtype)}
     if on_gpu:
         src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
@@ -310,7 +314,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["weight_bytes_per_step"] = save_model(shape, dtype, device, directory)
         platform.empty_cache(torchhal.ReleasePoint.USER)
         job = {"directory": directory, "dtype": str(dtype).removeprefix("torch."), "prompts": prompts,
-               "new_tokens": new_tokens, "reps": args.reps, "budget_s": args.budget_s, "on_gpu": on_gpu}
+               "new_tokens": new_tokens, "reps": args.reps, "budget_s": args.budget_s, "on_gpu": on_gpu,
+               "max_batch_tokens": args.max_batch_tokens}
         for side, key in (("peer", "transformers_static"), ("torchhal", "torchhal")):
             if args.side in (side, "both"):
                 print(f"== {key}", flush=True)
