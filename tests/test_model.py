@@ -215,3 +215,31 @@ def test_output_rows_narrow_the_last_layer_and_equal_those_rows_of_every_row(con
     got = narrowed(torch.tensor([7, 7]), decode, torch.tensor([1, 0]))
     torch.testing.assert_close(got, full_model(torch.tensor([7, 7]), decode)[[1, 0]], atol=1e-5, rtol=1e-5)
     assert mlp_rows == [2] * config.num_layers
+
+
+def test_the_kept_layer_program_follows_moves_and_each_copy_runs_its_own_weights():
+    """The program is built once: its steps must read the weights when they run (a cast made
+    new tensors, the o_proj bias included), and a deepcopy must not run the original's weights."""
+    import copy
+
+    config = ModelConfig(num_layers=2, attention_bias=True, o_proj_bias=True)
+    tokens, step = torch.tensor([3, 1, 4, 1]), meta([[1]], [4], [4])
+    model = fresh_model(config)
+    program = model.layer_program()
+    assert [s.name for s in program] == [s.name for s in model.layer_program()]
+    model.to(torch.float64)
+    model.kv = KVCache(config, 16, BLOCK, CPU, torch.float64)
+    expected = fresh_model(config).to(torch.float64)
+    expected.kv = KVCache(config, 16, BLOCK, CPU, torch.float64)
+    torch.testing.assert_close(model(tokens, step), expected(tokens, step))
+    expected = fresh_model(config).to(torch.float64)  # its program is built after the change below
+    expected.kv = KVCache(config, 16, BLOCK, CPU, torch.float64)
+    for decoder in (model, expected):  # a new Parameter object, not new data in the old one
+        decoder.model.layers[0].self_attn.o_proj.bias = torch.nn.Parameter(torch.full((config.hidden_size,), 0.5,
+                                                                                      dtype=torch.float64))
+    torch.testing.assert_close(model(tokens, step), expected(tokens, step))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.model.layers[1].self_attn.o_proj.bias.add_(1.0)
+    assert not torch.allclose(twin(tokens, step), model(tokens, step))
+    torch.testing.assert_close(model(tokens, step), expected(tokens, step))  # the original is untouched

@@ -210,9 +210,9 @@ def test_layer_program_collectives_and_the_single_rank_program() -> None:
     one = LlamaDecoder(config, (TensorParallelPlan(config, 1), 0))
     assert one.shard is None and [(type(s).__name__, s.name) for s in one.layer_program()] == plain
     assert all("all_reduce" not in name for _, name in plain)
-    for capturable, kind in ((True, GraphStep), (False, BreakStep)):
-        with torch.device("meta"):
-            part = LlamaDecoder(config, (TensorParallelPlan(config, 2), 1))
+    with torch.device("meta"):
+        part = LlamaDecoder(config, (TensorParallelPlan(config, 2), 1))
+    for capturable, kind in ((True, GraphStep), (False, BreakStep)):  # one decoder: a new group, a new program
         part.use_communicator(FakeCommunicator(1, 2, capturable))  # type: ignore[arg-type]
         reduces = [s for s in part.layer_program() if s.name.endswith("all_reduce")]
         assert [s.name for s in reduces] == [f"layer{i}.{p}.all_reduce" for i in range(2) for p in ("o_proj", "mlp")]

@@ -360,6 +360,13 @@ class LlamaDecoder(nn.Module):
         self.kv: KVCache | None = None
         self.layer_math = LayerMath(local)
         self.comm: Communicator | None = None
+        self._program: list[Step] | None = None  # `layer_program()`, built at its first call
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (deepcopy, pickle) builds its own program: the kept steps are bound to this decoder.
+        state = dict(super().__getstate__())
+        state["_program"] = None
+        return state
 
     def use_communicator(self, comm: Communicator) -> None:
         """The group this tensor-parallel shard runs in (`DeviceGroup.comm`); its rank and size
@@ -374,6 +381,7 @@ class LlamaDecoder(nn.Module):
                 f"{shard.rank} of {shard.world_size}; load the shard for the group's rank and size"
             )
         self.comm = comm
+        self._program = None  # the all-reduce steps hold the communicator: build them anew
 
     def _communicator(self) -> Communicator:
         if self.comm is None:
@@ -455,7 +463,17 @@ class LlamaDecoder(nn.Module):
         when the last layer narrowed to the output rows (a step that is not a pure decode:
         see `graphs.program.OUTPUT_ROWS`). Between layers the state carries the residual and
         the layer's MLP output ("mlp_out"), which the next layer's norm adds.
+
+        Built once and kept (each call returns a new list of the same steps): a step looks
+        up the weights, the KV cache and the layer arithmetic when it runs, so moves, sleep
+        and wake, weight updates, `compile_layers` and `use_linear` leave it valid. Building
+        it costs about a millisecond of host time, which an eager step's device would wait for.
         """
+        if self._program is None:
+            self._program = self._build_program()
+        return list(self._program)
+
+    def _build_program(self) -> list[Step]:
         steps: list[Step] = []
         for index, layer in enumerate(self.decoder_layers):
             steps.append(GraphStep(f"layer{index}.pre_attention", self._pre_attention(layer, first=index == 0)))
@@ -472,14 +490,16 @@ class LlamaDecoder(nn.Module):
         attn, mlp, layer_math = layer.self_attn, layer.mlp, self.layer_math
         # Tensor parallel, o_proj's bias is added once, after the sum; on one device inside the
         # projection, as HF adds it.
-        projection_bias, sum_bias = (attn.o_proj.bias, None) if self.shard is None else (None, attn.o_proj.bias)
+        sharded = self.shard is not None
 
         def o_proj(state: StackState) -> None:
-            state["attention"] = layer_math.attention_output(state["attn_out"], attn.o_proj.weight, projection_bias)
+            state["attention"] = layer_math.attention_output(state["attn_out"], attn.o_proj.weight,
+                                                             None if sharded else attn.o_proj.bias)
 
         def mlp_block(state: StackState) -> None:
             state["residual"], state["mlp_out"] = layer_math.mlp(
-                state["residual"], state["attention"], sum_bias, layer.post_attention_layernorm.weight,
+                state["residual"], state["attention"], attn.o_proj.bias if sharded else None,
+                layer.post_attention_layernorm.weight,
                 mlp.fused_weight, mlp.down_proj.weight,
             )
 
