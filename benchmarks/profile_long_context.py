@@ -310,14 +310,16 @@ def model_work(shape: dict[str, Any], prompt: int, batch: int, steps: int, eleme
     weight_bytes = (layers * layer_params + hidden * vocab) * element
     tokens = batch if steps else batch * prompt
     logit_rows = batch  # the LM head runs on each request's last token
-    gemm_flops = 2 * (tokens * layers * layer_params + logit_rows * hidden * vocab)
+    # Past its K/V projection the last layer runs for those rows only (a decode step: every row).
+    after_qkv = layer_params - hidden * (q_heads + 2 * kv_heads) * head_dim
+    gemm_flops = 2 * (tokens * layers * layer_params - (tokens - logit_rows) * after_qkv + logit_rows * hidden * vocab)
     if steps:
         context = prompt + steps / 2  # mean over the profiled steps
         kv_bytes = batch * context * kv_bytes_per_token(shape, torch.bfloat16 if element == 2 else torch.float32)
         attention = {"bytes": kv_bytes, "flops": 4 * layers * q_heads * head_dim * batch * context}
     else:
-        pairs = batch * prompt * (prompt + 1) / 2
-        attention = {"flops": 4 * layers * q_heads * head_dim * pairs,
+        pairs = (layers - 1) * batch * prompt * (prompt + 1) / 2 + batch * prompt  # the last layer: its last rows
+        attention = {"flops": 4 * q_heads * head_dim * pairs,
                      "bytes": tokens * layers * (2 * q_heads + 2 * kv_heads) * head_dim * element}
     # Norms read and write the hidden state twice a layer (and once at the end); elementwise:
     # rotary (q, k in and out), SwiGLU (gate, up in, product out), two residual adds (2 in, 1 out).
