@@ -12,7 +12,7 @@ import numpy
 import pytest
 import torch
 
-from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine, PrefillGraphConfig
+from torchhal.core.engine import DecodeGraphConfig, EagerRunner, EngineConfig, GenerationEngine, PrefillGraphConfig
 from torchhal.core.model import AttentionMetadata, ModelConfig, ReferenceDecoder
 
 SMALL = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=48, max_position=256)
@@ -156,6 +156,27 @@ def test_runner_factory_must_return_a_runner() -> None:
     with pytest.raises(TypeError, match=r"runner_factory returned NoneType, which lacks forward, release, resume"):
         GenerationEngine(EngineConfig(max_kv_slots=512, model=SMALL),
                          runner_factory=lambda engine: None)  # type: ignore[arg-type,return-value]
+
+
+def test_a_runner_whose_forward_takes_no_rows_is_refused_at_construction() -> None:
+    """The engine passes the rows it samples to every forward: a runner written for
+    forward(input_ids, meta) is refused before any request, not at its first step."""
+
+    class OldRunner:
+        def __init__(self, engine: GenerationEngine) -> None:
+            self.inner = EagerRunner(engine.model)
+
+        def forward(self, input_ids: torch.Tensor, meta: object) -> torch.Tensor:
+            return self.inner.forward(input_ids, meta)  # type: ignore[arg-type]
+
+        def release(self) -> None: ...
+
+        def resume(self) -> None: ...
+
+    with pytest.raises(TypeError, match=r"OldRunner, whose forward\(input_ids: 'torch.Tensor', meta: 'object'\) "
+                                        r"-> 'torch.Tensor' does not take the ModelRunner protocol's "
+                                        r"\(input_ids, meta, rows\)"):
+        GenerationEngine(EngineConfig(max_kv_slots=512, model=SMALL), runner_factory=OldRunner)
 
 
 # -- 5. sizes no step can use are not allocated ----------------------------------------------------

@@ -237,7 +237,16 @@ class GenerationEngine:
             missing = [name for name in ("forward", "release", "resume") if not callable(getattr(made, name, None))]
             if missing:
                 raise TypeError(f"runner_factory returned {type(made).__name__}, which lacks {', '.join(missing)} of "
-                                "the ModelRunner protocol (forward(input_ids, meta), release(), resume())")
+                                "the ModelRunner protocol (forward(input_ids, meta, rows), release(), resume())")
+            try:  # a runner written before `rows` would fail at the first step instead
+                inspect.signature(made.forward).bind(None, None, None)
+            except TypeError:
+                raise TypeError(
+                    f"runner_factory returned {type(made).__name__}, whose forward{inspect.signature(made.forward)} "
+                    "does not take the ModelRunner protocol's (input_ids, meta, rows); rows are the token indices "
+                    "whose hidden states it returns, in that order (None: every token)") from None
+            except ValueError:  # a callable without a signature (a C function): taken as it is
+                pass
             return made
         settings = self.config.prefill_graphs
         if settings is None:
