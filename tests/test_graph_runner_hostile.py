@@ -73,3 +73,22 @@ def test_the_decode_runner_shares_the_bucket_check(model):
     with pytest.raises(ValueError, match=r"batch_buckets 8 must be a non-empty list of positive ints"):
         DecodeGraphRunner(model, torchhal.current_platform(), 0, block_size=16, backend=None,  # type: ignore[arg-type]
                           batch_buckets=8)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tokens", [3, 20], ids=["bucketed", "past_the_buckets"])
+def test_forward_refuses_rows_outside_the_step_before_running_it(tokens):
+    """Both paths (a bucket's padded replay, the eager run past the buckets) refuse rows the
+    step does not have, naming them, before any layer writes the KV cache."""
+    engine = GenerationEngine(EngineConfig(model=ModelConfig(num_layers=1), max_kv_slots=256),
+                              runner_factory=lambda e: build(e.model))
+    runner = engine.runner
+    from torchhal.core.model import AttentionMetadata
+
+    meta = AttentionMetadata.build([[1, 2]], [tokens], [tokens], 16, engine.device)
+    ids = torch.arange(tokens) + 1
+    before = engine.model.kv.k.clone()
+    with pytest.raises(ValueError, match=rf"GraphRunner.forward: row {tokens} is outside the step's {tokens} tokens"):
+        runner.forward(ids, meta, torch.tensor([0, tokens]))
+    assert torch.equal(engine.model.kv.k, before)
+    every = runner.forward(ids, meta).clone()
+    torch.testing.assert_close(runner.forward(ids, meta, torch.tensor([tokens - 1, 0])), every[[tokens - 1, 0]])

@@ -243,3 +243,28 @@ def test_the_kept_layer_program_follows_moves_and_each_copy_runs_its_own_weights
         twin.model.layers[1].self_attn.o_proj.bias.add_(1.0)
     assert not torch.allclose(twin(tokens, step), model(tokens, step))
     torch.testing.assert_close(model(tokens, step), expected(tokens, step))  # the original is untouched
+
+
+@pytest.mark.parametrize("rows, message", [
+    (torch.tensor([0, 4]), r"row 4 is outside the step's 4 tokens \(0\.\.3\)"),
+    (torch.tensor([-1]), r"row -1 is outside the step's 4 tokens"),
+    (torch.tensor([[0, 1]]), r"rows is \(1, 2\) torch\.int64; pass a 1-D int64 tensor of token indices"),
+    (torch.tensor([0.0, 1.0]), r"rows is \(2,\) torch\.float32; pass a 1-D int64 tensor"),
+    (torch.tensor([True, False]), r"rows is \(2,\) torch\.bool; pass a 1-D int64 tensor"),
+    ([0, 1], r"rows is \[0, 1\]; pass a 1-D int64 tensor"),
+    (torch.tensor([0], device="meta"), r"rows is on meta but the step's tensors are on cpu; move it there"),
+])
+def test_bad_output_rows_are_refused_naming_them_before_any_layer_runs(rows, message):
+    """Host-checkable faults in `rows` are refused before the program runs: no K/V is written
+    and the model can run the step again."""
+    from torchhal.attention import decode_metadata_for_rows
+
+    model = fresh_model(ModelConfig(num_layers=2))
+    step, tokens = meta([[1]], [4], [4]), torch.tensor([3, 1, 4, 1])
+    before = model.kv.k.clone()
+    with pytest.raises(ValueError, match="forward: " + message):
+        model(tokens, step, rows)
+    assert torch.equal(model.kv.k, before)
+    with pytest.raises(ValueError, match="decode_metadata_for_rows: " + message):
+        decode_metadata_for_rows(step.paged, rows)
+    torch.testing.assert_close(model(tokens, step, torch.tensor([3])), model(tokens, step)[3:])

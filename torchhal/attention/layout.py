@@ -306,6 +306,22 @@ def query_positions(meta: PagedMetadata) -> torch.Tensor:
     return _token_rows_and_positions(meta.seq_lens, meta.query_start, int(meta.slot_mapping.shape[0]))[1]
 
 
+def check_rows(label: str, rows: object, num_tokens: int, device: torch.device) -> None:
+    """Raise one line naming a bad `rows` argument: [R] int64 token indices on `device`, each
+    in 0..num_tokens-1. The range is checked where that costs no device sync (host-resident
+    rows, or a CPU step); on a device the engine's own rows are right by construction."""
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype != torch.int64:
+        shown = f"{tuple(rows.shape)} {rows.dtype}" if isinstance(rows, torch.Tensor) else repr(rows)
+        raise ValueError(f"{label}: rows is {shown}; pass a 1-D int64 tensor of token indices (or None)")
+    if rows.device != device:
+        raise ValueError(f"{label}: rows is on {rows.device} but the step's tensors are on {device}; move it there")
+    if rows.device.type == "cpu" and rows.numel():
+        low, high = int(rows.min()), int(rows.max())
+        if low < 0 or high >= num_tokens:
+            raise ValueError(f"{label}: row {low if low < 0 else high} is outside the step's {num_tokens} tokens "
+                             f"(0..{num_tokens - 1})")
+
+
 def decode_metadata_for_rows(meta: PagedMetadata, rows: torch.Tensor) -> PagedMetadata:
     """Decode metadata (one query per row) that attends from the step's query rows `rows`
     ([R] int, device) alone: each row gets its request's block table and, as its context,
@@ -313,6 +329,7 @@ def decode_metadata_for_rows(meta: PagedMetadata, rows: torch.Tensor) -> PagedMe
     equals `backend.prefill(query, ..., meta)[rows]`, and a layer that needs only some rows'
     outputs (the last layer, whose other rows nothing reads) attends for those alone.
     Worked out on the device, no host sync; the host copy of the contexts is not known."""
+    check_rows("decode_metadata_for_rows", rows, int(meta.slot_mapping.shape[0]), meta.slot_mapping.device)
     request, position = _token_rows_and_positions(meta.seq_lens, meta.query_start, rows)
     count = int(rows.shape[0])
     return PagedMetadata(

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from torchhal.attention.layout import check_rows
+
 StackState = dict[str, torch.Tensor]
 
 #: State key of the rows ([R] int64) whose hidden states the caller wants, in its order. A
@@ -79,6 +81,8 @@ def run_for_rows(steps: list[Step], state: StackState, num_tokens: int, metadata
     the first `num_tokens` tokens when `rows` is None. No rows (a step whose prefill chunks
     all stop short of their prompts' ends): the program runs as for every row, so no
     kernel is handed an empty input, and none is returned."""
+    if rows is not None:
+        check_rows("forward", rows, num_tokens, state["hidden"].device)
     if rows is None or rows.shape[0] == 0:
         run_eager(steps, state, num_tokens, metadata)
         return state["hidden"][:num_tokens] if rows is None else state["hidden"][:0]

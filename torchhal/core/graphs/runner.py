@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from torchhal.attention.layout import check_rows
 from torchhal.core.devices import check_device_index
 from torchhal.core.graphs.decode import check_buckets
 from torchhal.core.graphs.program import (
@@ -256,6 +257,8 @@ class GraphRunner:
 
     def _forward(self, input_ids: torch.Tensor, meta: Any, rows: torch.Tensor | None) -> torch.Tensor:
         num_tokens = input_ids.numel()
+        if rows is not None:
+            check_rows("GraphRunner.forward", rows, num_tokens, input_ids.device)
         if self.stack is None:
             hidden = self.model.forward(input_ids, meta)
             return hidden if rows is None else hidden.index_select(0, rows)
