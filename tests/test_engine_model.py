@@ -133,3 +133,20 @@ def test_an_object_that_is_not_a_model_is_refused_by_name():
 
     with pytest.raises(TypeError, match="model Half lacks layer_program, embed_tokens, logits, process_weights"):
         GenerationEngine(EngineConfig(), model=Half())
+
+
+def test_a_runner_that_ignores_the_rows_fails_the_step_naming_it():
+    """A runner that takes `rows` but returns every token's hidden states would have the
+    engine sample the wrong rows: the step fails instead, and the engine rolls it back."""
+    from torchhal.core.engine import EagerRunner
+
+    class EveryRow(EagerRunner):
+        def forward(self, input_ids, meta, rows=None):
+            return super().forward(input_ids, meta)
+
+    e = sum_engine(lambda engine: EveryRow(engine.model))
+    e.add_request([1, 2, 3], 2)
+    with pytest.raises(TypeError, match=r"EveryRow.forward returned hidden states \(3, 8\) for 1 rows; a runner "
+                                        r"returns \[len\(rows\), hidden_size\]"):
+        e.step()
+    assert e.blocks.available == e.blocks.num_blocks and len(e.waiting) == 1

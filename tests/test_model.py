@@ -268,3 +268,18 @@ def test_bad_output_rows_are_refused_naming_them_before_any_layer_runs(rows, mes
     with pytest.raises(ValueError, match="decode_metadata_for_rows: " + message):
         decode_metadata_for_rows(step.paged, rows)
     torch.testing.assert_close(model(tokens, step, torch.tensor([3])), model(tokens, step)[3:])
+
+
+def test_repeated_rows_swapped_layers_and_decoders_pickled_before_the_kept_program():
+    model = fresh_model(ModelConfig(num_layers=2))
+    step, tokens = meta([[1]], [4], [4]), torch.tensor([3, 1, 4, 1])
+    every_row = model(tokens, step)
+    # More rows than tokens (a row asked for again and again) narrow as well as fewer.
+    torch.testing.assert_close(model(tokens, step, torch.tensor([3] * 6)), every_row[[3] * 6], atol=1e-5, rtol=1e-5)
+    # A layer replaced by another module builds the program anew: the new layer runs.
+    other = fresh_model(ModelConfig(num_layers=2, seed=9))
+    model.model.layers[1] = other.model.layers[1]
+    assert not torch.allclose(model(tokens, step), every_row)
+    # A decoder pickled before the program was kept has no such attribute: it builds one.
+    del model._program, model._program_layers
+    assert len(model.layer_program()) == len(other.layer_program())

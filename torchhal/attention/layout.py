@@ -312,7 +312,7 @@ def check_rows(label: str, rows: object, num_tokens: int, device: torch.device) 
     rows, or a CPU step); on a device the engine's own rows are right by construction."""
     if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype != torch.int64:
         shown = f"{tuple(rows.shape)} {rows.dtype}" if isinstance(rows, torch.Tensor) else repr(rows)
-        raise ValueError(f"{label}: rows is {shown}; pass a 1-D int64 tensor of token indices (or None)")
+        raise ValueError(f"{label}: rows is {shown}; pass a 1-D int64 tensor of token indices")
     if rows.device != device:
         raise ValueError(f"{label}: rows is on {rows.device} but the step's tensors are on {device}; move it there")
     if rows.device.type == "cpu" and rows.numel():

@@ -469,9 +469,14 @@ class GenerationEngine:
         # The runner returns the sampled rows' hidden states only (in order): the model may
         # skip the rest of its last layer for the others.
         hidden = self.runner.forward(inputs.input_ids, inputs.meta, inputs.sample_rows)
+        wanted = int(inputs.sample_rows.shape[0])
+        if hidden.dim() != 2 or hidden.shape[0] != wanted:
+            raise TypeError(f"{type(self.runner).__name__}.forward returned hidden states {tuple(hidden.shape)} for "
+                            f"{wanted} rows; a runner returns [len(rows), hidden_size], the rows it is given in "
+                            "their order")
         sampled: list[int] = []
-        if hidden.shape[0]:
-            every_row = torch.arange(hidden.shape[0], device=hidden.device)
+        if wanted:
+            every_row = torch.arange(wanted, device=hidden.device)
             sampled = greedy_tokens(self.model.logits(hidden, every_row)).tolist()
         tokens = iter(sampled)
         return [[next(tokens)] if emits else [] for emits in inputs.emits]

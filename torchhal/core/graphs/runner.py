@@ -283,7 +283,8 @@ class GraphRunner:
                 else:
                     part.replay()
             state = bucket.state
-        return state["hidden"][:num_tokens] if rows is None else state["hidden"].index_select(0, rows)
+        hidden = state["hidden"][:num_tokens]  # the bucket's padding rows are never a step's
+        return hidden if rows is None else hidden.index_select(0, rows)
 
     # -- lifecycle (sleep / wake) -------------------------------------------------------------
     def release(self) -> None:

@@ -360,7 +360,9 @@ class LlamaDecoder(nn.Module):
         self.kv: KVCache | None = None
         self.layer_math = LayerMath(local)
         self.comm: Communicator | None = None
-        self._program: list[Step] | None = None  # `layer_program()`, built at its first call
+        # `layer_program()`, built at its first call, and the layers it was built for.
+        self._program: list[Step] | None = None
+        self._program_layers: tuple[nn.Module, ...] = ()
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy (deepcopy, pickle) builds its own program: the kept steps are bound to this decoder.
@@ -464,13 +466,17 @@ class LlamaDecoder(nn.Module):
         see `graphs.program.OUTPUT_ROWS`). Between layers the state carries the residual and
         the layer's MLP output ("mlp_out"), which the next layer's norm adds.
 
-        Built once and kept (each call returns a new list of the same steps): a step looks
-        up the weights, the KV cache and the layer arithmetic when it runs, so moves, sleep
-        and wake, weight updates, `compile_layers` and `use_linear` leave it valid. Building
-        it costs about a millisecond of host time, which an eager step's device would wait for.
+        Kept once built (each call returns a new list of the same steps), since building it
+        costs ~0.3 ms of host time an eager step's device would wait for. A step looks up the
+        weights, the KV cache and the layer arithmetic when it runs, so moves, sleep and wake,
+        weight updates, `compile_layers` and `use_linear` leave it valid; a layer of
+        `model.layers` replaced by another module, or a new communicator, builds it anew. (A
+        submodule replaced inside a layer is not seen: replace the layer.)
         """
-        if self._program is None:
-            self._program = self._build_program()
+        layers = tuple(self.model.layers)
+        if getattr(self, "_program", None) is None or self._program_layers != layers:  # None: pickled before
+            self._program, self._program_layers = self._build_program(), layers
+        assert self._program is not None
         return list(self._program)
 
     def _build_program(self) -> list[Step]:
@@ -570,7 +576,7 @@ class LlamaDecoder(nn.Module):
             # the last layer attends, projects and runs its MLP for the output rows alone (at a
             # long prompt's prefill that is one row per request, not thousands).
             del state[OUTPUT_ROWS]
-            out = state["attn_out"][: rows.shape[0]]
+            out = state["attn_out"].new_empty((rows.shape[0], *state["attn_out"].shape[1:]))  # rows may repeat
             backend.decode(state["q"][:num_tokens].index_select(0, rows), k_cache, v_cache,
                            decode_metadata_for_rows(meta.paged, rows), scale=scale,
                            sliding_window=config.sliding_window, out=out)
