@@ -76,13 +76,14 @@ def run_eager(steps: list[Step], state: StackState, num_tokens: int, metadata: A
 
 
 def run_for_rows(steps: list[Step], state: StackState, num_tokens: int, metadata: Any,
-                 rows: torch.Tensor | None) -> torch.Tensor:
+                 rows: torch.Tensor | None, label: str = "forward") -> torch.Tensor:
     """Run the program eagerly: the hidden states of `rows` ([R, H], in their order), or of
     the first `num_tokens` tokens when `rows` is None. No rows (a step whose prefill chunks
     all stop short of their prompts' ends): the program runs as for every row, so no
-    kernel is handed an empty input, and none is returned."""
+    kernel is handed an empty input, and none is returned. Bad rows are refused first, in an
+    error that starts with `label` (the caller's name)."""
     if rows is not None:
-        check_rows("forward", rows, num_tokens, state["hidden"].device)
+        check_rows(label, rows, num_tokens, state["hidden"].device)
     if rows is None or rows.shape[0] == 0:
         run_eager(steps, state, num_tokens, metadata)
         return state["hidden"][:num_tokens] if rows is None else state["hidden"][:0]

@@ -257,15 +257,16 @@ class GraphRunner:
 
     def _forward(self, input_ids: torch.Tensor, meta: Any, rows: torch.Tensor | None) -> torch.Tensor:
         num_tokens = input_ids.numel()
+        if self.stack is not None and not self.can_run(num_tokens):
+            # Past the buckets: eager, and the program may narrow to the rows (run_for_rows checks them).
+            state: StackState = {"hidden": self.stack.embed(input_ids), "positions": meta.positions}
+            return run_for_rows(self.stack.program(), state, num_tokens, meta, rows, label="GraphRunner.forward")
         if rows is not None:
             check_rows("GraphRunner.forward", rows, num_tokens, input_ids.device)
         if self.stack is None:
             hidden = self.model.forward(input_ids, meta)
             return hidden if rows is None else hidden.index_select(0, rows)
         hidden = self.stack.embed(input_ids)
-        if not self.can_run(num_tokens):  # past the buckets: eager, and the program may narrow to the rows
-            state: StackState = {"hidden": hidden, "positions": meta.positions}
-            return run_for_rows(self.stack.program(), state, num_tokens, meta, rows)
         bucket = self._buckets[self.bucket_for(num_tokens)]
         self.bucketed_steps += 1
         static_hidden, static_positions = bucket.inputs
