@@ -50,6 +50,35 @@ def test_replayed_hidden_states_match_eager(dtype, atol, batch):
         ids = torch.arange(batch, device=engine.device) + 5
 
 
+def test_the_step_after_one_whose_tokens_land_later_is_launched_without_a_device_sync():
+    """While a step's tokens are on their way, the next step is planned, uploaded and launched
+    with no synchronizing CUDA call (a blocking upload would wait for the step before and
+    undo the overlap); only landing the tokens waits."""
+    config = EngineConfig(model=ModelConfig(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=688),
+                          max_kv_slots=8192, max_batch_tokens=64)
+    prompts = [[(7 * i + j) % 500 + 1 for j in range(40)] for i in range(3)]  # one whole prompt a step
+    expected = [r.output for r in GenerationEngine(config).generate(prompts, 1)]
+    engine = GenerationEngine(config)
+    rids = [engine.add_request(p, 1) for p in prompts]
+    engine.step()
+    assert engine._landing is not None
+    real_land = engine._land
+
+    def land(landing):
+        torch.cuda.set_sync_debug_mode(0)
+        return real_land(landing)
+
+    engine._land = land
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        assert [r.rid for r in engine.step()] == rids[:1]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    while any(rid not in engine.results for rid in rids):
+        engine.step()
+    assert [engine.results[rid].output for rid in rids] == expected
+
+
 def test_generation_with_graphs_matches_eager_and_graph_count_is_independent_of_batch():
     config = EngineConfig(model=ModelConfig(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=688),
                           max_kv_slots=8192)

@@ -87,6 +87,18 @@ class _Window:
         return self.window
 
 
+@dataclass
+class _Landing:
+    """A step's sampled tokens on their way to the host, read at the next `step()`: its
+    batch, which requests emit, the tokens' page-locked host copy and the platform event
+    recorded after the copy."""
+
+    batch: list[Request]
+    emits: list[bool]
+    tokens: torch.Tensor  # [emitting requests], valid once `done` has completed
+    done: Any
+
+
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -218,6 +230,7 @@ class GenerationEngine:
         self.decode_runner: DecodeGraphRunner | None = None
         self.checkpoint: LoadReport | None = None  # set by from_checkpoint
         self._in_flight: _Window | None = None  # a launched decode window whose tokens have not landed
+        self._landing: _Landing | None = None  # a step's tokens still on their way to the host
         if config.decode_graphs is not None:
             self.decode_runner = self._new_decode_runner(config.decode_graphs)
         _ENGINE_OF_MODEL[id(self.model)] = self  # the model now holds this engine's KV cache
@@ -385,7 +398,9 @@ class GenerationEngine:
         With full-graph decode, a decode window is launched and its tokens land at the
         next step (which first queues the following window on the device when the same
         requests continue): the host's work overlaps the device's, and a step may return
-        requests finished by the window before it.
+        requests finished by the window before it. A step whose every emitting request ends
+        with its token (one new token each, say) lands them the same way, after the next
+        step is launched.
 
         All or nothing: if anything in the step raises, the KV it reserved is given
         back and admitted requests wait again, so the next step computes what this one
@@ -412,7 +427,13 @@ class GenerationEngine:
                 raise
             if self._in_flight is not None:  # the next window is already on the device
                 return done
+        # The step before left its tokens on their way (`_lands_later`): this step is planned
+        # and launched first, so the device runs on while the host works; then they land.
+        landing, self._landing = self._landing, None
         plan = self.scheduler.plan()
+        if not plan.batch and landing is not None:  # the blocks the plan lacked may be the landing's
+            done += self._land(landing)
+            landing, plan = None, self.scheduler.plan()
         if not plan.batch:
             self._idle_tick()
             return done + self.requests.fail_unservable()
@@ -424,11 +445,14 @@ class GenerationEngine:
             for request in plan.batch:  # rows this step touched are rewritten next time
                 self._forget_rows(request.rid)
             self._break(exc)
+            done += self._land_or_drop(landing)
             if self.broken is None and isinstance(exc, Exception) and self.platform.is_out_of_memory(exc):
                 return done + self._handle_oom(plan.batch, exc)
             self.scheduler.rollback(plan)
             raise
-        if next_tokens is None:  # a decode window is on the device; its tokens land next step
+        if landing is not None:
+            done += self._land(landing)
+        if next_tokens is None:  # a decode window or this step's tokens are on their way; they land next step
             return done
         self._steps += 1
         return done + self._append(plan.batch, next_tokens)
@@ -477,9 +501,59 @@ class GenerationEngine:
         sampled: list[int] = []
         if wanted:
             every_row = torch.arange(wanted, device=hidden.device)
-            sampled = greedy_tokens(self.model.logits(hidden, every_row)).tolist()
+            on_device = greedy_tokens(self.model.logits(hidden, every_row))
+            if self._lands_later(plan.batch, inputs.emits):
+                host = self.platform.pin_memory(torch.empty(wanted, dtype=torch.long))
+                host.copy_(on_device, non_blocking=True)
+                copied = self.platform.new_event()
+                copied.record(self.platform.current_stream(self.device_index))
+                self._landing = _Landing(list(plan.batch), list(inputs.emits), host, copied)
+                return None
+            sampled = on_device.tolist()
+        return self._per_request(sampled, inputs.emits)
+
+    @staticmethod
+    def _per_request(sampled: list[int], emits: list[bool]) -> list[list[int]]:
+        """Each request's new tokens: the next sampled one for a request that emits, none else."""
         tokens = iter(sampled)
-        return [[next(tokens)] if emits else [] for emits in inputs.emits]
+        return [[next(tokens)] if emitting else [] for emitting in emits]
+
+    def _lands_later(self, batch: list[Request], emits: list[bool]) -> bool:
+        """Whether a step's tokens may be read after the next step is launched: nothing that
+        step does depends on them. Every request that emits ends with this token (by length,
+        whatever the token), so none of them is in the next plan, and no running request
+        decodes next, so planning it retracts nobody (a request retracted before its token
+        landed would be prefilled again for nothing)."""
+        return (all(r.max_new_tokens - len(r.output) == 1 for r, emitting in zip(batch, emits, strict=True)
+                    if emitting)
+                and all(r.pending != 1 for r in self.requests.running))
+
+    def _land(self, landing: _Landing) -> list[GenerationResult]:
+        """Wait for a step's tokens and append them. If that fails, its requests are computed
+        again (retracted) and the error propagates."""
+        try:
+            landing.done.synchronize()
+            sampled = landing.tokens.tolist()
+        except BaseException:
+            self._drop_landing(landing)
+            raise
+        self._steps += 1
+        return self._append(landing.batch, self._per_request(sampled, landing.emits))
+
+    def _land_or_drop(self, landing: _Landing | None) -> list[GenerationResult]:
+        """Land a step's tokens on an error path: a second error there drops them instead
+        (their requests are computed again), so the first error is the one raised."""
+        if landing is None:
+            return []
+        try:
+            return self._land(landing)
+        except BaseException:
+            return []
+
+    def _drop_landing(self, landing: _Landing) -> None:
+        for request in reversed(landing.batch):
+            if request.state is RequestState.RUNNING:
+                self.requests.retract(request)
 
     def _decode_inputs(self, decodes: list[Request]) -> StepInputs:
         """A pure decode step's inputs and metadata from the device rows (`decode_rows`): the
@@ -559,17 +633,23 @@ class GenerationEngine:
                 decode.forget(request.rid)
 
     def _drop_in_flight(self) -> None:
-        """Give back a launched window's KV without its tokens (they are computed again)."""
+        """Give back a launched window's KV without its tokens (they are computed again); a
+        step's tokens on their way land (or, if that fails, are computed again)."""
         if self._in_flight is not None:
             flight, self._in_flight = self._in_flight, None
             self._give_back(flight)
+        landing, self._landing = self._landing, None
+        self._land_or_drop(landing)
 
     @_serialized
     def drain(self) -> None:
-        """Land a decode window still on the device: its tokens are appended and the
-        requests it finished go to `results`. `step()` does this itself; call it before
-        timing or inspecting requests between steps. Pause, weight updates, flush and sleep
-        drain first."""
+        """Land a decode window still on the device, or a step's tokens still on their way:
+        they are appended and the requests they finished go to `results`. `step()` does
+        this itself; call it before timing or inspecting requests between steps. Pause,
+        weight updates, flush and sleep drain first."""
+        if self._landing is not None:
+            landing, self._landing = self._landing, None
+            self._land(landing)
         if self._in_flight is not None:
             flight, self._in_flight = self._in_flight, None
             assert self.decode_runner is not None

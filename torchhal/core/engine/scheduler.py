@@ -121,7 +121,9 @@ class Scheduler:
             total += count
             if emitting:
                 ends.append(total - 1)
-        sample_rows = torch.tensor(ends, dtype=torch.long, device=device)
+        # Uploaded without waiting (a blocking copy waits for the device to finish the step
+        # before, which may still be running: its tokens land after this step is launched).
+        sample_rows = torch.tensor(ends, dtype=torch.long).to(device, non_blocking=True)
         input_ids = torch.frombuffer(ids, dtype=torch.int64) if ids else torch.empty(0, dtype=torch.int64)
         return StepInputs(input_ids.to(device, non_blocking=True), meta, sample_rows, emits)
 
