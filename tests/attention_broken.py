@@ -109,6 +109,17 @@ class WritesPackedRows(Renamed):
         super().write_kv(k_cache, v_cache, packed(key), packed(value), slot_mapping)
 
 
+class ComputesOnlyIntoOut(Renamed):
+    """Writes its result only into an `out` it is given; without one it returns a buffer it never filled."""
+
+    def prefill(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata,
+                **kwargs: Any) -> torch.Tensor:
+        out = kwargs.pop("out", None)
+        if out is None:
+            return torch.zeros_like(query)
+        return super().prefill(query, k, v, meta, out=out, **kwargs)
+
+
 def platform_with(name: str, backend: ReferenceBackend) -> CpuPlatform:
     def attention_support(self: CpuPlatform) -> AttentionSupport:
         return AttentionSupport(backends=(backend,))
@@ -127,4 +138,5 @@ def torchhal_register_platforms() -> list[CpuPlatform]:
         platform_with("attn_wrong_gqa", WrongGqaMapping("wrong-gqa")),
         platform_with("attn_ignores_window", IgnoresWindow("ignores-window")),
         platform_with("attn_writes_packed_rows", WritesPackedRows("writes-packed-rows")),
+        platform_with("attn_only_into_out", ComputesOnlyIntoOut("only-into-out")),
     ]

@@ -46,6 +46,7 @@ def test_a_correct_backend_passes_every_case(tmp_path, plugin_path, platform):
     ("attn_wrong_gqa", sorted(n for n, c in CASES.items() if c.kv_heads not in (1, c.q_heads))),
     ("attn_ignores_window", sorted(n for n, c in CASES.items() if c.window is not None)),
     ("attn_writes_packed_rows", ["write_kv_reads_views_into_one_projection"]),
+    ("attn_only_into_out", sorted(n for n in CASES if n.startswith("prefill_"))),
 ])
 def test_a_broken_backend_fails_exactly_the_cases_its_bug_touches(tmp_path, plugin_path, platform, broken_cases):
     out, results = attention_results(tmp_path, plugin_path, platform)

@@ -124,11 +124,12 @@ def test_whole_prompts_take_the_dense_kernel_and_equal_the_reference(cuda, monke
         count = -(-n // block_size)
         tables.append(list(range(next_block, next_block + count)))
         next_block += count
-    dense_rows: list[list[tuple[int, int]]] = []
+    dense_runs: list[list[tuple[int, int, int]]] = []
     real = type(backend)._flash_prefill
     monkeypatch.setattr(type(backend), "_flash_prefill",
-                        staticmethod(lambda *a: (dense_rows.append(a[4]), real(*a))[1]))
+                        staticmethod(lambda *a: (dense_runs[-1].append(a[4]), real(*a))[1]))
     for query_lens in ([1, 300, 4096], [1, 44, 1024], [1, 300, 1024]):  # whole; chunks; whole and a chunk
+        dense_runs.append([])
         meta = build_metadata(tables, lengths, query_lens, block_size, device)
         tokens = sum(query_lens)
         key = torch.randn(tokens, 8, 128, device=device, dtype=torch.bfloat16)
@@ -140,7 +141,7 @@ def test_whole_prompts_take_the_dense_kernel_and_equal_the_reference(cuda, monke
         error = (out.float() - expected.float()).norm() / expected.float().norm()
         assert error < 1e-2, (query_lens, error)
     # The one-token request is a whole prompt in every step; the others only while they are.
-    assert dense_rows == [[(0, 1), (1, 301), (301, 4397)], [(0, 1)], [(0, 1), (1, 301)]]
+    assert dense_runs == [[(0, 1, 1), (1, 1, 300), (301, 1, 4096)], [(0, 1, 1)], [(0, 1, 1), (1, 1, 300)]]
     assert cuda_attention.split_whole_prompts is not None
 
 
@@ -179,3 +180,42 @@ def test_equal_whole_prompts_share_one_dense_call_and_equal_the_reference(cuda, 
     assert not out.isnan().any()
     error = (out.float() - expected.float()).norm() / expected.float().norm()
     assert error < 1e-2, error
+
+
+def test_a_step_of_one_dense_call_returns_its_output_without_a_copy(cuda, monkeypatch):
+    """Without `out`, a step whose whole prompts are one SDPA call returns SDPA's own output
+    (a view of it: no copy into a buffer of the step); with `out`, or with two calls, the
+    rows are written into one tensor. Both equal the reference."""
+    import torch.nn.functional as F
+
+    from torchhal.attention import build_metadata, write_kv
+
+    backend = cuda.choose_attention(AttentionSpec(32, 8, 128, torch.bfloat16, 16)).backend
+    device, block_size = cuda.device(0), 16
+    outputs: list[int] = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **k: (lambda o: (outputs.append(o.data_ptr()), o)[1])(real(*a, **k)))
+    for lengths, one_call in (([512, 512, 512], True), ([512, 256], False)):
+        tables, next_block = [], 1
+        for n in lengths:
+            tables.append(list(range(next_block, next_block + n // block_size)))
+            next_block += n // block_size
+        k_cache, v_cache = new_kv_cache(next_block, block_size, 8, 128, torch.bfloat16, device)
+        meta = build_metadata(tables, lengths, lengths, block_size, device)
+        tokens = sum(lengths)
+        key = torch.randn(tokens, 8, 128, device=device, dtype=torch.bfloat16)
+        write_kv(k_cache, v_cache, key, torch.randn_like(key), meta.slot_mapping)
+        query = torch.randn(tokens, 32, 128, device=device, dtype=torch.bfloat16)
+        expected = ReferenceBackend().prefill(query, k_cache, v_cache, meta, scale=128**-0.5)
+        outputs.clear()
+        returned = backend.prefill(query, k_cache, v_cache, meta, scale=128**-0.5)
+        assert len(outputs) == (1 if one_call else 2)
+        assert (returned.data_ptr() == outputs[0]) == one_call  # SDPA's own output, or a buffer of the step
+        into = torch.full_like(query, float("nan"))
+        assert backend.prefill(query, k_cache, v_cache, meta, scale=128**-0.5, out=into) is into
+        for got in (returned, into):
+            assert got.shape == query.shape and got.is_contiguous()
+            error = (got.float() - expected.float()).norm() / expected.float().norm()
+            assert error < 1e-2, (lengths, error)
+        assert torch.equal(returned, into)

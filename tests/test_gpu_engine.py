@@ -50,6 +50,28 @@ def test_replayed_hidden_states_match_eager(dtype, atol, batch):
         ids = torch.arange(batch, device=engine.device) + 5
 
 
+def test_a_step_of_exactly_a_buckets_tokens_replays_with_attentions_own_output_copied_in():
+    """A prefill of exactly a bucket's tokens has no padded rows, so attention hands the state
+    its own output tensor; the runner copies it into the tensor the graph after it reads.
+    Two different steps in a row: a stale output of the first would show in the second."""
+    from torchhal.core.model import AttentionMetadata
+
+    config = EngineConfig(model=ModelConfig(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=688),
+                          dtype=torch.float32, max_kv_slots=8192)
+    engine = GenerationEngine(config, runner_factory=graph_factory())
+    runner, eager = engine.runner, EagerRunner(engine.model)
+    block = engine.config.kv_block_size
+    for step, lengths in enumerate(([8, 8, 8, 8], [5, 11, 16])):  # 32 tokens each: the bucket of 32
+        tables = [[1 + 4 * row + 16 * step + b for b in range(4)] for row in range(len(lengths))]
+        ids = torch.randint(0, config.model.vocab_size, (sum(lengths),), device=engine.device)
+        meta = AttentionMetadata.build(tables, lengths, lengths, block, engine.device, engine.attention.backend)
+        before = runner.bucketed_steps
+        got = runner.forward(ids, meta).clone()
+        assert runner.bucketed_steps == before + 1
+        expected = eager.forward(ids, meta)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_the_step_after_one_whose_tokens_land_later_is_launched_without_a_device_sync():
     """While a step's tokens are on their way, the next step is planned, uploaded and launched
     with no synchronizing CUDA call (a blocking upload would wait for the step before and

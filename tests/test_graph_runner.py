@@ -66,6 +66,53 @@ def test_emulated_buckets_pad_and_match_eager_for_mixed_batches():
     assert [r.output for r in engine.generate(PROMPTS, 6)] == [r.output for r in reference]
 
 
+def test_copy_into_captured_copies_only_the_tensors_a_break_replaced():
+    from torchhal.core.graphs import copy_into_captured
+
+    captured = {"q": torch.zeros(4, 2), "attn_out": torch.zeros(4, 2), "kept": torch.zeros(4, 2)}
+    kept = captured["kept"]
+    live = dict(captured)
+    kept.fill_(5)  # written in place: already where the graphs read it
+    live["attn_out"] = torch.ones(3, 2)  # a new tensor of the step's 3 rows
+    live["extra"] = torch.ones(1)  # no captured tensor: nothing to copy into
+    copy_into_captured(captured, live)
+    assert captured["attn_out"].tolist() == [[1, 1]] * 3 + [[0, 0]]  # the padded row untouched
+    assert captured["kept"] is kept and captured["q"].eq(0).all() and "extra" not in captured
+
+
+def test_a_prefill_without_padded_rows_takes_attentions_own_output():
+    """The decoder hands `out` to the backend only where the step's rows are fewer than the
+    state's (a bucket's padding) or for a decode; an eager prefill takes the tensor the backend
+    returns, so a dense kernel's output is not copied into a buffer. Either way the hidden
+    states equal the backend's."""
+    from torchhal.attention import ReferenceBackend
+    from torchhal.core.engine import EagerRunner
+    from torchhal.core.model import AttentionMetadata
+
+    class Recording(ReferenceBackend):
+        def __init__(self) -> None:
+            self.given_out: list[bool] = []
+
+        def prefill(self, query, k_cache, v_cache, meta, *, out=None, **kwargs):
+            self.given_out.append(out is not None)
+            return super().prefill(query, k_cache, v_cache, meta, out=out, **kwargs)
+
+    engine = GenerationEngine(EngineConfig(max_kv_slots=1024),
+                              runner_factory=runner_factory(buckets=(32,), emulate=True))
+    layers = engine.model_config.num_layers
+    lengths = [3, 5, 9]
+    tables = [[1], [2], [3]]
+    ids = torch.tensor([7, 8, 9, 1, 2, 3, 4, 5] + [6] * 9)
+    backend = Recording()
+    meta = AttentionMetadata.build(tables, lengths, lengths, 16, engine.device, backend)
+    eager = EagerRunner(engine.model).forward(ids, meta).clone()
+    padded = engine.runner.forward(ids, meta).clone()  # 17 tokens in the bucket of 32
+    assert backend.given_out == [False] * layers + [True] * layers
+    torch.testing.assert_close(padded, eager)
+    plain = AttentionMetadata.build(tables, lengths, lengths, 16, engine.device, engine.attention.backend)
+    torch.testing.assert_close(EagerRunner(engine.model).forward(ids, plain), eager)
+
+
 def test_resolver_explicit_guessed_and_unresolvable():
     explicit = resolve_layer_stack(ReferenceDecoder(ModelConfig()))
     assert explicit.how == "explicit layer_program()"

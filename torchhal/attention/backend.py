@@ -121,7 +121,8 @@ class AttentionBackend(Protocol):
     num_kv_heads, head_dim]; output like query. Query head h reads KV head
     h // (num_q_heads // num_kv_heads) (no copies of KV heads). A query at position p
     attends cached positions j <= p, and with a window W only p - j < W. A padded row
-    (seq_len 0) outputs zeros. `out`, when given, receives the result (and is returned).
+    (seq_len 0) outputs zeros. `out`, when given, receives the result (and is returned);
+    without it, a new tensor like the query, which engines use as it is (no copy).
     """
 
     capability: AttentionCapability

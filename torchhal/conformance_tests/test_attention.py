@@ -160,6 +160,19 @@ def check_against_reference(platform: Platform, device_index: int, case: Case, n
                 f"{int(bad.sum())} of {bad.numel()} values, e.g. token/head {bad.nonzero()[0].tolist()[:2]}, "
                 f"max error {float((got.float() - expected.float()).nan_to_num(1e9).abs().max()):.3g}"
             )
+            if mode == "prefill":  # engines also take the tensor it returns without `out` (no copy)
+                fresh = backend.prefill(layout.query, layout.k_cache, layout.v_cache, layout.meta,
+                                        scale=layout.scale, sliding_window=case.window, soft_cap=case.soft_cap)
+                platform.synchronize(device_index)
+                like = (layout.query.shape, layout.query.dtype, layout.query.device)
+                assert isinstance(fresh, torch.Tensor) and (fresh.shape, fresh.dtype, fresh.device) == like, (
+                    f"{capability.name}.prefill without `out` returned {type(fresh).__name__} "
+                    f"{tuple(getattr(fresh, 'shape', ()))}; return a tensor like the query, {like}")
+                bad = ~torch.isclose(fresh.float(), expected.float(), atol=atol, rtol=rtol)
+                assert not bad.any(), (
+                    f"{capability.name}.prefill without `out` differs from the reference on {name} ({dtype}): "
+                    f"{int(bad.sum())} of {bad.numel()} values"
+                )
             ran += 1
     if ran == 0:
         pytest.skip(f"not applicable: no declared backend covers {name} ({mode})")

@@ -259,35 +259,42 @@ class TritonPagedAttention:
         if split is None or not split.whole:
             return self._launch(query, k_cache, v_cache, meta, meta.max_query_len, 1, scale, sliding_window,
                                 soft_cap, out)
+        runs = equal_length_runs(split.whole)
+        if out is None and split.rest is None and len(runs) == 1:  # one SDPA call covers the step
+            return self._flash_prefill(query, k_cache, v_cache, meta.slot_mapping, runs[0], scale)
         if out is None:
             out = torch.empty_like(query)
         if split.rest is not None and split.rest_tokens is not None:  # chunks after cached tokens, decode rows
             part = self._launch(query.index_select(0, split.rest_tokens), k_cache, v_cache, split.rest,
                                 split.rest.max_query_len, 1, scale, sliding_window, soft_cap, None)
             out.index_copy_(0, split.rest_tokens, part)
-        return self._flash_prefill(query, k_cache, v_cache, meta.slot_mapping, split.whole, scale, out)
+        for run in runs:
+            first, count, length = run
+            out[first : first + count * length] = self._flash_prefill(query, k_cache, v_cache, meta.slot_mapping,
+                                                                      run, scale)
+        return out
 
     @staticmethod
     def _flash_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                       rows: list[tuple[int, int]], scale: float, out: torch.Tensor) -> torch.Tensor:
-        """Whole prompts (nothing cached before them): SDPA, causal, grouped-query heads native,
-        the kernel torch's selection picks (cuDNN's on an H200 with torch 2.11, 1.7-1.8x faster
-        there than SDPA's flash kernel: benchmarks/sdpa_backends.py); one call per run of
-        adjacent equally long prompts (a batch of them), not per prompt. Faster than the paged
-        kernel there (H200, 8B shape: 0.27 vs 0.45 ms at 4k); the K/V it reads are the prompts'
-        own, copied out of the cache once."""
+                       run: tuple[int, int, int], scale: float) -> torch.Tensor:
+        """One run of adjacent equally long whole prompts (nothing cached before them; `run`
+        is (first row, prompts, length)), as one batch: SDPA, causal, grouped-query heads
+        native, the kernel torch's selection picks (cuDNN's on an H200 with torch 2.11,
+        1.7-1.8x faster there than SDPA's flash kernel: benchmarks/sdpa_backends.py). Faster
+        than the paged kernel there (H200, 8B shape: 0.27 vs 0.45 ms at 4k); the K/V it reads
+        are the prompts' own, copied out of the cache once. Returns the run's rows
+        [count * length, Hq, D], SDPA's own output (a view when its layout allows)."""
+        first, count, length = run
         heads, dim = k_cache.shape[2], k_cache.shape[3]
         q_heads = query.shape[1]
         keys, values = k_cache.view(-1, heads, dim), v_cache.view(-1, heads, dim)
-        for first, count, length in equal_length_runs(rows):
-            last = first + count * length
-            slots = slot_mapping[first:last]
-            q = query[first:last].view(count, length, q_heads, dim).transpose(1, 2)  # [count, Hq, L, D]
-            k = keys.index_select(0, slots).view(count, length, heads, dim).transpose(1, 2)
-            v = values.index_select(0, slots).view(count, length, heads, dim).transpose(1, 2)
-            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-            out[first:last] = attended.transpose(1, 2).reshape(count * length, q_heads, dim)
-        return out
+        last = first + count * length
+        slots = slot_mapping[first:last]
+        q = query[first:last].view(count, length, q_heads, dim).transpose(1, 2)  # [count, Hq, L, D]
+        k = keys.index_select(0, slots).view(count, length, heads, dim).transpose(1, 2)
+        v = values.index_select(0, slots).view(count, length, heads, dim).transpose(1, 2)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return attended.transpose(1, 2).reshape(count * length, q_heads, dim)
 
     def _launch(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
                 max_query_len: int, splits: int, scale: float, sliding_window: int | None, soft_cap: float | None,

@@ -3,9 +3,11 @@
 The model describes its layer stack as an ordered list of steps over a dict of
 token-major tensors (`StackState`). A `GraphStep` is a pure per-token
 computation and may live in a device graph; a `BreakStep` (attention first of
-all) needs per-batch metadata and always runs eagerly. A break step writes its
-results *in place* into tensors that already exist in the state, so that the
-graph segment after it reads them from fixed addresses.
+all) needs per-batch metadata and always runs eagerly. A break step leaves its
+results under names that already exist in the state: written in place, or as a
+new tensor of at most as many rows (attention's output as its kernel made it,
+say). A runner that replays the segments from graphs reads fixed addresses, so
+it copies such a tensor into the one it captured (`copy_into_captured`).
 
 A caller that wants some rows' hidden states only (the tokens it samples from) names them
 under `OUTPUT_ROWS`; `run_for_rows` runs the program and returns those rows.
@@ -65,6 +67,16 @@ def split_segments(steps: list[Step]) -> list[list[GraphStep] | BreakStep]:
         else:
             out.append([step])
     return out
+
+
+def copy_into_captured(captured: StackState, live: StackState) -> None:
+    """After a break step ran on `live`, a copy of the state the graphs were captured with:
+    each tensor it replaced is copied into the captured one (its first rows), whose address
+    the graph segments after it read."""
+    for name, tensor in live.items():
+        target = captured.get(name)
+        if target is not None and tensor is not target:
+            target[: tensor.shape[0]].copy_(tensor)
 
 
 def run_eager(steps: list[Step], state: StackState, num_tokens: int, metadata: Any) -> None:

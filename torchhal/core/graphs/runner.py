@@ -27,6 +27,7 @@ from torchhal.core.graphs.program import (
     GraphStep,
     StackState,
     Step,
+    copy_into_captured,
     run_eager,
     run_for_rows,
     split_segments,
@@ -280,7 +281,9 @@ class GraphRunner:
             for part in bucket.parts:
                 if isinstance(part, tuple):
                     step, state_at_break = part
-                    step.run(state_at_break, num_tokens, meta)
+                    live = dict(state_at_break)
+                    step.run(live, num_tokens, meta)
+                    copy_into_captured(state_at_break, live)
                 else:
                     part.replay()
             state = bucket.state

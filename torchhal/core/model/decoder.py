@@ -568,9 +568,14 @@ class LlamaDecoder(nn.Module):
                              meta.paged.slot_mapping)
             rows = state.get(OUTPUT_ROWS) if last_layer and not meta.decode else None
             if rows is None:
-                attend = backend.decode if meta.decode else backend.prefill
-                attend(state["q"][:num_tokens], k_cache, v_cache, meta.paged, scale=scale,
-                       sliding_window=config.sliding_window, out=state["attn_out"][:num_tokens])
+                query, out = state["q"][:num_tokens], state["attn_out"]
+                if meta.decode or num_tokens != out.shape[0]:  # a decode, or a graph bucket's padded rows
+                    attend = backend.decode if meta.decode else backend.prefill
+                    attend(query, k_cache, v_cache, meta.paged, scale=scale, sliding_window=config.sliding_window,
+                           out=out[:num_tokens])
+                else:  # the output as the backend makes it: a dense kernel's own, not copied into `out`
+                    state["attn_out"] = backend.prefill(query, k_cache, v_cache, meta.paged, scale=scale,
+                                                        sliding_window=config.sliding_window)
                 return
             # The step's KV is written, and past this point a row feeds only its own output:
             # the last layer attends, projects and runs its MLP for the output rows alone (at a
