@@ -37,6 +37,10 @@ picks them; the first two by default, the others were this file's earlier levers
 - `gemv_eviction`: the platform GEMV's weights loaded evict-first (the kernel now) against plain
   loads (the previous kernel, patched back in), sides alternating over three rounds, decode graphs
   re-captured for each: the captured decode step and end to end at 32x1, 3968x1 and 16000x1;
+- `step_overlap`: prefill alone of several steps (3968x8, 3968x32, 16000x8), alternating over
+  three rounds: each step's tokens read before the next is planned and whole-prompt attention's
+  output copied into the step's buffer (both patched back in), the tokens landing after the next
+  step's launch, and that plus SDPA's own output (the engine now);
 - `decode_splits`: the split-K paged decode kernel at batch 8 and 1 / 16k context, graph-replayed,
   per split count, then the engine's decode step (16000x8, 16000x1) with each batch's best count
   against the current rule.
@@ -120,7 +124,7 @@ TINY_SCENARIOS = (("decode_1x32", "32x1", 4), ("prefill_32x32", "32x32", 0))
 DECODE_STEPS = {cell: steps for _, cell, steps in SCENARIOS if steps}
 CLASSES = ("gemm", "attention", "norm", "elementwise", "copy", "other")
 LEVERS = ("prefill_graphs", "linear_kernel", "write_kv_kernel", "whole_prompt_admission", "flash_prefill_runs",
-          "decode_splits", "gemv_eviction")
+          "decode_splits", "gemv_eviction", "step_overlap")
 
 
 def kernel_class(name: str) -> str:
@@ -367,19 +371,22 @@ def summarize(raw: dict[str, Any], work: dict[str, dict[str, float]], matrix_flo
 
 # -- the levers ---------------------------------------------------------------------------------------
 def per_prompt_flash(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                     rows: list[tuple[int, int]], scale: float, out: torch.Tensor) -> torch.Tensor:
-    """The backend's whole-prompt path before runs: one SDPA call per prompt (the 'before')."""
+                     run: tuple[int, int, int], scale: float) -> torch.Tensor:
+    """The backend's whole-prompt path before runs: one SDPA call per prompt of the run (the 'before')."""
     import torch.nn.functional as F
 
     heads, dim = k_cache.shape[2], k_cache.shape[3]
     keys, values = k_cache.view(-1, heads, dim), v_cache.view(-1, heads, dim)
-    for first, last in rows:
-        slots = slot_mapping[first:last]
-        q = query[first:last].transpose(0, 1)[None]
+    first, count, length = run
+    out = query.new_empty((count * length, *query.shape[1:]))
+    for prompt in range(count):
+        rows = slice(first + prompt * length, first + (prompt + 1) * length)
+        slots = slot_mapping[rows]
+        q = query[rows].transpose(0, 1)[None]
         k = keys.index_select(0, slots).transpose(0, 1)[None]
         v = values.index_select(0, slots).transpose(0, 1)[None]
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        out[first:last] = attended[0].transpose(0, 1)
+        out[prompt * length : (prompt + 1) * length] = attended[0].transpose(0, 1)
     return out
 
 
@@ -526,6 +533,52 @@ def gemv_eviction_lever(engine: GenerationEngine, generate: Callable[[list[list[
         row["tokens_equal"] = all(run["tokens"] == before[0]["tokens"] for run in before + after)
         result[cell] = row
     print(f"  lever GEMV eviction: {result}", flush=True)
+    return result
+
+
+def step_overlap_lever(engine: GenerationEngine, generate: Callable[[list[list[int]], int], list[list[int]]],
+                       prompts: dict[str, list[list[int]]], sync: Callable[[], None],
+                       rounds: int = 3) -> dict[str, Any]:
+    """Prefill alone (one new token) of several steps, three settings alternating over `rounds`:
+    `before` reads each step's tokens before the next step is planned (landing patched off)
+    and copies whole-prompt attention's output into the step's buffer (an `out` handed to the
+    backend, as before); `landing` lands the tokens after the next step's launch; `after`
+    also takes SDPA's own output (the engine now)."""
+    from torchhal.plugins import cuda_attention
+
+    backend_class = cuda_attention.TritonPagedAttention
+    real_prefill = backend_class.prefill
+
+    def copying_prefill(self: Any, query: torch.Tensor, *args: Any, out: torch.Tensor | None = None,
+                        **kwargs: Any) -> torch.Tensor:
+        return real_prefill(self, query, *args, out=torch.empty_like(query) if out is None else out, **kwargs)
+
+    settings = {"before": (False, True), "landing": (True, True), "after": (True, False)}  # lands later, copies
+    runs: dict[str, dict[str, list[float]]] = {label: {} for label in settings}
+    tokens: dict[str, list[Any]] = {}
+    try:
+        for _ in range(rounds):
+            for label, (lands_later, copies) in settings.items():
+                if lands_later:
+                    engine.__dict__.pop("_lands_later", None)
+                else:
+                    engine._lands_later = lambda batch, emits: False  # type: ignore[method-assign]
+                backend_class.prefill = copying_prefill if copies else real_prefill  # type: ignore[method-assign]
+                for cell in ran(("3968x8", "3968x32", "16000x8"), prompts):
+                    seconds, out = median_run(lambda p=prompts[cell]: generate(p, 1), 1, 3, sync)
+                    runs[label].setdefault(cell, []).append(seconds)
+                    tokens.setdefault(cell, []).append(out)
+    finally:
+        engine.__dict__.pop("_lands_later", None)
+        backend_class.prefill = real_prefill  # type: ignore[method-assign]
+    result: dict[str, Any] = {}
+    for cell, seen in tokens.items():
+        medians = {label: statistics.median(runs[label][cell]) for label in settings}
+        result[cell] = {"prefill_s": {label: runs[label][cell] for label in settings}, "median_s": medians,
+                        "after_over_before": medians["after"] / medians["before"],
+                        "landing_over_before": medians["landing"] / medians["before"],
+                        "tokens_equal": all(t == seen[0] for t in seen)}
+    print(f"  lever step overlap: {result}", flush=True)
     return result
 
 
@@ -773,6 +826,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "flash_prefill_runs": lambda: flash_prefill_lever(generate, prompts, sync),
                 "decode_splits": lambda: decode_splits_lever(engine, generate, prompts, shape, sync),
                 "gemv_eviction": lambda: gemv_eviction_lever(engine, generate, prompts, sync),
+                "step_overlap": lambda: step_overlap_lever(engine, generate, prompts, sync),
             }
             results["levers"] = {name: run_lever[name]() for name in args.levers}
     for lever in results.get("levers", {}).values():
