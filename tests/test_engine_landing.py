@@ -159,6 +159,32 @@ def test_tokens_that_fail_to_land_are_computed_again(one_token):
     assert e.blocks.available == e.blocks.num_blocks
 
 
+def test_tokens_that_fail_to_land_after_a_step_that_read_its_own_keep_that_steps_tokens(one_token):
+    # Prompt 1 goes on decoding, so its step reads its token at once; prompt 0's fail to land.
+    expected = engine().generate([PROMPTS[1]], 3)[0].output
+    e = engine()
+    first = e.add_request(PROMPTS[0], 1)
+    e.step()
+    second = e.add_request(PROMPTS[1], 3)
+    landing = e._landing
+    assert landing is not None
+
+    class Faulty:
+        def synchronize(self):
+            raise RuntimeError("device fault")
+
+    landing.done = Faulty()
+    with pytest.raises(RuntimeError, match="device fault"):
+        e.step()
+    assert [r.rid for r in e.running] == [second] and len(e.running[0].output) == 1  # kept, not stalled
+    for _ in range(20):
+        if first in e.results and second in e.results:
+            break
+        e.step()
+    assert e.results[first].output == one_token[0] and e.results[second].output == expected
+    assert e.blocks.available == e.blocks.num_blocks
+
+
 def test_a_generate_that_meets_an_error_lands_the_tokens_of_other_callers(monkeypatch, one_token):
     e = engine()
     other = e.add_request(PROMPTS[0], 1)

@@ -451,7 +451,13 @@ class GenerationEngine:
             self.scheduler.rollback(plan)
             raise
         if landing is not None:
-            done += self._land(landing)
+            try:
+                done += self._land(landing)
+            except BaseException:
+                if next_tokens is not None:  # this step's own tokens are read: append them, or its requests stall
+                    self._steps += 1
+                    self._append(plan.batch, next_tokens)
+                raise
         if next_tokens is None:  # a decode window or this step's tokens are on their way; they land next step
             return done
         self._steps += 1
