@@ -185,6 +185,60 @@ def test_tokens_that_fail_to_land_after_a_step_that_read_its_own_keep_that_steps
     assert e.blocks.available == e.blocks.num_blocks
 
 
+@pytest.mark.parametrize("error", [RuntimeError("step fault"), torch.OutOfMemoryError("simulated: the step")])
+def test_a_step_and_its_landing_failing_together_undo_the_step_before_dropping_the_landing(monkeypatch, error):
+    # The landing step ends request a (its last decode) and starts x's prefill (x emits
+    # nothing yet); the next step continues x. Both fail: x must be retracted once, cleanly.
+    a_prompt, x_prompt = [1, 2, 3], list(range(10, 40))
+    expected = [engine().generate([a_prompt], 2)[0].output, engine().generate([x_prompt], 1)[0].output]
+    e = engine()
+    a = e.add_request(a_prompt, 2)
+    e.step()
+    x = e.add_request(x_prompt, 1)
+    e.step()
+    landing = e._landing
+    assert landing is not None and [r.rid for r in landing.batch] == [a, x]
+
+    class Faulty:
+        def synchronize(self):
+            raise RuntimeError("device fault")
+
+    landing.done = Faulty()
+    real = e.runner.forward
+    monkeypatch.setattr(e.runner, "forward", lambda *args, **kwargs: (_ for _ in ()).throw(error))
+    if isinstance(error, torch.OutOfMemoryError):
+        assert e.step() == []  # retracted, as an OOM in any step
+    else:
+        with pytest.raises(RuntimeError, match="step fault"):  # the step's error, not the landing's
+            e.step()
+    assert e.running == [] and all(r.kv_tokens == 0 and not r.blocks for r in e.waiting)
+    monkeypatch.setattr(e.runner, "forward", real)
+    for _ in range(20):
+        if a in e.results and x in e.results:
+            break
+        e.step()
+    assert [e.results[a].output, e.results[x].output] == expected
+    assert e.blocks.available == e.blocks.num_blocks
+
+
+def test_a_landing_that_fails_breaks_a_tensor_parallel_engine(monkeypatch):
+    """A failed landing is a failed step: under tensor parallel (`_break`) the engine stops."""
+    e = engine()
+    e.add_request(PROMPTS[0], 1)
+    e.step()
+    broken = []
+    monkeypatch.setattr(e, "_break", lambda error: broken.append(str(error)))
+
+    class Faulty:
+        def synchronize(self):
+            raise RuntimeError("device fault")
+
+    e._landing.done = Faulty()
+    with pytest.raises(RuntimeError, match="device fault"):
+        e.drain()
+    assert broken == ["device fault"]
+
+
 def test_a_generate_that_meets_an_error_lands_the_tokens_of_other_callers(monkeypatch, one_token):
     e = engine()
     other = e.add_request(PROMPTS[0], 1)

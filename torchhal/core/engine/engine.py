@@ -445,10 +445,12 @@ class GenerationEngine:
             for request in plan.batch:  # rows this step touched are rewritten next time
                 self._forget_rows(request.rid)
             self._break(exc)
-            done += self._land_or_drop(landing)
+            # This step is undone first: dropping the landing may retract a request this step continued.
             if self.broken is None and isinstance(exc, Exception) and self.platform.is_out_of_memory(exc):
-                return done + self._handle_oom(plan.batch, exc)
+                failed = self._handle_oom(plan.batch, exc)
+                return done + failed + self._land_or_drop(landing)
             self.scheduler.rollback(plan)
+            self._land_or_drop(landing)
             raise
         if landing is not None:
             try:
@@ -536,11 +538,13 @@ class GenerationEngine:
 
     def _land(self, landing: _Landing) -> list[GenerationResult]:
         """Wait for a step's tokens and append them. If that fails, its requests are computed
-        again (retracted) and the error propagates."""
+        again (retracted), a tensor-parallel engine is broken (as by a failed step) and the
+        error propagates."""
         try:
             landing.done.synchronize()
             sampled = landing.tokens.tolist()
-        except BaseException:
+        except BaseException as exc:
+            self._break(exc)  # tensor parallel: the ranks may now disagree, as after a failed step
             self._drop_landing(landing)
             raise
         self._steps += 1
