@@ -17,6 +17,13 @@ def engine(**overrides):
     return GenerationEngine(EngineConfig(**{"max_kv_slots": 512, "max_batch_tokens": 8, **overrides}))
 
 
+class FaultyEvent:
+    """A landing's copy event whose wait fails, as on a device fault."""
+
+    def synchronize(self):
+        raise RuntimeError("device fault")
+
+
 @pytest.fixture(scope="module")
 def one_token():
     """Each prompt's first token, computed alone."""
@@ -144,11 +151,7 @@ def test_tokens_that_fail_to_land_are_computed_again(one_token):
     landing = e._landing
     assert landing is not None
 
-    class Faulty:
-        def synchronize(self):
-            raise RuntimeError("device fault")
-
-    landing.done = Faulty()
+    landing.done = FaultyEvent()
     with pytest.raises(RuntimeError, match="device fault"):
         e.step()  # launches prompt 1, then fails to read prompt 0's token
     assert e.results == {} and e.running[0].rid == rids[1]
@@ -169,11 +172,7 @@ def test_tokens_that_fail_to_land_after_a_step_that_read_its_own_keep_that_steps
     landing = e._landing
     assert landing is not None
 
-    class Faulty:
-        def synchronize(self):
-            raise RuntimeError("device fault")
-
-    landing.done = Faulty()
+    landing.done = FaultyEvent()
     with pytest.raises(RuntimeError, match="device fault"):
         e.step()
     assert [r.rid for r in e.running] == [second] and len(e.running[0].output) == 1  # kept, not stalled
@@ -199,11 +198,7 @@ def test_a_step_and_its_landing_failing_together_undo_the_step_before_dropping_t
     landing = e._landing
     assert landing is not None and [r.rid for r in landing.batch] == [a, x]
 
-    class Faulty:
-        def synchronize(self):
-            raise RuntimeError("device fault")
-
-    landing.done = Faulty()
+    landing.done = FaultyEvent()
     real = e.runner.forward
     monkeypatch.setattr(e.runner, "forward", lambda *args, **kwargs: (_ for _ in ()).throw(error))
     if isinstance(error, torch.OutOfMemoryError):
@@ -229,11 +224,7 @@ def test_a_landing_that_fails_breaks_a_tensor_parallel_engine(monkeypatch):
     broken = []
     monkeypatch.setattr(e, "_break", lambda error: broken.append(str(error)))
 
-    class Faulty:
-        def synchronize(self):
-            raise RuntimeError("device fault")
-
-    e._landing.done = Faulty()
+    e._landing.done = FaultyEvent()
     with pytest.raises(RuntimeError, match="device fault"):
         e.drain()
     assert broken == ["device fault"]
