@@ -41,6 +41,9 @@ picks them; the first two by default, the others were this file's earlier levers
   three rounds: each step's tokens read before the next is planned and whole-prompt attention's
   output copied into the step's buffer (both patched back in), the tokens landing after the next
   step's launch, and that plus SDPA's own output (the engine now);
+- `step_kv`: prefill alone (3968x1, 3968x8, 16000x1, 16000x8), alternating over three rounds:
+  whole prompts' K/V read back out of the cache (the backend's `step_kv` declaration patched
+  off, so the engine does not pass them) against the step's own K/V, read in place (the engine now);
 - `decode_splits`: the split-K paged decode kernel at batch 8 and 1 / 16k context, graph-replayed,
   per split count, then the engine's decode step (16000x8, 16000x1) with each batch's best count
   against the current rule.
@@ -124,7 +127,7 @@ TINY_SCENARIOS = (("decode_1x32", "32x1", 4), ("prefill_32x32", "32x32", 0))
 DECODE_STEPS = {cell: steps for _, cell, steps in SCENARIOS if steps}
 CLASSES = ("gemm", "attention", "norm", "elementwise", "copy", "other")
 LEVERS = ("prefill_graphs", "linear_kernel", "write_kv_kernel", "whole_prompt_admission", "flash_prefill_runs",
-          "decode_splits", "gemv_eviction", "step_overlap")
+          "decode_splits", "gemv_eviction", "step_overlap", "step_kv")
 
 
 def kernel_class(name: str) -> str:
@@ -370,23 +373,21 @@ def summarize(raw: dict[str, Any], work: dict[str, dict[str, float]], matrix_flo
 
 
 # -- the levers ---------------------------------------------------------------------------------------
-def per_prompt_flash(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                     run: tuple[int, int, int], scale: float) -> torch.Tensor:
-    """The backend's whole-prompt path before runs: one SDPA call per prompt of the run (the 'before')."""
+def per_prompt_flash(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, run: tuple[int, int, int],
+                     scale: float) -> torch.Tensor:
+    """The backend's whole-prompt path before runs: one SDPA call per prompt of the run (the
+    'before'); `keys`/`values` are the run's rows, as the backend hands them to `_flash_prefill`."""
     import torch.nn.functional as F
 
-    heads, dim = k_cache.shape[2], k_cache.shape[3]
-    keys, values = k_cache.view(-1, heads, dim), v_cache.view(-1, heads, dim)
     first, count, length = run
     out = query.new_empty((count * length, *query.shape[1:]))
     for prompt in range(count):
-        rows = slice(first + prompt * length, first + (prompt + 1) * length)
-        slots = slot_mapping[rows]
-        q = query[rows].transpose(0, 1)[None]
-        k = keys.index_select(0, slots).transpose(0, 1)[None]
-        v = values.index_select(0, slots).transpose(0, 1)[None]
+        rows = slice(prompt * length, (prompt + 1) * length)
+        q = query[first + prompt * length : first + (prompt + 1) * length].transpose(0, 1)[None]
+        k = keys[rows].transpose(0, 1)[None]
+        v = values[rows].transpose(0, 1)[None]
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        out[prompt * length : (prompt + 1) * length] = attended[0].transpose(0, 1)
+        out[rows] = attended[0].transpose(0, 1)
     return out
 
 
@@ -579,6 +580,40 @@ def step_overlap_lever(engine: GenerationEngine, generate: Callable[[list[list[i
                         "landing_over_before": medians["landing"] / medians["before"],
                         "tokens_equal": all(t == seen[0] for t in seen)}
     print(f"  lever step overlap: {result}", flush=True)
+    return result
+
+
+def step_kv_lever(generate: Callable[[list[list[int]], int], list[list[int]]], prompts: dict[str, list[list[int]]],
+                  sync: Callable[[], None], rounds: int = 3) -> dict[str, Any]:
+    """Prefill alone (one new token), two settings alternating over `rounds`: `before` has
+    the CUDA backend's `step_kv` declaration patched off (the engine then passes no K/V and
+    whole prompts' K/V are gathered out of the cache), `after` is the engine now."""
+    from dataclasses import replace
+
+    from torchhal.plugins import cuda_attention
+
+    backend_class = cuda_attention.TritonPagedAttention
+    declared = backend_class.capability
+    settings = {"before": replace(declared, step_kv=False), "after": declared}
+    runs: dict[str, dict[str, list[float]]] = {label: {} for label in settings}
+    tokens: dict[str, list[Any]] = {}
+    try:
+        for _ in range(rounds):
+            for label, capability in settings.items():
+                backend_class.capability = capability  # the decoder reads it at every call
+                for cell in ran(("3968x1", "3968x8", "16000x1", "16000x8"), prompts):
+                    seconds, out = median_run(lambda p=prompts[cell]: generate(p, 1), 1, 3, sync)
+                    runs[label].setdefault(cell, []).append(seconds)
+                    tokens.setdefault(cell, []).append(out)
+    finally:
+        backend_class.capability = declared
+    result: dict[str, Any] = {}
+    for cell, seen in tokens.items():
+        medians = {label: statistics.median(runs[label][cell]) for label in settings}
+        result[cell] = {"prefill_s": {label: runs[label][cell] for label in settings}, "median_s": medians,
+                        "after_over_before": medians["after"] / medians["before"],
+                        "tokens_equal": all(t == seen[0] for t in seen)}
+    print(f"  lever step K/V: {result}", flush=True)
     return result
 
 
@@ -827,6 +862,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "decode_splits": lambda: decode_splits_lever(engine, generate, prompts, shape, sync),
                 "gemv_eviction": lambda: gemv_eviction_lever(engine, generate, prompts, sync),
                 "step_overlap": lambda: step_overlap_lever(engine, generate, prompts, sync),
+                "step_kv": lambda: step_kv_lever(generate, prompts, sync),
             }
             results["levers"] = {name: run_lever[name]() for name in args.levers}
     for lever in results.get("levers", {}).values():

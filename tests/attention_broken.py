@@ -6,7 +6,11 @@ Each wraps the reference backend and breaks exactly one thing, the way kernels g
 - wrong GQA head mapping: query head h reads KV head h % num_kv_heads, not h // group;
 - ignores the window: declares sliding windows, then attends the whole context;
 - writes from packed rows: `write_kv` reads K/V as if each token's row were contiguous
-  (a kernel taking the row stride for granted), which views into a fused projection are not.
+  (a kernel taking the row stride for granted), which views into a fused projection are not;
+- the step's K/V taken for the whole context: declares `step_kv`, then attends a request
+  whose earlier tokens are cached over the step's rows alone;
+- the step's K/V read as packed rows, as `write_kv` above.
+`attn_step_kv` declares `step_kv` and uses the step's K/V correctly (whole prompts only).
 `attn_declared_reference` declares the reference itself, and `attn_blocks_128` the reference
 taking 128-token blocks only (as Ascend's fused attention does): the clause must pass both.
 """
@@ -18,7 +22,7 @@ from typing import Any
 
 import torch
 
-from torchhal.attention import SCRATCH_BLOCK, PagedMetadata, ReferenceBackend
+from torchhal.attention import SCRATCH_BLOCK, PagedMetadata, ReferenceBackend, attend
 from torchhal.platforms import AttentionSupport, hookimpl
 from torchhal.plugins.cpu import CpuPlatform
 
@@ -100,13 +104,15 @@ class Only128TokenBlocks(Renamed):
 
 
 class WritesPackedRows(Renamed):
+    @staticmethod
+    def packed(t: torch.Tensor) -> torch.Tensor:
+        """The storage read as [tokens, heads, dim] from its start (the row stride taken for granted)."""
+        heads, dim = t.shape[1], t.shape[2]
+        return t.as_strided(t.shape, (heads * dim, dim, 1), t.storage_offset())
+
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        def packed(t: torch.Tensor) -> torch.Tensor:  # the storage read as [tokens, heads, dim] from its start
-            heads, dim = t.shape[1], t.shape[2]
-            return t.as_strided(t.shape, (heads * dim, dim, 1), t.storage_offset())
-
-        super().write_kv(k_cache, v_cache, packed(key), packed(value), slot_mapping)
+        super().write_kv(k_cache, v_cache, self.packed(key), self.packed(value), slot_mapping)
 
 
 class ComputesOnlyIntoOut(Renamed):
@@ -118,6 +124,37 @@ class ComputesOnlyIntoOut(Renamed):
         if out is None:
             return torch.zeros_like(query)
         return super().prefill(query, k, v, meta, out=out, **kwargs)
+
+
+class StepKvPrompts(Renamed):
+    """Declares `step_kv`: whole prompts attend over the step's own K/V rows, the rest through
+    the cache (as the CUDA backend's dense path does). The flags break it."""
+
+    def __init__(self, name: str, whole_context: bool = False, packed_rows: bool = False) -> None:
+        self.capability = replace(ReferenceBackend.capability, name=name, step_kv=True)
+        self.whole_context, self.packed_rows = whole_context, packed_rows
+
+    def prefill(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata, *,
+                key: torch.Tensor | None = None, value: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                **kwargs: Any) -> torch.Tensor:
+        result = super().prefill(query, k, v, meta, **kwargs)
+        if key is not None and value is not None:
+            if self.packed_rows:
+                key, value = (WritesPackedRows.packed(t) for t in (key, value))
+            starts, seq_lens = meta.query_start.tolist(), meta.seq_lens.tolist()
+            for row, seq_len in enumerate(seq_lens):
+                first, last = starts[row], starts[row + 1]
+                whole = seq_len == last - first and (kwargs["sliding_window"] or seq_len) >= seq_len
+                if last == first or not (whole or self.whole_context):
+                    continue
+                positions = torch.arange(last - first, device=query.device)[None]
+                result[first:last] = attend(query[None, first:last], key[None, first:last], value[None, first:last],
+                                            positions, torch.tensor([last - first], device=query.device),
+                                            kwargs["scale"], kwargs["sliding_window"], kwargs["soft_cap"])[0]
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
 
 
 def platform_with(name: str, backend: ReferenceBackend) -> CpuPlatform:
@@ -139,4 +176,7 @@ def torchhal_register_platforms() -> list[CpuPlatform]:
         platform_with("attn_ignores_window", IgnoresWindow("ignores-window")),
         platform_with("attn_writes_packed_rows", WritesPackedRows("writes-packed-rows")),
         platform_with("attn_only_into_out", ComputesOnlyIntoOut("only-into-out")),
+        platform_with("attn_step_kv", StepKvPrompts("step-kv")),
+        platform_with("attn_step_kv_whole_context", StepKvPrompts("step-kv-whole-context", whole_context=True)),
+        platform_with("attn_step_kv_packed_rows", StepKvPrompts("step-kv-packed-rows", packed_rows=True)),
     ]

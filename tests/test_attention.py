@@ -408,3 +408,84 @@ def test_equal_length_runs_join_only_adjacent_prompts_of_one_length():
     assert equal_length_runs([(0, 4), (4, 8), (8, 11), (11, 14), (14, 18)]) == [(0, 2, 4), (8, 2, 3), (14, 1, 4)]
     # rows 8..12 belong to a request that is not a whole prompt: the prompts around it stay apart
     assert equal_length_runs([(0, 4), (4, 8), (12, 16), (16, 20)]) == [(0, 2, 4), (12, 2, 4)]
+
+
+def test_a_steps_kv_given_to_prefill_is_checked_in_one_line():
+    query, k, v, _, meta = random_case([5, 3], [5, 2], 4, 2)
+    key = torch.randn(query.shape[0], 2, k.shape[3])
+    reference = ReferenceBackend()
+    reference.prefill(query, k, v, meta, scale=1.0, key=key, value=key.clone())  # the right shapes pass
+    with pytest.raises(ValueError, match="key is given and value is None; pass both of the step's K/V or neither"):
+        reference.prefill(query, k, v, meta, scale=1.0, key=key)
+    with pytest.raises(ValueError, match=r"value is \(6, 2, 8\) torch.float32 on cpu; it must be the step's "
+                                         r"values, \[7, 2, 8\] \(query rows, KV heads, head dim\) torch.float32"):
+        reference.prefill(query, k, v, meta, scale=1.0, key=key, value=key[:6])
+    with pytest.raises(ValueError, match=r"key is \(7, 2, 8\) torch.float16"):
+        reference.prefill(query, k, v, meta, scale=1.0, key=key.half(), value=key)
+    with pytest.raises(ValueError, match="key is list"):
+        reference.prefill(query, k, v, meta, scale=1.0, key=[1.0], value=key)  # type: ignore[arg-type]
+
+
+def test_prompt_kv_takes_the_steps_rows_when_given_else_reads_the_cache():
+    from torchhal.attention import prompt_kv
+
+    query, k, v, _, meta = random_case([5, 3], [5, 3], 4, 2)
+    key, value = torch.randn(8, 2, 8), torch.randn(8, 2, 8)
+    got_k, got_v = prompt_kv(k, v, meta.slot_mapping, 5, 8, key, value)
+    assert got_k.data_ptr() == key[5].data_ptr() and torch.equal(got_v, value[5:8])  # views, not copies
+    cached_k, cached_v = prompt_kv(k, v, meta.slot_mapping, 5, 8)
+    slots = meta.slot_mapping[5:8].long()
+    assert torch.equal(cached_k, k.view(-1, 2, 8)[slots]) and torch.equal(cached_v, v.view(-1, 2, 8)[slots])
+
+
+class SpyingBackend(ReferenceBackend):
+    """Records the K/V `write_kv` stores and what `prefill` receives, in order; `step_kv`
+    declared or not, and with or without the SPI 1.7 arguments (an older backend's signature)."""
+
+    def __init__(self, step_kv: bool, old_signature: bool) -> None:
+        self.capability = AttentionCapability(name="spy", dtypes=(torch.float32,), step_kv=step_kv)
+        self.calls: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = []
+        if old_signature:
+            self.prefill = self.old_prefill  # type: ignore[method-assign]
+
+    def write_kv(self, k_cache, v_cache, key, value, slot_mapping):  # noqa: ANN001
+        self.calls.append(("write", key, value))
+        super().write_kv(k_cache, v_cache, key, value, slot_mapping)
+
+    def prefill(self, query, k_cache, v_cache, meta, *, key=None, value=None, **kwargs):  # noqa: ANN001
+        self.calls.append(("prefill", key, value))
+        return super().prefill(query, k_cache, v_cache, meta, key=key, value=value, **kwargs)
+
+    def old_prefill(self, query, k_cache, v_cache, meta, *, scale, sliding_window=None, soft_cap=None,  # noqa: ANN001
+                    out=None):
+        self.calls.append(("prefill", None, None))
+        return super().prefill(query, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window,
+                               soft_cap=soft_cap, out=out)
+
+
+@pytest.mark.parametrize("step_kv, old_signature", [(True, False), (False, False), (False, True)])
+def test_the_engine_hands_the_steps_kv_only_to_a_backend_declaring_step_kv(step_kv, old_signature):
+    from torchhal.core.engine import EngineConfig, GenerationEngine
+    from torchhal.core.model import ModelConfig
+
+    config = EngineConfig(model=ModelConfig(num_heads=4, num_kv_heads=2), max_kv_slots=512, max_batch_tokens=16)
+    prompts = [[1, 2, 3], list(range(5, 30))]  # the long one prefills in chunks, the second after cached tokens
+    expected = [r.output for r in GenerationEngine(config).generate(prompts, 4)]
+    spy = SpyingBackend(step_kv, old_signature)
+    platform = torchhal.get_platform("cpu")
+    with patched_plugin(platform, attention_support=lambda: AttentionSupport(backends=(spy,))):
+        engine = GenerationEngine(config, platform=platform)
+        assert engine.attention.backend is spy
+        assert [r.output for r in engine.generate(prompts, 4)] == expected
+    prefills = [i for i, (kind, _, _) in enumerate(spy.calls) if kind == "prefill"]
+    assert len(prefills) >= 2
+    for i in prefills:
+        _, key, value = spy.calls[i]
+        if not step_kv:
+            assert key is None and value is None
+            continue
+        kind, written_key, written_value = spy.calls[i - 1]  # the layer's write, just before
+        assert kind == "write" and key is not None and value is not None
+        for given, written in ((key, written_key), (value, written_value)):  # the same memory, not a copy
+            assert (given.data_ptr(), given.shape, given.stride()) == (written.data_ptr(), written.shape,
+                                                                       written.stride())

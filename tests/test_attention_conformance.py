@@ -27,7 +27,7 @@ def failed(results):
     return sorted(name for name, t in results.items() if t["outcome"] in ("failed", "error"))
 
 
-@pytest.mark.parametrize("platform", ["attn_declared_reference", "attn_blocks_128"])
+@pytest.mark.parametrize("platform", ["attn_declared_reference", "attn_blocks_128", "attn_step_kv"])
 def test_a_correct_backend_passes_every_case(tmp_path, plugin_path, platform):
     """Also one that takes only the block size it declares: the layouts use a declared size."""
     out, results = attention_results(tmp_path, plugin_path, platform)
@@ -47,6 +47,12 @@ def test_a_correct_backend_passes_every_case(tmp_path, plugin_path, platform):
     ("attn_ignores_window", sorted(n for n, c in CASES.items() if c.window is not None)),
     ("attn_writes_packed_rows", ["write_kv_reads_views_into_one_projection"]),
     ("attn_only_into_out", sorted(n for n in CASES if n.startswith("prefill_"))),
+    # The prefill cases with a request whose earlier tokens are cached.
+    ("attn_step_kv_whole_context", sorted(n for n, c in CASES.items() if n.startswith("prefill_") and any(
+        0 < q < s for s, q in zip(c.seq_lens, c.query_lens, strict=True)))),
+    # The prefill cases with a whole prompt past its first row (row 0 of packed rows is right).
+    ("attn_step_kv_packed_rows", sorted(n for n, c in CASES.items() if n.startswith("prefill_") and any(
+        1 < q == s and (c.window is None or c.window >= s) for s, q in zip(c.seq_lens, c.query_lens, strict=True)))),
 ])
 def test_a_broken_backend_fails_exactly_the_cases_its_bug_touches(tmp_path, plugin_path, platform, broken_cases):
     out, results = attention_results(tmp_path, plugin_path, platform)

@@ -127,7 +127,7 @@ def test_whole_prompts_take_the_dense_kernel_and_equal_the_reference(cuda, monke
     dense_runs: list[list[tuple[int, int, int]]] = []
     real = type(backend)._flash_prefill
     monkeypatch.setattr(type(backend), "_flash_prefill",
-                        staticmethod(lambda *a: (dense_runs[-1].append(a[4]), real(*a))[1]))
+                        staticmethod(lambda *a: (dense_runs[-1].append(a[3]), real(*a))[1]))
     for query_lens in ([1, 300, 4096], [1, 44, 1024], [1, 300, 1024]):  # whole; chunks; whole and a chunk
         dense_runs.append([])
         meta = build_metadata(tables, lengths, query_lens, block_size, device)
@@ -219,3 +219,45 @@ def test_a_step_of_one_dense_call_returns_its_output_without_a_copy(cuda, monkey
             error = (got.float() - expected.float()).norm() / expected.float().norm()
             assert error < 1e-2, (lengths, error)
         assert torch.equal(returned, into)
+
+
+def test_whole_prompts_attend_over_the_steps_own_kv_in_place(cuda, monkeypatch):
+    """Given the step's K/V (as engines pass them: views into one fused projection), whole
+    prompts read them where they are, not back out of the cache: with those slots of the cache
+    holding NaN the output still equals the reference over the real cache, and nothing is
+    gathered. A chunk after cached tokens still reads the cache. Without them, the cache."""
+    from torchhal.attention import build_metadata, write_kv
+
+    backend = cuda.choose_attention(AttentionSpec(32, 8, 128, torch.bfloat16, 16)).backend
+    assert backend.capability.step_kv
+    device, block_size = cuda.device(0), 16
+    lengths, query_lens = [512, 512, 300, 200], [512, 512, 300, 40]  # three whole prompts, then a chunk
+    tables, next_block = [], 1
+    for n in lengths:
+        tables.append(list(range(next_block, next_block + -(-n // block_size))))
+        next_block += len(tables[-1])
+    k_cache, v_cache = new_kv_cache(next_block, block_size, 8, 128, torch.bfloat16, device)
+    k_cache.normal_(), v_cache.normal_()
+    meta = build_metadata(tables, lengths, query_lens, block_size, device)
+    tokens = sum(query_lens)
+    fused = torch.randn(tokens, 48, 128, device=device, dtype=torch.bfloat16)  # q, k, v heads of one projection
+    key, value = fused[:, 32:40], fused[:, 40:]
+    write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
+    query = fused[:, :32]
+    expected = ReferenceBackend().prefill(query, k_cache, v_cache, meta, scale=128**-0.5)
+    whole = meta.slot_mapping[: 512 + 512 + 300]
+    poisoned_k, poisoned_v = k_cache.clone(), v_cache.clone()
+    for cache in (poisoned_k, poisoned_v):
+        cache.view(-1, 8, 128)[whole] = float("nan")
+    gathered: list[int] = []
+    real_index_select = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select",
+                        lambda self, *a: (gathered.append(self.shape[0]), real_index_select(self, *a))[1])
+    got = backend.prefill(query, poisoned_k, poisoned_v, meta, scale=128**-0.5, key=key, value=value)
+    assert not got.isnan().any()
+    error = (got.float() - expected.float()).norm() / expected.float().norm()
+    assert error < 1e-2, error
+    slots = poisoned_k.shape[0] * block_size
+    assert slots not in gathered  # no prompt's K/V read back out of the cache
+    without = backend.prefill(query, poisoned_k, poisoned_v, meta, scale=128**-0.5)
+    assert without[: 512 + 512 + 300].isnan().all()  # the cache it was told to read

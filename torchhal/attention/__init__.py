@@ -11,6 +11,7 @@ from torchhal.attention.backend import (
     AttentionChoice,
     AttentionSpec,
     check_call,
+    check_step_kv,
     choose_backend,
     unsupported_reason,
 )
@@ -24,6 +25,7 @@ from torchhal.attention.layout import (
     check_write,
     decode_metadata_for_rows,
     new_kv_cache,
+    prompt_kv,
     query_positions,
     write_kv,
 )
@@ -43,10 +45,12 @@ __all__ = [
     "build_metadata",
     "build_metadata_and_positions",
     "check_call",
+    "check_step_kv",
     "check_write",
     "choose_backend",
     "decode_metadata_for_rows",
     "new_kv_cache",
+    "prompt_kv",
     "query_positions",
     "unsupported_reason",
     "write_kv",

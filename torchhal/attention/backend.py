@@ -34,6 +34,10 @@ class AttentionCapability:
     soft_cap:       logits soft-capping (cap * tanh(logits / cap)).
     graph_capture:  `decode` has no host syncs and no data-dependent shapes, so it can be
                     captured in a device graph (checked through the platform's graph support).
+    step_kv:        `prefill` takes the step's own K/V (`key`, `value`: what `write_kv` just
+                    stored at the step's slots) and may read a whole prompt's K/V from them
+                    instead of back out of the cache. Engines pass them only to a backend
+                    that declares this (SPI 1.7), so older backends keep their signature.
     note:           one line for reports.
     """
 
@@ -45,6 +49,7 @@ class AttentionCapability:
     sliding_window: bool = True
     soft_cap: bool = True
     graph_capture: bool = False
+    step_kv: bool = False
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -62,7 +67,7 @@ class AttentionCapability:
             if sizes is not None and (not isinstance(sizes, tuple) or not sizes
                                       or not all(_is_int(n) and n >= 1 for n in sizes)):
                 raise bad(field, "None (any) or a non-empty tuple of ints >= 1")
-        for field in ("prefill", "sliding_window", "soft_cap", "graph_capture"):
+        for field in ("prefill", "sliding_window", "soft_cap", "graph_capture", "step_kv"):
             if not isinstance(getattr(self, field), bool):
                 raise bad(field, "True or False")
         if not isinstance(self.note, str):
@@ -145,10 +150,12 @@ class AttentionBackend(Protocol):
     def prefill(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
         scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | None = None, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Variable-length causal attention: request i's queries are rows
-        meta.query_start[i]:meta.query_start[i + 1], its last tokens."""
+        meta.query_start[i]:meta.query_start[i + 1], its last tokens. `key`/`value` (only
+        to a backend declaring `step_kv`): the step's K/V, row t for query row t, as
+        `write_kv` received them (strided views into a fused projection, as engines pass)."""
         ...
 
 
@@ -202,7 +209,8 @@ def choose_backend(declared: tuple[AttentionBackend, ...], spec: AttentionSpec,
 
 def check_call(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
                decode: bool, sliding_window: int | None, soft_cap: float | None, *,
-               scale: object = _NO_SCALE, out: torch.Tensor | None = None) -> None:
+               scale: object = _NO_SCALE, out: torch.Tensor | None = None,
+               key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> None:
     """Raise one line naming the bad argument; shared by every backend's entry points.
     Only what is known on the host is checked (no device sync): shapes, dtypes, the
     metadata's host copies and the scalars."""
@@ -232,7 +240,26 @@ def check_call(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if out is not None and (out.shape != query.shape or out.dtype != query.dtype or out.device != query.device):
         raise ValueError(f"attention: out is {tuple(out.shape)} {out.dtype} on {out.device}; it must match the "
                          f"query, {tuple(query.shape)} {query.dtype} on {query.device}")
+    if key is not None or value is not None:
+        check_step_kv(query, k_cache, key, value)
     check_window("attention: sliding_window", sliding_window)
     check_positive("attention: soft_cap", soft_cap, optional=True)
     if scale is not _NO_SCALE:  # callers from before `scale` was checked pass none
         check_positive("attention: scale", scale, optional=False)
+
+
+def check_step_kv(query: torch.Tensor, k_cache: torch.Tensor, key: torch.Tensor | None,
+                  value: torch.Tensor | None) -> None:
+    """A step's K/V handed to `prefill`: both or neither, one row per query row, the cache's
+    heads, head dim, dtype and device."""
+    if key is None or value is None:
+        raise ValueError(f"attention.prefill: key is {'None' if key is None else 'given'} and value is "
+                         f"{'None' if value is None else 'given'}; pass both of the step's K/V or neither")
+    want = (query.shape[0], k_cache.shape[2], k_cache.shape[3])
+    for label, tensor in (("key", key), ("value", value)):
+        if (not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != want or tensor.dtype != k_cache.dtype
+                or tensor.device != k_cache.device):
+            shown = (f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}" if isinstance(tensor, torch.Tensor)
+                     else type(tensor).__name__)
+            raise ValueError(f"attention.prefill: {label} is {shown}; it must be the step's {label}s, {list(want)} "
+                             f"(query rows, KV heads, head dim) {k_cache.dtype} on {k_cache.device}")

@@ -413,6 +413,18 @@ def equal_length_runs(rows: Sequence[tuple[int, int]]) -> list[tuple[int, int, i
     return runs
 
 
+def prompt_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, first: int, last: int,
+              key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V of query rows first:last when they are whole prompts ([last - first, Hk, D]):
+    the step's own `key`/`value` rows when a backend was given them (views, no copy), else
+    read back out of the cache at the rows' slots (a gather: one copy of the prompts' K/V)."""
+    if key is not None and value is not None:
+        return key[first:last], value[first:last]
+    heads, dim = k_cache.shape[2], k_cache.shape[3]
+    slots = slot_mapping[first:last]
+    return k_cache.view(-1, heads, dim).index_select(0, slots), v_cache.view(-1, heads, dim).index_select(0, slots)
+
+
 class DecodeMetadata:
     """Decode metadata for a fixed batch capacity, kept on the device and advanced in place.
 

@@ -73,8 +73,11 @@ class ReferenceBackend(PagedWriter):
 
     def prefill(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
                 scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-        check_call(query, k_cache, v_cache, meta, False, sliding_window, soft_cap, scale=scale, out=out)
+                out: torch.Tensor | None = None, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> torch.Tensor:
+        # Not declaring `step_kv`, it reads every K/V out of the cache; a step's K/V, if passed, are only checked.
+        check_call(query, k_cache, v_cache, meta, False, sliding_window, soft_cap, scale=scale, out=out, key=key,
+                   value=value)
         block_size = k_cache.shape[1]
         result = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
         starts, seq_lens = meta.query_start.tolist(), meta.seq_lens.tolist()  # host walk: not capturable

@@ -4,7 +4,9 @@ on randomized paged layouts, and replays from a device graph where it says it ca
 Layouts mix lengths around block boundaries, GQA ratios, padded rows and chunked-prefill
 offsets; blocks are shuffled, and every cache slot no request has written (the scratch
 block included) holds NaN, as does the output buffer, so reading past a length, from the
-wrong block, or leaving a row unwritten shows up as NaN or a mismatch.
+wrong block, or leaving a row unwritten shows up as NaN or a mismatch. A backend declaring
+`step_kv` is also given the step's K/V (views into one fused projection) and must still
+equal the reference.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import random
 import zlib
 from dataclasses import dataclass, replace
+from typing import Any
 
 import pytest
 import torch
@@ -147,7 +150,7 @@ def check_against_reference(platform: Platform, device_index: int, case: Case, n
         for dtype in capability.dtypes:
             seed = zlib.crc32(f"{name} {dtype}".encode())
             layout = paged_layout(case, dtype, capability, device, seed=seed)
-            kwargs = {"scale": layout.scale, "sliding_window": case.window, "soft_cap": case.soft_cap}
+            kwargs: dict[str, Any] = {"scale": layout.scale, "sliding_window": case.window, "soft_cap": case.soft_cap}
             expected = getattr(reference, mode)(layout.query, layout.k_cache, layout.v_cache, layout.meta, **kwargs)
             out = torch.full_like(layout.query, float("nan"))
             got = getattr(backend, mode)(layout.query, layout.k_cache, layout.v_cache, layout.meta, out=out, **kwargs)
@@ -160,22 +163,52 @@ def check_against_reference(platform: Platform, device_index: int, case: Case, n
                 f"{int(bad.sum())} of {bad.numel()} values, e.g. token/head {bad.nonzero()[0].tolist()[:2]}, "
                 f"max error {float((got.float() - expected.float()).nan_to_num(1e9).abs().max()):.3g}"
             )
-            if mode == "prefill":  # engines also take the tensor it returns without `out` (no copy)
-                fresh = backend.prefill(layout.query, layout.k_cache, layout.v_cache, layout.meta,
-                                        scale=layout.scale, sliding_window=case.window, soft_cap=case.soft_cap)
-                platform.synchronize(device_index)
-                like = (layout.query.shape, layout.query.dtype, layout.query.device)
-                assert isinstance(fresh, torch.Tensor) and (fresh.shape, fresh.dtype, fresh.device) == like, (
-                    f"{capability.name}.prefill without `out` returned {type(fresh).__name__} "
-                    f"{tuple(getattr(fresh, 'shape', ()))}; return a tensor like the query, {like}")
-                bad = ~torch.isclose(fresh.float(), expected.float(), atol=atol, rtol=rtol)
-                assert not bad.any(), (
-                    f"{capability.name}.prefill without `out` differs from the reference on {name} ({dtype}): "
-                    f"{int(bad.sum())} of {bad.numel()} values"
-                )
+            if mode == "prefill":
+                # Engines also take the tensor it returns without `out` (no copy), and hand a
+                # backend declaring `step_kv` the step's K/V.
+                calls: list[tuple[str, dict[str, Any]]] = [("without `out`", {})]
+                if capability.step_kv:
+                    key, value = step_kv_views(layout)
+                    calls += [("given the step's K/V", {"key": key, "value": value, "out": out.fill_(float("nan"))}),
+                              ("given the step's K/V, without `out`", {"key": key, "value": value})]
+                for label, extra in calls:
+                    fresh = backend.prefill(layout.query, layout.k_cache, layout.v_cache, layout.meta, **kwargs,
+                                            **extra)
+                    platform.synchronize(device_index)
+                    assert "out" not in extra or fresh is extra["out"], (
+                        f"{capability.name}.prefill {label} did not return the `out` it was given")
+                    check_prefill_result(capability.name, label, fresh, expected, layout, name, dtype)
             ran += 1
     if ran == 0:
         pytest.skip(f"not applicable: no declared backend covers {name} ({mode})")
+
+
+def step_kv_views(layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's K/V as an engine passes them to a backend declaring `step_kv`: row t is what
+    `write_kv` stored at slot_mapping[t], read through views into one fused projection
+    ([tokens, (2 + 2 kv) heads, dim] sliced by heads), so a row's stride is wider than a K row."""
+    tokens, (kv_heads, dim) = layout.query.shape[0], layout.k_cache.shape[2:]
+    fused = torch.full((tokens, 4 * kv_heads, dim), float("nan"), dtype=layout.k_cache.dtype,
+                       device=layout.k_cache.device)
+    slots = layout.meta.slot_mapping.long()
+    key, value = fused[:, kv_heads : 2 * kv_heads], fused[:, 3 * kv_heads :]
+    key.copy_(layout.k_cache.view(-1, kv_heads, dim)[slots])
+    value.copy_(layout.v_cache.view(-1, kv_heads, dim)[slots])
+    return key, value
+
+
+def check_prefill_result(backend: str, label: str, got: object, expected: torch.Tensor, layout: Layout, name: str,
+                         dtype: torch.dtype) -> None:
+    like = (layout.query.shape, layout.query.dtype, layout.query.device)
+    assert isinstance(got, torch.Tensor) and (got.shape, got.dtype, got.device) == like, (
+        f"{backend}.prefill {label} returned {type(got).__name__} {tuple(getattr(got, 'shape', ()))}; "
+        f"return a tensor like the query, {like}")
+    atol, rtol = TOLERANCE[dtype]
+    bad = ~torch.isclose(got.float(), expected.float(), atol=atol, rtol=rtol)
+    assert not bad.any(), (
+        f"{backend}.prefill {label} differs from the reference on {name} ({dtype}): "
+        f"{int(bad.sum())} of {bad.numel()} values, e.g. token/head {bad.nonzero()[0].tolist()[:2]}"
+    )
 
 
 def test_attention_support_is_a_record_of_backends(platform):

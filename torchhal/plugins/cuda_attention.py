@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from torchhal.attention import AttentionCapability, PagedMetadata, check_call, check_write, write_kv
-from torchhal.attention.layout import equal_length_runs, split_whole_prompts
+from torchhal.attention.layout import equal_length_runs, prompt_kv, split_whole_prompts
 from torchhal.plugins.cuda_pdl import programmatic_launch, wait_for_previous_kernels
 
 LOG2E = 1.4426950408889634
@@ -216,8 +216,9 @@ class TritonPagedAttention:
         sliding_window=True,
         soft_cap=True,
         graph_capture=True,
-        note="Triton: split-K paged decode, paged chunked prefill; whole prompts through SDPA flash; GQA without "
-    "KV copies",
+        step_kv=True,
+        note="Triton: split-K paged decode, paged chunked prefill; whole prompts through SDPA flash on the step's "
+    "own K/V; GQA without KV copies",
     )
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -253,15 +254,23 @@ class TritonPagedAttention:
 
     def prefill(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
                 scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-        check_call(query, k_cache, v_cache, meta, False, sliding_window, soft_cap, scale=scale, out=out)
+                out: torch.Tensor | None = None, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> torch.Tensor:
+        check_call(query, k_cache, v_cache, meta, False, sliding_window, soft_cap, scale=scale, out=out, key=key,
+                   value=value)
         split = split_whole_prompts(meta, sliding_window) if soft_cap is None else None
         if split is None or not split.whole:
             return self._launch(query, k_cache, v_cache, meta, meta.max_query_len, 1, scale, sliding_window,
                                 soft_cap, out)
         runs = equal_length_runs(split.whole)
+
+        def dense(run: tuple[int, int, int]) -> torch.Tensor:
+            first, count, length = run
+            k, v = prompt_kv(k_cache, v_cache, meta.slot_mapping, first, first + count * length, key, value)
+            return self._flash_prefill(query, k, v, run, scale)
+
         if out is None and split.rest is None and len(runs) == 1:  # one SDPA call covers the step
-            return self._flash_prefill(query, k_cache, v_cache, meta.slot_mapping, runs[0], scale)
+            return dense(runs[0])
         if out is None:
             out = torch.empty_like(query)
         if split.rest is not None and split.rest_tokens is not None:  # chunks after cached tokens, decode rows
@@ -270,29 +279,26 @@ class TritonPagedAttention:
             out.index_copy_(0, split.rest_tokens, part)
         for run in runs:
             first, count, length = run
-            out[first : first + count * length] = self._flash_prefill(query, k_cache, v_cache, meta.slot_mapping,
-                                                                      run, scale)
+            out[first : first + count * length] = dense(run)
         return out
 
     @staticmethod
-    def _flash_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                       run: tuple[int, int, int], scale: float) -> torch.Tensor:
+    def _flash_prefill(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, run: tuple[int, int, int],
+                       scale: float) -> torch.Tensor:
         """One run of adjacent equally long whole prompts (nothing cached before them; `run`
         is (first row, prompts, length)), as one batch: SDPA, causal, grouped-query heads
         native, the kernel torch's selection picks (cuDNN's on an H200 with torch 2.11,
         1.7-1.8x faster there than SDPA's flash kernel: benchmarks/sdpa_backends.py). Faster
-        than the paged kernel there (H200, 8B shape: 0.27 vs 0.45 ms at 4k); the K/V it reads
-        are the prompts' own, copied out of the cache once. Returns the run's rows
-        [count * length, Hq, D], SDPA's own output (a view when its layout allows)."""
+        than the paged kernel there (H200, 8B shape: 0.27 vs 0.45 ms at 4k). `keys`/`values`
+        are the run's rows [count * length, Hk, D]: the step's own when the engine passed
+        them (cuDNN reads the strided views in place), else copied out of the cache. Returns
+        the run's rows [count * length, Hq, D], SDPA's own output (a view when its layout allows)."""
         first, count, length = run
-        heads, dim = k_cache.shape[2], k_cache.shape[3]
+        heads, dim = keys.shape[1], keys.shape[2]
         q_heads = query.shape[1]
-        keys, values = k_cache.view(-1, heads, dim), v_cache.view(-1, heads, dim)
-        last = first + count * length
-        slots = slot_mapping[first:last]
-        q = query[first:last].view(count, length, q_heads, dim).transpose(1, 2)  # [count, Hq, L, D]
-        k = keys.index_select(0, slots).view(count, length, heads, dim).transpose(1, 2)
-        v = values.index_select(0, slots).view(count, length, heads, dim).transpose(1, 2)
+        q = query[first : first + count * length].view(count, length, q_heads, dim).transpose(1, 2)  # [count, Hq, L, D]
+        k = keys.view(count, length, heads, dim).transpose(1, 2)
+        v = values.view(count, length, heads, dim).transpose(1, 2)
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return attended.transpose(1, 2).reshape(count * length, q_heads, dim)
 

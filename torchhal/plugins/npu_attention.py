@@ -74,8 +74,11 @@ class NpuFusedAttention(PagedWriter):
 
     def prefill(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
                 scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-        check_call(query, k_cache, v_cache, meta, False, sliding_window, soft_cap, scale=scale, out=out)
+                out: torch.Tensor | None = None, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> torch.Tensor:
+        # Not declaring `step_kv`, it reads every K/V out of the cache; a step's K/V, if passed, are only checked.
+        check_call(query, k_cache, v_cache, meta, False, sliding_window, soft_cap, scale=scale, out=out, key=key,
+                   value=value)
         starts = list(meta.host_query_start) if meta.host_query_start is not None else meta.query_start.tolist()
         seq_lens = _host_seq_lens(meta)
         # A padded row (seq_len 0) gets no queries in FIA: its rows are zeroed below anyway.

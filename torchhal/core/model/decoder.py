@@ -13,6 +13,7 @@ vocabulary (`ModelConfig`, the cache, the metadata) lives in `config` and `kv_ca
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -569,13 +570,22 @@ class LlamaDecoder(nn.Module):
             rows = state.get(OUTPUT_ROWS) if last_layer and not meta.decode else None
             if rows is None:
                 query, out = state["q"][:num_tokens], state["attn_out"]
-                if meta.decode or num_tokens != out.shape[0]:  # a decode, or a graph bucket's padded rows
-                    attend = backend.decode if meta.decode else backend.prefill
-                    attend(query, k_cache, v_cache, meta.paged, scale=scale, sliding_window=config.sliding_window,
-                           out=out[:num_tokens])
+                if meta.decode:
+                    backend.decode(query, k_cache, v_cache, meta.paged, scale=scale,
+                                   sliding_window=config.sliding_window, out=out[:num_tokens])
+                    return
+                # A backend declaring `step_kv` reads whole prompts' K/V where the projection left
+                # them; one that does not may predate the arguments (SPI < 1.7), so gets none.
+                prefill: Callable[..., torch.Tensor] = backend.prefill
+                if backend.capability.step_kv:
+                    prefill = functools.partial(backend.prefill, key=state["k"][:num_tokens],
+                                                value=state["v"][:num_tokens])
+                if num_tokens != out.shape[0]:  # a graph bucket's padded rows
+                    prefill(query, k_cache, v_cache, meta.paged, scale=scale, sliding_window=config.sliding_window,
+                            out=out[:num_tokens])
                 else:  # the output as the backend makes it: a dense kernel's own, not copied into `out`
-                    state["attn_out"] = backend.prefill(query, k_cache, v_cache, meta.paged, scale=scale,
-                                                        sliding_window=config.sliding_window)
+                    state["attn_out"] = prefill(query, k_cache, v_cache, meta.paged, scale=scale,
+                                                sliding_window=config.sliding_window)
                 return
             # The step's KV is written, and past this point a row feeds only its own output:
             # the last layer attends, projects and runs its MLP for the output rows alone (at a
