@@ -7,9 +7,12 @@ Each wraps the reference backend and breaks exactly one thing, the way kernels g
 - ignores the window: declares sliding windows, then attends the whole context;
 - writes from packed rows: `write_kv` reads K/V as if each token's row were contiguous
   (a kernel taking the row stride for granted), which views into a fused projection are not;
+- writes V through K's strides: one row stride taken for both (the engine's K and V are
+  views into two different outputs);
 - the step's K/V taken for the whole context: declares `step_kv`, then attends a request
   whose earlier tokens are cached over the step's rows alone;
-- the step's K/V read as packed rows, as `write_kv` above.
+- the step's K/V read as packed rows, as `write_kv` above;
+- the step's V read through K's strides, as above.
 `attn_step_kv` declares `step_kv` and uses the step's K/V correctly (whole prompts only).
 `attn_declared_reference` declares the reference itself, and `attn_blocks_128` the reference
 taking 128-token blocks only (as Ascend's fused attention does): the clause must pass both.
@@ -115,6 +118,17 @@ class WritesPackedRows(Renamed):
         super().write_kv(k_cache, v_cache, self.packed(key), self.packed(value), slot_mapping)
 
 
+def with_keys_strides(value: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """V's storage read through K's strides (one KV row stride taken for granted)."""
+    return value.as_strided(value.shape, key.stride(), value.storage_offset())
+
+
+class WritesValuesWithKeysStrides(Renamed):
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        super().write_kv(k_cache, v_cache, key, with_keys_strides(value, key), slot_mapping)
+
+
 class ComputesOnlyIntoOut(Renamed):
     """Writes its result only into an `out` it is given; without one it returns a buffer it never filled."""
 
@@ -130,9 +144,10 @@ class StepKvPrompts(Renamed):
     """Declares `step_kv`: whole prompts attend over the step's own K/V rows, the rest through
     the cache (as the CUDA backend's dense path does). The flags break it."""
 
-    def __init__(self, name: str, whole_context: bool = False, packed_rows: bool = False) -> None:
+    def __init__(self, name: str, whole_context: bool = False, packed_rows: bool = False,
+                 keys_strides: bool = False) -> None:
         self.capability = replace(ReferenceBackend.capability, name=name, step_kv=True)
-        self.whole_context, self.packed_rows = whole_context, packed_rows
+        self.whole_context, self.packed_rows, self.keys_strides = whole_context, packed_rows, keys_strides
 
     def prefill(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata, *,
                 key: torch.Tensor | None = None, value: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -141,16 +156,19 @@ class StepKvPrompts(Renamed):
         if key is not None and value is not None:
             if self.packed_rows:
                 key, value = (WritesPackedRows.packed(t) for t in (key, value))
+            if self.keys_strides:
+                value = with_keys_strides(value, key)
+            window, soft_cap = kwargs.get("sliding_window"), kwargs.get("soft_cap")
             starts, seq_lens = meta.query_start.tolist(), meta.seq_lens.tolist()
             for row, seq_len in enumerate(seq_lens):
                 first, last = starts[row], starts[row + 1]
-                whole = seq_len == last - first and (kwargs["sliding_window"] or seq_len) >= seq_len
+                whole = seq_len == last - first and (window or seq_len) >= seq_len
                 if last == first or not (whole or self.whole_context):
                     continue
                 positions = torch.arange(last - first, device=query.device)[None]
                 result[first:last] = attend(query[None, first:last], key[None, first:last], value[None, first:last],
                                             positions, torch.tensor([last - first], device=query.device),
-                                            kwargs["scale"], kwargs["sliding_window"], kwargs["soft_cap"])[0]
+                                            kwargs["scale"], window, soft_cap)[0]
         if out is None:
             return result
         out.copy_(result)
@@ -179,4 +197,6 @@ def torchhal_register_platforms() -> list[CpuPlatform]:
         platform_with("attn_step_kv", StepKvPrompts("step-kv")),
         platform_with("attn_step_kv_whole_context", StepKvPrompts("step-kv-whole-context", whole_context=True)),
         platform_with("attn_step_kv_packed_rows", StepKvPrompts("step-kv-packed-rows", packed_rows=True)),
+        platform_with("attn_step_kv_keys_strides", StepKvPrompts("step-kv-keys-strides", keys_strides=True)),
+        platform_with("attn_writes_with_keys_strides", WritesValuesWithKeysStrides("writes-with-keys-strides")),
     ]

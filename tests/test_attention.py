@@ -19,6 +19,7 @@ from torchhal.attention import (
     ReferenceBackend,
     build_metadata,
     build_metadata_and_positions,
+    check_call,
     choose_backend,
     decode_metadata_for_rows,
     new_kv_cache,
@@ -415,8 +416,11 @@ def test_a_steps_kv_given_to_prefill_is_checked_in_one_line():
     key = torch.randn(query.shape[0], 2, k.shape[3])
     reference = ReferenceBackend()
     reference.prefill(query, k, v, meta, scale=1.0, key=key, value=key.clone())  # the right shapes pass
-    with pytest.raises(ValueError, match="key is given and value is None; pass both of the step's K/V or neither"):
+    with pytest.raises(ValueError, match="key is Tensor and value is None; pass both of the step's K/V or neither"):
         reference.prefill(query, k, v, meta, scale=1.0, key=key)
+    with pytest.raises(ValueError, match="attention.decode: key/value given; the step's K/V are prefill's"):
+        check_call(query[:2], k, v, build_metadata([[1], [2]], [3, 3], [1, 1], 4, torch.device("cpu")), True, None,
+                   None, key=key[:2], value=key[:2])
     with pytest.raises(ValueError, match=r"value is \(6, 2, 8\) torch.float32 on cpu; it must be the step's "
                                          r"values, \[7, 2, 8\] \(query rows, KV heads, head dim\) torch.float32"):
         reference.prefill(query, k, v, meta, scale=1.0, key=key, value=key[:6])

@@ -13,6 +13,10 @@ CASES = {**{f"decode_matches_the_reference[{n}]": c for n, c in DECODE_CASES.ite
          **{f"prefill_matches_the_reference[{n}]": c for n, c in PREFILL_CASES.items()}}
 
 
+WHOLE_PROMPTS_PAST_ROW_0 = sorted(n for n, c in CASES.items() if n.startswith("prefill_") and any(
+    1 < q == s and (c.window is None or c.window >= s) for s, q in zip(c.seq_lens, c.query_lens, strict=True)))
+
+
 @pytest.fixture(scope="module")
 def plugin_path(tmp_path_factory):
     """A distribution on PYTHONPATH whose entry point is tests.attention_broken."""
@@ -45,14 +49,15 @@ def test_a_correct_backend_passes_every_case(tmp_path, plugin_path, platform):
     # h % kv_heads equals h // group only when there is one KV head or one query head per KV head.
     ("attn_wrong_gqa", sorted(n for n, c in CASES.items() if c.kv_heads not in (1, c.q_heads))),
     ("attn_ignores_window", sorted(n for n, c in CASES.items() if c.window is not None)),
-    ("attn_writes_packed_rows", ["write_kv_reads_views_into_one_projection"]),
+    ("attn_writes_packed_rows", ["write_kv_reads_views_into_the_projections"]),
+    ("attn_writes_with_keys_strides", ["write_kv_reads_views_into_the_projections"]),
     ("attn_only_into_out", sorted(n for n in CASES if n.startswith("prefill_"))),
     # The prefill cases with a request whose earlier tokens are cached.
     ("attn_step_kv_whole_context", sorted(n for n, c in CASES.items() if n.startswith("prefill_") and any(
         0 < q < s for s, q in zip(c.seq_lens, c.query_lens, strict=True)))),
     # The prefill cases with a whole prompt past its first row (row 0 of packed rows is right).
-    ("attn_step_kv_packed_rows", sorted(n for n, c in CASES.items() if n.startswith("prefill_") and any(
-        1 < q == s and (c.window is None or c.window >= s) for s, q in zip(c.seq_lens, c.query_lens, strict=True)))),
+    ("attn_step_kv_packed_rows", WHOLE_PROMPTS_PAST_ROW_0),
+    ("attn_step_kv_keys_strides", WHOLE_PROMPTS_PAST_ROW_0),
 ])
 def test_a_broken_backend_fails_exactly_the_cases_its_bug_touches(tmp_path, plugin_path, platform, broken_cases):
     out, results = attention_results(tmp_path, plugin_path, platform)

@@ -222,7 +222,7 @@ def test_a_step_of_one_dense_call_returns_its_output_without_a_copy(cuda, monkey
 
 
 def test_whole_prompts_attend_over_the_steps_own_kv_in_place(cuda, monkeypatch):
-    """Given the step's K/V (as engines pass them: views into one fused projection), whole
+    """Given the step's K/V (as engines pass them: views into the projections' outputs), whole
     prompts read them where they are, not back out of the cache: with those slots of the cache
     holding NaN the output still equals the reference over the real cache, and nothing is
     gathered. A chunk after cached tokens still reads the cache. Without them, the cache."""
@@ -240,10 +240,10 @@ def test_whole_prompts_attend_over_the_steps_own_kv_in_place(cuda, monkeypatch):
     k_cache.normal_(), v_cache.normal_()
     meta = build_metadata(tables, lengths, query_lens, block_size, device)
     tokens = sum(query_lens)
-    fused = torch.randn(tokens, 48, 128, device=device, dtype=torch.bfloat16)  # q, k, v heads of one projection
-    key, value = fused[:, 32:40], fused[:, 40:]
+    rotated = torch.randn(tokens, 40, 128, device=device, dtype=torch.bfloat16)  # q and k heads, rotated
+    projected = torch.randn(tokens, 48, 128, device=device, dtype=torch.bfloat16)  # q, k, v heads
+    query, key, value = rotated[:, :32], rotated[:, 32:], projected[:, 40:]
     write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
-    query = fused[:, :32]
     expected = ReferenceBackend().prefill(query, k_cache, v_cache, meta, scale=128**-0.5)
     whole = meta.slot_mapping[: 512 + 512 + 300]
     poisoned_k, poisoned_v = k_cache.clone(), v_cache.clone()

@@ -150,12 +150,25 @@ class AttentionBackend(Protocol):
     def prefill(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
         scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-        out: torch.Tensor | None = None, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Variable-length causal attention: request i's queries are rows
-        meta.query_start[i]:meta.query_start[i + 1], its last tokens. `key`/`value` (only
-        to a backend declaring `step_kv`): the step's K/V, row t for query row t, as
-        `write_kv` received them (strided views into a fused projection, as engines pass)."""
+        meta.query_start[i]:meta.query_start[i + 1], its last tokens."""
+        ...
+
+
+@runtime_checkable
+class StepKvAttentionBackend(AttentionBackend, Protocol):
+    """A backend declaring `step_kv` (SPI 1.7): its `prefill` also takes the step's K/V,
+    row t for query row t, the tensors `write_kv` just stored (views into the projections'
+    outputs: each with its own strides). `AttentionBackend.prefill` keeps its 1.6 signature,
+    so a backend written for 1.6 still type-checks."""
+
+    def prefill(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
+        scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+        out: torch.Tensor | None = None, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         ...
 
 
@@ -241,6 +254,9 @@ def check_call(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         raise ValueError(f"attention: out is {tuple(out.shape)} {out.dtype} on {out.device}; it must match the "
                          f"query, {tuple(query.shape)} {query.dtype} on {query.device}")
     if key is not None or value is not None:
+        if decode:
+            raise ValueError("attention.decode: key/value given; the step's K/V are prefill's (write_kv stores "
+                             "a decode step's), pass them to prefill only")
         check_step_kv(query, k_cache, key, value)
     check_window("attention: sliding_window", sliding_window)
     check_positive("attention: soft_cap", soft_cap, optional=True)
@@ -253,8 +269,8 @@ def check_step_kv(query: torch.Tensor, k_cache: torch.Tensor, key: torch.Tensor 
     """A step's K/V handed to `prefill`: both or neither, one row per query row, the cache's
     heads, head dim, dtype and device."""
     if key is None or value is None:
-        raise ValueError(f"attention.prefill: key is {'None' if key is None else 'given'} and value is "
-                         f"{'None' if value is None else 'given'}; pass both of the step's K/V or neither")
+        raise ValueError(f"attention.prefill: key is {'None' if key is None else type(key).__name__} and value is "
+                         f"{'None' if value is None else type(value).__name__}; pass both of the step's K/V or neither")
     want = (query.shape[0], k_cache.shape[2], k_cache.shape[3])
     for label, tensor in (("key", key), ("value", value)):
         if (not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != want or tensor.dtype != k_cache.dtype

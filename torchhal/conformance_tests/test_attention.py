@@ -5,8 +5,8 @@ Layouts mix lengths around block boundaries, GQA ratios, padded rows and chunked
 offsets; blocks are shuffled, and every cache slot no request has written (the scratch
 block included) holds NaN, as does the output buffer, so reading past a length, from the
 wrong block, or leaving a row unwritten shows up as NaN or a mismatch. A backend declaring
-`step_kv` is also given the step's K/V (views into one fused projection) and must still
-equal the reference.
+`step_kv` is also given the step's K/V (views into the projections' outputs, as engines
+pass them) and must still equal the reference.
 """
 
 from __future__ import annotations
@@ -183,15 +183,23 @@ def check_against_reference(platform: Platform, device_index: int, case: Case, n
         pytest.skip(f"not applicable: no declared backend covers {name} ({mode})")
 
 
+def projection_views(tokens: int, q_heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as engines pass them: K a view into the rotary output ([tokens, q + kv heads,
+    dim]), V a view into the fused QKV projection ([tokens, q + 2 kv heads, dim]). Two
+    storages, two row strides, each wider than a K row: a kernel must honour each tensor's
+    own strides. Filled with NaN."""
+    rotated = torch.full((tokens, q_heads + kv_heads, dim), float("nan"), dtype=dtype, device=device)
+    projected = torch.full((tokens, q_heads + 2 * kv_heads, dim), float("nan"), dtype=dtype, device=device)
+    return rotated[:, q_heads:], projected[:, q_heads + kv_heads :]
+
+
 def step_kv_views(layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's K/V as an engine passes them to a backend declaring `step_kv`: row t is what
-    `write_kv` stored at slot_mapping[t], read through views into one fused projection
-    ([tokens, (2 + 2 kv) heads, dim] sliced by heads), so a row's stride is wider than a K row."""
-    tokens, (kv_heads, dim) = layout.query.shape[0], layout.k_cache.shape[2:]
-    fused = torch.full((tokens, 4 * kv_heads, dim), float("nan"), dtype=layout.k_cache.dtype,
-                       device=layout.k_cache.device)
+    """The step's K/V for a backend declaring `step_kv`: row t is what `write_kv` stored at
+    slot_mapping[t], in the engine's layout (`projection_views`)."""
+    (tokens, q_heads, dim), kv_heads = layout.query.shape, layout.k_cache.shape[2]
+    key, value = projection_views(tokens, q_heads, kv_heads, dim, layout.k_cache.dtype, layout.k_cache.device)
     slots = layout.meta.slot_mapping.long()
-    key, value = fused[:, kv_heads : 2 * kv_heads], fused[:, 3 * kv_heads :]
     key.copy_(layout.k_cache.view(-1, kv_heads, dim)[slots])
     value.copy_(layout.v_cache.view(-1, kv_heads, dim)[slots])
     return key, value
@@ -235,16 +243,20 @@ def test_prefill_matches_the_reference(platform, device_index, name):
 
 
 def test_write_kv_stores_each_token_in_its_slot(platform, device_index):
-    writes_each_slot(platform, device_index, lambda tokens, heads, dim, device: (
-        torch.randn(tokens, heads, dim, device=device), torch.randn(tokens, heads, dim, device=device)))
+    writes_each_slot(platform, device_index, lambda tokens, heads, dim, dtype, device: (
+        torch.randn(tokens, heads, dim).to(dtype=dtype, device=device),
+        torch.randn(tokens, heads, dim).to(dtype=dtype, device=device)))
 
 
-def test_write_kv_reads_views_into_one_projection(platform, device_index):
-    """Engines pass K and V as views into one fused QKV output ([tokens, (q + 2 kv) heads, dim]
-    sliced by heads): a token's row stride is wider than its K row, so a writer must honour strides."""
-    def views(tokens: int, heads: int, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        fused = torch.randn(tokens, 4 * heads, dim, device=device)
-        return fused[:, 2 * heads : 3 * heads], fused[:, 3 * heads :]
+def test_write_kv_reads_views_into_the_projections(platform, device_index):
+    """Engines pass K and V as views into the projections' outputs (`projection_views`): a
+    token's row stride is wider than its K row, and K's differs from V's, so a writer must
+    honour each tensor's strides."""
+    def views(tokens: int, heads: int, dim: int, dtype: torch.dtype,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key, value = projection_views(tokens, PREFILL_CASES["padded_rows"].q_heads, heads, dim, dtype, device)
+        key.copy_(torch.randn(key.shape)), value.copy_(torch.randn(value.shape))
+        return key, value
 
     writes_each_slot(platform, device_index, views)
 
@@ -257,7 +269,7 @@ def writes_each_slot(platform, device_index, make_kv) -> None:  # noqa: ANN001
         dtype = capability.dtypes[0]
         layout = paged_layout(case, dtype, capability, device, seed=7)
         tokens = layout.meta.slot_mapping.shape[0]
-        key, value = (t.to(dtype) for t in make_kv(tokens, case.kv_heads, layout.query.shape[2], device))
+        key, value = make_kv(tokens, case.kv_heads, layout.query.shape[2], dtype, device)
         expected_k, expected_v = layout.k_cache.clone(), layout.v_cache.clone()
         write_kv(expected_k, expected_v, key, value, layout.meta.slot_mapping)
         backend.write_kv(layout.k_cache, layout.v_cache, key, value, layout.meta.slot_mapping)
