@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from torchhal.core.engine import DecodeGraphConfig, EagerRunner, EngineConfig, GenerationEngine, PrefillGraphConfig
-from torchhal.core.model import AttentionMetadata, ModelConfig, ReferenceDecoder
+from torchhal.core.model import AttentionMetadata, LlamaDecoder, ModelConfig, ReferenceDecoder
 
 SMALL = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=48, max_position=256)
 
@@ -430,3 +430,57 @@ def test_decode_rows_are_sized_by_the_pool_not_by_max_position() -> None:
     engine = GenerationEngine(EngineConfig(model=huge, max_kv_slots=512, kv_block_size=16))
     assert engine.decode_rows.table.shape == (engine.max_running_requests, 512 // 16)
     assert len(engine.generate([[1, 2, 3]], 4)[0].output) == 4
+
+
+class CaptureFailed(RuntimeError):
+    pass
+
+
+def failing_runner(engine: GenerationEngine) -> EagerRunner:
+    raise CaptureFailed("graph capture ran out of memory")
+
+
+def randomized(config: ModelConfig) -> LlamaDecoder:
+    model = LlamaDecoder(config)  # uninitialised storage, as a checkpoint load would fill it
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(generator=torch.Generator().manual_seed(parameter.numel()))
+    return model
+
+
+@pytest.mark.parametrize("fails_at", ["runner", "decode_graphs"])
+def test_a_construction_that_fails_after_the_move_puts_the_callers_model_back(fails_at: str, monkeypatch) -> None:
+    """Construction casts the caller's model (float32 to bfloat16 is lossy), gives it a cache,
+    eval mode, compiled layers; when a later part fails (graph capture out of memory, say),
+    the model is put back exactly as it was: the same parameters holding the same bits, the
+    fused weights' views, training mode, no cache, uncompiled layers. A retry then gives a
+    fresh model's tokens."""
+    from torch._dynamo.testing import CompileCounter
+
+    tied = dataclasses.replace(SMALL, tie_word_embeddings=True)
+    model = randomized(tied)
+    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    parameters = dict(model.named_parameters())
+    layer_math = dict(vars(model.layer_math))
+    overrides: dict[str, object] = {"runner_factory": failing_runner}
+    if fails_at == "decode_graphs":  # the last part of construction
+        monkeypatch.setattr(GenerationEngine, "_new_decode_runner", lambda self, settings: failing_runner(self))
+        overrides = {}
+    config = EngineConfig(max_kv_slots=512, dtype=torch.bfloat16, compile_layers=CompileCounter(),
+                          decode_graphs=DecodeGraphConfig(emulate=True) if fails_at == "decode_graphs" else None)
+    with pytest.raises(CaptureFailed):
+        GenerationEngine(config, model=model, **overrides)  # type: ignore[arg-type]
+    after = model.state_dict()
+    assert after.keys() == state.keys()
+    for name, tensor in after.items():
+        assert tensor.dtype == state[name].dtype and torch.equal(tensor, state[name]), name
+    assert dict(model.named_parameters()) == parameters  # the same Parameter objects
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.weight.data_ptr() == attn.fused_weight.data_ptr()  # still views into the fused weight
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.training and model.kv is None and vars(model.layer_math) == layer_math
+    monkeypatch.undo()
+    fresh = randomized(tied)
+    config = EngineConfig(max_kv_slots=512, dtype=torch.float32)
+    tokens = [r.output for r in GenerationEngine(config, model=model).generate([[1, 2, 3]], 5)]
+    assert tokens == [r.output for r in GenerationEngine(config, model=fresh).generate([[1, 2, 3]], 5)]

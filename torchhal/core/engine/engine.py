@@ -38,6 +38,7 @@ from torchhal.attention import AttentionChoice, AttentionSpec
 from torchhal.core.devices import check_device_index
 from torchhal.core.engine.events import EngineEvents
 from torchhal.core.engine.kv_pool import BlockAllocator, KVPoolSizing, size_kv_pool
+from torchhal.core.engine.model_state import restored_on_failure
 from torchhal.core.engine.occupation import MemoryOccupation
 from torchhal.core.engine.ranks import agree_on_config, agree_on_verdict, check_group, shard_problem
 from torchhal.core.engine.records import (
@@ -160,79 +161,82 @@ class GenerationEngine:
                 f"EngineConfig.compile_layers = {config.compile_layers!r}, but model {type(model).__name__} "
                 "has no compile_layers(backend); leave compile_layers None for this model"
             )
-        self.config = config
-        self.group = group if group is not None and group.world_size > 1 else None
-        self.platform = platform or (group.platform if group is not None else current_platform())
-        self.device_index = engine_device_index(self.platform, config, group)
-        self.device = self.platform.device(self.device_index)
-        built: Model = ReferenceDecoder(config.model) if model is None else model
-        if self.group is not None:
-            built = _rank_model(built, self.group)
-        built.to(self.device, config.dtype)
-        built.eval()
-        linear_kernel, linear_why = use_platform_linear(built, self.platform.linear_support, config.dtype)
-        compile_options: dict[str, Any] | None = None
-        compile_why = "layers are not compiled (EngineConfig.compile_layers is None)"
-        if config.compile_layers is not None:
-            compile_layers = built.compile_layers  # type: ignore[attr-defined]  # checked above
-            compile_options, compile_why = platform_compile_options(
-                compile_layers, config.compile_layers, self.platform.compile_support)
-            if compile_options:  # before any graph is captured
-                compile_layers(config.compile_layers, compile_options)
-            else:
-                compile_layers(config.compile_layers)
-        self.model: Model = built
-        model_config, local = self.model_config, self.local_config
-        self.kv_sizing: KVPoolSizing = size_kv_pool(
-            self.platform, self.device_index, local, config.dtype, config.kv_fraction, config.max_kv_slots,
-            config.kv_block_size, free_bytes=self._free_bytes_everywhere(),
-        )
-        self.attention: AttentionChoice = self.platform.choose_attention(AttentionSpec(
-            num_q_heads=local.num_heads, num_kv_heads=local.num_kv_heads,
-            head_dim=local.head_dim, dtype=config.dtype, block_size=config.kv_block_size,
-            sliding_window=local.sliding_window, needs_graph=config.decode_graphs is not None,
-        ))
-        self.model.kv = self._new_kv_cache()
-        self.requests = RequestBook(
-            BlockAllocator(self.kv_sizing.num_blocks, config.kv_block_size), model_config.vocab_size,
-            model_config.max_position, grow_pool=self.kv_sizing.how_to_grow,
-        )
-        self.scheduler = Scheduler(self.requests, config.max_batch_tokens, config.max_running)
-        self.weights = WeightUpdater(
-            self.model, check_finite=config.check_finite_weights,
-            shard=getattr(self.model, "shard", None) if self.group is not None else None,
-            agree=functools.partial(agree_on_verdict, self.group) if self.group is not None else None,
-        )
-        self.occupation = MemoryOccupation(self.platform, self.device)
-        self.events = EngineEvents(self.platform, self.device_index)
-        self.events.record("attention_backend", backend=self.attention.name, why=self.attention.why)
-        self.events.record("linear_kernel", kernel=linear_kernel, why=linear_why)
-        self.events.record("compile_options", options=compile_options, why=compile_why)
-        self.paused: PauseMode | None = None
-        # Reentrant: public methods call each other (flush_cache drains, pause drains, ...).
-        self._lock = threading.RLock()
-        self._resumed = threading.Condition(self._lock)  # notified by continue_generation
-        self._stepping = False  # a step is running (on the thread holding the lock)
-        self._steps = 0
-        self._idle_since: float | None = None
-        self._idle_emptied = False
-        self.broken: str | None = None  # tensor parallel: why a failed step ended this engine
-        self.runner: ModelRunner = self._new_runner(runner_factory)
-        eos = set(config.eos_tokens) | ({config.eos_token} if config.eos_token is not None else set())
-        self._eos: frozenset[int] = frozenset(eos)
-        # Pure decode steps on the runner read their metadata from here: each request keeps a
-        # row whose blocks are uploaded once, so a step's host work does not grow with the context.
-        # No request holds more tokens than the pool has slots, whatever max_position says.
-        longest = min(model_config.max_position, self.kv_sizing.num_slots)
-        self.decode_rows = BlockTable(self.max_running_requests, longest, config.kv_block_size, self.device,
-                                      pin=self.platform.pin_memory)
-        self.requests.on_leave = self._forget_rows
-        self.decode_runner: DecodeGraphRunner | None = None
-        self.checkpoint: LoadReport | None = None  # set by from_checkpoint
-        self._in_flight: _Window | None = None  # a launched decode window whose tokens have not landed
-        self._landing: _Landing | None = None  # a step's tokens still on their way to the host
-        if config.decode_graphs is not None:
-            self.decode_runner = self._new_decode_runner(config.decode_graphs)
+        # Past this point the caller's model is moved, cast and given a cache; if anything
+        # fails (graph capture out of memory, say), it is put back as it was.
+        with restored_on_failure(model):
+            self.config = config
+            self.group = group if group is not None and group.world_size > 1 else None
+            self.platform = platform or (group.platform if group is not None else current_platform())
+            self.device_index = engine_device_index(self.platform, config, group)
+            self.device = self.platform.device(self.device_index)
+            built: Model = ReferenceDecoder(config.model) if model is None else model
+            if self.group is not None:
+                built = _rank_model(built, self.group)
+            built.to(self.device, config.dtype)
+            built.eval()
+            linear_kernel, linear_why = use_platform_linear(built, self.platform.linear_support, config.dtype)
+            compile_options: dict[str, Any] | None = None
+            compile_why = "layers are not compiled (EngineConfig.compile_layers is None)"
+            if config.compile_layers is not None:
+                compile_layers = built.compile_layers  # type: ignore[attr-defined]  # checked above
+                compile_options, compile_why = platform_compile_options(
+                    compile_layers, config.compile_layers, self.platform.compile_support)
+                if compile_options:  # before any graph is captured
+                    compile_layers(config.compile_layers, compile_options)
+                else:
+                    compile_layers(config.compile_layers)
+            self.model: Model = built
+            model_config, local = self.model_config, self.local_config
+            self.kv_sizing: KVPoolSizing = size_kv_pool(
+                self.platform, self.device_index, local, config.dtype, config.kv_fraction, config.max_kv_slots,
+                config.kv_block_size, free_bytes=self._free_bytes_everywhere(),
+            )
+            self.attention: AttentionChoice = self.platform.choose_attention(AttentionSpec(
+                num_q_heads=local.num_heads, num_kv_heads=local.num_kv_heads,
+                head_dim=local.head_dim, dtype=config.dtype, block_size=config.kv_block_size,
+                sliding_window=local.sliding_window, needs_graph=config.decode_graphs is not None,
+            ))
+            self.model.kv = self._new_kv_cache()
+            self.requests = RequestBook(
+                BlockAllocator(self.kv_sizing.num_blocks, config.kv_block_size), model_config.vocab_size,
+                model_config.max_position, grow_pool=self.kv_sizing.how_to_grow,
+            )
+            self.scheduler = Scheduler(self.requests, config.max_batch_tokens, config.max_running)
+            self.weights = WeightUpdater(
+                self.model, check_finite=config.check_finite_weights,
+                shard=getattr(self.model, "shard", None) if self.group is not None else None,
+                agree=functools.partial(agree_on_verdict, self.group) if self.group is not None else None,
+            )
+            self.occupation = MemoryOccupation(self.platform, self.device)
+            self.events = EngineEvents(self.platform, self.device_index)
+            self.events.record("attention_backend", backend=self.attention.name, why=self.attention.why)
+            self.events.record("linear_kernel", kernel=linear_kernel, why=linear_why)
+            self.events.record("compile_options", options=compile_options, why=compile_why)
+            self.paused: PauseMode | None = None
+            # Reentrant: public methods call each other (flush_cache drains, pause drains, ...).
+            self._lock = threading.RLock()
+            self._resumed = threading.Condition(self._lock)  # notified by continue_generation
+            self._stepping = False  # a step is running (on the thread holding the lock)
+            self._steps = 0
+            self._idle_since: float | None = None
+            self._idle_emptied = False
+            self.broken: str | None = None  # tensor parallel: why a failed step ended this engine
+            self.runner: ModelRunner = self._new_runner(runner_factory)
+            eos = set(config.eos_tokens) | ({config.eos_token} if config.eos_token is not None else set())
+            self._eos: frozenset[int] = frozenset(eos)
+            # Pure decode steps on the runner read their metadata from here: each request keeps a
+            # row whose blocks are uploaded once, so a step's host work does not grow with the context.
+            # No request holds more tokens than the pool has slots, whatever max_position says.
+            longest = min(model_config.max_position, self.kv_sizing.num_slots)
+            self.decode_rows = BlockTable(self.max_running_requests, longest, config.kv_block_size, self.device,
+                                          pin=self.platform.pin_memory)
+            self.requests.on_leave = self._forget_rows
+            self.decode_runner: DecodeGraphRunner | None = None
+            self.checkpoint: LoadReport | None = None  # set by from_checkpoint
+            self._in_flight: _Window | None = None  # a launched decode window whose tokens have not landed
+            self._landing: _Landing | None = None  # a step's tokens still on their way to the host
+            if config.decode_graphs is not None:
+                self.decode_runner = self._new_decode_runner(config.decode_graphs)
         _ENGINE_OF_MODEL[id(self.model)] = self  # the model now holds this engine's KV cache
 
     def _free_bytes_everywhere(self) -> int | None:
