@@ -450,31 +450,55 @@ def randomized(config: ModelConfig) -> LlamaDecoder:
 
 @pytest.mark.parametrize("fails_at", ["runner", "decode_graphs"])
 def test_a_construction_that_fails_after_the_move_puts_the_callers_model_back(fails_at: str, monkeypatch) -> None:
-    """Construction casts the caller's model (float32 to bfloat16 is lossy), gives it a cache,
-    eval mode, compiled layers; when a later part fails (graph capture out of memory, say),
-    the model is put back exactly as it was: the same parameters holding the same bits, the
-    fused weights' views, training mode, no cache, uncompiled layers. A retry then gives a
-    fresh model's tokens."""
+    """Construction casts the caller's model (float32 to bfloat16 is lossy, gradients too),
+    gives it a cache, eval mode, compiled layers; when a later part fails (graph capture out
+    of memory, say), the model is put back exactly as it was: the same parameters holding
+    the same bits, their gradients, the fused weights' views, every module's attributes,
+    uncompiled layers. The half-built engine drops what it built at once (no collector
+    needed). A retry then gives a fresh model's tokens."""
+    import gc
+    import weakref
+
     from torch._dynamo.testing import CompileCounter
 
     tied = dataclasses.replace(SMALL, tie_word_embeddings=True)
     model = randomized(tied)
+    model.model.norm.weight.grad = torch.randn_like(model.model.norm.weight)  # a caller mid-training
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    grad = model.model.norm.weight.grad.clone()
     parameters = dict(model.named_parameters())
+    attributes = {name: dict(vars(module)) for name, module in model.named_modules()}
     layer_math = dict(vars(model.layer_math))
-    overrides: dict[str, object] = {"runner_factory": failing_runner}
+    halves: list[weakref.ref[GenerationEngine]] = []
+
+    def fail(engine: GenerationEngine) -> EagerRunner:
+        halves.append(weakref.ref(engine))
+        engine.model.program_cache = {}  # type: ignore[attr-defined]  # state a part of construction adds
+        return failing_runner(engine)
+
+    overrides: dict[str, object] = {"runner_factory": fail}
     if fails_at == "decode_graphs":  # the last part of construction
-        monkeypatch.setattr(GenerationEngine, "_new_decode_runner", lambda self, settings: failing_runner(self))
+        monkeypatch.setattr(GenerationEngine, "_new_decode_runner", lambda self, settings: fail(self))
         overrides = {}
+    graphs = {"decode_graphs": DecodeGraphConfig(emulate=True),  # built after the prefill graphs' program
+              "prefill_graphs": PrefillGraphConfig(token_buckets=(4, 16), emulate=True)}
     config = EngineConfig(max_kv_slots=512, dtype=torch.bfloat16, compile_layers=CompileCounter(),
-                          decode_graphs=DecodeGraphConfig(emulate=True) if fails_at == "decode_graphs" else None)
-    with pytest.raises(CaptureFailed):
-        GenerationEngine(config, model=model, **overrides)  # type: ignore[arg-type]
+                          **(graphs if fails_at == "decode_graphs" else {}))  # type: ignore[arg-type]
+    gc.disable()
+    try:
+        with pytest.raises(CaptureFailed):
+            GenerationEngine(config, model=model, **overrides)  # type: ignore[arg-type]
+        assert halves and halves[0]() is None  # freed by reference counting alone
+    finally:
+        gc.enable()
     after = model.state_dict()
     assert after.keys() == state.keys()
     for name, tensor in after.items():
         assert tensor.dtype == state[name].dtype and torch.equal(tensor, state[name]), name
     assert dict(model.named_parameters()) == parameters  # the same Parameter objects
+    norm = model.model.norm.weight
+    assert norm.grad is not None and norm.grad.dtype == torch.float32 and torch.equal(norm.grad, grad)
+    assert {name: dict(vars(module)) for name, module in model.named_modules()} == attributes
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.weight.data_ptr() == attn.fused_weight.data_ptr()  # still views into the fused weight
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -484,3 +508,32 @@ def test_a_construction_that_fails_after_the_move_puts_the_callers_model_back(fa
     config = EngineConfig(max_kv_slots=512, dtype=torch.float32)
     tokens = [r.output for r in GenerationEngine(config, model=model).generate([[1, 2, 3]], 5)]
     assert tokens == [r.output for r in GenerationEngine(config, model=fresh).generate([[1, 2, 3]], 5)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_originals_kept_for_a_restore_count_as_free_host_memory_when_the_pool_is_sized(dtype: torch.dtype) -> None:
+    """On the host (no caching allocator) a cast frees the float32 originals; holding them for
+    a restore must not shrink the KV pool: the sizing adds back exactly the bytes only the
+    record keeps. With no cast, a host model is not copied at all (torch would copy `cpu`
+    to `cpu:0`) and nothing but the recomputed rotary frequencies is added."""
+    import torchhal
+    from torchhal.platforms import MemoryInfo
+    from torchhal.platforms.testing import patched_plugin
+
+    def storages(model: torch.nn.Module) -> dict[int, int]:
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()]}
+
+    model = randomized(SMALL)
+    originals = storages(model)
+    free = 10 * 2**20
+    platform = torchhal.get_platform("cpu")
+    with patched_plugin(platform, memory_info=lambda index: MemoryInfo(device=index, free=free, total=4 * free)):
+        engine = GenerationEngine(EngineConfig(max_kv_slots=4096, dtype=dtype), model=model, platform=platform)
+    kept = storages(model)
+    dropped = sum(size for pointer, size in originals.items() if pointer not in kept)
+    assert engine.kv_sizing.free_bytes == free + dropped
+    if dtype == torch.float32:
+        assert dropped == model.model.rotary_emb.inv_freq.untyped_storage().nbytes()  # the weights stayed put
+    else:
+        assert dropped == sum(originals.values())

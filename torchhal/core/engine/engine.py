@@ -18,6 +18,7 @@ continuous batch and each returns exactly its own results (`_serialized`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import inspect
@@ -38,7 +39,7 @@ from torchhal.attention import AttentionChoice, AttentionSpec
 from torchhal.core.devices import check_device_index
 from torchhal.core.engine.events import EngineEvents
 from torchhal.core.engine.kv_pool import BlockAllocator, KVPoolSizing, size_kv_pool
-from torchhal.core.engine.model_state import restored_on_failure
+from torchhal.core.engine.model_state import ModelState, restored_on_failure
 from torchhal.core.engine.occupation import MemoryOccupation
 from torchhal.core.engine.ranks import agree_on_config, agree_on_verdict, check_group, shard_problem
 from torchhal.core.engine.records import (
@@ -162,8 +163,9 @@ class GenerationEngine:
                 "has no compile_layers(backend); leave compile_layers None for this model"
             )
         # Past this point the caller's model is moved, cast and given a cache; if anything
-        # fails (graph capture out of memory, say), it is put back as it was.
-        with restored_on_failure(model):
+        # fails (graph capture out of memory, say), it is put back as it was, and this
+        # half-built engine drops what it built (graphs, the KV pool) at once.
+        with _dropped_on_failure(self), restored_on_failure(model) as saved:
             self.config = config
             self.group = group if group is not None and group.world_size > 1 else None
             self.platform = platform or (group.platform if group is not None else current_platform())
@@ -172,7 +174,7 @@ class GenerationEngine:
             built: Model = ReferenceDecoder(config.model) if model is None else model
             if self.group is not None:
                 built = _rank_model(built, self.group)
-            built.to(self.device, config.dtype)
+            built.to(_placement(built, self.device), config.dtype)
             built.eval()
             linear_kernel, linear_why = use_platform_linear(built, self.platform.linear_support, config.dtype)
             compile_options: dict[str, Any] | None = None
@@ -189,7 +191,7 @@ class GenerationEngine:
             model_config, local = self.model_config, self.local_config
             self.kv_sizing: KVPoolSizing = size_kv_pool(
                 self.platform, self.device_index, local, config.dtype, config.kv_fraction, config.max_kv_slots,
-                config.kv_block_size, free_bytes=self._free_bytes_everywhere(),
+                config.kv_block_size, free_bytes=self._free_bytes_everywhere(saved),
             )
             self.attention: AttentionChoice = self.platform.choose_attention(AttentionSpec(
                 num_q_heads=local.num_heads, num_kv_heads=local.num_kv_heads,
@@ -239,11 +241,16 @@ class GenerationEngine:
                 self.decode_runner = self._new_decode_runner(config.decode_graphs)
         _ENGINE_OF_MODEL[id(self.model)] = self  # the model now holds this engine's KV cache
 
-    def _free_bytes_everywhere(self) -> int | None:
+    def _free_bytes_everywhere(self, saved: ModelState | None) -> int | None:
         """Tensor parallel: the least free device memory of any rank, so every rank sizes the
-        same KV pool and schedules alike; None (this device's, measured by the sizing) otherwise."""
+        same KV pool and schedules alike; None (this device's, measured by the sizing) otherwise.
+        On a platform without a caching allocator (the host), the originals of a model cast
+        on its own device, kept for a restore, count as free: the cast would have freed them."""
         if self.group is None:
-            return None
+            info = self.platform.memory_info(self.device_index)
+            if saved is None or info.reserved is not None:
+                return None
+            return info.free + saved.held_bytes(self.device)
         return self.platform.available_memory(self.group.host)  # on the rank's device: init_group made it current
 
     def _new_runner(self, runner_factory: Callable[[GenerationEngine], ModelRunner] | None) -> ModelRunner:
@@ -958,6 +965,29 @@ def platform_compile_options(compile_layers: Callable[..., None], backend: str |
     if "options" not in inspect.signature(compile_layers).parameters:
         return None, "the model's compile_layers(backend) takes no options"
     return dict(support.inductor_options), support.note or "the platform's inductor options"
+
+
+def _placement(model: Model, device: torch.device) -> torch.device:
+    """Where the engine moves `model`: `device`, except that a model already in host memory
+    stays where it is for a host engine (torch copies every tensor from `cpu` to `cpu:0`,
+    which is the same memory)."""
+    if device.type == "cpu":
+        first = next((tensor for _, tensor in model.named_parameters()), None)
+        if first is not None and first.device.type == "cpu":
+            return first.device
+    return device
+
+
+@contextlib.contextmanager
+def _dropped_on_failure(engine: GenerationEngine) -> Iterator[None]:
+    """If the block raises, `engine` (half built) forgets everything it holds: the exception's
+    traceback keeps the object alive, and its request book points back at it, so its graphs
+    and KV pool would otherwise stay allocated until the garbage collector runs."""
+    try:
+        yield
+    except BaseException:
+        vars(engine).clear()
+        raise
 
 
 def _rank_model(model: Model, group: DeviceGroup) -> Model:
