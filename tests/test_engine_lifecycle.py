@@ -302,6 +302,19 @@ def test_a_weight_update_made_while_asleep_survives_wake(make_registry, copying_
     assert outputs_of(e, PROMPTS[:3]) == expected
 
 
+def test_a_host_engine_wakes_its_host_model_where_it_slept(make_registry):
+    """On the host, wake leaves the sleeping weights where they are: torch would copy every
+    tensor from `cpu` to `cpu:0`, the same memory."""
+    make_registry()
+    e = engine()
+    before = outputs_of(e, PROMPTS[:3])
+    e.release_memory_occupation()
+    asleep = [p.untyped_storage().data_ptr() for p in e.model.parameters()]
+    e.resume_memory_occupation()
+    assert [p.untyped_storage().data_ptr() for p in e.model.parameters()] == asleep
+    assert outputs_of(e, PROMPTS[:3]) == before
+
+
 # -- refused calls change nothing ------------------------------------------------------------------
 def test_generate_while_asleep_is_refused_and_queues_nothing(empties):
     e = engine()

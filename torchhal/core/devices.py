@@ -1,6 +1,11 @@
-"""The device-index check engine code shares (the engine's config, the residency manager)."""
+"""Device checks engine code shares: the device index (the engine's config, the residency
+manager), and where a model moves."""
 
 from __future__ import annotations
+
+from typing import Any
+
+import torch
 
 from torchhal.platforms import Platform
 
@@ -21,3 +26,14 @@ def check_device_index(platform: Platform, index: object, label: str) -> int:
             f"pass 0..{max(count - 1, 0)}, or None for the current device"
         )
     return index
+
+
+def model_placement(model: Any, device: torch.device) -> torch.device:
+    """Where to move `model` (anything with `named_parameters()`) to run on `device`: `device`,
+    except that a model already in host memory stays where it is for a host device (torch
+    copies every tensor from `cpu` to `cpu:0`, which is the same memory)."""
+    if device.type == "cpu":
+        first = next((tensor for _, tensor in model.named_parameters()), None)
+        if first is not None and first.device.type == "cpu":
+            return first.device
+    return device

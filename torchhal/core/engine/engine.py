@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 import torch
 
 from torchhal.attention import AttentionChoice, AttentionSpec
-from torchhal.core.devices import check_device_index
+from torchhal.core.devices import check_device_index, model_placement
 from torchhal.core.engine.events import EngineEvents
 from torchhal.core.engine.kv_pool import BlockAllocator, KVPoolSizing, size_kv_pool
 from torchhal.core.engine.model_state import ModelState, restored_on_failure
@@ -174,7 +174,7 @@ class GenerationEngine:
             built: Model = ReferenceDecoder(config.model) if model is None else model
             if self.group is not None:
                 built = _rank_model(built, self.group)
-            built.to(_placement(built, self.device), config.dtype)
+            built.to(model_placement(built, self.device), config.dtype)
             built.eval()
             linear_kernel, linear_why = use_platform_linear(built, self.platform.linear_support, config.dtype)
             compile_options: dict[str, Any] | None = None
@@ -965,17 +965,6 @@ def platform_compile_options(compile_layers: Callable[..., None], backend: str |
     if "options" not in inspect.signature(compile_layers).parameters:
         return None, "the model's compile_layers(backend) takes no options"
     return dict(support.inductor_options), support.note or "the platform's inductor options"
-
-
-def _placement(model: Model, device: torch.device) -> torch.device:
-    """Where the engine moves `model`: `device`, except that a model already in host memory
-    stays where it is for a host engine (torch copies every tensor from `cpu` to `cpu:0`,
-    which is the same memory)."""
-    if device.type == "cpu":
-        first = next((tensor for _, tensor in model.named_parameters()), None)
-        if first is not None and first.device.type == "cpu":
-            return first.device
-    return device
 
 
 @contextlib.contextmanager

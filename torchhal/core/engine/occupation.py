@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from torchhal.core.devices import model_placement
 from torchhal.core.engine.runners import ModelRunner
 from torchhal.core.model import KVCache, Model
 from torchhal.platforms import Platform
@@ -39,7 +40,7 @@ class MemoryOccupation:
         self.asleep = True
 
     def wake(self, model: Model, runner: ModelRunner, make_kv: Callable[[], KVCache]) -> None:
-        model.to(self.device)
+        model.to(model_placement(model, self.device))
         model.process_weights()
         model.kv = make_kv()
         self.asleep = False
