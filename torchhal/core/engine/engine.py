@@ -241,17 +241,16 @@ class GenerationEngine:
                 self.decode_runner = self._new_decode_runner(config.decode_graphs)
         _ENGINE_OF_MODEL[id(self.model)] = self  # the model now holds this engine's KV cache
 
-    def _free_bytes_everywhere(self, saved: ModelState | None) -> int | None:
-        """Tensor parallel: the least free device memory of any rank, so every rank sizes the
-        same KV pool and schedules alike; None (this device's, measured by the sizing) otherwise.
-        On a platform without a caching allocator (the host), the originals of a model cast
-        on its own device, kept for a restore, count as free: the cast would have freed them."""
-        if self.group is None:
-            info = self.platform.memory_info(self.device_index)
-            if saved is None or info.reserved is not None:
-                return None
-            return info.free + saved.held_bytes(self.device)
-        return self.platform.available_memory(self.group.host)  # on the rank's device: init_group made it current
+    def _free_bytes_everywhere(self, saved: ModelState | None) -> int:
+        """The free memory the KV pool is sized from: this device's, or under tensor parallel
+        the least of any rank's, so every rank sizes the same pool and schedules alike. On a
+        platform without a caching allocator (the host), the originals of a model cast on its
+        own device, kept for a restore, count as free: the cast would have freed them."""
+        if self.group is not None:
+            return self.platform.available_memory(self.group.host)  # on the rank's device: init_group made it current
+        info = self.platform.memory_info(self.device_index)
+        held = saved.held_bytes(self.device) if saved is not None and info.reserved is None else 0
+        return info.free + held
 
     def _new_runner(self, runner_factory: Callable[[GenerationEngine], ModelRunner] | None) -> ModelRunner:
         """The runner of every step full-graph decode does not take: the caller's, breakable
