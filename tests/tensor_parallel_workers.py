@@ -209,5 +209,41 @@ def wrong_shard(group: Any, job: dict[str, Any]) -> dict[str, Any]:
             "tokens": [list(r.output) for r in engine.generate(job["prompts"], job["new_tokens"])]}
 
 
-JOBS = {"generate": generate, "lifecycle": lifecycle, "failure": failure, "reference": reference,
+def close_group(group: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """`group.close()` with an engine (emulated decode graphs) still alive, and one already gone."""
+    import dataclasses
+    import gc
+    import weakref
+
+    from torchhal.core.engine import GenerationEngine
+    from torchhal.core.model import ModelConfig
+
+    config = dataclasses.replace(engine_config(True), model=ModelConfig(**job["model"]))
+    gone = GenerationEngine(config, group=group)
+    gone_ref = weakref.ref(gone)
+    del gone
+    gc.collect()  # the engine's own reference cycles; the group must not be what keeps it
+    engine = GenerationEngine(config, group=group)
+    before = [list(r.output) for r in engine.generate(job["prompts"], 4)]
+    runner = engine.decode_runner
+    assert runner is not None
+    release = runner.release
+    seen: dict[str, Any] = {}
+
+    def spied_release() -> None:
+        # The group still works here: its graphs go before its backends do.
+        seen["sum_while_releasing"] = group.comm.all_reduce(torch.ones(1)).item()
+        release()
+
+    runner.release = spied_release  # type: ignore[method-assign]
+    group.close()
+    try:
+        engine.generate(job["prompts"], 2)
+        after = "returned"
+    except RuntimeError as exc:
+        after = str(exc)
+    return {"collected": gone_ref() is None, "tokens": before, **seen, "after": after}
+
+
+JOBS = {"close": close_group, "generate": generate, "lifecycle": lifecycle, "failure": failure, "reference": reference,
         "disagreement": disagreement, "wrong_shard": wrong_shard}

@@ -130,6 +130,33 @@ def test_lifecycle_and_a_failed_step_under_tp2(tmp_path: Path) -> None:
         assert failed["pending"] is None, "the failed generate call must withdraw its requests"
 
 
+def test_closing_the_group_releases_a_live_engines_graphs_first(tmp_path: Path) -> None:
+    """NCCL cannot destroy a communicator that a captured graph still uses (close would wait
+    for ever), so `close()` first has every engine of the group drop its graphs, while the
+    group still works; the engine then refuses steps, naming the close. The group holds its
+    engines weakly: one already gone costs nothing."""
+    model = dict(vocab_size=131, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
+                 seed=3)
+    ranks = run_group(2, [dict(kind="close", name="close", model=model, prompts=PROMPTS[:2])], tmp_path)
+    for rank, results in enumerate(ranks):
+        closed = results["close"]
+        assert closed["collected"], f"rank {rank}: the group kept a dropped engine alive"
+        assert closed["sum_while_releasing"] == 2.0, f"rank {rank}: the graphs were not released before the close"
+        assert closed["after"].startswith("this engine's group was closed (DeviceGroup.close)"), closed["after"]
+    assert ranks[0]["close"]["tokens"] == ranks[1]["close"]["tokens"]
+
+
+def test_release_on_close_takes_bound_methods_only() -> None:
+    from torchhal.distributed import init_group
+
+    group = init_group(rank=0, world_size=1, local_rank=0)
+    try:
+        with pytest.raises(TypeError, match="must be a bound method"):
+            group.release_on_close(lambda: None)
+    finally:
+        group.close()
+
+
 def test_a_rank_reads_only_its_slices(tmp_path: Path) -> None:
     """Each rank's parameters are exactly its slices of the HF tensors (padding rows zero),
     and it reads only those bytes: about half the sharded weights, plus the replicated ones."""

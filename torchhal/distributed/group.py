@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -103,6 +104,7 @@ class DeviceGroup:
     host: Communicator
     timeout: timedelta
     _owned: tuple[TorchCommunicator, ...] = ()
+    _releases: list[weakref.WeakMethod[Callable[[], None]]] = field(default_factory=list)
 
     @property
     def rank(self) -> int:
@@ -112,11 +114,27 @@ class DeviceGroup:
     def world_size(self) -> int:
         return self.placement.world_size
 
+    def release_on_close(self, release: Callable[[], None]) -> None:
+        """Have `close()` call `release` (a bound method: the group holds it weakly, so its
+        object's lifetime is its own) before it shuts the backends down. Whatever holds device
+        graphs that captured this group's collectives registers one that drops them: NCCL
+        cannot destroy a communicator while a captured graph still uses it (the shutdown waits
+        for ever). `GenerationEngine(..., group=)` registers its graphs' release."""
+        if not callable(release) or not hasattr(release, "__self__"):
+            raise TypeError(f"release = {release!r} must be a bound method (the group holds it weakly)")
+        self._releases.append(weakref.WeakMethod(release))
+
     def close(self) -> None:
         """Shut the group's backends down and drop them (its communicators then refuse calls).
+        What registered with `release_on_close` is released first.
 
         Close a group before the process exits: a backend left to interpreter teardown can
         abort the process when a peer has already gone."""
+        releases, self._releases = self._releases, []
+        for ref in releases:
+            release = ref()
+            if release is not None:
+                release()
         backends = {id(comm.backend): comm.backend for comm in self._owned if comm.backend is not None}
         for backend in backends.values():
             shutdown = getattr(backend, "shutdown", None)
@@ -148,8 +166,9 @@ def init_group(
     call while another thread is inside one is refused, so pass `name=` to each group when
     threads make groups (a default-named call from inside one, on its thread, is refused too).
     The rank's device is `platform.device_for_rank` and is made current. A collective on a dead or hung peer
-    raises `CollectiveError` (within `timeout` on gloo). Call `close()` before exiting; a
-    group made again under a closed one's name, on the same store, is a new group.
+    raises `CollectiveError` within `timeout` (gloo), or the backend ends the process within it (NCCL's
+    watchdog). Call `close()` before exiting; a group made again under a closed one's name, on the same
+    store, is a new group.
     Bad arguments are refused before anything is touched (the device, the store, the names).
     """
     global _default_names_taken, _default_naming_thread

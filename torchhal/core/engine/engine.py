@@ -240,6 +240,8 @@ class GenerationEngine:
             if config.decode_graphs is not None:
                 self.decode_runner = self._new_decode_runner(config.decode_graphs)
         _ENGINE_OF_MODEL[id(self.model)] = self  # the model now holds this engine's KV cache
+        if self.group is not None:
+            self.group.release_on_close(self._group_closing)
 
     def _free_bytes_everywhere(self, saved: ModelState | None) -> int:
         """The free memory the KV pool is sized from: this device's, or under tensor parallel
@@ -680,6 +682,17 @@ class GenerationEngine:
                 raise
             self._steps += 1
             self._append(flight.requests, tokens)
+
+    @_serialized
+    def _group_closing(self) -> None:
+        """The group is closing (`DeviceGroup.close`): drop the graphs that captured its
+        collectives, which NCCL cannot outlive, and run no more steps."""
+        self.runner.release()
+        if self.decode_runner is not None:
+            self.decode_runner.release()
+        if self.broken is None:
+            self.broken = ("this engine's group was closed (DeviceGroup.close), so it runs no more steps: make a "
+                           "new group and engine")
 
     def _break(self, error: BaseException) -> None:
         """Tensor parallel: a step that failed ends the engine (see `__init__`); its batch is
