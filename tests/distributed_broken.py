@@ -14,17 +14,26 @@ records its collectives, a replay runs them again); each declares graph-capturab
 - `dist_gather_stale_in_replay`: all_gather runs once at capture and records nothing, so a replay
   leaves the capture-time result (the engine's logits then never change).
 `dist_unknown_backend` declares dist_backend "acmeccl", which torch.distributed does not have.
+`dist_four_devices`: four simulated devices mapped correctly, so the clauses run four ranks.
+
+When a peer has died, a collective of:
+- `dist_peer_loss_ends_process` ends its process, as NCCL's watchdog does: the clause must pass it;
+- `dist_peer_loss_silent` returns its input as the sum (a wrong result, silently);
+- `dist_peer_loss_hangs` never returns;
+- `dist_peer_loss_exits_cleanly` exits with code 0, as if the work were done.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from torchhal.distributed import Communicator
+from torchhal.distributed import CollectiveError, Communicator
 from torchhal.platforms import DistributedSupport, GraphSupport, hookimpl
 from torchhal.plugins.cpu import CpuPlatform
 
@@ -67,6 +76,40 @@ class IgnoresSizes(Wrapped):
         pad[dim] = max(sizes) - tensor.shape[dim]
         # The bug: every piece padded to the widest, the padding never trimmed.
         return self.inner.all_gather(torch.cat((tensor, tensor.new_zeros(pad)), dim), dim)
+
+
+class PeerLoss(Wrapped):
+    """all_reduce that meets a dead peer (the default communicator's CollectiveError) in one way."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
+        try:
+            return self.inner.all_reduce(tensor, op)
+        except CollectiveError:
+            return self.lost_peer(tensor)
+
+    def lost_peer(self, tensor: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PeerLossEndsProcess(PeerLoss):
+    def lost_peer(self, tensor: torch.Tensor) -> torch.Tensor:
+        os._exit(6)  # a watchdog aborting the process
+
+
+class PeerLossSilent(PeerLoss):
+    def lost_peer(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor  # the bug: this rank's own values as the sum
+
+
+class PeerLossHangs(PeerLoss):
+    def lost_peer(self, tensor: torch.Tensor) -> torch.Tensor:
+        while True:  # the bug
+            time.sleep(60)
+
+
+class PeerLossExitsCleanly(PeerLoss):
+    def lost_peer(self, tensor: torch.Tensor) -> torch.Tensor:
+        os._exit(0)  # the bug: a failure that looks like success
 
 
 class SimGraph:
@@ -135,12 +178,14 @@ class GatherStaleInReplay(Captures):
 class TwoDevices(CpuPlatform):
     """Two simulated devices over host memory (cpu:0, cpu:1)."""
 
+    devices = 2
+
     def device_count(self) -> int:
-        return 2
+        return self.devices
 
     def set_device(self, index: int) -> None:
-        if index not in (0, 1):
-            raise ValueError(f"device {index}: this platform has devices 0 and 1")
+        if not 0 <= index < self.devices:
+            raise ValueError(f"device {index}: this platform has devices 0 to {self.devices - 1}")
         self._current = index
 
     def current_device(self) -> int:
@@ -148,6 +193,10 @@ class TwoDevices(CpuPlatform):
 
     def device_for_rank(self, local_rank: int, local_world_size: int) -> int:
         return local_rank
+
+
+class FourDevices(TwoDevices):
+    devices = 4
 
 
 class SwappedDevices(TwoDevices):
@@ -181,6 +230,11 @@ def torchhal_register_platforms() -> list[CpuPlatform]:
         with_communicator("dist_ignores_sizes", IgnoresSizes),
         named(TwoDevices, "dist_two_devices"),
         named(SwappedDevices, "dist_swapped_devices"),
+        named(FourDevices, "dist_four_devices"),
+        with_communicator("dist_peer_loss_ends_process", PeerLossEndsProcess),
+        with_communicator("dist_peer_loss_silent", PeerLossSilent),
+        with_communicator("dist_peer_loss_hangs", PeerLossHangs),
+        with_communicator("dist_peer_loss_exits_cleanly", PeerLossExitsCleanly),
         with_communicator("dist_captures_correctly", Captures, captured=True),
         with_communicator("dist_gather_not_capturable", GatherNotCapturable, captured=True),
         with_communicator("dist_gather_stale_in_replay", GatherStaleInReplay, captured=True),

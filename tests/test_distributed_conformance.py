@@ -14,7 +14,7 @@ CLAUSES = {
     "each_rank_runs_on_the_device_device_for_rank_names", "all_reduce_sum_max_min_on_float32_bfloat16_int64",
     "all_gather_even_and_uneven_sizes_in_rank_order", "broadcast_from_the_last_rank", "send_recv_around_a_ring",
     "available_memory_over_the_host_communicator_is_the_minimum",
-    "a_rank_that_dies_surfaces_as_collective_error_on_the_others",
+    "a_rank_that_dies_stops_the_others_within_a_bound",
 }
 
 #: Every collective engines capture in a decode graph: the all_reduces and the logits' all_gather.
@@ -35,15 +35,42 @@ def outcome(results, outcome_name):
     return sorted(name for name, t in results.items() if t["outcome"] == outcome_name)
 
 
-@pytest.mark.parametrize("platform", ["dist_wrapped_correctly", "dist_two_devices"])
+@pytest.mark.parametrize("platform", ["dist_wrapped_correctly", "dist_two_devices", "dist_four_devices"])
 def test_a_correct_platform_passes_every_clause(tmp_path, plugin_path, platform):
-    """A vendor communicator wrapping the default, and a platform of two devices mapped right."""
+    """A vendor communicator wrapping the default, and platforms of two and four devices mapped
+    right (four ranks: every clause's values, bfloat16's included, hold for more than two)."""
     out, results = distributed_results(tmp_path, plugin_path, platform)
     assert outcome(results, "failed") == [] and outcome(results, "error") == [], out.stdout[-3000:]
     assert out.returncode == 0
     assert set(outcome(results, "passed")) == CLAUSES
     for clause in CAPTURE_CLAUSES:
         assert results[clause]["skip_reason"].startswith("undeclared:")
+    assert results["a_rank_that_dies_stops_the_others_within_a_bound"]["measured"]["outcome"] == "CollectiveError"
+
+
+def test_the_gather_clause_holds_for_up_to_eight_ranks_in_every_dtype():
+    """The clause runs up to eight ranks; each rank's values must survive every dtype it is
+    gathered in (bfloat16 holds integers exactly only up to 256), and differ from every other's."""
+    import torch
+
+    from torchhal.conformance_tests._workers import DISTRIBUTED_DTYPES, gather_piece, gathered_rows
+
+    for rank in range(8):
+        piece = gather_piece(rank)
+        for dtype in DISTRIBUTED_DTYPES.values():
+            assert torch.equal(piece.to(dtype).to(torch.int64), piece), (rank, dtype)
+    values = [v for row in gathered_rows(8) for v in row]
+    assert len(set(values)) == len(values)
+
+
+def test_a_backend_that_ends_the_process_on_a_dead_peer_passes_the_clause(tmp_path, plugin_path):
+    """NCCL's way under torch's default error handling: the collective returns, its watchdog
+    ends the process. Never silent, never a hang: the clause passes and says which it saw."""
+    out, results = distributed_results(tmp_path, plugin_path, "dist_peer_loss_ends_process")
+    clause = results["a_rank_that_dies_stops_the_others_within_a_bound"]
+    assert clause["outcome"] == "passed", clause["message"]
+    assert clause["measured"]["outcome"] == "the backend ended the process (exit code 6)"
+    assert out.returncode == 0, out.stdout[-3000:]
 
 
 def test_a_communicator_whose_collectives_capture_passes_every_clause_and_both_replays(tmp_path, plugin_path):
@@ -62,6 +89,12 @@ def test_a_communicator_whose_collectives_capture_passes_every_clause_and_both_r
      "RuntimeError: all_gather: operation not permitted when stream is capturing"),
     ("dist_gather_stale_in_replay", "captured_all_gather_replays_on_new_inputs",
      "all_gather(dim=-1) captured in a graph (as engines capture the logits' gather) gave"),
+    # A dead peer: a wrong sum read back, a hang, a clean exit.
+    ("dist_peer_loss_silent", "a_rank_that_dies_stops_the_others_within_a_bound", "a wrong sum, silently"),
+    ("dist_peer_loss_hangs", "a_rank_that_dies_stops_the_others_within_a_bound",
+     "neither raised CollectiveError nor ended within 45 s"),
+    ("dist_peer_loss_exits_cleanly", "a_rank_that_dies_stops_the_others_within_a_bound",
+     "exited with code 0 without reporting"),
     # A declared backend torch.distributed lacks is the plugin's failure, not an undeclared skip.
     ("dist_unknown_backend", "the_declared_dist_backend_is_available", "dist_backend = 'acmeccl'"),
 ])

@@ -119,6 +119,21 @@ def rank_values(rank: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor([rank + 1, -2 * (rank + 1), 3 * (rank % 2), 8 - rank], dtype=dtype)
 
 
+#: Rank r's gathered values start at GATHER_STRIDE * r: distinct per rank, and below 256 for the
+#: clause's 8 ranks, so bfloat16 (8 significant bits) holds every one exactly.
+GATHER_STRIDE = 32
+
+
+def gather_piece(rank: int) -> torch.Tensor:
+    """Rank `rank`'s uneven all_gather input: rank + 1 rows of 2, int64 (cast per dtype)."""
+    return torch.arange(2 * (rank + 1)).reshape(rank + 1, 2) + GATHER_STRIDE * rank
+
+
+def gathered_rows(world: int) -> list[list[int]]:
+    """Every rank's `gather_piece`, in rank order: what all_gather(sizes=...) must give."""
+    return torch.cat([gather_piece(r) for r in range(world)]).tolist()
+
+
 def _join(name: str, rank: int, world: int, store_path: str, group_name: str, timeout_s: float) -> Any:
     from datetime import timedelta
 
@@ -165,7 +180,7 @@ def distributed_clauses(name: str, rank: int, world: int, store_path: str, queue
             sizes = [r + 1 for r in range(world)]
             out = {}
             for dtype_name, dtype in DISTRIBUTED_DTYPES.items():
-                mine = (torch.arange(2 * (rank + 1)).reshape(rank + 1, 2) + 100 * rank).to(dtype).to(device)
+                mine = gather_piece(rank).to(dtype).to(device)
                 out[f"uneven/{dtype_name}"] = on_host(comm.all_gather(mine, sizes=sizes))
                 out[f"uneven_dim1/{dtype_name}"] = on_host(comm.all_gather(mine.T.contiguous(), dim=1, sizes=sizes))
             out["even"] = on_host(comm.all_gather(torch.full((2, 3), rank, dtype=torch.float32, device=device)))
@@ -263,7 +278,9 @@ def _replayed(platform: torchhal.Platform, index: int, static: torch.Tensor,
 
 
 def distributed_peer_dies(name: str, rank: int, world: int, store_path: str, queue: Any) -> None:
-    """Rank 1 exits mid-group; rank 0 reports how its next collectives ended, and when."""
+    """Rank 1 exits mid-group. Rank 0 says it is about to call, then makes two collectives and
+    reads the result back (as an engine reads its tokens), and reports how that ended, and when;
+    unless its backend ends the process first, as NCCL's watchdog does."""
     import time
 
     from torchhal.distributed import CollectiveError
@@ -276,12 +293,15 @@ def distributed_peer_dies(name: str, rank: int, world: int, store_path: str, que
         if rank == 1:
             os._exit(0)
         time.sleep(0.5)
+        queue.put(("ok", {"rank": rank, "calling": True}))
         start = time.monotonic()
         error = None
         try:
-            # A device backend may enqueue the first call and fail on the next.
+            # A backend that queues collectives on the device returns from the calls; it must
+            # fail by the time their result is read back.
             for _ in range(2):
                 group.comm.all_reduce(probe)
+            probe.to("cpu")
         except CollectiveError as exc:
             error = str(exc)
         except Exception as exc:

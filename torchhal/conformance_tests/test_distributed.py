@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import difflib
 import os
+import queue as queue_module
+import time
 from typing import Any
 
 import pytest
@@ -17,7 +19,7 @@ import torch
 from torchhal.platforms import Platform
 
 from ._helpers import receive, spawn_context, wait_exit
-from ._workers import DISTRIBUTED_DTYPES, DISTRIBUTED_OPS, captured_gather_expected, rank_values
+from ._workers import DISTRIBUTED_DTYPES, DISTRIBUTED_OPS, captured_gather_expected, gathered_rows, rank_values
 
 pytestmark = pytest.mark.conformance("distributed")
 
@@ -144,7 +146,7 @@ def test_all_reduce_sum_max_min_on_float32_bfloat16_int64(ranks):
 
 def test_all_gather_even_and_uneven_sizes_in_rank_order(ranks):
     world = ranks[0]
-    rows = [[100 * r + 2 * i, 100 * r + 2 * i + 1] for r in range(world) for i in range(r + 1)]
+    rows = gathered_rows(world)
     for rank, got in enumerate(outcomes(ranks, "all_gather")):
         assert got["even"] == [[float(r)] * 3 for r in range(world) for _ in range(2)], f"rank {rank}: even"
         for dtype_name in DISTRIBUTED_DTYPES:
@@ -197,7 +199,11 @@ def test_available_memory_over_the_host_communicator_is_the_minimum(ranks, measu
     assert got == [1 << 30] * ranks[0], "available_memory(group.host) must be the minimum across ranks"
 
 
-def test_a_rank_that_dies_surfaces_as_collective_error_on_the_others(platform, tmp_path):
+def test_a_rank_that_dies_stops_the_others_within_a_bound(platform, tmp_path, measure):
+    """A peer that exits never leaves a rank hanging or computing on a wrong sum: the rank's
+    collective raises CollectiveError, or (a backend whose collectives run asynchronously on
+    the device, as NCCL's under torch's default error handling) the backend ends the rank's
+    process; either within the bound."""
     from ._workers import distributed_peer_dies
 
     skip_without_the_backend(platform)
@@ -211,16 +217,46 @@ def test_a_rank_that_dies_surfaces_as_collective_error_on_the_others(platform, t
     for proc in procs:
         proc.start()
     try:
-        survivor = receive(queue, "surviving rank", timeout=DEAD_PEER_BOUND_S + 120)
+        receive(queue, "surviving rank (joining the group)", timeout=180)  # it is about to call
+        survivor, exitcode = _report_or_exit(queue, procs[0], DEAD_PEER_BOUND_S)
     finally:
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
             wait_exit(proc, 30)
-    assert survivor["error"] is not None, "all_reduce completed although its peer had exited"
+    if survivor is None and exitcode is None:
+        pytest.fail(f"the surviving rank neither raised CollectiveError nor ended within {DEAD_PEER_BOUND_S:.0f} s "
+                    "of its collective (group timeout 10 s): a dead peer hangs the ranks left")
+    if survivor is None:
+        assert exitcode != 0, ("the surviving rank exited with code 0 without reporting: a dead peer must end it "
+                               "as a failure")
+        measure["outcome"] = f"the backend ended the process (exit code {exitcode})"
+        return
+    assert survivor["error"] is not None, ("all_reduce completed, and its result was read back, although its peer "
+                                           "had exited: a wrong sum, silently")
     assert not survivor["error"].startswith("not a CollectiveError"), survivor["error"]
     assert "fragile" in survivor["error"] and "rank 0 of 2" in survivor["error"], survivor["error"]
     assert survivor["elapsed"] < DEAD_PEER_BOUND_S, f"CollectiveError came after {survivor['elapsed']:.0f} s"
+    measure["outcome"] = "CollectiveError"
+    measure["seconds"] = round(survivor["elapsed"], 1)
+
+
+def _report_or_exit(queue: Any, proc: Any, bound: float) -> tuple[dict[str, Any] | None, int | None]:
+    """The worker's report, or its exit code if it ended without one; (None, None) past `bound` seconds."""
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        ended = proc.exitcode is not None
+        try:
+            # Once it has ended, a report it put just before is still read: a last wait for it.
+            status, value = queue.get(timeout=1.0 if ended else 0.2)
+        except queue_module.Empty:
+            if ended:
+                return None, proc.exitcode
+            continue
+        if status != "ok":
+            pytest.fail(f"surviving rank: worker failed: {value}")
+        return value, None
+    return None, None
 
 
 def test_visible_devices_renumber_what_ranks_see(platform, registered):

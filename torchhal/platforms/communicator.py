@@ -33,10 +33,13 @@ class Communicator(Protocol):
 
     Every rank of the group makes the same calls in the same order with tensors of the
     same dtype (and shape, except where `sizes` says otherwise). Tensors live on
-    `device`. A call that cannot complete (a peer died or hangs) raises `CollectiveError`
-    within the group's timeout; it never hangs for ever. Bad arguments (an unknown `op`, a
-    peer that is not another rank, `sizes` that do not fit) raise ValueError before any
-    rank is waited on.
+    `device`. A call that cannot complete (a peer died or hangs) never hangs for ever and
+    never hands back a wrong result: it raises `CollectiveError` within the group's
+    timeout, or, where collectives run asynchronously on the device (NCCL under torch's
+    default error handling), the call returns once queued and the backend ends the
+    waiting process within that timeout, before the result can be read back. Bad
+    arguments (an unknown `op`, a peer that is not another rank, `sizes` that do not fit)
+    raise ValueError before any rank is waited on.
     """
 
     rank: int
