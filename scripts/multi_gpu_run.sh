@@ -31,8 +31,10 @@ step() {  # step NAME COMMAND...: when NAME is asked for, run, log to $out/NAME.
     tail -n 25 "$out/$name.log"
 }
 step conformance torchhal conformance --profile full --json "$out/conformance_${gpus}xh200.json"
-step tp_8b python benchmarks/tensor_parallel.py --shape 8b --tp $tp_sizes --out "$out"
-step tp_70b python benchmarks/tensor_parallel.py --shape 70b --tp $big_tp --cells 32x1 32x8 32x32 --out "$out"
+# --timeout bounds each TP size's launch: a hung rank is stopped and its Python stacks are in the log.
+step tp_8b python benchmarks/tensor_parallel.py --shape 8b --tp $tp_sizes --timeout 240 --out "$out"
+step tp_70b python benchmarks/tensor_parallel.py --shape 70b --tp $big_tp --cells 32x1 32x8 32x32 --timeout 240 \
+    --out "$out"
 step ipc_transport python benchmarks/ipc_transport.py --out "$out"
 step pytest_gpu python -m pytest -m "gpu or multi_gpu" -q
 echo "== failed steps: ${failed[*]:-none}"

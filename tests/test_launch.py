@@ -172,7 +172,13 @@ def test_a_hung_rank_is_stopped_at_the_deadline(tmp_path):
         launch(fail_on_rank_one, 2, (str(tmp_path), "hang"), timeout=12.0, grace=1.0)
     elapsed = time.monotonic() - start
     assert 12.0 <= elapsed < 12.0 + 1.0 + 10.0, elapsed  # deadline + grace + spawn slack
-    assert "rank(s) 0, 1 of 2 did not finish within 12 s" in str(caught.value)
+    message = str(caught.value)
+    assert "rank(s) 0, 1 of 2 did not finish within 12 s" in message
+    # Where each one hangs: its threads' stacks, the main thread's call in the target included.
+    assert "each one's stderr ends with its threads' Python stacks at the deadline" in message, message
+    for rank in (0, 1):
+        tail = message.split(f"last lines of rank {rank}'s stderr:\n")[1].split("last lines of rank")[0]
+        assert 'in fail_on_rank_one' in tail and "most recent call first" in tail, message
     assert caught.value.rank is None
     assert_gone(pids(tmp_path, 2))
 
