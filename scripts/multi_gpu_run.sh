@@ -6,6 +6,7 @@
 #   conformance    `torchhal conformance --profile full` (the two-device clauses apply);
 #   tp_8b          tensor parallel, the 8B shape at TP 1, 2 (and 4 with four GPUs);
 #   tp_70b         the 70B shape (seeded random weights built on the devices) at TP 2 (4 with four GPUs);
+#   collectives    a decode step's collectives alone, captured in a graph (8B and 70B shapes, each TP size);
 #   ipc_transport  the IPC transport benchmark (producer on GPU 0, consumers on GPU 1);
 #   pytest_gpu     `pytest -m "gpu or multi_gpu"`.
 # NVLink multicast stays off (the lending machines require it).
@@ -13,15 +14,15 @@ set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 out=${1:-benchmarks/results}
 shift $(( $# > 0 ? 1 : 0 ))
-steps=${*:-conformance tp_8b tp_70b ipc_transport pytest_gpu}
+steps=${*:-conformance tp_8b tp_70b collectives ipc_transport pytest_gpu}
 mkdir -p "$out"
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -lt 2 ]; then
     echo "multi_gpu_run: $gpus GPU(s) visible; this run needs two or more" >&2
     exit 2
 fi
-tp_sizes="1 2"; big_tp=2
-if [ "$gpus" -ge 4 ]; then tp_sizes="1 2 4"; big_tp=4; fi
+tp_sizes="1 2"; big_tp=2; group_sizes="2"
+if [ "$gpus" -ge 4 ]; then tp_sizes="1 2 4"; big_tp=4; group_sizes="2 4"; fi
 failed=()
 step() {  # step NAME COMMAND...: when NAME is asked for, run, log to $out/NAME.log, remember a failure
     local name=$1; shift
@@ -35,6 +36,8 @@ step conformance torchhal conformance --profile full --json "$out/conformance_${
 step tp_8b python benchmarks/tensor_parallel.py --shape 8b --tp $tp_sizes --timeout 240 --out "$out"
 step tp_70b python benchmarks/tensor_parallel.py --shape 70b --tp $big_tp --cells 32x1 32x8 32x32 --timeout 240 \
     --out "$out"
+step collectives bash -c "python benchmarks/collective_latency.py --tp $group_sizes --out $out \
+    && python benchmarks/collective_latency.py --tp $group_sizes --shape 70b --out $out"
 step ipc_transport python benchmarks/ipc_transport.py --out "$out"
 step pytest_gpu python -m pytest -m "gpu or multi_gpu" -q
 echo "== failed steps: ${failed[*]:-none}"

@@ -250,3 +250,45 @@ def test_layer_program_collectives_and_the_single_rank_program() -> None:
         assert unsupported_reason(part, emulate=True) is None
     with pytest.raises(ValueError, match="communicator is rank 0 of 2, this shard is rank 1 of 2"):
         part.use_communicator(FakeCommunicator(0, 2, False))  # type: ignore[arg-type]
+
+
+class RecordingCommunicator(FakeCommunicator):
+    """Runs nothing across ranks: records each collective's kind, shape and dtype."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__(rank, world_size, graph_capturable=True)
+        self.calls: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self.calls.append(("all_reduce", tuple(tensor.shape), tensor.dtype))
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Any = None) -> torch.Tensor:
+        self.calls.append(("all_gather", tuple(tensor.shape), tensor.dtype))
+        return torch.cat([tensor] * self.world_size, dim)
+
+
+def test_the_collective_benchmark_makes_a_decode_steps_collectives() -> None:
+    """benchmarks/collective_latency.py times "a decode step's collectives": the decoder's own,
+    in kind, number, order and the all-reduce's shape and dtype (embedding, two a layer, logits)."""
+    from tests.benchmark_modules import load_benchmark
+
+    config = ModelConfig(vocab_size=50, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                         intermediate_size=48)
+    shard = LlamaDecoder(config, (TensorParallelPlan(config, 2), 0)).to(torch.bfloat16)
+    decoder_comm = RecordingCommunicator(0, 2)
+    shard.use_communicator(decoder_comm)  # type: ignore[arg-type]
+    batch = 3
+    hidden = shard.embed_tokens(torch.tensor([1, 7, 40]))
+    reduces = [s for s in shard.layer_program() if s.name.endswith("all_reduce")]
+    shard.logits(hidden, torch.arange(batch))
+    decoder_calls = decoder_comm.calls[:1] + [decoder_comm.calls[0]] * len(reduces) + decoder_comm.calls[1:]
+
+    benchmark = load_benchmark("collective_latency")
+    bench_comm = RecordingCommunicator(0, 2)
+    benchmark.step_collectives(bench_comm, torch.ones(batch, config.hidden_size, dtype=torch.bfloat16),
+                               torch.ones(batch, config.vocab_size // 2), config.num_layers)
+    assert [call[0] for call in bench_comm.calls] == [call[0] for call in decoder_calls]
+    assert [call for call in bench_comm.calls if call[0] == "all_reduce"] == \
+        [call for call in decoder_calls if call[0] == "all_reduce"]
+    assert bench_comm.calls[-1][2] == decoder_calls[-1][2] == torch.float32  # the logits are gathered in fp32
