@@ -6,6 +6,7 @@ given (the same jobs in the same order on every rank: SPMD) and puts plain data 
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from datetime import timedelta
 from typing import Any
@@ -237,13 +238,59 @@ def close_group(group: Any, job: dict[str, Any]) -> dict[str, Any]:
 
     runner.release = spied_release  # type: ignore[method-assign]
     group.close()
+    runner.release = release  # type: ignore[method-assign]
     try:
         engine.generate(job["prompts"], 2)
         after = "returned"
     except RuntimeError as exc:
         after = str(exc)
-    return {"collected": gone_ref() is None, "tokens": before, **seen, "after": after}
+    engine.release_memory_occupation()  # sleep still frees the device
+    try:
+        engine.resume_memory_occupation()  # wake would recapture graphs on a closed group
+        wake = "woke"
+    except RuntimeError as exc:
+        wake = str(exc)
+    return {"collected": gone_ref() is None, "tokens": before, **seen, "after": after, "wake": wake}
 
 
-JOBS = {"close": close_group, "generate": generate, "lifecycle": lifecycle, "failure": failure, "reference": reference,
+class StalledEvent:
+    """Device work that never finishes (a collective replayed from a graph, its peer gone)."""
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        raise AssertionError("an unbounded wait on device work that never finishes")
+
+
+def stalled_device(group: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's device work stops finishing mid-run, under collectives declared capturable (as
+    NCCL's: they join the graphs, where no backend times them out)."""
+    import dataclasses
+    import time
+
+    from torchhal.core.engine import GenerationEngine
+    from torchhal.core.model import ModelConfig
+    from torchhal.platforms.testing import patched_plugin
+
+    group.comm.graph_capturable = True
+    config = dataclasses.replace(engine_config(True), model=ModelConfig(**job["model"]))
+    engine = GenerationEngine(config, group=group)
+    engine.generate(job["prompts"], 2)
+    started = time.monotonic()
+    stall = patched_plugin(group.platform, new_event=StalledEvent) if group.rank == 0 else contextlib.nullcontext()
+    with stall:
+        try:
+            engine.generate(job["prompts"], 4)
+            after = "returned"
+        except Exception as exc:
+            after = f"{type(exc).__name__}: {exc}"
+    return {"after": after, "seconds": time.monotonic() - started, "broken": engine.broken}
+
+
+JOBS = {"close": close_group, "stalled_device": stalled_device,
+        "generate": generate, "lifecycle": lifecycle, "failure": failure, "reference": reference,
         "disagreement": disagreement, "wrong_shard": wrong_shard}

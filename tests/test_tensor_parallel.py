@@ -143,18 +143,77 @@ def test_closing_the_group_releases_a_live_engines_graphs_first(tmp_path: Path) 
         assert closed["collected"], f"rank {rank}: the group kept a dropped engine alive"
         assert closed["sum_while_releasing"] == 2.0, f"rank {rank}: the graphs were not released before the close"
         assert closed["after"].startswith("this engine's group was closed (DeviceGroup.close)"), closed["after"]
+        assert closed["wake"] == closed["after"], "a closed engine must not wake (its graphs would be recaptured)"
     assert ranks[0]["close"]["tokens"] == ranks[1]["close"]["tokens"]
 
 
-def test_release_on_close_takes_bound_methods_only() -> None:
-    from torchhal.distributed import init_group
+def test_a_device_wait_under_replayed_collectives_ends_within_the_group_timeout(tmp_path: Path) -> None:
+    """No backend times out a collective replayed from a graph, so the engine bounds its own
+    waits on device work by the group's timeout: a rank whose device never finishes raises
+    CollectiveError naming the wait, and both ranks end broken, none hangs."""
+    model = dict(vocab_size=131, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
+                 seed=3)
+    ranks = run_group(2, [dict(kind="stalled_device", name="stall", model=model, prompts=PROMPTS[:2])], tmp_path,
+                      timeout_s=2.0)
+    stalled, peer = ranks[0]["stall"], ranks[1]["stall"]
+    assert stalled["after"].startswith("CollectiveError: a step's sampled tokens: device work in group"), stalled
+    assert "did not finish within the group's timeout (2 s)" in stalled["after"], stalled
+    assert 2.0 <= stalled["seconds"] < 20, stalled
+    assert peer["after"].startswith("CollectiveError"), peer  # its next collective lost its peer
+    assert stalled["broken"] and peer["broken"]
 
-    group = init_group(rank=0, world_size=1, local_rank=0)
+
+def test_wait_for_returns_once_the_work_is_done_and_raises_past_the_timeout() -> None:
+    import time
+    from datetime import timedelta
+
+    from torchhal.distributed import CollectiveError, init_group
+
+    class DoneAfter:
+        def __init__(self, polls: int) -> None:
+            self.polls = polls
+
+        def query(self) -> bool:
+            self.polls -= 1
+            return self.polls < 0
+
+    group = init_group(rank=0, world_size=1, local_rank=0, timeout=timedelta(seconds=0.3))
     try:
-        with pytest.raises(TypeError, match="must be a bound method"):
-            group.release_on_close(lambda: None)
+        event = DoneAfter(1000)
+        group.wait_for(event, "a window")
+        assert event.polls == -1
+        started = time.monotonic()
+        with pytest.raises(CollectiveError, match=r"^a window: device work in group .* at rank 0 of 1 did not finish"):
+            group.wait_for(DoneAfter(10**12), "a window")
+        assert 0.3 <= time.monotonic() - started < 5
     finally:
         group.close()
+
+
+def test_release_on_close_takes_bound_methods_only() -> None:
+    from torchhal.distributed import CollectiveError, init_group
+
+    class Holder:
+        calls = 0
+
+        def release(self) -> None:
+            self.calls += 1
+            if self.calls == 1:
+                raise ValueError("cannot drop its graphs yet")
+
+    group = init_group(rank=0, world_size=1, local_rank=0)
+    with pytest.raises(TypeError, match="must be a bound method"):
+        group.release_on_close(lambda: None)
+    holder = Holder()
+    group.release_on_close(holder.release)
+    # A release that raises leaves the group open and registered: close() again finishes the job.
+    with pytest.raises(ValueError, match="cannot drop its graphs yet"):
+        group.close()
+    assert float(group.comm.all_reduce(torch.ones(1))) == 1.0
+    group.close()
+    assert holder.calls == 2
+    with pytest.raises(CollectiveError, match="is closed"):
+        group.release_on_close(Holder().release)
 
 
 def test_a_rank_reads_only_its_slices(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from torchhal.platforms import Platform, current_platform
-from torchhal.platforms.communicator import Communicator, TorchCommunicator
+from torchhal.platforms.communicator import CollectiveError, Communicator, TorchCommunicator
 
 #: How long a collective waits for a peer before it raises (a dead or hung rank).
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -122,19 +123,26 @@ class DeviceGroup:
         for ever). `GenerationEngine(..., group=)` registers its graphs' release."""
         if not callable(release) or not hasattr(release, "__self__"):
             raise TypeError(f"release = {release!r} must be a bound method (the group holds it weakly)")
+        if not self._owned:
+            raise CollectiveError(f"release_on_close: group {self.name!r} is closed (DeviceGroup.close); make a new "
+                                  "group with init_group")
+        self._releases = [ref for ref in self._releases if ref() is not None]
         self._releases.append(weakref.WeakMethod(release))
 
     def close(self) -> None:
         """Shut the group's backends down and drop them (its communicators then refuse calls).
-        What registered with `release_on_close` is released first.
+        What registered with `release_on_close` is released first; if a release raises, the
+        backends stay up and the error propagates, and calling `close()` again finishes the
+        job from the release that failed. Close after every rank's engine calls have returned
+        (a rank that closes mid-generate leaves its peers waiting in a collective).
 
         Close a group before the process exits: a backend left to interpreter teardown can
         abort the process when a peer has already gone."""
-        releases, self._releases = self._releases, []
-        for ref in releases:
-            release = ref()
+        while self._releases:
+            release = self._releases[0]()
             if release is not None:
-                release()
+                release()  # raises: this one and the rest stay registered, the backends up
+            del self._releases[0]
         backends = {id(comm.backend): comm.backend for comm in self._owned if comm.backend is not None}
         for backend in backends.values():
             shutdown = getattr(backend, "shutdown", None)
@@ -143,6 +151,23 @@ class DeviceGroup:
         for comm in self._owned:
             comm.backend = None
         self._owned = ()
+
+    def wait_for(self, event: Any, what: str) -> None:
+        """Wait until device work recorded by `event` (the platform's event) is done, for at
+        most the group's timeout; past it, raise `CollectiveError` naming `what`. For work that
+        replays collectives from a device graph: no backend times those out (NCCL's watchdog
+        watches only collectives it launched itself), so a dead or hung peer would leave a
+        plain wait blocked for ever."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise CollectiveError(
+                    f"{what}: device work in group {self.name!r} at rank {self.rank} of {self.world_size} did not "
+                    f"finish within the group's timeout ({self.timeout.total_seconds():g} s). Its collectives, "
+                    "replayed from a device graph, are waiting on a dead, hung or diverged peer; the group cannot "
+                    "be reused"
+                )
+            time.sleep(0)  # yield the GIL; the poll costs about what a spinning wait does
 
 
 def init_group(

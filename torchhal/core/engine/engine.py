@@ -529,6 +529,10 @@ class GenerationEngine:
                 copied.record(self.platform.current_stream(self.device_index))
                 self._landing = _Landing(list(plan.batch), list(inputs.emits), host, copied)
                 return None
+            if self._replays_collectives:
+                computed = self.platform.new_event()
+                computed.record(self.platform.current_stream(self.device_index))
+                self._wait_for_device(computed, "a step's sampled tokens")
             sampled = on_device.tolist()
         return self._per_request(sampled, inputs.emits)
 
@@ -553,7 +557,7 @@ class GenerationEngine:
         again (retracted), a tensor-parallel engine is broken (as by a failed step) and the
         error propagates."""
         try:
-            landing.done.synchronize()
+            self._wait_for_device(landing.done, "a step's tokens landing")
             sampled = landing.tokens.tolist()
         except BaseException as exc:
             self._break(exc)  # tensor parallel: the ranks may now disagree, as after a failed step
@@ -604,6 +608,7 @@ class GenerationEngine:
         try:
             with torch.no_grad():
                 chained = self._chain(flight)
+            self._wait_for_device(flight.launched.done, "a decode window's tokens")
             tokens = decode.collect(flight.launched)
         except BaseException as exc:
             self._break(exc)
@@ -676,12 +681,28 @@ class GenerationEngine:
             flight, self._in_flight = self._in_flight, None
             assert self.decode_runner is not None
             try:
+                self._wait_for_device(flight.launched.done, "a decode window's tokens")
                 tokens = self.decode_runner.collect(flight.launched)
-            except BaseException:
+            except BaseException as exc:
+                self._break(exc)
                 self._give_back(flight)
                 raise
             self._steps += 1
             self._append(flight.requests, tokens)
+
+    @property
+    def _replays_collectives(self) -> bool:
+        """Tensor parallel with the group's collectives inside the graphs the engine replays."""
+        return self.group is not None and self.group.comm.graph_capturable
+
+    def _wait_for_device(self, event: Any, what: str) -> None:
+        """Wait for device work the engine launched; where it replays collectives from graphs,
+        within the group's timeout (`DeviceGroup.wait_for`), as no backend times those out."""
+        if self._replays_collectives:
+            assert self.group is not None
+            self.group.wait_for(event, what)
+        else:
+            event.synchronize()
 
     @_serialized
     def _group_closing(self) -> None:
@@ -842,6 +863,8 @@ class GenerationEngine:
     def resume_memory_occupation(self) -> None:
         if not self.asleep:
             raise RuntimeError("the engine is not asleep")
+        if self.broken is not None:  # waking recaptures graphs: on a failed or closed group, for nothing
+            raise RuntimeError(self.broken)
         self.occupation.wake(self.model, self.runner, self._new_kv_cache)
         self.blocks.reset()
         if self.decode_runner is not None:  # recapture on the new KV pool
