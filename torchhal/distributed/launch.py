@@ -10,7 +10,7 @@ It returns each rank's result (picklable) in rank order.
 The point is failure: a rank that raises, exits or is killed, or ranks still running at
 the deadline, make the launcher stop every rank (terminate, then kill after `grace`) and
 raise one `LaunchError` naming the rank, its exception or exit code, and the last lines
-of its stderr; for ranks still running at the deadline, their threads' Python stacks
+of its stderr; for ranks still running at the deadline, their Python stacks
 (faulthandler, on SIGUSR1), so a hang says where it is. Ctrl-C in the parent stops the
 ranks the same way. No rank outlives the call; a rank whose parent dies exits on its own.
 """
@@ -44,13 +44,13 @@ from typing import Any
 DEFAULT_GRACE = 3.0
 #: Lines of a failed rank's stderr quoted in the error.
 STDERR_TAIL_LINES = 15
-#: Lines quoted for a rank late at the deadline: its stderr ends with its threads' stacks.
-STACK_TAIL_LINES = 40
-#: What a rank late at the deadline is sent, to write its threads' Python stacks to its stderr
-#: (faulthandler answers from inside native code too: a collective, a driver call). None where
-#: the system has no such signal.
+#: Lines quoted of a late rank's stack, innermost call first.
+STACK_LINES = 40
+#: What a rank late at the deadline is sent, to write its main thread's Python stack to its
+#: stderr (faulthandler answers from inside native code too: a collective, a driver call).
+#: None where the system has no such signal.
 STACK_SIGNAL: signal.Signals | None = getattr(signal, "SIGUSR1", None)
-#: How long the launcher waits for those stacks before it stops the ranks.
+#: How long the launcher waits for the stacks before it stops the ranks.
 _STACK_WAIT_SECONDS = 2.0
 _PARENT_POLL_SECONDS = 1.0
 #: The longest single wait: poll() takes at most 2**31 - 1 ms, so longer waits are made in steps.
@@ -298,11 +298,12 @@ def _collect(processes: list[BaseProcess], receivers: list[Connection], logs: st
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             late = sorted(pending)
-            shown = "; each one's stderr ends with its threads' Python stacks at the deadline" \
-                if _dump_stacks(processes, logs, late) else ""
+            stacks = _stacks(processes, logs, late)
+            where = "".join(f"\nrank {rank}'s Python stack at the deadline (innermost call first):\n{stacks[rank]}"
+                            if rank in stacks else _tails(logs, [rank]) for rank in late)
             raise LaunchError(
                 f"rank(s) {', '.join(map(str, late))} of {len(processes)} did not finish within {timeout:g} s; "
-                f"stopped every rank{shown}{_tails(logs, late, STACK_TAIL_LINES)}"
+                f"stopped every rank{where}"
             )
         ready = wait([*pending.values(), *(processes[rank].sentinel for rank in pending)],
                      None if remaining is None else min(remaining, _LONGEST_WAIT_SECONDS))
@@ -323,32 +324,33 @@ def _collect(processes: list[BaseProcess], receivers: list[Connection], logs: st
     return [results[rank] for rank in range(len(processes))]
 
 
-def _dump_stacks(processes: list[BaseProcess], logs: str, ranks: list[int]) -> bool:
-    """Have each late rank write its threads' Python stacks to its stderr (where it hangs is
-    the first thing its error needs); False where no rank could be asked."""
+def _stacks(processes: list[BaseProcess], logs: str, ranks: list[int]) -> dict[int, str]:
+    """Each late rank's main-thread Python stack (where it hangs is the first thing its error
+    needs), quoted: faulthandler writes it to a file of the rank's own on STACK_SIGNAL. Ranks
+    that write none (still starting, or a target that took the signal for itself) are left out."""
     if STACK_SIGNAL is None:
-        return False
-    asked = {}
+        return {}
+    asked = []
     for rank in ranks:
         process = processes[rank]
-        if process.pid is not None and process.is_alive():
-            asked[rank] = _stderr_size(logs, rank)
-            try:
-                os.kill(process.pid, STACK_SIGNAL)
-            except ProcessLookupError:
-                del asked[rank]
+        # No stack file yet: the rank is still starting, and the signal would kill it unheard.
+        if process.pid is None or not process.is_alive() or not _stack_path(logs, rank).exists():
+            continue
+        try:
+            os.kill(process.pid, STACK_SIGNAL)
+        except ProcessLookupError:
+            continue
+        asked.append(rank)
     end = time.monotonic() + _STACK_WAIT_SECONDS
-    while time.monotonic() < end and any(_stderr_size(logs, rank) == size for rank, size in asked.items()):
-        time.sleep(0.02)
-    time.sleep(0.1)  # the rest of a dump that has begun
-    return bool(asked)
-
-
-def _stderr_size(logs: str, rank: int) -> int:
-    try:
-        return _stderr_path(logs, rank).stat().st_size
-    except OSError:
-        return 0
+    while time.monotonic() < end and not all(_stack_path(logs, rank).stat().st_size for rank in asked):
+        time.sleep(0.05)
+    time.sleep(0.05)  # a dump is written at once, from the signal handler: let the last one end
+    found = {}
+    for rank in asked:
+        frames = _stack_path(logs, rank).read_text(errors="replace").splitlines()[1 : STACK_LINES + 1]
+        if frames:
+            found[rank] = "\n".join(f"  {line.strip()}" for line in frames)
+    return found
 
 
 def _receive(receiver: Connection) -> _Outcome | None:
@@ -389,7 +391,11 @@ def _stderr_path(logs: str, rank: int) -> Path:
     return Path(logs) / f"rank{rank}.stderr"
 
 
-def _tails(logs: str, ranks: list[int], count: int = STDERR_TAIL_LINES) -> str:
+def _stack_path(logs: str, rank: int) -> Path:
+    return Path(logs) / f"rank{rank}.stack"
+
+
+def _tails(logs: str, ranks: list[int]) -> str:
     parts = []
     for rank in ranks:
         try:
@@ -397,7 +403,7 @@ def _tails(logs: str, ranks: list[int], count: int = STDERR_TAIL_LINES) -> str:
         except OSError:
             lines = []
         if lines:
-            quoted = "\n".join(f"  {line}" for line in lines[-count:])
+            quoted = "\n".join(f"  {line}" for line in lines[-STDERR_TAIL_LINES:])
             parts.append(f"\nlast lines of rank {rank}'s stderr:\n{quoted}")
     return "".join(parts)
 
@@ -413,7 +419,10 @@ def _rank_main(target: Callable[..., Any], args: tuple[Any, ...], variables: dic
     os.dup2(log, 2)
     os.close(log)
     if STACK_SIGNAL is not None:  # the launcher asks a rank late at its deadline where it is
-        faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
+        # A file of its own: the rank's other threads may be writing to stderr meanwhile. Held
+        # open for the process's life, as faulthandler writes to it from a signal handler.
+        stack = os.open(Path(stderr_path).with_suffix(".stack"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        faulthandler.register(STACK_SIGNAL, file=stack, all_threads=False)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops the ranks
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     try:
