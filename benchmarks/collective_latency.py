@@ -19,16 +19,14 @@ over once its weights are read (benchmarks/README.md, tensor parallel).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from _harness import write_json  # noqa: E402
+from _harness import median_run, write_json  # noqa: E402
 
 #: hidden size, layers, vocabulary: what a decode step's collectives move.
 SHAPES = {"8b": (4096, 32, 128256), "70b": (8192, 80, 128256), "tiny": (64, 2, 256)}
@@ -45,17 +43,9 @@ def step_collectives(comm: Any, hidden: torch.Tensor, logits: torch.Tensor, laye
 
 def timed(platform: Any, index: int, work: Any, count: int, reps: int) -> float:
     """Median seconds of `count` calls of `work`, between device syncs, after one untimed round."""
-    for _ in range(count):
-        work()
-    samples = []
-    for _ in range(reps):
-        platform.synchronize(index)
-        start = time.perf_counter()
-        for _ in range(count):
-            work()
-        platform.synchronize(index)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    seconds, _ = median_run(lambda: [work() for _ in range(count)], warmups=1, reps=reps,
+                            sync=lambda: platform.synchronize(index))
+    return seconds
 
 
 def rank_run(shape: str, batches: list[int], dtype_name: str, calls: int, replays: int, reps: int) -> dict[str, Any]:

@@ -25,6 +25,15 @@ def engine_config(emulate: bool) -> Any:
                         max_kv_slots=512, decode_graphs=graphs)
 
 
+def model_engine_config(job: dict[str, Any], emulate: bool) -> Any:
+    """`engine_config(emulate)` serving the seeded reference model `job["model"]` describes."""
+    import dataclasses
+
+    from torchhal.core.model import ModelConfig
+
+    return dataclasses.replace(engine_config(emulate), model=ModelConfig(**job["model"]))
+
+
 def run_rank(rank: int, world: int, store_path: str, jobs: list[dict[str, Any]], queue: Any,
              timeout_s: float = 60.0) -> None:
     try:
@@ -62,12 +71,9 @@ def generate(group: Any, job: dict[str, Any]) -> dict[str, Any]:
 
 def reference(group: Any, job: dict[str, Any]) -> dict[str, Any]:
     """The engine's own reference model (no checkpoint), sharded by the engine."""
-    import dataclasses
-
     from torchhal.core.engine import GenerationEngine
-    from torchhal.core.model import ModelConfig
 
-    config = dataclasses.replace(engine_config(False), model=ModelConfig(**job["model"]))
+    config = model_engine_config(job, emulate=False)
     engine = GenerationEngine(config, group=group)
     return {"tokens": [list(r.output) for r in engine.generate(job["prompts"], job["new_tokens"])]}
 
@@ -212,14 +218,12 @@ def wrong_shard(group: Any, job: dict[str, Any]) -> dict[str, Any]:
 
 def close_group(group: Any, job: dict[str, Any]) -> dict[str, Any]:
     """`group.close()` with an engine (emulated decode graphs) still alive, and one already gone."""
-    import dataclasses
     import gc
     import weakref
 
     from torchhal.core.engine import GenerationEngine
-    from torchhal.core.model import ModelConfig
 
-    config = dataclasses.replace(engine_config(True), model=ModelConfig(**job["model"]))
+    config = model_engine_config(job, emulate=True)
     gone = GenerationEngine(config, group=group)
     gone_ref = weakref.ref(gone)
     del gone
@@ -269,15 +273,13 @@ class StalledEvent:
 def stalled_device(group: Any, job: dict[str, Any]) -> dict[str, Any]:
     """Rank 0's device work stops finishing mid-run, under collectives declared capturable (as
     NCCL's: they join the graphs, where no backend times them out)."""
-    import dataclasses
     import time
 
     from torchhal.core.engine import GenerationEngine
-    from torchhal.core.model import ModelConfig
     from torchhal.platforms.testing import patched_plugin
 
     group.comm.graph_capturable = True
-    config = dataclasses.replace(engine_config(True), model=ModelConfig(**job["model"]))
+    config = model_engine_config(job, emulate=True)
     engine = GenerationEngine(config, group=group)
     engine.generate(job["prompts"], 2)
     started = time.monotonic()

@@ -334,7 +334,7 @@ def _stacks(processes: list[BaseProcess], logs: str, ranks: list[int]) -> dict[i
     for rank in ranks:
         process = processes[rank]
         # No stack file yet: the rank is still starting, and the signal would kill it unheard.
-        if process.pid is None or not process.is_alive() or not _stack_path(logs, rank).exists():
+        if process.pid is None or not process.is_alive() or not _stack_path(_stderr_path(logs, rank)).exists():
             continue
         try:
             os.kill(process.pid, STACK_SIGNAL)
@@ -342,12 +342,12 @@ def _stacks(processes: list[BaseProcess], logs: str, ranks: list[int]) -> dict[i
             continue
         asked.append(rank)
     end = time.monotonic() + _STACK_WAIT_SECONDS
-    while time.monotonic() < end and not all(_stack_path(logs, rank).stat().st_size for rank in asked):
+    while time.monotonic() < end and not all(_stack_path(_stderr_path(logs, rank)).stat().st_size for rank in asked):
         time.sleep(0.05)
     time.sleep(0.05)  # a dump is written at once, from the signal handler: let the last one end
     found = {}
     for rank in asked:
-        frames = _stack_path(logs, rank).read_text(errors="replace").splitlines()[1 : STACK_LINES + 1]
+        frames = _stack_path(_stderr_path(logs, rank)).read_text(errors="replace").splitlines()[1 : STACK_LINES + 1]
         if frames:
             found[rank] = "\n".join(f"  {line.strip()}" for line in frames)
     return found
@@ -391,8 +391,9 @@ def _stderr_path(logs: str, rank: int) -> Path:
     return Path(logs) / f"rank{rank}.stderr"
 
 
-def _stack_path(logs: str, rank: int) -> Path:
-    return Path(logs) / f"rank{rank}.stack"
+def _stack_path(stderr_path: Path) -> Path:
+    """Where the rank whose stderr is `stderr_path` writes its stack when asked."""
+    return stderr_path.with_suffix(".stack")
 
 
 def _tails(logs: str, ranks: list[int]) -> str:
@@ -421,7 +422,7 @@ def _rank_main(target: Callable[..., Any], args: tuple[Any, ...], variables: dic
     if STACK_SIGNAL is not None:  # the launcher asks a rank late at its deadline where it is
         # A file of its own: the rank's other threads may be writing to stderr meanwhile. Held
         # open for the process's life, as faulthandler writes to it from a signal handler.
-        stack = os.open(Path(stderr_path).with_suffix(".stack"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        stack = os.open(_stack_path(Path(stderr_path)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         faulthandler.register(STACK_SIGNAL, file=stack, all_threads=False)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops the ranks
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
