@@ -44,6 +44,10 @@ picks them; the first two by default, the others were this file's earlier levers
 - `step_kv`: prefill alone (3968x1, 3968x8, 16000x1, 16000x8), alternating over three rounds:
   whole prompts' K/V read back out of the cache (the backend's `step_kv` declaration patched
   off, so the engine does not pass them) against the step's own K/V, read in place (the engine now);
+- `residual_in_product`: every output projection left for the next norm's kernel to add
+  (`LayerMath.into_residual` patched so) against the product adding itself to the residual
+  where cuBLAS runs it (the engine now), alternating over three rounds, graphs re-captured for
+  each: prefill alone at 3968x1, 3968x8 and 16000x1, end to end at 32x32 and 3968x8;
 - `decode_splits`: the split-K paged decode kernel at batch 8 and 1 / 16k context, graph-replayed,
   per split count, then the engine's decode step (16000x8, 16000x1) with each batch's best count
   against the current rule.
@@ -127,7 +131,7 @@ TINY_SCENARIOS = (("decode_1x32", "32x1", 4), ("prefill_32x32", "32x32", 0))
 DECODE_STEPS = {cell: steps for _, cell, steps in SCENARIOS if steps}
 CLASSES = ("gemm", "attention", "norm", "elementwise", "copy", "other")
 LEVERS = ("prefill_graphs", "linear_kernel", "write_kv_kernel", "whole_prompt_admission", "flash_prefill_runs",
-          "decode_splits", "gemv_eviction", "step_overlap", "step_kv")
+          "decode_splits", "gemv_eviction", "step_overlap", "step_kv", "residual_in_product")
 
 
 def kernel_class(name: str) -> str:
@@ -617,6 +621,62 @@ def step_kv_lever(generate: Callable[[list[list[int]], int], list[list[int]]], p
     return result
 
 
+def residual_in_product_lever(engine: GenerationEngine,
+                              generate: Callable[[list[list[int]], int], list[list[int]]],
+                              prompts: dict[str, list[list[int]]], sync: Callable[[], None],
+                              rounds: int = 3) -> dict[str, Any]:
+    """Two settings alternating over `rounds`: `before` leaves every output projection pending
+    for the next norm's kernel to add (`LayerMath.into_residual` patched to do so), `after` is
+    the engine now (the product adds itself to the residual where cuBLAS runs it). Prefill
+    alone at 3968x1, 3968x8 and 16000x1; end to end at 32x32 and 3968x8, for their decode
+    steps (batch 32 and 8 run cuBLAS), the decode graphs re-captured for each setting (the
+    short prefill graphs are not: 32x32 prefills with the engine's kernels on both sides)."""
+    layer_math: Any = engine.model.layer_math  # type: ignore[attr-defined]
+
+    def pending_always(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+        return layer_math.linear(x, weight, bias)
+
+    def recapture() -> None:
+        if engine.decode_runner is not None:
+            engine.decode_runner.capture()
+
+    settings = ("before", "after")
+    runs: dict[str, dict[str, list[float]]] = {label: {} for label in settings}
+    tokens: dict[str, list[Any]] = {}
+    try:
+        for _ in range(rounds):
+            for label in settings:
+                if label == "before":
+                    layer_math.into_residual = pending_always
+                else:
+                    layer_math.__dict__.pop("into_residual", None)
+                recapture()
+                for cell in ran(("3968x1", "3968x8", "16000x1"), prompts):
+                    seconds, out = median_run(lambda p=prompts[cell]: generate(p, 1), 1, 3, sync)
+                    runs[label].setdefault(f"{cell} prefill", []).append(seconds)
+                    tokens.setdefault(f"{cell} prefill", []).append(out)
+                for cell in ran(("32x32", "3968x8"), prompts):
+                    new = PROMPTS[len(prompts[cell][0])]
+                    seconds, out = median_run(lambda p=prompts[cell], n=new: generate(p, n), 1, 3, sync)
+                    runs[label].setdefault(f"{cell} e2e", []).append(seconds)
+                    tokens.setdefault(f"{cell} e2e", []).append(out)
+    finally:
+        layer_math.__dict__.pop("into_residual", None)
+        recapture()
+    result: dict[str, Any] = {}
+    for key, seen in tokens.items():
+        medians = {label: statistics.median(runs[label][key]) for label in settings}
+        result[key] = {"s": {label: runs[label][key] for label in settings}, "median_s": medians,
+                       "after_over_before": medians["after"] / medians["before"],
+                       # bf16: the two settings round the sums differently, so tokens may differ between them
+                       "tokens_equal_within_each_setting": all(t == seen[first] for first in (0, 1)
+                                                               for t in seen[first::2]),
+                       "tokens_equal_across_settings": seen[0] == seen[1]}
+    print(f"  lever residual in product: {result}", flush=True)
+    return result
+
+
 def ran(cells: tuple[str, ...], prompts: dict[str, list[list[int]]]) -> list[str]:
     """The cells a lever names that this run has prompts for (`--tiny` keeps the short ones)."""
     return [cell for cell in cells if cell in prompts]
@@ -863,6 +923,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "gemv_eviction": lambda: gemv_eviction_lever(engine, generate, prompts, sync),
                 "step_overlap": lambda: step_overlap_lever(engine, generate, prompts, sync),
                 "step_kv": lambda: step_kv_lever(generate, prompts, sync),
+                "residual_in_product": lambda: residual_in_product_lever(engine, generate, prompts, sync),
             }
             results["levers"] = {name: run_lever[name]() for name in args.levers}
     for lever in results.get("levers", {}).values():

@@ -266,10 +266,11 @@ def test_compiled_layers_run_in_eager_and_window_steps_with_the_same_tokens(refe
     assert runner is not None
     assert run_engine(engine) == reference
     assert runner.windows < runner.steps
-    # pre-attention (the first layer's, with no MLP output to add, and the others'), o_proj, the
-    # MLP block and the final norm, each once for one token and once for any other count (the
-    # token dimension is dynamic): prefills, padded batches and windows share them.
-    assert counter.frame_count == 10, counter.frame_count
+    # pre-attention, the MLP block up to SwiGLU and the final norm, each once for one token and
+    # once for any other count (the token dimension is dynamic): prefills, padded batches and
+    # windows share them. The output projections run outside: they add themselves to the
+    # residual in place, and here (no platform kernel) always can, so no norm has one pending.
+    assert counter.frame_count == 6, counter.frame_count
     torch._dynamo.reset()
 
 

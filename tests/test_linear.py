@@ -100,12 +100,41 @@ def test_no_support_is_f_linear_itself():
 def test_layer_math_routes_the_output_projection_and_the_mlp():
     config = ModelConfig()
     math = LayerMath(config)
-    math.linear = routed_linear(counting())
+    math.use_linear(counting())
     h, i = config.hidden_size, config.intermediate_size
     o_weight, gate_up, down = torch.randn(h, h), torch.randn(2 * i, h), torch.randn(h, i)
-    math.attention_output(torch.randn(1, config.num_heads, config.head_dim), o_weight, None)
-    math.mlp(torch.randn(1, h), torch.randn(1, h), None, torch.ones(h), gate_up, down)
+    residual = torch.randn(1, h)
+    pending = math.into_residual(residual, torch.randn(1, h), o_weight, None)
+    _, act = math.mlp(residual, pending, None, torch.ones(h), gate_up)
+    math.into_residual(residual, act, down, None)
     assert [ptr for _, ptr in CALLS] == [o_weight.data_ptr(), gate_up.data_ptr(), down.data_ptr()]
+
+
+@pytest.mark.parametrize("support, rows, bias, added_in_place", [
+    (None, 5, False, True),  # F.linear's route: the product adds itself
+    (None, 5, True, False),  # a bias: the GEMM can't add it and the residual at once
+    (counting(), 1, False, False),  # the platform's kernel: it has no accumulate
+    (counting(), 2, False, True),  # more rows than the kernel takes: F.linear's route
+])
+def test_into_residual_adds_in_the_product_only_on_the_general_route(support, rows, bias, added_in_place):
+    math = LayerMath(ModelConfig())
+    math.use_linear(support)
+    x, weight = torch.randn(rows, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    b = torch.randn(4, dtype=torch.float64) if bias else None
+    residual = torch.randn(rows, 4, dtype=torch.float64)
+    before = residual.clone()
+    # The counting kernel declares float32 only: give it float32 where it should run.
+    if support is not None:
+        x, weight, residual, before = x.float(), weight.float(), residual.float(), before.float()
+    pending = math.into_residual(residual, x, weight, b)
+    expected = before + F.linear(x, weight, b)
+    if added_in_place:
+        assert pending is None
+        torch.testing.assert_close(residual, expected)
+    else:
+        assert pending is not None and torch.equal(residual, before)  # left for the next norm
+        torch.testing.assert_close(before + pending, expected)
+    assert len(CALLS) == (0 if added_in_place or support is None else 1)
 
 
 # -- the decoder and the engine ----------------------------------------------------------------------

@@ -26,7 +26,7 @@ from torchhal.attention import StepKvAttentionBackend, decode_metadata_for_rows
 from torchhal.core.graphs.program import OUTPUT_ROWS, BreakStep, GraphStep, StackState, Step, run_for_rows
 from torchhal.core.model.config import Llama3RopeScaling, ModelConfig
 from torchhal.core.model.kv_cache import AttentionMetadata, KVCache
-from torchhal.core.model.linear import LinearFn, routed_linear
+from torchhal.core.model.linear import LinearFn, routed_linear, takes_kernel
 from torchhal.core.model.parallel import RankShard, TensorParallelPlan
 
 if TYPE_CHECKING:
@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from torchhal.platforms import LinearSupport
 
 __all__ = ["AttentionMetadata", "KVCache", "Llama3RopeScaling", "LlamaDecoder", "ModelConfig"]
+
+#: State key of an output projection not yet added to the residual (see `LayerMath.into_residual`).
+PENDING = "pending"
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Rotary inverse frequencies in fp32, as Hugging Face computes them (incl. `llama3` scaling)."""
@@ -222,12 +225,16 @@ class LayerMath:
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
-        # Every projection: F.linear, or the platform's kernel for few rows (`LlamaDecoder.use_linear`).
+        # Every projection: F.linear, or the platform's kernel for few rows (`use_linear`).
         self.linear: LinearFn = F.linear
+        self.linear_support: LinearSupport | None = None
         self.pre_attention: Callable[..., tuple[torch.Tensor, ...]] = self._pre_attention
-        self.attention_output: Callable[..., torch.Tensor] = self._attention_output
         self.mlp: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._mlp_block
         self.final_norm: Callable[..., torch.Tensor] = self._final_norm
+
+    def use_linear(self, support: LinearSupport | None) -> None:
+        """Route every projection through `routed_linear(support)` (None: F.linear everywhere)."""
+        self.linear, self.linear_support = routed_linear(support), support
 
     def compile(self, backend: str | Callable[..., Any] = "inductor",
                 options: Mapping[str, bool | int | str] | None = None) -> None:
@@ -243,27 +250,39 @@ class LayerMath:
                                       token_args)
 
         # The positions of the arguments with a token dimension.
-        self.pre_attention = compiled(self._pre_attention, 0, 1, 7, 8)  # residual, mlp_out, cos, sin
-        self.attention_output = compiled(self._attention_output, 0)  # attn_out
-        self.mlp = compiled(self._mlp_block, 0, 1)  # residual, attention
-        self.final_norm = compiled(self._final_norm, 0, 1)  # residual, mlp_out
+        self.pre_attention = compiled(self._pre_attention, 0, 1, 7, 8)  # residual, pending, cos, sin
+        self.mlp = compiled(self._mlp_block, 0, 1)  # residual, pending
+        self.final_norm = compiled(self._final_norm, 0, 1)  # residual, pending
 
-    # The residual stream: each sum `residual + x` is taken where a norm reads it next, so a
-    # compiled layer adds and normalises in one kernel and every projection writes a fresh
-    # output. (`residual + matmul` read by a norm would become an addmm, which copies the
-    # residual into its output before the product.) Eager, the sums are HF's, in HF's order.
+    # The residual stream. An output projection (o_proj, down_proj) reaches the residual in one
+    # of two ways. `into_residual` adds it inside the product where the general matrix multiply
+    # runs it: an in-place addmm reads the residual in the GEMM's epilogue, so the next norm
+    # only reads the residual (at a long prompt's prefill that halves the norms' memory
+    # traffic). Where the product can't (the platform's few-row kernel, a bias, a tensor-
+    # parallel partial sum that must be all-reduced first) the projection is "pending", and
+    # the next norm adds it in the norm's kernel. The products stay out of `torch.compile`:
+    # compiled, an in-place addmm of an input becomes a copy, an addmm and a copy back.
+    def into_residual(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor | None:
+        """Add `x @ weight.T (+ bias)` to `residual` in place and return None, or return the
+        projection for the next norm to add (see above)."""
+        if bias is None and not takes_kernel(self.linear_support, x, weight):
+            residual.addmm_(x, weight.t())
+            return None
+        return self.linear(x, weight, bias)
+
     def _pre_attention(
-        self, residual: torch.Tensor, mlp_out: torch.Tensor | None, norm_weight: torch.Tensor,
+        self, residual: torch.Tensor, pending: torch.Tensor | None, norm_weight: torch.Tensor,
         qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None, q_norm_weight: torch.Tensor | None,
         k_norm_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layer before's MLP output added to the residual (`mlp_out`; None in the first
-        layer), input norm, fused QKV projection, q/k norms (Qwen3) and rotary: the residual,
-        q [T, H, D], k and v [T, Hkv, D]."""
+        """The layer before's pending MLP output added to the residual (None: nothing pending),
+        input norm, fused QKV projection, q/k norms (Qwen3) and rotary: the residual, q [T, H, D],
+        k and v [T, Hkv, D]."""
         config = self.config
         heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
-        if mlp_out is not None:
-            residual = residual + mlp_out
+        if pending is not None:
+            residual = residual + pending
         t = residual.shape[0]
         qkv = self.linear(rms_norm(residual, norm_weight, config.rms_eps), qkv_weight, qkv_bias)
         q_size, kv_size = heads * dim, kv_heads * dim
@@ -276,27 +295,21 @@ class LayerMath:
         qk = apply_rotary(qkv[:, : q_size + kv_size].reshape(t, heads + kv_heads, dim), cos, sin)
         return residual, qk[:, :heads], qk[:, heads:], v
 
-    def _attention_output(self, attn_out: torch.Tensor, o_weight: torch.Tensor,
-                          o_bias: torch.Tensor | None) -> torch.Tensor:
-        """The output projection of [T, H, D] attention. Tensor parallel: this rank's heads
-        through its columns of o_proj, one term of the all-reduced sum (no bias: `_mlp_block`
-        adds it once, after the sum)."""
-        return self.linear(attn_out.reshape(attn_out.shape[0], -1), o_weight, o_bias)
-
     def _mlp_block(
-        self, residual: torch.Tensor, attention: torch.Tensor, o_bias: torch.Tensor | None,
-        norm_weight: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
+        self, residual: torch.Tensor, pending: torch.Tensor | None, o_bias: torch.Tensor | None,
+        norm_weight: torch.Tensor, gate_up_weight: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual after the (all-reduced) attention output, plus o_proj's bias when it was
-        left out of the projection, and the SwiGLU MLP's output (this rank's term of it, tensor
-        parallel: its slice of the intermediate width); the next norm adds that to the residual."""
-        residual = residual + attention if o_bias is None else residual + attention + o_bias
+        """The residual after the pending attention output (tensor parallel: all-reduced, plus
+        o_proj's bias, left out of the partial sums) and SwiGLU's activation, the down
+        projection's input (tensor parallel: this rank's slice of the intermediate width)."""
+        if pending is not None:
+            residual = residual + pending if o_bias is None else residual + pending + o_bias
         gate, up = self.linear(rms_norm(residual, norm_weight, self.config.rms_eps), gate_up_weight, None).chunk(
             2, dim=-1)
-        return residual, self.linear(F.silu(gate) * up, down_weight, None)
+        return residual, F.silu(gate) * up
 
-    def _final_norm(self, residual: torch.Tensor, mlp_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return rms_norm(residual + mlp_out, weight, self.config.rms_eps)
+    def _final_norm(self, residual: torch.Tensor, pending: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(residual if pending is None else residual + pending, weight, self.config.rms_eps)
 
 
 def check_compile_backend(backend: object, label: str) -> None:
@@ -442,7 +455,7 @@ class LlamaDecoder(nn.Module):
         `support.max_rows` rows in a dtype it declares, F.linear for the rest; None restores
         F.linear everywhere. Call it before graphs are captured (the engine does, before
         `compile_layers`): a captured graph keeps the kernels it was captured with."""
-        self.layer_math.linear = routed_linear(support)
+        self.layer_math.use_linear(support)
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head when the config ties them (after a move, too)."""
@@ -461,11 +474,13 @@ class LlamaDecoder(nn.Module):
     def layer_program(self) -> list[Step]:
         """Graph-safe steps and breakable attention ops for the whole layer stack.
 
-        Inputs in the state: "hidden" [T, H] (embedded tokens), "positions" [T], and
-        optionally `OUTPUT_ROWS` [R]. Output: "hidden" [T, H] after the final norm, or [R, H]
+        Inputs in the state: "hidden" [T, H] (embedded tokens; the residual stream starts
+        as this tensor and is added to in place), "positions" [T], and optionally
+        `OUTPUT_ROWS` [R]. Output: "hidden" [T, H] after the final norm, or [R, H]
         when the last layer narrowed to the output rows (a step that is not a pure decode:
-        see `graphs.program.OUTPUT_ROWS`). Between layers the state carries the residual and
-        the layer's MLP output ("mlp_out"), which the next layer's norm adds.
+        see `graphs.program.OUTPUT_ROWS`). Between layers the state carries the residual and,
+        when a projection could not add itself to it, that projection (`PENDING`), which the
+        next norm adds.
 
         Kept once built (each call returns a new list of the same steps), since building it
         costs ~0.3 ms of host time an eager step's device would wait for. A step looks up the
@@ -490,42 +505,56 @@ class LlamaDecoder(nn.Module):
         return steps
 
     def _post_attention(self, index: int, layer: DecoderLayer) -> list[Step]:
-        """o_proj, then the MLP block. Tensor parallel, both are row-parallel and each is
-        followed by one all-reduce of its partial sums in place: a graph step when the
-        communicator's collectives can be captured, a break otherwise (the segments around it
-        stay graphs). One device: the same steps without the all-reduces."""
+        """o_proj, the MLP up to SwiGLU, down_proj. One device, each projection is added to the
+        residual as `LayerMath.into_residual` says. Tensor parallel, both projections are
+        row-parallel: each writes this rank's partial sum, all-reduced in place (a graph step
+        when the communicator's collectives can be captured, a break otherwise: the segments
+        around it stay graphs) and left pending for the next norm to add."""
         attn, mlp, layer_math = layer.self_attn, layer.mlp, self.layer_math
         # Tensor parallel, o_proj's bias is added once, after the sum; on one device inside the
         # projection, as HF adds it.
         sharded = self.shard is not None
 
+        def project(state: StackState, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+            if sharded:
+                state[PENDING] = layer_math.linear(x, weight, None)
+                return
+            pending = layer_math.into_residual(state["residual"], x, weight, bias)
+            if pending is None:
+                state.pop(PENDING, None)
+            else:
+                state[PENDING] = pending
+
         def o_proj(state: StackState) -> None:
-            state["attention"] = layer_math.attention_output(state["attn_out"], attn.o_proj.weight,
-                                                             None if sharded else attn.o_proj.bias)
+            attn_out = state["attn_out"]
+            project(state, attn_out.reshape(attn_out.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
 
         def mlp_block(state: StackState) -> None:
-            state["residual"], state["mlp_out"] = layer_math.mlp(
-                state["residual"], state["attention"], attn.o_proj.bias if sharded else None,
-                layer.post_attention_layernorm.weight,
-                mlp.fused_weight, mlp.down_proj.weight,
+            state["residual"], state["mlp_act"] = layer_math.mlp(
+                state["residual"], state.pop(PENDING, None), attn.o_proj.bias if sharded else None,
+                layer.post_attention_layernorm.weight, mlp.fused_weight,
             )
 
-        if self.shard is None:
-            return [GraphStep(f"layer{index}.o_proj", o_proj), GraphStep(f"layer{index}.mlp", mlp_block)]
+        def down_proj(state: StackState) -> None:
+            project(state, state.pop("mlp_act"), mlp.down_proj.weight, None)
+
+        steps: list[Step] = [GraphStep(f"layer{index}.o_proj", o_proj)]
+        if self.shard is not None:
+            steps.append(self._all_reduce_pending(f"layer{index}.o_proj.all_reduce"))
+        steps += [GraphStep(f"layer{index}.mlp", mlp_block), GraphStep(f"layer{index}.down_proj", down_proj)]
+        if self.shard is not None:
+            steps.append(self._all_reduce_pending(f"layer{index}.down_proj.all_reduce"))
+        return steps
+
+    def _all_reduce_pending(self, name: str) -> Step:
         comm = self._communicator()
 
-        def all_reduce(name: str, key: str) -> Step:
-            def reduce(state: StackState) -> None:
-                comm.all_reduce(state[key])
+        def reduce(state: StackState) -> None:
+            comm.all_reduce(state[PENDING])
 
-            if comm.graph_capturable:
-                return GraphStep(name, reduce)
-            return BreakStep(name, lambda state, num_tokens, meta: reduce(state))
-
-        return [
-            GraphStep(f"layer{index}.o_proj", o_proj), all_reduce(f"layer{index}.o_proj.all_reduce", "attention"),
-            GraphStep(f"layer{index}.mlp", mlp_block), all_reduce(f"layer{index}.mlp.all_reduce", "mlp_out"),
-        ]
+        if comm.graph_capturable:
+            return GraphStep(name, reduce)
+        return BreakStep(name, lambda state, num_tokens, meta: reduce(state))
 
     def _pre_attention(self, layer: DecoderLayer, first: bool) -> Callable[[StackState], None]:
         config = self.local_config
@@ -540,7 +569,7 @@ class LlamaDecoder(nn.Module):
                 cos, sin = self.model.rotary_emb(state["positions"], state["hidden"].dtype)
                 state["rotary_cos"], state["rotary_sin"] = cos, signed_sin(sin)
             state["residual"], state["q"], state["k"], state["v"] = self.layer_math.pre_attention(
-                state["residual"], None if first else state["mlp_out"], layer.input_layernorm.weight, attn.fused_weight,
+                state["residual"], state.pop(PENDING, None), layer.input_layernorm.weight, attn.fused_weight,
                 attn.fused_bias, q_norm.weight if q_norm is not None else None,
                 k_norm.weight if k_norm is not None else None, state["rotary_cos"], state["rotary_sin"],
             )
@@ -552,7 +581,8 @@ class LlamaDecoder(nn.Module):
         return run
 
     def _final_norm(self, state: StackState) -> None:
-        state["hidden"] = self.layer_math.final_norm(state["residual"], state["mlp_out"], self.model.norm.weight)
+        state["hidden"] = self.layer_math.final_norm(state["residual"], state.pop(PENDING, None),
+                                                     self.model.norm.weight)
 
     def _attention(self, index: int) -> Callable[[StackState, int, AttentionMetadata], None]:
         config = self.local_config

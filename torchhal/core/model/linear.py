@@ -21,14 +21,20 @@ from torchhal.platforms import LinearSupport
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
+def takes_kernel(support: LinearSupport | None, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `routed_linear(support)` sends `x @ weight.T` to the platform's kernel."""
+    return (support is not None and x.dim() == 2 and x.shape[0] <= support.max_rows and x.dtype in support.dtypes
+            and weight.is_contiguous())
+
+
 def routed_linear(support: LinearSupport | None) -> LinearFn:
     """`linear(x, weight, bias)`: `support.kernel` where it applies, else F.linear (always, for None)."""
     if support is None:
         return F.linear
-    kernel, max_rows, dtypes = support.kernel, support.max_rows, support.dtypes
+    kernel = support.kernel
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= max_rows and x.dtype in dtypes and weight.is_contiguous():
+        if takes_kernel(support, x, weight):
             return kernel(x, weight, bias)
         return F.linear(x, weight, bias)
 
