@@ -301,7 +301,8 @@ def test_layer_program_collectives_and_the_single_rank_program() -> None:
     for capturable, kind in ((True, GraphStep), (False, BreakStep)):  # one decoder: a new group, a new program
         part.use_communicator(FakeCommunicator(1, 2, capturable))  # type: ignore[arg-type]
         reduces = [s for s in part.layer_program() if s.name.endswith("all_reduce")]
-        assert [s.name for s in reduces] == [f"layer{i}.{p}.all_reduce" for i in range(2) for p in ("o_proj", "down_proj")]
+        assert [s.name for s in reduces] == [f"layer{i}.{p}.all_reduce" for i in range(2)
+                                             for p in ("o_proj", "down_proj")]
         assert all(isinstance(s, kind) for s in reduces)
         part.kv = object()  # type: ignore[assignment]  # only checked for presence
         reason = unsupported_reason(part)

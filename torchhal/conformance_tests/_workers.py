@@ -279,8 +279,9 @@ def _replayed(platform: torchhal.Platform, index: int, static: torch.Tensor,
 
 def distributed_peer_dies(name: str, rank: int, world: int, store_path: str, queue: Any) -> None:
     """Rank 1 exits mid-group. Rank 0 says it is about to call, then makes two collectives and
-    reads the result back (as an engine reads its tokens), and reports how that ended, and when;
-    unless its backend ends the process first, as NCCL's watchdog does."""
+    reads the result back as an engine reads its tokens (waiting through `DeviceGroup.wait_for`,
+    bounded by the group's timeout), and reports how that ended, and when; unless its backend
+    ends the process first, as NCCL's watchdog does."""
     import time
 
     from torchhal.distributed import CollectiveError
@@ -301,6 +302,11 @@ def distributed_peer_dies(name: str, rank: int, world: int, store_path: str, que
             # fail by the time their result is read back.
             for _ in range(2):
                 group.comm.all_reduce(probe)
+            # Not a blocking read: on NCCL it holds the GIL while the watchdog, past the
+            # timeout, waits for the GIL to dump Python stacks before it ends the process.
+            done = group.platform.new_event()
+            done.record(group.platform.current_stream(group.device.index or 0))
+            group.wait_for(done, "the surviving rank's read of its sum")
             probe.to("cpu")
         except CollectiveError as exc:
             error = str(exc)

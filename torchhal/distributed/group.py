@@ -157,7 +157,9 @@ class DeviceGroup:
         most the group's timeout; past it, raise `CollectiveError` naming `what`. For work that
         replays collectives from a device graph: no backend times those out (NCCL's watchdog
         watches only collectives it launched itself), so a dead or hung peer would leave a
-        plain wait blocked for ever."""
+        plain wait blocked for ever. Use it too for eager collectives' results on NCCL: its
+        watchdog ends a timed-out process only after dumping Python stacks, which waits for the
+        GIL a blocking read holds; this wait yields it."""
         deadline = time.monotonic() + self.timeout.total_seconds()
         while not event.query():
             if time.monotonic() > deadline:
@@ -191,9 +193,9 @@ def init_group(
     call while another thread is inside one is refused, so pass `name=` to each group when
     threads make groups (a default-named call from inside one, on its thread, is refused too).
     The rank's device is `platform.device_for_rank` and is made current. A collective on a dead or hung peer
-    raises `CollectiveError` within `timeout` (gloo), or the backend ends the process within it (NCCL's
-    watchdog). Call `close()` before exiting; a group made again under a closed one's name, on the same
-    store, is a new group.
+    raises `CollectiveError` within `timeout` (gloo); on NCCL, wait for its result through
+    `DeviceGroup.wait_for`, which raises it (a blocking read can hang: see there). Call `close()`
+    before exiting; a group made again under a closed one's name, on the same store, is a new group.
     Bad arguments are refused before anything is touched (the device, the store, the names).
     """
     global _default_names_taken, _default_naming_thread
