@@ -6,6 +6,8 @@ a few. `routed_linear(support)` is the function `LayerMath` calls for every proj
 kernel for a 2-D input of at most `support.max_rows` rows in a dtype it declares, F.linear
 for everything else. The branch is on shapes and dtypes only, so inside `torch.compile` it is
 decided while tracing (the one-token graph is its own compiled graph) and costs nothing per call.
+`takes_kernel` is that branch alone: `LayerMath.into_residual` asks it whether a projection
+runs as F.linear, which can add itself to the residual inside the product.
 """
 
 from __future__ import annotations
