@@ -53,8 +53,9 @@ class Model(Protocol):
     def layer_program(self) -> list[Step]:
         """The layer stack as graph steps and breakable steps (see `graphs.program`).
 
-        State in: "hidden" [T, H] (embedded tokens) and "positions" [T], and from the
-        engine's runners `OUTPUT_ROWS` [R], the rows it samples; state out: "hidden" [T, H],
+        State in: "hidden" [T, H] (embedded tokens, which the program may update in place:
+        runners pass a fresh embedding or a buffer they refill each step) and "positions" [T],
+        and from the engine's runners `OUTPUT_ROWS` [R], the rows it samples; state out: "hidden" [T, H],
         ready for `logits`, or [R, H] when the program narrowed to those rows and removed
         the key (`graphs.program.OUTPUT_ROWS`: a program may ignore it)."""
         ...
