@@ -165,9 +165,8 @@ class DeviceGroup:
             if time.monotonic() > deadline:
                 raise CollectiveError(
                     f"{what}: device work in group {self.name!r} at rank {self.rank} of {self.world_size} did not "
-                    f"finish within the group's timeout ({self.timeout.total_seconds():g} s). Its collectives, "
-                    "replayed from a device graph, are waiting on a dead, hung or diverged peer; the group cannot "
-                    "be reused"
+                    f"finish within the group's timeout ({self.timeout.total_seconds():g} s). Its collectives are "
+                    "waiting on a dead, hung or diverged peer; the group cannot be reused"
                 )
             time.sleep(0)  # yield the GIL; the poll costs about what a spinning wait does
 

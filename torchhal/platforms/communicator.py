@@ -37,10 +37,12 @@ class Communicator(Protocol):
     never hands back a wrong result: it raises `CollectiveError` within the group's
     timeout, or, where collectives run asynchronously on the device (NCCL under torch's
     default error handling), the call returns once queued and the backend ends the
-    waiting process within that timeout, before the result can be read back. No backend
-    times out a collective replayed from a device graph: code that replays them bounds its
-    own waits (`DeviceGroup.wait_for`). Bad arguments (an unknown `op`, a peer that is not
-    another rank, `sizes` that do not fit) raise ValueError before any rank is waited on.
+    waiting process after that timeout, before the result can be read back, provided the
+    waiter yields the GIL (NCCL's watchdog dumps Python stacks first; a blocking read holds
+    it). No backend times out a collective replayed from a device graph. So wait for a
+    result through `DeviceGroup.wait_for`, which is bounded and yields. Bad arguments (an
+    unknown `op`, a peer that is not another rank, `sizes` that do not fit) raise ValueError
+    before any rank is waited on.
     """
 
     rank: int

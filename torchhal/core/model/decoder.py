@@ -520,9 +520,7 @@ class LlamaDecoder(nn.Module):
                 state[PENDING] = layer_math.linear(x, weight, None)
                 return
             pending = layer_math.into_residual(state["residual"], x, weight, bias)
-            if pending is None:
-                state.pop(PENDING, None)
-            else:
+            if pending is not None:  # the norm before this projection took the last one
                 state[PENDING] = pending
 
         def o_proj(state: StackState) -> None:
