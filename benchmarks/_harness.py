@@ -99,7 +99,7 @@ def random_llama(shape: dict[str, Any], dtype: torch.dtype, device: torch.device
                          tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
+        model = LlamaForCausalLM(config).to(dtype)  # type: ignore[arg-type]  # transformers types .to without self
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -21,6 +21,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -86,7 +87,7 @@ def decode_case(batch: int, context: int, device: torch.device, with_reference: 
     expected = run_sdpa()[:, :, 0]
     error = float((out.float() - expected.float()).abs().max())
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * DTYPE.itemsize
-    row = {
+    row: dict[str, Any] = {
         "kind": "decode", "batch": batch, "context": context, "max_abs_err_vs_sdpa": error,
         "splits": decode_splits(batch, KV_HEADS, meta.max_blocks * BLOCK,
                                 torch.cuda.get_device_properties(device).multi_processor_count),
@@ -128,8 +129,9 @@ def prefill_case(context: int, query_len: int, device: torch.device) -> dict:
     # Causal work: each query attends its own prefix.
     pairs = sum(range(context - query_len + 1, context + 1))
     flops = 4 * Q_HEADS * HEAD_DIM * pairs
-    row = {"kind": "prefill", "batch": 1, "context": context, "query_len": query_len, "max_abs_err_vs_sdpa": error,
-           "triton_ms": bench(run_triton), "sdpa_contiguous_ms": bench(run_sdpa)}
+    row: dict[str, Any] = {"kind": "prefill", "batch": 1, "context": context, "query_len": query_len,
+                           "max_abs_err_vs_sdpa": error, "triton_ms": bench(run_triton),
+                           "sdpa_contiguous_ms": bench(run_sdpa)}
     row["triton_tflops"] = flops / row["triton_ms"] / 1e9
     row["sdpa_tflops"] = flops / row["sdpa_contiguous_ms"] / 1e9
     return row

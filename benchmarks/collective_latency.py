@@ -67,6 +67,7 @@ def rank_run(shape: str, batches: list[int], dtype_name: str, calls: int, replay
                                 "collectives_per_step": 2 * layers + 2}
         if capturable:
             support = platform.graph_support
+            assert support is not None  # capturable says the platform has graphs
             stream = platform.new_stream(index)
             stream.wait_stream(platform.current_stream(index))
             with platform.use_stream(stream):

@@ -20,6 +20,7 @@ Needs a CUDA GPU and Triton; elsewhere it says so and exits.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import sys
 from collections.abc import Callable
@@ -138,7 +139,8 @@ def measure(name: str, m: int, sweep_rep: int) -> list[dict[str, Any]]:
         except Exception as exc:  # a config that fails to compile or launch is skipped
             skipped.append(f"{config}: {type(exc).__name__}: {str(exc)[:120]}")
             continue
-        trial = row("triton_gemv", y, time_us(lambda wt, c=config: triton_gemv(x, wt, y, c), weights, sweep_rep))
+        trial = row("triton_gemv", y, time_us(functools.partial(triton_gemv, x, y=y, config=config), weights,
+                                                 sweep_rep))
         swept.append((trial["wrong"], trial["us"], config))
     if swept:
         _, _, best = min(swept)  # correct ones first, then fastest

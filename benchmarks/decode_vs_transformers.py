@@ -127,10 +127,11 @@ def peer_child(job_path: str, answer_path: str) -> None:
     for limit in ("recompile_limit", "cache_size_limit"):  # one compile per batch size
         if hasattr(torch._dynamo.config, limit):
             setattr(torch._dynamo.config, limit, 64)
-    hf = LlamaForCausalLM.from_pretrained(job["directory"], dtype=getattr(torch, job["dtype"])).to(device).eval()
+    hf = LlamaForCausalLM.from_pretrained(job["directory"], dtype=getattr(torch, job["dtype"]))
+    hf = hf.to(device).eval()  # type: ignore[arg-type]  # transformers types .to without self
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
-    started, rows = time.perf_counter(), {}
+    started, rows = time.perf_counter(), dict[int, Any]()
     for batch, batch_prompts in job["prompts"].items():
         if time.perf_counter() - started > job["budget_s"]:
             rows[batch] = {"skipped": "time budget spent (--budget-s)"}
@@ -269,7 +270,7 @@ def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, budg
         if backend is not None:
             engine.runner, engine.decode_runner = eager_runner, decode_runner
             compile_started = time.perf_counter()
-            engine.model.compile_layers(backend)  # type: ignore[operator]
+            engine.model.compile_layers(backend)  # type: ignore[attr-defined]  # LlamaDecoder's, not the protocol's
             report = decode_runner.capture() if full_graph_real else None  # compiles in the warm-ups
             prefill = graph_runner.capture() if graph_runner.report is not None else None
             result["compiled_layers"] = {

@@ -116,7 +116,7 @@ def nbytes(module: torch.nn.Module) -> int:
 
 
 # -- the rows -------------------------------------------------------------------------------------
-Row = Callable[[Any, Any], tuple[Callable[..., Any], Callable[[], None], Any]]
+Row = Callable[[Any, Any], tuple[Callable[..., Any], Callable[[], object], Any]]
 
 
 def fresh(reference: Any) -> Any:
@@ -126,7 +126,7 @@ def fresh(reference: Any) -> Any:
 
 
 def diffusers_row(setup: Callable[[Any, torch.device], None]) -> Row:
-    def build(pipe: Any, platform: Any) -> tuple[Callable[..., Any], Callable[[], None], Any]:
+    def build(pipe: Any, platform: Any) -> tuple[Callable[..., Any], Callable[[], object], Any]:
         setup(pipe, platform.device(0))
         trace = ResidencyTrace(platform, 0)
         handles = []
@@ -153,7 +153,7 @@ def diffusers_row(setup: Callable[[Any, torch.device], None]) -> Row:
 
 
 def torchhal_row(transformer: Any, vae: Any = lambda: Strategy.OFFLOAD, empty_on_release: bool = False) -> Row:
-    def build(pipe: Any, platform: Any) -> tuple[Callable[..., Any], Callable[[], None], Any]:
+    def build(pipe: Any, platform: Any) -> tuple[Callable[..., Any], Callable[[], object], Any]:
         placements = {"text_encoder": Strategy.OFFLOAD, "text_encoder_2": Strategy.OFFLOAD, "vae": vae()}
         managed = ManagedPipeline(pipe, {**placements, "transformer": transformer()}, platform=platform,
                                   device_index=0, empty_on_release=empty_on_release)
@@ -246,7 +246,10 @@ def run_row(name: str, build: Row, reference: Any, platform: Any, kwargs: Callab
                "empties_by_where_last_request": _count(e.get("where", "?") for e in events
                                                        if e["kind"] == "empty_cache")}
         if breakdown and HAS_GPU:
-            row["peak_breakdown"] = peak_breakdown(lambda request=call: request(**kwargs()))
+            def one_request(request: Callable[..., Any] = call) -> Any:  # bound now: `call` is deleted below
+                return request(**kwargs())
+
+            row["peak_breakdown"] = peak_breakdown(one_request)
     finally:
         counter.trace = None
         teardown()

@@ -42,7 +42,8 @@ def paired(eager_fn, graph_fn, platform, iters: int) -> tuple[float, float, floa
         eager_fn()
         graph_fn()
     platform.synchronize()
-    eager, graph = [], []
+    eager: list[float] = []
+    graph: list[float] = []
     for _ in range(iters):
         for fn, samples in ((eager_fn, eager), (graph_fn, graph)):
             start = time.perf_counter()
@@ -65,6 +66,7 @@ def stack_times(name: str, config: ModelConfig, iters: int) -> dict:
     engine = GenerationEngine(EngineConfig(model=config, dtype=torch.bfloat16, max_kv_slots=64 * 1024,
                                            kv_fraction=0.2), runner_factory=make_factory(BUCKETS))
     runner, eager, platform = engine.runner, EagerRunner(engine.model), engine.platform
+    assert isinstance(runner, GraphRunner)  # make_factory's
     rows = []
     for bs in (1, 8, 16):
         for tokens in (8, 16, 32, 64, 128, 256, 512):
@@ -90,6 +92,7 @@ def stack_times(name: str, config: ModelConfig, iters: int) -> dict:
             print(f"{name} bs={bs:>2} tokens={tokens:>3}: eager {eager_ms:.3f} ms, graphs {graph_ms:.3f} ms, "
                   f"{speedup:.2f}x (median of paired ratios)", flush=True)
     report = runner.report
+    assert report is not None, runner.eager_reason  # captured at construction unless it runs eager
     return {"rows": rows, "graphs": report.graphs, "buckets": list(report.buckets),
             "capture_s": report.seconds, "pool_bytes": report.pool_bytes}
 

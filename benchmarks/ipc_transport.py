@@ -380,11 +380,14 @@ def main() -> None:
             seen.append(message[0])
             return (kind, message)
 
+        def torch_mp_message(t: torch.Tensor = tensor) -> tuple[str, torch.Tensor]:
+            return ("cuda", t)
+
         paths = {
             "transport_copy": lambda: round_trip(inbox, outbox, lambda: sent("message", producer), producer),
             "transport_view": lambda: round_trip(inbox, outbox, lambda: sent("view", producer), producer),
             "transport_copy_host_sync": lambda: round_trip(inbox, outbox, lambda: sent("message", synced), synced),
-            "torch_mp_cuda": lambda t=tensor: round_trip(mp_inbox, mp_outbox, lambda: ("cuda", t)),
+            "torch_mp_cuda": lambda: round_trip(mp_inbox, mp_outbox, torch_mp_message),
             "queue_ping": lambda: ping(inbox, outbox),
         }
         # Steady: each path in a block of round trips (its processes stay hot). Interleaved:
@@ -403,7 +406,7 @@ def main() -> None:
     streamer = Producer(TransportConfig(budget_bytes=4 << 30, consumers=1), platform, 0)
     for nbytes, count in STREAMED:
         tensor = torch.arange(nbytes // 4, dtype=torch.float32, device="cuda:0")
-        kinds: list[str] = []
+        kinds = []
 
         def transport_item(last: bool, t: torch.Tensor = tensor, sent: list[str] = kinds) -> tuple[Any, ...]:
             message = streamer.send(t)

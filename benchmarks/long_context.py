@@ -31,6 +31,7 @@ then merges the other side's figures. `--tiny` runs a tiny model on whatever dev
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import subprocess
@@ -99,8 +100,8 @@ def timed_cells(generate: Callable[[list[list[int]], int], list[list[int]]], pro
             continue
         new = new_tokens[len(batch_prompts[0])]
         try:
-            e2e_s, tokens = median_run(lambda p=batch_prompts, n=new: generate(p, n), 1, reps, sync)
-            prefill_s, _ = median_run(lambda p=batch_prompts: generate(p, 1), 1, reps, sync)
+            e2e_s, tokens = median_run(functools.partial(generate, batch_prompts, new), 1, reps, sync)
+            prefill_s, _ = median_run(functools.partial(generate, batch_prompts, 1), 1, reps, sync)
         except torch.OutOfMemoryError as exc:
             rows[cell] = {"skipped": f"out of memory: {str(exc).splitlines()[0]}"}
             gc.collect()
@@ -124,7 +125,8 @@ def transformers_side(directory: str, dtype: torch.dtype, prompts: dict[str, lis
     for limit in ("recompile_limit", "cache_size_limit"):  # one compile per cell's shapes
         if hasattr(torch._dynamo.config, limit):
             setattr(torch._dynamo.config, limit, 64)
-    hf = LlamaForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
+    hf = LlamaForCausalLM.from_pretrained(directory, dtype=dtype)
+    hf = hf.to(device).eval()  # type: ignore[arg-type]  # transformers types .to without self
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
 
@@ -212,7 +214,9 @@ def judge(results: dict[str, Any]) -> dict[str, Any]:
     peer, ours = results["transformers_static"], results["torchhal"]
     weights, per_token = results["weight_bytes_per_step"], results["kv_bytes_per_token"]
     copy_bw = results.get("copy_bandwidth_Bps")
-    cells, goals = {}, {"e2e_1_5x": [], "prefill_0_8x": [], "decode_16k_bytes": [], "batch1_short_bandwidth": []}
+    cells: dict[str, Any] = {}
+    goals: dict[str, list[Any]] = {"e2e_1_5x": [], "prefill_0_8x": [], "decode_16k_bytes": [],
+                                   "batch1_short_bandwidth": []}
     for cell in results["cells"]:
         p, t = peer.get(cell, {}), ours.get(cell, {})
         if "tok_s" not in p or "tok_s" not in t:
@@ -294,9 +298,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dtype = torch.bfloat16 if on_gpu else torch.float32
     shape = TINY if args.tiny else LLAMA31_8B
     new_tokens = TINY_NEW if args.tiny else PROMPTS
-    cells = TINY_CELLS if args.tiny else CELLS
+    cells: tuple[tuple[int, int], ...] = TINY_CELLS if args.tiny else CELLS
     if args.cells:
-        cells = tuple(tuple(int(x) for x in cell.split("x")) for cell in args.cells.split(","))  # type: ignore[misc]
+        try:
+            cells = tuple((int(p), int(b)) for p, _, b in (cell.partition("x") for cell in args.cells.split(",")))
+        except ValueError:
+            parser.error(f"--cells {args.cells!r}: give comma-separated PROMPTxBATCH cells, e.g. 3968x8,16000x1")
         unknown = [f"{p}x{b}" for p, b in cells if p not in new_tokens]
         if unknown:
             parser.error(f"--cells {unknown}: the prompt length must be one of {sorted(new_tokens)}")

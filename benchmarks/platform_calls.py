@@ -124,9 +124,10 @@ def main() -> None:
     if module is not None:
         # Where else the allocator counters can come from, and the flattening accessor.
         results["direct.memory_reserved(0)"] = per_call_ns(lambda: module.memory_reserved(0), number=2_000)
-        reader = getattr(torch._C, "_accelerator_getDeviceStats", None)
-        if reader is not None:
-            results["stats_reader.torch._C._accelerator_getDeviceStats"] = per_call_ns(lambda: reader(0), number=2_000)
+        stats_reader = getattr(torch._C, "_accelerator_getDeviceStats", None)
+        if stats_reader is not None:
+            results["stats_reader.torch._C._accelerator_getDeviceStats"] = per_call_ns(lambda: stats_reader(0),
+                                                                                      number=2_000)
         results["empty_cache_nothing_cached"] = per_call_ns(
             lambda: platform.empty_cache(ReleasePoint.USER, 0), number=200, repeat=7
         )

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import functools
 import gc
 import hashlib
 import json
@@ -365,7 +366,7 @@ def summarize(raw: dict[str, Any], work: dict[str, dict[str, float]], matrix_flo
             if matrix_flops:
                 row["matrix_rate_fraction"] = need["flops"] / seconds / matrix_flops
     gaps = max(raw["span_us"] - raw["busy_us"], 0.0)
-    edges = {key: raw[key] for key in ("call_us", "before_first_kernel_us", "after_last_kernel_us",
+    edges: dict[str, Any] = {key: raw[key] for key in ("call_us", "before_first_kernel_us", "after_last_kernel_us",
                                        "unprofiled_call_us") if key in raw}
     return {
         "device_us": total, "busy_us": raw["busy_us"], "span_us": raw["span_us"], **edges,
@@ -408,7 +409,7 @@ def flash_prefill_lever(generate: Callable[[list[list[int]], int], list[list[int
         for label, impl in (("before_per_prompt", staticmethod(per_prompt_flash)), ("after_runs", runs)):
             backend_class._flash_prefill = impl  # type: ignore[method-assign]
             try:
-                seconds, _ = median_run(lambda p=batch_prompts: generate(p, 1), 1, 5, sync)
+                seconds, _ = median_run(functools.partial(generate, batch_prompts, 1), 1, 5, sync)
                 row[label] = {"prefill_s": seconds, "tokens": generate(batch_prompts, 8)}
             finally:
                 backend_class._flash_prefill = runs  # type: ignore[method-assign]
@@ -520,8 +521,8 @@ def gemv_eviction_lever(engine: GenerationEngine, generate: Callable[[list[list[
                 engine.decode_runner.capture()  # the GEMVs are captured inside the decode graphs
                 for cell in ran(("32x1", "3968x1", "16000x1"), prompts):
                     new = PROMPTS[len(prompts[cell][0])]
-                    e2e_s, tokens = median_run(lambda p=prompts[cell], n=new: generate(p, n), 1, 3, sync)
-                    prefill_s, _ = median_run(lambda p=prompts[cell]: generate(p, 1), 1, 3, sync)
+                    e2e_s, tokens = median_run(functools.partial(generate, prompts[cell], new), 1, 3, sync)
+                    prefill_s, _ = median_run(functools.partial(generate, prompts[cell], 1), 1, 3, sync)
                     runs[label].setdefault(cell, []).append({
                         "e2e_s": e2e_s, "prefill_s": prefill_s, "tokens": tokens,
                         "decode_step_ms": (e2e_s - prefill_s) / (new - 1) * 1e3})
@@ -570,7 +571,7 @@ def step_overlap_lever(engine: GenerationEngine, generate: Callable[[list[list[i
                     engine._lands_later = lambda batch, emits: False  # type: ignore[method-assign]
                 backend_class.prefill = copying_prefill if copies else real_prefill  # type: ignore[method-assign]
                 for cell in ran(("3968x8", "3968x32", "16000x8"), prompts):
-                    seconds, out = median_run(lambda p=prompts[cell]: generate(p, 1), 1, 3, sync)
+                    seconds, out = median_run(functools.partial(generate, prompts[cell], 1), 1, 3, sync)
                     runs[label].setdefault(cell, []).append(seconds)
                     tokens.setdefault(cell, []).append(out)
     finally:
@@ -606,7 +607,7 @@ def step_kv_lever(generate: Callable[[list[list[int]], int], list[list[int]]], p
             for label, capability in settings.items():
                 backend_class.capability = capability  # the decoder reads it at every call
                 for cell in ran(("3968x1", "3968x8", "16000x1", "16000x8"), prompts):
-                    seconds, out = median_run(lambda p=prompts[cell]: generate(p, 1), 1, 3, sync)
+                    seconds, out = median_run(functools.partial(generate, prompts[cell], 1), 1, 3, sync)
                     runs[label].setdefault(cell, []).append(seconds)
                     tokens.setdefault(cell, []).append(out)
     finally:
@@ -653,12 +654,12 @@ def residual_in_product_lever(engine: GenerationEngine,
                     layer_math.__dict__.pop("into_residual", None)
                 recapture()
                 for cell in ran(("3968x1", "3968x8", "16000x1"), prompts):
-                    seconds, out = median_run(lambda p=prompts[cell]: generate(p, 1), 1, 3, sync)
+                    seconds, out = median_run(functools.partial(generate, prompts[cell], 1), 1, 3, sync)
                     runs[label].setdefault(f"{cell} prefill", []).append(seconds)
                     tokens.setdefault(f"{cell} prefill", []).append(out)
                 for cell in ran(("32x32", "3968x8"), prompts):
                     new = PROMPTS[len(prompts[cell][0])]
-                    seconds, out = median_run(lambda p=prompts[cell], n=new: generate(p, n), 1, 3, sync)
+                    seconds, out = median_run(functools.partial(generate, prompts[cell], new), 1, 3, sync)
                     runs[label].setdefault(f"{cell} e2e", []).append(seconds)
                     tokens.setdefault(f"{cell} e2e", []).append(out)
     finally:
@@ -688,7 +689,7 @@ def prefill_medians(generate: Callable[[list[list[int]], int], list[list[int]]],
     `cells` that `prompts` holds: `--tiny` keeps the short ones)."""
     rows: dict[str, Any] = {}
     for cell in ran(cells, prompts):
-        seconds, _ = median_run(lambda p=prompts[cell]: generate(p, 1), 1, 5, sync)
+        seconds, _ = median_run(functools.partial(generate, prompts[cell], 1), 1, 5, sync)
         rows[cell] = {"prefill_s": seconds, "tokens": generate(prompts[cell], 8)}
     return rows
 
@@ -709,7 +710,9 @@ def write_kv_lever(engine: GenerationEngine, generate: Callable[[list[list[int]]
     kernel_write = backend_class.write_kv
     folder = Path(tempfile.mkdtemp())
     sides: dict[str, Any] = {}
-    for label, write in (("before_index_copy", PagedWriter.write_kv), ("after_triton", kernel_write)):
+    writes: tuple[tuple[str, Callable[..., None]], ...] = (("before_index_copy", PagedWriter.write_kv),
+                                                           ("after_triton", kernel_write))
+    for label, write in writes:
         backend_class.write_kv = write  # type: ignore[method-assign]
         try:
             assert engine.decode_runner is not None
@@ -782,7 +785,7 @@ def linear_kernel_lever(engine: GenerationEngine, generate: Callable[[list[list[
             rows: dict[str, Any] = {}
             for cell in ran(("32x1", "16000x1"), prompts):
                 new = PROMPTS[len(prompts[cell][0])]
-                e2e_s, _ = median_run(lambda p=prompts[cell], n=new: generate(p, n), 1, 3, sync)
+                e2e_s, _ = median_run(functools.partial(generate, prompts[cell], new), 1, 3, sync)
                 raw = pure_decode(engine, prompts[cell], DECODE_STEPS[cell], folder, f"{label}_{cell}", True,
                                   shape["num_hidden_layers"])
                 rows[cell] = {"e2e_s": e2e_s, "new_tokens": new, "span_ms": raw["span_us"] / 1e3,
@@ -842,7 +845,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     on_gpu = device.type != "cpu"
     dtype = torch.bfloat16 if on_gpu else torch.float32
     shape = TINY if args.tiny else LLAMA31_8B
-    scenarios = TINY_SCENARIOS if args.tiny else SCENARIOS
+    scenarios: tuple[tuple[str, str, int], ...] = TINY_SCENARIOS if args.tiny else SCENARIOS
     if args.scenarios:
         unknown = sorted(set(args.scenarios) - {name for name, _, _ in scenarios})
         if unknown:
@@ -884,10 +887,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 steps = raw.pop("steps")
                 tokens = raw.pop("tokens")
             else:
-                raw = profiled(lambda p=batch_prompts: generate(p, 1), folder, name, on_gpu)
+                raw = profiled(functools.partial(generate, batch_prompts, 1), folder, name, on_gpu)
                 tokens = generate(batch_prompts, 1)
                 # The same call unprofiled, as long_context.py times it: what the span leaves out.
-                raw["unprofiled_call_us"] = 1e6 * median_run(lambda p=batch_prompts: generate(p, 1), 1, 3,
+                raw["unprofiled_call_us"] = 1e6 * median_run(functools.partial(generate, batch_prompts, 1), 1, 3,
                                                              platform.synchronize)[0]
             summary = summarize(raw, model_work(shape, prompt, batch, steps, element), results.get("matrix_flop_s"))
             summary.update({"cell": cell, "decode_steps_profiled": steps,
@@ -896,7 +899,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             "what": "one pure decode step (mean over the profiled steps)" if steps else
                             "prefill alone (generate with one new token)"})
             if args.idle and on_gpu and not steps:
-                summary["host_during_idle"] = idle_profile(lambda p=batch_prompts: generate(p, 1), folder, name)
+                summary["host_during_idle"] = idle_profile(functools.partial(generate, batch_prompts, 1), folder, name)
                 for row in summary["host_during_idle"]["host"][:8]:
                     print(f"   idle {row['us'] / 1e3:8.3f} ms  {row['name'][:100]}")
                 for row in summary["host_during_idle"].get("before_first_kernel", {}).get("host", [])[:8]:

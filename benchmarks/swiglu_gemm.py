@@ -163,10 +163,10 @@ def measure(m: int, sweep_rep: int) -> dict[str, Any]:
     timed = {k: v for k, v in sweep.items() if isinstance(v, float)}
     best = min(timed, key=timed.__getitem__)
     name, _, text = best.partition(" ")
-    kernel, config = kernels[name], tuple(int(v) for v in text.strip("()").split(","))
+    kernel, best_config = kernels[name], tuple(int(v) for v in text.strip("()").split(","))
     row.update({"fused_sweep_ms": sweep, "fused_config": best,
-                "fused_ms": bench(lambda: kernel(x, w, out, config)),
-                "fused_error": error(kernel(x, w, out, config), reference)})
+                "fused_ms": bench(lambda: kernel(x, w, out, best_config)),
+                "fused_error": error(kernel(x, w, out, best_config), reference)})
     row["cublas_tflop_s"] = flops / row["cublas_ms"] / 1e9
     row["fused_tflop_s"] = flops / row["fused_ms"] / 1e9
     row["fused_over_unfused"] = row["fused_ms"] / row["unfused_ms"]

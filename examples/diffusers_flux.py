@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,7 +69,7 @@ def flux_pipeline(size: FluxSize = TINY, dtype: torch.dtype = torch.float32, see
         bos_token_id=0, eos_token_id=2, pad_token_id=0, projection_dim=size.text_hidden))
     t5 = T5EncoderModel(T5Config(
         vocab_size=vocab, d_model=size.text_hidden, d_kv=size.text_hidden // heads, d_ff=4 * size.text_hidden,
-        num_layers=size.text_layers, num_heads=heads, decoder_start_token_id=0, pad_token_id=0, eos_token_id=2))
+        num_layers=size.text_layers, num_heads=heads, pad_token_id=0, eos_token_id=2))
     latent_channels = size.latent_channels
     transformer = FluxTransformer2DModel(
         patch_size=1, in_channels=4 * latent_channels, num_layers=size.double_layers,
@@ -85,11 +86,12 @@ def flux_pipeline(size: FluxSize = TINY, dtype: torch.dtype = torch.float32, see
     pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae, text_encoder=clip,
                         tokenizer=_tokenizer(size.clip_tokens), text_encoder_2=t5,
                         tokenizer_2=_tokenizer(size.t5_tokens), transformer=transformer)
-    for module in (clip, t5, transformer, vae):
+    modules: tuple[Any, ...] = (clip, t5, transformer, vae)  # their stubs type .to and .eval apart
+    for module in modules:
         if dtype != torch.float32:
             module.to(dtype)
         module.eval()
-    pipe.set_progress_bar_config(disable=True)
+    pipe.set_progress_bar_config(disable=True)  # type: ignore[attr-defined]  # DiffusionPipeline's, untyped
     return pipe
 
 

@@ -554,8 +554,8 @@ class Worker:
             rng, family, kind, entry, case = self.make_case(index)
             materialise(case, self.case_dir, self.outside)
         except Exception as exc:  # noqa: BLE001  # the fuzzer's own bug: reported, the run goes on
-            problem = f"fuzzer could not build the case: {type(exc).__name__}: {str(exc)[:300]}"
-            return "unbuilt", "none", "unbuilt", {"finding": problem, "seed": self.seed, "case": index}
+            unbuilt = f"fuzzer could not build the case: {type(exc).__name__}: {str(exc)[:300]}"
+            return "unbuilt", "none", "unbuilt", {"finding": unbuilt, "seed": self.seed, "case": index}
         case_real = os.path.realpath(self.case_dir)
         OBSERVED.paths.clear()
         problem: str | None = None

@@ -48,7 +48,9 @@ def consumer_open(handle: Any, consumer: int, redirect: bool, queue: Any, releas
         platform = torchhal.get_platform("cuda")
         if not redirect:
             platform.set_ipc_peer_redirect(False)  # torch's default: open on the producer's device
-        tensor = platform.ipc_support.open(handle, consumer)
+        ipc = platform.ipc_support
+        assert ipc is not None  # the CUDA plugin declares IPC
+        tensor = ipc.open(handle, consumer)
         torch.cuda.synchronize(consumer)
         queue.put(("ok", {"pid": os.getpid(), "sum": float(tensor.sum().item()), "device": str(tensor.device)}))
         release.wait(120)
