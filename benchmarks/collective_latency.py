@@ -82,7 +82,8 @@ def rank_run(shape: str, batches: list[int], dtype_name: str, calls: int, replay
             del graph
         cells.append(cell)
     group.close()
-    return {"rank": group.rank, "device": str(device), "graph_captured": capturable, "cells": cells}
+    return {"rank": group.rank, "device": str(device), "communicator": type(comm).__name__,
+            "graph_captured": capturable, "cells": cells}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -133,7 +133,8 @@ def rank_run(shape: str, cells: tuple[tuple[int, int], ...], dtype_name: str, re
                         "tokens_crc": zlib.crc32(repr(tokens).encode())})
     group.close()
     return {"rank": group.rank, "device": str(engine.device), "setup_s": setup_s, "cells": results,
-            "kv_blocks": engine.kv_sizing.num_blocks, "attention": engine.attention.name}
+            "kv_blocks": engine.kv_sizing.num_blocks, "attention": engine.attention.name,
+            "communicator": type(group.comm).__name__}
 
 
 def judge(by_tp: dict[int, list[dict[str, Any]]], shape: str) -> dict[str, Any]:

@@ -424,7 +424,12 @@ def test_distributed_support_declares_capture_only_where_the_backend_allows_it(n
     cls, _, capturable = DISTRIBUTED[name]
     support = cls().distributed_support()
     assert support.graph_capturable is capturable
-    assert support.communicator is None  # torch's backend, called on torchhal's own groups
+    if name == "cuda":  # NCCL, with small sums through peer memory (tests/test_peer_memory.py)
+        from torchhal.plugins.cuda_collectives import peer_memory_communicator
+
+        assert support.communicator is peer_memory_communicator
+    else:
+        assert support.communicator is None  # torch's backend, called on torchhal's own groups
     assert support.note
 
 

@@ -254,7 +254,8 @@ def _make_group(platform: Platform, placement: RankPlacement, index: int, connec
             platform.dist_backend, dist.PrefixStore(f"{prefix}/device", base), placement, timeout, group_name
         )
     default = TorchCommunicator(device_backend, placement.rank, placement.world_size, device,
-                                graph_capturable=support.graph_capturable, name=group_name, timeout=timeout)
+                                graph_capturable=support.graph_capturable, name=group_name, timeout=timeout,
+                                store=dist.PrefixStore(f"{prefix}/communicator", base))
     comm = support.communicator(default) if support.communicator is not None else default
     return DeviceGroup(group_name, placement, platform, device, comm, host, timeout, (host, default))
 

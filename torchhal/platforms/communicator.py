@@ -79,11 +79,17 @@ _TORCH_OPS: dict[str, Any] = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX
 class TorchCommunicator:
     """`Communicator` on a torch.distributed backend object (`ProcessGroupGloo`,
     `ProcessGroupNCCL`, a vendor's registered backend), called directly: the group is
-    never registered with torch.distributed's world, so the default group is untouched."""
+    never registered with torch.distributed's world, so the default group is untouched.
+
+    `store` is a key-value store of this group's alone (every rank sees the same one), for a
+    communicator that wraps this one and must agree with its peers on resources of its own
+    (the CUDA plugin's peer-memory buffers); None where the group was made without one."""
 
     def __init__(self, backend: Any, rank: int, world_size: int, device: torch.device,
-                 graph_capturable: bool = False, *, name: str = "", timeout: timedelta | None = None) -> None:
+                 graph_capturable: bool = False, *, name: str = "", timeout: timedelta | None = None,
+                 store: dist.Store | None = None) -> None:
         self.backend = backend
+        self.store = store
         self.rank = rank
         self.world_size = world_size
         self.device = device

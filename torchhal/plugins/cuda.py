@@ -19,6 +19,7 @@ from torchhal.platforms import (
     hookimpl,
 )
 from torchhal.plugins.accelerator import AcceleratorPlatform
+from torchhal.plugins.cuda_collectives import PEER_MEMORY_BYTES, peer_memory_communicator
 
 
 class CudaPlatform(AcceleratorPlatform):
@@ -38,8 +39,14 @@ class CudaPlatform(AcceleratorPlatform):
 
     def distributed_support(self) -> DistributedSupport:
         # ProcessGroupNCCL checks the stream's capture status and keeps captured work off
-        # its watchdog, so NCCL collectives record into a CUDA graph and replay.
-        return DistributedSupport(graph_capturable=True, note="NCCL (torch ProcessGroupNCCL), CUDA-graph capturable")
+        # its watchdog, so NCCL collectives record into a CUDA graph and replay; so does the
+        # peer-memory kernel.
+        return DistributedSupport(
+            communicator=peer_memory_communicator, graph_capturable=True,
+            note=f"NCCL (torch ProcessGroupNCCL), CUDA-graph capturable; sum all-reduces of <= "
+                 f"{PEER_MEMORY_BYTES // 1024} KiB through peer memory where every rank shares a host "
+                 "(torch symmetric memory, one-shot)",
+        )
 
     def current_stream(self, index: int) -> Any:
         # torch.cuda.current_stream builds a Stream object on every call (a device guard
