@@ -39,7 +39,8 @@ class Communicator(Protocol):
     default error handling), the call returns once queued and the backend ends the
     waiting process after that timeout, before the result can be read back, provided the
     waiter yields the GIL (NCCL's watchdog dumps Python stacks first; a blocking read holds
-    it). No backend times out a collective replayed from a device graph. So wait for a
+    it). No backend times out a collective replayed from a device graph, nor the CUDA
+    plugin's peer-memory all-reduce, whose kernel waits for its peers on the device. So wait for a
     result through `DeviceGroup.wait_for`, which is bounded and yields. Bad arguments (an
     unknown `op`, a peer that is not another rank, `sizes` that do not fit) raise ValueError
     before any rank is waited on.
