@@ -396,6 +396,18 @@ def test_a_sub_group_inside_a_larger_torchrun_job_keeps_the_workers_device(monke
     assert RankPlacement.from_env(rank=0, world_size=1) == RankPlacement(0, 1, 5, 8)
 
 
+def test_a_group_of_several_ranks_without_a_rank_is_refused_naming_it(monkeypatch):
+    """Rank 0 by default would make every process of the group rank 0, and the group would wait
+    out its whole timeout; refused before any store is touched."""
+    for var in RANK_VARIABLES:
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match=r"world_size 2 needs this process's rank: pass rank= \(0..1\)"):
+        init_group(world_size=2, store=dist.HashStore())
+    assert RankPlacement.from_env(world_size=1) == RankPlacement(0, 1, 0, 1)  # one process needs no rank
+    monkeypatch.setenv("RANK", "1")
+    assert RankPlacement.from_env(world_size=2).rank == 1
+
+
 def test_a_refused_or_failed_init_group_takes_no_default_name(monkeypatch):
     for var in (*RANK_VARIABLES, "TORCHELASTIC_USE_AGENT_STORE"):
         monkeypatch.delenv(var, raising=False)
@@ -553,3 +565,13 @@ def test_a_forked_child_can_make_a_default_named_group_while_the_parent_is_insid
             os._exit(0 if group_module._default_naming.acquire(blocking=False) else 1)
         _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize(("field", "value"), [("communicator", 5), ("graph_capturable", "no"),
+                                              ("graph_capturable", 1), ("note", None)])
+def test_a_distributed_support_record_with_a_wrong_value_is_refused_naming_the_field(field: str, value: object):
+    from torchhal.platforms import DistributedSupport
+
+    with pytest.raises(TypeError, match=f"DistributedSupport.{field} is {value!r}"):
+        DistributedSupport(**{field: value})  # type: ignore[arg-type]
+    assert DistributedSupport(communicator=lambda comm: comm, graph_capturable=True).graph_capturable is True

@@ -87,6 +87,10 @@ class RankPlacement:
                 raise ValueError(f"{var}={text!r} must be an integer (torchrun sets it)") from None
 
         world = read("WORLD_SIZE", world_size, 1)
+        if rank is None and "RANK" not in os.environ and isinstance(world, int) and world > 1:
+            # Rank 0 by default would make every process rank 0: the group would never form.
+            raise ValueError(f"world_size {world} needs this process's rank: pass rank= (0..{world - 1}) or set "
+                             "RANK (torchrun does)")
         the_rank = read("RANK", rank, 0)
         local = read("LOCAL_RANK", local_rank, the_rank if world_size is not None or rank is not None else 0)
         local_world = read("LOCAL_WORLD_SIZE", None, world)

@@ -358,6 +358,17 @@ class DistributedSupport:
     graph_capturable: bool = False
     note: str = ""
 
+    def __post_init__(self) -> None:
+        # Read by every group and engine: a truthy non-bool would put collectives in graphs.
+        if self.communicator is not None and not callable(self.communicator):
+            raise TypeError(f"DistributedSupport.communicator is {self.communicator!r}; it must be a function "
+                            "given the default communicator and returning the one engines use, or None")
+        if not isinstance(self.graph_capturable, bool):
+            raise TypeError(f"DistributedSupport.graph_capturable is {self.graph_capturable!r}; it must be True or "
+                            "False")
+        if not isinstance(self.note, str):
+            raise TypeError(f"DistributedSupport.note is {self.note!r}; it must be a str (one line for reports)")
+
 
 @dataclass(frozen=True)
 class PluginFailure:

@@ -142,8 +142,9 @@ class GenerationEngine:
         parallel an error in a step (out-of-memory on one rank, a peer that died, ...)
         is final: the ranks cannot know they failed alike, so instead of retracting and
         retrying (which could leave the ranks' batches apart) the step raises and the engine
-        refuses every later step (`broken`); a rank whose peer failed raises from its
-        collective within the group's timeout, then refuses likewise. Make a new group and
+        refuses every later step (`broken`); a rank whose peer failed raises within the group's
+        timeout (gloo: from the collective; NCCL: from the bounded wait for its device work,
+        unless NCCL's watchdog ends the process first), then refuses likewise. Make a new group and
         engines to go on."""
         if model is not None and missing_model_members(model):
             raise TypeError(
