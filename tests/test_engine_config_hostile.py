@@ -68,6 +68,18 @@ def test_context_buckets_past_max_position_are_lowered_to_it(buckets: tuple[int,
     assert len(result.output) == 4
 
 
+def test_context_buckets_past_the_kv_pool_are_lowered_to_its_slots() -> None:
+    """No request holds more tokens than the pool has slots: a bucket past them would size every
+    decode step's buffers for a context no step reaches (here 2**30 tokens: out of memory)."""
+    model = dataclasses.replace(SMALL, max_position=2**31 - 1)
+    settings = DecodeGraphConfig(batch_buckets=(1,), context_buckets=(2**30,), emulate=True)
+    engine = GenerationEngine(EngineConfig(max_kv_slots=64, decode_graphs=settings), model=ReferenceDecoder(model))
+    slots = engine.kv_sizing.num_slots
+    assert engine.decode_runner is not None and tuple(engine.decode_runner.context_buckets) == (slots,)
+    [result] = engine.generate([[1, 2]], 3)
+    assert result.error is None and len(result.output) == 3
+
+
 def test_from_checkpoint_refuses_two_runners_before_reading_weights(tmp_path: Path, monkeypatch) -> None:
     import torchhal.core.model.checkpoint as checkpoint
 

@@ -288,7 +288,9 @@ class GenerationEngine:
         """Built after the KV cache exists: capture needs it (and the scratch block in it).
         Buckets no step can use are left out, and a window never runs past the largest
         context bucket, so neither sizes buffers beyond what a step can fill."""
-        context_buckets = usable_buckets(settings.context_buckets, self.model.config.max_position)
+        # No request holds more tokens than the pool has slots, whatever max_position says.
+        longest = min(self.model.config.max_position, self.kv_sizing.num_slots)
+        context_buckets = usable_buckets(settings.context_buckets, longest)
         return DecodeGraphRunner(
             self.model,  # type: ignore[arg-type]  # the Model protocol is satisfied by nn.Modules
             self.platform,
