@@ -237,6 +237,10 @@ def test_prompts_that_fail_part_way_leave_nothing_queued() -> None:
     (None, r"generate\(prompts=None\): pass a list of prompts, each a list of int token ids"),
     ("1 2 3", r"generate\(prompts='1 2 3'\): pass a list of prompts"),
     ([1, 2, 3], r"generate\(prompts=\[1, 2, 3\]\) is one prompt; pass a list of prompts: \[\[1, 2, 3\]\]"),
+    # Iterating a dict gives its keys ([1, 2]: read as one prompt); a set has no order to answer in.
+    ({1: [5, 6], 2: [7]}, r"generate\(prompts=\{1: \[5, 6\], 2: \[7\]\}\) is a dict; pass a list of prompts"),
+    ({"a": [5, 6]}, r"is a dict; pass a list of prompts \(results come back in its order\), e\.g\. list\(prompts"),
+    (frozenset({(1, 2)}), r"is a frozenset; pass a list of prompts"),
 ])
 def test_prompts_that_are_not_a_list_of_prompts_are_refused_at_the_call(prompts: object, message: str) -> None:
     engine = small_engine()
@@ -549,3 +553,21 @@ def test_originals_kept_for_a_restore_count_as_free_host_memory_when_the_pool_is
         assert dropped == model.model.rotary_emb.inv_freq.untyped_storage().nbytes()  # the weights stayed put
     else:
         assert dropped == sum(originals.values())
+
+
+def test_a_platform_or_runner_factory_of_the_wrong_type_is_refused_before_anything_moves(tmp_path: Path) -> None:
+    from torchhal.core.residency import ResidencyManager
+
+    model = ReferenceDecoder(SMALL)
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    with pytest.raises(TypeError, match=r"GenerationEngine: platform = 'cpu' must be a torchhal Platform"):
+        GenerationEngine(EngineConfig(max_kv_slots=512), model=model, platform="cpu")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"runner_factory = 5 must be a function given the engine"):
+        GenerationEngine(EngineConfig(max_kv_slots=512), model=model, runner_factory=5)  # type: ignore[arg-type]
+    assert all(torch.equal(p, before[name]) for name, p in model.state_dict().items())
+    with pytest.raises(TypeError, match=r"from_checkpoint: platform = 'cpu' must be a torchhal Platform"):
+        GenerationEngine.from_checkpoint(tmp_path, platform="cpu")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"from_checkpoint\(path=None\): pass the checkpoint's directory"):
+        GenerationEngine.from_checkpoint(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"ResidencyManager: platform = 'cpu' must be a torchhal Platform"):
+        ResidencyManager({"a": torch.nn.Linear(2, 2)}, {}, platform="cpu")  # type: ignore[arg-type]

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchhal.platforms import Platform, current_platform
+from torchhal.platforms import Platform, check_platform_argument, current_platform
 from torchhal.platforms.communicator import CollectiveError, Communicator, TorchCommunicator
 
 #: How long a collective waits for a peer before it raises (a dead or hung rank).
@@ -202,9 +202,7 @@ def init_group(
     Bad arguments are refused before anything is touched (the device, the store, the names).
     """
     global _default_names_taken, _default_naming_thread
-    if platform is not None and not isinstance(platform, Platform):
-        raise TypeError(f"platform = {platform!r} must be a torchhal Platform (torchhal.get_platform(name) gives "
-                        "one), or None for the current platform")
+    check_platform_argument(platform)  # init_group's refusals start with the argument
     placement = RankPlacement.from_env(rank, world_size, local_rank)
     if not isinstance(timeout, timedelta) or not timedelta(0) < timeout <= MAX_TIMEOUT:
         raise ValueError(f"timeout = {timeout!r} must be a positive datetime.timedelta of at most {MAX_TIMEOUT.days} "

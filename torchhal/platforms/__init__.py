@@ -23,7 +23,7 @@ from torchhal.platforms.manager import (
     PlatformRegistry,
     RegisteredPlatform,
 )
-from torchhal.platforms.platform import Platform
+from torchhal.platforms.platform import Platform, check_platform_argument
 from torchhal.platforms.plugin import (
     DEPRECATED_MEMBERS,
     SPI_ATTRIBUTES,
@@ -86,6 +86,7 @@ __all__ = [
     "MemoryInfo",
     "PeakMemory",
     "Platform",
+    "check_platform_argument",
     "PlatformError",
     "PlatformPlugin",
     "PlatformRegistry",

@@ -338,5 +338,15 @@ class Platform:
             )
 
 
+def check_platform_argument(platform: object, where: str = "") -> None:
+    """Refuse a `platform=` argument that is neither a Platform nor None (naming `where`, the call).
+    An object standing in for one (a wrapper that delegates to a Platform) passes if it has
+    the calls every user makes first."""
+    stands_in = all(callable(getattr(platform, name, None)) for name in ("device", "current_device", "memory_info"))
+    if platform is not None and not isinstance(platform, Platform) and not stands_in:
+        raise TypeError(f"{where + ': ' if where else ''}platform = {platform!r} must be a torchhal Platform "
+                        "(torchhal.get_platform(name) gives one), or None for the current platform")
+
+
 _PASS_THROUGHS: tuple[str, ...] = tuple(n for n, v in vars(Platform).items() if isinstance(v, _PassThrough))
 _FACTS: tuple[str, ...] = tuple(n for n, v in vars(Platform).items() if isinstance(v, _Fact))

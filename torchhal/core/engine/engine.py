@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -67,7 +67,7 @@ from torchhal.core.model.config import short_repr
 from torchhal.core.model.greedy import greedy_tokens
 from torchhal.core.model.linear import use_platform_linear
 from torchhal.core.model.protocol import missing_model_members
-from torchhal.platforms import CompileSupport, Platform, ReleasePoint, current_platform
+from torchhal.platforms import CompileSupport, Platform, ReleasePoint, check_platform_argument, current_platform
 
 if TYPE_CHECKING:
     from torchhal.core.model.checkpoint import LoadReport
@@ -154,7 +154,7 @@ class GenerationEngine:
         if model is not None:
             check_model_unowned(model)
         # Every refusal the config alone decides comes before the model is moved or changed.
-        check_engine_config(config, runner_factory)
+        check_engine_config(config, runner_factory, platform)
         check_group(group)
         check_eos_tokens(config, (model.config if model is not None else config.model).vocab_size)
         agree_on_config(config, group, shard_problem(model, group))
@@ -902,10 +902,14 @@ class GenerationEngine:
         a model that cannot be split over the group is refused before any weight is read."""
         from torchhal.core.model.checkpoint import checkpoint_dtype, eos_token_ids, load_checkpoint, read_hf_config
 
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"GenerationEngine.from_checkpoint(path={short_repr(path)}): pass the checkpoint's "
+                            "directory as a str or Path")
+        check_platform_argument(platform, "GenerationEngine.from_checkpoint")
         check_group(group)
         hf, where = read_hf_config(path), f"{Path(path) / 'config.json'}"
         config = EngineConfig(dtype=checkpoint_dtype(hf)) if config is None else config
-        check_engine_config(config, runner_factory)  # before any weight is read
+        check_engine_config(config, runner_factory, platform)  # before any weight is read
         if not config.eos_tokens and config.eos_token is None:
             config = replace(config, eos_tokens=eos_token_ids(hf, where))
         platform = platform or (group.platform if group is not None else current_platform())
@@ -924,6 +928,9 @@ class GenerationEngine:
 def listed_prompts(prompts: object) -> list[object]:
     """`generate`'s prompts as a list, read whole before anything is queued (an iterator that
     raises part-way leaves nothing behind); each prompt is checked by its own result."""
+    if isinstance(prompts, (Mapping, set, frozenset)):  # iterating gives keys, or no order to answer in
+        raise TypeError(f"generate(prompts={short_repr(prompts)}) is a {type(prompts).__name__}; pass a list of "
+                        "prompts (results come back in its order), e.g. list(prompts.values()) for a dict")
     if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, Iterable):
         raise TypeError(f"generate(prompts={short_repr(prompts)}): pass a list of prompts, each a list of int token "
                         "ids, e.g. [[1, 2, 3]]")
@@ -961,9 +968,13 @@ def check_model_unowned(model: Model) -> None:
         )
 
 
-def check_engine_config(config: EngineConfig,
-                        runner_factory: Callable[[GenerationEngine], ModelRunner] | None) -> None:
+def check_engine_config(config: EngineConfig, runner_factory: Callable[[GenerationEngine], ModelRunner] | None,
+                        platform: Platform | None) -> None:
     """The refusals the engine's arguments decide alone, before anything is moved or read."""
+    check_platform_argument(platform, "GenerationEngine")
+    if runner_factory is not None and not callable(runner_factory):
+        raise TypeError(f"runner_factory = {short_repr(runner_factory)} must be a function given the engine and "
+                        "returning its ModelRunner, or None for the engine's own runner")
     if not isinstance(config, EngineConfig):
         raise TypeError(f"config = {short_repr(config)} is a {type(config).__name__}, not an EngineConfig; pass "
                         "e.g. EngineConfig(dtype=torch.bfloat16)")

@@ -22,7 +22,7 @@ from torchhal.core.devices import check_device_index
 from torchhal.core.residency.declarations import ComponentUse, RequestFailed, Stage, Strategy, UndeclaredUse
 from torchhal.core.residency.strategies import ComponentState, ResidencyStrategy, ResidentStrategy, strategy_for
 from torchhal.core.residency.trace import ResidencyTrace
-from torchhal.platforms import Platform, ReleasePoint, TorchhalPluginWarning, current_platform
+from torchhal.platforms import Platform, ReleasePoint, TorchhalPluginWarning, check_platform_argument, current_platform
 
 #: A component's placement: a built-in strategy's name, or a strategy object (one per component).
 PlacementSpec = ResidencyStrategy | Strategy | str
@@ -112,6 +112,7 @@ class ResidencyManager:
         the others still run; the attach's own error is the one raised.
         """
         check_placements(placements)
+        check_platform_argument(platform, "ResidencyManager")
         if not isinstance(components, Mapping):
             raise TypeError(f"components must be a dict of component name -> nn.Module, e.g. {{'vae': vae}}, "
                             f"got a {type(components).__name__}")
