@@ -77,3 +77,31 @@ def test_a_run_that_stops_at_end_of_sequence_says_so(tmp_path, tiny, generate):
     as_json = json.loads(generate("--model", str(model), "--prompt-ids", "5,17,3", "--max-new-tokens", "16",
                                   "--json").stdout)
     assert as_json["stop"] == "eos" and as_json["new_tokens"] == stop_at
+
+
+@pytest.mark.parametrize("free, new, expected", [
+    # Not one KV block beside the weights: the fix names what the command can change.
+    (3_000, "8", ["no room for a KV cache beside the weights", "--tensor-parallel N", "smaller --dtype"]),
+    # Room for 48 tokens, 203 asked: the most --max-new-tokens that fits.
+    (40_000, "200", ["room for 48 tokens of KV cache", "need 203", "lower --max-new-tokens to at most 45"]),
+])
+def test_a_device_without_room_for_the_request_is_one_line_naming_the_flag(tiny, generate, monkeypatch, free, new,
+                                                                           expected):
+    import psutil
+
+    real = psutil.virtual_memory
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real()._replace(available=free))
+    ran = generate("--model", str(tiny), "--prompt-ids", "1,2,3", "--max-new-tokens", new)
+    one_line_refusal(ran, *expected)
+    assert "kv_fraction" not in ran.stderr and "EngineConfig" not in ran.stderr  # settings a CLI user cannot set
+
+
+def test_one_request_takes_most_of_the_free_memory_for_its_kv_cache(tiny, generate, monkeypatch):
+    """At 30% of 150 kB (the engine's default share) 200 new tokens would not fit; at 90% they do."""
+    import psutil
+
+    real = psutil.virtual_memory
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real()._replace(available=150_000))
+    ran = generate("--model", str(tiny), "--prompt-ids", "1,2,3", "--max-new-tokens", "200", "--json")
+    assert ran.returncode == 0, ran.stderr
+    assert len(json.loads(ran.stdout)["output_ids"]) == 200

@@ -28,8 +28,13 @@ DTYPES = ("float32", "bfloat16", "float16")
 FAILURE_EXIT = 1
 
 
+#: The share of the free memory (after the weights) this one-request command gives its KV pool.
+KV_FRACTION = 0.9
+
+
 class GenerateError(ValueError):
-    """A request `torchhal generate` refuses before loading anything; the message says the fix."""
+    """A request `torchhal generate` refuses (before loading anything, or when the device has no
+    room left for its KV cache); the message says the fix."""
 
 
 class RanksDisagree(RuntimeError):
@@ -227,11 +232,24 @@ def run_generation(request: GenerationRequest, platform: Platform | None = None,
     platform = platform or current_platform()
     decode_graphs = DecodeGraphConfig(batch_buckets=(1,), context_buckets=(context,)) if request.graphs else None
     dtype = getattr(torch, request.dtype_name)
-    # Whole blocks for the context (a block's worth more covers the last partial one).
-    config = EngineConfig(dtype=dtype, max_kv_slots=context + EngineConfig.kv_block_size, decode_graphs=decode_graphs)
+    # Whole blocks for the context (a block's worth more covers the last partial one). One
+    # request is all this command runs: its pool may take most of the memory the weights leave.
+    config = EngineConfig(dtype=dtype, max_kv_slots=context + EngineConfig.kv_block_size, kv_fraction=KV_FRACTION,
+                          decode_graphs=decode_graphs)
     # group= only with a group: one device is the engine's own call, exactly as before.
     sharding: dict[str, Any] = {} if group is None else {"group": group}
-    engine = GenerationEngine.from_checkpoint(root, config, platform=platform, **sharding)
+    try:
+        engine = GenerationEngine.from_checkpoint(root, config, platform=platform, **sharding)
+    except MemoryError as exc:  # the KV pool's sizing: not one block fits beside the weights
+        sizing = str(exc).split(";")[0]  # its fix names engine settings this command sets itself
+        raise GenerateError(f"no room for a KV cache beside the weights on {platform.name} ({sizing}); free device "
+                            "memory, split the model with --tensor-parallel N, or pick a smaller --dtype") from exc
+    if engine.kv_sizing.num_slots < context:
+        room = engine.kv_sizing.num_slots
+        raise GenerateError(
+            f"the device has room for {room} tokens of KV cache beside the weights; the prompt ({len(prompt_ids)} "
+            f"tokens) and --max-new-tokens {max_new_tokens} need {context}: lower --max-new-tokens to at most "
+            f"{max(room - len(prompt_ids), 0)}, shorten the prompt, or free device memory")
     report = engine.checkpoint
     assert report is not None
     platform.synchronize(engine.device_index)
