@@ -155,3 +155,28 @@ def test_an_existing_nonempty_directory_is_refused(tmp_path):
     assert out.returncode == 2
     assert "already exists and is not an empty directory" in out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
+
+
+def test_a_name_too_long_for_a_file_name_is_refused_before_writing(tmp_path):
+    with pytest.raises(TemplateError, match=r"is 250 characters; use at most 64"):
+        write_plugin("a" * 250, tmp_path / "plug")
+    assert not (tmp_path / "plug").exists()
+
+
+def test_a_write_that_fails_part_way_leaves_nothing_behind(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    real, writes = Path.write_text, []
+
+    def failing_third(self, *args, **kwargs):
+        writes.append(self)
+        if len(writes) == 3:
+            raise OSError(28, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", failing_third)
+    with pytest.raises(TemplateError, match=r"could not write .*No space left on device; nothing was left behind"):
+        write_plugin("myaccel", tmp_path / "plug")
+    assert not (tmp_path / "plug").exists()
+    monkeypatch.setattr(Path, "write_text", real)
+    assert (write_plugin("myaccel", tmp_path / "plug") / "pyproject.toml").is_file()  # a rerun is not refused

@@ -102,6 +102,8 @@ class TemplateError(ValueError):
 def check_name(name: str) -> None:
     if not _NAME.fullmatch(name):
         raise TemplateError(f"plugin name {name!r} must be a lowercase identifier such as 'myaccel'")
+    if len(name) > MAX_NAME:  # it names a directory and a package: file systems cap a name at 255 bytes
+        raise TemplateError(f"plugin name {name[:20]!r}... is {len(name)} characters; use at most {MAX_NAME}")
     builtins = builtin_platform_names()
     if name.endswith("_"):  # the distribution name would end in '-', which pip refuses
         stripped = name.rstrip("_")
@@ -376,6 +378,10 @@ jobs:
 """
 
 
+#: The longest plugin name: ample for a platform, and far below a file name's 255 bytes.
+MAX_NAME = 64
+
+
 def write_plugin(name: str, directory: Path | None = None, base: str = "plugin") -> Path:
     """Write the distribution for platform `name` on `base` (one of BASES) into `directory`
     (default ./torchhal-NAME); return it."""
@@ -393,8 +399,18 @@ def write_plugin(name: str, directory: Path | None = None, base: str = "plugin")
         Path("README.md"): _readme(name, package, requirement),
         Path(".github") / "workflows" / "conformance.yml": _ci_workflow(name, requirement),
     }
-    for relative, content in files.items():
-        path = target / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(content)
+    made: list[Path] = []  # what this call created, undone if a later write fails
+    try:
+        for relative, content in files.items():
+            path = target / relative
+            for folder in reversed([path.parent, *path.parent.parents]):
+                if not folder.exists():
+                    folder.mkdir()
+                    made.append(folder)
+            path.write_text(content)
+            made.append(path)
+    except OSError as exc:
+        for path in reversed(made):
+            path.unlink() if path.is_file() else path.rmdir()
+        raise TemplateError(f"could not write {target}: {exc}; nothing was left behind") from exc
     return target
