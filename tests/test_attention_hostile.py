@@ -224,3 +224,45 @@ def test_choose_attention_refuses_what_is_not_an_attention_spec(spec, declares_b
         with pytest.raises(TypeError, match=rf"choose_attention: spec is {re.escape(repr(spec))} "
                                             rf"\({type(spec).__name__}\); pass a torchhal.attention.AttentionSpec"):
             platform.choose_attention(spec)
+
+
+@pytest.mark.parametrize("max_blocks", [2.0, -3, "4", True])
+def test_build_metadata_refuses_a_max_blocks_that_is_no_width(max_blocks: object) -> None:
+    from torchhal.attention import build_metadata
+
+    with pytest.raises(ValueError, match=rf"build_metadata: max_blocks is {re.escape(repr(max_blocks))}; pass an int"):
+        build_metadata([[1]], [1], [1], 2, torch.device("cpu"), max_blocks=max_blocks)  # type: ignore[arg-type]
+
+
+def test_write_kv_refuses_a_slice_of_a_cache_naming_it() -> None:
+    from torchhal.attention import write_kv
+
+    cache = torch.zeros(4, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"write_kv: k_cache / v_cache must be contiguous"):
+        write_kv(cache[:, :2], torch.zeros(4, 2, 2, 8), torch.ones(1, 2, 8), torch.ones(1, 2, 8), torch.tensor([3]))
+    assert not cache.any()
+
+
+def test_decode_metadata_rows_are_ints_numpy_ones_included_and_never_bools() -> None:
+    import numpy
+
+    from torchhal.attention import DecodeMetadata
+
+    meta = DecodeMetadata(2, max_blocks=4, block_size=4, device=torch.device("cpu"))
+    with pytest.raises(TypeError, match=r"row True is a bool; pass an int row index"):
+        meta.admit(True, [5], 4)  # type: ignore[arg-type]
+    assert not meta.active.any()  # nothing admitted
+    meta.admit(numpy.int64(1), [5], 4)  # type: ignore[arg-type]
+    assert meta.active.tolist() == [False, True] and int(meta.seq_lens[1]) == 4
+    meta.release(numpy.int64(1))  # type: ignore[arg-type]
+    assert not meta.active.any()
+
+
+@pytest.mark.parametrize("call", ["decode", "prefill"])
+def test_block_tables_naming_a_block_past_the_cache_are_refused_on_the_host(call: str) -> None:
+    from torchhal.attention import ReferenceBackend, build_metadata, new_kv_cache
+
+    k, v = new_kv_cache(4, 2, 1, 4, torch.float32, torch.device("cpu"))  # blocks 0..3
+    meta = build_metadata([[1, 9]], [3], [1], 2, torch.device("cpu"))  # block 9: not in this cache
+    with pytest.raises(ValueError, match=r"the block tables name block 9, but the cache has 4 blocks \(0..3\)"):
+        getattr(ReferenceBackend(), call)(torch.randn(1, 2, 4), k, v, meta, scale=1.0)

@@ -96,6 +96,9 @@ def check_write(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
     if slot_mapping.shape != key.shape[:1] or slot_mapping.dtype != torch.int64:
         raise ValueError(f"write_kv: slot_mapping is {tuple(slot_mapping.shape)} {slot_mapping.dtype}; it needs one "
                          f"int64 slot per token ({key.shape[0]})")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("write_kv: k_cache / v_cache must be contiguous, one layer's pair as the KV cache holds "
+                         "them (a slice of one is not: its slots are not where the metadata says)")
     slots = k_cache.shape[0] * k_cache.shape[1]
     if slot_mapping.device.type == "cpu" and slot_mapping.numel():
         low, high = int(slot_mapping.min()), int(slot_mapping.max())
@@ -241,7 +244,11 @@ def build_metadata_and_positions(
                              f"{query_lens[i]!r}; need ints 0 <= query_len <= seq_len (or seq_len 0 for a padded row)")
     seq_lens, query_lens = cast(list[int], lengths), cast(list[int], queries)
     need = max([_cdiv(n, block_size) for n in seq_lens], default=0)
-    width = max(max_blocks if max_blocks is not None else need, 1)
+    widest = need if max_blocks is None else _index(max_blocks)
+    if widest is None or widest < 0:
+        raise ValueError(f"build_metadata: max_blocks is {max_blocks!r}; pass an int >= 0 (the block tables' width), "
+                         "or None for the longest request's")
+    width = max(widest, 1)
     if width < need:
         raise ValueError(f"build_metadata: max_blocks={max_blocks} but a request of {max(seq_lens)} tokens needs "
                          f"{need} blocks of {block_size}; raise max_blocks")
@@ -457,7 +464,7 @@ class DecodeMetadata:
 
     def admit(self, row: int, blocks: Sequence[int], seq_len: int) -> None:
         """Put a request with `seq_len` cached tokens in `blocks` into a free row."""
-        self._check_row(row, want_free=True)
+        row = self._check_row(row, want_free=True)
         length = _index(seq_len)
         if length is None or length < 0:
             raise ValueError(f"DecodeMetadata.admit: row {row} has seq_len {seq_len!r}; pass an int >= 0")
@@ -475,7 +482,7 @@ class DecodeMetadata:
 
     def release(self, row: int) -> None:
         """Free a row: it becomes a padded row (seq_len 0, scratch table, scratch slot)."""
-        self._check_row(row, want_free=False)
+        row = self._check_row(row, want_free=False)
         self.block_tables[row].fill_(SCRATCH_BLOCK)
         self.seq_lens[row] = 0
         self.active[row] = False
@@ -530,13 +537,18 @@ class DecodeMetadata:
         slot = block * self.block_size + position % self.block_size
         self.slot_mapping.copy_(torch.where(self.active, slot, SCRATCH_BLOCK * self.block_size))
 
-    def _check_row(self, row: int, want_free: bool) -> None:
-        if not isinstance(row, int) or not 0 <= row < len(self._lengths):
+    def _check_row(self, row: int, want_free: bool) -> int:
+        """`row` as a plain int, checked in range and free (or in use)."""
+        index = _index(row)
+        if index is None:
+            raise TypeError(f"DecodeMetadata: row {row!r} is a {type(row).__name__}; pass an int row index")
+        if not 0 <= index < len(self._lengths):
             raise ValueError(f"DecodeMetadata: row {row!r} is out of range 0..{len(self._lengths) - 1}")
-        if want_free and self._lengths[row] is not None:
-            raise ValueError(f"DecodeMetadata.admit: row {row} is in use; release it first")
-        if not want_free and self._lengths[row] is None:
-            raise ValueError(f"DecodeMetadata.release: row {row} is not in use")
+        if want_free and self._lengths[index] is not None:
+            raise ValueError(f"DecodeMetadata.admit: row {index} is in use; release it first")
+        if not want_free and self._lengths[index] is None:
+            raise ValueError(f"DecodeMetadata.release: row {index} is not in use")
+        return index
 
     def _upload(self, row: int, first: int, blocks: Sequence[int]) -> None:
         self._upload_many([row] * len(blocks), list(range(first, first + len(blocks))), blocks)
