@@ -1,4 +1,4 @@
-"""Small all-reduces through peer memory, for the CUDA plugin's groups (imported when one is made).
+"""Small all-reduces through peer memory for the CUDA plugin's groups (symmetric memory loads per group).
 
 A tensor-parallel decode step all-reduces a [batch, hidden] activation twice a layer: tens to
 hundreds of KiB, where NCCL's all-reduce is mostly latency (15-18 us each on two H200s linked by
