@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import torchhal
 from torchhal.distributed import CollectiveError, TorchCommunicator
 from torchhal.plugins import cuda_collectives
 from torchhal.plugins.cuda_collectives import PeerMemoryCommunicator, peer_memory_communicator, why_not
@@ -53,12 +54,15 @@ def test_each_reason_not_to_is_named(two_visible_devices: dict[tuple[int, int], 
     assert why_not(1, HOST, DEVICES) == "TORCHHAL_CUDA_PEER_ALL_REDUCE=0"
 
 
-def ranks_agree(monkeypatch: pytest.MonkeyPatch, hosts: list[str]) -> list[Any]:
-    """peer_memory_communicator on two ranks (threads) over one store; what each got."""
+def ranks_agree(monkeypatch: pytest.MonkeyPatch, hosts: list[str], failing_rank: int | None = None) -> list[Any]:
+    """peer_memory_communicator on two ranks (threads) over one store; what each got.
+    `failing_rank`: that rank's PeerMemoryCommunicator raises while mapping its buffer."""
     built: list[int] = []
 
     class Recorded:
         def __init__(self, inner: TorchCommunicator) -> None:
+            if inner.rank == failing_rank:
+                raise RuntimeError("CUDA driver error: operation not permitted when sharing a handle")
             built.append(inner.rank)
 
     monkeypatch.setattr(cuda_collectives, "PeerMemoryCommunicator", Recorded)
@@ -76,7 +80,7 @@ def ranks_agree(monkeypatch: pytest.MonkeyPatch, hosts: list[str]) -> list[Any]:
         thread.start()
     for thread in threads:
         thread.join(20)
-    assert sorted(built) == sorted(r for r, g in enumerate(got) if not isinstance(g, TorchCommunicator))
+    assert all(r in built for r, g in enumerate(got) if not isinstance(g, TorchCommunicator))
     return [g if isinstance(g, TorchCommunicator) else "peer" for g in got]
 
 
@@ -92,6 +96,15 @@ def test_one_rank_that_cannot_keeps_every_rank_on_the_default(two_visible_device
     got = ranks_agree(monkeypatch, HOST)
     assert all(isinstance(g, TorchCommunicator) for g in got), got
     assert all(isinstance(g, TorchCommunicator) for g in ranks_agree(monkeypatch, ["node-a", "node-b"]))
+
+
+def test_a_rank_that_fails_to_map_its_buffer_keeps_every_rank_on_the_default(two_visible_devices: Any,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rank 0 builds its peer-memory communicator, rank 1's raises: rank 0 alone on peer memory
+    # would wait at a barrier rank 1 never reaches.
+    with pytest.warns(torchhal.TorchhalPluginWarning, match=r"stay on NCCL; .*rank 1: RuntimeError: CUDA driver"):
+        got = ranks_agree(monkeypatch, HOST, failing_rank=1)
+    assert all(isinstance(g, TorchCommunicator) for g in got), got
 
 
 def test_a_group_without_a_store_or_of_one_rank_keeps_the_default() -> None:

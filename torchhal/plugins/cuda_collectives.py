@@ -24,12 +24,14 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from torchhal.platforms import TorchhalPluginWarning
 from torchhal.platforms.communicator import Communicator, ReduceOpName, TorchCommunicator
 
 #: The largest all-reduce sent through peer memory (a [32, 8192] bfloat16 activation): above it
@@ -57,7 +59,21 @@ def peer_memory_communicator(default: Communicator) -> Communicator:
     store.set(f"peer_memory/unable/{default.rank}", why_not(default.rank, hosts, devices))
     if any(store.get(f"peer_memory/unable/{rank}") for rank in ranks):
         return default
-    return PeerMemoryCommunicator(default)
+    # Mapping the buffers can still fail (a container that forbids sharing memory handles,
+    # say): then every rank keeps NCCL, as they agree again.
+    try:
+        peer: Communicator = PeerMemoryCommunicator(default)
+        failure = ""
+    except Exception as exc:  # noqa: BLE001 - any failure to build it means NCCL for this group
+        peer, failure = default, f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+    store.set(f"peer_memory/built/{default.rank}", failure)
+    failures = [store.get(f"peer_memory/built/{rank}").decode() for rank in ranks]
+    if any(failures):
+        reason = next(f"rank {rank}: {text}" for rank, text in enumerate(failures) if text)
+        warnings.warn(f"group {default.name!r}: all-reduces stay on NCCL; peer memory could not be set up "
+                      f"({reason})", TorchhalPluginWarning, stacklevel=2)
+        return default
+    return peer
 
 
 def device_uuid(index: int) -> str:
