@@ -230,3 +230,29 @@ def test_long_mixed_prompts_equal_transformers_on_every_path(family_case, path):
     if "breakable" in path:
         assert isinstance(e.runner, GraphRunner) and e.runner.bucketed_steps > 0
     assert e.blocks.available == e.blocks.num_blocks
+
+
+@pytest.mark.parametrize("max_batch_tokens", [4096, 8])
+@pytest.mark.parametrize("prompt_length", [17, 16])
+def test_a_request_longer_than_the_pool_fails_and_the_queue_behind_it_runs(max_batch_tokens: int,
+                                                                           prompt_length: int) -> None:
+    """A 16-slot pool. 17 prompt tokens never fit; 16 fit, and the first new token's KV does not.
+    Prefilled chunk by chunk, such a request reached the pool's last slot, retracted itself for
+    its next token and started again, for ever; the small request behind it never ran."""
+    model = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=48,
+                        max_position=128)
+    e = GenerationEngine(EngineConfig(model=model, max_kv_slots=16, kv_block_size=4,
+                                      max_batch_tokens=max_batch_tokens))
+    assert e.kv_sizing.num_slots == 16
+    big = e.add_request(list(range(1, prompt_length + 1)), 4)
+    small = e.add_request([1, 2, 3], 2)
+    for _ in range(50):
+        if big in e.results and small in e.results:
+            break
+        e.step()
+    assert big in e.results and small in e.results, "the scheduler went round without ending either request"
+    failed = e.results[big]
+    assert failed.state is RequestState.FAILED and "needs KV for 17 tokens but the pool holds 4 blocks of 4" in (
+        failed.error or "")
+    assert e.results[small].state is RequestState.FINISHED and len(e.results[small].output) == 2
+    assert e.blocks.available == e.blocks.num_blocks  # every block back

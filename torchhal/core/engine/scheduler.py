@@ -162,8 +162,14 @@ class Scheduler:
         book = self.book
         admitted: list[Request] = []
         chunks: list[int] = []
+        pool_slots = book.blocks.num_blocks * book.blocks.block_size
         while book.waiting and len(book.running) < self.max_running and budget > 0:
             length = len(book.waiting[0].tokens)
+            if length > pool_slots:
+                # It can never run: prefilled chunk by chunk up to the pool's last slot, it would
+                # retract itself for its next token and start again. It waits, and the step that
+                # runs nothing fails it (RequestBook.fail_unservable).
+                break
             if length > budget and (admitted or not may_cut):
                 break
             chunk = min(length, budget)
