@@ -48,10 +48,10 @@ from torchhal.platforms.records import (
 #: The SPI version this torchhal implements: (major, minor). A minor release only adds
 #: members, each with a default; a major release may remove or change members.
 #: docs/vendor-guide.md ("Compatibility") states the policy.
-SPI_VERSION: tuple[int, int] = (1, 7)  # 1.1: IpcSupport.events; 1.2: attention_support();
+SPI_VERSION: tuple[int, int] = (1, 8)  # 1.1: IpcSupport.events; 1.2: attention_support();
 # 1.3: device_for_rank(), distributed_support(); 1.4: linear_support(); 1.5: compile_support();
 # 1.6: PagedMetadata.block_size, check_call(scale=, out=); 1.7: AttentionCapability.step_kv,
-# prefill(key=, value=) and check_call(key=, value=)
+# prefill(key=, value=) and check_call(key=, value=); 1.8: TorchCommunicator.store
 
 
 @dataclass(frozen=True)
