@@ -2,8 +2,8 @@
 start (`python ranks.py`, `torchrun --nproc-per-node 2 tp_generate.py tiny-llama`), so each
 is saved under that name and started that way.
 
-The torchrun example loads a shard with `from_checkpoint(..., group=group)`: the
-tensor-parallel engine, on the engine's branch; it fails until that is merged."""
+The torchrun example loads each rank's shard with `from_checkpoint(..., group=group)` and
+generates on two CPU ranks over gloo."""
 
 from __future__ import annotations
 
