@@ -33,33 +33,13 @@ from typing import Any
 
 import torch
 
-from torchhal.distributed import CollectiveError, Communicator
+from torchhal.distributed import CollectiveError, WrappedCommunicator
 from torchhal.platforms import DistributedSupport, GraphSupport, hookimpl
 from torchhal.plugins.cpu import CpuPlatform
 
 
-class Wrapped:
+class Wrapped(WrappedCommunicator):
     """A communicator forwarding everything to torchhal's default one."""
-
-    def __init__(self, inner: Communicator) -> None:
-        self.inner = inner
-        self.rank, self.world_size, self.device = inner.rank, inner.world_size, inner.device
-        self.graph_capturable = inner.graph_capturable
-
-    def all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
-        return self.inner.all_reduce(tensor, op)
-
-    def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None) -> torch.Tensor:
-        return self.inner.all_gather(tensor, dim, sizes)
-
-    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        return self.inner.broadcast(tensor, src)
-
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        self.inner.send(tensor, dst)
-
-    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        return self.inner.recv(tensor, src)
 
 
 class WrongReduction(Wrapped):

@@ -13,6 +13,7 @@ from torchhal.platforms.communicator import (
     Communicator,
     ReduceOpName,
     TorchCommunicator,
+    WrappedCommunicator,
 )
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "RankPlacement",
     "ReduceOpName",
     "TorchCommunicator",
+    "WrappedCommunicator",
     "init_group",
     "launch",
 ]

@@ -190,3 +190,29 @@ class TorchCommunicator:
             raise ValueError(f"{call} {peer!r} is not a rank of this group (0..{self.world_size - 1})")
         if other and peer == self.rank:
             raise ValueError(f"{call} {peer!r} is this rank itself; point-to-point needs another rank")
+
+
+class WrappedCommunicator:
+    """A `Communicator` that forwards every call to `inner`, the group's default one (what
+    `DistributedSupport.communicator` is given): subclass it and replace the calls you do
+    better. Only claim `graph_capturable` where every call, yours and inner's, can be captured."""
+
+    def __init__(self, inner: Communicator) -> None:
+        self.inner = inner
+        self.rank, self.world_size, self.device = inner.rank, inner.world_size, inner.device
+        self.graph_capturable = inner.graph_capturable
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> torch.Tensor:
+        return self.inner.all_reduce(tensor, op)
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None) -> torch.Tensor:
+        return self.inner.all_gather(tensor, dim, sizes)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        return self.inner.broadcast(tensor, src)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self.inner.send(tensor, dst)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        return self.inner.recv(tensor, src)

@@ -51,7 +51,8 @@ from torchhal.platforms.records import (
 SPI_VERSION: tuple[int, int] = (1, 8)  # 1.1: IpcSupport.events; 1.2: attention_support();
 # 1.3: device_for_rank(), distributed_support(); 1.4: linear_support(); 1.5: compile_support();
 # 1.6: PagedMetadata.block_size, check_call(scale=, out=); 1.7: AttentionCapability.step_kv,
-# prefill(key=, value=) and check_call(key=, value=); 1.8: TorchCommunicator.store
+# prefill(key=, value=) and check_call(key=, value=); 1.8: TorchCommunicator.store (and the
+# WrappedCommunicator base)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from torchhal.platforms import TorchhalPluginWarning
-from torchhal.platforms.communicator import Communicator, ReduceOpName, TorchCommunicator
+from torchhal.platforms.communicator import Communicator, ReduceOpName, TorchCommunicator, WrappedCommunicator
 
 #: The largest all-reduce sent through peer memory (a [32, 8192] bfloat16 activation): above it
 #: NCCL's bandwidth-bound algorithms win. Each rank keeps one buffer of this size.
@@ -109,17 +109,17 @@ def one_shot_sum(staged: torch.Tensor, tensor: torch.Tensor, group_name: str) ->
     torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, tensor, "sum", group_name, tensor)
 
 
-class PeerMemoryCommunicator:
+class PeerMemoryCommunicator(WrappedCommunicator):
     """NCCL's communicator with small sum all-reduces through peer memory (see the module doc)."""
+
+    inner: TorchCommunicator
 
     def __init__(self, inner: TorchCommunicator, capacity: int = PEER_MEMORY_BYTES) -> None:
         import torch.distributed._symmetric_memory as symmetric_memory
         from torch._C._distributed_c10d import _register_process_group, _SymmetricMemory
 
         assert inner.store is not None  # peer_memory_communicator checked
-        self.inner = inner
-        self.rank, self.world_size, self.device = inner.rank, inner.world_size, inner.device
-        self.graph_capturable = inner.graph_capturable
+        super().__init__(inner)
         self.capacity = capacity
         # Symmetric memory finds its group by name in torch's registry: this group's NCCL backend
         # is registered there under a name of its own (torchhal never registers it as a torch
@@ -157,15 +157,3 @@ class PeerMemoryCommunicator:
         flat = tensor.view(-1)
         one_shot_sum(self.buffer[: flat.numel() * flat.element_size()].view(tensor.dtype), flat, self.group_name)
         return tensor
-
-    def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None) -> torch.Tensor:
-        return self.inner.all_gather(tensor, dim, sizes)
-
-    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        return self.inner.broadcast(tensor, src)
-
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        self.inner.send(tensor, dst)
-
-    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        return self.inner.recv(tensor, src)
