@@ -154,7 +154,8 @@ class GenerationEngine:
         if model is not None:
             check_model_unowned(model)
         # Every refusal the config alone decides comes before the model is moved or changed.
-        check_engine_config(config, runner_factory, platform)
+        check_platform_argument(platform, "GenerationEngine")
+        check_engine_config(config, runner_factory)
         check_group(group)
         check_eos_tokens(config, (model.config if model is not None else config.model).vocab_size)
         agree_on_config(config, group, shard_problem(model, group))
@@ -229,10 +230,8 @@ class GenerationEngine:
             self._eos: frozenset[int] = frozenset(eos)
             # Pure decode steps on the runner read their metadata from here: each request keeps a
             # row whose blocks are uploaded once, so a step's host work does not grow with the context.
-            # No request holds more tokens than the pool has slots, whatever max_position says.
-            longest = min(model_config.max_position, self.kv_sizing.num_slots)
-            self.decode_rows = BlockTable(self.max_running_requests, longest, config.kv_block_size, self.device,
-                                          pin=self.platform.pin_memory)
+            self.decode_rows = BlockTable(self.max_running_requests, self.longest_request, config.kv_block_size,
+                                          self.device, pin=self.platform.pin_memory)
             self.requests.on_leave = self._forget_rows
             self.decode_runner: DecodeGraphRunner | None = None
             self.checkpoint: LoadReport | None = None  # set by from_checkpoint
@@ -288,9 +287,7 @@ class GenerationEngine:
         """Built after the KV cache exists: capture needs it (and the scratch block in it).
         Buckets no step can use are left out, and a window never runs past the largest
         context bucket, so neither sizes buffers beyond what a step can fill."""
-        # No request holds more tokens than the pool has slots, whatever max_position says.
-        longest = min(self.model.config.max_position, self.kv_sizing.num_slots)
-        context_buckets = usable_buckets(settings.context_buckets, longest)
+        context_buckets = usable_buckets(settings.context_buckets, self.longest_request)
         return DecodeGraphRunner(
             self.model,  # type: ignore[arg-type]  # the Model protocol is satisfied by nn.Modules
             self.platform,
@@ -312,6 +309,11 @@ class GenerationEngine:
     @property
     def model_config(self) -> ModelConfig:
         return self.model.config
+
+    @property
+    def longest_request(self) -> int:
+        """The most tokens a request can hold: max_position, or fewer when the KV pool has fewer slots."""
+        return min(self.model_config.max_position, self.kv_sizing.num_slots)
 
     @property
     def local_config(self) -> ModelConfig:
@@ -909,7 +911,7 @@ class GenerationEngine:
         check_group(group)
         hf, where = read_hf_config(path), f"{Path(path) / 'config.json'}"
         config = EngineConfig(dtype=checkpoint_dtype(hf)) if config is None else config
-        check_engine_config(config, runner_factory, platform)  # before any weight is read
+        check_engine_config(config, runner_factory)  # before any weight is read
         if not config.eos_tokens and config.eos_token is None:
             config = replace(config, eos_tokens=eos_token_ids(hf, where))
         platform = platform or (group.platform if group is not None else current_platform())
@@ -968,10 +970,9 @@ def check_model_unowned(model: Model) -> None:
         )
 
 
-def check_engine_config(config: EngineConfig, runner_factory: Callable[[GenerationEngine], ModelRunner] | None,
-                        platform: Platform | None) -> None:
+def check_engine_config(config: EngineConfig,
+                        runner_factory: Callable[[GenerationEngine], ModelRunner] | None) -> None:
     """The refusals the engine's arguments decide alone, before anything is moved or read."""
-    check_platform_argument(platform, "GenerationEngine")
     if runner_factory is not None and not callable(runner_factory):
         raise TypeError(f"runner_factory = {short_repr(runner_factory)} must be a function given the engine and "
                         "returning its ModelRunner, or None for the engine's own runner")
