@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from torchhal.attention.layout import PagedMetadata, _is_int
+from torchhal.attention.layout import PagedMetadata, _is_int, outside_on_host
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _NO_SCALE = object()
@@ -246,13 +246,10 @@ def check_call(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if meta.block_size is not None and meta.block_size != k_cache.shape[1]:
         raise ValueError(f"attention: the metadata was built for blocks of {meta.block_size} tokens but the cache's "
                          f"blocks hold {k_cache.shape[1]}; build it with the cache's block size")
-    tables = meta.block_tables
-    if tables.device.type == "cpu" and tables.numel():  # on a device the check would cost a sync
-        low, high = int(tables.min()), int(tables.max())
-        if low < 0 or high >= k_cache.shape[0]:
-            raise ValueError(f"attention: the block tables name block {low if low < 0 else high}, but the cache has "
-                             f"{k_cache.shape[0]} blocks (0..{k_cache.shape[0] - 1}); build the metadata for this "
-                             "cache")
+    bad = outside_on_host(meta.block_tables, k_cache.shape[0])
+    if bad is not None:
+        raise ValueError(f"attention: the block tables name block {bad}, but the cache has {k_cache.shape[0]} blocks "
+                         f"(0..{k_cache.shape[0] - 1}); build the metadata for this cache")
     rows = meta.host_query_start[-1] if meta.host_query_start else None
     if not decode and rows is not None and query.shape[0] != rows:
         raise ValueError(f"attention.prefill: query has {query.shape[0]} rows but the metadata's requests have "

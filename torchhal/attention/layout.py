@@ -100,11 +100,18 @@ def check_write(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
         raise ValueError("write_kv: k_cache / v_cache must be contiguous, one layer's pair as the KV cache holds "
                          "them (a slice of one is not: its slots are not where the metadata says)")
     slots = k_cache.shape[0] * k_cache.shape[1]
-    if slot_mapping.device.type == "cpu" and slot_mapping.numel():
-        low, high = int(slot_mapping.min()), int(slot_mapping.max())
-        if low < 0 or high >= slots:
-            raise ValueError(f"write_kv: slot {low if low < 0 else high} is outside the cache's {slots} slots "
-                             f"(0..{slots - 1})")
+    bad = outside_on_host(slot_mapping, slots)
+    if bad is not None:
+        raise ValueError(f"write_kv: slot {bad} is outside the cache's {slots} slots (0..{slots - 1})")
+
+
+def outside_on_host(ids: torch.Tensor, count: int) -> int | None:
+    """An id of `ids` outside 0..count-1, where `ids` is in host memory; None when all are in
+    range, or when `ids` is on a device (finding out there would cost a sync)."""
+    if ids.device.type != "cpu" or not ids.numel():
+        return None
+    low, high = int(ids.min()), int(ids.max())
+    return low if low < 0 else high if high >= count else None
 
 
 def write_kv(
