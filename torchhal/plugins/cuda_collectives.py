@@ -50,14 +50,17 @@ def peer_memory_communicator(default: Communicator) -> Communicator:
     A collective over the group's store: every rank of a new group calls it."""
     if not isinstance(default, TorchCommunicator) or default.store is None or default.world_size == 1:
         return default
-    store, ranks = default.store, range(default.world_size)
+    store, rank, world = default.store, default.rank, default.world_size
+
+    def everyone(key: str, mine: str) -> list[str]:
+        """Every rank's value for `key`, in rank order: each rank sets its own, then reads all."""
+        store.set(f"peer_memory/{key}/{rank}", mine)
+        return [store.get(f"peer_memory/{key}/{other}").decode() for other in range(world)]
+
     # Where each rank runs first, then whether it can reach every peer's device from there.
-    store.set(f"peer_memory/host/{default.rank}", socket.gethostname())
-    store.set(f"peer_memory/device/{default.rank}", device_uuid(default.device.index or 0))
-    hosts = [store.get(f"peer_memory/host/{rank}").decode() for rank in ranks]
-    devices = [store.get(f"peer_memory/device/{rank}").decode() for rank in ranks]
-    store.set(f"peer_memory/unable/{default.rank}", why_not(default.rank, hosts, devices))
-    if any(store.get(f"peer_memory/unable/{rank}") for rank in ranks):
+    hosts = everyone("host", socket.gethostname())
+    devices = everyone("device", device_uuid(default.device.index or 0))
+    if any(everyone("unable", why_not(rank, hosts, devices))):
         return default
     # Mapping the buffers can still fail (a container that forbids sharing memory handles,
     # say): then every rank keeps NCCL, as they agree again.
@@ -66,10 +69,9 @@ def peer_memory_communicator(default: Communicator) -> Communicator:
         failure = ""
     except Exception as exc:  # noqa: BLE001 - any failure to build it means NCCL for this group
         peer, failure = default, f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-    store.set(f"peer_memory/built/{default.rank}", failure)
-    failures = [store.get(f"peer_memory/built/{rank}").decode() for rank in ranks]
+    failures = everyone("built", failure)
     if any(failures):
-        reason = next(f"rank {rank}: {text}" for rank, text in enumerate(failures) if text)
+        reason = next(f"rank {other}: {text}" for other, text in enumerate(failures) if text)
         warnings.warn(f"group {default.name!r}: all-reduces stay on NCCL; peer memory could not be set up "
                       f"({reason})", TorchhalPluginWarning, stacklevel=2)
         return default
