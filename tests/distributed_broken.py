@@ -20,7 +20,9 @@ When a peer has died, a collective of:
 - `dist_peer_loss_ends_process` ends its process, as NCCL's watchdog does: the clause must pass it;
 - `dist_peer_loss_silent` returns its input as the sum (a wrong result, silently);
 - `dist_peer_loss_hangs` never returns;
-- `dist_peer_loss_exits_cleanly` exits with code 0, as if the work were done.
+- `dist_peer_loss_exits_cleanly` exits with code 0, as if the work were done;
+- `dist_small_sums_miss_peer_loss` sends sums of 16 bytes or more another way (as a peer-memory
+  all-reduce does), and that way returns the input as the sum: only a probe that takes it fails.
 """
 
 from __future__ import annotations
@@ -90,6 +92,18 @@ class PeerLossHangs(PeerLoss):
 class PeerLossExitsCleanly(PeerLoss):
     def lost_peer(self, tensor: torch.Tensor) -> torch.Tensor:
         os._exit(0)  # the bug: a failure that looks like success
+
+
+class SmallSumsMissPeerLoss(PeerLoss):
+    """A small-message path that never learns of a dead peer; the bulk path is correct."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
+        if tensor.numel() * tensor.element_size() < 16:
+            return self.inner.all_reduce(tensor, op)
+        return super().all_reduce(tensor, op)
+
+    def lost_peer(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor  # the bug, on the small path only
 
 
 class SimGraph:
@@ -215,6 +229,7 @@ def torchhal_register_platforms() -> list[CpuPlatform]:
         with_communicator("dist_peer_loss_silent", PeerLossSilent),
         with_communicator("dist_peer_loss_hangs", PeerLossHangs),
         with_communicator("dist_peer_loss_exits_cleanly", PeerLossExitsCleanly),
+        with_communicator("dist_small_sums_miss_peer_loss", SmallSumsMissPeerLoss),
         with_communicator("dist_captures_correctly", Captures, captured=True),
         with_communicator("dist_gather_not_capturable", GatherNotCapturable, captured=True),
         with_communicator("dist_gather_stale_in_replay", GatherStaleInReplay, captured=True),

@@ -14,8 +14,11 @@ CLAUSES = {
     "each_rank_runs_on_the_device_device_for_rank_names", "all_reduce_sum_max_min_on_float32_bfloat16_int64",
     "all_gather_even_and_uneven_sizes_in_rank_order", "broadcast_from_the_last_rank", "send_recv_around_a_ring",
     "available_memory_over_the_host_communicator_is_the_minimum",
-    "a_rank_that_dies_stops_the_others_within_a_bound",
 }
+#: The dead-rank clause, once with a one-element sum and once with a decode step's hidden row.
+DEAD_PEER = "a_rank_that_dies_stops_the_others_within_a_bound"
+DEAD_PEER_PROBES = (f"{DEAD_PEER}[one_element]", f"{DEAD_PEER}[decode_row]")
+CLAUSES |= set(DEAD_PEER_PROBES)
 
 #: Every collective engines capture in a decode graph: the all_reduces and the logits' all_gather.
 CAPTURE_CLAUSES = ("captured_all_reduce_replays_on_new_inputs", "captured_all_gather_replays_on_new_inputs")
@@ -45,7 +48,8 @@ def test_a_correct_platform_passes_every_clause(tmp_path, plugin_path, platform)
     assert set(outcome(results, "passed")) == CLAUSES
     for clause in CAPTURE_CLAUSES:
         assert results[clause]["skip_reason"].startswith("undeclared:")
-    assert results["a_rank_that_dies_stops_the_others_within_a_bound"]["measured"]["outcome"] == "CollectiveError"
+    for probe in DEAD_PEER_PROBES:
+        assert results[probe]["measured"]["outcome"] == "CollectiveError"
 
 
 def test_the_gather_clause_holds_for_up_to_eight_ranks_in_every_dtype():
@@ -67,9 +71,10 @@ def test_a_backend_that_ends_the_process_on_a_dead_peer_passes_the_clause(tmp_pa
     """NCCL's way under torch's default error handling: the collective returns, its watchdog
     ends the process. Never silent, never a hang: the clause passes and says which it saw."""
     out, results = distributed_results(tmp_path, plugin_path, "dist_peer_loss_ends_process")
-    clause = results["a_rank_that_dies_stops_the_others_within_a_bound"]
-    assert clause["outcome"] == "passed", clause["message"]
-    assert clause["measured"]["outcome"] == "the backend ended the process (exit code 6)"
+    for probe in DEAD_PEER_PROBES:
+        clause = results[probe]
+        assert clause["outcome"] == "passed", clause["message"]
+        assert clause["measured"]["outcome"] == "the backend ended the process (exit code 6)"
     assert out.returncode == 0, out.stdout[-3000:]
 
 
@@ -90,18 +95,20 @@ def test_a_communicator_whose_collectives_capture_passes_every_clause_and_both_r
     ("dist_gather_stale_in_replay", "captured_all_gather_replays_on_new_inputs",
      "all_gather(dim=-1) captured in a graph (as engines capture the logits' gather) gave"),
     # A dead peer: a wrong sum read back, a hang, a clean exit.
-    ("dist_peer_loss_silent", "a_rank_that_dies_stops_the_others_within_a_bound", "a wrong sum, silently"),
-    ("dist_peer_loss_hangs", "a_rank_that_dies_stops_the_others_within_a_bound",
-     "neither raised CollectiveError nor ended within 45 s"),
-    ("dist_peer_loss_exits_cleanly", "a_rank_that_dies_stops_the_others_within_a_bound",
-     "exited with code 0 without reporting"),
+    ("dist_peer_loss_silent", DEAD_PEER_PROBES, "a wrong sum, silently"),
+    ("dist_peer_loss_hangs", DEAD_PEER_PROBES, "neither raised CollectiveError nor ended within 45 s"),
+    ("dist_peer_loss_exits_cleanly", DEAD_PEER_PROBES, "exited with code 0 without reporting"),
+    # Only the decode-sized probe takes the path that misses the dead peer.
+    ("dist_small_sums_miss_peer_loss", f"{DEAD_PEER}[decode_row]", "a wrong sum, silently"),
     # A declared backend torch.distributed lacks is the plugin's failure, not an undeclared skip.
     ("dist_unknown_backend", "the_declared_dist_backend_is_available", "dist_backend = 'acmeccl'"),
 ])
 def test_a_broken_platform_fails_exactly_the_clause_its_bug_touches(tmp_path, plugin_path, platform, clause, words):
     out, results = distributed_results(tmp_path, plugin_path, platform)
-    assert outcome(results, "failed") == [clause], out.stdout[-3000:]
-    assert words in results[clause]["message"], results[clause]["message"]
+    clauses = sorted([clause] if isinstance(clause, str) else clause)
+    assert outcome(results, "failed") == clauses, out.stdout[-3000:]
+    for name in clauses:
+        assert words in results[name]["message"], results[name]["message"]
     assert out.returncode == 1
 
 

@@ -277,18 +277,19 @@ def _replayed(platform: torchhal.Platform, index: int, static: torch.Tensor,
     return replays
 
 
-def distributed_peer_dies(name: str, rank: int, world: int, store_path: str, queue: Any) -> None:
-    """Rank 1 exits mid-group. Rank 0 says it is about to call, then makes two collectives and
-    reads the result back as an engine reads its tokens (waiting through `DeviceGroup.wait_for`,
-    bounded by the group's timeout), and reports how that ended, and when; unless its backend
-    ends the process first, as NCCL's watchdog does."""
+def distributed_peer_dies(name: str, rank: int, world: int, store_path: str, queue: Any,
+                          elements: int = 1) -> None:
+    """Rank 1 exits mid-group. Rank 0 says it is about to call, then makes two float32 sums of
+    `elements` and reads the result back as an engine reads its tokens (waiting through
+    `DeviceGroup.wait_for`, bounded by the group's timeout), and reports how that ended, and
+    when; unless its backend ends the process first, as NCCL's watchdog does."""
     import time
 
     from torchhal.distributed import CollectiveError
 
     try:
         group = _join(name, rank, world, store_path, "fragile", 10)
-        probe = torch.ones(1, device=group.device)
+        probe = torch.ones(elements, device=group.device)
         group.comm.all_reduce(probe)
         group.platform.synchronize(group.device.index or 0)
         if rank == 1:

@@ -199,11 +199,18 @@ def test_available_memory_over_the_host_communicator_is_the_minimum(ranks, measu
     assert got == [1 << 30] * ranks[0], "available_memory(group.host) must be the minimum across ranks"
 
 
-def test_a_rank_that_dies_stops_the_others_within_a_bound(platform, tmp_path, measure):
+#: Sums the dead-rank clause makes, in float32 elements: one element, and a decode step's
+#: hidden row of an 8B model (16 KiB), the size a communicator may send another way than its
+#: bulk path (the CUDA plugin's peer-memory all-reduce takes it).
+DEAD_PEER_PROBES = {"one_element": 1, "decode_row": 4096}
+
+
+@pytest.mark.parametrize("probe", list(DEAD_PEER_PROBES))
+def test_a_rank_that_dies_stops_the_others_within_a_bound(platform, tmp_path, measure, probe):
     """A peer that exits never leaves a rank hanging or computing on a wrong sum: the rank's
     collective raises CollectiveError, or (a backend whose collectives run asynchronously on
     the device, as NCCL's under torch's default error handling) the backend ends the rank's
-    process; either within the bound."""
+    process; either within the bound, whichever path the communicator sends the sum by."""
     from ._workers import distributed_peer_dies
 
     skip_without_the_backend(platform)
@@ -212,7 +219,8 @@ def test_a_rank_that_dies_stops_the_others_within_a_bound(platform, tmp_path, me
     ctx = spawn_context()
     queue = ctx.Queue()
     store = str(tmp_path / "store")
-    procs = [ctx.Process(target=distributed_peer_dies, args=(platform.name, r, world, store, queue))
+    procs = [ctx.Process(target=distributed_peer_dies,
+                         args=(platform.name, r, world, store, queue, DEAD_PEER_PROBES[probe]))
              for r in range(world)]
     for proc in procs:
         proc.start()
