@@ -313,7 +313,8 @@ def distributed_peer_dies(name: str, rank: int, world: int, store_path: str, que
             error = str(exc)
         except Exception as exc:
             error = f"not a CollectiveError: {type(exc).__name__}: {exc}"
-        queue.put(("ok", {"rank": rank, "elapsed": time.monotonic() - start, "error": error}))
+        queue.put(("ok", {"rank": rank, "elapsed": time.monotonic() - start, "error": error,
+                          "communicator": repr(group.comm)}))
         # Delivered before anything else can happen: a backend that lets the read return a wrong
         # sum and then ends the process must not pass as one that ended it first.
         queue.close()

@@ -247,6 +247,7 @@ def test_a_rank_that_dies_stops_the_others_within_a_bound(platform, tmp_path, me
     assert survivor["elapsed"] < DEAD_PEER_BOUND_S, f"CollectiveError came after {survivor['elapsed']:.0f} s"
     measure["outcome"] = "CollectiveError"
     measure["seconds"] = round(survivor["elapsed"], 1)
+    measure["communicator"] = survivor["communicator"]  # which path a vendor's communicator sent the probe by
 
 
 def _report_or_exit(queue: Any, proc: Any, bound: float) -> tuple[dict[str, Any] | None, int | None]:
