@@ -10,7 +10,7 @@ It returns each rank's result (picklable) in rank order.
 The point is failure: a rank that raises, exits or is killed, or ranks still running at
 the deadline, make the launcher stop every rank (terminate, then kill after `grace`) and
 raise one `LaunchError` naming the rank, its exception or exit code, and the last lines
-of its stderr; for ranks still running at the deadline, their Python stacks
+of its stderr; for ranks still running at the deadline, their main threads' Python stacks
 (faulthandler, on SIGUSR1), so a hang says where it is. Ctrl-C in the parent stops the
 ranks the same way. No rank outlives the call; a rank whose parent dies exits on its own.
 """
@@ -46,8 +46,8 @@ DEFAULT_GRACE = 3.0
 STDERR_TAIL_LINES = 15
 #: Lines quoted of a late rank's stack, innermost call first.
 STACK_LINES = 40
-#: What a rank late at the deadline is sent, to write its main thread's Python stack to its
-#: stderr (faulthandler answers from inside native code too: a collective, a driver call).
+#: What a rank late at the deadline is sent, to write its main thread's Python stack to a
+#: stack file of its own (faulthandler answers from inside native code too: a collective, a driver call).
 #: None where the system has no such signal.
 STACK_SIGNAL: signal.Signals | None = getattr(signal, "SIGUSR1", None)
 #: How long the launcher waits for the stacks before it stops the ranks.
