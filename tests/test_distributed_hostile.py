@@ -367,7 +367,11 @@ def test_a_long_finite_timeout_and_grace_are_waited_in_steps():
     (lambda cpu: init_group(cpu, store="x"), TypeError, "store = 'x' must be a torch.distributed.Store"),
     (lambda cpu: init_group(cpu, timeout=timedelta.max), ValueError, "timeout = datetime.timedelta(days=999999999"),
     (lambda cpu: init_group(cpu, timeout=timedelta(days=366)), ValueError,
-     "timeout = datetime.timedelta(days=366) must be a positive datetime.timedelta of at most 365 days"),
+     "timeout = datetime.timedelta(days=366) must be a datetime.timedelta of at least 1 ms and at most 365 days"),
+    # Backends would truncate it to 0 ms, which they read as no timeout: a missing peer would hang.
+    (lambda cpu: init_group(cpu, timeout=timedelta(microseconds=500)), ValueError,
+     "timeout = datetime.timedelta(microseconds=500) must be a datetime.timedelta of at least 1 ms"),
+    (lambda cpu: init_group(cpu, timeout=timedelta(0)), ValueError, "timeout = datetime.timedelta(0) must be"),
     (lambda cpu: init_group(cpu, name=""), ValueError, "name = '' must be a non-empty str"),
     (lambda cpu: init_group(cpu, name=5), ValueError, "name = 5 must be a non-empty str"),
 ])
@@ -575,3 +579,62 @@ def test_a_distributed_support_record_with_a_wrong_value_is_refused_naming_the_f
     with pytest.raises(TypeError, match=f"DistributedSupport.{field} is {value!r}"):
         DistributedSupport(**{field: value})  # type: ignore[arg-type]
     assert DistributedSupport(communicator=lambda comm: comm, graph_capturable=True).graph_capturable is True
+
+
+def gloo_pair(rank: int, store: dist.Store) -> Any:
+    from torchhal.platforms.communicator import TorchCommunicator
+
+    backend = dist.ProcessGroupGloo(dist.PrefixStore("pair", store), rank, 2)
+    return TorchCommunicator(backend, rank, 2, torch.device("cpu"), name="pair", timeout=timedelta(seconds=20))
+
+
+def test_in_place_collectives_on_a_non_contiguous_view_write_that_view_and_nothing_else() -> None:
+    """A backend reads a tensor's storage as dense: a column of a matrix must be reduced (and
+    broadcast into, and received into) as the column, and the rest of the matrix left alone."""
+    store = dist.HashStore()
+
+    def body(rank: int) -> list[Any]:
+        comm = gloo_pair(rank, store)
+        summed = torch.arange(6.0).reshape(2, 3) + 10 * rank
+        comm.all_reduce(summed[:, 0])
+        sent = torch.zeros(2, 3)
+        if rank == 0:
+            sent[:, 1] = torch.tensor([7.0, 8.0])
+        comm.broadcast(sent[:, 1], 0)
+        received = torch.zeros(2, 3)
+        if rank == 0:
+            comm.send(torch.tensor([[1.0, 2.0], [3.0, 4.0]]).t(), 1)
+        else:
+            comm.recv(received[:, :2], 0)
+        return [summed.tolist(), sent.tolist(), received.tolist()]
+
+    zero, one = on_threads(2, body)
+    assert zero[0] == [[10.0, 1.0, 2.0], [16.0, 4.0, 5.0]]
+    assert one[0] == [[10.0, 11.0, 12.0], [16.0, 14.0, 15.0]]
+    assert zero[1] == one[1] == [[0.0, 7.0, 0.0], [0.0, 8.0, 0.0]]
+    assert one[2] == [[1.0, 3.0, 0.0], [2.0, 4.0, 0.0]]
+
+
+def test_all_gather_reads_sizes_given_as_a_generator_once() -> None:
+    store = dist.HashStore()
+
+    def body(rank: int) -> list[float]:
+        comm = gloo_pair(rank, store)
+        return comm.all_gather(torch.full((rank + 1,), float(rank)), sizes=(n for n in (1, 2))).tolist()
+
+    assert on_threads(2, body) == [[0.0, 1.0, 1.0]] * 2
+
+
+@pytest.mark.parametrize("tensor, error", [
+    (torch.ones(4, device="meta"), "the tensor is on meta, this group's rank 0 on cpu; move it there first"),
+    ([1.0, 2.0], "expected a torch.Tensor, got list"),
+])
+def test_a_ranks_own_bad_tensor_is_refused_before_any_peer_waits(tensor: Any, error: str) -> None:
+    """Not a CollectiveError blaming a peer after the timeout: the caller's mistake, named at once."""
+    from torchhal.platforms.communicator import TorchCommunicator
+
+    comm = TorchCommunicator(object(), 0, 2, torch.device("cpu"), name="lonely")  # no peer ever joins
+    for call in (lambda: comm.all_reduce(tensor), lambda: comm.all_gather(tensor), lambda: comm.broadcast(tensor, 1),
+                 lambda: comm.send(tensor, 1), lambda: comm.recv(tensor, 1)):
+        with pytest.raises((TypeError, ValueError), match=re.escape(error)):
+            call()

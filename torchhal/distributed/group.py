@@ -30,6 +30,8 @@ DEFAULT_TIMEOUT = timedelta(minutes=5)
 #: The longest timeout taken: a year is no timeout in practice, and much longer ones overflow
 #: the backends' deadline arithmetic (gloo refuses timedelta.max, and hangs given 274 years).
 MAX_TIMEOUT = timedelta(days=365)
+#: The shortest group timeout: backends count in whole milliseconds, and read 0 as none.
+MIN_TIMEOUT = timedelta(milliseconds=1)
 #: Default names given to groups built so far (a refused or failed call takes none).
 _default_names_taken = 0
 #: Held by the init_group that is making a default-named group, from taking its name to counting it,
@@ -204,9 +206,10 @@ def init_group(
     global _default_names_taken, _default_naming_thread
     check_platform_argument(platform)  # init_group's refusals start with the argument
     placement = RankPlacement.from_env(rank, world_size, local_rank)
-    if not isinstance(timeout, timedelta) or not timedelta(0) < timeout <= MAX_TIMEOUT:
-        raise ValueError(f"timeout = {timeout!r} must be a positive datetime.timedelta of at most {MAX_TIMEOUT.days} "
-                         "days")
+    # Under a millisecond the stores and backends read 0 ms, which they take as no timeout at all.
+    if not isinstance(timeout, timedelta) or not MIN_TIMEOUT <= timeout <= MAX_TIMEOUT:
+        raise ValueError(f"timeout = {timeout!r} must be a datetime.timedelta of at least 1 ms and at most "
+                         f"{MAX_TIMEOUT.days} days")
     if store is not None and not isinstance(store, dist.Store):
         raise TypeError(f"store = {store!r} must be a torch.distributed.Store (TCPStore, FileStore, HashStore ...), "
                         "or None for the rendezvous in the environment")

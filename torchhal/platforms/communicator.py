@@ -9,7 +9,8 @@ wrapping the default one and replacing the calls it does better.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
@@ -105,20 +106,24 @@ class TorchCommunicator:
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> torch.Tensor:
         if op not in _TORCH_OPS:
             raise ValueError(f"all_reduce(op={op!r}): choose one of {', '.join(REDUCE_OPS)}")
+        self._check_tensor(tensor, f"all_reduce(op={op!r})")
         self._check_open(f"all_reduce(op={op!r})")
         if self.world_size == 1:
             return tensor
         options = dist.AllreduceOptions()
         options.reduceOp = _TORCH_OPS[op]
-        self._complete(f"all_reduce(op={op!r})", lambda: self.backend.allreduce([tensor], options))
+        with _in_place(tensor) as work:
+            self._complete(f"all_reduce(op={op!r})", lambda: self.backend.allreduce([work], options))
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None) -> torch.Tensor:
+        self._check_tensor(tensor, "all_gather")
         if not -tensor.dim() <= dim < tensor.dim():
             raise ValueError(f"all_gather(dim={dim}): the tensor has {tensor.dim()} dimension(s)")
         dim = dim % tensor.dim()
+        extents: list[int] | None = None
         if sizes is not None:
-            extents = list(sizes)
+            extents = list(sizes)  # once: a generator is read here only
             if (len(extents) != self.world_size
                     or any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in extents)
                     or extents[self.rank] != tensor.shape[dim]):
@@ -129,15 +134,15 @@ class TorchCommunicator:
         self._check_open("all_gather")
         if self.world_size == 1:
             return tensor
-        if sizes is not None:
-            widest = max(sizes)
+        if extents is not None:
+            widest = max(extents)
             padded = tensor
             if tensor.shape[dim] < widest:
                 pad_shape = list(tensor.shape)
                 pad_shape[dim] = widest - tensor.shape[dim]
                 padded = torch.cat((tensor, tensor.new_zeros(pad_shape)), dim)
             pieces = self._gather_equal(padded.contiguous())
-            return torch.cat([piece.narrow(dim, 0, size) for piece, size in zip(pieces, sizes, strict=True)], dim)
+            return torch.cat([piece.narrow(dim, 0, size) for piece, size in zip(pieces, extents, strict=True)], dim)
         return torch.cat(self._gather_equal(tensor.contiguous()), dim)
 
     def _gather_equal(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -147,23 +152,36 @@ class TorchCommunicator:
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         self._check_peer(src, "broadcast(src=...)")
+        self._check_tensor(tensor, f"broadcast(src={src})")
         self._check_open(f"broadcast(src={src})")
         if self.world_size == 1:
             return tensor
         options = dist.BroadcastOptions()
         options.rootRank = src
         options.rootTensor = 0
-        self._complete(f"broadcast(src={src})", lambda: self.backend.broadcast([tensor], options))
+        with _in_place(tensor) as work:
+            self._complete(f"broadcast(src={src})", lambda: self.backend.broadcast([work], options))
         return tensor
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         self._check_peer(dst, "send(dst=...)", other=True)
+        self._check_tensor(tensor, f"send(dst={dst})")
         self._complete(f"send(dst={dst})", lambda: self.backend.send([tensor.contiguous()], dst, 0))
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         self._check_peer(src, "recv(src=...)", other=True)
-        self._complete(f"recv(src={src})", lambda: self.backend.recv([tensor], src, 0))
+        self._check_tensor(tensor, f"recv(src={src})")
+        with _in_place(tensor) as work:
+            self._complete(f"recv(src={src})", lambda: self.backend.recv([work], src, 0))
         return tensor
+
+    def _check_tensor(self, tensor: object, call: str) -> None:
+        """Refuse what is this rank's own mistake before its peers are waited on."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{call}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device.type != self.device.type or (tensor.device.index or 0) != (self.device.index or 0):
+            raise ValueError(f"{call}: the tensor is on {tensor.device}, this group's rank {self.rank} on "
+                             f"{self.device}; move it there first (tensor.to(group.device))")
 
     def _check_open(self, call: str) -> None:
         """Refuse a call on a closed group, a group of one included (it needs no backend to answer)."""
@@ -190,6 +208,18 @@ class TorchCommunicator:
             raise ValueError(f"{call} {peer!r} is not a rank of this group (0..{self.world_size - 1})")
         if other and peer == self.rank:
             raise ValueError(f"{call} {peer!r} is this rank itself; point-to-point needs another rank")
+
+
+@contextlib.contextmanager
+def _in_place(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """`tensor` itself when contiguous, else a contiguous copy whose result is copied back:
+    backends read and write a tensor's storage as if it were dense."""
+    if tensor.is_contiguous():
+        yield tensor
+        return
+    work = tensor.contiguous()
+    yield work
+    tensor.copy_(work)
 
 
 class WrappedCommunicator:
