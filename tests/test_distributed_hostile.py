@@ -47,6 +47,10 @@ def group_sum_and_torchelastic_variables(timeout_s: float) -> tuple[float, list[
     return total, sorted(name for name in os.environ if name.startswith("TORCHELASTIC_"))
 
 
+def rank_tensor() -> torch.Tensor:
+    return torch.arange(3.0) + 10 * int(os.environ["RANK"])
+
+
 def rank_number() -> int:
     return int(os.environ["RANK"])
 
@@ -638,3 +642,10 @@ def test_a_ranks_own_bad_tensor_is_refused_before_any_peer_waits(tensor: Any, er
                  lambda: comm.send(tensor, 1), lambda: comm.recv(tensor, 1)):
         with pytest.raises((TypeError, ValueError), match=re.escape(error)):
             call()
+
+
+def test_launch_returns_each_ranks_tensor() -> None:
+    """Results travel by value: a connection's own pickler would send a tensor through shared
+    memory that the launcher cannot open once its rank has exited ("exited before returning")."""
+    results = launch(rank_tensor, 2, timeout=120)
+    assert [r.tolist() for r in results] == [[0.0, 1.0, 2.0], [10.0, 11.0, 12.0]]

@@ -23,6 +23,7 @@ import math
 import multiprocessing
 import numbers
 import os
+import pickle
 import reprlib
 import signal
 import socket
@@ -355,12 +356,16 @@ def _stacks(processes: list[BaseProcess], logs: str, ranks: list[int]) -> dict[i
 
 def _receive(receiver: Connection) -> _Outcome | None:
     try:
-        if receiver.poll():
-            outcome: _Outcome = receiver.recv()
-            return outcome
+        if not receiver.poll():
+            return None
+        data = receiver.recv_bytes()
     except (EOFError, OSError):
-        pass
-    return None
+        return None
+    try:
+        outcome: _Outcome = pickle.loads(data)
+    except Exception as exc:  # noqa: BLE001 - the rank finished; its result is what failed
+        return _Outcome(False, f"returned a result the launcher cannot unpickle ({exc!r})")
+    return outcome
 
 
 def _stop(processes: list[BaseProcess], grace: float) -> None:
@@ -431,10 +436,13 @@ def _rank_main(target: Callable[..., Any], args: tuple[Any, ...], variables: dic
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent, named
         traceback.print_exc()  # into the rank's stderr, which the parent quotes
         outcome = _Outcome(False, "raised " + "".join(traceback.format_exception_only(type(exc), exc)).strip())
+    # Plain pickle, by value: a connection's own pickler would send tensors through shared memory
+    # that the launcher can no longer open once this rank has exited.
     try:
-        sender.send(outcome)
+        data = pickle.dumps(outcome)
     except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
-        sender.send(_Outcome(False, f"returned a result that cannot be sent to the launcher ({exc!r})"))
+        data = pickle.dumps(_Outcome(False, f"returned a result that cannot be sent to the launcher ({exc!r})"))
+    sender.send_bytes(data)
     sender.close()
 
 
