@@ -649,3 +649,23 @@ def test_launch_returns_each_ranks_tensor() -> None:
     memory that the launcher cannot open once its rank has exited ("exited before returning")."""
     results = launch(rank_tensor, 2, timeout=120)
     assert [r.tolist() for r in results] == [[0.0, 1.0, 2.0], [10.0, 11.0, 12.0]]
+
+
+def test_a_group_that_does_not_form_names_itself_and_the_retry_that_works() -> None:
+    """A peer that never joins: not a bare DistStoreError after the timeout but a CollectiveError
+    naming the group, the rank and the timeout; and the retry it names (another name) forms."""
+    from torchhal.distributed import CollectiveError
+
+    cpu = torchhal.get_platform("cpu")
+    store = dist.HashStore()
+    with pytest.raises(CollectiveError, match=r"group 'tp' did not form at rank 0 of 2 within 1 s: .*retry under "
+                                              r"another name"):
+        init_group(cpu, rank=0, world_size=2, store=store, name="tp", timeout=timedelta(seconds=1))
+
+    def body(rank: int) -> float:
+        group = init_group(cpu, rank=rank, world_size=2, store=store, name="tp-again", timeout=timedelta(seconds=20))
+        total = group.comm.all_reduce(torch.ones(1)).item()
+        group.close()
+        return total
+
+    assert on_threads(2, body) == [2.0, 2.0]

@@ -247,9 +247,18 @@ def _make_group(platform: Platform, placement: RankPlacement, index: int, connec
     platform.set_device(index)
     device = platform.device(index)
     support = platform.distributed_support
-    base = connect()
-    prefix = _incarnation(base, group_name, placement.world_size)
-    host_backend = _new_backend("gloo", dist.PrefixStore(f"{prefix}/host", base), placement, timeout, group_name)
+    try:
+        base = connect()
+        prefix = _incarnation(base, group_name, placement.world_size)
+        host_backend = _new_backend("gloo", dist.PrefixStore(f"{prefix}/host", base), placement, timeout, group_name)
+    except RuntimeError as exc:  # torch's DistStoreError / DistNetworkError: a peer or the store never came
+        reason = " ".join(str(exc).split())[:300]
+        raise CollectiveError(
+            f"init_group: group {group_name!r} did not form at rank {placement.rank} of {placement.world_size} "
+            f"within {timeout.total_seconds():g} s: {reason}. Check that every rank calls init_group with the same "
+            "name and world size, that MASTER_ADDR:MASTER_PORT (or the store) reaches rank 0's store, and that no "
+            "rank has died; retry under another name or on a fresh store (this attempt stays counted on this one)"
+        ) from exc
     host = TorchCommunicator(host_backend, placement.rank, placement.world_size, torch.device("cpu"),
                              name=f"{group_name}/host", timeout=timeout)
     if platform.dist_backend == "gloo" and device.type == "cpu":
