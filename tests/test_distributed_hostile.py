@@ -416,6 +416,19 @@ def test_a_group_of_several_ranks_without_a_rank_is_refused_naming_it(monkeypatc
     assert RankPlacement.from_env(world_size=2).rank == 1
 
 
+def test_rank_variables_without_local_rank_are_refused_naming_it(monkeypatch):
+    """Local rank 0 by default would put every rank of the host on device 0."""
+    for var in RANK_VARIABLES:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"RANK=1 and WORLD_SIZE=2 are set but LOCAL_RANK is not: set it"):
+        RankPlacement.from_env()
+    assert RankPlacement.from_env(local_rank=1).local_rank == 1
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert RankPlacement.from_env() == RankPlacement(1, 2, 1, 2)
+
+
 def test_a_refused_or_failed_init_group_takes_no_default_name(monkeypatch):
     for var in (*RANK_VARIABLES, "TORCHELASTIC_USE_AGENT_STORE"):
         monkeypatch.delenv(var, raising=False)

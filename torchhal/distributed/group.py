@@ -94,6 +94,12 @@ class RankPlacement:
             raise ValueError(f"world_size {world} needs this process's rank: pass rank= (0..{world - 1}) or set "
                              "RANK (torchrun does)")
         the_rank = read("RANK", rank, 0)
+        if (local_rank is None and "LOCAL_RANK" not in os.environ and rank is None and world_size is None
+                and isinstance(world, int) and world > 1):
+            # Local rank 0 by default would put every rank of the host on device 0.
+            raise ValueError(f"RANK={the_rank} and WORLD_SIZE={world} are set but LOCAL_RANK is not: set it (this "
+                             "process's rank on its host, which picks its device; torchrun sets it) or pass "
+                             "local_rank=")
         local = read("LOCAL_RANK", local_rank, the_rank if world_size is not None or rank is not None else 0)
         local_world = read("LOCAL_WORLD_SIZE", None, world)
         return cls(the_rank, world, local, local_world)
