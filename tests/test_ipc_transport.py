@@ -312,7 +312,8 @@ def test_fuzzed_numbers_through_receive_never_read_out_of_bounds():
         # Exactly the bytes the message names, read from the producer's own pool.
         region = producer.pool[message["offset"] : message["offset"] + message["nbytes"]].view(torch.float32)
         stride = torch.empty(message["shape"]).stride() if message["stride"] is None else message["stride"]
-        assert torch.equal(tensor, region.as_strided(message["shape"], stride))
+        # Bitwise: the pool past the sent tensor is uninitialised and may hold NaNs (NaN != NaN).
+        assert torch.equal(tensor.view(torch.int32), region.as_strided(message["shape"], stride).view(torch.int32))
     assert received > 0  # some mutations stay valid, and those read inside their slice
     producer.close()
     consumer.close()

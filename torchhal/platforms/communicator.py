@@ -179,7 +179,9 @@ class TorchCommunicator:
         """Refuse what is this rank's own mistake before its peers are waited on."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{call}: expected a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.device.type != self.device.type or (tensor.device.index or 0) != (self.device.index or 0):
+        # Host memory is one device whatever index a (simulated) CPU device carries.
+        if tensor.device.type != self.device.type or (
+                tensor.device.type != "cpu" and tensor.device.index != self.device.index):
             raise ValueError(f"{call}: the tensor is on {tensor.device}, this group's rank {self.rank} on "
                              f"{self.device}; move it there first (tensor.to(group.device))")
 
