@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 from _harness import environment, write_json  # noqa: E402
 from profile_long_context import kernel_class, pure_decode  # noqa: E402
-from tensor_parallel import SHAPES, engine_config, model_config, prompts_for, random_rank_model  # noqa: E402
+from tensor_parallel import NEW_TOKENS, SHAPES, engine_config, model_config, prompts_for, random_rank_model  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 #: Decode steps profiled per cell (one engine step runs a window of 8).
@@ -43,7 +43,8 @@ def summary(step: dict[str, Any], weight_bytes: int, top: int = 12) -> dict[str,
     """One profiled step: its span, each class's device time, the top kernels (ms a step)."""
     classes: dict[str, float] = {}
     for name, (us, _) in step["kernels"].items():
-        classes[step_class(name)] = classes.get(step_class(name), 0.0) + us / 1e3
+        kind = step_class(name)
+        classes[kind] = classes.get(kind, 0.0) + us / 1e3
     ranked = sorted(step["kernels"].items(), key=lambda kv: -kv[1][0])[:top]
     return {"steps_profiled": step["steps"], "span_ms": step["span_us"] / 1e3, "busy_ms": step["busy_us"] / 1e3,
             "classes_ms": dict(sorted(classes.items(), key=lambda kv: -kv[1])),
@@ -96,8 +97,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except ValueError:
         parser.error(f"--cells takes PROMPTxBATCH, e.g. 32x8; got {args.cells}")
     for prompt, _ in cells:
-        if prompt not in (8, 32, 200, 3968):
-            parser.error(f"prompt length {prompt} has no new-token count in tensor_parallel.py; use 8, 32, 200 or 3968")
+        if prompt not in NEW_TOKENS:
+            parser.error(f"prompt length {prompt} has no new-token count; use one of {sorted(NEW_TOKENS)}")
     for tp in args.tp:
         check_tensor_parallel(model_config(args.shape), tp)
     platform = torchhal.current_platform()
