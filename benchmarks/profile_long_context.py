@@ -1,7 +1,7 @@
 """Kernel profile of the long-context benchmark's torchhal side, and the levers it names, timed before/after.
 
     python benchmarks/profile_long_context.py [--out DIR] [--levers NAME ...] [--skip-levers] [--skip-profile]
-                                               [--idle] [--tiny]
+                                               [--idle] [--max-batch-tokens N] [--tiny]
 
 The engine is the one `long_context.py` times (same checkpoint shape, seeded weights, prompts
 and `engine_config`: full-graph decode, compiled layers, chunked prefill). torch.profiler
@@ -48,6 +48,10 @@ picks them; the first two by default, the others were this file's earlier levers
   (`LayerMath.into_residual` patched so) against the product adding itself to the residual
   where cuBLAS runs it (the engine now), alternating over three rounds, graphs re-captured for
   each: prefill alone at 3968x1, 3968x8 and 16000x1, end to end at 32x32 and 3968x8;
+- `step_budget`: the scheduler's token budget a step at 16384 (the benchmark's) against the
+  engine's own `--max-batch-tokens` (build it larger, 32768 say), alternating over three rounds
+  on one engine: prefill alone at 3968x8, 3968x32 and 16000x8 (two 16k prompts a step instead
+  of one), end to end at 16000x8;
 - `decode_splits`: the split-K paged decode kernel at batch 8 and 1 / 16k context, graph-replayed,
   per split count, then the engine's decode step (16000x8, 16000x1) with each batch's best count
   against the current rule.
@@ -132,7 +136,7 @@ TINY_SCENARIOS = (("decode_1x32", "32x1", 4), ("prefill_32x32", "32x32", 0))
 DECODE_STEPS = {cell: steps for _, cell, steps in SCENARIOS if steps}
 CLASSES = ("gemm", "attention", "norm", "elementwise", "copy", "other")
 LEVERS = ("prefill_graphs", "linear_kernel", "write_kv_kernel", "whole_prompt_admission", "flash_prefill_runs",
-          "decode_splits", "gemv_eviction", "step_overlap", "step_kv", "residual_in_product")
+          "decode_splits", "gemv_eviction", "step_overlap", "step_kv", "residual_in_product", "step_budget")
 
 
 def kernel_class(name: str) -> str:
@@ -678,6 +682,46 @@ def residual_in_product_lever(engine: GenerationEngine,
     return result
 
 
+def step_budget_lever(engine: GenerationEngine,
+                      generate: Callable[[list[list[int]], int], list[list[int]]],
+                      prompts: dict[str, list[list[int]]], sync: Callable[[], None],
+                      rounds: int = 3) -> dict[str, Any]:
+    """Two step budgets alternating over `rounds` on one engine: `before` 16384 tokens a step,
+    `after` the budget the engine was built with (lowering the scheduler's budget is safe: the
+    engine sizes nothing else by it above the prefill graphs' buckets)."""
+    scheduler = engine.scheduler
+    built = scheduler.max_batch_tokens
+    settings = {"before": 16384, "after": built}
+    runs: dict[str, dict[str, list[float]]] = {label: {} for label in settings}
+    tokens: dict[str, list[Any]] = {}
+    try:
+        for _ in range(rounds):
+            for label, budget in settings.items():
+                scheduler.max_batch_tokens = budget
+                for cell in ran(("3968x8", "3968x32", "16000x8"), prompts):
+                    seconds, out = median_run(functools.partial(generate, prompts[cell], 1), 1, 3, sync)
+                    runs[label].setdefault(f"{cell} prefill", []).append(seconds)
+                    tokens.setdefault(f"{cell} prefill", []).append(out)
+                for cell in ran(("16000x8",), prompts):
+                    new = PROMPTS[len(prompts[cell][0])]
+                    seconds, out = median_run(functools.partial(generate, prompts[cell], new), 1, 3, sync)
+                    runs[label].setdefault(f"{cell} e2e", []).append(seconds)
+                    tokens.setdefault(f"{cell} e2e", []).append(out)
+    finally:
+        scheduler.max_batch_tokens = built
+    result: dict[str, Any] = {"budgets": settings}
+    for key, seen in tokens.items():
+        medians = {label: statistics.median(runs[label][key]) for label in settings}
+        result[key] = {"s": {label: runs[label][key] for label in settings}, "median_s": medians,
+                       "after_over_before": medians["after"] / medians["before"],
+                       # bf16: products over other row counts round differently, so tokens may differ
+                       "tokens_equal_within_each_setting": all(t == seen[first] for first in (0, 1)
+                                                               for t in seen[first::2]),
+                       "tokens_equal_across_settings": seen[0] == seen[1]}
+    print(f"  lever step budget: {result}", flush=True)
+    return result
+
+
 def ran(cells: tuple[str, ...], prompts: dict[str, list[list[int]]]) -> list[str]:
     """The cells a lever names that this run has prompts for (`--tiny` keeps the short ones)."""
     return [cell for cell in cells if cell in prompts]
@@ -839,6 +883,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--idle", action="store_true",
                         help="also profile each prefill scenario with Python stacks: what the host ran while the "
                         "device idled")
+    parser.add_argument("--max-batch-tokens", type=int, default=16384,
+                        help="the engine's token budget a step (the `step_budget` lever compares it with 16384)")
     args = parser.parse_args(argv)
     platform = torchhal.current_platform()
     device = platform.device(platform.current_device())
@@ -866,7 +912,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         gc.collect()
         platform.empty_cache(torchhal.ReleasePoint.USER)
         started = time.perf_counter()
-        engine = GenerationEngine.from_checkpoint(directory, engine_config(prompts, PROMPTS, dtype, on_gpu))
+        config = engine_config(prompts, PROMPTS, dtype, on_gpu, args.max_batch_tokens)
+        engine = GenerationEngine.from_checkpoint(directory, config)
         results["engine_setup_s"] = time.perf_counter() - started
         report = getattr(engine.runner, "report", None)  # the prefill graphs' capture (None: eager runner)
         results["prefill_graphs"] = None if report is None else {
@@ -927,6 +974,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "step_overlap": lambda: step_overlap_lever(engine, generate, prompts, sync),
                 "step_kv": lambda: step_kv_lever(generate, prompts, sync),
                 "residual_in_product": lambda: residual_in_product_lever(engine, generate, prompts, sync),
+                "step_budget": lambda: step_budget_lever(engine, generate, prompts, sync),
             }
             results["levers"] = {name: run_lever[name]() for name in args.levers}
     for lever in results.get("levers", {}).values():
