@@ -141,7 +141,7 @@ def transformers_side(directory: str, dtype: torch.dtype, prompts: dict[str, lis
 
 
 def engine_config(prompts: dict[str, list[list[int]]], new_tokens: dict[int, int], dtype: torch.dtype,
-                  on_gpu: bool, max_batch_tokens: int = 16384) -> EngineConfig:
+                  on_gpu: bool, max_batch_tokens: int = 32768) -> EngineConfig:
     """The engine as a user would configure it for these cells: full-graph decode over their
     batches and contexts, graphs for short prefills, compiled layers on a GPU, chunked prefill."""
     longest = max(len(p[0]) + new_tokens[len(p[0])] for p in prompts.values())
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--reps", type=int, default=3, help="timed runs per figure after one warm-up")
     parser.add_argument("--budget-s", type=float, default=500.0, help="per side: skip the cells left after this")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on whatever device there is")
-    parser.add_argument("--max-batch-tokens", type=int, default=16384,
+    parser.add_argument("--max-batch-tokens", type=int, default=32768,
                         help="torchhal's EngineConfig.max_batch_tokens (tokens a step prefills at most)")
     parser.add_argument("--child-job", help=argparse.SUPPRESS)
     parser.add_argument("--child-answer", help=argparse.SUPPRESS)
@@ -331,6 +331,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         earlier = json.loads(Path(args.peer_json).read_text())["results"]
         for key in ("transformers_static", "torchhal"):
             results.setdefault(key, earlier.get(key, {}))
+        if args.side == "peer":  # the step budget is the torchhal side's setting: keep the one it ran with
+            results["max_batch_tokens"] = earlier["max_batch_tokens"]
     if "transformers_static" in results and "torchhal" in results:
         results.update(judge(results))
     for key in ("transformers_static", "torchhal"):  # the tokens were for the comparison only

@@ -284,7 +284,7 @@ def judge_cells(steps: dict[str, dict[str, Any]], long_context: dict[str, Any] |
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--long-context", help="a long_context.py result file to judge the cells against")
-    parser.add_argument("--max-batch-tokens", type=int, default=16384, help="the engine's (long_context.py's)")
+    parser.add_argument("--max-batch-tokens", type=int, default=32768, help="the engine's (long_context.py's)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--idle-s", type=float, default=1.0, help="idle before each operation's idle-device timing")
     parser.add_argument("--gemm-variants", action="store_true",

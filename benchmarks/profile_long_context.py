@@ -48,8 +48,9 @@ picks them; the first two by default, the others were this file's earlier levers
   (`LayerMath.into_residual` patched so) against the product adding itself to the residual
   where cuBLAS runs it (the engine now), alternating over three rounds, graphs re-captured for
   each: prefill alone at 3968x1, 3968x8 and 16000x1, end to end at 32x32 and 3968x8;
-- `step_budget`: the scheduler's token budget a step at 16384 (the benchmark's) against the
-  engine's own `--max-batch-tokens` (build it larger, 32768 say), alternating over three rounds
+- `step_budget`: the scheduler's token budget a step at 16384 (the benchmark's until the
+  twentieth session) against the engine's own `--max-batch-tokens` (32768 by default, as
+  `long_context.py`'s), alternating over three rounds
   on one engine: prefill alone at 3968x8, 3968x32 and 16000x8 (two 16k prompts a step instead
   of one), end to end at 16000x8;
 - `decode_splits`: the split-K paged decode kernel at batch 8 and 1 / 16k context, graph-replayed,
@@ -883,8 +884,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--idle", action="store_true",
                         help="also profile each prefill scenario with Python stacks: what the host ran while the "
                         "device idled")
-    parser.add_argument("--max-batch-tokens", type=int, default=16384,
-                        help="the engine's token budget a step (the `step_budget` lever compares it with 16384)")
+    parser.add_argument("--max-batch-tokens", type=int, default=32768,
+                        help="the engine's token budget a step, as long_context.py's (the `step_budget` lever "
+                        "compares it with 16384)")
     args = parser.parse_args(argv)
     platform = torchhal.current_platform()
     device = platform.device(platform.current_device())
