@@ -11,13 +11,14 @@ The point is failure: a rank that raises, exits or is killed, or ranks still run
 the deadline, make the launcher stop every rank (terminate, then kill after `grace`) and
 raise one `LaunchError` naming the rank, its exception or exit code, and the last lines
 of its stderr; for ranks still running at the deadline, their main threads' Python stacks
-(faulthandler, on SIGUSR1), so a hang says where it is. Ctrl-C in the parent stops the
-ranks the same way. No rank outlives the call; a rank whose parent dies exits on its own.
+(faulthandler, on SIGUSR1), so a hang says where it is. Ctrl-C or SIGTERM in the parent
+stops the ranks the same way. No rank outlives the call; a rank whose parent dies exits on its own.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import faulthandler
 import math
 import multiprocessing
@@ -33,7 +34,7 @@ import threading
 import time
 import traceback
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -105,7 +106,12 @@ def launch(
     `timeout`: seconds for the whole run (None: no deadline; collectives still time out
     through `init_group(timeout=...)`). `env`: more variables for every rank, other than
     those launch sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT) or drops (TORCHELASTIC_*). Bad arguments are refused before any rank starts."""
+    MASTER_PORT) or drops (TORCHELASTIC_*). Bad arguments are refused before any rank starts.
+
+    SIGTERM while launch runs in the main thread, with SIGTERM's default action in place, first
+    stops the ranks and removes their log directory, then ends the process by SIGTERM's default
+    action all the same (its exit status says SIGTERM; the caller's own cleanup is skipped, as
+    it would have been). A SIGTERM handler of the caller's own is left in place."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size = {world_size!r} must be a positive integer")
     if timeout is not None and not (_is_seconds(timeout) and timeout > 0):
@@ -120,7 +126,7 @@ def launch(
     rank_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
                 "LOCAL_WORLD_SIZE": str(world_size), **(env or {})}
     deadline = None if timeout is None else time.monotonic() + timeout
-    with tempfile.TemporaryDirectory(prefix="torchhal-launch-") as logs:
+    with _cleanup_on_sigterm(), tempfile.TemporaryDirectory(prefix="torchhal-launch-") as logs:
         processes: list[BaseProcess] = []
         receivers: list[Connection] = []
         try:
@@ -152,6 +158,37 @@ def launch(
             _stop(processes, grace)
             for receiver in receivers:
                 receiver.close()
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread while launch runs; a BaseException, as KeyboardInterrupt,
+    so that no `except Exception` holds it."""
+
+
+def _raise_terminated(signum: int, frame: types.FrameType | None) -> None:
+    raise _Terminated
+
+
+@contextlib.contextmanager
+def _cleanup_on_sigterm() -> Iterator[None]:
+    """SIGTERM's default action ends the process at once, skipping the `finally` that stops the
+    ranks and the removal of their logs: raise it instead, and once launch has unwound, deliver
+    it again with the default action, so the process still dies of it. Only where SIGTERM has
+    its default action (a handler of the caller's own decides for itself) and on the main
+    thread (the only one Python lets set a handler)."""
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    if not on_main_thread or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    try:
+        signal.signal(signal.SIGTERM, _raise_terminated)  # inside the try, to catch a SIGTERM right after
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)  # delivered to this thread before it returns: the process ends here
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _is_seconds(value: object) -> bool:

@@ -1,0 +1,50 @@
+"""SIGTERM to a launcher: the ranks are stopped and their log directory removed before the
+launcher dies of it, as Ctrl-C does (the default action used to end it at once, leaving both)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tests.test_launch import ROOT, pids, read_variable, running
+from torchhal.distributed import launch
+
+
+def test_sigterm_stops_the_ranks_and_removes_their_logs_then_ends_the_launcher(tmp_path: Path) -> None:
+    pid_dir, temp = tmp_path / "pids", tmp_path / "tmp"
+    pid_dir.mkdir()
+    temp.mkdir()
+    script = ("from torchhal.distributed import launch; from tests.test_launch import fail_on_rank_one; "
+              f"launch(fail_on_rank_one, 2, ({str(pid_dir)!r}, 'hang'), grace=1.0)")
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "TMPDIR": str(temp)},
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 60
+        while len(list(pid_dir.glob("*.pid"))) < 2 and time.monotonic() < end:
+            time.sleep(0.1)
+        started = pids(pid_dir, 2)
+        assert len(list(temp.glob("torchhal-launch-*"))) == 1  # the logs are where this test looks
+        parent.send_signal(signal.SIGTERM)
+        _, stderr = parent.communicate(timeout=15)
+    finally:
+        parent.kill()
+    assert parent.returncode == -signal.SIGTERM, stderr[-2000:]  # still the end a SIGTERM gives
+    # Stopped and reaped by the launcher before it ended, not left to exit on their own.
+    assert [pid for pid in started if running(pid, zombie_is_gone=False)] == []
+    assert list(temp.glob("torchhal-launch-*")) == []
+
+
+def test_launch_leaves_sigterm_as_it_found_it_and_runs_from_any_thread() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    assert launch(read_variable, 1, ("RANK",)) == ["0"]
+    assert signal.getsignal(signal.SIGTERM) is before
+    results: list[object] = []  # only the main thread may set a handler: elsewhere launch sets none
+    thread = threading.Thread(target=lambda: results.append(launch(read_variable, 1, ("RANK",))))
+    thread.start()
+    thread.join(120)
+    assert results == [["0"]]
