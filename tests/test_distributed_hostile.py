@@ -394,6 +394,37 @@ def test_init_group_names_a_bad_master_port(cpu, monkeypatch, port):
         init_group(cpu, rank=0, world_size=2)
 
 
+# torch's rendezvous tried each of these until the group's timeout, then named only a socket:
+# "[::1]" too, as torch's TCPStore takes an IPv6 address bare.
+@pytest.mark.parametrize("address", [" ", "rank0 host", "127.0.0.1 ", "127.0.0.1:29500", "tcp://127.0.0.1",
+                                     "[::1]", "[::1]:29500"])
+def test_init_group_names_a_malformed_master_addr(cpu, monkeypatch, address):
+    monkeypatch.setenv("MASTER_ADDR", address)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(ValueError) as caught:
+        init_group(cpu, rank=0, world_size=2)
+    message = str(caught.value)
+    assert message.startswith(f"MASTER_ADDR={address!r} must be a host name or IP address alone"), message
+    assert message.endswith("set MASTER_ADDR to rank 0's host name or IP address"), message
+
+
+@pytest.mark.parametrize("address", ["no-such-host.invalid", "rank0..example"])  # .invalid never resolves (RFC 6761)
+def test_init_group_names_a_master_addr_that_does_not_resolve(cpu, monkeypatch, address):
+    monkeypatch.setenv("MASTER_ADDR", address)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(ValueError, match=rf"^MASTER_ADDR={re.escape(repr(address))} does not resolve \(.+\): set "
+                                         "MASTER_ADDR to rank 0's host name or IP address$"):
+        init_group(cpu, rank=0, world_size=2)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "localhost", "::1"])
+def test_init_group_takes_a_master_addr_of_a_name_or_an_address(cpu, monkeypatch, address):
+    monkeypatch.setenv("MASTER_ADDR", address)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(AssertionError, match="set_device"):  # past every check, to the device
+        init_group(cpu, rank=0, world_size=2)
+
+
 def test_a_sub_group_inside_a_larger_torchrun_job_keeps_the_workers_device(monkeypatch):
     """Data parallel x tensor parallel: worker 5 of a 16-rank job on hosts of 8 makes a 2-rank
     group of its own. Its device is still its LOCAL_RANK's: the local variables say where the

@@ -10,7 +10,9 @@ torch.distributed users, and two engines with two groups can live in one process
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 import threading
 import time
 import weakref
@@ -295,6 +297,7 @@ def _rendezvous(placement: RankPlacement, timeout: timedelta) -> Callable[[], di
     port = os.environ["MASTER_PORT"]
     if not (port.isdecimal() and 0 < int(port) < 65536):
         raise ValueError(f"MASTER_PORT={port!r} must be a TCP port number, 1 to 65535 (the port of rank 0's store)")
+    _check_master_addr(os.environ["MASTER_ADDR"])
 
     def connect() -> dist.Store:
         # torch's own env:// rendezvous, so torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE)
@@ -305,6 +308,30 @@ def _rendezvous(placement: RankPlacement, timeout: timedelta) -> Callable[[], di
         return store
 
     return connect
+
+
+def _check_master_addr(address: str) -> None:
+    """MASTER_ADDR names one host that resolves: torch's rendezvous tries any other until the
+    group's timeout, then names only a socket. A colon is taken in a bare IPv6 address (::1)
+    alone: torch's TCPStore takes no brackets ([::1] times out too)."""
+    if any(char.isspace() for char in address) or (":" in address and not _is_ipv6(address)):
+        raise ValueError(f"MASTER_ADDR={address!r} must be a host name or IP address alone, without spaces, a scheme "
+                         "(tcp://), a port (that is MASTER_PORT) or brackets around an IPv6 address: set MASTER_ADDR "
+                         "to rank 0's host name or IP address")
+    try:
+        socket.getaddrinfo(address, None)
+    except (OSError, UnicodeError) as exc:  # gaierror; UnicodeError for a name IDNA cannot encode ("a..b")
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(f"MASTER_ADDR={address!r} does not resolve ({reason}): set MASTER_ADDR to rank 0's host "
+                         "name or IP address") from exc
+
+
+def _is_ipv6(address: str) -> bool:
+    try:
+        ipaddress.IPv6Address(address)
+    except ValueError:
+        return False
+    return True
 
 
 def _incarnation(store: dist.Store, name: str, world_size: int) -> str:
