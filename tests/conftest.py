@@ -108,15 +108,15 @@ def entry_point_distribution(root: Path, name: str, module: str) -> str:
 
 
 def conformance_group_results(
-    tmp_path: Path, pythonpath: str, platform: str, group: str
+    tmp_path: Path, pythonpath: str, platform: str, group: str, env: dict[str, str] | None = None
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, dict[str, object]]]:
-    """`torchhal conformance --profile full` of one group on `platform`: the run and its tests
-    by id (the group's prefix removed)."""
+    """`torchhal conformance --profile full` of one group on `platform` (`env`: more variables):
+    the run and its tests by id (the group's prefix removed)."""
     import json
 
     report = tmp_path / "report.json"
     out = run_cli("conformance", "--platform", platform, "--profile", "full", "-k", f"test_{group}",
-                  "--json", str(report), env={"PYTHONPATH": pythonpath})
+                  "--json", str(report), env={"PYTHONPATH": pythonpath, **(env or {})})
     assert report.exists(), out.stdout[-3000:] + out.stderr[-3000:]
     tests = json.loads(report.read_text())["tests"]
     return out, {t["id"].removeprefix(f"{group}::test_"): t for t in tests if t["group"] == group}

@@ -112,6 +112,14 @@ def test_a_broken_platform_fails_exactly_the_clause_its_bug_touches(tmp_path, pl
     assert out.returncode == 1
 
 
+def test_the_dead_peer_clause_judges_the_plugins_own_path_under_detail_debug(tmp_path, plugin_path):
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL puts a cross-rank check over gloo in front of every
+    collective, and that check would raise on the dead peer before the plugin's path ran."""
+    out, results = conformance_group_results(tmp_path, plugin_path, "dist_small_sums_miss_peer_loss", "distributed",
+                                             env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    assert outcome(results, "failed") == [f"{DEAD_PEER}[decode_row]"], out.stdout[-3000:]
+
+
 def test_a_declared_backend_torch_lacks_names_it_and_the_fix_and_blocks_the_verdict(tmp_path, plugin_path):
     out, results = distributed_results(tmp_path, plugin_path, "dist_unknown_backend")
     message = results["the_declared_dist_backend_is_available"]["message"]

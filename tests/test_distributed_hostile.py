@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 import torchhal
 import torchhal.distributed.group as group_module
-from torchhal.distributed import RankPlacement, init_group, launch
-from torchhal.platforms import Platform
+from torchhal.distributed import RankPlacement, WrappedCommunicator, init_group, launch
+from torchhal.platforms import DistributedSupport, Platform
 from torchhal.platforms.testing import patched_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -622,7 +622,6 @@ def test_a_forked_child_can_make_a_default_named_group_while_the_parent_is_insid
 @pytest.mark.parametrize(("field", "value"), [("communicator", 5), ("graph_capturable", "no"),
                                               ("graph_capturable", 1), ("note", None)])
 def test_a_distributed_support_record_with_a_wrong_value_is_refused_naming_the_field(field: str, value: object):
-    from torchhal.platforms import DistributedSupport
 
     with pytest.raises(TypeError, match=f"DistributedSupport.{field} is {value!r}"):
         DistributedSupport(**{field: value})  # type: ignore[arg-type]
@@ -713,3 +712,149 @@ def test_a_group_that_does_not_form_names_itself_and_the_retry_that_works() -> N
         return total
 
     assert on_threads(2, body) == [2.0, 2.0]
+
+
+# -- ranks that disagree on a collective (TORCH_DISTRIBUTED_DEBUG=DETAIL) -----------------------
+@pytest.fixture
+def detail_debug() -> Iterator[None]:
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL for this test (torch reads the variable once, at import)."""
+    before = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        yield
+    finally:
+        dist.set_debug_level(before)
+
+
+def detail_pair(store: dist.Store, rank: int, body: Callable[[Any], Any], platform: str = "cpu") -> Any:
+    group = init_group(torchhal.get_platform(platform), rank=rank, world_size=2, local_rank=rank, store=store,
+                       name="checked", timeout=timedelta(seconds=10))
+    try:
+        return body(group)
+    finally:
+        group.close()
+
+
+def disagreement(rank: int, call: str, calls: str, group: str = "checked") -> str:
+    """The error each rank raises, as `on_threads` reports it (type, then 200 characters)."""
+    return (f"CollectiveError: {call}: the ranks of group {group!r} disagree on this collective ({calls}). Every "
+            "rank must make the same collectives in the same order, with the same shapes, dtypes and arguments; "
+            f"this rank ({rank}) ran nothing of it")
+
+
+MISMATCHES = {
+    # [2, 3] against [3, 2]: the same bytes, so unchecked, gloo sums them as if they matched.
+    "shape": (lambda g: g.comm.all_reduce(torch.ones((2, 3) if g.rank == 0 else (3, 2))),
+              ("all_reduce(op='sum') float32 [2, 3]", "all_reduce(op='sum') float32 [3, 2]")),
+    "reduction": (lambda g: g.comm.all_reduce(torch.ones(4), "sum" if g.rank == 0 else "max"),
+                  ("all_reduce(op='sum') float32 [4]", "all_reduce(op='max') float32 [4]")),
+    "root": (lambda g: g.comm.broadcast(torch.ones(4), g.rank),
+             ("broadcast(src=0) float32 [4]", "broadcast(src=1) float32 [4]")),
+    "call": (lambda g: g.comm.all_reduce(torch.ones(4)) if g.rank == 0 else g.comm.broadcast(torch.ones(4), 0),
+             ("all_reduce(op='sum') float32 [4]", "broadcast(src=0) float32 [4]")),
+    "gather": (lambda g: g.comm.all_gather(torch.ones(g.rank + 1, 3), sizes=(g.rank + 1, 2)),
+               ("all_gather(dim=0, sizes=[1, 2]) float32 [*, 3]", "all_gather(dim=0, sizes=[2, 2]) float32 [*, 3]")),
+    "host": (lambda g: g.host.all_reduce(torch.ones(2), ("sum", "min")[g.rank]),
+             ("all_reduce(op='sum') float32 [2]", "all_reduce(op='min') float32 [2]")),
+}
+# (Mismatched byte counts abort an unchecked gloo process: those cases run under launch, below.)
+
+
+@pytest.mark.parametrize("case", list(MISMATCHES))
+def test_under_detail_debug_ranks_that_disagree_on_a_collective_are_each_told_both_calls(detail_debug, case):
+    store = dist.HashStore()
+    body, (zero, one) = MISMATCHES[case]
+    group = "checked/host" if case == "host" else "checked"
+    calls = f"rank 0: {zero}; rank 1: {one}"
+    assert on_threads(2, lambda rank: detail_pair(store, rank, body)) == [
+        disagreement(0, zero, calls, group)[:217], disagreement(1, one, calls, group)[:217]]
+
+
+def test_under_detail_debug_a_send_and_a_recv_of_other_shapes_are_both_told(detail_debug: None) -> None:
+    store = dist.HashStore()
+
+    def body(group: Any) -> Any:
+        if group.rank == 0:
+            return group.comm.send(torch.ones(4), 1)
+        return group.comm.recv(torch.zeros(5), 0).tolist()
+
+    calls = "rank 0: send to rank 1 float32 [4]; rank 1: recv from rank 0 float32 [5]"
+    assert on_threads(2, lambda rank: detail_pair(store, rank, body)) == [
+        disagreement(0, "send to rank 1 float32 [4]", calls)[:217],
+        disagreement(1, "recv from rank 0 float32 [5]", calls)[:217]]
+
+
+class OwnPathForLargeSums(WrappedCommunicator):
+    """A plugin's communicator with a path of its own for sums of 16 bytes or more (as a
+    peer-memory all-reduce has): here it returns at once, leaving a peer on the other path waiting."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
+        return tensor if tensor.numel() * tensor.element_size() >= 16 else self.inner.all_reduce(tensor, op)
+
+
+def test_under_detail_debug_a_plugins_communicator_is_checked_too(detail_debug: None) -> None:
+    """Ranks that disagree on a sum's size would take different roads through the plugin's
+    communicator (unchecked: rank 1 returns, rank 0 waits out the timeout); the check runs first."""
+    cpu = torchhal.get_platform("cpu")
+    support = DistributedSupport(communicator=OwnPathForLargeSums)
+    with patched_plugin(cpu, distributed_support=lambda: support):
+        store = dist.HashStore()
+        results = on_threads(2, lambda rank: detail_pair(store, rank, lambda g: g.comm.all_reduce(
+            torch.ones(3 + rank)).tolist()))
+    calls = "rank 0: all_reduce(op='sum') float32 [3]; rank 1: all_reduce(op='sum') float32 [4]"
+    assert results == [disagreement(0, "all_reduce(op='sum') float32 [3]", calls)[:217],
+                       disagreement(1, "all_reduce(op='sum') float32 [4]", calls)[:217]]
+
+
+def reduce_mismatched(kind: str) -> str:
+    """A rank of `launch`: ranks 0 and 1 all-reduce tensors of other lengths or dtypes."""
+    group = init_group(timeout=timedelta(seconds=10))
+    tensor = (torch.ones(4 + group.rank, device=group.device) if kind == "length"
+              else torch.ones(4, dtype=(torch.float32, torch.float64)[group.rank], device=group.device))
+    try:
+        group.comm.all_reduce(tensor)
+        return "summed"
+    except torchhal.distributed.CollectiveError as exc:
+        return str(exc)
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("kind", ["length", "dtype"])
+def test_under_detail_debug_ranks_reducing_other_sizes_are_told_so(kind: str) -> None:
+    """Other byte counts: unchecked, gloo aborts each rank's process (SIGABRT), so ranks of
+    their own, through launch, with the variable set as a user would set it (launch sets a
+    rank's variables after the target's module imported torch, which read it then)."""
+    results = launch(reduce_mismatched, 2, (kind,), timeout=120, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    assert all("disagree on this collective" in r for r in results), results
+
+
+def test_under_detail_debug_matching_collectives_still_give_their_results(detail_debug: None) -> None:
+    store = dist.HashStore()
+
+    def body(group: Any) -> list[Any]:
+        rank = group.rank
+        summed = group.comm.all_reduce(torch.tensor([rank + 1.0])).tolist()
+        gathered = group.comm.all_gather(torch.full((rank + 1,), float(rank)), sizes=(n for n in (1, 2))).tolist()
+        sent = group.comm.broadcast(torch.tensor([7.0 if rank == 0 else 0.0]), 0).tolist()
+        host = group.host.all_reduce(torch.tensor([10.0 * rank])).tolist()
+        if rank == 0:
+            group.comm.send(torch.tensor([5.0, 6.0]), 1)
+            received = None
+        else:
+            received = group.comm.recv(torch.zeros(2), 0).tolist()
+        return [summed, gathered, sent, host, received]
+
+    zero, one = on_threads(2, lambda rank: detail_pair(store, rank, body))
+    assert zero == [[3.0], [0.0, 1.0, 1.0], [7.0], [10.0], None]
+    assert one == [[3.0], [0.0, 1.0, 1.0], [7.0], [10.0], [5.0, 6.0]]
+
+
+def test_without_detail_debug_the_group_is_not_checked() -> None:
+    """The check costs a host round trip a collective: only the debugging setting pays it."""
+    from torchhal.distributed.checked import CheckedCommunicator
+
+    assert dist.get_debug_level() != dist.DebugLevel.DETAIL
+    store = dist.HashStore()
+    kinds = on_threads(2, lambda rank: detail_pair(store, rank, lambda g: (type(g.comm), type(g.host))))
+    assert all(CheckedCommunicator not in kind for kind in kinds), kinds

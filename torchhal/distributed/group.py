@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchhal.distributed.checked import CheckedCommunicator
 from torchhal.platforms import Platform, check_platform_argument, current_platform
 from torchhal.platforms.communicator import CollectiveError, Communicator, TorchCommunicator
 
@@ -279,7 +280,11 @@ def _make_group(platform: Platform, placement: RankPlacement, index: int, connec
                                 graph_capturable=support.graph_capturable, name=group_name, timeout=timeout,
                                 store=dist.PrefixStore(f"{prefix}/communicator", base))
     comm = support.communicator(default) if support.communicator is not None else default
-    return DeviceGroup(group_name, placement, platform, device, comm, host, timeout, (host, default))
+    if dist.get_debug_level() != dist.DebugLevel.DETAIL:
+        return DeviceGroup(group_name, placement, platform, device, comm, host, timeout, (host, default))
+    # torch's own switch for checked collectives: each call agreed on across ranks first.
+    return DeviceGroup(group_name, placement, platform, device, CheckedCommunicator(comm, host, group_name),
+                       CheckedCommunicator(host, host, f"{group_name}/host"), timeout, (host, default))
 
 
 def _rendezvous(placement: RankPlacement, timeout: timedelta) -> Callable[[], dist.Store]:

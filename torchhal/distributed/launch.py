@@ -458,6 +458,9 @@ def _rank_main(target: Callable[..., Any], args: tuple[Any, ...], variables: dic
     for name in [name for name in os.environ if name.startswith(_TORCHRUN_PREFIX)]:
         del os.environ[name]
     os.environ.update(variables)
+    if "torch.distributed" in sys.modules and "TORCH_DISTRIBUTED_DEBUG" in variables:
+        # torch read the variable when unpickling the target imported it, before it was set here.
+        sys.modules["torch.distributed"].set_debug_level_from_env()
     log = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(log, 2)
     os.close(log)
