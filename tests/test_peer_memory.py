@@ -173,8 +173,26 @@ def test_a_small_aligned_sum_goes_through_peer_memory_in_place(wrapped: Any, dty
     assert flat.data_ptr() == tensor.data_ptr() and flat.shape == (64,)
 
 
-@pytest.mark.parametrize("case", ["max", "min", "float16", "int64", "strided", "too big", "odd bytes", "offset",
-                                  "empty"])
+@pytest.mark.parametrize("layout", ["strided", "offset"])
+def test_a_sum_laid_out_otherwise_still_goes_through_peer_memory_by_a_copy(wrapped: Any, layout: str) -> None:
+    """Routed by reduction, dtype and size alone: a rank whose tensor is a view must meet its
+    peers in the same collective as one whose tensor is dense (else one waits in NCCL, the
+    other at the peer barrier). The kernel gets a dense aligned copy; the view gets the sum."""
+    comm, inner, kernels = wrapped
+    storage = torch.arange(40.0)
+    tensor = storage.view(20, 2)[2:18, 0] if layout == "strided" else storage[1:17]  # offset: 4 bytes in
+    expected = tensor * 2
+    assert comm.takes(tensor, "sum") == comm.takes(tensor.contiguous(), "sum") is True
+    assert comm.all_reduce(tensor) is tensor
+    assert torch.equal(tensor, expected) and inner.calls == []
+    (_, flat, _), = kernels
+    assert flat.is_contiguous() and flat.data_ptr() % 16 == 0 and flat.data_ptr() != tensor.data_ptr()
+    changed = (storage != torch.arange(40.0)).nonzero().flatten().tolist()
+    view_offsets = [tensor.storage_offset() + i * tensor.stride(0) for i in range(tensor.numel())]
+    assert set(changed) <= set(view_offsets)  # nothing but the view's elements changed
+
+
+@pytest.mark.parametrize("case", ["max", "min", "float16", "int64", "too big", "odd bytes", "empty"])
 def test_every_other_all_reduce_goes_to_the_wrapped_communicator(wrapped: Any, case: str) -> None:
     comm, inner, kernels = wrapped
     tensor, op = torch.ones(16), "sum"
@@ -182,14 +200,10 @@ def test_every_other_all_reduce_goes_to_the_wrapped_communicator(wrapped: Any, c
         op = case
     elif case in ("float16", "int64"):
         tensor = tensor.to(getattr(torch, case))
-    elif case == "strided":
-        tensor = torch.ones(16, 2)[:, 0]
     elif case == "too big":
         tensor = torch.ones(comm.capacity // 4 + 4)
     elif case == "odd bytes":
         tensor = torch.ones(3)
-    elif case == "offset":
-        tensor = torch.ones(20)[1:17]  # 4 bytes into its storage: the kernel needs 16
     elif case == "empty":
         tensor = torch.ones(0)
     assert comm.all_reduce(tensor, op) is tensor

@@ -46,6 +46,19 @@ def rank_checks(off: bool) -> dict[str, Any]:
                 gathered = comm.all_gather(tensor[:4].contiguous())
                 outcomes.append((numel, dtype_name, op, routed, torch.equal(tensor, expected),
                                  torch.equal(gathered, expected[:4].repeat(group.world_size))))
+        # Ranks whose tensors are laid out otherwise (a transposed view, 4 bytes into a storage)
+        # meet in the same collective: routed by size alone, a view through an aligned copy.
+        layouts = []
+        for odd_rank in ranks:
+            dense = (torch.arange(32, device=group.device) % 7).float().view(8, 4)
+            for layout in ("transposed", "offset"):
+                tensor = dense * (group.rank + 1)
+                if group.rank == odd_rank and layout == "transposed":
+                    tensor = tensor.t().contiguous().t()
+                elif group.rank == odd_rank:
+                    tensor = torch.zeros(33, device=group.device)[1:].view(8, 4).copy_(tensor)
+                comm.all_reduce(tensor)
+                layouts.append(torch.equal(tensor, dense * sum(r + 1 for r in ranks)))
         # Captured: the same static tensor replayed on three new inputs.
         static = torch.zeros(8, 4096, dtype=torch.bfloat16, device=group.device)
         stream = platform.new_stream(index)
@@ -66,7 +79,7 @@ def rank_checks(off: bool) -> dict[str, Any]:
             replays.append(torch.equal(static, base * sum(r + 1 for r in ranks)))
         platform.synchronize(index)
         del graph  # before close: NCCL's shutdown waits while a graph holds its captured work
-        return {"peer": peer, "outcomes": outcomes, "replays": replays}
+        return {"peer": peer, "outcomes": outcomes, "replays": replays, "layouts": layouts}
     finally:
         group.close()
 
@@ -83,6 +96,7 @@ def test_peer_memory_sums_equal_nccls_eager_and_replayed() -> None:
         wrong = [o for o in result["outcomes"] if not (o[4] and o[5])]
         assert not wrong, f"rank {rank}: wrong sums or gathers {wrong[:5]}"
         assert result["replays"] == [True, True, True]
+        assert result["layouts"] == [True] * 4, f"rank {rank}: wrong sums of tensors laid out otherwise"
 
 
 @pytest.mark.multi_gpu

@@ -9,9 +9,10 @@ over the tensor, then meets them again, so that the next call cannot overwrite a
 still reading (6-10 us at those sizes, replayed from a graph; benchmarks/collective_latency.py).
 
 `PeerMemoryCommunicator` wraps the NCCL communicator and takes the all-reduces that kernel serves:
-a sum, float32 or bfloat16, contiguous, 16-byte aligned, at most `PEER_MEMORY_BYTES`. Every other
-call goes to NCCL. Both queue on the current stream in call order, so ranks that make the same
-calls in the same order meet at the same collective either way.
+a sum, float32 or bfloat16, a multiple of 16 bytes, at most `PEER_MEMORY_BYTES`, whatever its
+layout (a view or an unaligned tensor goes through an aligned copy). Every other call goes to
+NCCL. Both queue on the current stream in call order, so ranks that make the same calls in the
+same order meet at the same collective either way.
 
 Like a collective replayed from a graph, the kernel's barrier has no timeout: a dead peer leaves
 it spinning, and a bounded wait (`DeviceGroup.wait_for`) is what raises. The ranks agree before
@@ -146,16 +147,23 @@ class PeerMemoryCommunicator(WrappedCommunicator):
                 f"the rest {self.inner!r}>")
 
     def takes(self, tensor: torch.Tensor, op: str) -> bool:
-        """Whether `all_reduce(tensor, op)` runs the one-shot kernel (else NCCL)."""
+        """Whether `all_reduce(tensor, op)` runs the one-shot kernel (else NCCL). By what every
+        rank's call shares (reduction, dtype, size), never by layout: ranks whose tensors are
+        laid out differently must still meet in the same collective."""
         nbytes = tensor.numel() * tensor.element_size()
-        return (op == "sum" and tensor.dtype in DTYPES and tensor.device == self.device and tensor.is_contiguous()
-                and 0 < nbytes <= self.capacity and nbytes % ALIGNMENT == 0
-                and tensor.storage_offset() * tensor.element_size() % ALIGNMENT == 0)
+        return (op == "sum" and tensor.dtype in DTYPES and tensor.device == self.device
+                and 0 < nbytes <= self.capacity and nbytes % ALIGNMENT == 0)
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> torch.Tensor:
         if not self.takes(tensor, op):
             return self.inner.all_reduce(tensor, op)
         self.inner._check_open(f"all_reduce(op={op!r})")
-        flat = tensor.view(-1)
+        # The kernel reads and writes a dense, 16-byte aligned run: a view or an unaligned
+        # offset goes through a fresh copy (the allocator aligns it), written back after.
+        aligned = tensor.is_contiguous() and tensor.storage_offset() * tensor.element_size() % ALIGNMENT == 0
+        work = tensor if aligned else tensor.clone(memory_format=torch.contiguous_format)
+        flat = work.view(-1)
         one_shot_sum(self.buffer[: flat.numel() * flat.element_size()].view(tensor.dtype), flat, self.group_name)
+        if work is not tensor:
+            tensor.copy_(work)
         return tensor
