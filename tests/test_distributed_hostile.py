@@ -806,6 +806,122 @@ def test_under_detail_debug_a_plugins_communicator_is_checked_too(detail_debug: 
                        disagreement(1, "all_reduce(op='sum') float32 [4]", calls)[:217]]
 
 
+def test_under_detail_debug_calls_that_differ_past_the_shared_text_still_differ(detail_debug: None) -> None:
+    """A rank shares its call's digest with as much text as fits: shapes of 100 dimensions that
+    differ only in the last two (the same bytes: unchecked, gloo sums them) are told apart."""
+    store = dist.HashStore()
+    shapes = ([1] * 98 + [2, 3], [1] * 98 + [3, 2])
+
+    def body(group: Any) -> str:
+        try:
+            group.comm.all_reduce(torch.ones(shapes[group.rank]))
+            return "summed"
+        except torchhal.distributed.CollectiveError as exc:
+            return "disagree" if "disagree on this collective" in str(exc) else str(exc)
+
+    assert on_threads(2, lambda rank: detail_pair(store, rank, body)) == ["disagree"] * 2
+
+
+def test_under_detail_debug_matching_calls_too_long_to_show_whole_still_agree(detail_debug: None) -> None:
+    store = dist.HashStore()
+    shape = [1] * 90 + [2]
+
+    def body(group: Any) -> list[float]:
+        if group.rank == 0:
+            group.comm.send(torch.full(shape, 3.0), 1)
+            return group.comm.all_reduce(torch.ones(shape)).flatten().tolist()
+        received = group.comm.recv(torch.zeros(shape), 0)
+        return (group.comm.all_reduce(torch.ones(shape)) + received).flatten().tolist()
+
+    assert on_threads(2, lambda rank: detail_pair(store, rank, body)) == [[2.0, 2.0], [5.0, 5.0]]
+
+
+def test_under_detail_debug_a_dimension_written_two_ways_is_one_call(detail_debug: None) -> None:
+    store = dist.HashStore()
+    results = on_threads(2, lambda rank: detail_pair(store, rank, lambda g: g.comm.all_gather(
+        torch.full((2, g.rank + 1), float(g.rank)), dim=(-1, 1)[g.rank], sizes=(1, 2)).tolist()))
+    assert results == [[[0.0, 1.0, 1.0], [0.0, 1.0, 1.0]]] * 2
+
+
+def test_under_detail_debug_a_ranks_own_extent_that_is_not_its_size_is_shown_to_all(detail_debug: None) -> None:
+    """Refused on that rank alone, its peer would wait in the gather until the timeout."""
+    store = dist.HashStore()
+    results = on_threads(2, lambda rank: detail_pair(
+        store, rank, lambda g: g.comm.all_gather(torch.ones(3 if g.rank == 0 else 2, 4), sizes=(1, 2))))
+    zero = "all_gather(dim=0, sizes=[1, 2]) float32 [*, 4] of 3 along dim 0, not sizes[0]"
+    calls = f"rank 0: {zero}; rank 1: all_gather(dim=0, sizes=[1, 2]) float32 [*, 4]"
+    assert results[0] == disagreement(0, zero, calls)[:217], results
+
+
+def test_under_detail_debug_a_failed_check_names_the_callers_call_not_its_own_gather(detail_debug: None) -> None:
+    store = dist.HashStore()
+
+    def body(group: Any) -> None:
+        group.close()
+        group.comm.all_reduce(torch.ones(4))
+
+    for result in on_threads(2, lambda rank: detail_pair(store, rank, body)):
+        assert result.startswith("CollectiveError: all_reduce(op='sum') float32 [4]: checking this call with the "
+                                 "other ranks of group 'checked' failed: all_gather: group 'checked/check/device' is "
+                                 "closed"), result
+
+
+def test_under_detail_debug_the_device_and_host_checks_run_on_groups_of_their_own(detail_debug: None) -> None:
+    """Threads may call group.comm and group.host at once (each on a backend of its own on a
+    GPU): checks sharing one gloo group would meet in another order on each rank."""
+    store = dist.HashStore()
+    backends = on_threads(2, lambda rank: detail_pair(store, rank, lambda g: [
+        id(c.backend) for c in (g.comm.checker, g.host.checker, g.host.inner)]))
+    assert all(len(set(ids)) == 3 for ids in backends), backends
+
+
+def test_under_detail_debug_checks_of_both_communicators_from_two_threads_do_not_cross() -> None:
+    """The check's design on its own (CheckedCommunicator over gloo pairs, device and host on
+    backends of their own as on a GPU): one thread sums on the device, another maxes on the host."""
+    from torchhal.distributed.checked import CheckedCommunicator
+
+    stores = {part: dist.HashStore() for part in ("device", "host", "check-device", "check-host")}
+
+    def body(rank: int) -> list[Any]:
+        pair = {part: gloo_pair(rank, store) for part, store in stores.items()}
+        device = CheckedCommunicator(pair["device"], pair["check-device"], "d")
+        host = CheckedCommunicator(pair["host"], pair["check-host"], "h")
+        done: list[Any] = []
+        maxes = threading.Thread(target=lambda: done.append(
+            [host.all_reduce(torch.tensor([float(rank), 2.0]), "max").tolist() for _ in range(100)][-1]))
+        maxes.start()
+        sums = [device.all_reduce(torch.ones(4)).tolist() for _ in range(100)][-1]
+        maxes.join(60)
+        return [sums, done]
+
+    assert on_threads(2, body) == [[[2.0] * 4, [[1.0, 2.0]]]] * 2
+
+
+def detail_on_rank_zero_only() -> str:
+    """A rank of `launch`: DETAIL on rank 0 alone (as a variable exported on one host would be)."""
+    level = dist.DebugLevel.DETAIL if os.environ["RANK"] == "0" else dist.DebugLevel.OFF
+    dist.set_debug_level(level)
+    try:
+        init_group(timeout=timedelta(seconds=20)).close()
+        return "formed"
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_ranks_that_differ_on_detail_debug_are_refused_naming_which() -> None:
+    """The check is a collective of its own: a rank without it would never join it."""
+    results = launch(detail_on_rank_zero_only, 2, timeout=120)
+    assert results == ["init_group: TORCH_DISTRIBUTED_DEBUG=DETAIL is set on rank(s) [0] of group 'group0' and not "
+                       "on rank(s) [1]: set it on every rank or on none (its check of each collective is a collective "
+                       "every rank takes part in)"] * 2
+
+
+def test_launch_refuses_a_torch_distributed_debug_torch_does_not_take(no_spawn: None) -> None:
+    with pytest.raises(ValueError, match=re.escape("env['TORCH_DISTRIBUTED_DEBUG'] = 'bogus': torch takes OFF, "
+                                                   "INFO or DETAIL")):
+        launch(rank_number, 2, env={"TORCH_DISTRIBUTED_DEBUG": "bogus"})
+
+
 def reduce_mismatched(kind: str) -> str:
     """A rank of `launch`: ranks 0 and 1 all-reduce tensors of other lengths or dtypes."""
     group = init_group(timeout=timedelta(seconds=10))

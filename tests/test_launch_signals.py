@@ -48,3 +48,44 @@ def test_launch_leaves_sigterm_as_it_found_it_and_runs_from_any_thread() -> None
     thread.start()
     thread.join(120)
     assert results == [["0"]]
+
+
+def stubborn_rank(pid_dir: str) -> None:
+    """A rank that ignores SIGTERM and is stuck in C code holding the GIL (as a blocking native
+    call is), so only the launcher's kill ends it and its own watch for a dead parent is late."""
+    import re
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    Path(pid_dir, f"{os.getpid()}.pid").write_text("")
+    re.match(r"(a+)+$", "a" * 40 + "b")  # exponential backtracking: minutes inside the regex engine
+
+
+def test_a_second_sigterm_during_the_cleanup_does_not_cut_it_short(tmp_path: Path) -> None:
+    """The launcher waits `grace` for ranks that ignore SIGTERM, then kills them; a second
+    SIGTERM in that wait used to end the launcher there, leaving the ranks running."""
+    pid_dir, temp = tmp_path / "pids", tmp_path / "tmp"
+    pid_dir.mkdir()
+    temp.mkdir()
+    script = ("from torchhal.distributed import launch; from tests.test_launch_signals import stubborn_rank; "
+              f"launch(stubborn_rank, 2, ({str(pid_dir)!r},), grace=3.0)")
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "TMPDIR": str(temp)},
+                              stderr=subprocess.PIPE, text=True)
+    started: list[int] = []
+    try:
+        end = time.monotonic() + 60
+        while len(list(pid_dir.glob("*.pid"))) < 2 and time.monotonic() < end:
+            time.sleep(0.1)
+        started = [int(p.stem) for p in pid_dir.glob("*.pid")]
+        assert len(started) == 2
+        parent.send_signal(signal.SIGTERM)
+        time.sleep(1.0)  # inside the grace the ranks' ignored SIGTERM left
+        parent.send_signal(signal.SIGTERM)
+        _, stderr = parent.communicate(timeout=30)
+        assert parent.returncode == -signal.SIGTERM, stderr[-2000:]
+        assert [pid for pid in started if running(pid, zombie_is_gone=False)] == []
+        assert list(temp.glob("torchhal-launch-*")) == []
+    finally:
+        parent.kill()
+        for pid in started:
+            if running(pid, zombie_is_gone=True):
+                os.kill(pid, signal.SIGKILL)

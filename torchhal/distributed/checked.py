@@ -2,34 +2,36 @@
 
 Ranks that disagree on a collective (another shape, dtype, reduction or root, or another
 call altogether) do not fail cleanly on their own: gloo aborts the process when the byte
-counts differ and sums the wrong elements when they match, NCCL hangs or returns garbage,
-and a plugin's own path (a peer-memory all-reduce taking messages of some sizes only) may
-send the ranks down different roads. Under torch's DETAIL debug level, `init_group` wraps
-the group's communicators in `CheckedCommunicator`: every rank first shares a description
-of the call over the group's host (gloo) communicator, and any difference raises
-`CollectiveError` on every rank, naming each rank's call. It costs a host round trip a
-collective: a debugging setting. A captured graph is checked once, when it is captured.
+counts differ and sums the wrong elements when they match, and NCCL hangs or returns
+garbage. Under torch's DETAIL debug level, `init_group` wraps the group's communicators in
+`CheckedCommunicator`: every rank first shares a description of the call over a gloo group
+of the check's own, and any difference raises `CollectiveError` on every rank, naming each
+rank's call. It costs a host round trip a collective: a debugging setting. A captured graph
+is checked once, when it is captured.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import hashlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from torchhal.platforms.communicator import CollectiveError, Communicator, ReduceOpName, WrappedCommunicator
 
-#: Bytes of a call's description each rank shares (longer ones are cut: enough to tell calls apart).
-DESCRIPTION_BYTES = 256
+#: Bytes a rank shares per call: a digest of its whole description, then as much of the text as fits.
+DIGEST_BYTES, DESCRIPTION_BYTES = 32, 256
 
 
 class CheckedCommunicator(WrappedCommunicator):
-    """`inner`, each call first agreed on with the other ranks over `host` (an unchecked
-    communicator of the same ranks on host memory)."""
+    """`inner`, each call first agreed on with the other ranks over `checker`: a communicator
+    of the same ranks on host memory that carries nothing else (a check sharing a group with
+    other traffic would interleave with it differently on each rank when threads call both)."""
 
-    def __init__(self, inner: Communicator, host: Communicator, name: str) -> None:
+    def __init__(self, inner: Communicator, checker: Communicator, name: str) -> None:
         super().__init__(inner)
-        self.host, self.name = host, name
+        self.checker, self.name = checker, name
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> torch.Tensor:
         self._agree(f"all_reduce(op={op!r}) {_layout(tensor)}")
@@ -37,9 +39,16 @@ class CheckedCommunicator(WrappedCommunicator):
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None) -> torch.Tensor:
         extents = None if sizes is None else list(sizes)  # a generator is read once, here
+        ndim = tensor.dim() if isinstance(tensor, torch.Tensor) else 0
+        in_range = isinstance(dim, int) and -ndim <= dim < ndim
+        dim = dim % ndim if in_range else dim  # -1 and ndim - 1 are the same call
         # Each rank's extent along `dim` is its own (sizes names them all); the rest must match.
-        free = dim % tensor.dim() if extents is not None and isinstance(tensor, torch.Tensor) and tensor.dim() else None
-        self._agree(f"all_gather(dim={dim}, sizes={extents}) {_layout(tensor, free)}")
+        free = dim if extents is not None and in_range else None
+        call = f"all_gather(dim={dim}, sizes={extents}) {_layout(tensor, free)}"
+        if free is not None and extents is not None and len(extents) > self.rank \
+                and extents[self.rank] != tensor.shape[free]:  # this rank's own mistake, shown to all
+            call += f" of {tensor.shape[free]} along dim {free}, not sizes[{self.rank}]"
+        self._agree(call)
         return self.inner.all_gather(tensor, dim, extents)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
@@ -48,26 +57,38 @@ class CheckedCommunicator(WrappedCommunicator):
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         mine = f"send to rank {dst} {_layout(tensor)}"
-        self.host.send(_encode(mine), dst)
-        verdict = self.host.recv(_encode(""), dst)  # the receiver's own description if it differs
-        if _decode(verdict):
-            raise self._mismatch(mine, {self.rank: mine, dst: _decode(verdict)})
+        with self._checking(mine):
+            self.checker.send(_encode(mine), dst)
+            verdict = self.checker.recv(_encode(""), dst)  # empty, or the receiver's own call if it differs
+        if _text(verdict):
+            raise self._mismatch(mine, {self.rank: mine, dst: _text(verdict)})
         self.inner.send(tensor, dst)
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         mine = f"recv from rank {src} {_layout(tensor)}"
-        theirs = _decode(self.host.recv(_encode(""), src))
-        agreed = theirs == f"send to rank {self.rank} {_layout(tensor)}"
-        self.host.send(_encode("" if agreed else mine), src)
+        with self._checking(mine):
+            theirs = self.checker.recv(_encode(""), src)
+            agreed = _digest(theirs) == _digest(_encode(f"send to rank {self.rank} {_layout(tensor)}"))
+            self.checker.send(_encode("" if agreed else mine), src)
         if not agreed:
-            raise self._mismatch(mine, {src: theirs, self.rank: mine})
+            raise self._mismatch(mine, {src: _text(theirs), self.rank: mine})
         return self.inner.recv(tensor, src)
 
     def _agree(self, mine: str) -> None:
-        gathered = self.host.all_gather(_encode(mine)).view(self.world_size, DESCRIPTION_BYTES)
-        calls = {rank: _decode(row) for rank, row in enumerate(gathered)}
-        if len(set(calls.values())) > 1:
-            raise self._mismatch(mine, calls)
+        with self._checking(mine):
+            rows = self.checker.all_gather(_encode(mine)).view(self.world_size, DESCRIPTION_BYTES)
+        if len({_digest(row) for row in rows}) > 1:
+            raise self._mismatch(mine, {rank: _text(row) for rank, row in enumerate(rows)})
+
+    @contextlib.contextmanager
+    def _checking(self, mine: str) -> Iterator[None]:
+        """A failure of the check's own traffic (a dead peer, a closed group) raised as one of
+        the caller's call, not of a gather the caller never made."""
+        try:
+            yield
+        except CollectiveError as exc:
+            raise CollectiveError(f"{mine}: checking this call with the other ranks of group {self.name!r} "
+                                  f"failed: {exc}") from exc
 
     def _mismatch(self, mine: str, calls: dict[int, str]) -> CollectiveError:
         shown = "; ".join(f"rank {rank}: {call}" for rank, call in sorted(calls.items()))
@@ -87,9 +108,16 @@ def _layout(tensor: object, free_dim: int | None = None) -> str:
 
 
 def _encode(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(text.encode()[:DESCRIPTION_BYTES].ljust(DESCRIPTION_BYTES, b"\0")),
-                            dtype=torch.uint8)
+    """A digest of the whole text (calls differing past the shown part still differ), then the text."""
+    data = text.encode()
+    digest = hashlib.sha256(data).digest() if text else bytes(DIGEST_BYTES)
+    row = (digest + data[: DESCRIPTION_BYTES - DIGEST_BYTES]).ljust(DESCRIPTION_BYTES, b"\0")
+    return torch.frombuffer(bytearray(row), dtype=torch.uint8)
 
 
-def _decode(row: torch.Tensor) -> str:
-    return bytes(row.tolist()).rstrip(b"\0").decode(errors="replace")
+def _digest(row: torch.Tensor) -> bytes:
+    return bytes(row[:DIGEST_BYTES].tolist())
+
+
+def _text(row: torch.Tensor) -> str:
+    return bytes(row[DIGEST_BYTES:].tolist()).rstrip(b"\0").decode(errors="replace")

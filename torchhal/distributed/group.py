@@ -259,7 +259,15 @@ def _make_group(platform: Platform, placement: RankPlacement, index: int, connec
     try:
         base = connect()
         prefix = _incarnation(base, group_name, placement.world_size)
+        checked = _ranks_check_collectives(base, prefix, placement, timeout, group_name)
         host_backend = _new_backend("gloo", dist.PrefixStore(f"{prefix}/host", base), placement, timeout, group_name)
+        # The checks of the device's and the host's collectives each get a gloo group of their own,
+        # as threads may call both and the order their checks meet in must not depend on that.
+        checkers = [TorchCommunicator(_new_backend("gloo", dist.PrefixStore(f"{prefix}/check/{part}", base), placement,
+                                                   timeout, group_name),
+                                      placement.rank, placement.world_size, torch.device("cpu"),
+                                      name=f"{group_name}/check/{part}", timeout=timeout)
+                    for part in (("device", "host") if checked else ())]
     except RuntimeError as exc:  # torch's DistStoreError / DistNetworkError: a peer or the store never came
         reason = " ".join(str(exc).split())[:300]
         raise CollectiveError(
@@ -280,11 +288,36 @@ def _make_group(platform: Platform, placement: RankPlacement, index: int, connec
                                 graph_capturable=support.graph_capturable, name=group_name, timeout=timeout,
                                 store=dist.PrefixStore(f"{prefix}/communicator", base))
     comm = support.communicator(default) if support.communicator is not None else default
-    if dist.get_debug_level() != dist.DebugLevel.DETAIL:
+    if not checkers:
         return DeviceGroup(group_name, placement, platform, device, comm, host, timeout, (host, default))
-    # torch's own switch for checked collectives: each call agreed on across ranks first.
-    return DeviceGroup(group_name, placement, platform, device, CheckedCommunicator(comm, host, group_name),
-                       CheckedCommunicator(host, host, f"{group_name}/host"), timeout, (host, default))
+    device_checker, host_checker = checkers
+    return DeviceGroup(group_name, placement, platform, device, CheckedCommunicator(comm, device_checker, group_name),
+                       CheckedCommunicator(host, host_checker, f"{group_name}/host"), timeout,
+                       (host, default, *checkers))
+
+
+def _ranks_check_collectives(store: dist.Store, prefix: str, placement: RankPlacement, timeout: timedelta,
+                             group_name: str) -> bool:
+    """Whether the group's collectives are checked across ranks first (torch's own switch,
+    TORCH_DISTRIBUTED_DEBUG=DETAIL). Every rank must say the same: the check is a collective
+    of its own, which a rank without it would never join."""
+    mine = dist.get_debug_level() == dist.DebugLevel.DETAIL
+    store.set(f"{prefix}/checked/{placement.rank}", "1" if mine else "0")
+    keys = [f"{prefix}/checked/{rank}" for rank in range(placement.world_size)]
+    store.wait(keys, timeout)
+    checked = [store.get(key) == b"1" for key in keys]
+    if len(set(checked)) > 1:
+        # Rank 0 (whose exit may take the store with it) leaves only once every other rank has read.
+        if placement.rank:
+            store.set(f"{prefix}/checked-read/{placement.rank}", "1")
+        else:
+            store.wait([f"{prefix}/checked-read/{rank}" for rank in range(1, placement.world_size)], timeout)
+        on = [rank for rank, flag in enumerate(checked) if flag]
+        off = [rank for rank, flag in enumerate(checked) if not flag]
+        raise ValueError(f"init_group: TORCH_DISTRIBUTED_DEBUG=DETAIL is set on rank(s) {on} of group {group_name!r} "
+                         f"and not on rank(s) {off}: set it on every rank or on none (its check of each collective "
+                         "is a collective every rank takes part in)")
+    return mine
 
 
 def _rendezvous(placement: RankPlacement, timeout: timedelta) -> Callable[[], dist.Store]:

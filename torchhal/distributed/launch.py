@@ -166,6 +166,7 @@ class _Terminated(BaseException):
 
 
 def _raise_terminated(signum: int, frame: types.FrameType | None) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the first one's cleanup short
     raise _Terminated
 
 
@@ -208,6 +209,9 @@ def _check_env(env: Mapping[str, str] | None) -> None:
         if not name or "=" in name or "\0" in name or "\0" in value:
             raise ValueError(f"env[{name!r}] = {value!r}: a variable name must be non-empty, without '=' or NUL, "
                              "and a value without NUL")
+        if name == "TORCH_DISTRIBUTED_DEBUG" and value.upper() not in ("OFF", "INFO", "DETAIL"):
+            # a rank would fail reading it before its stderr is kept, leaving the error no cause
+            raise ValueError(f"env[{name!r}] = {value!r}: torch takes OFF, INFO or DETAIL")
         if name in _RANK_VARIABLES or name.startswith(_TORCHRUN_PREFIX):
             raise ValueError(f"env[{name!r}]: launch sets {', '.join(_RANK_VARIABLES)} for every rank and drops "
                              f"{_TORCHRUN_PREFIX}*; leave {name} out of env")
