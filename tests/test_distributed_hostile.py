@@ -853,6 +853,33 @@ def test_under_detail_debug_a_ranks_own_extent_that_is_not_its_size_is_shown_to_
     assert results[0] == disagreement(0, zero, calls)[:217], results
 
 
+@pytest.mark.parametrize("call", ["all_reduce", "send"])
+def test_under_detail_debug_a_ranks_tensor_on_another_device_is_shown_to_all(detail_debug: None, call: str) -> None:
+    """Refused by that rank's own communicator after the check, its peer would wait on it (for
+    ever at a peer-memory barrier); the description carries it, so both ranks are told."""
+    store = dist.HashStore()
+
+    def body(group: Any) -> Any:
+        tensor = torch.ones(4, device="meta" if group.rank == 0 else "cpu")
+        if call == "all_reduce":
+            return group.comm.all_reduce(tensor)
+        return group.comm.send(tensor, 1) if group.rank == 0 else group.comm.recv(tensor, 0)
+
+    results = on_threads(2, lambda rank: detail_pair(store, rank, body))
+    assert all(isinstance(r, str) and "float32 [4] on meta, not rank 0's cpu" in r and "disagree" in r
+               for r in results), results
+
+
+def test_under_detail_debug_a_numpy_integer_dim_is_the_same_call(detail_debug: None) -> None:
+    import numpy as np
+
+    store = dist.HashStore()
+    dims = (np.int64(-1), 1)
+    results = on_threads(2, lambda rank: detail_pair(store, rank, lambda g: g.comm.all_gather(
+        torch.full((2, 1), float(g.rank)), dim=dims[g.rank]).tolist()))
+    assert results == [[[0.0, 1.0], [0.0, 1.0]]] * 2
+
+
 def test_under_detail_debug_a_failed_check_names_the_callers_call_not_its_own_gather(detail_debug: None) -> None:
     store = dist.HashStore()
 
@@ -916,10 +943,11 @@ def test_ranks_that_differ_on_detail_debug_are_refused_naming_which() -> None:
                        "every rank takes part in)"] * 2
 
 
-def test_launch_refuses_a_torch_distributed_debug_torch_does_not_take(no_spawn: None) -> None:
-    with pytest.raises(ValueError, match=re.escape("env['TORCH_DISTRIBUTED_DEBUG'] = 'bogus': torch takes OFF, "
+@pytest.mark.parametrize("value", ["bogus", "\u0131nfo"])  # dotless i: Python's upper() makes INFO of it, torch's not
+def test_launch_refuses_a_torch_distributed_debug_torch_does_not_take(no_spawn: None, value: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"env['TORCH_DISTRIBUTED_DEBUG'] = {value!r}: torch takes OFF, "
                                                    "INFO or DETAIL")):
-        launch(rank_number, 2, env={"TORCH_DISTRIBUTED_DEBUG": "bogus"})
+        launch(rank_number, 2, env={"TORCH_DISTRIBUTED_DEBUG": value})
 
 
 def reduce_mismatched(kind: str) -> str:

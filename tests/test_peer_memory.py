@@ -173,21 +173,24 @@ def test_a_small_aligned_sum_goes_through_peer_memory_in_place(wrapped: Any, dty
     assert flat.data_ptr() == tensor.data_ptr() and flat.shape == (64,)
 
 
-@pytest.mark.parametrize("layout", ["strided", "offset"])
+@pytest.mark.parametrize("layout", ["strided", "offset", "storage offset"])
 def test_a_sum_laid_out_otherwise_still_goes_through_peer_memory_by_a_copy(wrapped: Any, layout: str) -> None:
     """Routed by reduction, dtype and size alone: a rank whose tensor is a view must meet its
     peers in the same collective as one whose tensor is dense (else one waits in NCCL, the
     other at the peer barrier). The kernel gets a dense aligned copy; the view gets the sum."""
     comm, inner, kernels = wrapped
     storage = torch.arange(40.0)
-    tensor = storage.view(20, 2)[2:18, 0] if layout == "strided" else storage[1:17]  # offset: 4 bytes in
+    if layout == "storage offset":  # a storage that itself starts 4 bytes past 16: storage_offset() is 0
+        storage = torch.frombuffer(bytearray(164), dtype=torch.float32, offset=4, count=40).copy_(storage)
+        assert storage.storage_offset() == 0 and storage.data_ptr() % 16 != 0
+    tensor = {"strided": storage.view(20, 2)[2:18, 0], "offset": storage[1:17]}.get(layout, storage[:16])
     expected = tensor * 2
     assert comm.takes(tensor, "sum") == comm.takes(tensor.contiguous(), "sum") is True
     assert comm.all_reduce(tensor) is tensor
     assert torch.equal(tensor, expected) and inner.calls == []
     (_, flat, _), = kernels
     assert flat.is_contiguous() and flat.data_ptr() % 16 == 0 and flat.data_ptr() != tensor.data_ptr()
-    changed = (storage != torch.arange(40.0)).nonzero().flatten().tolist()
+    changed = (storage != torch.arange(40.0)).nonzero().flatten().tolist()  # offsets into `storage`
     view_offsets = [tensor.storage_offset() + i * tensor.stride(0) for i in range(tensor.numel())]
     assert set(changed) <= set(view_offsets)  # nothing but the view's elements changed
 

@@ -6,14 +6,16 @@ counts differ and sums the wrong elements when they match, and NCCL hangs or ret
 garbage. Under torch's DETAIL debug level, `init_group` wraps the group's communicators in
 `CheckedCommunicator`: every rank first shares a description of the call over a gloo group
 of the check's own, and any difference raises `CollectiveError` on every rank, naming each
-rank's call. It costs a host round trip a collective: a debugging setting. A captured graph
-is checked once, when it is captured.
+rank's call (between collectives; a send facing a collective times out instead). It costs a
+host round trip a collective: a debugging setting. A captured graph is checked once, when
+it is captured.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import operator
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -34,17 +36,21 @@ class CheckedCommunicator(WrappedCommunicator):
         self.checker, self.name = checker, name
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> torch.Tensor:
-        self._agree(f"all_reduce(op={op!r}) {_layout(tensor)}")
+        self._agree(f"all_reduce(op={op!r}) {self._describe(tensor)}")
         return self.inner.all_reduce(tensor, op)
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None) -> torch.Tensor:
         extents = None if sizes is None else list(sizes)  # a generator is read once, here
         ndim = tensor.dim() if isinstance(tensor, torch.Tensor) else 0
+        try:
+            dim = operator.index(dim)  # numpy's integers too
+        except TypeError:
+            pass  # the inner call names it
         in_range = isinstance(dim, int) and -ndim <= dim < ndim
         dim = dim % ndim if in_range else dim  # -1 and ndim - 1 are the same call
         # Each rank's extent along `dim` is its own (sizes names them all); the rest must match.
         free = dim if extents is not None and in_range else None
-        call = f"all_gather(dim={dim}, sizes={extents}) {_layout(tensor, free)}"
+        call = f"all_gather(dim={dim}, sizes={extents}) {self._describe(tensor, free)}"
         if free is not None and extents is not None and len(extents) > self.rank \
                 and extents[self.rank] != tensor.shape[free]:  # this rank's own mistake, shown to all
             call += f" of {tensor.shape[free]} along dim {free}, not sizes[{self.rank}]"
@@ -52,11 +58,11 @@ class CheckedCommunicator(WrappedCommunicator):
         return self.inner.all_gather(tensor, dim, extents)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        self._agree(f"broadcast(src={src}) {_layout(tensor)}")
+        self._agree(f"broadcast(src={src}) {self._describe(tensor)}")
         return self.inner.broadcast(tensor, src)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
-        mine = f"send to rank {dst} {_layout(tensor)}"
+        mine = f"send to rank {dst} {self._describe(tensor)}"
         with self._checking(mine):
             self.checker.send(_encode(mine), dst)
             verdict = self.checker.recv(_encode(""), dst)  # empty, or the receiver's own call if it differs
@@ -65,14 +71,25 @@ class CheckedCommunicator(WrappedCommunicator):
         self.inner.send(tensor, dst)
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        mine = f"recv from rank {src} {_layout(tensor)}"
+        mine = f"recv from rank {src} {self._describe(tensor)}"
         with self._checking(mine):
             theirs = self.checker.recv(_encode(""), src)
-            agreed = _digest(theirs) == _digest(_encode(f"send to rank {self.rank} {_layout(tensor)}"))
+            expected = _encode(f"send to rank {self.rank} {_layout(tensor)}")
+            on_its_device = self._describe(tensor) == _layout(tensor)
+            agreed = on_its_device and _digest(theirs) == _digest(expected)
             self.checker.send(_encode("" if agreed else mine), src)
         if not agreed:
             raise self._mismatch(mine, {src: _text(theirs), self.rank: mine})
         return self.inner.recv(tensor, src)
+
+    def _describe(self, tensor: object, free_dim: int | None = None) -> str:
+        """What every rank's call must share (dtype, shape), and this rank's own mistake of a
+        device other than its own, shown to all: refused here alone, it would leave them waiting."""
+        described = _layout(tensor, free_dim)
+        if isinstance(tensor, torch.Tensor) and (tensor.device.type != self.device.type or (
+                tensor.device.type != "cpu" and tensor.device.index != self.device.index)):
+            described += f" on {tensor.device}, not rank {self.rank}'s {self.device}"
+        return described
 
     def _agree(self, mine: str) -> None:
         with self._checking(mine):

@@ -209,7 +209,7 @@ def _check_env(env: Mapping[str, str] | None) -> None:
         if not name or "=" in name or "\0" in name or "\0" in value:
             raise ValueError(f"env[{name!r}] = {value!r}: a variable name must be non-empty, without '=' or NUL, "
                              "and a value without NUL")
-        if name == "TORCH_DISTRIBUTED_DEBUG" and value.upper() not in ("OFF", "INFO", "DETAIL"):
+        if name == "TORCH_DISTRIBUTED_DEBUG" and not (value.isascii() and value.upper() in ("OFF", "INFO", "DETAIL")):
             # a rank would fail reading it before its stderr is kept, leaving the error no cause
             raise ValueError(f"env[{name!r}] = {value!r}: torch takes OFF, INFO or DETAIL")
         if name in _RANK_VARIABLES or name.startswith(_TORCHRUN_PREFIX):

@@ -160,7 +160,7 @@ class PeerMemoryCommunicator(WrappedCommunicator):
         self.inner._check_open(f"all_reduce(op={op!r})")
         # The kernel reads and writes a dense, 16-byte aligned run: a view or an unaligned
         # offset goes through a fresh copy (the allocator aligns it), written back after.
-        aligned = tensor.is_contiguous() and tensor.storage_offset() * tensor.element_size() % ALIGNMENT == 0
+        aligned = tensor.is_contiguous() and tensor.data_ptr() % ALIGNMENT == 0  # the address, storage's start included
         work = tensor if aligned else tensor.clone(memory_format=torch.contiguous_format)
         flat = work.view(-1)
         one_shot_sum(self.buffer[: flat.numel() * flat.element_size()].view(tensor.dtype), flat, self.group_name)
