@@ -11,23 +11,31 @@ import threading
 import time
 from pathlib import Path
 
-from tests.test_launch import ROOT, pids, read_variable, running
+from tests.test_launch import ROOT, _record_pid, pids, read_variable, running
 from torchhal.distributed import launch
 
 
-def test_sigterm_stops_the_ranks_and_removes_their_logs_then_ends_the_launcher(tmp_path: Path) -> None:
+def start_launcher(tmp_path: Path, module: str, target: str, args: str, grace: float
+                   ) -> tuple[subprocess.Popen[str], Path, list[int]]:
+    """`launch(target, 2, (pid_dir, *args), grace=grace)` in a process of its own with its
+    temporary directory under `tmp_path`: the process, that directory and the ranks' pids,
+    once both ranks have written theirs."""
     pid_dir, temp = tmp_path / "pids", tmp_path / "tmp"
     pid_dir.mkdir()
     temp.mkdir()
-    script = ("from torchhal.distributed import launch; from tests.test_launch import fail_on_rank_one; "
-              f"launch(fail_on_rank_one, 2, ({str(pid_dir)!r}, 'hang'), grace=1.0)")
+    script = (f"from torchhal.distributed import launch; from {module} import {target}; "
+              f"launch({target}, 2, ({str(pid_dir)!r}, {args}), grace={grace})")
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "TMPDIR": str(temp)},
                               stderr=subprocess.PIPE, text=True)
+    end = time.monotonic() + 60
+    while len(list(pid_dir.glob("*.pid"))) < 2 and time.monotonic() < end:
+        time.sleep(0.1)
+    return parent, temp, pids(pid_dir, 2)
+
+
+def test_sigterm_stops_the_ranks_and_removes_their_logs_then_ends_the_launcher(tmp_path: Path) -> None:
+    parent, temp, started = start_launcher(tmp_path, "tests.test_launch", "fail_on_rank_one", "'hang'", 1.0)
     try:
-        end = time.monotonic() + 60
-        while len(list(pid_dir.glob("*.pid"))) < 2 and time.monotonic() < end:
-            time.sleep(0.1)
-        started = pids(pid_dir, 2)
         assert len(list(temp.glob("torchhal-launch-*"))) == 1  # the logs are where this test looks
         parent.send_signal(signal.SIGTERM)
         _, stderr = parent.communicate(timeout=15)
@@ -56,27 +64,15 @@ def stubborn_rank(pid_dir: str) -> None:
     import re
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    Path(pid_dir, f"{os.getpid()}.pid").write_text("")
+    _record_pid(pid_dir)
     re.match(r"(a+)+$", "a" * 40 + "b")  # exponential backtracking: minutes inside the regex engine
 
 
 def test_a_second_sigterm_during_the_cleanup_does_not_cut_it_short(tmp_path: Path) -> None:
     """The launcher waits `grace` for ranks that ignore SIGTERM, then kills them; a second
     SIGTERM in that wait used to end the launcher there, leaving the ranks running."""
-    pid_dir, temp = tmp_path / "pids", tmp_path / "tmp"
-    pid_dir.mkdir()
-    temp.mkdir()
-    script = ("from torchhal.distributed import launch; from tests.test_launch_signals import stubborn_rank; "
-              f"launch(stubborn_rank, 2, ({str(pid_dir)!r},), grace=3.0)")
-    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "TMPDIR": str(temp)},
-                              stderr=subprocess.PIPE, text=True)
-    started: list[int] = []
+    parent, temp, started = start_launcher(tmp_path, "tests.test_launch_signals", "stubborn_rank", "", 3.0)
     try:
-        end = time.monotonic() + 60
-        while len(list(pid_dir.glob("*.pid"))) < 2 and time.monotonic() < end:
-            time.sleep(0.1)
-        started = [int(p.stem) for p in pid_dir.glob("*.pid")]
-        assert len(started) == 2
         parent.send_signal(signal.SIGTERM)
         time.sleep(1.0)  # inside the grace the ranks' ignored SIGTERM left
         parent.send_signal(signal.SIGTERM)
