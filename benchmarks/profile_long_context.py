@@ -647,38 +647,19 @@ def residual_in_product_lever(engine: GenerationEngine,
         if engine.decode_runner is not None:
             engine.decode_runner.capture()
 
-    settings = ("before", "after")
-    runs: dict[str, dict[str, list[float]]] = {label: {} for label in settings}
-    tokens: dict[str, list[Any]] = {}
+    def apply(label: str) -> None:
+        if label == "before":
+            layer_math.into_residual = pending_always
+        else:
+            layer_math.__dict__.pop("into_residual", None)
+        recapture()
+
     try:
-        for _ in range(rounds):
-            for label in settings:
-                if label == "before":
-                    layer_math.into_residual = pending_always
-                else:
-                    layer_math.__dict__.pop("into_residual", None)
-                recapture()
-                for cell in ran(("3968x1", "3968x8", "16000x1"), prompts):
-                    seconds, out = median_run(functools.partial(generate, prompts[cell], 1), 1, 3, sync)
-                    runs[label].setdefault(f"{cell} prefill", []).append(seconds)
-                    tokens.setdefault(f"{cell} prefill", []).append(out)
-                for cell in ran(("32x32", "3968x8"), prompts):
-                    new = PROMPTS[len(prompts[cell][0])]
-                    seconds, out = median_run(functools.partial(generate, prompts[cell], new), 1, 3, sync)
-                    runs[label].setdefault(f"{cell} e2e", []).append(seconds)
-                    tokens.setdefault(f"{cell} e2e", []).append(out)
+        result = alternating(apply, generate, prompts, sync, rounds, prefill=("3968x1", "3968x8", "16000x1"),
+                             end_to_end=("32x32", "3968x8"))
     finally:
         layer_math.__dict__.pop("into_residual", None)
         recapture()
-    result: dict[str, Any] = {}
-    for key, seen in tokens.items():
-        medians = {label: statistics.median(runs[label][key]) for label in settings}
-        result[key] = {"s": {label: runs[label][key] for label in settings}, "median_s": medians,
-                       "after_over_before": medians["after"] / medians["before"],
-                       # bf16: the two settings round the sums differently, so tokens may differ between them
-                       "tokens_equal_within_each_setting": all(t == seen[first] for first in (0, 1)
-                                                               for t in seen[first::2]),
-                       "tokens_equal_across_settings": seen[0] == seen[1]}
     print(f"  lever residual in product: {result}", flush=True)
     return result
 
@@ -692,34 +673,48 @@ def step_budget_lever(engine: GenerationEngine,
     engine sizes nothing else by it above the prefill graphs' buckets)."""
     scheduler = engine.scheduler
     built = scheduler.max_batch_tokens
-    settings = {"before": 16384, "after": built}
-    runs: dict[str, dict[str, list[float]]] = {label: {} for label in settings}
-    tokens: dict[str, list[Any]] = {}
+    budgets = {"before": 16384, "after": built}
+
+    def apply(label: str) -> None:
+        scheduler.max_batch_tokens = budgets[label]
+
     try:
-        for _ in range(rounds):
-            for label, budget in settings.items():
-                scheduler.max_batch_tokens = budget
-                for cell in ran(("3968x8", "3968x32", "16000x8"), prompts):
-                    seconds, out = median_run(functools.partial(generate, prompts[cell], 1), 1, 3, sync)
-                    runs[label].setdefault(f"{cell} prefill", []).append(seconds)
-                    tokens.setdefault(f"{cell} prefill", []).append(out)
-                for cell in ran(("16000x8",), prompts):
-                    new = PROMPTS[len(prompts[cell][0])]
-                    seconds, out = median_run(functools.partial(generate, prompts[cell], new), 1, 3, sync)
-                    runs[label].setdefault(f"{cell} e2e", []).append(seconds)
-                    tokens.setdefault(f"{cell} e2e", []).append(out)
+        result = alternating(apply, generate, prompts, sync, rounds, prefill=("3968x8", "3968x32", "16000x8"),
+                             end_to_end=("16000x8",))
     finally:
         scheduler.max_batch_tokens = built
-    result: dict[str, Any] = {"budgets": settings}
+    result = {"budgets": budgets, **result}
+    print(f"  lever step budget: {result}", flush=True)
+    return result
+
+
+def alternating(apply: Callable[[str], None], generate: Callable[[list[list[int]], int], list[list[int]]],
+                prompts: dict[str, list[list[int]]], sync: Callable[[], None], rounds: int,
+                prefill: tuple[str, ...], end_to_end: tuple[str, ...]) -> dict[str, Any]:
+    """`before` and `after` alternating over `rounds` (`apply(label)` sets one up): prefill alone
+    of the `prefill` cells and whole runs of the `end_to_end` ones, median of 3 each; per cell,
+    every round's seconds, the medians, after / before and whether the tokens agree."""
+    settings = ("before", "after")
+    runs: dict[str, dict[str, list[float]]] = {label: {} for label in settings}
+    tokens: dict[str, list[Any]] = {}
+    for _ in range(rounds):
+        for label in settings:
+            apply(label)
+            for kind, cells in (("prefill", prefill), ("e2e", end_to_end)):
+                for cell in ran(cells, prompts):
+                    new = 1 if kind == "prefill" else PROMPTS[len(prompts[cell][0])]
+                    seconds, out = median_run(functools.partial(generate, prompts[cell], new), 1, 3, sync)
+                    runs[label].setdefault(f"{cell} {kind}", []).append(seconds)
+                    tokens.setdefault(f"{cell} {kind}", []).append(out)
+    result: dict[str, Any] = {}
     for key, seen in tokens.items():
         medians = {label: statistics.median(runs[label][key]) for label in settings}
         result[key] = {"s": {label: runs[label][key] for label in settings}, "median_s": medians,
                        "after_over_before": medians["after"] / medians["before"],
-                       # bf16: products over other row counts round differently, so tokens may differ
+                       # bf16: the two settings may round the sums differently, so tokens may differ between them
                        "tokens_equal_within_each_setting": all(t == seen[first] for first in (0, 1)
                                                                for t in seen[first::2]),
                        "tokens_equal_across_settings": seen[0] == seen[1]}
-    print(f"  lever step budget: {result}", flush=True)
     return result
 
 
