@@ -20,7 +20,13 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from torchhal.platforms.communicator import CollectiveError, Communicator, ReduceOpName, WrappedCommunicator
+from torchhal.platforms.communicator import (
+    CollectiveError,
+    Communicator,
+    ReduceOpName,
+    WrappedCommunicator,
+    is_on,
+)
 
 #: Bytes a rank shares per call: a digest of its whole description, then as much of the text as fits.
 DIGEST_BYTES, DESCRIPTION_BYTES = 32, 256
@@ -71,12 +77,12 @@ class CheckedCommunicator(WrappedCommunicator):
         self.inner.send(tensor, dst)
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        mine = f"recv from rank {src} {self._describe(tensor)}"
+        described, layout = self._describe(tensor), _layout(tensor)
+        mine = f"recv from rank {src} {described}"
         with self._checking(mine):
             theirs = self.checker.recv(_encode(""), src)
-            expected = _encode(f"send to rank {self.rank} {_layout(tensor)}")
-            on_its_device = self._describe(tensor) == _layout(tensor)
-            agreed = on_its_device and _digest(theirs) == _digest(expected)
+            on_its_device = described == layout
+            agreed = on_its_device and _digest(theirs) == _digest(_encode(f"send to rank {self.rank} {layout}"))
             self.checker.send(_encode("" if agreed else mine), src)
         if not agreed:
             raise self._mismatch(mine, {src: _text(theirs), self.rank: mine})
@@ -86,8 +92,7 @@ class CheckedCommunicator(WrappedCommunicator):
         """What every rank's call must share (dtype, shape), and this rank's own mistake of a
         device other than its own, shown to all: refused here alone, it would leave them waiting."""
         described = _layout(tensor, free_dim)
-        if isinstance(tensor, torch.Tensor) and (tensor.device.type != self.device.type or (
-                tensor.device.type != "cpu" and tensor.device.index != self.device.index)):
+        if isinstance(tensor, torch.Tensor) and not is_on(tensor.device, self.device):
             described += f" on {tensor.device}, not rank {self.rank}'s {self.device}"
         return described
 

@@ -75,6 +75,12 @@ class Communicator(Protocol):
         ...
 
 
+def is_on(place: torch.device, device: torch.device) -> bool:
+    """Whether memory at `place` is `device`'s: host memory is one device whatever index a
+    (simulated) CPU device carries."""
+    return place.type == device.type and (place.type == "cpu" or place.index == device.index)
+
+
 _TORCH_OPS: dict[str, Any] = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -179,9 +185,7 @@ class TorchCommunicator:
         """Refuse what is this rank's own mistake before its peers are waited on."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{call}: expected a torch.Tensor, got {type(tensor).__name__}")
-        # Host memory is one device whatever index a (simulated) CPU device carries.
-        if tensor.device.type != self.device.type or (
-                tensor.device.type != "cpu" and tensor.device.index != self.device.index):
+        if not is_on(tensor.device, self.device):
             raise ValueError(f"{call}: the tensor is on {tensor.device}, this group's rank {self.rank} on "
                              f"{self.device}; move it there first (tensor.to(group.device))")
 
