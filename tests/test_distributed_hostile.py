@@ -245,6 +245,20 @@ def test_launch_from_stdin_names_why_instead_of_a_bare_exit_code():
     assert last.startswith("ValueError: target 'rank_fn' is defined in __main__"), ran.stderr[-2000:]
 
 
+def test_launch_from_stdin_refuses_even_a_module_target_before_any_rank_starts():
+    # Every rank re-ran __main__ from '<stdin>' and died before its log was opened: launch said only
+    # "rank 0 exited with code 1 before returning a result".
+    script = "from torchhal.distributed import launch\nfrom tests.test_distributed_hostile import rank_number\nlaunch(rank_number, 2)\n"
+    ran = subprocess.run([sys.executable, "-"], input=script, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert ran.returncode != 0
+    last = ran.stderr.strip().splitlines()[-1]
+    assert last == ("ValueError: this program's __main__ has __file__ = '<stdin>', which is not a file, and every "
+                    "rank (a spawned process) runs __main__ again from it before it imports the target: run the "
+                    "program from a script file (python script.py) or as python -c, not from standard input"), \
+        ran.stderr[-2000:]
+    assert "spawn_main" not in ran.stderr, "a rank was started"
+
+
 def test_launch_refuses_a_target_defined_in_the_scripts_main_block(tmp_path: Path) -> None:
     # The ranks import the script as __mp_main__, where the block does not run: each one failed
     # with "Can't get attribute 'rank_fn' on <module '__mp_main__'>".

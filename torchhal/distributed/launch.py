@@ -121,6 +121,7 @@ def launch(
         raise ValueError(f"grace = {grace!r} must be a number of seconds (a finite int or float), 0 or more")
     _check_env(env)
     _check_importable(target)
+    _check_main_reruns()
     _check_args(args)
     context = multiprocessing.get_context("spawn")
     rank_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
@@ -280,6 +281,19 @@ def _check_importable(target: Callable[..., Any]) -> None:
             raise ValueError(f"target {qualname!r} is defined inside the `if __name__ == \"__main__\":` block of "
                              f"{path}, which the ranks do not run (they import the script as __mp_main__): define "
                              "it at the top level of the script, outside that block")
+
+
+def _check_main_reruns() -> None:
+    """A spawned process runs this process's __main__ again from its `__file__` before it
+    imports the target, whatever module that is in: a `__file__` that names no file (python -
+    sets '<stdin>') fails every rank there, before its output is redirected to its log."""
+    main = sys.modules["__main__"]
+    path = getattr(main, "__file__", None)
+    if (getattr(getattr(main, "__spec__", None), "name", None) is None and isinstance(path, str)
+            and not os.path.isfile(path) and Path(path).stem != "ipython"):
+        raise ValueError(f"this program's __main__ has __file__ = {path!r}, which is not a file, and every rank "
+                         "(a spawned process) runs __main__ again from it before it imports the target: run the "
+                         "program from a script file (python script.py) or as python -c, not from standard input")
 
 
 def _main_is_importable() -> bool:
