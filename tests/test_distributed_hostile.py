@@ -248,7 +248,9 @@ def test_launch_from_stdin_names_why_instead_of_a_bare_exit_code():
 def test_launch_from_stdin_refuses_even_a_module_target_before_any_rank_starts():
     # Every rank re-ran __main__ from '<stdin>' and died before its log was opened: launch said only
     # "rank 0 exited with code 1 before returning a result".
-    script = "from torchhal.distributed import launch\nfrom tests.test_distributed_hostile import rank_number\nlaunch(rank_number, 2)\n"
+    script = ("from torchhal.distributed import launch\n"
+              "from tests.test_distributed_hostile import rank_number\n"
+              "launch(rank_number, 2)\n")
     ran = subprocess.run([sys.executable, "-"], input=script, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert ran.returncode != 0
     last = ran.stderr.strip().splitlines()[-1]
