@@ -1,7 +1,7 @@
 """Kernel profile of the long-context benchmark's torchhal side, and the levers it names, timed before/after.
 
     python benchmarks/profile_long_context.py [--out DIR] [--levers NAME ...] [--skip-levers] [--skip-profile]
-                                               [--idle] [--max-batch-tokens N] [--tiny]
+                                               [--idle] [--max-batch-tokens N] [--budget-before N] [--tiny]
 
 The engine is the one `long_context.py` times (same checkpoint shape, seeded weights, prompts
 and `engine_config`: full-graph decode, compiled layers, chunked prefill). torch.profiler
@@ -48,9 +48,9 @@ picks them; the first two by default, the others were this file's earlier levers
   (`LayerMath.into_residual` patched so) against the product adding itself to the residual
   where cuBLAS runs it (the engine now), alternating over three rounds, graphs re-captured for
   each: prefill alone at 3968x1, 3968x8 and 16000x1, end to end at 32x32 and 3968x8;
-- `step_budget`: the scheduler's token budget a step at 16384 (the benchmark's until the
-  twentieth session) against the engine's own `--max-batch-tokens` (32768 by default, as
-  `long_context.py`'s), alternating over three rounds
+- `step_budget`: the scheduler's token budget a step at `--budget-before` (16384 by default,
+  the benchmark's until the twentieth session) against the engine's own `--max-batch-tokens`
+  (32768 by default, as `long_context.py`'s), alternating over three rounds
   on one engine: prefill alone at 3968x8, 3968x32 and 16000x8 (two 16k prompts a step instead
   of one), end to end at 16000x8;
 - `decode_splits`: the split-K paged decode kernel at batch 8 and 1 / 16k context, graph-replayed,
@@ -666,14 +666,17 @@ def residual_in_product_lever(engine: GenerationEngine,
 
 def step_budget_lever(engine: GenerationEngine,
                       generate: Callable[[list[list[int]], int], list[list[int]]],
-                      prompts: dict[str, list[list[int]]], sync: Callable[[], None],
+                      prompts: dict[str, list[list[int]]], sync: Callable[[], None], before: int,
                       rounds: int = 3) -> dict[str, Any]:
-    """Two step budgets alternating over `rounds` on one engine: `before` 16384 tokens a step,
-    `after` the budget the engine was built with (lowering the scheduler's budget is safe: the
-    engine sizes nothing else by it above the prefill graphs' buckets)."""
+    """Two step budgets alternating over `rounds` on one engine: `before` tokens a step against
+    the budget the engine was built with (lowering the scheduler's budget is safe: the engine
+    sizes nothing else by it above the prefill graphs' buckets)."""
     scheduler = engine.scheduler
     built = scheduler.max_batch_tokens
-    budgets = {"before": 16384, "after": built}
+    if before > built:
+        raise ValueError(f"--budget-before {before} exceeds the engine's --max-batch-tokens {built}: the engine's "
+                         "buffers are sized by the larger; build it with the larger budget")
+    budgets = {"before": before, "after": built}
 
     def apply(label: str) -> None:
         scheduler.max_batch_tokens = budgets[label]
@@ -880,8 +883,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="also profile each prefill scenario with Python stacks: what the host ran while the "
                         "device idled")
     parser.add_argument("--max-batch-tokens", type=int, default=32768,
-                        help="the engine's token budget a step, as long_context.py's (the `step_budget` lever "
-                        "compares it with 16384)")
+                        help="the engine's token budget a step, as long_context.py's")
+    parser.add_argument("--budget-before", type=int, default=16384,
+                        help="the budget the `step_budget` lever compares with --max-batch-tokens (at most that)")
     args = parser.parse_args(argv)
     platform = torchhal.current_platform()
     device = platform.device(platform.current_device())
@@ -971,7 +975,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "step_overlap": lambda: step_overlap_lever(engine, generate, prompts, sync),
                 "step_kv": lambda: step_kv_lever(generate, prompts, sync),
                 "residual_in_product": lambda: residual_in_product_lever(engine, generate, prompts, sync),
-                "step_budget": lambda: step_budget_lever(engine, generate, prompts, sync),
+                "step_budget": lambda: step_budget_lever(engine, generate, prompts, sync, args.budget_before),
             }
             results["levers"] = {name: run_lever[name]() for name in args.levers}
     for lever in results.get("levers", {}).values():
