@@ -166,6 +166,13 @@ def test_rotary_and_rms_norm_equal_hugging_faces_bit_for_bit(dtype):
     cos, sin = torch.cat((angles, angles), -1).cos().to(dtype), torch.cat((angles, angles), -1).sin().to(dtype)
     expected, _ = apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None], cos[None], sin[None])
     assert torch.equal(apply_rotary(q, cos, signed_sin(sin)), expected[0].transpose(0, 1))
+    # As the layer passes q and k: a strided view into the fused projection's output, head_dim 128.
+    fused = torch.randn(tokens, (heads + 1) * 128, generator=generator).to(dtype)
+    q = fused[:, : heads * 128].reshape(tokens, heads, 128)
+    angles = torch.randn(tokens, 64, generator=generator)
+    cos, sin = torch.cat((angles, angles), -1).cos().to(dtype), torch.cat((angles, angles), -1).sin().to(dtype)
+    expected, _ = apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None], cos[None], sin[None])
+    assert torch.equal(apply_rotary(q, cos, signed_sin(sin)), expected[0].transpose(0, 1))
 
     x = torch.randn(tokens, 32, generator=generator).to(dtype)
     ours, theirs = RMSNorm(32, 1e-6), LlamaRMSNorm(32, eps=1e-6)
