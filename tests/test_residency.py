@@ -571,6 +571,43 @@ def test_layer_buffers_are_a_ring_of_the_largest_layer_or_each_layers_own_size(o
             assert GRANULE in seen["exact"][0] and seen["exact"][3] == sorted(p.numel() * 4 for p in blocks[3].params)
 
 
+class SkippingStack(torch.nn.Module):
+    """Layers a forward may skip, as diffusers' SD3 transformer does under skip-layer guidance."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(6))
+
+    def forward(self, x: torch.Tensor, skip: tuple[int, ...] = ()) -> torch.Tensor:
+        for index, layer in enumerate(self.layers):
+            if index not in skip:
+                x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("buffers", ["ring", "exact"])
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_layers_a_forward_skips_do_not_leave_other_layers_weights_behind(buffers, prefetch):
+    # A skipped layer was prefetched but ran no after-hook: it kept pointing at its ring slot,
+    # which a later layer then filled, and the next forward ran it with that layer's weights.
+    torch.manual_seed(0)
+    stack = SkippingStack().eval()
+    x = torch.randn(2, 8)
+    calls = [(1,), (), (2, 3), (), (5,), ()]
+    with torch.no_grad():
+        expected = [stack(x, skip) for skip in calls]
+    strategy = LayerwiseStrategy(prefetch_layers=prefetch, layers_attr="layers", buffers=buffers)
+    manager = ResidencyManager({"stack": stack}, {"stack": strategy})
+    stage = [Stage("denoise", (ComponentUse("stack"),), exact=False)]
+    got = []
+    with torch.no_grad(), manager.request(stage):
+        for skip in calls:
+            with manager.use_component("stack") as module:
+                got.append(module(x, skip))
+    manager.close()
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
 def test_a_released_block_waits_for_a_prefetch_nobody_waited_for(observed):
     from torchhal.core.residency import WeightBlock
     from torchhal.platforms import current_platform

@@ -281,6 +281,7 @@ class LayerwiseStrategy(ResidencyStrategy):
         self.layers: list[nn.Module] = []  # every streamed layer, in run order
         self.blocks: list[WeightBlock] = []  # one per layer
         self.ring: list[torch.Tensor] = []  # buffers="ring": p + 1 reusable device buffers while in use
+        self.slot_layers: list[int | None] = []  # the layer whose weights each ring slot holds
         #: rest="on_call": (dotted name, its blocks) per non-layer submodule; "" holds the weights
         #: owned directly by modules that contain layers (loaded at the start of a use)
         self.rest_blocks: dict[str, list[WeightBlock]] = {}
@@ -359,7 +360,7 @@ class LayerwiseStrategy(ResidencyStrategy):
         rest = sum(block.release() for blocks in self.rest_blocks.values() for block in blocks)
         released = self.released_bytes + rest + sum(block.release() for block in self.blocks)
         self.released_bytes = 0
-        self.ring = []  # the next use is another component: give the ring back
+        self.ring, self.slot_layers = [], []  # the next use is another component: give the ring back
         return released
 
     def on_device(self, component: ComponentState) -> bool:
@@ -423,7 +424,15 @@ class LayerwiseStrategy(ResidencyStrategy):
             numel = max(b.numel for b in self.blocks)
             device = self.blocks[0].device
             self.ring = [torch.empty(numel, dtype=dtype, device=device) for _ in range(self.prefetch_layers + 1)]
-        return self.ring[index % len(self.ring)]
+            self.slot_layers = [None] * len(self.ring)
+        slot = index % len(self.ring)
+        holder = self.slot_layers[slot]
+        if holder is not None and holder != index:
+            # A layer the forward skipped (diffusers' skip_layers, say) ran no after-hook and
+            # still points at this slot: release it before another layer's weights overwrite it.
+            self.released_bytes += self.blocks[holder].release()
+        self.slot_layers[slot] = index
+        return self.ring[slot]
 
     def _after_layer(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
