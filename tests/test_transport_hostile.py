@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 import pytest
@@ -499,6 +500,9 @@ def test_ref_counter_names_are_torch_names_not_the_drivers_ipc_files():
     ("workers", True, r"TransportConfig.workers = True must be an int >= 1"),
     ("budget_bytes", "1G", r"TransportConfig.budget_bytes = '1G' must be an int >= 0"),
     ("interprocess_events", "no", r"TransportConfig.interprocess_events = 'no' must be True or False"),
+    # every consumer's open refused the control block such a producer made as "inconsistent"
+    ("max_slices", 1 << 23, r"TransportConfig.max_slices = 8388608 with consumers = 1 needs 25165824 control "
+                            r"cells, at most 16777215: lower max_slices or consumers"),
 ])
 def test_a_bad_transport_config_is_refused_when_it_is_made(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -511,10 +515,16 @@ def test_bad_input_to_the_ends_is_refused_without_taking_anything():
     for bad in ([1.0, 2.0], None):
         with pytest.raises(TypeError, match="send\\(\\) takes a torch.Tensor, got a"):
             producer.send(bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="send\\(\\) takes a strided \\(dense\\) tensor, got layout torch.sparse_coo"):
+        producer.send(torch.eye(3).to_sparse())
+    for _ in range(producer.config.max_slices + 1):  # each took a slice and kept it
+        with pytest.raises(ValueError, match="send\\(\\) got a tensor on the meta device \\(\\(8,\\) torch.float32\\)"):
+            producer.send(torch.empty(8, device="meta"))
     assert (len(producer._free_slots), producer.free_bytes) == (slots, free)
     message = producer.send(torch.ones(3))
     producer.close()
     producer.close()  # a second close does nothing
+    assert producer.reclaim() == 0  # raised a released memoryview's ValueError
     with pytest.raises(RuntimeError, match="this Producer is closed"):
         producer.send(torch.ones(3))
     for keyword, value, text in (("rank", -1, "rank = -1 must be an int >= 0"),
@@ -529,6 +539,51 @@ def test_bad_input_to_the_ends_is_refused_without_taking_anything():
     with pytest.raises(RuntimeError, match="this Consumer is closed"):
         consumer.receive(message)
     assert consumer.open_producers == 0  # nothing was reopened
+
+
+@pytest.mark.parametrize("path", ["pool", "host"])
+def test_a_send_whose_copy_fails_gives_back_its_slice_bytes_and_host_file(monkeypatch, path):
+    # Before: the slice, its pool bytes and a host block's file stayed taken (close() did not
+    # unlink the file), and after max_slices such failures every send was refused.
+    producer = Producer(small(max_slices=2))
+    slots, free = len(producer._free_slots), producer.free_bytes
+    numel = 8 if path == "pool" else 2 * MiB // 4  # over the 1 MiB pool: host memory
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("copy failed")
+
+    with monkeypatch.context() as patch, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the host path's "pool full" warning
+        patch.setattr(producer, "_slice", failing)
+        patch.setattr(torch, "frombuffer", failing)
+        for _ in range(3):
+            with pytest.raises(RuntimeError, match="copy failed"):
+                producer.send(torch.ones(numel))
+    assert (len(producer._free_slots), producer.free_bytes) == (slots, free)
+    assert not [name for name in os.listdir("/dev/shm") if producer.pool_id in name and not name.endswith("-ctl")]
+    consumer = Consumer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        message = producer.send(torch.full((numel,), 2.0))
+    assert torch.equal(consumer.receive(message), torch.full((numel,), 2.0))
+    consumer.close()
+    producer.close()
+
+
+def test_a_message_replayed_after_its_slice_was_reclaimed_is_stale():
+    # A's bytes went to another slot's message once reclaimed; replayed, A read B's data.
+    producer, consumer = Producer(small()), Consumer()
+    a = producer.send(torch.full((3,), 1.0))
+    c = producer.send(torch.full((3,), 2.0))
+    consumer.receive(a), consumer.receive(c)
+    assert producer.reclaim() == 2
+    b = producer.send(torch.full((3,), 9.0))
+    assert fields(b)["offset"] == fields(a)["offset"] and fields(b)["slot"] != fields(a)["slot"]
+    with pytest.raises(TransportError, match=f"stale message: slice {fields(a)['slot']} was recycled"):
+        consumer.receive(a)
+    assert consumer.receive(b).tolist() == [9.0, 9.0, 9.0]
+    consumer.close()
+    producer.close()
 
 
 def test_a_host_message_names_its_block_from_the_first_byte():

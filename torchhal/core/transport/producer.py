@@ -70,6 +70,10 @@ class TransportConfig:
         if self.alignment % SLICE_ALIGNMENT:  # every dtype's slices start on an element boundary
             raise ValueError(f"TransportConfig.alignment = {self.alignment} must be a multiple of {SLICE_ALIGNMENT} "
                              "bytes (the default is 512)")
+        if self.max_slices * (2 + self.consumers) >= Control.MAX_CELLS:  # what every consumer's open refuses
+            raise ValueError(f"TransportConfig.max_slices = {self.max_slices} with consumers = {self.consumers} "
+                             f"needs {self.max_slices * (2 + self.consumers)} control cells, at most "
+                             f"{Control.MAX_CELLS - 1}: lower max_slices or consumers")
         if not isinstance(self.interprocess_events, bool):
             raise ValueError(f"TransportConfig.interprocess_events = {self.interprocess_events!r} must be True or "
                              "False")
@@ -145,9 +149,9 @@ class Producer:
         self._free = merged
 
     def reclaim(self) -> int:
-        """Free every slice all consumers acknowledged; returns how many."""
+        """Free every slice all consumers acknowledged; returns how many (0 once closed)."""
         with self._lock:
-            return self._reclaim_locked()
+            return 0 if self._closed else self._reclaim_locked()
 
     def _reclaim_locked(self) -> int:
         freed = 0
@@ -158,6 +162,8 @@ class Producer:
                 continue
             del self._used[slot]
             self._free_slots.append(slot)
+            # Its bytes may now go to another slot: a replay of its last message must read as stale.
+            self.control.bump(slot)
             if host is None:
                 self._release_range(start, size)
             else:
@@ -184,6 +190,12 @@ class Producer:
                             "(torch.as_tensor)")
         if self._closed:
             raise RuntimeError("this Producer is closed; make a new one to send more")
+        if tensor.layout != torch.strided:
+            raise TypeError(f"send() takes a strided (dense) tensor, got layout {tensor.layout}; convert it first "
+                            "(tensor.to_dense())")
+        if tensor.is_meta:
+            raise ValueError(f"send() got a tensor on the meta device ({tuple(tensor.shape)} {tensor.dtype}), "
+                             "which holds no data to send; send a tensor with data")
         # Detached: the copy into the pool must join no autograd graph, reverse or forward
         # (a forward-mode tangent would give the whole pool view a tangent of its size).
         source = tensor.detach().contiguous()
@@ -208,27 +220,14 @@ class Producer:
                     offset = self._allocate(nbytes)
             slot = self._free_slots.pop()
             generation = self.control.bump(slot)
-            event = False
-            if offset is not None and self.pool is not None:
-                self._slice(offset, nbytes, source).copy_(source)
-                stream = self.platform.current_stream(self.device_index)
-                if self._events is not None:
-                    # Re-recording a slot's event cannot race a reader of its previous
-                    # generation: the slot is reused only after every consumer acknowledged
-                    # that generation, and a consumer acknowledges after queuing its wait,
-                    # which waits for the record it saw, not for later ones.
-                    self._record_slot_event(slot, stream, self._events)
-                    event = True
-                else:
-                    # Consumers read after the message arrives: wait for this copy (the pool
-                    # device's current stream), not for everything queued on the device.
-                    self._copied.record(stream)
-                    self._copied.synchronize()
-                self._used[slot] = (offset, nbytes, None)
-                kind = "pool"
-            else:
-                self._used[slot] = (0, nbytes, self._to_host(slot, generation, source, nbytes))
-                offset, kind = 0, "host"
+            try:
+                kind, offset, event = self._fill(slot, generation, offset, source, nbytes)
+            except BaseException:
+                # Nothing of a failed send stays taken (the bumped generation leaves nothing stale).
+                self._free_slots.append(slot)
+                if offset is not None:
+                    self._release_range(offset, nbytes)
+                raise
         # The wire record, built directly (TensorMessage.to_wire's layout): per-send host work
         # is on the critical path. `source` is contiguous; its stride is sent only where it
         # differs from the one derived from the shape (size-1 dimensions may).
@@ -236,6 +235,29 @@ class Producer:
         stride = tuple(source.stride())
         return (kind, self.pool_id, slot, generation, offset, nbytes, dtype, shape,
                 None if stride == checked_contiguous_stride(shape) else stride, event)
+
+    def _fill(self, slot: int, generation: int, offset: int | None, source: torch.Tensor,
+              nbytes: int) -> tuple[str, int, bool]:
+        """Copy `source` into slot `slot`'s pool bytes at `offset`, or host memory when None;
+        (kind, offset, whether an interprocess event marks the copy)."""
+        if offset is not None and self.pool is not None:
+            self._slice(offset, nbytes, source).copy_(source)
+            stream = self.platform.current_stream(self.device_index)
+            if self._events is not None:
+                # Re-recording a slot's event cannot race a reader of its previous
+                # generation: the slot is reused only after every consumer acknowledged
+                # that generation, and a consumer acknowledges after queuing its wait,
+                # which waits for the record it saw, not for later ones.
+                self._record_slot_event(slot, stream, self._events)
+            else:
+                # Consumers read after the message arrives: wait for this copy (the pool
+                # device's current stream), not for everything queued on the device.
+                self._copied.record(stream)
+                self._copied.synchronize()
+            self._used[slot] = (offset, nbytes, None)
+            return "pool", offset, self._events is not None
+        self._used[slot] = (0, nbytes, self._to_host(slot, generation, source, nbytes))
+        return "host", 0, False
 
     def _slice(self, offset: int, nbytes: int, source: torch.Tensor) -> torch.Tensor:
         """Pool bytes [offset, offset + nbytes) as a tensor shaped like (contiguous) `source`.
@@ -287,10 +309,15 @@ class Producer:
                 stacklevel=3,
             )
         block = SharedFile(host_name(self.pool_id, slot, generation), nbytes)
-        if nbytes:
-            window = torch.frombuffer(block.map, dtype=torch.uint8, count=nbytes)
-            window.copy_(source.reshape(-1).view(torch.uint8).cpu())
-            del window  # the map cannot close while a tensor still exports it
+        try:
+            if nbytes:
+                window = torch.frombuffer(block.map, dtype=torch.uint8, count=nbytes)
+                window.copy_(source.reshape(-1).view(torch.uint8).cpu())
+                del window  # the map cannot close while a tensor still exports it
+        except BaseException:
+            block.close()
+            block.unlink()
+            raise
         self._host_blocks[slot] = block
         return block.name
 
