@@ -433,6 +433,45 @@ def test_a_model_serves_one_engine_at_a_time() -> None:
             .generate([[1, 2, 3]], 4)] == expected
 
 
+def test_a_model_being_given_to_an_engine_on_another_thread_is_refused_until_that_engine_is_built() -> None:
+    # Both threads passed the ownership check before either engine was registered: the second
+    # overwrote the model's KV cache, the two engines wrote over each other's KV, tokens went wrong.
+    import threading
+
+    model = ReferenceDecoder(SMALL)
+    building, finish = threading.Event(), threading.Event()
+    built: list[GenerationEngine] = []
+
+    def held_runner(engine: GenerationEngine) -> EagerRunner:
+        building.set()
+        assert finish.wait(30)
+        return EagerRunner(engine.model)
+
+    thread = threading.Thread(target=lambda: built.append(
+        GenerationEngine(EngineConfig(max_kv_slots=512), model=model, runner_factory=held_runner)))
+    thread.start()
+    try:
+        assert building.wait(30)
+        with pytest.raises(ValueError, match="model ReferenceDecoder is being given to another GenerationEngine "
+                                             "right now"):
+            GenerationEngine(EngineConfig(max_kv_slots=256), model=model)
+    finally:
+        finish.set()
+        thread.join(30)
+    [first] = built
+    assert model.kv is first.model.kv
+    with pytest.raises(ValueError, match="already serves another GenerationEngine"):
+        GenerationEngine(EngineConfig(max_kv_slots=256), model=model)
+
+    def failing_runner(engine: GenerationEngine) -> EagerRunner:
+        raise RuntimeError("runner failed")
+
+    del first, built[:]  # dropped: a failed build after it leaves the model free for the next
+    with pytest.raises(RuntimeError, match="runner failed"):
+        GenerationEngine(EngineConfig(max_kv_slots=256), model=model, runner_factory=failing_runner)
+    assert GenerationEngine(EngineConfig(max_kv_slots=256), model=model).generate([[1, 2, 3]], 2)[0].output
+
+
 def test_a_request_longer_than_a_pool_capped_by_max_kv_slots_names_max_kv_slots() -> None:
     capped = GenerationEngine(EngineConfig(model=SMALL, max_kv_slots=16, kv_block_size=16))
     [result] = capped.generate([[1] * 11], 9)

@@ -167,7 +167,7 @@ class GenerationEngine:
         # Past this point the caller's model is moved, cast and given a cache; if anything
         # fails (graph capture out of memory, say), it is put back as it was, and this
         # half-built engine drops what it built (graphs, the KV pool) at once.
-        with _dropped_on_failure(self), restored_on_failure(model) as saved:
+        with _claimed(model), _dropped_on_failure(self), restored_on_failure(model) as saved:
             self.config = config
             self.group = group if group is not None and group.world_size > 1 else None
             self.platform = platform or (group.platform if group is not None else current_platform())
@@ -239,7 +239,7 @@ class GenerationEngine:
             self._landing: _Landing | None = None  # a step's tokens still on their way to the host
             if config.decode_graphs is not None:
                 self.decode_runner = self._new_decode_runner(config.decode_graphs)
-        _ENGINE_OF_MODEL[id(self.model)] = self  # the model now holds this engine's KV cache
+            _ENGINE_OF_MODEL[id(self.model)] = self  # the model now holds this engine's KV cache
         if self.group is not None:
             self.group.release_on_close(self._group_closing)
 
@@ -957,9 +957,39 @@ def check_eos_tokens(config: EngineConfig, vocab_size: int) -> None:
 _ENGINE_OF_MODEL: weakref.WeakValueDictionary[int, GenerationEngine] = weakref.WeakValueDictionary()
 
 
+#: Models an engine is being built around (by id), and the lock that makes checking a model
+#: unowned and claiming it one step: two threads building engines around one model would
+#: otherwise both pass the check and share its KV cache.
+_MODELS_BEING_BUILT: set[int] = set()
+_MODEL_CLAIMS = threading.Lock()
+
+
+@contextlib.contextmanager
+def _claimed(model: Model | None) -> Iterator[None]:
+    """`model` refused if it serves an engine or one is being built around it, else held as
+    being built until the block ends (which registers it in `_ENGINE_OF_MODEL` on success)."""
+    if model is None:
+        yield
+        return
+    with _MODEL_CLAIMS:
+        check_model_unowned(model)
+        _MODELS_BEING_BUILT.add(id(model))
+    try:
+        yield
+    finally:
+        with _MODEL_CLAIMS:
+            _MODELS_BEING_BUILT.discard(id(model))
+
+
 def check_model_unowned(model: Model) -> None:
     """A model serves one engine: the engine sets its KV cache (`model.kv`) and moves it, so a
     second engine would run the first one's requests on its own cache."""
+    if id(model) in _MODELS_BEING_BUILT:
+        raise ValueError(
+            f"model {type(model).__name__} is being given to another GenerationEngine right now (on another "
+            "thread, or by a call made while that engine is built); give each engine its own model (load the "
+            "checkpoint again, or copy.deepcopy(model))"
+        )
     if id(model) in _ENGINE_OF_MODEL:
         gc.collect()  # an engine dropped inside a reference cycle is gone only after a collection
     if id(model) in _ENGINE_OF_MODEL:
