@@ -83,6 +83,26 @@ def test_a_step_interrupted_by_the_user_rolls_back_too(monkeypatch):
     assert slot_state(e) == before
 
 
+def test_generate_interrupted_while_queueing_its_prompts_leaves_none_queued(monkeypatch):
+    # The prompts queued before the interrupt stayed, with no caller to collect them: they
+    # blocked sleep and flush_cache, and their results stayed in the engine for ever.
+    e = engine()
+    real_add, queued = e.requests.add, []
+
+    def add_then_interrupt(prompt, max_new_tokens):
+        if len(queued) == 2:
+            raise KeyboardInterrupt
+        queued.append(real_add(prompt, max_new_tokens))
+        return queued[-1]
+
+    monkeypatch.setattr(e.requests, "add", add_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        e.generate([[1, 2, 3], [0, 1], [9, 8, 7], [4]], 3)
+    monkeypatch.undo()
+    assert len(queued) == 2 and e.pending() is None and not e.results
+    assert outputs_of(e) == outputs_of(engine())
+
+
 @pytest.mark.parametrize("step", ["prefill", "decode"])
 def test_oom_while_building_the_batch_is_handled_like_oom_in_forward(empties, monkeypatch, reference, step):
     e = engine()

@@ -385,12 +385,16 @@ class GenerationEngine:
             if self.paused is not None:
                 raise RuntimeError(f"the engine is paused ({self.paused.value}); call continue_generation() first")
             self._check_can_run()
-            rids = []
-            for prompt in listed_prompts(prompts):
-                try:
-                    rids.append(self.requests.add(prompt, max_new_tokens))
-                except (TypeError, ValueError) as exc:
-                    rids.append(self.requests.fail_unqueued(prompt, str(exc)))
+            rids: list[int] = []
+            try:
+                for prompt in listed_prompts(prompts):
+                    try:
+                        rids.append(self.requests.add(prompt, max_new_tokens))
+                    except (TypeError, ValueError) as exc:
+                        rids.append(self.requests.fail_unqueued(prompt, str(exc)))
+            except BaseException:  # interrupted while queueing (KeyboardInterrupt, say): nothing stays queued
+                self.requests.discard(rids)
+                raise
         try:
             while True:
                 with self._exclusive("generate"):
