@@ -241,12 +241,26 @@ def test_prompts_that_fail_part_way_leave_nothing_queued() -> None:
     ({1: [5, 6], 2: [7]}, r"generate\(prompts=\{1: \[5, 6\], 2: \[7\]\}\) is a dict; pass a list of prompts"),
     ({"a": [5, 6]}, r"is a dict; pass a list of prompts \(results come back in its order\), e\.g\. list\(prompts"),
     (frozenset({(1, 2)}), r"is a frozenset; pass a list of prompts"),
+    # numpy's integers: one prompt too (each was taken as a prompt of its own and failed alone)
+    (numpy.array([1, 2, 3]), r"is one prompt; pass a list of prompts of plain ints \(array\.tolist\(\)\): \[\["),
+    ([numpy.int64(1), 2], r"is one prompt; pass a list of prompts of plain ints"),
 ])
 def test_prompts_that_are_not_a_list_of_prompts_are_refused_at_the_call(prompts: object, message: str) -> None:
     engine = small_engine()
     with pytest.raises(TypeError, match=message):
         engine.generate(prompts, 4)  # type: ignore[arg-type]
     assert engine.pending() is None and not engine.results
+
+
+def test_a_huge_bad_prompt_is_named_in_a_short_message() -> None:
+    # The whole value was written into the error (and every failed result kept it): megabytes.
+    engine = small_engine()
+    for bad in ({i: i for i in range(200_000)}, [[0] * 200_000], [1, list(range(200_000))]):
+        with pytest.raises(TypeError) as refused:
+            engine.add_request(bad, 2)  # type: ignore[arg-type]
+        assert len(str(refused.value)) < 300, str(refused.value)[:300]
+    (result,) = engine.generate([[1, list(range(200_000))]], 2)  # type: ignore[list-item]
+    assert result.error is not None and len(result.error) < 300
 
 
 @pytest.mark.parametrize("prompt, new_tokens, message", [

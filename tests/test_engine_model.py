@@ -146,7 +146,28 @@ def test_a_runner_that_ignores_the_rows_fails_the_step_naming_it():
 
     e = sum_engine(lambda engine: EveryRow(engine.model))
     e.add_request([1, 2, 3], 2)
-    with pytest.raises(TypeError, match=r"EveryRow.forward returned hidden states \(3, 8\) for 1 rows; a runner "
-                                        r"returns \[len\(rows\), hidden_size\]"):
+    with pytest.raises(TypeError, match=r"EveryRow.forward returned hidden states \(3, 8\) torch.float32 for 1 rows; "
+                                        r"a runner returns \[len\(rows\), hidden_size\] = \[1, 8\] torch.float32"):
+        e.step()
+    assert e.blocks.available == e.blocks.num_blocks and len(e.waiting) == 1
+
+
+@pytest.mark.parametrize("returned, named", [
+    (lambda h: None, "a NoneType"),
+    (lambda h: h.tolist(), "a list"),
+    (lambda h: torch.cat((h, h), 1), r"hidden states \(1, 16\) torch.float32"),
+    (lambda h: h.double(), r"hidden states \(1, 8\) torch.float64"),
+])
+def test_a_runner_returning_something_else_than_hidden_states_fails_the_step_naming_it(returned, named):
+    # Each raised from inside the engine before: AttributeError on .dim(), or the logits' matmul.
+    from torchhal.core.engine import EagerRunner
+
+    class Odd(EagerRunner):
+        def forward(self, input_ids, meta, rows=None):
+            return returned(super().forward(input_ids, meta, rows))
+
+    e = sum_engine(lambda engine: Odd(engine.model))
+    e.add_request([1, 2, 3], 2)
+    with pytest.raises(TypeError, match=f"Odd.forward returned {named} for 1 rows; a runner returns "):
         e.step()
     assert e.blocks.available == e.blocks.num_blocks and len(e.waiting) == 1

@@ -22,6 +22,7 @@ import contextlib
 import functools
 import gc
 import inspect
+import numbers
 import os
 import threading
 import time
@@ -523,9 +524,12 @@ class GenerationEngine:
         # skip the rest of its last layer for the others.
         hidden = self.runner.forward(inputs.input_ids, inputs.meta, inputs.sample_rows)
         wanted = int(inputs.sample_rows.shape[0])
-        if hidden.dim() != 2 or hidden.shape[0] != wanted:
-            raise TypeError(f"{type(self.runner).__name__}.forward returned hidden states {tuple(hidden.shape)} for "
-                            f"{wanted} rows; a runner returns [len(rows), hidden_size], the rows it is given in "
+        expected = (wanted, self.model_config.hidden_size)
+        if not isinstance(hidden, torch.Tensor) or tuple(hidden.shape) != expected or hidden.dtype != self.config.dtype:
+            got = (f"hidden states {tuple(hidden.shape)} {hidden.dtype}" if isinstance(hidden, torch.Tensor)
+                   else f"a {type(hidden).__name__}")
+            raise TypeError(f"{type(self.runner).__name__}.forward returned {got} for {wanted} rows; a runner returns "
+                            f"[len(rows), hidden_size] = {list(expected)} {self.config.dtype}, the rows it is given in "
                             "their order")
         sampled: list[int] = []
         if wanted:
@@ -941,8 +945,10 @@ def listed_prompts(prompts: object) -> list[object]:
         raise TypeError(f"generate(prompts={short_repr(prompts)}): pass a list of prompts, each a list of int token "
                         "ids, e.g. [[1, 2, 3]]")
     listed = list(prompts)
-    if listed and all(type(token) is int for token in listed):
-        raise TypeError(f"generate(prompts={short_repr(listed)}) is one prompt; pass a list of prompts: "
+    # Integers of any kind (numpy's too, a flat array's items): one prompt, not prompts of one token each.
+    if listed and all(isinstance(token, numbers.Integral) and not isinstance(token, bool) for token in listed):
+        plain = "" if all(type(token) is int for token in listed) else " of plain ints (array.tolist())"
+        raise TypeError(f"generate(prompts={short_repr(listed)}) is one prompt; pass a list of prompts{plain}: "
                         f"[{short_repr(listed)}]")
     return listed
 

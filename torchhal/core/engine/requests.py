@@ -9,6 +9,7 @@ import torch
 
 from torchhal.core.engine.kv_pool import BlockAllocator
 from torchhal.core.engine.records import GenerationResult, Request, RequestState
+from torchhal.core.model.config import short_repr
 
 
 def check_prompt(prompt: object, max_new_tokens: object, vocab_size: int, max_position: int) -> list[int]:
@@ -16,20 +17,20 @@ def check_prompt(prompt: object, max_new_tokens: object, vocab_size: int, max_po
     if isinstance(prompt, torch.Tensor):
         raise TypeError("prompt is a torch.Tensor; pass a list of int token ids (prompt.tolist())")
     if not isinstance(prompt, (list, tuple)):
-        raise TypeError(f"prompt {prompt!r} is a {type(prompt).__name__}; pass a list of int token ids")
+        raise TypeError(f"prompt {short_repr(prompt)} is a {type(prompt).__name__}; pass a list of int token ids")
     if not prompt:
         raise ValueError("prompt is empty; pass at least one token id")
     # Checked in C first (a 16k-token prompt costs ~0.1 ms, not ~1 ms); the loops only name the culprit.
     if not set(map(type, prompt)) <= {int}:
         for position, token in enumerate(prompt):
             if type(token) is not int:  # not a bool either: True would run as token 1
-                raise TypeError(f"token {token!r} at position {position} is a {type(token).__name__}, "
+                raise TypeError(f"token {short_repr(token)} at position {position} is a {type(token).__name__}, "
                                 "not an int token id")
     if min(prompt) < 0 or max(prompt) >= vocab_size:
         bad = next(t for t in prompt if not 0 <= t < vocab_size)
         raise ValueError(f"token id {bad!r} is outside the vocabulary 0..{vocab_size - 1}")
     if type(max_new_tokens) is not int or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens {max_new_tokens!r} must be a positive int")
+        raise ValueError(f"max_new_tokens {short_repr(max_new_tokens)} must be a positive int")
     needed = len(prompt) + max_new_tokens
     if needed > max_position:
         raise ValueError(f"prompt + max_new_tokens = {needed} exceeds max_position {max_position}")
