@@ -639,3 +639,42 @@ def test_one_module_under_two_component_names_is_refused():
 
 def own_attributes_of(module: nn.Module) -> set[str]:
     return {name for name in ("forward", "encode", "decode", "_hf_hook") if name in module.__dict__}
+
+
+def test_the_trace_keeps_the_newest_events_only(monkeypatch):
+    # Recorded by default, the trace grew by ~0.5 MiB a Flux-sized request, for ever.
+    from torchhal.core.residency.trace import ResidencyTrace
+
+    monkeypatch.setattr(ResidencyTrace, "MAX_EVENTS", 40)
+    manager = ResidencyManager({"a": torch.nn.Linear(4, 4)}, {"a": "offload"})
+    stage = [Stage("s", (ComponentUse("a", memory_intensive=True),))]
+    for _ in range(30):
+        with torch.no_grad(), manager.request(stage), manager.use_component("a") as module:
+            module(torch.randn(1, 4))
+    events = manager.trace.events
+    assert 30 <= len(events) <= 40
+    assert events[-1]["kind"] == "request_end" and manager.trace.last_request()[0]["kind"] == "request_start"
+    assert all(a["t"] <= b["t"] for a, b in zip(events, events[1:]))  # the newest, in order
+    manager.close()
+
+
+def test_a_log_that_fails_on_request_end_leaves_the_request_ended():
+    # The event was sent before the request was marked ended: the next request and close()
+    # were refused for ever ("a request is already running").
+    import json
+
+    class Log:
+        def info(self, fmt, line):
+            if json.loads(line)["kind"] == "request_end":
+                raise OSError("log handler failed")
+
+    manager = ResidencyManager({"a": torch.nn.Linear(4, 4)}, {"a": "offload"}, log=Log())
+    stage = [Stage("s", (ComponentUse("a", memory_intensive=True),))]
+    with pytest.raises(OSError, match="log handler failed"):
+        with torch.no_grad(), manager.request(stage), manager.use_component("a") as module:
+            module(torch.randn(1, 4))
+    assert not manager.in_request and not manager.components["a"].on_device
+    manager.trace.log = None
+    with torch.no_grad(), manager.request(stage), manager.use_component("a") as module:
+        module(torch.randn(1, 4))
+    manager.close()

@@ -379,9 +379,9 @@ class ResidencyManager:
             self._empty(where="request_end")
         now = self.copied_bytes()
         self.last_request_h2d_bytes = {name: now[name] - self._copied_at_request_start.get(name, 0) for name in now}
+        self._in_request, self._timeline = False, []  # ended before it is told: a failing log leaves it ended
         self.event("request_end", None, uses_run=self._uses_run, h2d_bytes=sum(self.last_request_h2d_bytes.values()),
                    h2d_bytes_by_component=dict(self.last_request_h2d_bytes))
-        self._in_request, self._timeline = False, []
 
     def close(self) -> int | None:
         """Give the device back: every component returns to host memory, the layerwise

@@ -17,7 +17,12 @@ from torchhal.platforms import Platform
 
 class ResidencyTrace:
     """Events go to `events` (when `record`), to `log` as one JSON line each (when given),
-    and to `torchhal_engine_event` observers; with none of the three no event is built."""
+    and to `torchhal_engine_event` observers; with none of the three no event is built.
+
+    `events` keeps the newest MAX_EVENTS (a server's trace stays bounded: a Flux-sized
+    layerwise request records ~1600 events of ~300 bytes); past it the oldest quarter goes."""
+
+    MAX_EVENTS = 1 << 16
 
     def __init__(self, platform: Platform, device_index: int, *, record: bool = True, log: Any = None) -> None:
         self.platform, self.device_index = platform, device_index
@@ -36,6 +41,8 @@ class ResidencyTrace:
         memory = self.platform.memory_info(self.device_index)
         event["reserved"], event["allocated"], event["used"] = memory.reserved, memory.allocated, memory.used
         if self.record:
+            if len(self.events) >= self.MAX_EVENTS:
+                del self.events[: self.MAX_EVENTS // 4]  # a quarter at a time: amortised O(1) an event
             self.events.append(event)
         self.platform.emit_event(event)
         if self.log is not None:
