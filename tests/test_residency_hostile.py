@@ -654,7 +654,7 @@ def test_the_trace_keeps_the_newest_events_only(monkeypatch):
     events = manager.trace.events
     assert 30 <= len(events) <= 40
     assert events[-1]["kind"] == "request_end" and manager.trace.last_request()[0]["kind"] == "request_start"
-    assert all(a["t"] <= b["t"] for a, b in zip(events, events[1:]))  # the newest, in order
+    assert all(a["t"] <= b["t"] for a, b in zip(events, events[1:], strict=False))  # the newest, in order
     manager.close()
 
 
@@ -678,3 +678,38 @@ def test_a_log_that_fails_on_request_end_leaves_the_request_ended():
     with torch.no_grad(), manager.request(stage), manager.use_component("a") as module:
         module(torch.randn(1, 4))
     manager.close()
+
+
+@pytest.mark.parametrize("placement", ["resident", "offload"])
+def test_a_use_dtype_casts_floating_buffers_with_the_weights(placement):
+    # Only the parameters were cast: a BatchNorm's statistics (or a position table) stayed in
+    # float32 and the forward failed ("expected scalar type BFloat16 but found Float").
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        expected = copy.deepcopy(net).to(torch.bfloat16)(x.bfloat16())
+    manager = ResidencyManager({"net": net}, {"net": placement})
+    stage = [Stage("s", (ComponentUse("net", dtype=torch.bfloat16),))]
+    with torch.no_grad(), manager.request(stage), manager.use_component("net") as module:
+        assert torch.equal(module(x.bfloat16()), expected)
+    manager.close()
+    assert {str(b.dtype) for b in net[1].buffers() if b.dtype.is_floating_point} == {"torch.float32"}
+    assert net[1].num_batches_tracked.dtype == torch.int64  # not floating: never cast
+
+
+@pytest.mark.parametrize("strategy_class", [ResidentStrategy, OffloadStrategy])
+def test_a_strategy_serving_a_live_managers_component_is_refused_by_another_manager(strategy_class):
+    # A ResidentStrategy was taken: the second attach replaced the first component's registered
+    # dtypes, so the first manager's uses ignored their dtype and its close could not cast back.
+    strategy = strategy_class()
+    first = ResidencyManager({"a": nn.Linear(4, 4)}, {"a": strategy})
+    with pytest.raises(ValueError, match=f"this {strategy_class.__name__} already serves a component; pass a new "
+                                         "one for 'b'"):
+        ResidencyManager({"b": nn.Linear(4, 4)}, {"b": strategy})
+    stage = [Stage("s", (ComponentUse("a", dtype=torch.bfloat16),))]
+    with torch.no_grad(), first.request(stage), first.use_component("a") as module:
+        assert module.weight.dtype == torch.bfloat16
+    first.close()
+    second = ResidencyManager({"b": nn.Linear(4, 4)}, {"b": strategy})  # free again once the first closed
+    second.close()

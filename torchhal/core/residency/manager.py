@@ -20,7 +20,13 @@ from torch import nn
 
 from torchhal.core.devices import check_device_index
 from torchhal.core.residency.declarations import ComponentUse, RequestFailed, Stage, Strategy, UndeclaredUse
-from torchhal.core.residency.strategies import ComponentState, ResidencyStrategy, ResidentStrategy, strategy_for
+from torchhal.core.residency.strategies import (
+    ComponentState,
+    ResidencyStrategy,
+    ResidentStrategy,
+    cast_buffers,
+    strategy_for,
+)
 from torchhal.core.residency.trace import ResidencyTrace
 from torchhal.platforms import Platform, ReleasePoint, TorchhalPluginWarning, check_platform_argument, current_platform
 
@@ -157,6 +163,8 @@ class ResidencyManager:
             for state in states:
                 started.append(state)
                 state.module.eval()
+                state.buffer_dtypes = {name: buf.dtype for name, buf in state.module.named_buffers()
+                                       if buf.dtype.is_floating_point}
                 state.strategy.attach(self, state)
                 state.attached = True
                 self.components[state.name] = state
@@ -286,6 +294,7 @@ class ResidencyManager:
         use = self._timeline[position]
         state = self.components[component]
         state.dtype = use.dtype
+        cast_buffers(state, use.dtype)
         moved = state.strategy.load(self, state, None)
         if moved:
             self._note_moved(state, "host", str(self.device), moved)
@@ -394,6 +403,7 @@ class ResidencyManager:
             return None
         self._copied_at_close = self.copied_bytes()
         for state in self.components.values():
+            cast_buffers(state, None)
             state.strategy.detach(self, state)
             state.attached = False
             self.event("release", state.name, why="close")

@@ -9,7 +9,7 @@ shares (the ComponentState) and decides *when* to call it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -38,6 +38,9 @@ class ComponentState:
     module: nn.Module
     strategy: ResidencyStrategy
     dtype: torch.dtype | None = None
+    #: Each floating buffer's dtype as registered (by dotted name): a use's dtype casts the
+    #: buffers with the weights, as module.to(dtype) would, and close casts them back.
+    buffer_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     #: Between the strategy's attach and its detach (the manager sets it): outside that span
     #: nothing of the component is on the device, whatever the strategy reports.
     attached: bool = False
@@ -128,11 +131,26 @@ def _check_one_block(component: str, part: str, params: list[nn.Parameter], if_e
 
 def _buffers_to(module: nn.Module, device: torch.device) -> None:
     for dotted, buf in module.named_buffers():
-        owner = module
-        *path, last = dotted.split(".")
-        for part in path:
-            owner = getattr(owner, part)
-        owner._buffers[last] = buf.to(device)
+        _set_buffer(module, dotted, buf.to(device))
+
+
+def _set_buffer(module: nn.Module, dotted: str, value: torch.Tensor) -> None:
+    owner = module
+    *path, last = dotted.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    owner._buffers[last] = value
+
+
+def cast_buffers(component: ComponentState, dtype: torch.dtype | None) -> None:
+    """The component's floating buffers (on the device for every strategy) in `dtype`, or with
+    None in the dtypes they were registered in (`component.buffer_dtypes`): a use's dtype
+    must reach them too, or a BatchNorm's statistics or a position table meet the weights
+    in another dtype."""
+    for dotted, buf in component.module.named_buffers():
+        registered = component.buffer_dtypes.get(dotted)
+        if registered is not None and buf.dtype != (dtype or registered):
+            _set_buffer(component.module, dotted, buf.to(dtype or registered))
 
 
 class ResidentStrategy(ResidencyStrategy):
@@ -141,12 +159,19 @@ class ResidentStrategy(ResidencyStrategy):
 
     def __init__(self) -> None:
         self.registered: dict[int, torch.dtype] = {}
+        self.serving = False  # attached to a component (registered may be empty: no floating weights)
 
     def copied_bytes(self) -> int | None:
         return 0  # placed once at registration, never copied per request
 
+    def check(self, component: ComponentState) -> None:
+        if self.serving:  # a second attach would take over `registered`, leaving the first unrestorable
+            raise ValueError(f"this ResidentStrategy already serves a component; pass a new one for "
+                             f"{component.name!r}")
+
     def attach(self, manager: StrategyHost, component: ComponentState) -> None:
         self.registered = _floating_dtypes(component.module)
+        self.serving = True
         component.module.to(manager.device)
 
     def load(self, manager: StrategyHost, component: ComponentState, stream: Any | None) -> int:
@@ -156,7 +181,7 @@ class ResidentStrategy(ResidencyStrategy):
     def detach(self, manager: StrategyHost, component: ComponentState) -> None:
         _cast_on_device(component.module, None, self.registered)
         super().detach(manager, component)
-        self.registered = {}
+        self.registered, self.serving = {}, False
 
 
 class OffloadStrategy(ResidencyStrategy):
