@@ -713,3 +713,23 @@ def test_a_strategy_serving_a_live_managers_component_is_refused_by_another_mana
     first.close()
     second = ResidencyManager({"b": nn.Linear(4, 4)}, {"b": strategy})  # free again once the first closed
     second.close()
+
+
+@pytest.mark.parametrize("placement", ["resident", "offload", "layerwise"])
+def test_a_component_on_the_meta_device_is_refused_by_name_before_anything_moves(placement):
+    # Each strategy failed inside attach on torch's "Cannot copy out of meta tensor", naming no
+    # component, and the rollback warned about its own failing steps.
+    with torch.device("meta"):
+        stack = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    other = nn.Linear(4, 4)
+    strategy: Any = placement
+    if placement == "layerwise":
+        holder = nn.Module()
+        holder.layers = stack
+        stack, strategy = holder, LayerwiseStrategy(0, "layers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match=r"component 'c' has '(layers\.)?0\.weight' on the meta device "
+                                             r"\(no data\); load its weights before registering it"):
+            ResidencyManager({"o": other, "c": stack}, {"o": "offload", "c": strategy})
+    assert other.weight.device.type == "cpu" and other.weight.is_leaf  # nothing was attached
