@@ -128,7 +128,7 @@ class ResidencyManager:
             if not isinstance(module, nn.Module):
                 raise TypeError(f"component {name!r} is a {type(module).__name__}, not an nn.Module; "
                                 "pass the module whose weights the manager should place")
-            meta = next((n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta), None)
+            meta = next((n for n, p in module.named_parameters() if p.is_meta), None)
             if meta is not None:  # no data to place: every strategy's first copy would fail mid-attach
                 raise ValueError(f"component {name!r} has {meta!r} on the meta device (no data); load its weights "
                                  "before registering it (e.g. module.to_empty(device=...) and a state dict)")
