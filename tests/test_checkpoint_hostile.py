@@ -515,3 +515,68 @@ def test_an_end_token_outside_the_vocabulary_in_config_json_is_refused_naming_th
         typed = write_checkpoint(tmp_path / f"typed-{bad}", dict(CONFIG, eos_token_id=bad))
         refused(typed, r"config\.json: eos_token_id .* must be a token id or a list of token ids \(ints >= 0\)",
                 call=GenerationEngine.from_checkpoint)
+
+
+def test_a_single_file_beside_an_index_is_read_as_transformers_reads_it(tmp_path):
+    # An older sharded save with a newer model.safetensors copied in: the index won, and the
+    # model loaded other weights than transformers' (which takes the single file first).
+    path = write_checkpoint(tmp_path / "mixed", shards=2)
+    newer = {name: tensor + 1.0 for name, tensor in tensors_of(CONFIG).items()}
+    save_file(newer, path / "model.safetensors")
+    model, report = load_checkpoint(path)
+    assert report.files == (str(path / "model.safetensors"),)
+    assert torch.equal(model.model.norm.weight, newer["model.norm.weight"])
+
+
+@pytest.mark.parametrize("fault", ["nan", "past float16"])
+def test_check_finite_weights_refuses_a_checkpoint_at_load_as_it_does_an_update(tmp_path, fault):
+    # from_checkpoint ignored it: the same file an update refused was loaded and gave garbage.
+    from torchhal.core.engine import EngineConfig, GenerationEngine
+
+    tensors = tensors_of(CONFIG)
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name][0, 0] = math.nan if fault == "nan" else 1e6  # float16 ends at 65504
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(CONFIG))
+    save_file(tensors, path / "model.safetensors")
+    dtype = torch.float32 if fault == "nan" else torch.float16
+    message = refused(path, f"model.safetensors: tensor '{name}' holds NaN or infinite values once in {dtype}",
+                      call=lambda p: GenerationEngine.from_checkpoint(
+                          p, EngineConfig(dtype=dtype, max_kv_slots=64, check_finite_weights=True)))
+    assert message.endswith("fix the checkpoint, or load it in a wider dtype")
+    engine = GenerationEngine.from_checkpoint(path, EngineConfig(dtype=dtype, max_kv_slots=64))  # not asked: loads
+    assert engine.checkpoint is not None and engine.checkpoint.tensors == len(tensors)
+
+
+@pytest.mark.parametrize("vocab_size", [0, -5, True])
+def test_a_bad_vocab_size_is_the_checkpoints_error_not_the_engine_configs(tmp_path, vocab_size):
+    from torchhal.core.engine import GenerationEngine
+
+    path = write_checkpoint(tmp_path / "model")
+    (path / "config.json").write_text(json.dumps(dict(CONFIG, vocab_size=vocab_size, eos_token_id=2)))
+    refused(path, f"config.json: vocab_size = {vocab_size} must be an int", call=GenerationEngine.from_checkpoint)
+
+
+def test_refusals_name_the_file_once_and_caller_arguments_as_the_callers(tmp_path, monkeypatch):
+    path = write_checkpoint(tmp_path / "model")
+    (path / "config.json").write_text(json.dumps(dict(CONFIG, tie_word_embeddings="false")))
+    message = refused(path, "tie_word_embeddings = 'false' must be true or false")
+    assert message.count(str(path / "config.json")) == 1, message
+    (path / "config.json").write_text(json.dumps(dict(CONFIG, torch_dtype="float64")))
+    from torchhal.core.engine import GenerationEngine
+
+    message = refused(path, "dtype 'float64' is not supported", call=GenerationEngine.from_checkpoint)
+    assert message.startswith(str(path / "config.json"))
+    (path / "config.json").write_text(json.dumps(CONFIG))
+    monkeypatch.setattr(checkpoint, "read_hf_config", lambda *a, **k: pytest.fail("the checkpoint was read"))
+    for bad in ((2, 5), (2, -1), (0, 0), (2,), [2, 0]):
+        with pytest.raises(ValueError, match=r"tensor_parallel = .* must be \(world_size, rank\) with 0 <= rank"):
+            load_checkpoint(path, tensor_parallel=bad)  # type: ignore[arg-type]
+
+
+def test_model_config_refuses_a_seed_torch_cannot_take():
+    for seed in ("x", True, -1, 2**64, 1.5):
+        with pytest.raises(ConfigValueError, match=r"ModelConfig.seed = .* must be an int in \[0, 2\*\*64\)"):
+            ModelConfig(seed=seed)  # type: ignore[arg-type]
+    assert ModelConfig(seed=2**64 - 1).seed == 2**64 - 1

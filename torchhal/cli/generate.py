@@ -173,7 +173,7 @@ def prepare_generation(
         raise GenerateError(f"{exc} (the model's config.json)") from None
     if tensor_parallel != 1:
         check_tensor_parallel_request(model_config, tensor_parallel, root, platform)
-    dtype_name = dtype_name or str(checkpoint_dtype(hf)).removeprefix("torch.")
+    dtype_name = dtype_name or str(checkpoint_dtype(hf, str(root / "config.json"))).removeprefix("torch.")
     return GenerationRequest(root, list(prompt_ids), max_new_tokens, dtype_name, graphs, tensor_parallel), tokenizer
 
 

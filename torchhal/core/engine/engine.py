@@ -918,18 +918,19 @@ class GenerationEngine:
         check_platform_argument(platform, "GenerationEngine.from_checkpoint")
         check_group(group)
         hf, where = read_hf_config(path), f"{Path(path) / 'config.json'}"
-        config = EngineConfig(dtype=checkpoint_dtype(hf)) if config is None else config
+        config = EngineConfig(dtype=checkpoint_dtype(hf, where)) if config is None else config
         check_engine_config(config, runner_factory)  # before any weight is read
         if not config.eos_tokens and config.eos_token is None:
             config = replace(config, eos_tokens=eos_token_ids(hf, where))
         platform = platform or (group.platform if group is not None else current_platform())
         index = engine_device_index(platform, config, group)  # a bad device is refused before any read
-        if isinstance(hf.get("vocab_size"), int):  # and end tokens the model cannot emit
-            check_eos_tokens(config, hf["vocab_size"])
+        vocab = hf.get("vocab_size")  # and end tokens the model cannot emit (a bad size: the loader's to refuse)
+        if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= 1:
+            check_eos_tokens(config, vocab)
         agree_on_config(config, group)  # and configs that differ between ranks, or a closed group
         split = (group.world_size, group.rank) if group is not None else None
         model, report = load_checkpoint(path, dtype=config.dtype, device=platform.device(index),
-                                        tensor_parallel=split)
+                                        tensor_parallel=split, check_finite=config.check_finite_weights)
         engine = cls(config, platform=platform, model=model, runner_factory=runner_factory, group=group)
         engine.checkpoint = report
         return engine

@@ -31,7 +31,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from io import BufferedReader
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -42,6 +42,7 @@ from torchhal.core.model.parallel import RankShard, ShardSlice, TensorParallelPl
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20  # real configs are a few KiB
 MAX_INDEX_BYTES = 64 << 20  # the largest public indexes are a few MiB
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
@@ -477,6 +478,8 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json", has_lm_head: 
         )
     except ConfigValueError as exc:
         raise _range_error(where, exc) from None
+    except CheckpointError:  # a flag's or a window's own refusal, which names `where` already
+        raise
     except ValueError as exc:  # relations between values (divisibility, even head_dim)
         raise CheckpointError(f"{where}: {exc}") from None
 
@@ -549,7 +552,11 @@ def _files_and_map(path: str | Path) -> tuple[list[Path], dict[str, str] | None,
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such checkpoint file or directory (or not a regular file)")
     scope = _Scope.of_directory(root)
-    if os.path.lexists(root / INDEX_FILE):
+    if os.path.lexists(root / SINGLE_FILE):
+        # transformers' order: the single file, even beside an index (an older sharded save the
+        # newer one was copied over); reading the shards instead would load other weights.
+        weight_map, files = None, [root / SINGLE_FILE]
+    elif os.path.lexists(root / INDEX_FILE):
         weight_map = _index_weight_map(root, scope)
         holders: dict[str, str] = {}
         for tensor, shard in weight_map.items():
@@ -681,13 +688,12 @@ def _rank_shard(config: ModelConfig, tensor_parallel: object, where: str) -> Ran
     cannot be split that way is refused here, before anything is allocated or read."""
     if tensor_parallel is None:
         return None
-    if not isinstance(tensor_parallel, tuple) or len(tensor_parallel) != 2:
-        raise ValueError(f"tensor_parallel = {short_repr(tensor_parallel)} must be (world_size, rank), e.g. (2, 0)")
-    world_size, rank = tensor_parallel
+    world_size, rank = cast(tuple[int, int], tensor_parallel)  # its form checked by load_checkpoint
     try:
-        return RankShard(TensorParallelPlan(config, world_size), rank)
-    except ValueError as exc:
+        plan = TensorParallelPlan(config, world_size)
+    except ValueError as exc:  # the model cannot be split that way: the checkpoint's sizes
         raise CheckpointError(f"{where}: {exc}") from None
+    return RankShard(plan, rank)  # a rank outside the group: the caller's ValueError
 
 
 def _reopen(shard: _Shard, scope: _Scope) -> BufferedReader:
@@ -704,7 +710,7 @@ def _reopen(shard: _Shard, scope: _Scope) -> BufferedReader:
 
 def load_checkpoint(
     path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str | None = None, *,
-    tensor_parallel: tuple[int, int] | None = None,
+    tensor_parallel: tuple[int, int] | None = None, check_finite: bool = False,
 ) -> tuple[LlamaDecoder, LoadReport]:
     """A Hugging Face checkpoint directory as an eval-mode `LlamaDecoder` on `device` (default: host).
 
@@ -717,8 +723,19 @@ def load_checkpoint(
     much). Headers are checked against the whole model's shapes as without it; a model that
     cannot be split over `world_size` ranks is refused (CheckpointError naming the sizes
     that work) before anything is allocated.
+
+    `check_finite`: refuse a tensor holding NaN or infinite values once cast to `dtype` (a
+    float32 weight past float16's range becomes inf), naming its file and name; one device
+    sync per tensor (`EngineConfig.check_finite_weights` asks for it).
     """
     start = time.perf_counter()
+    if not isinstance(check_finite, bool):
+        raise ValueError(f"check_finite = {short_repr(check_finite)} must be True or False")
+    if tensor_parallel is not None and not (
+            isinstance(tensor_parallel, tuple) and len(tensor_parallel) == 2
+            and all(type(v) is int for v in tensor_parallel) and 0 <= tensor_parallel[1] < tensor_parallel[0]):
+        raise ValueError(f"tensor_parallel = {short_repr(tensor_parallel)} must be (world_size, rank) with "
+                         "0 <= rank < world_size, e.g. (2, 0)")
     if dtype is not None and dtype not in _TORCH_DTYPES.values():
         raise ValueError(f"dtype = {short_repr(dtype)} is not a dtype the model runs in; pass one of "
                          f"{', '.join(str(d) for d in _TORCH_DTYPES.values())}, or None for the checkpoint's own")
@@ -763,6 +780,9 @@ def load_checkpoint(
                         params[name].narrow(part.dim, 0, part.count).copy_(tensor)
                     else:
                         params[name].copy_(tensor)
+                    if check_finite and not bool(params[name].isfinite().all()):
+                        raise CheckpointError(f"{shard.path}: tensor {name!r} holds NaN or infinite values once in "
+                                              f"{dtype}; fix the checkpoint, or load it in a wider dtype")
                     bytes_read += tensor.numel() * tensor.element_size()
                     tensors += 1
     model.process_weights()

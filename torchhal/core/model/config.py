@@ -110,6 +110,8 @@ class ModelConfig:
             check_int(self, name, getattr(self, name))
         check_int(self, "num_kv_heads", self.num_kv_heads, minimum=0)
         check_int(self, "head_dim", self.head_dim, minimum=0)
+        if type(self.seed) is not int or not 0 <= self.seed < 2**64:  # what torch.manual_seed takes
+            raise ConfigValueError(self, "seed", self.seed, "an int in [0, 2**64)")
         # rope_theta < 1 makes frequencies above 1 that overflow; eps outside (0, 1) zeroes or NaNs the norms.
         check_number(self, "rope_theta", self.rope_theta, minimum=1.0, rule="a finite number >= 1")
         check_number(self, "rms_eps", self.rms_eps, above=0.0, below=1.0, rule="a finite number in (0, 1)")
