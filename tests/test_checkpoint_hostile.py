@@ -580,3 +580,10 @@ def test_model_config_refuses_a_seed_torch_cannot_take():
         with pytest.raises(ConfigValueError, match=r"ModelConfig.seed = .* must be an int in \[0, 2\*\*64\)"):
             ModelConfig(seed=seed)  # type: ignore[arg-type]
     assert ModelConfig(seed=2**64 - 1).seed == 2**64 - 1
+
+
+def test_a_llama_config_naming_sliding_layers_attends_to_the_whole_context_as_transformers_does():
+    # Honoured for every architecture, a window transformers' Llama never applies changed the logits.
+    sliding = dict(CONFIG, sliding_window=4, layer_types=["sliding_attention"] * 2)
+    assert config_from_hf(sliding).sliding_window is None
+    assert config_from_hf(dict(sliding, architectures=["MistralForCausalLM"])).sliding_window == 4

@@ -420,6 +420,8 @@ def _sliding_window(hf: Mapping[str, Any], architecture: str, where: str) -> Any
     if layer_types and len(layer_types) != layers:
         raise CheckpointError(f"{where}: layer_types has {len(layer_types)} entries, num_hidden_layers is {layers}")
     use_sliding_window = _flag(hf, "use_sliding_window", False, where)
+    if architecture == "LlamaForCausalLM":  # transformers' Llama attends to the whole context, whatever these say
+        return None
     if architecture == "MistralForCausalLM" and not layer_types:
         return window
     if layer_types:
