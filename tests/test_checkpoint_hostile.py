@@ -487,6 +487,7 @@ def test_a_file_moved_outside_between_resolving_and_opening_is_refused(good, can
     ("dtype", torch.float8_e4m3fn, r"dtype = torch.float8_e4m3fn is not a dtype the model runs in"),
     ("device", "bfloat16", r"device = 'bfloat16' is not a torch device; pass e.g. 'cuda:0'"),
     ("device", 3.5, r"device = 3.5 is not a torch device"),
+    ("device", "meta", r"device = meta holds no data; pass a device to load the weights on"),
 ])
 def test_a_bad_dtype_or_device_is_refused_before_anything_is_read(tmp_path, monkeypatch, keyword, value, message):
     path = write_checkpoint(tmp_path / "model")
@@ -587,3 +588,11 @@ def test_a_llama_config_naming_sliding_layers_attends_to_the_whole_context_as_tr
     sliding = dict(CONFIG, sliding_window=4, layer_types=["sliding_attention"] * 2)
     assert config_from_hf(sliding).sliding_window is None
     assert config_from_hf(dict(sliding, architectures=["MistralForCausalLM"])).sliding_window == 4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a process without CUDA")
+def test_a_device_this_process_cannot_use_is_refused_before_anything_is_read(tmp_path, monkeypatch):
+    path = write_checkpoint(tmp_path / "model")
+    monkeypatch.setattr(checkpoint, "read_hf_config", lambda *a, **k: pytest.fail("the checkpoint was read"))
+    with pytest.raises(ValueError, match=r"device = 'cuda:0' cannot be used here \(.*\); pass one this process has"):
+        load_checkpoint(path, device="cuda:0")

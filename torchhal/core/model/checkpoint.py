@@ -746,6 +746,13 @@ def load_checkpoint(
     except (RuntimeError, TypeError):
         raise ValueError(f"device = {short_repr(device)} is not a torch device; pass e.g. 'cuda:0', "
                          "torch.device('cpu') or platform.device()") from None
+    if target.type == "meta":  # nothing would be read into it, yet the report would count it read
+        raise ValueError("device = meta holds no data; pass a device to load the weights on, e.g. 'cpu'")
+    try:
+        torch.empty(0, device=target)  # a device this process cannot use fails here, not after every header
+    except (RuntimeError, AssertionError) as exc:
+        raise ValueError(f"device = {short_repr(device)} cannot be used here ({' '.join(str(exc).split())[:200]}); "
+                         "pass one this process has, e.g. platform.device()") from None
     root = Path(path)
     where = str(root / CONFIG_FILE)
     hf = read_hf_config(root)
