@@ -81,9 +81,15 @@ def test_a_run_that_stops_at_end_of_sequence_says_so(tmp_path, tiny, generate):
 
 @pytest.mark.parametrize("free, new, expected", [
     # Not one KV block beside the weights: the fix names what the command can change.
-    (3_000, "8", ["no room for a KV cache beside the weights", "--tensor-parallel N", "smaller --dtype"]),
-    # Room for 48 tokens, 203 asked: the most --max-new-tokens that fits.
-    (40_000, "200", ["room for 48 tokens of KV cache", "need 203", "lower --max-new-tokens to at most 45"]),
+    (3_000, "1", ["no room for the weights and a KV cache", "--tensor-parallel N", "smaller --dtype"]),
+    # Room for 48 tokens beside the weights, 63 asked: the most --max-new-tokens that fits.
+    (40_000, "60", ["room for 48 tokens of KV cache beside the weights", "need 63",
+                    "lower --max-new-tokens to at most 45"]),
+    # More than the free memory holds even without the weights: refused before anything is loaded
+    # (the pool was sized to all the memory there is, allocated and filled, then refused).
+    # (40,000 B x 0.9 // 512 B a token of the tiny model's K and V = 70)
+    (40_000, "200", ["free memory holds at most 70 tokens of KV cache, before the weights are loaded", "need 203",
+                     "lower --max-new-tokens to at most 67"]),
 ])
 def test_a_device_without_room_for_the_request_is_one_line_naming_the_flag(tiny, generate, monkeypatch, free, new,
                                                                            expected):

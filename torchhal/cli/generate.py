@@ -177,6 +177,28 @@ def prepare_generation(
     return GenerationRequest(root, list(prompt_ids), max_new_tokens, dtype_name, graphs, tensor_parallel), tokenizer
 
 
+def refuse_what_memory_cannot_hold(request: GenerationRequest, dtype: Any, platform: Platform,
+                                   group: DeviceGroup | None) -> None:
+    """Before any weight is read: a request whose KV cache alone exceeds the share of the free
+    memory the pool may take (weights not even counted) cannot run, and loading would first
+    size the pool to all that memory, allocate and fill it."""
+    from torchhal.core.model.checkpoint import config_from_hf, read_hf_config
+    from torchhal.core.model.kv_cache import KVCache
+
+    config = config_from_hf(read_hf_config(request.root), str(request.root / "config.json"))
+    ranks = group.world_size if group is not None else 1  # each rank holds its share of the KV heads
+    per_token = max(KVCache.bytes_per_token(config, dtype) // ranks, 1)
+    index = (group.device.index or 0) if group is not None else platform.current_device()
+    most = int(platform.memory_info(index).free * KV_FRACTION) // per_token
+    context = len(request.prompt_ids) + request.max_new_tokens
+    if most < context:
+        raise GenerateError(
+            f"the device's free memory holds at most {most} tokens of KV cache, before the weights are loaded; the "
+            f"prompt ({len(request.prompt_ids)} tokens) and --max-new-tokens {request.max_new_tokens} need "
+            f"{context}: lower --max-new-tokens to at most {max(most - len(request.prompt_ids), 0)}, shorten the "
+            "prompt, free device memory, or split the cache with --tensor-parallel N")
+
+
 def check_tensor_parallel_request(model_config: ModelConfig, size: int, root: Path, platform: Platform) -> None:
     """Refuse `--tensor-parallel size` when the model cannot be split that way or the
     platform has fewer devices than ranks (on the CPU the ranks share the host's cores)."""
@@ -238,12 +260,17 @@ def run_generation(request: GenerationRequest, platform: Platform | None = None,
                           decode_graphs=decode_graphs)
     # group= only with a group: one device is the engine's own call, exactly as before.
     sharding: dict[str, Any] = {} if group is None else {"group": group}
+    refuse_what_memory_cannot_hold(request, dtype, platform, group)
     try:
         engine = GenerationEngine.from_checkpoint(root, config, platform=platform, **sharding)
-    except MemoryError as exc:  # the KV pool's sizing: not one block fits beside the weights
+    except Exception as exc:
+        if not (isinstance(exc, MemoryError) or platform.is_out_of_memory(exc)):
+            raise
+        # The KV pool's sizing found no block beside the weights, or an allocation failed.
         sizing = str(exc).split(";")[0]  # its fix names engine settings this command sets itself
-        raise GenerateError(f"no room for a KV cache beside the weights on {platform.name} ({sizing}); free device "
-                            "memory, split the model with --tensor-parallel N, or pick a smaller --dtype") from exc
+        raise GenerateError(f"no room for the weights and a KV cache on {platform.name} ({sizing[:200]}); free "
+                            "device memory, split the model with --tensor-parallel N, or pick a smaller --dtype"
+                            ) from exc
     if engine.kv_sizing.num_slots < context:
         room = engine.kv_sizing.num_slots
         raise GenerateError(
