@@ -75,6 +75,20 @@ def test_a_model_that_cannot_be_split_is_one_line_naming_the_valid_sizes(gqa, ge
                      "choose a tensor-parallel size from [1, 2, 4]", str(gqa / "config.json"))
 
 
+def test_a_truncated_checkpoint_is_one_line_before_any_rank_starts(gqa, generate, no_ranks, tmp_path, monkeypatch):
+    # Its headers were first read inside the ranks: the launch ended with exit 1 and rank 0's traceback.
+    import os
+    import shutil
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    broken = tmp_path / "truncated"
+    shutil.copytree(gqa, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    one_line_refusal(generate("--model", str(broken), "--prompt-ids", "1,2", "--tensor-parallel", "2"),
+                     "model.safetensors: tensors cover", "(truncated?)")
+
+
 def test_more_cpu_ranks_than_cores_is_one_line(gqa, generate, no_ranks, monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
     one_line_refusal(generate("--model", str(gqa), "--prompt-ids", "1,2", "--tensor-parallel", "2"),

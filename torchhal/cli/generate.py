@@ -139,7 +139,7 @@ def prepare_generation(
     """Every check `torchhal generate` makes before it starts anything: the request and the
     tokenizer (None for `prompt_ids`), or GenerateError naming the fix."""
     from torchhal.core.engine.requests import check_prompt
-    from torchhal.core.model.checkpoint import checkpoint_dtype, config_from_hf, read_hf_config
+    from torchhal.core.model.checkpoint import check_checkpoint, checkpoint_dtype, config_from_hf, read_hf_config
     from torchhal.platforms import PlatformError
     from torchhal.platforms.selection import current_platform
 
@@ -173,6 +173,7 @@ def prepare_generation(
         raise GenerateError(f"{exc} (the model's config.json)") from None
     if tensor_parallel != 1:
         check_tensor_parallel_request(model_config, tensor_parallel, root, platform)
+        check_checkpoint(root)  # here, in one line: in a rank it would end the launch with a traceback
     dtype_name = dtype_name or str(checkpoint_dtype(hf, str(root / "config.json"))).removeprefix("torch.")
     return GenerationRequest(root, list(prompt_ids), max_new_tokens, dtype_name, graphs, tensor_parallel), tokenizer
 

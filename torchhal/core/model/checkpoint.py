@@ -710,6 +710,27 @@ def _reopen(shard: _Shard, scope: _Scope) -> BufferedReader:
     return f
 
 
+def check_checkpoint(path: str | Path) -> ModelConfig:
+    """Everything `load_checkpoint` checks before it allocates (config.json, the files, every
+    safetensors header against the model's layout), without reading a weight: the model's
+    config, or the CheckpointError a load would raise first. For a caller that starts other
+    processes to load it (tensor-parallel ranks) and wants bad input refused in its own."""
+    return _checked(Path(path))[4]
+
+
+def _checked(root: Path) -> tuple[dict[str, Any], list[Path], list[_Shard], _Scope, ModelConfig, dict[str, Any]]:
+    where = str(root / CONFIG_FILE)
+    hf = read_hf_config(root)
+    files, weight_map, scope = _files_and_map(root)
+    shards = _read_headers(files, weight_map, scope)
+    names = {name for shard in shards for name in shard.tensors}
+    config = config_from_hf(hf, where, has_lm_head="lm_head.weight" in names)
+    tied = config.tie_word_embeddings
+    layout = expected_layout(config, sum(not _ignored(name, tied) for name in names), where)
+    _check(layout, shards, tied)
+    return hf, files, shards, scope, config, layout
+
+
 def load_checkpoint(
     path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str | None = None, *,
     tensor_parallel: tuple[int, int] | None = None, check_finite: bool = False,
@@ -755,15 +776,9 @@ def load_checkpoint(
                          "pass one this process has, e.g. platform.device()") from None
     root = Path(path)
     where = str(root / CONFIG_FILE)
-    hf = read_hf_config(root)
-    files, weight_map, scope = _files_and_map(root)
-    shards = _read_headers(files, weight_map, scope)
-    names = {name for shard in shards for name in shard.tensors}
-    config = config_from_hf(hf, where, has_lm_head="lm_head.weight" in names)
+    hf, files, shards, scope, config, layout = _checked(root)  # before the model is built or the device sees a byte
     dtype = dtype or checkpoint_dtype(hf, where)
     tied = config.tie_word_embeddings
-    layout = expected_layout(config, sum(not _ignored(name, tied) for name in names), where)
-    _check(layout, shards, tied)  # before the model is built or the device sees a byte
     rank = _rank_shard(config, tensor_parallel, where)
     if rank is not None and rank.world_size == 1:
         rank = None
