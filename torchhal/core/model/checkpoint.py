@@ -31,7 +31,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from io import BufferedReader
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple
 
 import torch
 
@@ -685,12 +685,12 @@ def _allocate(model: LlamaDecoder, device: torch.device) -> LlamaDecoder:
     return model.materialize(device)
 
 
-def _rank_shard(config: ModelConfig, tensor_parallel: object, where: str) -> RankShard | None:
+def _rank_shard(config: ModelConfig, tensor_parallel: tuple[int, int] | None, where: str) -> RankShard | None:
     """`tensor_parallel=(world_size, rank)` as this checkpoint's `RankShard`; a model that
     cannot be split that way is refused here, before anything is allocated or read."""
     if tensor_parallel is None:
         return None
-    world_size, rank = cast(tuple[int, int], tensor_parallel)  # its form checked by load_checkpoint
+    world_size, rank = tensor_parallel  # its form checked by load_checkpoint
     try:
         plan = TensorParallelPlan(config, world_size)
     except ValueError as exc:  # the model cannot be split that way: the checkpoint's sizes
@@ -710,15 +710,26 @@ def _reopen(shard: _Shard, scope: _Scope) -> BufferedReader:
     return f
 
 
+class _Checked(NamedTuple):
+    """A checkpoint whose config, files and headers passed every check before allocation."""
+
+    hf: dict[str, Any]
+    files: list[Path]
+    shards: list[_Shard]
+    scope: _Scope
+    config: ModelConfig
+    layout: dict[str, tuple[int, ...]]
+
+
 def check_checkpoint(path: str | Path) -> ModelConfig:
     """Everything `load_checkpoint` checks before it allocates (config.json, the files, every
     safetensors header against the model's layout), without reading a weight: the model's
     config, or the CheckpointError a load would raise first. For a caller that starts other
     processes to load it (tensor-parallel ranks) and wants bad input refused in its own."""
-    return _checked(Path(path))[4]
+    return _checked(Path(path)).config
 
 
-def _checked(root: Path) -> tuple[dict[str, Any], list[Path], list[_Shard], _Scope, ModelConfig, dict[str, Any]]:
+def _checked(root: Path) -> _Checked:
     where = str(root / CONFIG_FILE)
     hf = read_hf_config(root)
     files, weight_map, scope = _files_and_map(root)
@@ -728,7 +739,7 @@ def _checked(root: Path) -> tuple[dict[str, Any], list[Path], list[_Shard], _Sco
     tied = config.tie_word_embeddings
     layout = expected_layout(config, sum(not _ignored(name, tied) for name in names), where)
     _check(layout, shards, tied)
-    return hf, files, shards, scope, config, layout
+    return _Checked(hf, files, shards, scope, config, layout)
 
 
 def load_checkpoint(
