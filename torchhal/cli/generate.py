@@ -191,13 +191,20 @@ def refuse_what_memory_cannot_hold(request: GenerationRequest, dtype: Any, platf
     per_token = max(KVCache.bytes_per_token(config, dtype) // ranks, 1)
     index = (group.device.index or 0) if group is not None else platform.current_device()
     most = int(platform.memory_info(index).free * KV_FRACTION) // per_token
+    refuse_beyond(request, most, "the device's free memory holds at most {} tokens of KV cache, before the weights "
+                  "are loaded", "free device memory, or split the cache with --tensor-parallel N")
+
+
+def refuse_beyond(request: GenerationRequest, room: int, has_room: str, other_fixes: str) -> None:
+    """GenerateError when the request's prompt and new tokens exceed `room` tokens of KV cache
+    (`has_room` says where that figure comes from, `{}` standing for it), naming the most
+    --max-new-tokens that fits."""
     context = len(request.prompt_ids) + request.max_new_tokens
-    if most < context:
+    if room < context:
         raise GenerateError(
-            f"the device's free memory holds at most {most} tokens of KV cache, before the weights are loaded; the "
-            f"prompt ({len(request.prompt_ids)} tokens) and --max-new-tokens {request.max_new_tokens} need "
-            f"{context}: lower --max-new-tokens to at most {max(most - len(request.prompt_ids), 0)}, shorten the "
-            "prompt, free device memory, or split the cache with --tensor-parallel N")
+            f"{has_room.format(room)}; the prompt ({len(request.prompt_ids)} tokens) and --max-new-tokens "
+            f"{request.max_new_tokens} need {context}: lower --max-new-tokens to at most "
+            f"{max(room - len(request.prompt_ids), 0)}, shorten the prompt, {other_fixes}")
 
 
 def check_tensor_parallel_request(model_config: ModelConfig, size: int, root: Path, platform: Platform) -> None:
@@ -272,12 +279,8 @@ def run_generation(request: GenerationRequest, platform: Platform | None = None,
         raise GenerateError(f"no room for the weights and a KV cache on {platform.name} ({sizing[:200]}); free "
                             "device memory, split the model with --tensor-parallel N, or pick a smaller --dtype"
                             ) from exc
-    if engine.kv_sizing.num_slots < context:
-        room = engine.kv_sizing.num_slots
-        raise GenerateError(
-            f"the device has room for {room} tokens of KV cache beside the weights; the prompt ({len(prompt_ids)} "
-            f"tokens) and --max-new-tokens {max_new_tokens} need {context}: lower --max-new-tokens to at most "
-            f"{max(room - len(prompt_ids), 0)}, shorten the prompt, or free device memory")
+    refuse_beyond(request, engine.kv_sizing.num_slots,
+                  "the device has room for {} tokens of KV cache beside the weights", "or free device memory")
     report = engine.checkpoint
     assert report is not None
     platform.synchronize(engine.device_index)
