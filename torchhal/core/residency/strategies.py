@@ -41,6 +41,7 @@ class ComponentState:
     #: Each floating buffer's dtype as registered (by dotted name): a use's dtype casts the
     #: buffers with the weights, as module.to(dtype) would, and close casts them back.
     buffer_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    buffers_cast_to: torch.dtype | None = None  # the dtype `cast_buffers` last gave them (None: as registered)
     #: Between the strategy's attach and its detach (the manager sets it): outside that span
     #: nothing of the component is on the device, whatever the strategy reports.
     attached: bool = False
@@ -146,11 +147,14 @@ def cast_buffers(component: ComponentState, dtype: torch.dtype | None) -> None:
     """The component's floating buffers (on the device for every strategy) in `dtype`, or with
     None in the dtypes they were registered in (`component.buffer_dtypes`): a use's dtype
     must reach them too, or a BatchNorm's statistics or a position table meet the weights
-    in another dtype."""
+    in another dtype. Runs at every use: walks the module only when the dtype changes."""
+    if not component.buffer_dtypes or component.buffers_cast_to == dtype:
+        return
     for dotted, buf in component.module.named_buffers():
         registered = component.buffer_dtypes.get(dotted)
         if registered is not None and buf.dtype != (dtype or registered):
             _set_buffer(component.module, dotted, buf.to(dtype or registered))
+    component.buffers_cast_to = dtype
 
 
 class ResidentStrategy(ResidencyStrategy):
