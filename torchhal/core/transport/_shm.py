@@ -98,6 +98,11 @@ class SharedFile:
         except FileNotFoundError:
             pass
 
+    def discard(self) -> None:
+        """Unmap and remove: a producer's host block that no message will name again."""
+        self.close()
+        self.unlink()
+
 
 class Control:
     """int64 cells in shared memory, then the producer's constant records:

@@ -167,9 +167,7 @@ class Producer:
             if host is None:
                 self._release_range(start, size)
             else:
-                block = self._host_blocks.pop(slot)
-                block.close()
-                block.unlink()
+                self._host_blocks.pop(slot).discard()
             freed += 1
         return freed
 
@@ -315,8 +313,7 @@ class Producer:
                 window.copy_(source.reshape(-1).view(torch.uint8).cpu())
                 del window  # the map cannot close while a tensor still exports it
         except BaseException:
-            block.close()
-            block.unlink()
+            block.discard()
             raise
         self._host_blocks[slot] = block
         return block.name
@@ -331,8 +328,7 @@ class Producer:
             event.synchronize()  # its last copy done before the event (and the pool) go away
         self._slot_events.clear()
         for block in self._host_blocks.values():
-            block.close()
-            block.unlink()
+            block.discard()
         self._host_blocks.clear()
         self.control.close(unlink=True)
         self.pool = None
