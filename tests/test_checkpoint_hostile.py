@@ -518,6 +518,43 @@ def test_an_end_token_outside_the_vocabulary_in_config_json_is_refused_naming_th
                 call=GenerationEngine.from_checkpoint)
 
 
+@pytest.mark.parametrize("generation", [{"eos_token_id": [5, 2]}, {"eos_token_id": 7}, {"temperature": 0.6}, None])
+def test_the_end_tokens_are_those_transformers_generate_stops_on(tmp_path, generation):
+    # A chat checkpoint's generation_config.json names the token a reply ends with; config.json
+    # often names only the pretraining one, and a reply ran on past its end.
+    from transformers import AutoModelForCausalLM
+
+    from torchhal.core.engine import GenerationEngine
+
+    path = write_checkpoint(tmp_path / "model", dict(CONFIG, model_type="llama", eos_token_id=2))
+    if generation is not None:
+        (path / "generation_config.json").write_text(json.dumps(generation))
+    theirs = AutoModelForCausalLM.from_pretrained(path).generation_config.eos_token_id
+    ours = GenerationEngine.from_checkpoint(path).config.eos_tokens
+    if generation is not None and "eos_token_id" not in generation:
+        # transformers stops on none then; the engine keeps config.json's rather than run every
+        # request to its limit.
+        assert theirs is None and ours == (2,)
+    else:
+        assert ours == tuple(theirs if isinstance(theirs, list) else [theirs])
+
+
+def test_a_bad_generation_config_is_refused_naming_the_file(tmp_path, monkeypatch):
+    from torchhal.core.engine import EngineConfig, GenerationEngine
+
+    path = write_checkpoint(tmp_path / "model", dict(CONFIG, eos_token_id=2))
+    generation = path / "generation_config.json"
+    generation.write_text(json.dumps({"eos_token_id": [2, 16]}))
+    with monkeypatch.context() as patch:  # refused before a weight is read
+        patch.setattr(checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("a weight was read"))
+        message = refused(path, "eos_token_id", call=GenerationEngine.from_checkpoint)
+    assert message.startswith(f"{generation}: eos_token_id [2, 16] names token(s) [16] outside the vocabulary 0..15")
+    generation.write_text("{not json")
+    refused(path, r"generation_config\.json", call=GenerationEngine.from_checkpoint)
+    # End tokens the config names leave the file unread.
+    assert GenerationEngine.from_checkpoint(path, EngineConfig(eos_tokens=(3,))).config.eos_tokens == (3,)
+
+
 def test_a_single_file_beside_an_index_is_read_as_transformers_reads_it(tmp_path):
     # An older sharded save with a newer model.safetensors copied in: the index won, and the
     # model loaded other weights than transformers' (which takes the single file first).

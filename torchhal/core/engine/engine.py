@@ -905,12 +905,18 @@ class GenerationEngine:
         The weights are read once, straight onto the engine's device in `config.dtype`
         (no config: the checkpoint's own dtype and EngineConfig's defaults), so the engine's
         move is a no-op. A config that names no end-of-sequence token gets the checkpoint's
-        `eos_token_id`s. `config.model` is not used: the checkpoint is the model. The load
+        `eos_token_id`s: `generation_config.json`'s where it names any, else `config.json`'s,
+        as transformers' `generate` picks them. `config.model` is not used: the checkpoint is the model. The load
         report is kept as `engine.checkpoint`.
 
         `group`: each rank reads only its shard's slices, onto `group.device` (see `__init__`);
         a model that cannot be split over the group is refused before any weight is read."""
-        from torchhal.core.model.checkpoint import checkpoint_dtype, eos_token_ids, load_checkpoint, read_hf_config
+        from torchhal.core.model.checkpoint import (
+            checkpoint_dtype,
+            checkpoint_eos_token_ids,
+            load_checkpoint,
+            read_hf_config,
+        )
 
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"GenerationEngine.from_checkpoint(path={short_repr(path)}): pass the checkpoint's "
@@ -921,7 +927,7 @@ class GenerationEngine:
         config = EngineConfig(dtype=checkpoint_dtype(hf, where)) if config is None else config
         check_engine_config(config, runner_factory)  # before any weight is read
         if not config.eos_tokens and config.eos_token is None:
-            config = replace(config, eos_tokens=eos_token_ids(hf, where))
+            config = replace(config, eos_tokens=checkpoint_eos_token_ids(path, hf))
         platform = platform or (group.platform if group is not None else current_platform())
         index = engine_device_index(platform, config, group)  # a bad device is refused before any read
         vocab = hf.get("vocab_size")  # and end tokens the model cannot emit (a bad size: the loader's to refuse)

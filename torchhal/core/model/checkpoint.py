@@ -41,6 +41,7 @@ from torchhal.core.model.parallel import RankShard, ShardSlice, TensorParallelPl
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"  # transformers' `generate` reads its end tokens here first
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20  # real configs are a few KiB
@@ -509,6 +510,21 @@ def eos_token_ids(hf: dict[str, Any], where: str = "config.json") -> tuple[int, 
             "the file, or pass EngineConfig(eos_tokens=(...)) with ids the model can emit"
         )
     return tuple(ids)
+
+
+def checkpoint_eos_token_ids(path: str | Path, hf: dict[str, Any]) -> tuple[int, ...]:
+    """The end-of-sequence ids `generate` stops on, as transformers picks them: those of
+    `generation_config.json` where the checkpoint has one naming any, else `config.json`'s (`hf`).
+    Chat checkpoints often differ between the two (Qwen2.5-Instruct's config.json names
+    <|endoftext|>, its generation config adds <|im_end|>, the token a reply ends with)."""
+    root = Path(path)
+    generation_path = root / GENERATION_CONFIG_FILE
+    if os.path.lexists(generation_path):
+        generation = _read_json(generation_path, _Scope.of_directory(root), MAX_CONFIG_BYTES)
+        if generation.get("eos_token_id") is not None:
+            # Checked against the model's vocabulary, which only config.json gives.
+            return eos_token_ids({**generation, "vocab_size": hf.get("vocab_size")}, str(generation_path))
+    return eos_token_ids(hf, str(root / CONFIG_FILE))
 
 
 def checkpoint_dtype(hf: dict[str, Any], where: str = "config.json") -> torch.dtype:
