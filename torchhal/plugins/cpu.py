@@ -1,6 +1,7 @@
 """CPU: the embedded default platform. Always available, lowest priority.
 
-Memory comes from the OS; there is no caching allocator, so `empty_cache` is
+Memory comes from the OS, capped by the process's memory cgroup (a container's
+limit, see `host_memory`); there is no caching allocator, so `empty_cache` is
 a no-op that reports nothing released. IPC uses torch's shared-memory CPU
 storages (file-descriptor-free 'filename' handles, which are plain data).
 """
@@ -16,7 +17,6 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
-import psutil
 import torch
 
 from torchhal.platforms import (
@@ -31,6 +31,7 @@ from torchhal.platforms import (
     hookimpl,
 )
 from torchhal.platforms.ipc import describe, tensor_from_storage, validate_handle
+from torchhal.plugins.host_memory import host_memory
 
 _SHM_DIR = "/dev/shm"
 
@@ -70,7 +71,7 @@ class CpuPlatform(PlatformPlugin):
         return DeviceInfo(
             index=index,
             name=host.processor() or host.machine(),
-            total_memory=psutil.virtual_memory().total,
+            total_memory=host_memory()[1],
             capability=None,
             extra={"cores": str(os.cpu_count() or 0)},
         )
@@ -79,8 +80,8 @@ class CpuPlatform(PlatformPlugin):
         return f"torch {torch.__version__}"
 
     def memory_info(self, index: int) -> MemoryInfo:
-        vm = psutil.virtual_memory()
-        return MemoryInfo(device=index, free=int(vm.available), total=int(vm.total))
+        free, total = host_memory()
+        return MemoryInfo(device=index, free=free, total=total)
 
     def empty_cache(self, index: int) -> int | None:
         return None  # no caching allocator on the host: nothing to release
