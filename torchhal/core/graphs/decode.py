@@ -37,6 +37,8 @@ import torch
 from torch import nn
 
 from torchhal.attention import SCRATCH_BLOCK, AttentionBackend, PagedMetadata
+from torchhal.core.devices import check_device_index
+from torchhal.core.model.config import short_repr
 from torchhal.core.graphs.program import BreakStep, StackState, Step, run_eager
 from torchhal.core.model.greedy import greedy_tokens
 from torchhal.core.model.kv_cache import AttentionMetadata
@@ -385,6 +387,17 @@ class DecodeGraphRunner:
     ) -> None:
         self.batch_buckets = check_buckets("batch_buckets", batch_buckets)
         self.context_buckets = check_buckets("context_buckets", context_buckets)
+        device_index = check_device_index(platform, device_index, "device_index")
+        if not isinstance(emulate, bool):  # "no" is truthy
+            raise ValueError(f"emulate must be True or False, got {emulate!r}")
+        if not isinstance(backend, AttentionBackend):
+            raise TypeError(f"backend {short_repr(backend)} is not an attention backend; pass the one the engine "
+                            "chose (torchhal.attention.choose_backend) or ReferenceBackend()")
+        cache = getattr(model, "kv", None)
+        if cache is not None and block_size != cache.block_size:
+            # Block tables of another size address other slots: wrong tokens, no error.
+            raise ValueError(f"block_size {block_size!r} is not the model's KV cache's ({cache.block_size}); "
+                             "pass model.kv.block_size")
         self.model, self.platform, self.device_index = model, platform, device_index
         self.backend, self.emulate = backend, emulate
         self.device = platform.device(device_index)
