@@ -368,6 +368,20 @@ def test_unwritable_report_path_is_one_clear_line_before_any_test(tmp_path, opti
     assert_one_clear_line(out, "is a directory")
 
 
+def test_one_file_for_both_reports_is_one_clear_line_before_any_test(tmp_path):
+    # The JSON report overwrote the JUnit one, and both were announced as written.
+    same = tmp_path / "report.out"
+    out = run_cli("conformance", "--platform", "cpu", "--json", str(same), "--junit", str(tmp_path / "." / "report.out"))
+    assert_one_clear_line(out, f"--json and --junit both name {same}; one report would overwrite the other")
+    assert not same.exists()
+
+
+def test_a_platform_name_with_spaces_around_it_is_tested_as_selection_reads_it():
+    # Selection strips TORCHHAL_PLATFORM; the suite did not, and failed every test of a conformant plugin.
+    out = run_cli("conformance", "-k", "contract", env={"TORCHHAL_PLATFORM": " cpu "})
+    assert out.returncode == EXIT_CODES["CONFORMANT"], out.stdout[-2000:] + out.stderr[-2000:]
+
+
 def test_plain_pytest_reports_a_bad_expectation_file_as_a_usage_error(tmp_path):
     import subprocess
     import sys

@@ -218,6 +218,25 @@ def test_unknown_platform_after_a_failed_import_says_so(make_registry, monkeypat
     assert "install the plugin" not in str(err.value)
 
 
+def test_naming_a_platform_whose_plugin_failed_validation_gives_the_validation_error(make_registry, monkeypatch):
+    class BareStringEnv(CpuPlatform):
+        name, priority = "myaccel", -1
+        visible_devices_env = "MYACCEL_VISIBLE_DEVICES"  # type: ignore[assignment]  # a str, not a tuple
+
+    class Plugin:
+        @torchhal.hookimpl
+        def torchhal_register_platforms(self):
+            return [BareStringEnv()]
+
+    with pytest.warns(TorchhalPluginWarning):
+        make_registry(Plugin())
+    monkeypatch.setenv("TORCHHAL_PLATFORM", "myaccel")
+    with pytest.raises(UnknownPlatformError, match="'myaccel' is not registered: .*failed to validate: "
+                                                   ".*visible_devices_env") as err:
+        torchhal.current_platform()
+    assert "install the plugin" not in str(err.value)
+
+
 # -- records are validated where they enter -------------------------------------------------
 
 

@@ -38,6 +38,9 @@ def cmd_conformance(args: argparse.Namespace) -> int:
             check_report_path(args.json, "--json")
         if args.junit:
             check_report_path(args.junit, "--junit")
+        if args.json and args.junit and os.path.realpath(args.json) == os.path.realpath(args.junit):
+            raise ConformanceUsageError(f"--json and --junit both name {args.json}; one report would overwrite "
+                                        "the other: give each its own file")
         check_target(args.platform or "", args.device, "--platform", "--device")
     except ConformanceUsageError as exc:
         refuse("conformance", str(exc))

@@ -115,7 +115,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "conformance(group): a torchhal conformance test of one capability group")
-    name = config.getoption("--torchhal-platform") or os.environ.get("TORCHHAL_PLATFORM") or ""
+    # Stripped as platform selection strips it: "cpu " names cpu there too.
+    name = (config.getoption("--torchhal-platform") or os.environ.get("TORCHHAL_PLATFORM") or "").strip()
     global _STATE
     expect_path = config.getoption("--torchhal-expect")
     try:

@@ -21,6 +21,9 @@ from torchhal.platforms.manager import ALLOW_LIST_ENV, PlatformRegistry, build_r
 from torchhal.platforms.platform import Platform, notify_observers
 
 PLATFORM_ENV = "TORCHHAL_PLATFORM"
+#: The stages at which an installed plugin fails to load: a platform it would provide is
+#: explained by that failure, not by "install the plugin".
+LOAD_STAGES = ("import", "register", "validate", "version")
 
 _lock = threading.RLock()
 _registry: PlatformRegistry | None = None
@@ -122,7 +125,7 @@ def _require_known(reg: PlatformRegistry, name: str) -> None:
     if conflict is not None:
         raise PluginConflictError(conflict.error)
     # A plugin that was installed but not loaded: say why, not "install it".
-    failed = [f for f in reg.failures if f.stage in ("import", "register", "version")
+    failed = [f for f in reg.failures if f.stage in LOAD_STAGES
               and (name in (f.plugin, f.plugin.rsplit(".", 1)[-1]) or f"(platform {name!r})" in f.error)]
     if failed:
         raise UnknownPlatformError(
@@ -136,7 +139,7 @@ def _require_known(reg: PlatformRegistry, name: str) -> None:
             f"add {name!r} to {ALLOW_LIST_ENV}, or unset it. {known}"
         )
     hints = []
-    loading = [str(f) for f in reg.failures if f.stage in ("import", "register", "version")]
+    loading = [str(f) for f in reg.failures if f.stage in LOAD_STAGES]
     if loading:
         hints.append("plugins that failed to load, which may provide it: " + "; ".join(loading))
     if reg.excluded:
