@@ -371,7 +371,8 @@ def test_unwritable_report_path_is_one_clear_line_before_any_test(tmp_path, opti
 def test_one_file_for_both_reports_is_one_clear_line_before_any_test(tmp_path):
     # The JSON report overwrote the JUnit one, and both were announced as written.
     same = tmp_path / "report.out"
-    out = run_cli("conformance", "--platform", "cpu", "--json", str(same), "--junit", str(tmp_path / "." / "report.out"))
+    out = run_cli("conformance", "--platform", "cpu", "--json", str(same), "--junit",
+                  str(tmp_path / "." / "report.out"))
     assert_one_clear_line(out, f"--json and --junit both name {same}; one report would overwrite the other")
     assert not same.exists()
 

@@ -38,8 +38,8 @@ from torch import nn
 
 from torchhal.attention import SCRATCH_BLOCK, AttentionBackend, PagedMetadata
 from torchhal.core.devices import check_device_index
-from torchhal.core.model.config import short_repr
 from torchhal.core.graphs.program import BreakStep, StackState, Step, run_eager
+from torchhal.core.model.config import short_repr
 from torchhal.core.model.greedy import greedy_tokens
 from torchhal.core.model.kv_cache import AttentionMetadata
 from torchhal.platforms import Platform
