@@ -72,6 +72,30 @@ def test_a_failed_step_gives_back_what_it_reserved_and_the_run_continues_unchang
     assert [e.results[rid].output for rid in rids] == reference
 
 
+def test_a_failed_step_rolls_back_when_the_platforms_oom_rule_itself_raises(monkeypatch, reference):
+    # The rule was asked before the rollback: its own error escaped, the step's KV stayed
+    # reserved, and its requests were later failed as too long for the pool.
+    from torchhal.platforms import TorchhalPluginWarning
+
+    e = engine()
+    rids = [e.add_request(p, 6) for p in PROMPTS[:3]]
+    e.step()
+    before = slot_state(e)
+
+    def fragile_rule(error):
+        return "out of memory" in error.args[0]  # IndexError for an error without a message
+
+    monkeypatch.setattr(e.platform, "is_out_of_memory", fragile_rule)
+    fail_once(monkeypatch, e.runner, "forward", ValueError())
+    with pytest.warns(TorchhalPluginWarning, match="is_out_of_memory raised IndexError"), \
+            pytest.raises(ValueError):
+        e.step()
+    assert slot_state(e) == before
+    while any(rid not in e.results for rid in rids):
+        e.step()
+    assert [e.results[rid].output for rid in rids] == reference[:3]
+
+
 def test_a_step_interrupted_by_the_user_rolls_back_too(monkeypatch):
     e = engine()
     e.add_request(PROMPTS[0], 4)

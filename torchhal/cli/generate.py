@@ -254,6 +254,7 @@ def run_generation(request: GenerationRequest, platform: Platform | None = None,
     without the text (the caller holds the tokenizer)."""
     import torch
 
+    from torchhal.core.devices import is_out_of_memory
     from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine
     from torchhal.platforms.selection import current_platform
 
@@ -272,7 +273,7 @@ def run_generation(request: GenerationRequest, platform: Platform | None = None,
     try:
         engine = GenerationEngine.from_checkpoint(root, config, platform=platform, **sharding)
     except Exception as exc:
-        if not (isinstance(exc, MemoryError) or platform.is_out_of_memory(exc)):
+        if not (isinstance(exc, MemoryError) or is_out_of_memory(platform, exc)):
             raise
         # The KV pool's sizing found no block beside the weights, or an allocation failed.
         sizing = str(exc).split(";")[0]  # its fix names engine settings this command sets itself

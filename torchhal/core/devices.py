@@ -1,13 +1,14 @@
 """Device checks engine code shares: the device index (the engine's config, the residency
-manager), and where a model moves."""
+manager), where a model moves, and whether an error already raised was out of memory."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
-from torchhal.platforms import Platform
+from torchhal.platforms import Platform, TorchhalPluginWarning
 
 
 def check_device_index(platform: Platform, index: object, label: str) -> int:
@@ -37,3 +38,19 @@ def model_placement(model: Any, device: torch.device) -> torch.device:
         if first is not None and first.device.type == "cpu":
             return first.device
     return device
+
+
+def is_out_of_memory(platform: Platform, error: BaseException) -> bool:
+    """The platform's rule, asked on the path of an error already raised: a rule that itself
+    fails (a plugin bug) is warned about and the error handled as not an OOM, so the caller's
+    recovery (a rollback, an abandoned request) still runs and it is the caller's error that
+    propagates, not the rule's."""
+    try:
+        return bool(platform.is_out_of_memory(error))
+    except Exception as broken:
+        warnings.warn(
+            f"platform {platform.name!r}: is_out_of_memory raised {type(broken).__name__}: {broken}; "
+            f"the {type(error).__name__} it was asked about is handled as not out of memory",
+            TorchhalPluginWarning, stacklevel=3,
+        )
+        return False

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 import torch
 
 from torchhal.attention import AttentionChoice, AttentionSpec
-from torchhal.core.devices import check_device_index, model_placement
+from torchhal.core.devices import check_device_index, is_out_of_memory, model_placement
 from torchhal.core.engine.events import EngineEvents
 from torchhal.core.engine.kv_pool import BlockAllocator, KVPoolSizing, size_kv_pool
 from torchhal.core.engine.model_state import ModelState, restored_on_failure
@@ -444,7 +444,7 @@ class GenerationEngine:
             try:
                 done = self._advance(flight)
             except Exception as exc:  # both windows' KV is back: an OOM retracts as in a step
-                if self.broken is None and self.platform.is_out_of_memory(exc):
+                if self.broken is None and is_out_of_memory(self.platform, exc):
                     return self._handle_oom([r for r in flight.requests if r.state is RequestState.RUNNING], exc)
                 raise
             if self._in_flight is not None:  # the next window is already on the device
@@ -468,7 +468,7 @@ class GenerationEngine:
                 self._forget_rows(request.rid)
             self._break(exc)
             # This step is undone first: dropping the landing may retract a request this step continued.
-            if self.broken is None and isinstance(exc, Exception) and self.platform.is_out_of_memory(exc):
+            if self.broken is None and isinstance(exc, Exception) and is_out_of_memory(self.platform, exc):
                 failed = self._handle_oom(plan.batch, exc)
                 return done + failed + self._land_or_drop(landing)
             self.scheduler.rollback(plan)

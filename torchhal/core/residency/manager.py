@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from torchhal.core.devices import check_device_index
+from torchhal.core.devices import check_device_index, is_out_of_memory
 from torchhal.core.residency.declarations import ComponentUse, RequestFailed, Stage, Strategy, UndeclaredUse
 from torchhal.core.residency.strategies import (
     ComponentState,
@@ -28,7 +28,7 @@ from torchhal.core.residency.strategies import (
     strategy_for,
 )
 from torchhal.core.residency.trace import ResidencyTrace
-from torchhal.platforms import Platform, ReleasePoint, TorchhalPluginWarning, check_platform_argument, current_platform
+from torchhal.platforms import Platform, ReleasePoint, check_platform_argument, current_platform
 
 #: A component's placement: a built-in strategy's name, or a strategy object (one per component).
 PlacementSpec = ResidencyStrategy | Strategy | str
@@ -245,7 +245,7 @@ class ResidencyManager:
         try:
             yield
         except BaseException as exc:
-            if not self._is_out_of_memory(exc):
+            if not is_out_of_memory(self.platform, exc):
                 self._abandon()
                 raise
             self._handle_oom(exc)
@@ -354,7 +354,7 @@ class ResidencyManager:
             if self._active is not None:
                 # Inside request(), an OOM is emptied once where the request fails (reason
                 # OOM): releasing this component is then not a release point of its own.
-                oom = self._oom_handled_by_request and self._is_out_of_memory(exc)
+                oom = self._oom_handled_by_request and is_out_of_memory(self.platform, exc)
                 self._end_use(component, release_point=not oom, failed=True)
             raise
         if self._active is not None:
@@ -487,20 +487,6 @@ class ResidencyManager:
         self._note_moved(state, str(self.device), "host", nbytes)
         self.event("release", state.name, nbytes=nbytes)
         return True
-
-    def _is_out_of_memory(self, error: BaseException) -> bool:
-        """The platform's rule, on the path of an error already raised: a rule that itself
-        fails (a plugin bug) is warned about and the error handled as not an OOM, so it
-        is the caller's error that propagates and the request is still abandoned."""
-        try:
-            return bool(self.platform.is_out_of_memory(error))
-        except Exception as broken:
-            warnings.warn(
-                f"platform {self.platform.name!r}: is_out_of_memory raised {type(broken).__name__}: {broken}; "
-                f"the {type(error).__name__} it was asked about is handled as not out of memory",
-                TorchhalPluginWarning, stacklevel=3,
-            )
-            return False
 
     def _abandon(self) -> None:
         """Leave a consistent state after a failed request: non-resident weights go home."""

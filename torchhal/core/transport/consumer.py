@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from torchhal.core.devices import check_device_index
+from torchhal.core.devices import check_device_index, is_out_of_memory
 from torchhal.core.transport._shm import Control, SharedFile, control_name, pid_alive
 from torchhal.core.transport.messages import TensorMessage, TransportError, handle_fingerprint
 from torchhal.platforms import IpcHandle, IpcHandleError, Platform, current_platform
@@ -95,7 +95,7 @@ class Consumer:
         except TransportError:
             raise
         except Exception as exc:
-            if self.platform.is_out_of_memory(exc):
+            if is_out_of_memory(self.platform, exc):
                 raise
             raise TransportError(f"message cannot be received: {type(exc).__name__}: {exc}") from exc
 
