@@ -14,6 +14,7 @@ import torch
 
 from torchhal.core.engine import DecodeGraphConfig, EagerRunner, EngineConfig, GenerationEngine, PrefillGraphConfig
 from torchhal.core.model import AttentionMetadata, LlamaDecoder, ModelConfig, ReferenceDecoder
+from torchhal.core.model.config import short_repr
 
 SMALL = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=48, max_position=256)
 
@@ -263,18 +264,30 @@ def test_a_huge_bad_prompt_is_named_in_a_short_message() -> None:
     assert result.error is not None and len(result.error) < 300
 
 
-@pytest.mark.parametrize("prompt, new_tokens, message", [
-    ([True, False, 3], 2, r"token True at position 0 is a bool, not an int token id"),
-    ([1, 2], True, r"max_new_tokens True must be a positive int"),
-])
-def test_bools_are_not_token_ids_or_counts(prompt: list, new_tokens: object, message: str) -> None:
+def test_bools_are_not_token_ids() -> None:
     engine = small_engine()
-    with pytest.raises((TypeError, ValueError), match=message):
-        engine.add_request(prompt, new_tokens)  # type: ignore[arg-type]
+    message = r"token True at position 0 is a bool, not an int token id"
+    with pytest.raises(TypeError, match=message):
+        engine.add_request([True, False, 3], 2)
     assert not engine.waiting
-    (result,) = engine.generate([prompt], new_tokens)  # type: ignore[arg-type]
+    (result,) = engine.generate([[True, False, 3]], 2)
     assert result.state.value == "failed" and result.output == () and result.error is not None
     assert re.search(message, result.error)
+
+
+@pytest.mark.parametrize("new_tokens, error", [
+    (True, TypeError), (2.0, TypeError), ("4", TypeError), (None, TypeError), (0, ValueError), (-5, ValueError),
+])
+def test_a_bad_max_new_tokens_is_the_calls_error_not_every_prompts(new_tokens: object, error: type) -> None:
+    # generate returned every prompt as a failed result naming it; it applies to the whole call.
+    engine = small_engine()
+    message = rf"max_new_tokens {re.escape(short_repr(new_tokens))} must be a positive int, e.g. 16"
+    with pytest.raises(error, match=message):
+        engine.add_request([1, 2], new_tokens)  # type: ignore[arg-type]
+    with pytest.raises(error, match=message):
+        engine.generate([[1, 2], [3]], new_tokens)  # type: ignore[arg-type]
+    assert not engine.waiting and not engine.results
+    assert [len(r.output) for r in engine.generate([[1, 2], [3]], 2)] == [2, 2]
 
 
 # -- 7. weight updates --------------------------------------------------------------------------

@@ -57,7 +57,7 @@ from torchhal.core.engine.records import (
     check_bool,
     usable_buckets,
 )
-from torchhal.core.engine.requests import RequestBook
+from torchhal.core.engine.requests import RequestBook, check_max_new_tokens
 from torchhal.core.engine.runners import EagerRunner, ModelRunner
 from torchhal.core.engine.scheduler import Scheduler, StepInputs, StepPlan
 from torchhal.core.engine.weights import NamedTensors, WeightUpdater
@@ -373,6 +373,7 @@ class GenerationEngine:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[GenerationResult]:
         """Run prompts to completion. A bad prompt yields a failed result; others still run.
+        A bad `max_new_tokens` is the call's: TypeError/ValueError, nothing queued.
 
         Refused (RuntimeError) while paused, asleep or after an incomplete weight update,
         with nothing queued. If a step raises, this call's requests are withdrawn and the
@@ -386,6 +387,7 @@ class GenerationEngine:
             if self.paused is not None:
                 raise RuntimeError(f"the engine is paused ({self.paused.value}); call continue_generation() first")
             self._check_can_run()
+            check_max_new_tokens(max_new_tokens)
             rids: list[int] = []
             try:
                 for prompt in listed_prompts(prompts):

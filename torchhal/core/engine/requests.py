@@ -29,12 +29,19 @@ def check_prompt(prompt: object, max_new_tokens: object, vocab_size: int, max_po
     if min(prompt) < 0 or max(prompt) >= vocab_size:
         bad = next(t for t in prompt if not 0 <= t < vocab_size)
         raise ValueError(f"token id {bad!r} is outside the vocabulary 0..{vocab_size - 1}")
-    if type(max_new_tokens) is not int or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens {short_repr(max_new_tokens)} must be a positive int")
+    max_new_tokens = check_max_new_tokens(max_new_tokens)
     needed = len(prompt) + max_new_tokens
     if needed > max_position:
         raise ValueError(f"prompt + max_new_tokens = {needed} exceeds max_position {max_position}")
     return list(prompt)
+
+
+def check_max_new_tokens(max_new_tokens: object) -> int:
+    if type(max_new_tokens) is not int:  # not a bool either: True would run one token
+        raise TypeError(f"max_new_tokens {short_repr(max_new_tokens)} must be a positive int, e.g. 16")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens {max_new_tokens} must be a positive int, e.g. 16")
+    return max_new_tokens
 
 
 def prompt_as_tuple(prompt: object) -> tuple[int, ...]:
