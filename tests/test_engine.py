@@ -136,6 +136,24 @@ def test_flush_only_when_idle(empties):
     assert e.blocks.available == e.blocks.num_blocks
 
 
+@pytest.mark.parametrize("busy", [True, False])
+def test_a_flush_reason_that_is_no_release_point_is_refused_before_the_pool_is_touched(empties, busy):
+    # Busy, it returned "cannot flush while busy"; idle, the platform refused it after the pool was reset.
+    e = engine()
+    e.add_request([1, 2, 3], 4)
+    e.step()
+    if not busy:
+        while e.running:
+            e.step()
+    held = e.blocks.available
+    for reason in ("user", None):
+        with pytest.raises(TypeError, match=rf"flush_cache\(reason={reason!r}\): pass a ReleasePoint"):
+            e.flush_cache(reason=reason)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="pass a ReleasePoint"):
+            e.flush_cache(empty_cache=False, reason=reason)  # type: ignore[arg-type]
+    assert e.blocks.available == held and empties == []
+
+
 def test_weight_update_validates_before_applying():
     e = engine()
     before = {k: v.clone() for k, v in e.model.state_dict().items()}

@@ -787,6 +787,9 @@ class GenerationEngine:
     def flush_cache(self, empty_cache: bool = True, reason: ReleasePoint = ReleasePoint.USER) -> FlushResult:
         """Clear the KV pool (there is no prefix cache), only when fully idle."""
         check_bool("flush_cache(empty_cache)", empty_cache)
+        # Checked before anything is cleared: the platform would refuse it only after the pool was reset.
+        if not isinstance(reason, ReleasePoint):
+            raise TypeError(f"flush_cache(reason={short_repr(reason)}): pass a ReleasePoint, e.g. ReleasePoint.USER")
         self.drain()
         pending = self.pending()
         if pending:
