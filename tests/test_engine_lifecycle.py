@@ -359,6 +359,76 @@ def test_a_host_engine_wakes_its_host_model_where_it_slept(make_registry):
     assert outputs_of(e, PROMPTS[:3]) == before
 
 
+class PinFailsAt(TaggingPinPlatform):
+    """Pinned host memory runs out at the `fail_at`-th pin."""
+
+    def __init__(self, inner, fail_at):
+        super().__init__(inner)
+        self.calls, self.fail_at = 0, fail_at
+
+    def pin_memory(self, tensor):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("simulated: cannot pin more host memory")
+        return super().pin_memory(tensor)
+
+
+def graph_engine(platform=None, **overrides):
+    from torchhal.core.engine import DecodeGraphConfig, PrefillGraphConfig
+
+    return engine(platform, prefill_graphs=PrefillGraphConfig(token_buckets=(8, 32), emulate=True),
+                  decode_graphs=DecodeGraphConfig(batch_buckets=(4,), context_buckets=(64,), emulate=True),
+                  **overrides)
+
+
+def test_a_sleep_that_fails_part_way_leaves_the_engine_awake_as_it_was(make_registry, reference):
+    # It left the engine "awake" with its graphs dropped and a third of its weights on the host.
+    make_registry()
+    platform = PinFailsAt(torchhal.current_platform(), fail_at=6)
+    e = graph_engine(platform)
+    with pytest.raises(RuntimeError, match="cannot pin more host memory"):
+        e.release_memory_occupation()
+    assert not e.asleep and e.model.kv is not None and e.runner.graphs_enabled
+    assert outputs_of(e) == reference
+    platform.fail_at = None
+    e.release_memory_occupation()  # and it can sleep once memory is there
+    e.resume_memory_occupation()
+    assert outputs_of(e) == reference
+
+
+@pytest.mark.parametrize("where", ["prefill graphs", "decode graphs", "kv cache"])
+def test_a_wake_that_fails_part_way_leaves_the_engine_asleep_and_can_be_retried(monkeypatch, reference, where):
+    # It marked the engine awake first: a retry was refused ("not asleep") and steps met a
+    # half-captured runner (a bare KeyError for a missing bucket).
+    import torchhal.core.graphs.runner as graph_runner
+
+    e = graph_engine()
+    e.release_memory_occupation()
+    oom = torch.OutOfMemoryError(f"simulated: out of memory in the {where}")
+    if where == "prefill graphs":
+        real, made = graph_runner._Bucket, []
+
+        def second_bucket_fails(*args):  # the first bucket is captured, the second is not
+            made.append(1)
+            if len(made) == 2:
+                raise oom
+            return real(*args)
+
+        monkeypatch.setattr(graph_runner, "_Bucket", second_bucket_fails)
+    elif where == "decode graphs":
+        fail_once(monkeypatch, e.decode_runner, "resume", oom)
+    else:
+        fail_once(monkeypatch, e, "_new_kv_cache", oom)
+    with pytest.raises(torch.OutOfMemoryError, match=where):
+        e.resume_memory_occupation()
+    assert e.asleep and e.model.kv is None and not e.runner.graphs_enabled
+    with pytest.raises(RuntimeError, match="asleep"):
+        e.generate(PROMPTS, 6)
+    monkeypatch.undo()
+    e.resume_memory_occupation()
+    assert e.runner.graphs_enabled and outputs_of(e) == reference
+
+
 # -- refused calls change nothing ------------------------------------------------------------------
 def test_generate_while_asleep_is_refused_and_queues_nothing(empties):
     e = engine()

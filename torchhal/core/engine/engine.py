@@ -41,7 +41,7 @@ from torchhal.core.devices import check_device_index, is_out_of_memory, model_pl
 from torchhal.core.engine.events import EngineEvents
 from torchhal.core.engine.kv_pool import BlockAllocator, KVPoolSizing, size_kv_pool
 from torchhal.core.engine.model_state import ModelState, restored_on_failure
-from torchhal.core.engine.occupation import MemoryOccupation
+from torchhal.core.engine.occupation import MemoryOccupation, Releasable
 from torchhal.core.engine.ranks import agree_on_config, agree_on_verdict, check_group, shard_problem
 from torchhal.core.engine.records import (
     ContinueReport,
@@ -872,9 +872,7 @@ class GenerationEngine:
         pending = self.pending()
         if pending or self.asleep:
             raise RuntimeError(f"cannot sleep: {pending or 'already asleep'}")
-        if self.decode_runner is not None:
-            self.decode_runner.release()
-        self.occupation.sleep(self.model, self.runner)
+        self.occupation.sleep(self.model, self._graph_holders())
         return self.events.empty(ReleasePoint.SLEEP)
 
     @_serialized
@@ -883,10 +881,12 @@ class GenerationEngine:
             raise RuntimeError("the engine is not asleep")
         if self.broken is not None:  # waking recaptures graphs: on a failed or closed group, for nothing
             raise RuntimeError(self.broken)
-        self.occupation.wake(self.model, self.runner, self._new_kv_cache)
+        self.occupation.wake(self.model, self._graph_holders(), self._new_kv_cache)
         self.blocks.reset()
-        if self.decode_runner is not None:  # recapture on the new KV pool
-            self.decode_runner.resume()
+
+    def _graph_holders(self) -> list[Releasable]:
+        """The runners, whose graphs are released at sleep and recaptured on the new KV pool at wake."""
+        return [self.runner] + ([self.decode_runner] if self.decode_runner is not None else [])
 
     def _new_kv_cache(self) -> KVCache:
         # One block more than the allocator hands out: the scratch block.

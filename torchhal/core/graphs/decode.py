@@ -545,7 +545,8 @@ class DecodeGraphRunner:
         pool = support.new_pool()
         stream = self.platform.new_stream(self.device_index)
         current = self.platform.current_stream(self.device_index)
-        self._graphs = {}
+        self._graphs = {}  # kept only once every bucket is captured: a failed capture leaves none, not some
+        graphs: dict[tuple[int, int], Any] = {}
         self.rows.reset()  # warm-up and capture then touch only the scratch block
         with torch.no_grad():
             # Largest first, so smaller graphs reuse the pool's blocks.
@@ -560,8 +561,9 @@ class DecodeGraphRunner:
                     graph = support.graph_class()
                     with support.capture(graph, pool, stream):
                         self._step(batch, context)
-                    self._graphs[(batch, context)] = graph
+                    graphs[(batch, context)] = graph
         self.platform.synchronize(self.device_index)
+        self._graphs = graphs
         after = self.platform.memory_info(self.device_index).reserved
         pool_bytes = after - before if after is not None and before is not None else None
         self.report = DecodeCaptureReport(

@@ -204,7 +204,8 @@ class GraphRunner:
         pool = support.new_pool() if support else None
         stream = self.platform.new_stream(self.device_index)
         graphs = 0
-        self._buckets = {}
+        self._buckets = {}  # kept only once every bucket is captured: a failed capture leaves none, not some
+        buckets: dict[int, _Bucket] = {}
         with torch.no_grad():
             for size in sorted(self.bucket_sizes, reverse=True):  # largest first: smaller ones fit its pool
                 state: StackState = {
@@ -213,7 +214,7 @@ class GraphRunner:
                 }
                 inputs = (state["hidden"], state["positions"])
                 if support is None:  # emulation: the padded path runs eagerly
-                    self._buckets[size] = _Bucket(inputs, state, None)
+                    buckets[size] = _Bucket(inputs, state, None)
                     continue
                 segments = split_segments(self.stack.program())
                 self._warm_up(segments, dict(state), stream)
@@ -230,8 +231,9 @@ class GraphRunner:
                             step.run(state)
                     parts.append(graph)
                     graphs += 1
-                self._buckets[size] = _Bucket(inputs, state, parts)
+                buckets[size] = _Bucket(inputs, state, parts)
         self.platform.synchronize(self.device_index)
+        self._buckets = buckets
         after = self.platform.memory_info(self.device_index).reserved
         pool_bytes = after - before if after is not None and before is not None else None
         self.report = CaptureReport(tuple(self.bucket_sizes), graphs, time.perf_counter() - started, pool_bytes)
