@@ -2,6 +2,7 @@
 updates atomic, the newest weights survive sleep, refused calls leave no state, and
 nothing the engine runs records autograd history."""
 
+import dataclasses
 import re
 
 import pytest
@@ -261,6 +262,23 @@ def test_a_write_that_fails_part_way_refuses_generation_until_rewritten(monkeypa
     assert e.pending() is None  # the refused generate queued nothing
     e.update_weights_from_tensors(new_weights)
     assert e.weight_version == 1
+    assert outputs_of(e, PROMPTS[:2]) == expected
+
+
+@pytest.mark.parametrize("first, then", [("state_dict", "named_parameters"), ("named_parameters", "state_dict")])
+def test_a_tied_weight_rewritten_under_its_other_name_clears_a_failed_writes_refusal(monkeypatch, first, then):
+    # The refusal tracked names: a failed state_dict() update (both tied names) stayed refused
+    # after a named_parameters() one (one name) rewrote every parameter.
+    tied = ModelConfig(tie_word_embeddings=True)
+    e = engine(model=tied)
+    other = engine(model=dataclasses.replace(tied, seed=5))
+    expected = outputs_of(other, PROMPTS[:2])
+    updates = {"state_dict": dict(other.model.state_dict()), "named_parameters": dict(other.model.named_parameters())}
+    assert ("lm_head.weight" in updates["state_dict"]) and ("lm_head.weight" not in updates["named_parameters"])
+    fail_once(monkeypatch, e.model, "process_weights", RuntimeError("simulated device fault"))
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        e.update_weights_from_tensors(updates[first])
+    e.update_weights_from_tensors(updates[then])
     assert outputs_of(e, PROMPTS[:2]) == expected
 
 

@@ -71,7 +71,8 @@ class WeightUpdater:
     def _checked_and_staged(
         self, named_tensors: NamedTensors,
     ) -> tuple[list[str], list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Every check, and each value in its parameter's dtype and place: (names, (param, value))."""
+        """Every check, and each value in its parameter's dtype and place: (every name of the
+        parameters written, (param, value))."""
         items = self._items(named_tensors)
         if not items:
             raise WeightUpdateRejected("weight update rejected, nothing applied: the update names no weights (an "
@@ -100,7 +101,10 @@ class WeightUpdater:
                 value = value.clone()  # its source is a weight this batch writes first (a swap)
             written.add(params[name])
             staged.append((params[name], value))
-        return [name for name, _ in items], staged
+        # Every name of each written parameter: a tied weight written under one name is
+        # rewritten under both, so an update naming either clears a failed write's refusal.
+        staged_params = {id(param) for param, _ in staged}
+        return [name for name, param in params.items() if id(param) in staged_params], staged
 
     def refusal(self) -> str | None:
         """Why the model must not run (a failed write), or None."""
