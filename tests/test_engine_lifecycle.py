@@ -447,6 +447,35 @@ def test_a_wake_that_fails_part_way_leaves_the_engine_asleep_and_can_be_retried(
     assert e.runner.graphs_enabled and outputs_of(e) == reference
 
 
+def test_close_gives_the_kv_cache_back_at_once_and_frees_the_model_for_a_new_engine(reference):
+    # Engine and model hold each other in reference cycles: without close() the KV cache lived
+    # until a full garbage collection.
+    import gc
+    import weakref
+
+    gc.disable()  # what close() gives back must not wait for a collection
+    try:
+        e = graph_engine()
+        kv = weakref.ref(e.model.kv.k[0])
+        running = e.add_request(PROMPTS[0], 6)
+        e.step()
+        e.add_request(PROMPTS[1], 6)
+        ended = e.close()
+        assert [(r.rid, r.state) for r in ended][0] == (running, RequestState.ABORTED)
+        assert len(ended) == 2 and len(ended[0].output) >= 1 and ended[1].output == ()
+        assert kv() is None and e.model.kv is None and not e.runner.graphs_enabled
+        assert e.close() == [] and e.pending() is None
+        for call in (lambda: e.generate(PROMPTS[:1], 2), e.step, lambda: e.add_request([1], 2),
+                     e.release_memory_occupation, lambda: e.update_weights_from_tensors({})):
+            with pytest.raises(RuntimeError, match=r"\(\) on a closed engine .*build a new engine"):
+                call()
+        with GenerationEngine(EngineConfig(max_kv_slots=512), model=e.model) as again:
+            assert outputs_of(again) == reference
+        assert again.model.kv is None
+    finally:
+        gc.enable()
+
+
 # -- refused calls change nothing ------------------------------------------------------------------
 def test_generate_while_asleep_is_refused_and_queues_nothing(empties):
     e = engine()

@@ -106,6 +106,10 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
+#: What a closed engine still answers: closing again, and whether anything is pending (nothing).
+_CALLS_AFTER_CLOSE = frozenset({"close", "pending", "_group_closing"})
+
+
 def _serialized(
     method: Callable[Concatenate[GenerationEngine, _P], _R],
 ) -> Callable[Concatenate[GenerationEngine, _P], _R]:
@@ -226,6 +230,7 @@ class GenerationEngine:
             self._idle_since: float | None = None
             self._idle_emptied = False
             self.broken: str | None = None  # tensor parallel: why a failed step ended this engine
+            self._closed = False
             self.runner: ModelRunner = self._new_runner(runner_factory)
             eos = set(config.eos_tokens) | ({config.eos_token} if config.eos_token is not None else set())
             self._eos: frozenset[int] = frozenset(eos)
@@ -358,6 +363,9 @@ class GenerationEngine:
         model, runner or hook calling back into the engine): the step's state is half-built,
         and a plain lock would deadlock there instead of saying so."""
         with self._lock:
+            if self._closed and call not in _CALLS_AFTER_CLOSE:
+                raise RuntimeError(f"{call}() on a closed engine (close() gave its KV cache and graphs back); "
+                                   "build a new engine")
             if self._stepping:
                 raise RuntimeError(
                     f"{call}() called from inside a step on the same thread (a model, runner or hook "
@@ -887,6 +895,31 @@ class GenerationEngine:
     def _graph_holders(self) -> list[Releasable]:
         """The runners, whose graphs are released at sleep and recaptured on the new KV pool at wake."""
         return [self.runner] + ([self.decode_runner] if self.decode_runner is not None else [])
+
+    @_serialized
+    def close(self) -> list[GenerationResult]:
+        """Give the device memory back now: the KV cache and the runners' graphs (engine and model
+        hold each other in reference cycles, so dropping the engine frees them only at a full
+        garbage collection). Requests still queued or running are aborted and returned; the model
+        may then serve a new engine. Every later call but `close` and `pending` is refused."""
+        if self._closed:
+            return []
+        self.drain()  # tokens already computed are kept in the aborted results
+        ended = self.requests.abort_all("aborted by close()")
+        for holder in self._graph_holders():
+            holder.release()
+        self.model.kv = None
+        self.blocks.reset()
+        if _ENGINE_OF_MODEL.get(id(self.model)) is self:
+            del _ENGINE_OF_MODEL[id(self.model)]
+        self._closed = True
+        return ended
+
+    def __enter__(self) -> GenerationEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def _new_kv_cache(self) -> KVCache:
         # One block more than the allocator hands out: the scratch block.
