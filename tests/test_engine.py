@@ -5,6 +5,8 @@ when, with which reason; what is refused) and outputs; the memory effect of the
 continue-time empty is measured on a GPU (benchmarks/weight_update_loop.py).
 """
 
+import time
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -250,10 +252,32 @@ def test_repeated_oom_fails_the_request_with_a_clear_error(empties, monkeypatch)
 def test_idle_interval_empties_once(empties):
     e = engine(idle_empty_after_s=0.0)
     e.generate([PROMPTS[0]], 2)
-    e.step()  # idle: start the clock
-    e.step()  # interval passed: empty
+    e.step()  # idle since the last working step ended: empty
     e.step()  # already emptied
     assert empties == [ReleasePoint.IDLE]
+
+
+def test_the_idle_clock_starts_when_the_work_ends_not_at_the_first_idle_step(empties, monkeypatch):
+    # It started at the first step() that found nothing to do: an engine idle for longer than
+    # the interval emptied only at the step after that one.
+    clock = {"now": 100.0}
+    monkeypatch.setattr(time, "monotonic", lambda: clock["now"])
+    e = engine(idle_empty_after_s=5.0)
+    e.generate([PROMPTS[0]], 2)  # its last step ends at 100
+    clock["now"] = 104.0
+    e.step()
+    assert empties == []  # 4 s idle
+    clock["now"] = 105.5
+    e.step()
+    assert empties == [ReleasePoint.IDLE]
+    e.add_request(PROMPTS[1], 1)
+    e.step()  # work again: the clock restarts when it ends, and the cache may be emptied again
+    clock["now"] = 108.0
+    e.step()
+    assert empties == [ReleasePoint.IDLE]
+    clock["now"] = 110.6
+    e.step()
+    assert empties == [ReleasePoint.IDLE, ReleasePoint.IDLE]
 
 
 @pytest.mark.parametrize("field, value", [("max_running", 0), ("max_batch_tokens", -1), ("max_kv_slots", 1.5),

@@ -227,7 +227,7 @@ class GenerationEngine:
             self._resumed = threading.Condition(self._lock)  # notified by continue_generation
             self._stepping = False  # a step is running (on the thread holding the lock)
             self._steps = 0
-            self._idle_since: float | None = None
+            self._idle_since: float | None = time.monotonic()  # None while a step works
             self._idle_emptied = False
             self.broken: str | None = None  # tensor parallel: why a failed step ended this engine
             self._closed = False
@@ -443,6 +443,8 @@ class GenerationEngine:
             return self._step()
         finally:
             self._stepping = False
+            if self._idle_since is None:  # a step that worked: the idle clock starts when it ends
+                self._idle_since = time.monotonic()
 
     def _step(self) -> list[GenerationResult]:
         if self.paused is not None:
@@ -451,6 +453,7 @@ class GenerationEngine:
         done: list[GenerationResult] = []
         if self._in_flight is not None:
             flight = self._in_flight
+            self._idle_since, self._idle_emptied = None, False
             try:
                 done = self._advance(flight)
             except Exception as exc:  # both windows' KV is back: an OOM retracts as in a step
@@ -771,13 +774,12 @@ class GenerationEngine:
         return failed
 
     def _idle_tick(self) -> None:
-        interval = self.config.idle_empty_after_s
-        if interval is None or self._idle_emptied or self.waiting:
+        """A step with nothing to run: empty the cache once the engine has sat idle for the
+        interval since its last working step ended (or since it was built)."""
+        interval, since = self.config.idle_empty_after_s, self._idle_since
+        if interval is None or since is None or self._idle_emptied or self.waiting:  # None: this step worked
             return
-        now = time.monotonic()
-        if self._idle_since is None:
-            self._idle_since = now
-        elif now - self._idle_since >= interval:
+        if time.monotonic() - since >= interval:
             self.events.empty(ReleasePoint.IDLE)
             self._idle_emptied = True
 
