@@ -183,6 +183,34 @@ def test_a_capability_is_checked_where_the_plugin_declares_it(field, value, must
         AttentionCapability(**{**base, field: value})  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("dtypes, named", [
+    ((torch.float32, torch.float64), "torch.float64"),
+    ((torch.int8,), "torch.int8"),
+    ((torch.float8_e4m3fn, torch.bfloat16, torch.float64), "torch.float8_e4m3fn, torch.float64"),
+])
+def test_a_capability_refuses_dtypes_no_spec_can_ask_for(dtypes, named):
+    # Was accepted: never chosen (AttentionSpec refuses the dtype), and the conformance run
+    # died with a bare KeyError from its tolerance table.
+    with pytest.raises(ValueError, match=rf"AttentionCapability.dtypes is .*, with {named}, which no AttentionSpec "
+                                         r"asks for; declare only torch.float32, torch.float16, torch.bfloat16$"):
+        AttentionCapability(name="wide", dtypes=dtypes)
+
+
+def test_every_dtype_a_capability_may_declare_has_a_spec_and_a_conformance_tolerance():
+    from torchhal.conformance_tests.test_attention import TOLERANCE
+
+    declarable = []
+    for dtype in {value for value in vars(torch).values() if isinstance(value, torch.dtype)}:
+        try:
+            AttentionCapability(name="one", dtypes=(dtype,))
+        except ValueError:
+            continue
+        declarable.append(dtype)
+        AttentionSpec(4, 2, 8, dtype, 4)  # a model can ask for it
+        assert dtype in TOLERANCE, f"{dtype} may be declared but the attention conformance clause has no tolerance"
+    assert sorted(map(str, declarable)) == ["torch.bfloat16", "torch.float16", "torch.float32"]
+
+
 class NoWrite:
     capability = AttentionCapability(name="nowrite", dtypes=(torch.float32,))
 

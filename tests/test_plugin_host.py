@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 import warnings
 
 import pytest
@@ -17,6 +19,7 @@ from torchhal.platforms import (
     Availability,
     MemoryInfo,
     PeakMemory,
+    PluginConflictError,
     PluginContractError,
     TorchhalPluginWarning,
     UnknownPlatformError,
@@ -136,6 +139,55 @@ def test_a_hanging_detection_times_out_by_name(make_registry, monkeypatch):
     assert reg.detect_timeout == 0.2
 
 
+class CallsBack(CpuPlatform):
+    """A host-backed simulator whose is_available() asks torchhal about the CPU platform."""
+
+    name = "asim"  # sorts before "cpu": detected first, while the CPU's answer is not cached yet
+    priority = -1
+
+    def __init__(self, ask):
+        self.ask = ask
+        self.returned = threading.Event()
+
+    def is_available(self):
+        try:
+            return self.ask()
+        finally:
+            self.returned.set()
+
+
+CALLS_BACK = r"'asim'.*failed to detect: is_available\(\) calls back into torchhal \(torchhal\.platforms\.{}\(\) from "
+
+
+def test_is_available_calling_back_into_torchhal_is_a_named_detect_failure_not_a_timeout(make_registry, monkeypatch):
+    # Detection holds selection's lock and the registry's: the call back waits for it forever.
+    monkeypatch.setenv("TORCHHAL_DETECT_TIMEOUT", "3")
+    sim = CallsBack(lambda: torchhal.registry().availability("cpu"))
+    reg = make_registry(plugin_module(sim))
+    start = time.monotonic()
+    with pytest.warns(TorchhalPluginWarning, match=CALLS_BACK.format("selection\\.registry") + r".*test_plugin_host"):
+        assert torchhal.current_platform().name == "cpu"
+    assert time.monotonic() - start < 2  # found while it waits, not at the 3 s limit
+    assert "is_available() must not call torchhal's platform API" in reg.availability("asim").reason
+    assert sim.returned.wait(5)  # the abandoned probe ends once detection let go of the locks
+
+
+def test_without_a_detect_limit_a_call_back_is_named_instead_of_hanging(monkeypatch):
+    monkeypatch.setenv("TORCHHAL_DETECT_TIMEOUT", "0")
+    holder = {}
+    sim = CallsBack(lambda: holder["registry"].availability("cpu"))
+    reg = holder["registry"] = manager.build_registry(
+        ("torchhal.plugins.cpu",), entry_points=False, extra=[(plugin_module(sim), "sim")])
+    answers = []
+    worker = threading.Thread(target=lambda: answers.append(reg.availability("asim")), daemon=True)
+    with pytest.warns(TorchhalPluginWarning, match=CALLS_BACK.format("manager\\.availability")):
+        worker.start()
+        worker.join(10)  # a daemon: were it to hang, only this registry's lock stays held
+    assert answers and not answers[0], "detection hung on the registry lock its own probe waits for"
+    assert [f.stage for f in reg.failures] == ["detect"] and reg.availability("cpu")
+    assert sim.returned.wait(5)
+
+
 @pytest.mark.parametrize("raw", ["soon", "nan", "inf"])
 def test_a_bad_detect_timeout_is_a_clear_error(monkeypatch, raw):
     monkeypatch.setenv("TORCHHAL_DETECT_TIMEOUT", raw)
@@ -192,11 +244,91 @@ def test_equal_priority_ties_go_to_the_builtin_first(make_registry):
     assert "tied with aaa: broken by the tie rule (built-in platforms first" in torchhal.how_resolved()[0]
 
 
+def replacing(name, replaces):
+    platform = fake_platform(name, 0)
+    type(platform).replaces = replaces  # each fake has a class of its own
+    return platform
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["chain-order", "reverse-order"])
+def test_a_replaced_replacer_replaces_nothing(make_registry, reverse):
+    # C replaces B, B replaces cpu: B is not registered, so its `replaces` does not apply.
+    plugins = [plugin_module(replacing("tunedcpu", "cpu")), plugin_module(replacing("tunedcpu2", "tunedcpu"))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg = make_registry(*(plugins[::-1] if reverse else plugins))
+    assert reg.names() == ["cpu", "tunedcpu2"] and list(reg.replaced) == ["tunedcpu"]
+    assert torchhal.get_platform("cpu") is torchhal.current_platform()
+    with pytest.raises(UnknownPlatformError, match="platform 'tunedcpu' was replaced by platform 'tunedcpu2' "):
+        torchhal.get_platform("tunedcpu")
+
+
+def test_in_a_chain_of_replacements_the_top_stays_and_every_second_one_below_it(make_registry):
+    reg = make_registry(plugin_module(replacing("b", "cpu"), replacing("c", "b"), replacing("d", "c")))
+    assert reg.names() == ["b", "d"]
+    assert {gone: reg.plugin.name for gone, reg in reg.replaced.items()} == {"c": "d", "cpu": "b"}
+
+
+@pytest.mark.parametrize("names", [("simx", "simy"), ("sima", "simb", "simc")])
+def test_platforms_replacing_one_another_in_a_cycle_are_a_conflict_naming_each(make_registry, names):
+    # Was: all silently gone, each error sending you to the other.
+    cycle = [replacing(name, names[(i + 1) % len(names)]) for i, name in enumerate(names)]
+    with pytest.warns(TorchhalPluginWarning, match="they replace one another in a cycle"):
+        reg = make_registry(*(plugin_module(platform) for platform in cycle))
+    assert reg.names() == ["cpu"] and not reg.replaced
+    conflicts = errors_of(reg, "conflict")
+    assert sorted(f.plugin for f in conflicts) == [f"test-plugin-{i}" for i in range(len(names))]
+    for i, name in enumerate(names):
+        declares = f"platform {name!r} (plugin 'test-plugin-{i}', distribution <in-process>) declares `replaces = "
+        assert all(declares in f.error and name in f.involves for f in conflicts)
+        with pytest.raises(PluginConflictError, match="none applies and all are dropped. Uninstall one of them"):
+            torchhal.get_platform(name)
+
+
+def test_one_plugin_returning_a_platform_twice_is_told_to_return_one_instance(make_registry):
+    twice = type(fake_platform("myaccel", -1))
+    with pytest.warns(TorchhalPluginWarning, match="returned platform 'myaccel' 2 times"):
+        reg = make_registry(plugin_module(twice(), fake_platform("other", -1), twice()))
+    [conflict] = errors_of(reg, "conflict")
+    assert conflict.plugin == "test-plugin-0" and "uninstall" not in str(conflict)
+    assert conflict.error == ("plugin 'test-plugin-0' returned platform 'myaccel' 2 times from "
+                              "torchhal_register_platforms; return one instance (one platform serves all its "
+                              "devices: each call takes the device index)")
+    assert reg.names() == ["cpu", "other"]  # its other platforms register
+    with pytest.raises(PluginConflictError, match="returned platform 'myaccel' 2 times"):
+        torchhal.get_platform("myaccel")
+
+
 @pytest.mark.parametrize("bad", ["evil\n", "Evil", "1abc", "a-b", ""])
 def test_names_must_match_in_full(make_registry, bad):
     with pytest.warns(TorchhalPluginWarning, match="name is"):
         reg = make_registry(plugin_module(fake_platform(bad, 1)))
     assert reg.names() == ["cpu"]
+
+
+@pytest.mark.parametrize("flag", ["wrapper", "hookwrapper"])
+@pytest.mark.parametrize("hook", ["torchhal_cache_emptied", "torchhal_engine_event", "torchhal_register_platforms"])
+def test_a_hook_wrapper_is_refused_at_registration_naming_the_hook(make_registry, flag, hook):
+    # Was accepted and never run: torchhal calls each implementation, dropping a wrapper's generator.
+    seen = []
+
+    def wrapper(self):
+        seen.append(hook)
+        yield
+
+    tracer = type("Tracer", (), {
+        hook: hookimpl(**{flag: True})(wrapper),
+        "torchhal_platform_activated": hookimpl(lambda self: seen.append("activated")),
+    })()
+    says = rf"'test-plugin-0'.*failed to register: implements '{hook}' \({flag}=True\) as a hook wrapper"
+    with pytest.warns(TorchhalPluginWarning, match=says):
+        reg = make_registry(tracer)
+    [failure] = errors_of(reg, "register")
+    assert failure.error.endswith("declare it with a plain @torchhal.hookimpl (an observer is called after the "
+                                  "event, with its arguments)")
+    platform = torchhal.current_platform()  # refused whole, like any plugin that fails to register
+    platform.empty_cache(torchhal.ReleasePoint.USER)
+    assert seen == [] and not platform.traces_events and reg.names() == ["cpu"]
 
 
 def test_an_object_with_no_hooks_is_reported(make_registry):

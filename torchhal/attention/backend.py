@@ -62,6 +62,11 @@ class AttentionCapability:
         if (not isinstance(self.dtypes, tuple) or not self.dtypes
                 or not all(isinstance(d, torch.dtype) for d in self.dtypes)):
             raise bad("dtypes", "a non-empty tuple of torch dtypes, e.g. (torch.bfloat16,)")
+        # A dtype no AttentionSpec may ask for could never be chosen, nor checked by the suite.
+        unknown = [d for d in self.dtypes if d not in _DTYPES]
+        if unknown:
+            raise ValueError(f"AttentionCapability.dtypes is {self.dtypes!r}, with {', '.join(map(str, unknown))}, "
+                             f"which no AttentionSpec asks for; declare only {', '.join(map(str, _DTYPES))}")
         for field in ("head_dims", "block_sizes"):
             sizes = getattr(self, field)
             if sizes is not None and (not isinstance(sizes, tuple) or not sizes

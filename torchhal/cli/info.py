@@ -82,6 +82,15 @@ def _attention_rows(platform: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def _graphs_row(platform: Any) -> str | None:
+    """The graph class's name, or None where the platform declares no graphs: a declared
+    record is named whatever its class, never shown as "unsupported"."""
+    support = platform.graph_support
+    if support is None:
+        return None
+    return getattr(support.graph_class, "__name__", None) or repr(support.graph_class)
+
+
 def _linear_row(platform: Any) -> dict[str, Any]:
     """The platform's linear kernel for few-row inputs, or a row saying F.linear serves every linear."""
     support = platform.linear_support
@@ -126,7 +135,7 @@ def collect_info() -> dict[str, Any]:
     if platform is not None:
         how, where = how_resolved()
         runtime, _ = _plugin_query(reg, platform, "runtime_version()", platform.runtime_version)
-        graphs, graphs_ok = _plugin_query(reg, platform, "graph_support()", lambda: platform.graph_support)
+        graphs, graphs_ok = _plugin_query(reg, platform, "graph_support()", lambda: _graphs_row(platform))
         ipc, ipc_ok = _plugin_query(reg, platform, "ipc_support()", lambda: platform.ipc_support)
         attention, attention_ok = _plugin_query(reg, platform, "attention_support()", lambda: _attention_rows(platform))
         linear, linear_ok = _plugin_query(reg, platform, "linear_support()", lambda: _linear_row(platform))
@@ -144,7 +153,7 @@ def collect_info() -> dict[str, Any]:
             "environment": _environment(platform.visible_devices_env),
             "devices": _device_rows(reg, platform),
             "capabilities": {
-                "graphs": getattr(getattr(graphs, "graph_class", None), "__name__", None) if graphs_ok else None,
+                "graphs": graphs if graphs_ok else None,
                 "ipc": (
                     {"peer_redirect": getattr(ipc, "peer_redirect", None), "note": getattr(ipc, "note", "")}
                     if ipc_ok and ipc

@@ -17,11 +17,14 @@ import importlib
 import importlib.metadata as metadata
 import os
 import re
+import sys
 import threading
+import time
 import warnings
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from types import ModuleType
+from types import FrameType, ModuleType
 from typing import Any
 
 import pluggy
@@ -45,6 +48,14 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "torchhal.plugins.musa",
 )
 _NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]*")  # used with fullmatch: no trailing newline
+#: Seconds between looks at where a detection probe is (a call back into torchhal is found in two).
+_PROBE_LOOK_S = 0.05
+#: The modules whose locks a detection holds: a probe waiting in them never returns.
+_REGISTRY_MODULES = (__name__, "torchhal.platforms.selection")
+
+
+class DetectionReentryError(PlatformError):
+    """A plugin's is_available() called torchhal's platform API and waits for the detection it is part of."""
 
 
 @dataclass(frozen=True)
@@ -132,39 +143,15 @@ class PlatformRegistry:
         warnings.warn(message, TorchhalPluginWarning, stacklevel=3)
 
     def add_plugin(self, plugin: object, name: str, distribution: str, version: str) -> bool:
-        """Register one pluggy plugin (module or object); reject unknown hooks and no hooks."""
+        """Register one pluggy plugin (module or object); reject unknown hooks, no hooks and wrappers."""
         _, error = isolated(lambda: self.pm.register(plugin, name=name))
         if error is not None:  # pluggy raises ValueError / PluginValidationError
             self._record_failure(PluginFailure(name, "register", describe_error(error), distribution))
             return False
-        if not self.pm.get_hookcallers(plugin):
+        problem = _hook_problem(plugin, self.pm.get_hookcallers(plugin) or [])
+        if problem is not None:
             self.pm.unregister(plugin)
-            self._record_failure(
-                PluginFailure(
-                    name,
-                    "register",
-                    f"{_describe_plugin(plugin)} implements no torchhal hook, so it registers nothing; point the "
-                    "entry point at the module that defines torchhal_register_platforms "
-                    "(decorated with torchhal.hookimpl)",
-                    distribution,
-                )
-            )
-            return False
-        unknown = [
-            caller.name
-            for caller in self.pm.get_hookcallers(plugin) or []
-            if not caller.has_spec()
-        ]
-        if unknown:
-            self.pm.unregister(plugin)
-            known = [n for n in dir(hookspecs) if n.startswith("torchhal_")]
-            hints = []
-            for hook_name in unknown:
-                close = difflib.get_close_matches(hook_name, known, n=1)
-                hints.append(f"{hook_name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            self._record_failure(
-                PluginFailure(name, "register", "unknown hook " + ", ".join(hints), distribution)
-            )
+            self._record_failure(PluginFailure(name, "register", problem, distribution))
             return False
         self._provenance[name] = (distribution, version)
         return True
@@ -219,7 +206,10 @@ class PlatformRegistry:
                 if error is not None:  # e.g. a `name` property that raises
                     problem = f"reading its class attributes raised {describe_error(error)}"
                 if problem:
-                    self._record_failure(PluginFailure(impl.plugin_name, "validate", problem, dist))
+                    # The platform it would have been, so naming it explains why it is missing.
+                    name = getattr(item, "name", None) if error is None else None
+                    self._record_failure(PluginFailure(impl.plugin_name, "validate", problem, dist,
+                                                       (name,) if isinstance(name, str) else ()))
                     continue
                 assert isinstance(item, PlatformPlugin)
                 if not self._spi_compatible(item, impl.plugin_name, dist):
@@ -257,6 +247,7 @@ class PlatformRegistry:
         return True
 
     def _resolve_conflicts(self, candidates: dict[str, list[RegisteredPlatform]]) -> None:
+        self._drop_repeats(candidates)
         replacers: dict[str, list[RegisteredPlatform]] = {}
         for regs in candidates.values():
             for reg in regs:
@@ -317,11 +308,68 @@ class PlatformRegistry:
                 continue
             self.platforms[name] = regs[0]
         # Replacements last: only a replacer that kept its own name may drop what it replaces.
-        for reg in list(self.platforms.values()):
-            gone = reg.plugin.replaces
-            if gone is not None and gone != reg.plugin.name and gone in self.platforms:
-                del self.platforms[gone]
-                self.replaced[gone] = reg
+        self._apply_replacements()
+
+    def _drop_repeats(self, candidates: dict[str, list[RegisteredPlatform]]) -> None:
+        """Drop a platform name one plugin returned more than once: a mistake of that plugin, not a
+        conflict between distributions (no other plugin is involved, nothing to uninstall)."""
+        for name, regs in candidates.items():
+            counts = Counter(reg.source for reg in regs)
+            for source, count in counts.items():
+                if count > 1:
+                    distribution = next(reg.distribution for reg in regs if reg.source == source)
+                    self._record_failure(
+                        PluginFailure(
+                            source,
+                            "conflict",
+                            f"plugin {source!r} returned platform {name!r} {count} times from "
+                            "torchhal_register_platforms; return one instance (one platform serves all its devices: "
+                            "each call takes the device index)",
+                            distribution,
+                            (name, source),
+                        )
+                    )
+            candidates[name] = [reg for reg in regs if counts[reg.source] == 1]
+
+    def _apply_replacements(self) -> None:
+        """Drop the platforms that registered platforms replace. A replaced platform replaces
+        nothing: in a chain (C replaces B, B replaces A) C drops B and A stays. Platforms that
+        replace one another in a cycle are all dropped, as a conflict naming each."""
+        replacer_of = {
+            reg.plugin.replaces: reg
+            for name, reg in self.platforms.items()
+            if reg.plugin.replaces not in (None, name) and reg.plugin.replaces in self.platforms
+        }  # one replacer a target at most: rival replacers were dropped
+        replaced: dict[str, RegisteredPlatform] = {}
+        cycles: list[list[str]] = []
+        for name in self.platforms:
+            chain = [name]  # name, the platform replacing it, the one replacing that …
+            while chain[-1] in replacer_of and replacer_of[chain[-1]].plugin.name not in chain:
+                chain.append(replacer_of[chain[-1]].plugin.name)
+            if chain[-1] in replacer_of:  # back at `name`: a cycle
+                if name == min(chain):
+                    cycles.append(chain)
+            elif len(chain) % 2 == 0:  # the top of the chain stays, and every second one below it
+                replaced[name] = replacer_of[name]
+        for cycle in cycles:
+            regs = [self.platforms.pop(name) for name in cycle]
+            who = " and ".join(f"platform {reg.plugin.name!r} (plugin {reg.source!r}, distribution "
+                               f"{reg.distribution}) declares `replaces = {reg.plugin.replaces!r}`" for reg in regs)
+            involves = tuple(dict.fromkeys((*cycle, *(reg.source for reg in regs))))
+            for reg in regs:
+                self._record_failure(
+                    PluginFailure(
+                        reg.source,
+                        "conflict",
+                        f"{who}: they replace one another in a cycle, so none applies and all are dropped. "
+                        "Uninstall one of them, or remove its `replaces`",
+                        reg.distribution,
+                        involves,
+                    )
+                )
+        for name, reg in replaced.items():
+            del self.platforms[name]
+            self.replaced[name] = reg
 
     def replacement_note(self, name: str) -> str | None:
         """Why platform `name` is not registered when a plugin's `replaces` dropped it, naming the platform
@@ -338,7 +386,9 @@ class PlatformRegistry:
         return sorted(self.platforms)
 
     def conflict_for(self, name: str) -> PluginFailure | None:
-        return next((f for f in self.failures if f.stage == "conflict" and f.plugin == name), None)
+        """The conflict that names platform `name`: over its name, or one its plugin was a party to."""
+        return next((f for f in self.failures if f.stage == "conflict" and (f.plugin == name or name in f.involves)),
+                    None)
 
     def availability(self, name: str) -> Availability:
         """Detect once per registry, isolated and time-limited; a failure counts as 'no'."""
@@ -360,42 +410,103 @@ class PlatformRegistry:
                 self._record_failure(PluginFailure(name, "detect", str(error), reg.distribution))
                 result = Availability.no(f"detection timed out: {error}")
             elif error is not None:
-                self._record_failure(PluginFailure(name, "detect", describe_error(error), reg.distribution))
-                result = Availability.no(f"detection failed: {describe_error(error)}")
+                # torchhal's own finding is said as it is; what the plugin raised, with its type
+                said = str(error) if isinstance(error, DetectionReentryError) else describe_error(error)
+                self._record_failure(PluginFailure(name, "detect", said, reg.distribution))
+                result = Availability.no(f"detection failed: {said}")
             assert isinstance(result, Availability)
             self._availability[name] = result
             return result
 
     def detect(self, plugin: PlatformPlugin) -> tuple[object, BaseException | None]:
         """`plugin.is_available()` in a daemon thread, waited for `detect_timeout` seconds:
-        (its answer, None), or (None, what it raised; a TimeoutError when it did not return).
+        (its answer, None), or (None, what it raised; a TimeoutError when it did not return; a
+        DetectionReentryError when it waits in a call back into torchhal).
         Uncached: the conformance suite probes through it under the host's limit.
 
         A probe that hangs is abandoned, not killed (Python cannot stop a thread): it
         keeps running in the background and does not hold the process open at exit.
         """
-        if self.detect_timeout is None:
-            return isolated(plugin.is_available)
         outcome: list[tuple[object, BaseException | None]] = []
-
-        def probe() -> None:
-            try:
-                outcome.append(isolated(plugin.is_available))
-            except KeyboardInterrupt as exc:  # re-raised in the caller's thread
-                outcome.append((None, exc))
-
-        thread = threading.Thread(target=probe, name=f"torchhal-detect-{plugin.name}", daemon=True)
+        thread = threading.Thread(target=_probe, args=(plugin, outcome), name=f"torchhal-detect-{plugin.name}",
+                                  daemon=True)
         thread.start()
-        thread.join(self.detect_timeout)
-        if not outcome:
-            return None, TimeoutError(
-                f"is_available() did not return within {self.detect_timeout:g} s "
-                f"({DETECT_TIMEOUT_ENV}); the probe was abandoned, still running"
-            )
+        deadline = None if self.detect_timeout is None else time.monotonic() + self.detect_timeout
+        seen: FrameType | None = None
+        while not outcome:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None, TimeoutError(
+                    f"is_available() did not return within {self.detect_timeout:g} s "
+                    f"({DETECT_TIMEOUT_ENV}); the probe was abandoned, still running"
+                )
+            thread.join(_PROBE_LOOK_S if left is None else min(_PROBE_LOOK_S, left))
+            # Detection runs under the registry's lock (and, from current_platform(), selection's):
+            # a probe calling back into either waits for this very detection. Found in the same
+            # call twice, it waits there, not passing through: say so now, not at the limit (or never).
+            call = None if outcome else _call_back(thread)
+            if call is not None and call is seen:
+                caller = call.f_back
+                where = f" from {caller.f_code.co_filename}:{caller.f_lineno}" if caller is not None else ""
+                return None, DetectionReentryError(
+                    f"is_available() calls back into torchhal ({call.f_globals['__name__']}.{call.f_code.co_name}()"
+                    f"{where}) while torchhal detects platforms, and waits there for that detection, which "
+                    "never ends; is_available() must not call torchhal's platform API (torchhal.registry(), "
+                    "current_platform(), get_platform(), list_platforms()): decide from the device runtime "
+                    "alone. The probe was abandoned"
+                )
+            seen = call
         result, error = outcome[0]
         if isinstance(error, KeyboardInterrupt):
             raise error
         return result, error
+
+
+def _probe(plugin: PlatformPlugin, outcome: list[tuple[object, BaseException | None]]) -> None:
+    """A detection thread's body: what `plugin.is_available()` returned or raised, into `outcome`."""
+    try:
+        outcome.append(isolated(plugin.is_available))
+    except KeyboardInterrupt as exc:  # re-raised in the caller's thread
+        outcome.append((None, exc))
+
+
+def _call_back(thread: threading.Thread) -> FrameType | None:
+    """The outermost frame of torchhal's registry or selection code that the probe `thread` is
+    in, called from the plugin's is_available(); None while it runs outside them."""
+    frames = sys._current_frames()
+    frame = frames.get(thread.ident) if thread.ident is not None else None
+    found = None
+    while frame is not None and frame.f_code is not _probe.__code__:  # up to the probe's own frame
+        if frame.f_globals.get("__name__") in _REGISTRY_MODULES:
+            found = frame
+        frame = frame.f_back
+    return found
+
+
+def _hook_problem(plugin: object, callers: list[pluggy.HookCaller]) -> str | None:
+    """Why a registered plugin's hook implementations cannot work, or None: no torchhal hook at
+    all, a hook name no spec has, or a pluggy wrapper (torchhal calls each implementation itself,
+    isolated, so a wrapper's generator would be made and dropped: its body would never run)."""
+    if not callers:
+        return (f"{_describe_plugin(plugin)} implements no torchhal hook, so it registers nothing; point the "
+                "entry point at the module that defines torchhal_register_platforms (decorated with "
+                "torchhal.hookimpl)")
+    unknown = [caller.name for caller in callers if not caller.has_spec()]
+    if unknown:
+        known = [n for n in dir(hookspecs) if n.startswith("torchhal_")]
+        hints = []
+        for hook_name in unknown:
+            close = difflib.get_close_matches(hook_name, known, n=1)
+            hints.append(f"{hook_name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        return "unknown hook " + ", ".join(hints)
+    wrappers = [f"{caller.name!r} ({'wrapper' if impl.wrapper else 'hookwrapper'}=True)"
+                for caller in callers for impl in caller.get_hookimpls()
+                if impl.plugin is plugin and (impl.wrapper or impl.hookwrapper)]
+    if wrappers:
+        return (f"implements {', '.join(wrappers)} as a hook wrapper, which torchhal never runs: it calls each hook "
+                "implementation itself; declare it with a plain @torchhal.hookimpl (an observer is called after "
+                "the event, with its arguments)")
+    return None
 
 
 def _validate_platform_object(item: Any) -> str | None:

@@ -160,7 +160,9 @@ class Platform:
         self._bind()
 
     def _bind(self) -> None:
-        """Set each pass-through to the plugin's bound method; forget facts already asked."""
+        """Set each pass-through to the plugin's bound method; forget facts and the device count."""
+        #: A device index below this passes without asking the plugin (see `_index`); 0: ask first.
+        self._checked_count = 0
         for name in _PASS_THROUGHS:
             self.__dict__[name] = getattr(self._plugin, name, None)
         if getattr(self.__dict__["is_out_of_memory"], "__func__", None) is PlatformPlugin.is_out_of_memory:
@@ -178,23 +180,22 @@ class Platform:
 
     # -- devices -----------------------------------------------------------------
     def set_device(self, index: int) -> None:
-        self._check_index(index)
-        self._plugin.set_device(index)
+        self._plugin.set_device(self._check_index(index))
 
     def device(self, index: int | None = None) -> torch.device:
         """`torch.device` for `index` (default: the current device)."""
-        return torch.device(self.device_type, self.current_device() if index is None else index)
+        return torch.device(self.device_type, self._index(index))
 
     def synchronize(self, index: int | None = None) -> None:
-        self._plugin.synchronize(self.current_device() if index is None else index)
+        self._plugin.synchronize(self._index(index))
 
     def device_info(self, index: int | None = None) -> DeviceInfo:
-        return self._plugin.device_info(self.current_device() if index is None else index)
+        return self._plugin.device_info(self._index(index))
 
     # -- memory ----------------------------------------------------------------------
     def memory_info(self, index: int | None = None) -> MemoryInfo:
         """Observe one device's memory. Never empties the cache, never synchronizes."""
-        info = self._plugin.memory_info(self.current_device() if index is None else index)
+        info = self._plugin.memory_info(self._index(index))
         if type(info) is not MemoryInfo and not isinstance(info, MemoryInfo):  # exact type first: cheap
             raise PluginContractError(
                 f"platform {self.name!r} ({self.distribution}): memory_info() returned "
@@ -210,7 +211,7 @@ class Platform:
                 f"empty_cache(reason={reason!r}): the reason must be a ReleasePoint "
                 f"({choices}); emptying the cache is only allowed at a named release point"
             )
-        device = self.current_device() if index is None else index
+        device = self._index(index)
         released = self._plugin.empty_cache(device)
         notify_observers(
             self._pm,
@@ -250,11 +251,11 @@ class Platform:
 
     def peak_memory(self, index: int | None = None) -> PeakMemory:
         """Peak reserved/allocated bytes since the last `reset_peak_memory` (benchmarks, reports)."""
-        return self._plugin.peak_memory(self.current_device() if index is None else index)
+        return self._plugin.peak_memory(self._index(index))
 
     def reset_peak_memory(self, index: int | None = None) -> None:
         """Start a new peak measurement. Changes no memory, only the counters."""
-        self._plugin.reset_peak_memory(self.current_device() if index is None else index)
+        self._plugin.reset_peak_memory(self._index(index))
 
     def report_out_of_memory(self, error: BaseException, context: str, index: int | None = None) -> None:
         """Tell observers an OOM was caught (call before emptying with ReleasePoint.OOM)."""
@@ -262,17 +263,17 @@ class Platform:
             self._pm,
             "torchhal_out_of_memory",
             platform=self,
-            device=self.current_device() if index is None else index,
+            device=self._index(index),
             error=error,
             context=context,
         )
 
     # -- streams ---------------------------------------------------------------------
     def new_stream(self, index: int | None = None) -> Any:
-        return self._plugin.new_stream(self.current_device() if index is None else index)
+        return self._plugin.new_stream(self._index(index))
 
     def current_stream(self, index: int | None = None) -> Any:
-        return self._plugin.current_stream(self.current_device() if index is None else index)
+        return self._plugin.current_stream(self._index(index))
 
     # -- IPC -------------------------------------------------------------------------
     def set_ipc_peer_redirect(self, enabled: bool) -> None:
@@ -329,13 +330,31 @@ class Platform:
             notify_observers(self._pm, "torchhal_engine_event", event=event)
 
     # -- helpers -----------------------------------------------------------------------
-    def _check_index(self, index: int) -> None:
+    def _index(self, index: int | None) -> int:
+        """The device index a plugin call gets: the current device for None, else `index` checked.
+        An index below a device count already seen costs a type check and two compares (a hot path)."""
+        if index is None:
+            return self.current_device()
+        if type(index) is int and 0 <= index < self._checked_count:
+            return index
+        return self._check_index(index)
+
+    def _check_index(self, index: object) -> int:
+        """`index` as a plain int once the plugin's device_count() says it exists, else a named error."""
         count = self.device_count()
-        if not isinstance(index, int) or not 0 <= index < max(count, 1):
+        if not isinstance(count, int) or isinstance(count, bool):
+            raise PluginContractError(f"platform {self.name!r}: device_count() returned {count!r}; it must return an "
+                                      "int >= 0")
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise TypeError(f"device index {index!r} ({type(index).__name__}) for platform {self.name!r} is not an "
+                            f"int; use 0..{max(count - 1, 0)}")
+        if not 0 <= index < max(count, 1):
             raise ValueError(
                 f"device index {index!r} is out of range for platform {self.name!r} "
                 f"with {count} device(s); use 0..{max(count - 1, 0)}"
             )
+        self._checked_count = max(count, 1)
+        return int(index)  # an int subclass (IntEnum …) reaches the plugin as a plain int
 
 
 def check_platform_argument(platform: object, where: str = "") -> None:

@@ -108,6 +108,14 @@ class PeakMemory:
             _reject_fields(self, ("device",), ("reserved", "allocated"))
 
 
+def _check_fields(record: object, checks: tuple[tuple[str, Callable[[Any], bool], str], ...]) -> None:
+    """Raise a TypeError naming the first field whose value fails its test: (field, test, what it must be)."""
+    for name, test, must in checks:
+        value = getattr(record, name)
+        if not test(value):
+            raise TypeError(f"{type(record).__name__}.{name} is {value!r}; it must be {must}")
+
+
 def _reject_fields(record: object, required: tuple[str, ...], optional: tuple[str, ...]) -> None:
     """Raise naming the first bad field; int subclasses (IntEnum …) are stored as plain ints."""
     cls = type(record).__name__
@@ -178,6 +186,18 @@ class GraphSupport:
     capture: Callable[[Any, Any, Any], AbstractContextManager[Any]]
     is_capturing: Callable[[], bool]
 
+    def __post_init__(self) -> None:
+        # Declaring graphs makes engines and the conformance suite use them: a hole here
+        # would surface as "'NoneType' object is not callable" inside the first capture.
+        _check_fields(self, (
+            ("graph_class", lambda cls: isinstance(cls, type), "a class whose instances are graphs, e.g. "
+             "torch.cuda.CUDAGraph (no graphs: return None from graph_support())"),
+            ("new_pool", callable, "a function returning a memory-pool handle, e.g. torch.cuda.graph_pool_handle"),
+            ("capture", callable, "a function capture(graph, pool, stream) returning a context manager"),
+            ("is_capturing", callable, "a function returning True while the current stream captures, e.g. "
+                                       "torch.cuda.is_current_stream_capturing"),
+        ))
+
 
 @dataclass(frozen=True)
 class IpcHandle:
@@ -217,6 +237,17 @@ class IpcEvents:
     open: Callable[[bytes, int, int], Any]
     handle_nbytes: int
 
+    def __post_init__(self) -> None:
+        _check_fields(self, (
+            ("new", callable, "a function of a device index returning an interprocess event"),
+            ("export", callable, "a function of an event returning its handle as bytes"),
+            ("open", callable, "a function (handle bytes, producer device, consumer device) returning an event"),
+            ("handle_nbytes", lambda n: isinstance(n, int) and not isinstance(n, bool),
+             "an int: the length of an exported handle (64 for CUDA and HIP)"),
+        ))
+        if not 0 < self.handle_nbytes <= 256:  # the transport reserves 256 bytes a slot
+            raise ValueError(f"IpcEvents.handle_nbytes is {self.handle_nbytes}; it must be in 1..256")
+
 
 @dataclass(frozen=True)
 class IpcSupport:
@@ -235,6 +266,16 @@ class IpcSupport:
     peer_redirect: bool
     note: str = ""
     events: IpcEvents | None = None
+
+    def __post_init__(self) -> None:
+        _check_fields(self, (
+            ("share", callable, "a function of a tensor returning an IpcHandle"),
+            ("open", callable, "a function (IpcHandle, consumer device) returning a tensor"),
+            ("peer_redirect", lambda flag: isinstance(flag, bool), "True or False"),
+            ("note", lambda note: isinstance(note, str), "a str (one line for reports)"),
+            ("events", lambda events: events is None or isinstance(events, IpcEvents),
+             "None or an IpcEvents"),
+        ))
 
 
 @dataclass(frozen=True)
@@ -378,7 +419,8 @@ class PluginFailure:
     stage: str  # "import" | "register" | "validate" | "version" | "conflict" | "detect" | "query"
     error: str
     distribution: str | None = None
-    #: for a conflict: every platform name and plugin (entry point) it involves
+    #: every platform name and plugin (entry point) it involves: a conflict's, and the platform
+    #: a plugin object failing validation would have registered
     involves: tuple[str, ...] = ()
 
     @property

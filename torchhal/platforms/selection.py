@@ -126,7 +126,7 @@ def _require_known(reg: PlatformRegistry, name: str) -> None:
         raise PluginConflictError(conflict.error)
     # A plugin that was installed but not loaded: say why, not "install it".
     failed = [f for f in reg.failures if f.stage in LOAD_STAGES
-              and (name in (f.plugin, f.plugin.rsplit(".", 1)[-1]) or f"(platform {name!r})" in f.error)]
+              and (name in (f.plugin, f.plugin.rsplit(".", 1)[-1], *f.involves) or f"(platform {name!r})" in f.error)]
     if failed:
         raise UnknownPlatformError(
             f"platform {name!r} is not registered: " + "; ".join(str(f) for f in failed) + f". {known}"
