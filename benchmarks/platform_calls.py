@@ -11,7 +11,7 @@ limit and whether this run met it:
   (device_count, current_device), else the plugin's method; <= 100 ns.
 - memory_info_over_floor: Platform.memory_info(0) / (mem_get_info(0) + one allocator
   stats read), the median of alternating paired timings in this run (on CPU the floor is
-  the one OS query); <= 1.15.
+  the OS query and the memory cgroup's files); <= 1.15.
 - current_platform_cached_ns: torchhal.current_platform() once resolved; <= 100 ns.
 Runs on CPU too (the floor and direct calls are then the CPU plugin's own).
 """
@@ -46,10 +46,12 @@ def median(results: dict[str, Any], key: str) -> float:
 
 def memory_floor(platform: torchhal.Platform, module: Any) -> dict[str, Callable[[], Any]]:
     """The backend queries one memory_info cannot avoid, by name."""
-    if module is None:  # CPU: one OS query
+    if module is None:  # CPU: the OS's figures and the memory cgroup's limit
         import psutil
 
-        return {"psutil.virtual_memory": psutil.virtual_memory}
+        from torchhal.plugins.host_memory import cgroup_limit
+
+        return {"psutil.virtual_memory": psutil.virtual_memory, "cgroup_limit": cgroup_limit}
     floor: dict[str, Callable[[], Any]] = {"mem_get_info(0)": lambda: module.mem_get_info(0)}
     stats = getattr(torch._C, "_cuda_memoryStats", None)
     if stats is not None and platform.device_type == torch.device("cuda").type:
