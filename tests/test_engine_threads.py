@@ -220,6 +220,46 @@ def test_an_abort_pause_from_another_thread_returns_the_aborted_requests(expecte
     assert_idle(e)
 
 
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_close_wakes_a_generate_waiting_out_a_pause_with_a_clear_error(mode):
+    # The waiting caller was never woken: continue_generation() is refused after close().
+    e = engine()
+    run = GenerateInThread(e, PROMPTS, 20)
+    run.wait_for_steps(3)
+    e.pause_generation(mode)
+    time.sleep(0.2)  # the caller is waiting for continue_generation() now
+    e.close()
+    run.thread.join(10)
+    assert not run.thread.is_alive(), "generate waited for ever"
+    assert isinstance(run.outcome, RuntimeError) and "closed engine" in str(run.outcome)
+    assert not e.results and e.blocks.available == e.blocks.num_blocks
+
+
+def test_prompts_are_read_before_the_engine_lock_is_taken(expected):
+    # A lazy iterable fed by a thread that calls the engine deadlocked: generate held the lock
+    # inside next(prompts), and the feeding thread waited for it.
+    import queue
+
+    e = engine()
+    asked, fed = threading.Event(), queue.Queue()
+
+    def streamed() -> Iterator[list[int]]:
+        for _ in range(3):
+            asked.set()
+            yield fed.get(timeout=10)
+
+    def feeder() -> None:
+        for prompt in PROMPTS[:3]:
+            asked.wait(10)
+            asked.clear()
+            e.pending()  # any engine call takes the lock
+            fed.put(prompt)
+
+    threading.Thread(target=feeder, daemon=True).start()
+    outputs = run_threads(lambda _: [r.output for r in e.generate(streamed(), NEW_TOKENS)], 1, timeout=20)[0]
+    assert outputs == expected[:3]
+
+
 def test_weight_updates_and_sleep_from_another_thread_land_between_steps(expected_long):
     e = engine()
     seen_mid_step: list[tuple[int, int]] = []

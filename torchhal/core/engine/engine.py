@@ -391,14 +391,17 @@ class GenerationEngine:
         share the continuous batch and each returns exactly its own results. Paused by
         another thread mid-call, it waits (without stepping) for continue_generation();
         requests that pause ended (abort) are returned as they are."""
+        # Read and checked before the lock: a lazy iterable (a tokenizer, another thread's queue)
+        # would otherwise hold every other caller's steps, or wait for a thread waiting for the lock.
+        check_max_new_tokens(max_new_tokens)
+        listed = listed_prompts(prompts)
         with self._exclusive("generate"):
             if self.paused is not None:
                 raise RuntimeError(f"the engine is paused ({self.paused.value}); call continue_generation() first")
             self._check_can_run()
-            check_max_new_tokens(max_new_tokens)
             rids: list[int] = []
             try:
-                for prompt in listed_prompts(prompts):
+                for prompt in listed:
                     try:
                         rids.append(self.requests.add(prompt, max_new_tokens))
                     except (TypeError, ValueError) as exc:
@@ -915,6 +918,7 @@ class GenerationEngine:
         if _ENGINE_OF_MODEL.get(id(self.model)) is self:
             del _ENGINE_OF_MODEL[id(self.model)]
         self._closed = True
+        self._resumed.notify_all()  # generate calls waiting out a pause: refused now, not waiting for ever
         return ended
 
     def __enter__(self) -> GenerationEngine:
