@@ -47,6 +47,23 @@ def group_sum_and_torchelastic_variables(timeout_s: float) -> tuple[float, list[
     return total, sorted(name for name in os.environ if name.startswith("TORCHELASTIC_"))
 
 
+def groups_one_after_another(cycles: int) -> list[float]:
+    """`cycles` groups in turn, each made, used, closed and dropped by a function of its own (as
+    the docs' `rank_sum`), rank 0 lingering after each while rank 1 goes on to the next."""
+    return [one_group_sum() for _ in range(cycles)]
+
+
+def one_group_sum() -> float:
+    group = init_group(timeout=timedelta(seconds=10))
+    try:
+        total = group.comm.all_reduce(torch.tensor([group.rank + 1.0])).item()
+    finally:
+        group.close()
+    if group.rank == 0:
+        time.sleep(0.3)  # writes its report, say
+    return total
+
+
 def rank_tensor() -> torch.Tensor:
     return torch.arange(3.0) + 10 * int(os.environ["RANK"])
 
@@ -451,6 +468,38 @@ def test_a_sub_group_inside_a_larger_torchrun_job_keeps_the_workers_device(monke
     assert RankPlacement.from_env(rank=0, world_size=1) == RankPlacement(0, 1, 5, 8)
 
 
+@pytest.mark.parametrize("rendezvous", ["env", "default group"])
+def test_a_default_named_group_smaller_than_the_job_it_meets_in_is_refused_naming_the_fix(cpu, monkeypatch,
+                                                                                         rendezvous):
+    """Data parallel x tensor parallel: two 2-rank groups of a 4-process job, both default-named
+    'group0' on the job's rendezvous, used to pair up in the order their ranks arrived, across
+    replicas, and sum the wrong ranks' tensors."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    if rendezvous == "env":
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        shared = r"the env:// rendezvous \(MASTER_ADDR:MASTER_PORT, WORLD_SIZE=4\)"
+    else:
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+        shared = "torch.distributed's default group"
+    with pytest.raises(ValueError, match=rf"^name = None: this group of 2 ranks meets on {shared}, which 4 processes "
+                                         "share, and default names would pair the ranks of their groups in the order "
+                                         r"they arrive: pass a name= unique to each sub-group \(name=f'tp\{replica\}', "
+                                         r"say\)$"):
+        init_group(cpu, rank=1, world_size=2, local_rank=1)
+    with pytest.raises(AssertionError, match="set_device"):  # named, or the whole job: past every check, to the device
+        init_group(cpu, rank=1, world_size=2, local_rank=1, name="tp1")
+    with pytest.raises(AssertionError, match="set_device"):
+        init_group(cpu, rank=1, world_size=4, local_rank=1)
+
+
+def test_groups_made_one_after_another_under_launch_all_form() -> None:
+    """Rank 0's env:// store used to go with the group that made it: rank 1, already in the next
+    group's rendezvous on rank 0's server, lost it there ("did not form ... Connection closed")."""
+    assert launch(groups_one_after_another, 2, (3,), timeout=90) == [[3.0] * 3] * 2
+
+
 def test_a_group_of_several_ranks_without_a_rank_is_refused_naming_it(monkeypatch):
     """Rank 0 by default would make every process of the group rank 0, and the group would wait
     out its whole timeout; refused before any store is touched."""
@@ -541,17 +590,17 @@ def test_a_default_named_init_group_while_another_thread_is_in_one_is_refused(mo
         monkeypatch.delenv(var, raising=False)
     cpu = torchhal.get_platform("cpu")
     inside, release = threading.Event(), threading.Event()
-    real_incarnation = group_module._incarnation
+    real_attempt = group_module._attempt
     store_names: list[str] = []
 
-    def slow_incarnation(store: dist.Store, name: str, world_size: int) -> str:
+    def slow_attempt(store: dist.Store, name: str, *args: Any) -> Any:
         store_names.append(name)
         if not inside.is_set():  # the first caller waits here, inside init_group, for the second's
             inside.set()
             release.wait(30)
-        return real_incarnation(store, name, world_size)
+        return real_attempt(store, name, *args)
 
-    monkeypatch.setattr(group_module, "_incarnation", slow_incarnation)
+    monkeypatch.setattr(group_module, "_attempt", slow_attempt)
     made: list[Any] = []
     first = threading.Thread(target=lambda: made.append(init_group(cpu)), daemon=True)
     first.start()
@@ -580,18 +629,18 @@ def test_a_default_named_init_group_inside_one_on_the_same_thread_is_refused_as_
     for var in (*RANK_VARIABLES, "TORCHELASTIC_USE_AGENT_STORE"):
         monkeypatch.delenv(var, raising=False)
     cpu = torchhal.get_platform("cpu")
-    real_incarnation = group_module._incarnation
+    real_attempt = group_module._attempt
 
-    def nested(store: dist.Store, name: str, world_size: int) -> str:
+    def nested(*args: Any) -> Any:
         init_group(cpu)
-        return real_incarnation(store, name, world_size)
+        return real_attempt(*args)
 
-    monkeypatch.setattr(group_module, "_incarnation", nested)
+    monkeypatch.setattr(group_module, "_attempt", nested)
     with pytest.raises(ValueError, match="^name = None: init_group was called from inside a default-named init_group "
                                          "on the same thread, which would take the outer group's name; pass name= to "
                                          "the inner one$"):
         init_group(cpu)
-    monkeypatch.setattr(group_module, "_incarnation", real_incarnation)
+    monkeypatch.setattr(group_module, "_attempt", real_attempt)
     group = init_group(cpu)  # the refusal left the naming free
     group.close()
 
@@ -602,14 +651,14 @@ def test_a_child_forked_inside_a_default_named_init_group_unwinds_with_its_own_e
     # (releasing that raised "release unlocked lock" over the child's own error).
     for var in (*RANK_VARIABLES, "TORCHELASTIC_USE_AGENT_STORE"):
         monkeypatch.delenv(var, raising=False)
-    real_incarnation = group_module._incarnation
+    real_attempt = group_module._attempt
 
-    def forks(store: dist.Store, name: str, world_size: int) -> str:
+    def forks(*args: Any) -> Any:
         if os.fork() == 0:
             raise KeyError("the child's own error")  # the child unwinds through init_group
-        return real_incarnation(store, name, world_size)
+        return real_attempt(*args)
 
-    monkeypatch.setattr(group_module, "_incarnation", forks)
+    monkeypatch.setattr(group_module, "_attempt", forks)
     parent = os.getpid()
     try:
         group = init_group(torchhal.get_platform("cpu"))
@@ -703,6 +752,84 @@ def test_a_ranks_own_bad_tensor_is_refused_before_any_peer_waits(tensor: Any, er
             call()
 
 
+@pytest.mark.parametrize("method, arguments, dtype, call", [
+    ("all_reduce", ("max",), torch.complex64, "all_reduce(op='max')"),
+    ("all_reduce", ("sum",), torch.float8_e4m3fn, "all_reduce(op='sum')"),
+    ("all_reduce", ("min",), torch.uint16, "all_reduce(op='min')"),
+    ("all_gather", (), torch.complex64, "all_gather"),
+    ("broadcast", (0,), torch.uint32, "broadcast(src=0)"),
+])
+def test_a_dtype_gloo_cannot_take_is_refused_naming_it_and_the_group_still_works(
+        method: str, arguments: tuple[Any, ...], dtype: torch.dtype, call: str) -> None:
+    """Given alike by every rank, it used to fail in the backend once the ranks had met, as a
+    CollectiveError blaming a dead or diverged peer and saying the group could not be reused."""
+    store = dist.HashStore()
+
+    def body(rank: int) -> list[Any]:
+        comm = gloo_pair(rank, store)
+        with pytest.raises(ValueError) as refused:
+            getattr(comm, method)(torch.ones(4).to(dtype), *arguments)
+        summed = comm.all_reduce(torch.ones(2, dtype=torch.complex64)).tolist()  # complex sums go as reals
+        return [str(refused.value), summed, comm.all_reduce(torch.ones(1)).item()]
+
+    shown = str(dtype).removeprefix("torch.")
+    taken = "bfloat16, bool, float16, float32, float64, int32, int64, int8, uint8"
+    taken += " and complex" if call in ("all_reduce(op='sum')", "broadcast(src=0)") else ""
+    refusal = f"{call}: gloo cannot take {shown} tensors here; it takes {taken}: convert the tensor first " \
+              "(tensor.to(...))"
+    assert on_threads(2, body) == [[refusal, [2 + 0j, 2 + 0j], 2.0]] * 2
+
+
+@pytest.mark.parametrize("tensor", [torch.ones(1).expand(4), torch.arange(5.0).unfold(0, 3, 1)],
+                         ids=["expand", "unfold"])
+def test_a_tensor_whose_elements_share_memory_is_refused_where_a_result_is_written(tensor: torch.Tensor) -> None:
+    """The collective used to run with every peer, then fail writing back on this rank alone."""
+    from torchhal.platforms.communicator import TorchCommunicator
+
+    comm = TorchCommunicator(object(), 0, 2, torch.device("cpu"), name="lonely")  # no peer ever joins
+    before = tensor.tolist()
+    shape, strides = list(tensor.shape), list(tensor.stride())
+    for call, name in [(lambda: comm.all_reduce(tensor), "all_reduce(op='sum')"),
+                       (lambda: comm.broadcast(tensor, 1), "broadcast(src=1)"),
+                       (lambda: comm.recv(tensor, 1), "recv(src=1)")]:
+        with pytest.raises(ValueError, match=re.escape(
+                f"{name}: elements of the tensor share memory (shape {shape}, strides {strides}: an expand()ed or "
+                "unfold()ed view, say), so the result cannot be written into it; pass a tensor of its own "
+                "(tensor.clone())")):
+            call()
+    assert tensor.tolist() == before
+
+
+def test_ranks_and_dims_take_numpy_integers_and_refuse_bools() -> None:
+    """np.int64(0) used to be "not a rank of this group"; dim=True was taken as dim 1."""
+    import numpy as np
+
+    from torchhal.platforms.communicator import TorchCommunicator
+
+    comm = TorchCommunicator(object(), 0, 2, torch.device("cpu"), name="lonely")
+    for call, error in [(lambda: comm.all_gather(torch.ones(2, 3), dim=True), "all_gather(dim=True): give a dimension "
+                         "of the tensor (an int; it has 2)"),
+                        (lambda: comm.all_gather(torch.ones(2, 3), dim=1.0), "all_gather(dim=1.0)"),
+                        (lambda: comm.broadcast(torch.ones(2), True), "broadcast(src=...) True is not a rank of this "
+                         "group (an int, 0..1)"),
+                        (lambda: comm.send(torch.ones(2), np.float64(1)),
+                         "send(dst=...) np.float64(1.0) is not a rank")]:
+        with pytest.raises(ValueError, match=re.escape(error)):
+            call()
+    store = dist.HashStore()
+
+    def body(rank: int) -> list[Any]:
+        pair = gloo_pair(rank, store)
+        sent = pair.broadcast(torch.full((2,), float(rank)), np.int64(1)).tolist()
+        gathered = pair.all_gather(torch.full((1, 1), float(rank)), dim=np.int64(-1)).tolist()
+        if rank == 0:
+            pair.send(torch.tensor([5.0]), np.int32(1))
+            return [sent, gathered]
+        return [sent, gathered, pair.recv(torch.zeros(1), np.int64(0)).tolist()]
+
+    assert on_threads(2, body) == [[[1.0, 1.0], [[0.0, 1.0]]], [[1.0, 1.0], [[0.0, 1.0]], [5.0]]]
+
+
 def test_launch_returns_each_ranks_tensor() -> None:
     """Results travel by value: a connection's own pickler would send a tensor through shared
     memory that the launcher cannot open once its rank has exited ("exited before returning")."""
@@ -710,24 +837,88 @@ def test_launch_returns_each_ranks_tensor() -> None:
     assert [r.tolist() for r in results] == [[0.0, 1.0, 2.0], [10.0, 11.0, 12.0]]
 
 
-def test_a_group_that_does_not_form_names_itself_and_the_retry_that_works() -> None:
-    """A peer that never joins: not a bare DistStoreError after the timeout but a CollectiveError
-    naming the group, the rank and the timeout; and the retry it names (another name) forms."""
-    from torchhal.distributed import CollectiveError
-
+def pair_sum(store: dist.Store, name: str, timeout_s: float = 10) -> Callable[[int], float]:
+    """One rank's body for `on_threads`: join the 2-rank group `name` on `store` and sum a one."""
     cpu = torchhal.get_platform("cpu")
-    store = dist.HashStore()
-    with pytest.raises(CollectiveError, match=r"group 'tp' did not form at rank 0 of 2 within 1 s: .*retry under "
-                                              r"another name"):
-        init_group(cpu, rank=0, world_size=2, store=store, name="tp", timeout=timedelta(seconds=1))
 
     def body(rank: int) -> float:
-        group = init_group(cpu, rank=rank, world_size=2, store=store, name="tp-again", timeout=timedelta(seconds=20))
-        total = group.comm.all_reduce(torch.ones(1)).item()
-        group.close()
-        return total
+        group = init_group(cpu, rank=rank, world_size=2, local_rank=rank, store=store, name=name,
+                           timeout=timedelta(seconds=timeout_s))
+        try:
+            return group.comm.all_reduce(torch.ones(1)).item()
+        finally:
+            group.close()
 
+    return body
+
+
+@pytest.mark.parametrize("alone", [0, 1])
+def test_a_group_that_did_not_form_forms_when_every_rank_retries_under_its_name(alone: int) -> None:
+    """A rank that timed out alone (its peer late) is told so, naming the group, the rank and the
+    timeout; its attempt costs the ranks' next one nothing. The join counted on the store by the
+    failed attempt used to shift every later attempt under the name: the ranks never met again."""
+    from torchhal.distributed import CollectiveError
+
+    store = dist.HashStore()
+    waited_for = "rank 0 opened no new attempt to form group 'tp'" if alone else "Wait timeout"
+    with pytest.raises(CollectiveError, match=rf"group 'tp' did not form at rank {alone} of 2 within 1 s: "
+                                              rf"{waited_for}.* calling init_group again on every rank makes a "
+                                              "new attempt$"):
+        init_group(torchhal.get_platform("cpu"), rank=alone, world_size=2, local_rank=alone, store=store, name="tp",
+                   timeout=timedelta(seconds=1))
+    body = pair_sum(store, "tp", timeout_s=5)
     assert on_threads(2, body) == [2.0, 2.0]
+    assert on_threads(2, body) == [2.0, 2.0]  # and again
+
+
+def test_a_late_rank_joins_rank_0s_next_attempt_not_the_one_it_gave_up_on() -> None:
+    """Rank 0 timed out alone; rank 1 comes first to the retry. It used to take rank 0's failed
+    attempt (rank 0's keys still on the store) and wait there, while rank 0 made a new one."""
+    store = dist.HashStore()
+    with pytest.raises(torchhal.distributed.CollectiveError):
+        init_group(torchhal.get_platform("cpu"), rank=0, world_size=2, store=store, name="tp",
+                   timeout=timedelta(seconds=1))
+    body = pair_sum(store, "tp", timeout_s=5)
+
+    def rank_1_first(rank: int) -> float:
+        if rank == 0:
+            time.sleep(0.3)
+        return body(rank)
+
+    assert on_threads(2, rank_1_first) == [2.0, 2.0]
+
+
+def forming_twice(rank: int) -> str:
+    return (f"init_group: two processes are forming group 'tp' as rank {rank} at once: two processes with "
+            f"RANK={rank} (or the same rank=), or two groups made under the name 'tp'. Give each process its own rank "
+            "and each group its own name; if the other process died making the group, retry")
+
+
+def test_two_processes_of_one_rank_are_told_so() -> None:
+    """Two rank 0s (the same RANK twice, or two groups made under one name at once) used to wait
+    out the timeout, each told only that the group did not form; each is now told why."""
+    store = dist.HashStore()
+    cpu = torchhal.get_platform("cpu")
+
+    def body(rank_0: int) -> str:
+        time.sleep(0.2 * rank_0)  # the second comes while the first is forming the group
+        try:
+            init_group(cpu, rank=0, world_size=2, store=store, name="tp", timeout=timedelta(seconds=1))
+        except ValueError as exc:
+            return str(exc)
+        return "formed"
+
+    assert on_threads(2, body) == [forming_twice(0), forming_twice(0)]
+
+
+def test_a_second_process_joining_as_another_ranks_number_is_told_so_and_the_group_forms() -> None:
+    """Rank 1 twice: the first to join forms the group with rank 0; the second is refused at once
+    (it used to count a join of its own and wait out the timeout alone)."""
+    store = dist.HashStore()
+    body = pair_sum(store, "tp")
+    results = on_threads(3, lambda thread: body(min(thread, 1)))
+    assert results[0] == 2.0
+    assert sorted(results[1:], key=str) == [2.0, f"ValueError: {forming_twice(1)[:200]}"]
 
 
 # -- ranks that disagree on a collective (TORCH_DISTRIBUTED_DEBUG=DETAIL) -----------------------
@@ -886,6 +1077,24 @@ def test_under_detail_debug_a_ranks_tensor_on_another_device_is_shown_to_all(det
                for r in results), results
 
 
+def test_under_detail_debug_a_ranks_tensor_whose_elements_share_memory_is_shown_to_all(detail_debug: None) -> None:
+    """Refused by that rank's own communicator after the check, its peer would wait on it."""
+    store = dist.HashStore()
+    results = on_threads(2, lambda rank: detail_pair(store, rank, lambda g: g.comm.all_reduce(
+        torch.ones(1).expand(4) if g.rank == 0 else torch.ones(4))))
+    calls = ("rank 0: all_reduce(op='sum') float32 [4] whose elements share memory; "
+             "rank 1: all_reduce(op='sum') float32 [4]")
+    assert results == [disagreement(0, "all_reduce(op='sum') float32 [4] whose elements share memory", calls)[:217],
+                       disagreement(1, "all_reduce(op='sum') float32 [4]", calls)[:217]]
+
+
+def test_under_detail_debug_a_bool_dim_is_refused_not_taken_as_one(detail_debug: None) -> None:
+    store = dist.HashStore()
+    results = on_threads(2, lambda rank: detail_pair(store, rank, lambda g: g.comm.all_gather(torch.ones(2, 3),
+                                                                                          dim=True)))
+    assert results == ["ValueError: all_gather(dim=True): give a dimension of the tensor (an int; it has 2)"] * 2
+
+
 def test_under_detail_debug_a_numpy_integer_dim_is_the_same_call(detail_debug: None) -> None:
     import numpy as np
 
@@ -983,8 +1192,8 @@ def reduce_mismatched(kind: str) -> str:
 @pytest.mark.parametrize("kind", ["length", "dtype"])
 def test_under_detail_debug_ranks_reducing_other_sizes_are_told_so(kind: str) -> None:
     """Other byte counts: unchecked, gloo aborts each rank's process (SIGABRT), so ranks of
-    their own, through launch, with the variable set as a user would set it (launch sets a
-    rank's variables after the target's module imported torch, which read it then)."""
+    their own, through launch, with the variable set as a user would set it (each rank starts
+    with it, and torch reads it as it is imported)."""
     results = launch(reduce_mismatched, 2, (kind,), timeout=120, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
     assert all("disagree on this collective" in r for r in results), results
 

@@ -20,7 +20,16 @@ from torchhal.distributed import LaunchError, launch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+#: What this module saw of its process's environment when imported: in a rank, before any target runs.
+AT_IMPORT = {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "TORCHHAL_LAUNCH_TEST",
+                                                      "TORCHELASTIC_RUN_ID")}
+
+
 # -- targets (run in the rank processes) ----------------------------------------------------
+def environment_at_import() -> dict[str, str | None]:
+    return AT_IMPORT
+
+
 def report_placement(tag: str) -> tuple[str, int, int, int, int, str, str]:
     env = os.environ
     return (tag, int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"]),
@@ -131,6 +140,20 @@ def test_extra_variables_reach_every_rank_and_the_parent_keeps_its_own(monkeypat
     monkeypatch.delenv("TORCHHAL_LAUNCH_TEST", raising=False)
     assert launch(read_variable, 2, ("TORCHHAL_LAUNCH_TEST",), env={"TORCHHAL_LAUNCH_TEST": "on"}) == ["on", "on"]
     assert "TORCHHAL_LAUNCH_TEST" not in os.environ and "RANK" not in os.environ
+
+
+def test_a_rank_starts_with_its_variables_for_its_imports_too(monkeypatch):
+    """They used to be set once the rank had imported the target's module (and torch): its
+    top-level code saw the launcher's environment, and torch's import-time settings
+    (OMP_NUM_THREADS, TORCH_DISTRIBUTED_DEBUG) were read without them."""
+    for name in ("RANK", "WORLD_SIZE", "TORCHHAL_LAUNCH_TEST"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer")  # torchrun's, dropped from every rank
+    results = launch(environment_at_import, 2, env={"TORCHHAL_LAUNCH_TEST": "on"}, timeout=90)
+    assert results == [{"RANK": str(rank), "WORLD_SIZE": "2", "TORCHHAL_LAUNCH_TEST": "on", "TORCHELASTIC_RUN_ID": None}
+                       for rank in range(2)]
+    assert os.environ["TORCHELASTIC_RUN_ID"] == "outer"  # the launcher's own, as they were
+    assert not {"RANK", "WORLD_SIZE", "TORCHHAL_LAUNCH_TEST"} & set(os.environ)
 
 
 def test_ranks_form_a_group_and_agree_on_a_collective():

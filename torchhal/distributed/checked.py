@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import operator
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -25,7 +24,9 @@ from torchhal.platforms.communicator import (
     Communicator,
     ReduceOpName,
     WrappedCommunicator,
+    as_index,
     is_on,
+    overlaps_itself,
 )
 
 #: Bytes a rank shares per call: a digest of its whole description, then as much of the text as fits.
@@ -42,18 +43,15 @@ class CheckedCommunicator(WrappedCommunicator):
         self.checker, self.name = checker, name
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> torch.Tensor:
-        self._agree(f"all_reduce(op={op!r}) {self._describe(tensor)}")
+        self._agree(f"all_reduce(op={op!r}) {self._describe(tensor, written=True)}")
         return self.inner.all_reduce(tensor, op)
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None) -> torch.Tensor:
         extents = None if sizes is None else list(sizes)  # a generator is read once, here
         ndim = tensor.dim() if isinstance(tensor, torch.Tensor) else 0
-        try:
-            dim = operator.index(dim)  # numpy's integers too
-        except TypeError:
-            pass  # the inner call names it
-        in_range = isinstance(dim, int) and -ndim <= dim < ndim
-        dim = dim % ndim if in_range else dim  # -1 and ndim - 1 are the same call
+        index = as_index(dim)  # numpy's integers too; a bad one the inner call names
+        in_range = index is not None and -ndim <= index < ndim
+        dim = index % ndim if index is not None and in_range else dim  # -1 and ndim - 1 are the same call
         # Each rank's extent along `dim` is its own (sizes names them all); the rest must match.
         free = dim if extents is not None and in_range else None
         call = f"all_gather(dim={dim}, sizes={extents}) {self._describe(tensor, free)}"
@@ -64,7 +62,7 @@ class CheckedCommunicator(WrappedCommunicator):
         return self.inner.all_gather(tensor, dim, extents)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        self._agree(f"broadcast(src={src}) {self._describe(tensor)}")
+        self._agree(f"broadcast(src={src}) {self._describe(tensor, written=True)}")
         return self.inner.broadcast(tensor, src)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
@@ -77,7 +75,7 @@ class CheckedCommunicator(WrappedCommunicator):
         self.inner.send(tensor, dst)
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        described, layout = self._describe(tensor), _layout(tensor)
+        described, layout = self._describe(tensor, written=True), _layout(tensor)
         mine = f"recv from rank {src} {described}"
         with self._checking(mine):
             theirs = self.checker.recv(_encode(""), src)
@@ -88,12 +86,15 @@ class CheckedCommunicator(WrappedCommunicator):
             raise self._mismatch(mine, {src: _text(theirs), self.rank: mine})
         return self.inner.recv(tensor, src)
 
-    def _describe(self, tensor: object, free_dim: int | None = None) -> str:
-        """What every rank's call must share (dtype, shape), and this rank's own mistake of a
-        device other than its own, shown to all: refused here alone, it would leave them waiting."""
+    def _describe(self, tensor: object, free_dim: int | None = None, written: bool = False) -> str:
+        """What every rank's call must share (dtype, shape), and this rank's own mistakes of a
+        device other than its own or, for a call that writes into it (`written`), a tensor whose
+        elements share memory, shown to all: refused here alone, they would leave them waiting."""
         described = _layout(tensor, free_dim)
         if isinstance(tensor, torch.Tensor) and not is_on(tensor.device, self.device):
             described += f" on {tensor.device}, not rank {self.rank}'s {self.device}"
+        if written and isinstance(tensor, torch.Tensor) and overlaps_itself(tensor):
+            described += " whose elements share memory"
         return described
 
     def _agree(self, mine: str) -> None:

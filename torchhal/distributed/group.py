@@ -10,13 +10,14 @@ torch.distributed users, and two engines with two groups can live in one process
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -41,16 +42,28 @@ _default_names_taken = 0
 #: and the thread that holds it (None while free).
 _default_naming = threading.Lock()
 _default_naming_thread: int | None = None
+#: The env:// stores reached so far, by (MASTER_ADDR, MASTER_PORT, rank, world size), kept for the
+#: process's life as torch's default group keeps its own: rank 0's serves every rank's groups, and
+#: going with the group that made it would cut off a peer already making the next group through it.
+_env_stores: dict[tuple[str, str, int, int], dist.Store] = {}
+#: A forked child's inherited stores: its parent's connections, never used nor closed there.
+_parents_env_stores: list[dict[tuple[str, str, int, int], dist.Store]] = []
+#: What rank 0 writes of each attempt to form a group (`_attempt`): opened, then formed or failed.
+_FORMING, _FORMED, _FAILED = "forming", "formed", "failed"
 
 
-def _fresh_default_naming() -> None:
-    """A forked child has only the forking thread: a lock another thread held stays held there."""
-    global _default_naming, _default_naming_thread
+def _after_fork_in_child() -> None:
+    """A forked child has only the forking thread: a lock another thread held stays held there. Nor
+    may it talk over its parent's store connections (closing rank 0's would stop a server thread
+    the child does not have): it reaches the env:// rendezvous anew."""
+    global _default_naming, _default_naming_thread, _env_stores
     _default_naming, _default_naming_thread = threading.Lock(), None
+    _parents_env_stores.append(_env_stores)
+    _env_stores = {}
 
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which cannot fork
-    os.register_at_fork(after_in_child=_fresh_default_naming)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @dataclass(frozen=True)
@@ -206,11 +219,15 @@ def init_group(
     call order, which every rank must then follow). Threads have no call order: a default-named
     call while another thread is inside one is refused, so pass `name=` to each group when
     threads make groups (a default-named call from inside one, on its thread, is refused too).
-    The rank's device is `platform.device_for_rank` and is made current. A collective on a dead or hung peer
+    So is a default-named group smaller than the job whose rendezvous it shares (a sub-group
+    under torchrun): the job's groups would pair up by arrival. Two processes joining one
+    group as the same rank are refused, naming that. The rank's device is
+    `platform.device_for_rank` and is made current. A collective on a dead or hung peer
     raises `CollectiveError` within `timeout` (gloo); on NCCL, wait for its result through
     `DeviceGroup.wait_for`, which raises it (a blocking read can hang: see there). Call `close()`
-    before exiting; a group made again under a closed one's name, on the same store, is a new group.
-    Bad arguments are refused before anything is touched (the device, the store, the names).
+    before exiting; a group made again under a closed one's name, on the same store, is a new group,
+    and so is one made again after a failed attempt. Bad arguments are refused before anything is
+    touched (the device, the store, the names).
     """
     global _default_names_taken, _default_naming_thread
     check_platform_argument(platform)  # init_group's refusals start with the argument
@@ -226,7 +243,12 @@ def init_group(
         raise ValueError(f"name = {name!r} must be a non-empty str, or None for a default name")
     platform = platform if platform is not None else current_platform()
     index = platform.device_for_rank(placement.local_rank, placement.local_world_size)
-    connect = _rendezvous(placement, timeout) if store is None else lambda: store
+    connect, sharing = _rendezvous(placement, timeout) if store is None else ((lambda: store), None)
+    if name is None and sharing is not None and sharing[0] > placement.world_size:
+        raise ValueError(f"name = None: this group of {placement.world_size} ranks meets on {sharing[1]}, which "
+                         f"{sharing[0]} processes share, and default names would pair the ranks of their groups "
+                         "in the order they arrive: pass a name= unique to each sub-group (name=f'tp{replica}', "
+                         "say)")
     if name is None:
         # This call's own lock: a fork inside the call gives the child a fresh one, and the
         # child must release the one it holds. Non-blocking: waiting would number the groups
@@ -258,23 +280,24 @@ def _make_group(platform: Platform, placement: RankPlacement, index: int, connec
     support = platform.distributed_support
     try:
         base = connect()
-        prefix = _incarnation(base, group_name, placement.world_size)
-        checked = _ranks_check_collectives(base, prefix, placement, timeout, group_name)
-        host_backend = _new_backend("gloo", dist.PrefixStore(f"{prefix}/host", base), placement, timeout, group_name)
-        # The checks of the device's and the host's collectives each get a gloo group of their own,
-        # as threads may call both and the order their checks meet in must not depend on that.
-        checkers = [TorchCommunicator(_new_backend("gloo", dist.PrefixStore(f"{prefix}/check/{part}", base), placement,
-                                                   timeout, group_name),
-                                      placement.rank, placement.world_size, torch.device("cpu"),
-                                      name=f"{group_name}/check/{part}", timeout=timeout)
-                    for part in (("device", "host") if checked else ())]
+        with _attempt(base, group_name, placement, timeout) as prefix:
+            checked = _ranks_check_collectives(base, prefix, placement, timeout, group_name)
+            host_backend = _new_backend("gloo", dist.PrefixStore(f"{prefix}/host", base), placement, timeout,
+                                        group_name)
+            # The checks of the device's and the host's collectives each get a gloo group of their own,
+            # as threads may call both and the order their checks meet in must not depend on that.
+            checkers = [TorchCommunicator(_new_backend("gloo", dist.PrefixStore(f"{prefix}/check/{part}", base),
+                                                       placement, timeout, group_name),
+                                          placement.rank, placement.world_size, torch.device("cpu"),
+                                          name=f"{group_name}/check/{part}", timeout=timeout)
+                        for part in (("device", "host") if checked else ())]
     except RuntimeError as exc:  # torch's DistStoreError / DistNetworkError: a peer or the store never came
         reason = " ".join(str(exc).split())[:300]
         raise CollectiveError(
             f"init_group: group {group_name!r} did not form at rank {placement.rank} of {placement.world_size} "
             f"within {timeout.total_seconds():g} s: {reason}. Check that every rank calls init_group with the same "
             "name and world size, that MASTER_ADDR:MASTER_PORT (or the store) reaches rank 0's store, and that no "
-            "rank has died; retry under another name or on a fresh store (this attempt stays counted on this one)"
+            "rank has died; calling init_group again on every rank makes a new attempt"
         ) from exc
     host = TorchCommunicator(host_backend, placement.rank, placement.world_size, torch.device("cpu"),
                              name=f"{group_name}/host", timeout=timeout)
@@ -320,32 +343,39 @@ def _ranks_check_collectives(store: dist.Store, prefix: str, placement: RankPlac
     return mine
 
 
-def _rendezvous(placement: RankPlacement, timeout: timedelta) -> Callable[[], dist.Store]:
-    """How this rank will reach its peers: checked now, connected when called."""
+def _rendezvous(placement: RankPlacement, timeout: timedelta) -> tuple[Callable[[], dist.Store], tuple[int, str]]:
+    """How this rank will reach its peers (checked now, connected when called), and how many
+    processes share that rendezvous, with what it is: other groups may meet on it too."""
     if dist.is_available() and dist.is_initialized():
-        return dist.distributed_c10d._get_default_store
+        return dist.distributed_c10d._get_default_store, (dist.get_world_size(), "torch.distributed's default group")
     if placement.world_size == 1:
-        return dist.HashStore
+        return dist.HashStore, (1, "a store of its own")
     missing = [var for var in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(var)]
     if missing:
         raise ValueError(
             f"{placement.world_size} ranks need a rendezvous: set {' and '.join(missing)} (torchrun does), "
             "or pass store= to init_group"
         )
-    port = os.environ["MASTER_PORT"]
+    address, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
     if not (port.isdecimal() and 0 < int(port) < 65536):
         raise ValueError(f"MASTER_PORT={port!r} must be a TCP port number, 1 to 65535 (the port of rank 0's store)")
-    _check_master_addr(os.environ["MASTER_ADDR"])
+    _check_master_addr(address)
+    job = os.environ.get("WORLD_SIZE", "")
+    sharing = (int(job) if job.isdecimal() else placement.world_size,
+               f"the env:// rendezvous (MASTER_ADDR:MASTER_PORT, WORLD_SIZE={job})")
+    key = (address, port, placement.rank, placement.world_size)
 
     def connect() -> dist.Store:
+        if (store := _env_stores.get(key)) is not None:
+            return store
         # torch's own env:// rendezvous, so torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE)
         # and a multi-tenant TCPStore on rank 0 (several groups, one port) work as they do for
         # init_process_group.
         store, _, _ = next(dist.rendezvous("env://", rank=placement.rank, world_size=placement.world_size,
                                            timeout=timeout))
-        return store
+        return _env_stores.setdefault(key, store)  # a thread that got there first keeps its own
 
-    return connect
+    return connect, sharing
 
 
 def _check_master_addr(address: str) -> None:
@@ -372,13 +402,74 @@ def _is_ipv6(address: str) -> bool:
     return True
 
 
-def _incarnation(store: dist.Store, name: str, world_size: int) -> str:
-    """The key prefix of this group: one of its own each time a group named `name` is made on
-    `store`, as a re-made group (after close) would hang on its predecessor's keys. Every rank
-    counts its join; all ranks of one incarnation join before any can start the next (gloo's
-    rendezvous waits for them all), so all derive the same number."""
-    joins = store.add(f"torchhal/{name}/joins/{world_size}", 1)
-    return f"torchhal/{name}/{world_size}.{(joins - 1) // world_size}"
+@contextlib.contextmanager
+def _attempt(store: dist.Store, name: str, placement: RankPlacement, timeout: timedelta) -> Iterator[str]:
+    """The key prefix of this attempt to form the group `name` on `store`: a new one each time,
+    as a group made again (after close, or after a failed attempt) would meet its predecessor's keys.
+    Rank 0 opens the attempts and writes whether each formed or failed; every other rank joins
+    the newest one opened since the last it joined, unless it failed, so a rank that failed or
+    timed out alone, or a late one, costs the ranks' next attempts nothing."""
+    base = f"torchhal/{name}/{placement.world_size}"
+    rank = placement.rank
+    number = _open_attempt(store, base, name) if rank == 0 else _newest_attempt(store, base, name, rank, timeout)
+    prefix = f"{base}.{number}"
+    try:
+        if rank and store.add(f"{prefix}/rank/{rank}", 1) > 1:
+            raise _joined_twice(name, rank)
+        yield prefix
+    except BaseException as exc:
+        with contextlib.suppress(RuntimeError):  # a store that failed with the attempt tells no one anyway
+            if rank == 0:
+                store.set(f"{prefix}/state", _FAILED)
+            # Another process of this rank is why this one timed out: the first of the two is told so too.
+            if isinstance(exc, RuntimeError) and (store.add(f"{base}/attempts", 0) > number if rank == 0
+                                                  else store.add(f"{prefix}/rank/{rank}", 0) > 1):
+                raise _joined_twice(name, rank) from exc
+        raise
+    else:
+        if rank == 0:
+            store.set(f"{prefix}/state", _FORMED)
+    finally:
+        if rank:
+            with contextlib.suppress(RuntimeError):
+                store.set(f"{base}/joined/{rank}", str(number))  # where its next call looks from
+
+
+def _open_attempt(store: dist.Store, base: str, name: str) -> int:
+    """Rank 0's next attempt; refused while its last one is still forming: that is another rank 0's."""
+    number = store.add(f"{base}/attempts", 1)
+    last = f"{base}.{number - 1}/state"
+    if number > 1 and not (store.check([last]) and store.get(last).decode() in (_FORMED, _FAILED)):
+        store.set(f"{base}.{number}/state", _FAILED)
+        raise _joined_twice(name, 0)
+    store.set(f"{base}.{number}/state", _FORMING)
+    return number
+
+
+def _newest_attempt(store: dist.Store, base: str, name: str, rank: int, timeout: timedelta) -> int:
+    """The newest attempt rank 0 has opened since this rank last joined one, unless rank 0 gave
+    up on it; waits up to `timeout` for one."""
+    first = store.add(f"{base}/joined/{rank}", 0) + 1  # read (0 if never set)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        try:
+            store.wait([f"{base}.{first}/state"], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except RuntimeError as exc:  # DistStoreError: the wait timed out
+            raise RuntimeError(f"rank 0 opened no new attempt to form group {name!r}: it has not called init_group "
+                               "with this name and world size, or has died") from exc
+        newest = store.add(f"{base}/attempts", 0)
+        for number in range(newest, first - 1, -1):
+            state = f"{base}.{number}/state"  # absent for an instant: rank 0 counts an attempt, then writes it
+            if not store.check([state]) or store.get(state).decode() != _FAILED:
+                return number
+        first = newest + 1  # rank 0 gave up on every attempt opened so far: wait for its next
+
+
+def _joined_twice(name: str, rank: int) -> ValueError:
+    return ValueError(f"init_group: two processes are forming group {name!r} as rank {rank} at once: two processes "
+                      f"with RANK={rank} (or the same rank=), or two groups made under the name {name!r}. Give each "
+                      "process its own rank and each group its own name; if the other process died making the "
+                      "group, retry")
 
 
 def _new_backend(backend: str, store: dist.Store, placement: RankPlacement, timeout: timedelta,

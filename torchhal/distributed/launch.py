@@ -65,6 +65,8 @@ _SHOWN.maxstring = _SHOWN.maxother = 80
 #: torchrun's agent variables, dropped from every rank: launch's ranks are not torchrun's workers
 #: (TORCHELASTIC_USE_AGENT_STORE=True would send them looking for torchrun's store on launch's port).
 _TORCHRUN_PREFIX = "TORCHELASTIC_"
+#: Held while this process's environment is a rank's, for that rank's spawn: one launch at a time.
+_spawning = threading.Lock()
 
 
 class LaunchError(RuntimeError):
@@ -136,10 +138,11 @@ def launch(
                 variables = {**rank_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
                 process = context.Process(
                     target=_rank_main, name=f"torchhal-rank{rank}",
-                    args=(target, tuple(args), variables, sender, str(_stderr_path(logs, rank)), os.getpid()),
+                    args=(target, tuple(args), sender, str(_stderr_path(logs, rank)), os.getpid()),
                 )
                 try:
-                    process.start()
+                    with _environment_of_rank(variables):
+                        process.start()
                 except Exception as exc:
                     receiver.close()
                     sender.close()
@@ -159,6 +162,28 @@ def launch(
             _stop(processes, grace)
             for receiver in receivers:
                 receiver.close()
+
+
+@contextlib.contextmanager
+def _environment_of_rank(variables: Mapping[str, str]) -> Iterator[None]:
+    """This process's environment as a rank's (its `variables` set, torchrun's agent variables
+    dropped) while a rank is spawned, restored after: a spawned process starts with its parent's
+    environment, so the rank's own is there from its first line, for its imports (torch reads
+    OMP_NUM_THREADS and TORCH_DISTRIBUTED_DEBUG as it is imported) and its modules' top-level code."""
+    with _spawning:
+        dropped = [name for name in os.environ if name.startswith(_TORCHRUN_PREFIX)]
+        saved = {name: os.environ.get(name) for name in [*variables, *dropped]}
+        try:
+            for name in dropped:
+                del os.environ[name]
+            os.environ.update(variables)
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 class _Terminated(BaseException):
@@ -469,16 +494,10 @@ def _tails(logs: str, ranks: list[int]) -> str:
     return "".join(parts)
 
 
-def _rank_main(target: Callable[..., Any], args: tuple[Any, ...], variables: dict[str, str],
-               sender: Connection, stderr_path: str, parent_pid: int) -> None:
-    """One rank: its variables set, its stderr (fd 2, so native output too) kept for the
-    parent's error, the outcome sent back."""
-    for name in [name for name in os.environ if name.startswith(_TORCHRUN_PREFIX)]:
-        del os.environ[name]
-    os.environ.update(variables)
-    if "torch.distributed" in sys.modules and "TORCH_DISTRIBUTED_DEBUG" in variables:
-        # torch read the variable when unpickling the target imported it, before it was set here.
-        sys.modules["torch.distributed"].set_debug_level_from_env()
+def _rank_main(target: Callable[..., Any], args: tuple[Any, ...], sender: Connection, stderr_path: str,
+               parent_pid: int) -> None:
+    """One rank (its variables set since it started): its stderr (fd 2, so native output too)
+    kept for the parent's error, the outcome sent back."""
     log = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(log, 2)
     os.close(log)

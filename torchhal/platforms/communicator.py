@@ -10,9 +10,10 @@ wrapping the default one and replacing the calls it does better.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Any, Literal, Protocol, SupportsIndex, TypeVar, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -43,8 +44,9 @@ class Communicator(Protocol):
     it). No backend times out a collective replayed from a device graph, nor the CUDA
     plugin's peer-memory all-reduce, whose kernel waits for its peers on the device. So wait for a
     result through `DeviceGroup.wait_for`, which is bounded and yields. Bad arguments (an
-    unknown `op`, a peer that is not another rank, `sizes` that do not fit) raise ValueError
-    before any rank is waited on.
+    unknown `op`, a peer that is not another rank, `sizes` that do not fit, a tensor whose
+    elements share memory given to a call that writes into it) raise ValueError before any rank
+    is waited on; `TorchCommunicator` refuses so a dtype gloo cannot take, too.
     """
 
     rank: int
@@ -81,7 +83,32 @@ def is_on(place: torch.device, device: torch.device) -> bool:
     return place.type == device.type and (place.type == "cpu" or place.index == device.index)
 
 
+def overlaps_itself(tensor: torch.Tensor) -> bool:
+    """Whether two elements of `tensor` may share memory (`expand()`, `unfold()`): a collective
+    cannot write its result into such a tensor. Exact for what views make; the rare interleaved
+    layout only `as_strided` makes counts as overlapping."""
+    reach = 0  # the furthest offset the dimensions of smaller strides span
+    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=lambda dim: dim[1]):
+        if size > 1:
+            if stride <= reach:
+                return True
+            reach += stride * (size - 1)
+    return False
+
+
+def as_index(value: object) -> int | None:
+    """`value` as an int (numpy's integers too), or None: a bool is a mistake, not 0 or 1."""
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+        return None
+    return operator.index(value)
+
+
 _TORCH_OPS: dict[str, Any] = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+#: The dtypes gloo's all_reduce, all_gather and broadcast take (its type switch); send and recv
+#: move bytes and take any. Complex tensors go as pairs of reals where that is the same
+#: operation: a sum and a broadcast, not max, min or an all_gather.
+_GLOO_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+                          torch.int32, torch.int64, torch.bool})
 
 
 class TorchCommunicator:
@@ -104,6 +131,7 @@ class TorchCommunicator:
         self.graph_capturable = graph_capturable
         self.name = name
         self.timeout = timeout
+        self._gloo = isinstance(backend, dist.ProcessGroupGloo)
 
     def __repr__(self) -> str:
         return (f"<TorchCommunicator {type(self.backend).__name__} rank {self.rank}/{self.world_size} "
@@ -112,7 +140,8 @@ class TorchCommunicator:
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> torch.Tensor:
         if op not in _TORCH_OPS:
             raise ValueError(f"all_reduce(op={op!r}): choose one of {', '.join(REDUCE_OPS)}")
-        self._check_tensor(tensor, f"all_reduce(op={op!r})")
+        self._check_tensor(tensor, f"all_reduce(op={op!r})", written=True)
+        self._check_dtype(tensor, f"all_reduce(op={op!r})", complex_as_reals=op == "sum")
         self._check_open(f"all_reduce(op={op!r})")
         if self.world_size == 1:
             return tensor
@@ -124,9 +153,12 @@ class TorchCommunicator:
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None) -> torch.Tensor:
         self._check_tensor(tensor, "all_gather")
-        if not -tensor.dim() <= dim < tensor.dim():
-            raise ValueError(f"all_gather(dim={dim}): the tensor has {tensor.dim()} dimension(s)")
-        dim = dim % tensor.dim()
+        self._check_dtype(tensor, "all_gather", complex_as_reals=False)
+        index = as_index(dim)
+        if index is None or not -tensor.dim() <= index < tensor.dim():
+            raise ValueError(f"all_gather(dim={dim!r}): give a dimension of the tensor (an int; it has "
+                             f"{tensor.dim()})")
+        dim = index % tensor.dim()
         extents: list[int] | None = None
         if sizes is not None:
             extents = list(sizes)  # once: a generator is read here only
@@ -157,8 +189,9 @@ class TorchCommunicator:
         return pieces
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        self._check_peer(src, "broadcast(src=...)")
-        self._check_tensor(tensor, f"broadcast(src={src})")
+        src = self._check_peer(src, "broadcast(src=...)")
+        self._check_tensor(tensor, f"broadcast(src={src})", written=True)
+        self._check_dtype(tensor, f"broadcast(src={src})", complex_as_reals=True)
         self._check_open(f"broadcast(src={src})")
         if self.world_size == 1:
             return tensor
@@ -170,24 +203,39 @@ class TorchCommunicator:
         return tensor
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
-        self._check_peer(dst, "send(dst=...)", other=True)
+        dst = self._check_peer(dst, "send(dst=...)", other=True)
         self._check_tensor(tensor, f"send(dst={dst})")
         self._complete(f"send(dst={dst})", lambda: self.backend.send([tensor.contiguous()], dst, 0))
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        self._check_peer(src, "recv(src=...)", other=True)
-        self._check_tensor(tensor, f"recv(src={src})")
+        src = self._check_peer(src, "recv(src=...)", other=True)
+        self._check_tensor(tensor, f"recv(src={src})", written=True)
         with _in_place(tensor) as work:
             self._complete(f"recv(src={src})", lambda: self.backend.recv([work], src, 0))
         return tensor
 
-    def _check_tensor(self, tensor: object, call: str) -> None:
-        """Refuse what is this rank's own mistake before its peers are waited on."""
+    def _check_tensor(self, tensor: object, call: str, *, written: bool = False) -> None:
+        """Refuse what is this rank's own mistake before its peers are waited on. `written`: the
+        call writes its result into the tensor."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{call}: expected a torch.Tensor, got {type(tensor).__name__}")
         if not is_on(tensor.device, self.device):
             raise ValueError(f"{call}: the tensor is on {tensor.device}, this group's rank {self.rank} on "
                              f"{self.device}; move it there first (tensor.to(group.device))")
+        if written and overlaps_itself(tensor):
+            raise ValueError(f"{call}: elements of the tensor share memory (shape {list(tensor.shape)}, strides "
+                             f"{list(tensor.stride())}: an expand()ed or unfold()ed view, say), so the result cannot "
+                             "be written into it; pass a tensor of its own (tensor.clone())")
+
+    def _check_dtype(self, tensor: torch.Tensor, call: str, *, complex_as_reals: bool) -> None:
+        """Refuse a dtype the backend cannot take in a collective before any peer waits: the backend
+        fails the call only once the peers have met, in words that blame a peer. Only gloo's limits
+        are known here. `complex_as_reals`: whether the call takes complex tensors (as pairs of reals)."""
+        if self._gloo and tensor.dtype not in _GLOO_DTYPES and not (complex_as_reals and tensor.dtype.is_complex):
+            taken = ", ".join(sorted(str(dtype).removeprefix("torch.") for dtype in _GLOO_DTYPES))
+            raise ValueError(f"{call}: gloo cannot take {str(tensor.dtype).removeprefix('torch.')} tensors here; it "
+                             f"takes {taken}{' and complex' if complex_as_reals else ''}: convert the tensor first "
+                             "(tensor.to(...))")
 
     def _check_open(self, call: str) -> None:
         """Refuse a call on a closed group, a group of one included (it needs no backend to answer)."""
@@ -209,11 +257,14 @@ class TorchCommunicator:
                 "calls in the same order (a dead, hung or diverged peer); the group cannot be reused"
             ) from exc
 
-    def _check_peer(self, peer: object, call: str, other: bool = False) -> None:
-        if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < self.world_size:
-            raise ValueError(f"{call} {peer!r} is not a rank of this group (0..{self.world_size - 1})")
-        if other and peer == self.rank:
+    def _check_peer(self, peer: object, call: str, other: bool = False) -> int:
+        """`peer` as a rank of this group (an int; numpy's integers too)."""
+        rank = as_index(peer)
+        if rank is None or not 0 <= rank < self.world_size:
+            raise ValueError(f"{call} {peer!r} is not a rank of this group (an int, 0..{self.world_size - 1})")
+        if other and rank == self.rank:
             raise ValueError(f"{call} {peer!r} is this rank itself; point-to-point needs another rank")
+        return rank
 
 
 @contextlib.contextmanager
