@@ -59,6 +59,15 @@ def rank_checks(off: bool) -> dict[str, Any]:
                     tensor = torch.zeros(33, device=group.device)[1:].view(8, 4).copy_(tensor)
                 comm.all_reduce(tensor)
                 layouts.append(torch.equal(tensor, dense * sum(r + 1 for r in ranks)))
+        # A tensor whose elements share memory (expand()) is refused before any rank waits, on the
+        # kernel's path as on NCCL's: written back, it failed on one rank after the sum.
+        overlapping = torch.ones(1, 4, device=group.device).expand(4, 4)
+        assert not peer or comm.takes(overlapping, "sum")  # the kernel's path, where there is one
+        try:
+            comm.all_reduce(overlapping)
+            overlap_refused = False
+        except ValueError as exc:
+            overlap_refused = "share memory" in str(exc)
         # Captured: the same static tensor replayed on three new inputs.
         static = torch.zeros(8, 4096, dtype=torch.bfloat16, device=group.device)
         stream = platform.new_stream(index)
@@ -79,7 +88,8 @@ def rank_checks(off: bool) -> dict[str, Any]:
             replays.append(torch.equal(static, base * sum(r + 1 for r in ranks)))
         platform.synchronize(index)
         del graph  # before close: NCCL's shutdown waits while a graph holds its captured work
-        return {"peer": peer, "outcomes": outcomes, "replays": replays, "layouts": layouts}
+        return {"peer": peer, "outcomes": outcomes, "replays": replays, "layouts": layouts,
+                "overlap_refused": overlap_refused}
     finally:
         group.close()
 
@@ -97,6 +107,7 @@ def test_peer_memory_sums_equal_nccls_eager_and_replayed() -> None:
         assert not wrong, f"rank {rank}: wrong sums or gathers {wrong[:5]}"
         assert result["replays"] == [True, True, True]
         assert result["layouts"] == [True] * 4, f"rank {rank}: wrong sums of tensors laid out otherwise"
+        assert result["overlap_refused"], f"rank {rank}: an expand()ed tensor was summed into"
 
 
 @pytest.mark.multi_gpu
@@ -106,4 +117,5 @@ def test_the_off_switch_keeps_nccl() -> None:
 
     for result in launch(rank_checks, 2, (True,), timeout=90):
         assert not result["peer"] and all(o[4] and o[5] for o in result["outcomes"])
+        assert result["overlap_refused"]
         assert result["replays"] == [True, True, True]

@@ -157,6 +157,7 @@ class PeerMemoryCommunicator(WrappedCommunicator):
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> torch.Tensor:
         if not self.takes(tensor, op):
             return self.inner.all_reduce(tensor, op)
+        self.inner._check_tensor(tensor, f"all_reduce(op={op!r})", written=True)  # the refusals NCCL's path makes
         self.inner._check_open(f"all_reduce(op={op!r})")
         # The kernel reads and writes a dense, 16-byte aligned run: a view or an unaligned
         # offset goes through a fresh copy (the allocator aligns it), written back after.
