@@ -911,9 +911,7 @@ class GenerationEngine:
             return []
         self.drain()  # tokens already computed are kept in the aborted results
         ended = self.requests.abort_all("aborted by close()")
-        for holder in self._graph_holders():
-            holder.release()
-        self.model.kv = None
+        self.occupation.drop_device_state(self.model, self._graph_holders())
         self.blocks.reset()
         if _ENGINE_OF_MODEL.get(id(self.model)) is self:
             del _ENGINE_OF_MODEL[id(self.model)]

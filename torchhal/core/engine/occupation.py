@@ -47,7 +47,7 @@ class MemoryOccupation:
                 for runner in runners:
                     runner.resume()
             except BaseException:  # nor that: asleep, whence a wake moves everything back
-                self._drop_device_state(model, runners)
+                self.drop_device_state(model, runners)
                 self.asleep = True
             raise
         model.kv = None
@@ -62,7 +62,7 @@ class MemoryOccupation:
         except BaseException:
             # Back to sleep, so the wake can be retried. Weights left on the device by a failed
             # move back are moved by that wake too.
-            self._drop_device_state(model, runners)
+            self.drop_device_state(model, runners)
             with contextlib.suppress(Exception):
                 self._to_pinned_host(model)
             raise
@@ -86,7 +86,8 @@ class MemoryOccupation:
         model.process_weights()
 
     @staticmethod
-    def _drop_device_state(model: Model, runners: Sequence[Releasable]) -> None:
+    def drop_device_state(model: Model, runners: Sequence[Releasable]) -> None:
+        """The runners' graphs and the KV cache let go (the weights stay where they are)."""
         for runner in runners:
             runner.release()
         model.kv = None
