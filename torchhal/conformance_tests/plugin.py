@@ -30,12 +30,11 @@ from torchhal.platforms import (
     PlatformUnavailableError,
     RegisteredPlatform,
 )
-from torchhal.platforms.selection import LOAD_STAGES as SELECTION_LOAD_STAGES
 from torchhal.platforms.testing import describe_error, isolated
 
 EXPECT_CATEGORIES = ("temporary", "unsupported", "permanent")
-#: PluginFailure stages that leave a plugin unregistered: selection's, and a name conflict.
-LOAD_STAGES = (*SELECTION_LOAD_STAGES, "conflict")
+#: PluginFailure stages that leave a plugin unregistered: the name it would have had is unknown.
+LOAD_STAGES = ("import", "register", "validate", "version", "conflict")
 
 
 @dataclass
