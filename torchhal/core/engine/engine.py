@@ -440,10 +440,19 @@ class GenerationEngine:
         All or nothing: if anything in the step raises, the KV it reserved is given
         back and admitted requests wait again, so the next step computes what this one
         would have. An out-of-memory error anywhere in the step retracts the batch and
-        empties the cache once (ReleasePoint.OOM); other errors propagate."""
+        empties the cache once (ReleasePoint.OOM); other errors propagate.
+
+        An interrupt (Ctrl-C) can arrive between any two lines of the step's bookkeeping, not
+        only in the model: if the requests' book is then left inconsistent (a reservation,
+        admission or token half-done), every request waits again and is prefilled with what
+        it has generated so far (`RequestBook.recover`): nothing is lost or left stuck."""
         self._stepping = True
         try:
             return self._step()
+        except BaseException:
+            if self._inconsistencies():
+                self._recover()
+            raise
         finally:
             self._stepping = False
             if self._idle_since is None:  # a step that worked: the idle clock starts when it ends
@@ -502,6 +511,28 @@ class GenerationEngine:
             return done
         self._steps += 1
         return done + self._append(plan.batch, next_tokens)
+
+    def _inconsistencies(self) -> list[str]:
+        flying: list[Request] = []
+        if self._in_flight is not None:
+            flying += self._in_flight.requests
+        if self._landing is not None:
+            flying += self._landing.batch
+        return self.requests.inconsistencies(self._eos, flying)
+
+    def _recover(self) -> None:
+        """Bring a book a cut-short step left inconsistent back to one that is (see `step`). The
+        window or tokens on their way are dropped: their requests compute them again."""
+        self._in_flight = self._landing = None
+        self.requests.recover(self._eos)
+
+    @_serialized
+    def check_consistent(self) -> None:
+        """Raise RuntimeError naming what is inconsistent in the engine's requests and KV blocks
+        (see `RequestBook.inconsistencies`); for tests and debugging, it walks every block."""
+        problems = self._inconsistencies()
+        if problems:
+            raise RuntimeError("the engine's request book is inconsistent: " + "; ".join(problems))
 
     def _append(self, batch: list[Request], next_tokens: list[list[int]]) -> list[GenerationResult]:
         """Give each request its new tokens; finish those that reach a stop."""

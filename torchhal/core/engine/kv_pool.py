@@ -92,7 +92,14 @@ class BlockAllocator:
         self._free.extend(reversed(blocks))
 
     def reset(self) -> None:
-        self._free = [b for b in range(self.num_blocks, 0, -1) if b != SCRATCH_BLOCK]
+        self._free = self.all_blocks()[::-1]
+
+    def all_blocks(self) -> list[int]:
+        """Every block that may be handed out, ascending."""
+        return [b for b in range(1, self.num_blocks + 1) if b != SCRATCH_BLOCK]
+
+    def free_blocks(self) -> list[int]:
+        return list(self._free)
 
     # -- a request's share --------------------------------------------------------------
     def blocks_needed(self, request: Request, tokens: int) -> int:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from torchhal.core.engine.kv_pool import BlockAllocator
+from torchhal.core.engine.kv_pool import BlockAllocator, blocks_for
 from torchhal.core.engine.records import GenerationResult, Request, RequestState
 from torchhal.core.model.config import short_repr
 
@@ -44,6 +44,12 @@ def check_max_new_tokens(max_new_tokens: object) -> int:
     return max_new_tokens
 
 
+def _complete(request: Request, eos: frozenset[int]) -> bool:
+    """The request has every token it will get: by length, or its last one ends it."""
+    output = request.output
+    return len(output) >= request.max_new_tokens or bool(output) and output[-1] in eos
+
+
 def prompt_as_tuple(prompt: object) -> tuple[int, ...]:
     """A failed result's prompt: the tokens when there is a sequence, else empty."""
     return tuple(prompt) if isinstance(prompt, (list, tuple)) else ()
@@ -60,6 +66,9 @@ class RequestBook:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.results: dict[int, GenerationResult] = {}
+        # Every request queued and not yet ended, in arrival order: a request a cut-short step
+        # held in neither queue is still found here (`recover`).
+        self.live: dict[int, Request] = {}
         self._next_rid = 0
         # Called with the rid of every request that leaves the running batch (finished,
         # aborted, failed, retracted, discarded): per-request state elsewhere is dropped.
@@ -73,7 +82,9 @@ class RequestBook:
         """Queue a prompt; raises TypeError/ValueError naming a bad token or length (nothing queued)."""
         tokens = check_prompt(prompt, max_new_tokens, self.vocab_size, self.max_position)
         rid = self._new_rid()
-        self.waiting.append(Request(rid, tokens, max_new_tokens))
+        request = Request(rid, tokens, max_new_tokens)
+        self.live[rid] = request
+        self.waiting.append(request)
         return rid
 
     def fail_unqueued(self, prompt: object, error: str) -> int:
@@ -109,6 +120,7 @@ class RequestBook:
         self._left(request)
         result = GenerationResult(request.rid, tuple(request.prompt), tuple(request.output), state, request.error)
         self.results[request.rid] = result
+        self.live.pop(request.rid, None)  # after the result: a request is always live or has one
         return result
 
     def fail_unservable(self) -> list[GenerationResult]:
@@ -149,6 +161,66 @@ class RequestBook:
         self.waiting = deque(r for r in self.waiting if r.rid not in wanted)
         for rid in wanted:
             self.results.pop(rid, None)
+            self.live.pop(rid, None)
+
+    def recover(self, eos: frozenset[int]) -> None:
+        """After bookkeeping was cut short (Ctrl-C inside a step, say): every live request gives
+        its KV back and waits again in arrival order, to be prefilled with what it has generated
+        so far (nothing is lost, at the price of computing its KV again); one whose output is
+        already complete (by length or an end token in `eos`) finishes. The free list is made
+        again from scratch, so a block half moved between it and a request is not lost."""
+        self.running.clear()
+        self.waiting.clear()
+        self.blocks.reset()
+        for request in list(self.live.values()):
+            if request.rid in self.results:  # ended, cut short before it left `live`
+                del self.live[request.rid]
+                continue
+            request.blocks.clear()
+            request.kv_tokens = 0
+            self._left(request)
+            if _complete(request, eos):
+                self.finish(request, RequestState.FINISHED)
+            else:
+                request.state = RequestState.WAITING
+                self.waiting.append(request)
+
+    def inconsistencies(self, eos: frozenset[int], in_flight: Iterable[Request] = ()) -> list[str]:
+        """What is wrong with the book, in words (empty when nothing is): each live request in
+        exactly one queue, in its queue's state, holding the blocks its reserved tokens need
+        (a running one with tokens left to compute and its output not complete, unless its
+        tokens are `in_flight`), and every block free or held by exactly one request.
+        O(requests + blocks): for tests and for a step that failed, not for every step."""
+        problems: list[str] = []
+        flying = {id(r) for r in in_flight}
+        queued = [(r, RequestState.RUNNING) for r in self.running] + [(r, RequestState.WAITING) for r in self.waiting]
+        seen: set[int] = set()
+        for request, state in queued:
+            rid = request.rid
+            if self.live.get(rid) is not request:
+                problems.append(f"request {rid} is {state.value} but not live")
+            if rid in seen:
+                problems.append(f"request {rid} is queued twice")
+            seen.add(rid)
+            if request.state is not state:
+                problems.append(f"request {rid} is in the {state.value} queue in state {request.state.value}")
+            if state is RequestState.WAITING and (request.blocks or request.kv_tokens):
+                problems.append(f"waiting request {rid} holds {request.kv_tokens} KV tokens")
+            if len(request.blocks) != blocks_for(request.kv_tokens, self.blocks.block_size):
+                problems.append(f"request {rid} holds {len(request.blocks)} blocks for {request.kv_tokens} KV tokens")
+            if state is RequestState.RUNNING and id(request) not in flying:
+                if not 0 < request.kv_tokens < len(request.prompt) + len(request.output):
+                    problems.append(f"running request {rid} has {request.kv_tokens} KV tokens for "
+                                    f"{len(request.prompt) + len(request.output)} tokens")
+                if _complete(request, eos):
+                    problems.append(f"running request {rid} has its whole output")
+        for rid in self.live.keys() - seen:
+            problems.append(f"live request {rid} is in no queue" if rid not in self.results
+                            else f"request {rid} has a result but is still live")
+        held = [b for r in self.running for b in r.blocks] + self.blocks.free_blocks()
+        if sorted(held) != self.blocks.all_blocks():
+            problems.append(f"the {len(held)} blocks held or free are not each of the pool's blocks once")
+        return problems
 
     def pending(self) -> str | None:
         """What keeps the engine from being idle, in words; None when idle."""

@@ -1,0 +1,133 @@
+"""A step cut short anywhere (CPU, greedy, fp32, reference model): Ctrl-C arrives wherever
+Python checks for signals in the engine's own code, not only where a step calls out to the
+model. Afterwards every request still ends with the tokens an uninterrupted run gives it,
+every KV block comes back exactly once, and `GenerationEngine.check_consistent()` passes.
+
+The interrupt is raised by a profile function at the n-th place the engine's bookkeeping
+modules could see a signal (a Python function starting, a C function such as
+`deque.popleft` returning: where CPython runs signal handlers), for n spread over a whole
+run. Requests queued with `add_request` stand for
+other callers' (another thread's `generate`): nothing discards them after the interrupt, so
+a reservation, admission, retraction or token left half-done shows as a request that never
+finishes, a wrong token, or a block lost or owned twice."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from types import FrameType
+from typing import Any
+
+import pytest
+
+from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine, kv_pool, requests, scheduler
+from torchhal.core.engine import engine as engine_module
+
+PROMPTS = [[1 + i, 2 + 3 * i, (7 * i) % 50 + 3, 40 + i, 9, 17 + i][: 2 + i % 5] for i in range(6)]
+NEW_TOKENS = 5
+GRAPHS = DecodeGraphConfig(batch_buckets=(1, 2, 4, 8), context_buckets=(16, 32), emulate=True)
+BOOKKEEPING = {m.__file__ for m in (engine_module, scheduler, requests, kv_pool)}
+MAX_STEPS = 200  # an uninterrupted run takes about 20
+
+
+def engine(decode: str) -> GenerationEngine:
+    # A pool of 8 blocks of 4 slots: requests are retracted and re-admitted for lack of KV.
+    return GenerationEngine(EngineConfig(max_kv_slots=32, kv_block_size=4, max_batch_tokens=16,
+                                         decode_graphs=GRAPHS if decode == "graphs" else None))
+
+
+class InterruptAt:
+    """A profile function raising KeyboardInterrupt at the `at`-th signal check in BOOKKEEPING:
+    a Python function called from there (or running there) starts, or a C function called
+    from there returns (its result is then lost, as a signal would lose it). Armed until the
+    interrupt escapes a step: one raised where Python swallows it (a generator being closed)
+    is raised again at the next check, as a pending signal would be."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.checks, self.armed = at, 0, at > 0
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call":
+            if frame.f_code.co_flags & inspect.CO_GENERATOR:
+                return  # a generator resumed, or closed: raised there, Python would only print it
+            caller = frame.f_back
+            here = frame.f_code.co_filename in BOOKKEEPING or (
+                caller is not None and caller.f_code.co_filename in BOOKKEEPING)
+        else:
+            here = event == "c_return" and frame.f_code.co_filename in BOOKKEEPING
+        if here:
+            self.checks += 1
+            if self.armed and self.checks >= self.at:
+                raise KeyboardInterrupt
+
+
+def run(e: GenerationEngine, interrupt: InterruptAt | None) -> tuple[list[tuple[int, ...]], bool]:
+    """Queue PROMPTS, step until every one has a result; the outputs and whether a step was interrupted."""
+    rids = [e.add_request(p, NEW_TOKENS) for p in PROMPTS]
+    interrupted = False
+    for _ in range(MAX_STEPS):
+        if all(rid in e.results for rid in rids):
+            break
+        sys.setprofile(interrupt)
+        try:
+            e.step()
+        except KeyboardInterrupt:
+            interrupted = True
+            if interrupt is not None:
+                interrupt.armed = False
+            e.check_consistent()  # at once: the next step must not be what repairs it
+        finally:
+            sys.setprofile(None)
+    else:
+        pending = [rid for rid in rids if rid not in e.results]
+        raise AssertionError(f"requests {pending} never finished: {e.pending()}")
+    e.drain()
+    return [e.results.pop(rid).output for rid in rids], interrupted
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[tuple[int, ...]]:
+    outputs, _ = run(engine("eager"), None)
+    return outputs
+
+
+@pytest.mark.parametrize("decode", ["eager", "graphs"])
+def test_a_step_interrupted_at_any_signal_check_loses_no_request_token_or_block(expected, decode):
+    counter = InterruptAt(0)
+    outputs, _ = run(engine(decode), counter)  # at=0 never fires: it counts the run's checks
+    assert outputs == expected
+    total = counter.checks
+    tried = 0
+    for at in range(1, total, max(1, total // 150)):
+        e = engine(decode)
+        outputs, interrupted = run(e, InterruptAt(at))
+        assert interrupted, f"check {at} of {total} was not reached"
+        assert outputs == expected, f"interrupted at check {at} of {total}"
+        assert e.pending() is None and e.blocks.available == e.blocks.num_blocks, f"check {at}"
+        e.check_consistent()
+        tried += 1
+    assert tried >= 100
+
+
+@pytest.mark.parametrize("decode", ["eager", "graphs"])
+def test_generate_interrupted_at_any_signal_check_leaves_the_engine_as_new(expected, decode):
+    # The single-caller case (a notebook cell interrupted): the call's own requests are
+    # withdrawn, and the same engine then gives every prompt its tokens.
+    counter = InterruptAt(0)
+    sys.setprofile(counter)
+    try:
+        engine(decode).generate(PROMPTS, NEW_TOKENS)
+    finally:
+        sys.setprofile(None)
+    for at in range(1, counter.checks, max(1, counter.checks // 60)):
+        e = engine(decode)
+        sys.setprofile(InterruptAt(at))
+        try:
+            e.generate(PROMPTS, NEW_TOKENS)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.setprofile(None)
+        e.check_consistent()
+        assert e.pending() is None and not e.results and e.blocks.available == e.blocks.num_blocks, f"check {at}"
+        assert [r.output for r in e.generate(PROMPTS, NEW_TOKENS)] == expected, f"check {at}"
