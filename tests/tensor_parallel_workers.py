@@ -124,11 +124,21 @@ def lifecycle(group: Any, job: dict[str, Any]) -> dict[str, Any]:
 
 
 def failure(group: Any, job: dict[str, Any]) -> dict[str, Any]:
-    """A step that fails on one rank only: every rank's engine must refuse to go on."""
+    """A step that fails on one rank only, in the model or (`cut="admission"`) in its bookkeeping
+    (an admission whose plan is cut short, so that rank's book is recovered): every rank's
+    engine must refuse to go on."""
     from torchhal.core.engine import GenerationEngine
 
     engine = GenerationEngine.from_checkpoint(job["path"], engine_config(False), group=group)
-    if group.rank == job["failing_rank"]:
+    if group.rank == job["failing_rank"] and job.get("cut") == "admission":
+        admit = engine.requests.admit_next
+
+        def admit_then_fail(tokens: int) -> Any:
+            admit(tokens)
+            raise RuntimeError("injected failure on this rank, after an admission")
+
+        engine.requests.admit_next = admit_then_fail  # type: ignore[method-assign]
+    elif group.rank == job["failing_rank"]:
         def fail(*args: Any) -> torch.Tensor:
             raise RuntimeError("injected failure on this rank")
 

@@ -124,10 +124,22 @@ def test_lifecycle_and_a_failed_step_under_tp2(tmp_path: Path) -> None:
         assert life["woken"] == before, f"rank {rank}: sleep/wake changed the tokens"
         assert life["updated"] == after, f"rank {rank}: the weight update differs from TP=1's"
         assert results["reference"]["tokens"] == reference_tokens, f"rank {rank}: the engine's own sharding"
-        failed = results["failure"]
-        assert failed["step"] != "returned", f"rank {rank}: the failed step returned"
-        assert "runs no more steps" in failed["after"], failed["after"]
-        assert failed["pending"] is None, "the failed generate call must withdraw its requests"
+        assert_both_refuse(rank, results["failure"])
+
+
+def assert_both_refuse(rank: int, failed: dict[str, Any]) -> None:
+    assert failed["step"] != "returned", f"rank {rank}: the failed step returned"
+    assert "runs no more steps" in failed["after"], failed["after"]
+    assert failed["pending"] is None, "the failed generate call must withdraw its requests"
+
+
+def test_a_step_cut_short_in_its_bookkeeping_on_one_rank_breaks_every_rank(tmp_path: Path) -> None:
+    """Rank 0's plan is cut short after an admission (as Ctrl-C could), so its book is
+    recovered: the ranks' books now differ, so both refuse to go on, as after a failed step."""
+    path = save("qwen2_bias", tmp_path / "model")
+    job = dict(kind="failure", name="cut_short", path=str(path), prompts=PROMPTS[:3], failing_rank=0, cut="admission")
+    for rank, results in enumerate(run_group(2, [job], tmp_path, timeout_s=4.0)):
+        assert_both_refuse(rank, results["cut_short"])
 
 
 def test_closing_the_group_releases_a_live_engines_graphs_first(tmp_path: Path) -> None:

@@ -449,9 +449,9 @@ class GenerationEngine:
         self._stepping = True
         try:
             return self._step()
-        except BaseException:
+        except BaseException as exc:
             if self._inconsistencies():
-                self._recover()
+                self._recover(exc)
             raise
         finally:
             self._stepping = False
@@ -520,9 +520,12 @@ class GenerationEngine:
             flying += self._landing.batch
         return self.requests.inconsistencies(self._eos, flying)
 
-    def _recover(self) -> None:
+    def _recover(self, error: BaseException) -> None:
         """Bring a book a cut-short step left inconsistent back to one that is (see `step`). The
-        window or tokens on their way are dropped: their requests compute them again."""
+        window or tokens on their way are dropped: their requests compute them again. Under
+        tensor parallel the other ranks' books differ now, so the engine is broken as by a
+        failed step."""
+        self._break(error)
         self._in_flight = self._landing = None
         self.requests.recover(self._eos)
 
