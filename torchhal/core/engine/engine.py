@@ -361,7 +361,12 @@ class GenerationEngine:
     def _exclusive(self, call: str) -> Iterator[None]:
         """Hold the engine lock for `call`. Refused on the stepping thread inside a step (a
         model, runner or hook calling back into the engine): the step's state is half-built,
-        and a plain lock would deadlock there instead of saying so."""
+        and a plain lock would deadlock there instead of saying so.
+
+        An interrupt (Ctrl-C) can arrive between any two lines of the call's bookkeeping: if
+        the call raises and leaves the requests' book inconsistent (a reservation, admission,
+        retraction or token half-done), every request waits again and is prefilled with what
+        it has generated so far (`RequestBook.recover`): nothing is lost or left stuck."""
         with self._lock:
             if self._closed and call not in _CALLS_AFTER_CLOSE:
                 raise RuntimeError(f"{call}() on a closed engine (close() gave its KV cache and graphs back); "
@@ -371,7 +376,18 @@ class GenerationEngine:
                     f"{call}() called from inside a step on the same thread (a model, runner or hook "
                     "calling back into the engine); the engine is not re-entrant there: call it after step() returns"
                 )
+            with self._recovering():
+                yield
+
+    @contextmanager
+    def _recovering(self) -> Iterator[None]:
+        """If the block raises leaving the book inconsistent, recover it (see `_exclusive`)."""
+        try:
             yield
+        except BaseException as exc:
+            if self._inconsistencies():
+                self._recover(exc)
+            raise
 
     # -- requests -----------------------------------------------------------------------
     @_serialized
@@ -395,21 +411,17 @@ class GenerationEngine:
         # would otherwise hold every other caller's steps, or wait for a thread waiting for the lock.
         check_max_new_tokens(max_new_tokens)
         listed = listed_prompts(prompts)
-        with self._exclusive("generate"):
-            if self.paused is not None:
-                raise RuntimeError(f"the engine is paused ({self.paused.value}); call continue_generation() first")
-            self._check_can_run()
-            rids: list[int] = []
-            try:
+        rids: list[int] = []
+        try:  # from the first prompt queued: interrupted anywhere (Ctrl-C, say), nothing of the call stays
+            with self._exclusive("generate"):
+                if self.paused is not None:
+                    raise RuntimeError(f"the engine is paused ({self.paused.value}); call continue_generation() first")
+                self._check_can_run()
                 for prompt in listed:
                     try:
                         rids.append(self.requests.add(prompt, max_new_tokens))
                     except (TypeError, ValueError) as exc:
                         rids.append(self.requests.fail_unqueued(prompt, str(exc)))
-            except BaseException:  # interrupted while queueing (KeyboardInterrupt, say): nothing stays queued
-                self.requests.discard(rids)
-                raise
-        try:
             while True:
                 with self._exclusive("generate"):
                     if all(rid in self.results for rid in rids):
@@ -420,9 +432,10 @@ class GenerationEngine:
                     self.step()
                 time.sleep(0)  # let a thread waiting for the lock take it: fair turns between callers
         except BaseException:
-            with self._lock:
-                self._drop_in_flight()  # its rows may include this call's requests: recomputed, not lost
-                self.requests.discard(rids)
+            if rids:  # a refusal before any prompt was queued leaves other callers' windows alone
+                with self._lock, self._recovering():
+                    self._drop_in_flight()  # its rows may include this call's requests: recomputed, not lost
+                    self.requests.discard(rids)
             raise
 
     # -- scheduling -------------------------------------------------------------------------
@@ -440,19 +453,11 @@ class GenerationEngine:
         All or nothing: if anything in the step raises, the KV it reserved is given
         back and admitted requests wait again, so the next step computes what this one
         would have. An out-of-memory error anywhere in the step retracts the batch and
-        empties the cache once (ReleasePoint.OOM); other errors propagate.
-
-        An interrupt (Ctrl-C) can arrive between any two lines of the step's bookkeeping, not
-        only in the model: if the requests' book is then left inconsistent (a reservation,
-        admission or token half-done), every request waits again and is prefilled with what
-        it has generated so far (`RequestBook.recover`): nothing is lost or left stuck."""
+        empties the cache once (ReleasePoint.OOM); other errors propagate. An interrupt in the
+        step's own bookkeeping recovers the book (see `_exclusive`)."""
         self._stepping = True
         try:
             return self._step()
-        except BaseException as exc:
-            if self._inconsistencies():
-                self._recover(exc)
-            raise
         finally:
             self._stepping = False
             if self._idle_since is None:  # a step that worked: the idle clock starts when it ends
@@ -529,11 +534,11 @@ class GenerationEngine:
         self._in_flight = self._landing = None
         self.requests.recover(self._eos)
 
-    @_serialized
     def check_consistent(self) -> None:
         """Raise RuntimeError naming what is inconsistent in the engine's requests and KV blocks
         (see `RequestBook.inconsistencies`); for tests and debugging, it walks every block."""
-        problems = self._inconsistencies()
+        with self._lock:  # not `_exclusive`: its error path would recover what this reports
+            problems = self._inconsistencies()
         if problems:
             raise RuntimeError("the engine's request book is inconsistent: " + "; ".join(problems))
 

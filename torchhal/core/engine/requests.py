@@ -83,8 +83,8 @@ class RequestBook:
         tokens = check_prompt(prompt, max_new_tokens, self.vocab_size, self.max_position)
         rid = self._new_rid()
         request = Request(rid, tokens, max_new_tokens)
-        self.live[rid] = request
         self.waiting.append(request)
+        self.live[rid] = request  # last: cut short before it, the request is dropped by `recover`
         return rid
 
     def fail_unqueued(self, prompt: object, error: str) -> int:
