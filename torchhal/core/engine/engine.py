@@ -526,7 +526,7 @@ class GenerationEngine:
         return self.requests.inconsistencies(self._eos, flying)
 
     def _recover(self, error: BaseException) -> None:
-        """Bring a book a cut-short step left inconsistent back to one that is (see `step`). The
+        """Bring a book a cut-short call left inconsistent back to one that is (see `_exclusive`). The
         window or tokens on their way are dropped: their requests compute them again. Under
         tensor parallel the other ranks' books differ now, so the engine is broken as by a
         failed step."""
