@@ -552,6 +552,35 @@ def test_a_refused_or_failed_init_group_takes_no_default_name(monkeypatch):
     assert int(second.name.removeprefix("group")) == int(first.name.removeprefix("group")) + 1
 
 
+def test_a_store_whose_server_went_is_dropped_so_the_next_init_group_reaches_the_new_one(monkeypatch):
+    """env:// stores are kept for the process's life; when rank 0's went (rank 0 restarted on the
+    same address and port), the kept connection failed every later init_group of this process
+    ("Broken pipe"), so the advice to call init_group again could never work."""
+    from torchhal.distributed.launch import free_port
+
+    for var in (*RANK_VARIABLES, "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(var, raising=False)
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(group_module, "_env_stores", {})
+    quick = timedelta(seconds=1)
+    server = dist.TCPStore("127.0.0.1", port, 2, True, timeout=quick, wait_for_workers=False)
+    key = ("127.0.0.1", str(port), 1, 2)
+    with pytest.raises(Exception, match="did not form"):  # rank 0 never joins: only the store is reached
+        init_group(torchhal.get_platform("cpu"), rank=1, world_size=2, timeout=quick)
+    assert key in group_module._env_stores
+    del server  # rank 0 goes, and comes back on the same port
+    restarted = dist.TCPStore("127.0.0.1", port, 2, True, timeout=quick, wait_for_workers=False)
+    with pytest.raises(Exception, match="did not form"):
+        init_group(torchhal.get_platform("cpu"), rank=1, world_size=2, timeout=quick)
+    assert key not in group_module._env_stores, "the dead connection was kept"
+    with pytest.raises(Exception, match="did not form"):
+        init_group(torchhal.get_platform("cpu"), rank=1, world_size=2, timeout=quick)
+    group_module._env_stores[key].set("reached", "1")
+    assert restarted.get("reached") == b"1"
+
+
 # -- init_group: a name used again on the same store -----------------------------------------
 @pytest.mark.parametrize("first_closed", [True, False], ids=["after close", "while open"])
 def test_a_group_made_again_under_its_name_on_the_same_store_works(first_closed):

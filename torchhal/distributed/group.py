@@ -278,6 +278,7 @@ def _make_group(platform: Platform, placement: RankPlacement, index: int, connec
     platform.set_device(index)
     device = platform.device(index)
     support = platform.distributed_support
+    base: dist.Store | None = None
     try:
         base = connect()
         with _attempt(base, group_name, placement, timeout) as prefix:
@@ -292,6 +293,8 @@ def _make_group(platform: Platform, placement: RankPlacement, index: int, connec
                                           name=f"{group_name}/check/{part}", timeout=timeout)
                         for part in (("device", "host") if checked else ())]
     except RuntimeError as exc:  # torch's DistStoreError / DistNetworkError: a peer or the store never came
+        if isinstance(exc, dist.DistNetworkError) and base is not None:
+            _forget_env_store(base)  # rank 0's server went (restarted, say): the next call connects anew
         reason = " ".join(str(exc).split())[:300]
         raise CollectiveError(
             f"init_group: group {group_name!r} did not form at rank {placement.rank} of {placement.world_size} "
@@ -376,6 +379,11 @@ def _rendezvous(placement: RankPlacement, timeout: timedelta) -> tuple[Callable[
         return _env_stores.setdefault(key, store)  # a thread that got there first keeps its own
 
     return connect, sharing
+
+
+def _forget_env_store(store: dist.Store) -> None:
+    for key in [key for key, kept in _env_stores.items() if kept is store]:
+        del _env_stores[key]
 
 
 def _check_master_addr(address: str) -> None:
