@@ -19,6 +19,7 @@ from types import FrameType
 from typing import Any
 
 import pytest
+import torch
 
 from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine, kv_pool, requests, scheduler
 from torchhal.core.engine import engine as engine_module
@@ -169,4 +170,23 @@ def test_pause_interrupted_at_any_signal_check_loses_nothing(expected, decode, m
                 assert mode == "abort" and tokens[: len(result.output)] == result.output, f"check {at}"
             else:
                 assert result.output == tokens, f"check {at} of {counter.checks}"
+        assert e.pending() is None and e.blocks.available == e.blocks.num_blocks, f"check {at}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU with graph support (none here)")
+def test_on_a_gpu_with_captured_decode_graphs_one_engine_survives_every_interrupt():
+    # Windows in flight on a real stream and tokens landing through pinned memory are dropped
+    # by the recovery while the device still works on them; the same engine goes on after each.
+    # fp32: a request recovered is prefilled again, and its tokens must equal the decode's.
+    graphs = DecodeGraphConfig(batch_buckets=(1, 2, 4, 8), context_buckets=(16, 32))
+    e = GenerationEngine(EngineConfig(max_kv_slots=32, kv_block_size=4, max_batch_tokens=16, dtype=torch.float32,
+                                      decode_graphs=graphs))
+    assert e.platform.name == "cuda" and e.decode_runner is not None
+    counter = InterruptAt(0)
+    expected, _ = run(e, counter)
+    total = counter.checks
+    for at in range(1, total, max(1, total // 150)):
+        outputs, interrupted = run(e, InterruptAt(at))
+        assert interrupted and outputs == expected, f"interrupted at check {at} of {total}"
         assert e.pending() is None and e.blocks.available == e.blocks.num_blocks, f"check {at}"
