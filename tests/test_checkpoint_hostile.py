@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 import tracemalloc
 from pathlib import Path
@@ -633,3 +634,39 @@ def test_a_device_this_process_cannot_use_is_refused_before_anything_is_read(tmp
     monkeypatch.setattr(checkpoint, "read_hf_config", lambda *a, **k: pytest.fail("the checkpoint was read"))
     with pytest.raises(ValueError, match=r"device = 'cuda:0' cannot be used here \(.*\); pass one this process has"):
         load_checkpoint(path, device="cuda:0")
+
+
+# -- the path itself: what a shell hands over when a variable is unset or names the wrong thing ---------
+
+
+def test_an_empty_path_is_refused_not_read_as_the_working_directory(good, monkeypatch):
+    # Path("") is ".": an unset `--model "$MODEL"` loaded whatever checkpoint the shell stood in.
+    monkeypatch.chdir(good)
+    for call in (load_checkpoint, checkpoint.check_checkpoint, read_hf_config, checkpoint_files):
+        with pytest.raises(CheckpointError, match=r"^checkpoint path '' is empty; pass the checkpoint directory"):
+            call("")
+    with pytest.raises(CheckpointError, match=r"^checkpoint path '' is empty"):
+        list(iter_checkpoint_tensors(""))
+    assert load_checkpoint(".")[1].tensors > 0  # the working directory, when named, is still a checkpoint
+
+
+@pytest.mark.parametrize("value", [None, 3, ["ckpt"]])
+def test_a_path_that_is_no_path_is_named(value):
+    with pytest.raises(TypeError, match=rf"^checkpoint path {re.escape(repr(value))} \({type(value).__name__}\) is "
+                                        r"not a path; pass the checkpoint directory as a str or pathlib.Path$"):
+        load_checkpoint(value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_a_file_given_for_the_checkpoint_directory_names_the_directory_to_pass(good, name):
+    # It said ".../model.safetensors/config.json not found", a path nobody wrote.
+    message = refused(good / name, "is a file", call=checkpoint.check_checkpoint)
+    assert message == (f"{good / name}: is a file, not a checkpoint directory; pass the directory that holds "
+                       f"config.json and the *.safetensors files ({good} does)")
+    assert list(iter_checkpoint_tensors(good / "model.safetensors"))  # a single weights file is still readable
+
+
+def test_a_missing_directory_is_named_as_missing(tmp_path):
+    message = refused(tmp_path / "nope", "no such checkpoint directory", call=load_checkpoint)
+    assert message == (f"{tmp_path / 'nope'}: no such checkpoint directory (a Hugging Face checkpoint is a directory "
+                       "of config.json and *.safetensors files)")

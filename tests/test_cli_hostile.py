@@ -247,3 +247,12 @@ def test_python_dash_m_torchhal_is_the_torchhal_command():
                          env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["current"]["name"] == "cpu"
+
+
+def test_generate_refuses_an_empty_model_path_instead_of_reading_the_working_directory(tiny, monkeypatch, cli):
+    # `--model "$MODEL"` with MODEL unset ran whatever checkpoint the shell stood in.
+    monkeypatch.chdir(tiny)
+    refused(cli("generate", "--model", "", "--prompt-ids", "1,2", "--max-new-tokens", "1"), "generate",
+            "checkpoint path '' is empty; pass the checkpoint directory")
+    ran = cli("generate", "--model", ".", "--prompt-ids", "1,2", "--max-new-tokens", "1")
+    assert ran.returncode == 0, ran.stderr

@@ -154,7 +154,7 @@ def prepare_generation(
         platform = current_platform()
     except PlatformError as exc:
         raise GenerateError(str(exc)) from None
-    hf = read_hf_config(root)
+    hf = read_hf_config(path)  # the path as given: an empty one is refused, where Path("") would be "."
     model_config = config_from_hf(hf, str(root / "config.json"))
     tokenizer = None
     if prompt is not None:

@@ -321,9 +321,34 @@ def _read_exactly(f: BufferedReader, position: int, into: memoryview) -> bool:
 # -- config.json -----------------------------------------------------------------------------------
 
 
+def _checkpoint_path(path: object) -> Path:
+    """`path` as a Path; refused when it is no path, or empty (which Path reads as the working
+    directory: an unset shell variable would load whatever checkpoint is there)."""
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
+        raise TypeError(f"checkpoint path {short_repr(path)} ({type(path).__name__}) is not a path; pass the "
+                        "checkpoint directory as a str or pathlib.Path")
+    if os.fspath(path) == "":
+        raise CheckpointError("checkpoint path '' is empty; pass the checkpoint directory (use '.' for the working "
+                              "directory)")
+    return Path(path)
+
+
+def _checkpoint_directory(path: object) -> Path:
+    """`path` as an existing directory, or a refusal naming what it is instead."""
+    root = _checkpoint_path(path)
+    if os.path.isfile(root):
+        holder = f" ({root.parent} does)" if os.path.lexists(root.parent / CONFIG_FILE) else ""
+        raise CheckpointError(f"{root}: is a file, not a checkpoint directory; pass the directory that holds "
+                              f"config.json and the *.safetensors files{holder}")
+    if not os.path.lexists(root):
+        raise CheckpointError(f"{root}: no such checkpoint directory (a Hugging Face checkpoint is a directory of "
+                              "config.json and *.safetensors files)")
+    return root
+
+
 def read_hf_config(path: str | Path) -> dict[str, Any]:
     """`config.json` of a checkpoint directory, as a dict (a JSON object; values not yet checked)."""
-    root = Path(path)
+    root = _checkpoint_directory(path)
     config_path = root / CONFIG_FILE
     if not os.path.lexists(config_path):
         raise CheckpointError(f"{config_path} not found: a Hugging Face checkpoint directory needs config.json")
@@ -517,7 +542,7 @@ def checkpoint_eos_token_ids(path: str | Path, hf: dict[str, Any]) -> tuple[int,
     `generation_config.json` where the checkpoint has one naming any, else `config.json`'s (`hf`).
     Chat checkpoints often differ between the two (Qwen2.5-Instruct's config.json names
     <|endoftext|>, its generation config adds <|im_end|>, the token a reply ends with)."""
-    root = Path(path)
+    root = _checkpoint_path(path)
     generation_path = root / GENERATION_CONFIG_FILE
     if os.path.lexists(generation_path):
         generation = _read_json(generation_path, _Scope.of_directory(root), MAX_CONFIG_BYTES)
@@ -562,7 +587,7 @@ def _index_weight_map(root: Path, scope: _Scope) -> dict[str, str]:
 
 
 def _files_and_map(path: str | Path) -> tuple[list[Path], dict[str, str] | None, _Scope]:
-    root = Path(path)
+    root = _checkpoint_path(path)
     if os.path.isfile(root):  # one file: it must resolve inside its own directory, like a directory's files
         scope = _Scope.of_directory(root.parent)
         _check_regular(root, scope)
@@ -742,7 +767,7 @@ def check_checkpoint(path: str | Path) -> ModelConfig:
     safetensors header against the model's layout), without reading a weight: the model's
     config, or the CheckpointError a load would raise first. For a caller that starts other
     processes to load it (tensor-parallel ranks) and wants bad input refused in its own."""
-    return _checked(Path(path)).config
+    return _checked(_checkpoint_path(path)).config
 
 
 def _checked(root: Path) -> _Checked:
@@ -801,7 +826,7 @@ def load_checkpoint(
     except (RuntimeError, AssertionError) as exc:
         raise ValueError(f"device = {short_repr(device)} cannot be used here ({' '.join(str(exc).split())[:200]}); "
                          "pass one this process has, e.g. platform.device()") from None
-    root = Path(path)
+    root = _checkpoint_path(path)
     where = str(root / CONFIG_FILE)
     hf, files, shards, scope, config, layout = _checked(root)  # before the model is built or the device sees a byte
     dtype = dtype or checkpoint_dtype(hf, where)
@@ -858,7 +883,7 @@ def iter_checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tenso
     when a `config.json` beside the weights says so), so the pairs feed a weight update as they are.
     Every header is checked before the first pair is yielded.
     """
-    root = Path(path)
+    root = _checkpoint_path(path)
     config_dir = root if root.is_dir() else root.parent
     tied = False
     if os.path.lexists(config_dir / CONFIG_FILE):
