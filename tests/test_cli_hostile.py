@@ -256,3 +256,21 @@ def test_generate_refuses_an_empty_model_path_instead_of_reading_the_working_dir
             "checkpoint path '' is empty; pass the checkpoint directory")
     ran = cli("generate", "--model", ".", "--prompt-ids", "1,2", "--max-new-tokens", "1")
     assert ran.returncode == 0, ran.stderr
+
+
+@pytest.mark.parametrize("report", ["--json", "--junit"])
+def test_conformance_refuses_a_report_over_its_own_expectation_file(tmp_path, monkeypatch, cli, report):
+    # The report overwrote the vendor's expectations: the next run had no file to read.
+    monkeypatch.chdir(tmp_path)
+    expectations = '["test_device::test_x"]\nreason = "known"\ncategory = "temporary"\n'
+    (tmp_path / "exp.toml").write_text(expectations)
+    refused(cli("conformance", "--expect", "exp.toml", report, str(tmp_path / "exp.toml"), "-k", "test_device_count"),
+            "conformance", f"--expect and {report} both name exp.toml", "give the report its own file")
+    assert (tmp_path / "exp.toml").read_text() == expectations
+
+
+def test_a_refused_conformance_run_leaves_no_report_directory_behind(tmp_path, cli):
+    # The report's missing parents were made before the platform was checked, and stayed.
+    refused(cli("conformance", "--platform", "nosuch", "--json", str(tmp_path / "out" / "deep" / "r.json")),
+            "conformance", "--platform 'nosuch' is not a registered platform")
+    assert list(tmp_path.iterdir()) == []

@@ -31,17 +31,16 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     )
 
     # Bad inputs are one line now, not a pytest INTERNALERROR or a traceback after the verdict.
+    # The report paths are probed last: probing makes their missing folders, which a refusal must not leave.
     try:
         if args.expect:
             load_expectations(args.expect)
+        check_distinct_files(("--expect", args.expect), ("--json", args.json), ("--junit", args.junit))
+        check_target(args.platform or "", args.device, "--platform", "--device")
         if args.json:
             check_report_path(args.json, "--json")
         if args.junit:
             check_report_path(args.junit, "--junit")
-        if args.json and args.junit and os.path.realpath(args.json) == os.path.realpath(args.junit):
-            raise ConformanceUsageError(f"--json and --junit both name {args.json}; one report would overwrite "
-                                        "the other: give each its own file")
-        check_target(args.platform or "", args.device, "--platform", "--device")
     except ConformanceUsageError as exc:
         refuse("conformance", str(exc))
         return EXIT_CODES["USAGE ERROR"]
@@ -81,6 +80,24 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     if code == pytest.ExitCode.USAGE_ERROR:
         return EXIT_CODES["USAGE ERROR"]
     return EXIT_CODES["SUITE ERROR"]  # no verdict: pytest said why above
+
+
+def check_distinct_files(*named: tuple[str, str | None]) -> None:
+    """Refuse two options naming one file: a report written over the expectation file (or
+    over the other report) would destroy it. `named`: (option, path or None) pairs."""
+    from torchhal.conformance_tests.plugin import ConformanceUsageError
+
+    seen: dict[str, tuple[str, str]] = {}  # real path -> the first option naming it, as written there
+    for option, path in named:
+        if not path:
+            continue
+        real = os.path.realpath(path)
+        if real in seen:
+            first, written = seen[real]
+            what = ("the report would overwrite the expectations: give the report its own file" if first == "--expect"
+                    else "one report would overwrite the other: give each its own file")
+            raise ConformanceUsageError(f"{first} and {option} both name {written}; {what}")
+        seen[real] = (option, path)
 
 
 class _StopWhenUnread:
