@@ -274,3 +274,22 @@ def test_a_refused_conformance_run_leaves_no_report_directory_behind(tmp_path, c
     refused(cli("conformance", "--platform", "nosuch", "--json", str(tmp_path / "out" / "deep" / "r.json")),
             "conformance", "--platform 'nosuch' is not a registered platform")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("keywords, expected", [
+    ({"tensor_parallel": True}, "--tensor-parallel True must be a positive integer"),  # ran on one rank
+    ({"tensor_parallel": "2"}, "--tensor-parallel '2' must be a positive integer"),
+    ({"tensor_parallel": 2.0}, "--tensor-parallel 2.0 must be a positive integer"),
+    ({"graphs": "no"}, "--graphs 'no' must be True or False"),  # truthy: captured graphs
+    ({"prompt": "hi"}, "give a prompt or prompt ids, not both"),  # the text won, the ids were dropped
+    ({"prompt_ids": "1,2"}, "prompt '1,2' is a str; pass a list of int token ids"),
+    ({"prompt_ids": [1, True]}, "token True at position 1 is a bool"),
+])
+def test_generate_from_checkpoint_refuses_its_callers_arguments_as_theirs(tiny, keywords, expected):
+    from torchhal.cli.generate import GenerateError, generate_from_checkpoint
+
+    arguments: dict[str, object] = {"prompt_ids": [1, 2], "max_new_tokens": 1, **keywords}
+    with pytest.raises(GenerateError) as info:
+        generate_from_checkpoint(tiny, **arguments)  # type: ignore[arg-type]
+    assert expected in str(info.value)
+    assert "config.json" not in str(info.value)  # the caller's value, not the checkpoint's

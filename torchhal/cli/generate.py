@@ -93,9 +93,13 @@ def parse_tensor_parallel(text: str) -> int:
     except ValueError:
         size = 0
     if size < 1:
-        raise GenerateError(f"--tensor-parallel {text!r} must be a positive integer: the number of ranks "
-                            "(1 runs on one device)")
+        raise bad_tensor_parallel(text)
     return size
+
+
+def bad_tensor_parallel(value: object) -> GenerateError:
+    return GenerateError(f"--tensor-parallel {value!r} must be a positive integer: the number of ranks "
+                         "(1 runs on one device)")
 
 
 def generate_from_checkpoint(
@@ -149,6 +153,12 @@ def prepare_generation(
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise GenerateError(f"--max-new-tokens {max_new_tokens!r} must be a positive integer: the number of tokens "
                             "to generate")
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise bad_tensor_parallel(tensor_parallel)
+    if not isinstance(graphs, bool):
+        raise GenerateError(f"--graphs {graphs!r} must be True or False")
+    if prompt is not None and prompt_ids is not None:  # the command line makes them exclusive; so does the call
+        raise GenerateError("give a prompt or prompt ids, not both: --prompt TEXT or --prompt-ids 1,2,3")
     try:
         # A bad TORCHHAL_PLATFORM / TORCHHAL_DETECT_TIMEOUT: the same line `torchhal info` refuses with.
         platform = current_platform()
@@ -169,7 +179,9 @@ def prepare_generation(
         raise GenerateError("empty prompt: give --prompt TEXT or --prompt-ids 1,2,3")
     try:
         check_prompt(prompt_ids, max_new_tokens, model_config.vocab_size, model_config.max_position)
-    except (TypeError, ValueError) as exc:
+    except TypeError as exc:  # the ids' types: the caller's, whatever the model
+        raise GenerateError(str(exc)) from None
+    except ValueError as exc:  # the vocabulary or the context: the limits are the model's
         raise GenerateError(f"{exc} (the model's config.json)") from None
     if tensor_parallel != 1:
         check_tensor_parallel_request(model_config, tensor_parallel, root, platform)
