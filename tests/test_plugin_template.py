@@ -180,3 +180,42 @@ def test_a_write_that_fails_part_way_leaves_nothing_behind(tmp_path, monkeypatch
     assert not (tmp_path / "plug").exists()
     monkeypatch.setattr(Path, "write_text", real)
     assert (write_plugin("myaccel", tmp_path / "plug") / "pyproject.toml").is_file()  # a rerun is not refused
+
+
+def test_a_write_interrupted_part_way_leaves_nothing_behind(tmp_path, monkeypatch):
+    # Ctrl-C between two files left a half distribution, which the rerun refused as a non-empty directory.
+    from pathlib import Path
+
+    real, writes = Path.write_text, []
+
+    def interrupted_third(self, *args, **kwargs):
+        writes.append(self)
+        if len(writes) == 3:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", interrupted_third)
+    with pytest.raises(KeyboardInterrupt):
+        write_plugin("myaccel", tmp_path / "plug")
+    assert not (tmp_path / "plug").exists()
+    monkeypatch.setattr(Path, "write_text", real)
+    assert (write_plugin("myaccel", tmp_path / "plug") / "pyproject.toml").is_file()
+
+
+def test_a_file_cut_short_by_a_full_disk_is_removed_with_the_rest(tmp_path, monkeypatch):
+    # The half-written file was not counted as made: its folder could not be removed, and the
+    # refusal was that cleanup's "Directory not empty" instead of the full disk.
+    from pathlib import Path
+
+    real = Path.write_text
+
+    def disk_full_in_init(self, content, *args, **kwargs):
+        if self.name == "__init__.py":
+            real(self, content[:10], *args, **kwargs)
+            raise OSError(28, "No space left on device")
+        return real(self, content, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", disk_full_in_init)
+    with pytest.raises(TemplateError, match=r"could not write .*No space left on device; nothing was left behind"):
+        write_plugin("myaccel", tmp_path / "plug")
+    assert not (tmp_path / "plug").exists()

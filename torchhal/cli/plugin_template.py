@@ -399,7 +399,7 @@ def write_plugin(name: str, directory: Path | None = None, base: str = "plugin")
         Path("README.md"): _readme(name, package, requirement),
         Path(".github") / "workflows" / "conformance.yml": _ci_workflow(name, requirement),
     }
-    made: list[Path] = []  # what this call created, undone if a later write fails
+    made: list[Path] = []  # what this call created, undone if anything stops it (a full disk, Ctrl-C)
     try:
         for relative, content in files.items():
             path = target / relative
@@ -407,10 +407,15 @@ def write_plugin(name: str, directory: Path | None = None, base: str = "plugin")
                 if not folder.exists():
                     folder.mkdir()
                     made.append(folder)
+            made.append(path)  # before the write: a write that fails part-way leaves a file too
             path.write_text(content)
-            made.append(path)
-    except OSError as exc:
+    except BaseException as exc:
         for path in reversed(made):
-            path.unlink() if path.is_file() else path.rmdir()
-        raise TemplateError(f"could not write {target}: {exc}; nothing was left behind") from exc
+            if path.is_dir():
+                path.rmdir()
+            else:
+                path.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise TemplateError(f"could not write {target}: {exc}; nothing was left behind") from exc
+        raise
     return target
