@@ -294,3 +294,35 @@ def test_block_tables_naming_a_block_past_the_cache_are_refused_on_the_host(call
     meta = build_metadata([[1, 9]], [3], [1], 2, torch.device("cpu"))  # block 9: not in this cache
     with pytest.raises(ValueError, match=r"the block tables name block 9, but the cache has 4 blocks \(0..3\)"):
         getattr(ReferenceBackend(), call)(torch.randn(1, 2, 4), k, v, meta, scale=1.0)
+
+
+def test_numpy_integers_build_a_spec_and_a_cache_as_they_build_metadata() -> None:
+    # build_metadata and DecodeMetadata took numpy ints; AttentionSpec and new_kv_cache refused
+    # them as "not an int".
+    import numpy
+
+    spec = AttentionSpec(numpy.int64(4), numpy.int32(2), numpy.int64(8), torch.float32, numpy.int64(16),
+                         sliding_window=numpy.int64(32), soft_cap=numpy.float32(30.0))
+    assert spec == AttentionSpec(4, 2, 8, torch.float32, 16, sliding_window=32, soft_cap=30.0)
+    assert all(type(getattr(spec, field)) is int
+               for field in ("num_q_heads", "num_kv_heads", "head_dim", "block_size", "sliding_window"))
+    assert type(spec.soft_cap) is float  # a kernel is handed plain Python numbers
+    k, v = new_kv_cache(numpy.int64(4), numpy.int64(2), 1, numpy.int32(8), torch.float32, CPU)
+    assert k.shape == v.shape == (4, 2, 1, 8)
+    with pytest.raises(ValueError, match=r"AttentionSpec.head_dim is True; it must be an int >= 1"):
+        AttentionSpec(4, 2, True, torch.float32, 16)
+    with pytest.raises(ValueError, match=r"new_kv_cache: head_dim is 8.0; pass an int >= 1"):
+        new_kv_cache(4, 2, 1, 8.0, torch.float32, CPU)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("keyword", ["scale", "soft_cap"])
+def test_a_numpy_float32_scale_is_refused_with_the_conversion_that_fixes_it(keyword) -> None:
+    # It said "scale is np.float32(0.5); pass a finite number > 0" of a finite number > 0.
+    import numpy
+
+    query, k, v, meta = decode_case()
+    keywords: dict[str, object] = {"scale": 0.5, keyword: numpy.float32(0.5)}
+    with pytest.raises(ValueError, match=rf"attention: {keyword} is np.float32\(0.5\), a numpy float32; pass a "
+                                         rf"Python float \(float\({keyword}\)\): backends hand it to their kernels"):
+        ReferenceBackend().decode(query, k, v, meta, **keywords)  # type: ignore[arg-type]
+    ReferenceBackend().decode(query, k, v, meta, **{**keywords, keyword: float(numpy.float32(0.5))})

@@ -9,12 +9,13 @@ the model's `AttentionSpec`, else the portable reference, and says why.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from torchhal.attention.layout import PagedMetadata, _is_int, outside_on_host
+from torchhal.attention.layout import PagedMetadata, _index, _is_int, outside_on_host
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _NO_SCALE = object()
@@ -90,6 +91,11 @@ def check_positive(label: str, value: object, optional: bool) -> None:
     infinite or NaN one would turn every output into NaN without an error."""
     if value is None and optional:
         return
+    if isinstance(value, numbers.Real) and not isinstance(value, (int, float)):  # numpy's float32, float16
+        kind = f"{type(value).__module__.split('.')[0]} {type(value).__name__}"
+        name = label.split()[-1]
+        raise ValueError(f"{label} is {value!r}, a {kind}; pass a Python float (float({name})): backends hand it "
+                         "to their kernels as it is")
     if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
             or not value > 0):
         raise ValueError(f"{label} is {value!r}; pass {'None or ' if optional else ''}a finite number > 0")
@@ -110,16 +116,24 @@ class AttentionSpec:
     needs_graph: bool = False
 
     def __post_init__(self) -> None:
+        # Integers of any kind (numpy's too, as the metadata builders take) are kept as plain
+        # ints, a real soft_cap as a float: the spec's numbers go to kernels as they are.
         for label in ("num_q_heads", "num_kv_heads", "head_dim", "block_size"):
             value = getattr(self, label)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            index = _index(value)
+            if index is None or index < 1:
                 raise ValueError(f"AttentionSpec.{label} is {value!r}; it must be an int >= 1")
+            object.__setattr__(self, label, index)
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"AttentionSpec: num_q_heads {self.num_q_heads} is not a multiple of num_kv_heads "
                              f"{self.num_kv_heads}; grouped-query attention needs whole groups")
         if self.dtype not in _DTYPES:
             raise ValueError(f"AttentionSpec.dtype is {self.dtype}; use one of {', '.join(map(str, _DTYPES))}")
         check_window("AttentionSpec.sliding_window", self.sliding_window)
+        if self.sliding_window is not None:
+            object.__setattr__(self, "sliding_window", _index(self.sliding_window))
+        if isinstance(self.soft_cap, numbers.Real) and not isinstance(self.soft_cap, bool):
+            object.__setattr__(self, "soft_cap", float(self.soft_cap))
         check_positive("AttentionSpec.soft_cap", self.soft_cap, optional=True)
 
 

@@ -69,13 +69,16 @@ def new_kv_cache(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's (k_cache, v_cache), zeroed, in the paged layout."""
+    sizes = []
     for label, value in (("num_blocks", num_blocks), ("block_size", block_size),
                          ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        size = _index(value)  # numpy's integers too, as build_metadata takes them
+        if size is None or size < 1:
             raise ValueError(f"new_kv_cache: {label} is {value!r}; pass an int >= 1")
-    if num_blocks < 2:
+        sizes.append(size)
+    if sizes[0] < 2:
         raise ValueError(f"new_kv_cache: num_blocks is {num_blocks}; pass >= 2 (block {SCRATCH_BLOCK} is scratch)")
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    shape = tuple(sizes)
     return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
 
