@@ -60,7 +60,7 @@ def consumers():
 def test_pool_budget_split_with_floor():
     assert pool_size(1 << 30, 4) == 256 * MiB
     assert pool_size(1 << 30, 16) == POOL_FLOOR_BYTES  # 64 MiB share, raised to the 128 MiB floor
-    with pytest.raises(ValueError, match="workers 0"):
+    with pytest.raises(ValueError, match="workers = 0 must be an int >= 1"):
         pool_size(1 << 30, 0)
 
 

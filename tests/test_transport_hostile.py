@@ -598,3 +598,45 @@ def test_a_host_message_names_its_block_from_the_first_byte():
     assert consumer.receive(message)[:3].tolist() == [0.0, 1.0, 2.0]
     consumer.close()
     producer.close()
+
+
+# -- arguments of the public calls: refused by name, with the fix, before anything is made ------
+
+@pytest.mark.parametrize("make", [Producer, Consumer])
+def test_a_platform_that_is_not_one_is_refused_by_name(make):
+    # Before: AttributeError "'str' object has no attribute 'current_device'".
+    keyword = {"config": small()} if make is Producer else {}
+    with pytest.raises(TypeError, match=rf"{make.__name__}: platform = 'cpu' must be a torchhal Platform "
+                                        r"\(torchhal.get_platform\(name\) gives one\)"):
+        make(platform="cpu", **keyword)
+
+
+@pytest.mark.parametrize("flag", [None, "no", 0, 1])
+def test_receive_and_flush_acks_take_only_true_or_false(flag):
+    # Before: copy=None (falsy) silently handed out a zero-copy view of the producer's slice,
+    # valid only until the producer recycles it; copy="no" (truthy) copied.
+    producer, consumer = Producer(small()), Consumer()
+    message = producer.send(torch.ones(3))
+    with pytest.raises(ValueError, match=rf"receive\(copy={flag!r}\): copy must be True \(a tensor of its own\) "
+                                         r"or False \(a view of the producer's slice, valid until it is recycled\)"):
+        consumer.receive(message, copy=flag)
+    with pytest.raises(ValueError, match=rf"flush_acks\(wait={flag!r}\): wait must be True or False"):
+        consumer.flush_acks(wait=flag)
+    assert consumer.open_producers == 0  # the refused receive opened nothing
+    assert consumer.receive(message).tolist() == [1.0, 1.0, 1.0]  # and acknowledged nothing: still fresh
+    consumer.close()
+    producer.close()
+
+
+@pytest.mark.parametrize(("budget", "workers", "message"), [
+    (True, 1, r"budget_bytes = True must be an int >= 0"),
+    (1.5e9, 2, r"budget_bytes = 1500000000.0 must be an int >= 0"),
+    (1 << 30, 0.5, r"workers = 0.5 must be an int >= 1"),
+    ("1G", 1, r"budget_bytes = '1G' must be an int >= 0"),
+    (1 << 30, 0, r"workers = 0 must be an int >= 1"),
+])
+def test_pool_size_refuses_what_transport_config_refuses(budget, workers, message):
+    # Before: pool_size(1.5e9, 2) returned a float pool size, True counted as one byte, and
+    # "1G" was a bare TypeError from the comparison.
+    with pytest.raises(ValueError, match=message):
+        pool_size(budget, workers)

@@ -24,7 +24,7 @@ import torch
 from torchhal.core.devices import check_device_index, is_out_of_memory
 from torchhal.core.transport._shm import Control, SharedFile, control_name, pid_alive
 from torchhal.core.transport.messages import TensorMessage, TransportError, handle_fingerprint
-from torchhal.platforms import IpcHandle, IpcHandleError, Platform, current_platform
+from torchhal.platforms import IpcHandle, IpcHandleError, Platform, check_platform_argument, current_platform
 from torchhal.platforms.ipc import DTYPES, handle_from_data
 
 #: producers whose control block and pool a consumer keeps open at once (least recently used go).
@@ -58,6 +58,7 @@ class Consumer:
             raise ValueError(f"max_producers = {max_producers!r} must be an int >= 1")
         if not isinstance(copy_stream, bool):
             raise ValueError(f"copy_stream = {copy_stream!r} must be True or False")
+        check_platform_argument(platform, "Consumer")
         self.rank = rank
         self.platform = platform or current_platform()
         self.device_index = check_device_index(self.platform, device_index, "device_index")
@@ -90,6 +91,9 @@ class Consumer:
         """
         if self._closed:
             raise RuntimeError("this Consumer is closed; make a new one to receive more")
+        if not isinstance(copy, bool):  # None is falsy: a view the producer may overwrite
+            raise ValueError(f"receive(copy={copy!r}): copy must be True (a tensor of its own) or False (a view of "
+                             "the producer's slice, valid until it is recycled)")
         try:
             return self._receive(message, copy)
         except TransportError:
@@ -166,6 +170,8 @@ class Consumer:
         """Acknowledge received copies whose device copy has finished (wait=True: wait for
         all of them); returns how many. A consumer that stops receiving calls this so its
         producers can recycle the last slices it copied."""
+        if not isinstance(wait, bool):
+            raise ValueError(f"flush_acks(wait={wait!r}): wait must be True or False")
         acked = 0
         while self._pending and self._ack_oldest(wait):
             acked += 1

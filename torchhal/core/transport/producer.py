@@ -25,7 +25,7 @@ import torch
 from torchhal.core.devices import check_device_index
 from torchhal.core.transport._shm import Control, SharedFile, host_name, new_pool_id, reclaim_orphans
 from torchhal.core.transport.messages import checked_contiguous_stride, handle_record
-from torchhal.platforms import IpcEvents, IpcHandle, Platform, current_platform
+from torchhal.platforms import IpcEvents, IpcHandle, Platform, check_platform_argument, current_platform
 from torchhal.platforms.ipc import dtype_name
 
 MiB = 1 << 20
@@ -41,10 +41,16 @@ MAX_KEPT_VIEWS = 1024
 SLICE_ALIGNMENT = 16
 
 
+def _check_count(label: str, value: object, minimum: int) -> None:
+    """An int (not a bool: True is no byte count) of at least `minimum`, else a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{label} = {value!r} must be an int >= {minimum}")
+
+
 def pool_size(budget_bytes: int, workers: int, floor: int = POOL_FLOOR_BYTES) -> int:
     """Each producer's share of the total budget, never below the floor."""
-    if workers < 1 or budget_bytes < 0:
-        raise ValueError(f"workers {workers} must be >= 1 and budget_bytes {budget_bytes} >= 0")
+    for label, value, minimum in (("budget_bytes", budget_bytes, 0), ("workers", workers, 1), ("floor", floor, 1)):
+        _check_count(label, value, minimum)
     return max(budget_bytes // workers, floor)
 
 
@@ -64,9 +70,7 @@ class TransportConfig:
         least = {"budget_bytes": 0, "workers": 1, "consumers": 1, "max_slices": 1, "pool_floor_bytes": 1,
                  "alignment": SLICE_ALIGNMENT}
         for name, minimum in least.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"TransportConfig.{name} = {value!r} must be an int >= {minimum}")
+            _check_count(f"TransportConfig.{name}", getattr(self, name), minimum)
         if self.alignment % SLICE_ALIGNMENT:  # every dtype's slices start on an element boundary
             raise ValueError(f"TransportConfig.alignment = {self.alignment} must be a multiple of {SLICE_ALIGNMENT} "
                              "bytes (the default is 512)")
@@ -85,6 +89,7 @@ class Producer:
         if not isinstance(config, TransportConfig):
             raise TypeError(f"config = {config!r} must be a TransportConfig, "
                             "e.g. TransportConfig(budget_bytes=1 << 30)")
+        check_platform_argument(platform, "Producer")
         self.config = config
         self.platform = platform or current_platform()
         self.device_index = check_device_index(self.platform, device_index, "device_index")
