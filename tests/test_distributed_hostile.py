@@ -962,9 +962,10 @@ def detail_debug() -> Iterator[None]:
         dist.set_debug_level(before)
 
 
-def detail_pair(store: dist.Store, rank: int, body: Callable[[Any], Any], platform: str = "cpu") -> Any:
+def detail_pair(store: dist.Store, rank: int, body: Callable[[Any], Any], platform: str = "cpu",
+                timeout_s: float = 10) -> Any:
     group = init_group(torchhal.get_platform(platform), rank=rank, world_size=2, local_rank=rank, store=store,
-                       name="checked", timeout=timedelta(seconds=10))
+                       name="checked", timeout=timedelta(seconds=timeout_s))
     try:
         return body(group)
     finally:
@@ -1004,6 +1005,32 @@ def test_under_detail_debug_ranks_that_disagree_on_a_collective_are_each_told_bo
     calls = f"rank 0: {zero}; rank 1: {one}"
     assert on_threads(2, lambda rank: detail_pair(store, rank, body)) == [
         disagreement(0, zero, calls, group)[:217], disagreement(1, one, calls, group)[:217]]
+
+
+def test_under_detail_debug_a_collective_facing_one_of_the_host_communicator_names_it(detail_debug: None) -> None:
+    """The device and host communicators are checked over groups of their own (threads may call
+    both), so rank 0's device sum facing rank 1's host sum cannot be paired: each times out, and
+    the error names what the other rank last began, on which communicator, and how many calls in."""
+    store = dist.HashStore()
+
+    def body(group: Any) -> str:
+        try:
+            group.comm.all_reduce(torch.ones(3))  # both agree on this first one
+            if group.rank == 0:
+                group.comm.all_reduce(torch.ones(4))
+            else:
+                group.host.all_reduce(torch.ones(2))
+            return "summed"
+        except torchhal.distributed.CollectiveError as exc:
+            return str(exc)
+
+    zero, one = on_threads(2, lambda rank: detail_pair(store, rank, body, timeout_s=2))
+    assert zero.startswith("all_reduce(op='sum') float32 [4]: checking this call (this rank's call 2 on 'checked') "
+                           "with the other ranks of group 'checked' failed"), zero
+    assert ("The other ranks' last calls: rank 1's call 1 on 'checked' was all_reduce(op='sum') float32 [3]; "
+            "rank 1's call 1 on 'checked/host' was all_reduce(op='sum') float32 [2]") in zero, zero
+    assert ("The other ranks' last calls: rank 0's call 2 on 'checked' was all_reduce(op='sum') float32 [4]; "
+            "rank 0 began no call on 'checked/host'") in one, one
 
 
 def test_under_detail_debug_a_send_and_a_recv_of_other_shapes_are_both_told(detail_debug: None) -> None:
@@ -1142,9 +1169,9 @@ def test_under_detail_debug_a_failed_check_names_the_callers_call_not_its_own_ga
         group.comm.all_reduce(torch.ones(4))
 
     for result in on_threads(2, lambda rank: detail_pair(store, rank, body)):
-        assert result.startswith("CollectiveError: all_reduce(op='sum') float32 [4]: checking this call with the "
-                                 "other ranks of group 'checked' failed: all_gather: group 'checked/check/device' is "
-                                 "closed"), result
+        assert result.startswith("CollectiveError: all_reduce(op='sum') float32 [4]: checking this call (this rank's "
+                                 "call 1 on 'checked') with the other ranks of group 'checked' failed: all_gather: "
+                                 "group 'checked/check/device' is closed"), result
 
 
 def test_under_detail_debug_the_device_and_host_checks_run_on_groups_of_their_own(detail_debug: None) -> None:

@@ -6,18 +6,22 @@ counts differ and sums the wrong elements when they match, and NCCL hangs or ret
 garbage. Under torch's DETAIL debug level, `init_group` wraps the group's communicators in
 `CheckedCommunicator`: every rank first shares a description of the call over a gloo group
 of the check's own, and any difference raises `CollectiveError` on every rank, naming each
-rank's call (between collectives; a send facing a collective times out instead). It costs a
-host round trip a collective: a debugging setting. A captured graph is checked once, when
-it is captured.
+rank's call (between collectives). Calls the check cannot pair (a send facing a collective,
+a collective on the group's device communicator facing one on its host communicator) time
+out instead, and the error names the call each other rank last began on each communicator
+(`CheckJournal`). It costs a host round trip or two a collective: a debugging setting. A
+captured graph is checked once, when it is captured.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
 from torchhal.platforms.communicator import (
     CollectiveError,
@@ -33,14 +37,45 @@ from torchhal.platforms.communicator import (
 DIGEST_BYTES, DESCRIPTION_BYTES = 32, 256
 
 
+class CheckJournal:
+    """Where each rank of a group writes the call it last began on each of the group's checked
+    communicators, numbered, so that a check that times out can say what the other ranks were
+    doing: one that never made this call, or is in a collective of the other communicator."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, names: Sequence[str]) -> None:
+        self.store, self.rank, self.world_size, self.names = store, rank, world_size, tuple(names)
+        self._numbers = {name: itertools.count(1) for name in self.names}
+
+    def began(self, name: str, call: str) -> int:
+        number = next(self._numbers[name])
+        with contextlib.suppress(RuntimeError):  # a diagnostic: the check itself says what failed
+            self.store.set(f"{name}/{self.rank}", f"{number}\t{call}")
+        return number
+
+    def others(self) -> str:
+        """The other ranks' last calls, in words; what the store could not answer is left out."""
+        told = []
+        for rank in range(self.world_size):
+            for name in self.names if rank != self.rank else ():
+                key = f"{name}/{rank}"
+                with contextlib.suppress(RuntimeError):  # a store gone with its rank tells nothing
+                    if not self.store.check([key]):
+                        told.append(f"rank {rank} began no call on {name!r}")
+                        continue
+                    number, call = self.store.get(key).decode(errors="replace").split("\t", 1)
+                    told.append(f"rank {rank}'s call {number} on {name!r} was {call}")
+        return "; ".join(told)
+
+
 class CheckedCommunicator(WrappedCommunicator):
     """`inner`, each call first agreed on with the other ranks over `checker`: a communicator
     of the same ranks on host memory that carries nothing else (a check sharing a group with
     other traffic would interleave with it differently on each rank when threads call both)."""
 
-    def __init__(self, inner: Communicator, checker: Communicator, name: str) -> None:
+    def __init__(self, inner: Communicator, checker: Communicator, name: str,
+                 journal: CheckJournal | None = None) -> None:
         super().__init__(inner)
-        self.checker, self.name = checker, name
+        self.checker, self.name, self.journal = checker, name, journal
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> torch.Tensor:
         self._agree(f"all_reduce(op={op!r}) {self._describe(tensor, written=True)}")
@@ -105,13 +140,20 @@ class CheckedCommunicator(WrappedCommunicator):
 
     @contextlib.contextmanager
     def _checking(self, mine: str) -> Iterator[None]:
-        """A failure of the check's own traffic (a dead peer, a closed group) raised as one of
-        the caller's call, not of a gather the caller never made."""
+        """A failure of the check's own traffic (a dead peer, a closed group, a peer in another
+        call) raised as one of the caller's call, not of a gather the caller never made, with
+        what the other ranks last began (`CheckJournal`)."""
+        journal = self.journal
+        number = journal.began(self.name, mine) if journal is not None else None
         try:
             yield
         except CollectiveError as exc:
-            raise CollectiveError(f"{mine}: checking this call with the other ranks of group {self.name!r} "
-                                  f"failed: {exc}") from exc
+            numbered = f" (this rank's call {number} on {self.name!r})" if number is not None else ""
+            others = journal.others() if journal is not None else ""
+            raise CollectiveError(
+                f"{mine}: checking this call{numbered} with the other ranks of group {self.name!r} failed: {exc}"
+                + (f". The other ranks' last calls: {others}" if others else "")
+            ) from exc
 
     def _mismatch(self, mine: str, calls: dict[int, str]) -> CollectiveError:
         shown = "; ".join(f"rank {rank}: {call}" for rank, call in sorted(calls.items()))

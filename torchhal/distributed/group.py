@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchhal.distributed.checked import CheckedCommunicator
+from torchhal.distributed.checked import CheckedCommunicator, CheckJournal
 from torchhal.platforms import Platform, check_platform_argument, current_platform
 from torchhal.platforms.communicator import CollectiveError, Communicator, TorchCommunicator
 
@@ -317,8 +317,12 @@ def _make_group(platform: Platform, placement: RankPlacement, index: int, connec
     if not checkers:
         return DeviceGroup(group_name, placement, platform, device, comm, host, timeout, (host, default))
     device_checker, host_checker = checkers
-    return DeviceGroup(group_name, placement, platform, device, CheckedCommunicator(comm, device_checker, group_name),
-                       CheckedCommunicator(host, host_checker, f"{group_name}/host"), timeout,
+    host_name = f"{group_name}/host"
+    journal = CheckJournal(dist.PrefixStore(f"{prefix}/check/journal", base), placement.rank, placement.world_size,
+                           (group_name, host_name))
+    return DeviceGroup(group_name, placement, platform, device,
+                       CheckedCommunicator(comm, device_checker, group_name, journal),
+                       CheckedCommunicator(host, host_checker, host_name, journal), timeout,
                        (host, default, *checkers))
 
 
