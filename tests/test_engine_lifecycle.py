@@ -265,6 +265,18 @@ def test_a_write_that_fails_part_way_refuses_generation_until_rewritten(monkeypa
     assert outputs_of(e, PROMPTS[:2]) == expected
 
 
+def test_ctrl_c_during_a_weight_write_stays_a_keyboard_interrupt_and_still_refuses_generation(monkeypatch):
+    # It was turned into WeightUpdateIncomplete: a server stopping on KeyboardInterrupt went on
+    # running, its update call merely failed.
+    e = engine()
+    new_weights = {k: v.detach().clone() for k, v in engine(model=ModelConfig(seed=5)).model.named_parameters()}
+    fail_once(monkeypatch, e.model, "process_weights", KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        e.update_weights_from_tensors(new_weights)
+    with pytest.raises(RuntimeError, match="half-written"):
+        e.generate(PROMPTS[:2], 6)
+
+
 @pytest.mark.parametrize("first, then", [("state_dict", "named_parameters"), ("named_parameters", "state_dict")])
 def test_a_tied_weight_rewritten_under_its_other_name_clears_a_failed_writes_refusal(monkeypatch, first, then):
     # The refusal tracked names: a failed state_dict() update (both tied names) stayed refused

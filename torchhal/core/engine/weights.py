@@ -60,6 +60,8 @@ class WeightUpdater:
                 self.model.process_weights()
         except BaseException as exc:
             self.incomplete.update(names)
+            if not isinstance(exc, Exception):  # Ctrl-C stays Ctrl-C; generation is refused all the same
+                raise
             raise WeightUpdateIncomplete(
                 f"writing the validated weights failed part-way ({type(exc).__name__}: {exc}); generation is "
                 "refused until an update of every weight in this batch succeeds"
