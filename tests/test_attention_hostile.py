@@ -326,3 +326,54 @@ def test_a_numpy_float32_scale_is_refused_with_the_conversion_that_fixes_it(keyw
                                          rf"Python float \(float\({keyword}\)\): backends hand it to their kernels"):
         ReferenceBackend().decode(query, k, v, meta, **keywords)  # type: ignore[arg-type]
     ReferenceBackend().decode(query, k, v, meta, **{**keywords, keyword: float(numpy.float32(0.5))})
+
+
+def _replaced(meta: object, **fields: object) -> object:
+    import dataclasses
+
+    return dataclasses.replace(meta, **fields)  # type: ignore[type-var]
+
+
+# Hand-built metadata unlike what PagedMetadata documents: each failed deep in torch, or gave
+# a wrong answer without an error (the tables of a second row ignored, a float length truncated,
+# a query row past the metadata's tokens left zero).
+@pytest.mark.parametrize("change, message", [
+    (lambda m: _replaced(m, block_tables=m.block_tables.repeat(2, 1)),
+     r"block_tables has 2 rows but seq_lens 1; give one table row per request"),
+    (lambda m: _replaced(m, block_tables=m.block_tables[0]),
+     r"block_tables is \(2,\) torch.int32; it must be a 2-D torch.int32 tensor"),
+    (lambda m: _replaced(m, seq_lens=m.seq_lens.float() - 0.5),
+     r"seq_lens is \(1,\) torch.float32; it must be a 1-D torch.int32 tensor"),
+    (lambda m: _replaced(m, block_tables=m.block_tables.long()),
+     r"block_tables is \(1, 2\) torch.int64; it must be a 2-D torch.int32 tensor"),
+    (lambda m: _replaced(m, seq_lens=None), r"seq_lens is None; it must be a 1-D torch.int32 tensor"),
+    (lambda m: _replaced(m, seq_lens=m.seq_lens.to("meta")),
+     r"seq_lens is on meta but slot_mapping on cpu; put the metadata's tensors on one device"),
+])
+def test_metadata_unlike_its_documented_layout_is_refused_where_it_is_made(change, message) -> None:
+    *_, meta = decode_case()
+    with pytest.raises(ValueError, match=rf"^PagedMetadata: {message}"):
+        change(meta)
+
+
+@pytest.mark.parametrize("call", ["decode", "prefill"])
+def test_metadata_for_other_rows_or_another_device_is_refused_at_the_call(call) -> None:
+    query, k, v, meta = decode_case()
+    hand_built = _replaced(meta, host_seq_lens=None, host_query_start=None)  # no host copy of the token count
+    with pytest.raises(ValueError, match=r"^attention: the metadata's slot_mapping has 3 entries for 1 query rows; "
+                                         r"one per query token"):
+        getattr(ReferenceBackend(), call)(query, k, v, _replaced(hand_built, slot_mapping=meta.slot_mapping.repeat(3)),
+                                          scale=1.0)
+    on_meta = _replaced(meta, **{field: getattr(meta, field).to("meta")
+                                 for field in ("block_tables", "seq_lens", "query_start", "slot_mapping")})
+    with pytest.raises(ValueError, match=r"^attention: the metadata is on meta but the query is on cpu; build the "
+                                         r"metadata on the query's device"):
+        getattr(ReferenceBackend(), call)(query, k, v, on_meta, scale=1.0)
+    getattr(ReferenceBackend(), call)(query, k, v, hand_built, scale=1.0)
+
+
+def test_a_query_on_another_device_than_the_cache_is_named() -> None:
+    query, k, v, meta = decode_case()
+    with pytest.raises(ValueError, match=r"^attention: query is on meta, k_cache on cpu, v_cache on cpu; put them "
+                                         r"on one device"):
+        ReferenceBackend().decode(query.to("meta"), k, v, meta, scale=1.0)

@@ -249,6 +249,12 @@ def check_call(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"attention: k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} must both be "
                          "[num_blocks, block_size, num_kv_heads, head_dim]")
+    if not query.device == k_cache.device == v_cache.device:
+        raise ValueError(f"attention: query is on {query.device}, k_cache on {k_cache.device}, v_cache on "
+                         f"{v_cache.device}; put them on one device")
+    if meta.slot_mapping.device != query.device:  # the metadata's own tensors share one device (PagedMetadata)
+        raise ValueError(f"attention: the metadata is on {meta.slot_mapping.device} but the query is on "
+                         f"{query.device}; build the metadata on the query's device")
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
     if query.dim() != 3 or query.shape[2] != dim or query.shape[1] % kv_heads:
         raise ValueError(f"attention: query {tuple(query.shape)} must be [num_tokens, num_q_heads, {dim}] with "
@@ -273,6 +279,9 @@ def check_call(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if not decode and rows is not None and query.shape[0] != rows:
         raise ValueError(f"attention.prefill: query has {query.shape[0]} rows but the metadata's requests have "
                          f"{rows} query tokens; pass one query row per token")
+    if meta.slot_mapping.shape[0] != query.shape[0]:  # metadata without host copies: its slots count the tokens
+        raise ValueError(f"attention: the metadata's slot_mapping has {meta.slot_mapping.shape[0]} entries for "
+                         f"{query.shape[0]} query rows; one per query token")
     if out is not None and (out.shape != query.shape or out.dtype != query.dtype or out.device != query.device):
         raise ValueError(f"attention: out is {tuple(out.shape)} {out.dtype} on {out.device}; it must match the "
                          f"query, {tuple(query.shape)} {query.dtype} on {query.device}")

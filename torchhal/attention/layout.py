@@ -27,6 +27,11 @@ import torch
 SCRATCH_BLOCK = 0
 
 
+#: PagedMetadata's tensors as it documents them: (field, dims, dtype).
+_METADATA_LAYOUT = (("block_tables", 2, torch.int32), ("seq_lens", 1, torch.int32), ("query_start", 1, torch.int32),
+                    ("slot_mapping", 1, torch.int64))
+
+
 @dataclass(frozen=True)
 class PagedMetadata:
     """Where one step's queries sit and which cached tokens they attend to.
@@ -55,6 +60,24 @@ class PagedMetadata:
     host_seq_lens: tuple[int, ...] | None = None
     host_query_start: tuple[int, ...] | None = None
     block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        # Checked once where made, not at every layer's call: hand-built metadata unlike the
+        # fields above failed deep in a kernel, or gave a wrong answer (a float length
+        # truncated, a second table row ignored). Host facts only: no device sync.
+        device = self.slot_mapping.device if isinstance(self.slot_mapping, torch.Tensor) else None
+        for field, dims, dtype in _METADATA_LAYOUT:
+            tensor = getattr(self, field)
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() != dims or tensor.dtype != dtype:
+                shown = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else repr(tensor)
+                raise ValueError(f"PagedMetadata: {field} is {shown}; it must be a {dims}-D {dtype} tensor "
+                                 "(build_metadata and DecodeMetadata make them so)")
+            if tensor.device != device:
+                raise ValueError(f"PagedMetadata: {field} is on {tensor.device} but slot_mapping on {device}; put "
+                                 "the metadata's tensors on one device")
+        if self.block_tables.shape[0] != self.seq_lens.shape[0]:
+            raise ValueError(f"PagedMetadata: block_tables has {self.block_tables.shape[0]} rows but seq_lens "
+                             f"{self.seq_lens.shape[0]}; give one table row per request")
 
     @property
     def batch(self) -> int:
