@@ -101,7 +101,7 @@ def test_decode_metadata_refuses_bad_block_ids_and_keeps_its_rows():
         DecodeMetadata(2, max_blocks=4, block_size=4.0, device=CPU)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="row 0 has block id -1"):
         meta.admit(0, [-1], 3)
-    with pytest.raises(ValueError, match="row 0 has seq_len 5.0; pass an int >= 0"):
+    with pytest.raises(ValueError, match="row 0 has seq_len 5.0; pass an int 0 <= seq_len"):
         meta.admit(0, [4], 5.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="row 0 names block 5 twice"):
         meta.admit(0, [5, 5], 8)
@@ -377,3 +377,17 @@ def test_a_query_on_another_device_than_the_cache_is_named() -> None:
     with pytest.raises(ValueError, match=r"^attention: query is on meta, k_cache on cpu, v_cache on cpu; put them "
                                          r"on one device"):
         ReferenceBackend().decode(query.to("meta"), k, v, meta, scale=1.0)
+
+
+def test_a_length_past_int32_is_named_not_a_torch_overflow() -> None:
+    # seq_lens are int32 on the device: 2**31 tokens failed as "value cannot be converted to type int32".
+    with pytest.raises(ValueError, match=r"^build_metadata: request 0 has seq_len 2147483648 and query_len 1; need "
+                                         r"ints 0 <= query_len <= seq_len < 2\*\*31"):
+        build_metadata([[1]], [2**31], [1], 2**31, CPU)
+    assert build_metadata([[1]], [2**31 - 1], [1], 2**31 - 1, CPU).host_seq_lens == (2**31 - 1,)
+    meta = DecodeMetadata(1, max_blocks=2, block_size=2**31 - 1, device=CPU)
+    with pytest.raises(ValueError, match=r"^DecodeMetadata.admit: row 0 has seq_len 2147483648; pass an int "
+                                         r"0 <= seq_len < 2\*\*31"):
+        meta.admit(0, [1, 2], 2**31)
+    # Refused before the row's table was written: it stayed a free, scratch row.
+    assert meta.lengths == (None,) and meta.block_tables.tolist() == [[0, 0]]

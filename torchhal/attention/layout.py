@@ -271,10 +271,11 @@ def build_metadata_and_positions(
     block_size = size
     lengths, queries = [_index(n) for n in seq_lens], [_index(n) for n in query_lens]
     for i, (seq_len, query_len) in enumerate(zip(lengths, queries, strict=True)):
-        if seq_len is None or query_len is None or seq_len < 0 or query_len < 0 or (
-                seq_len > 0 and query_len > seq_len):
+        if seq_len is None or query_len is None or seq_len < 0 or query_len < 0 or seq_len >= 2**31 or (
+                seq_len > 0 and query_len > seq_len):  # seq_lens are int32 on the device
             raise ValueError(f"build_metadata: request {i} has seq_len {seq_lens[i]!r} and query_len "
-                             f"{query_lens[i]!r}; need ints 0 <= query_len <= seq_len (or seq_len 0 for a padded row)")
+                             f"{query_lens[i]!r}; need ints 0 <= query_len <= seq_len < 2**31 (or seq_len 0 for a "
+                             "padded row)")
     seq_lens, query_lens = cast(list[int], lengths), cast(list[int], queries)
     need = max([_cdiv(n, block_size) for n in seq_lens], default=0)
     widest = need if max_blocks is None else _index(max_blocks)
@@ -499,8 +500,9 @@ class DecodeMetadata:
         """Put a request with `seq_len` cached tokens in `blocks` into a free row."""
         row = self._check_row(row, want_free=True)
         length = _index(seq_len)
-        if length is None or length < 0:
-            raise ValueError(f"DecodeMetadata.admit: row {row} has seq_len {seq_len!r}; pass an int >= 0")
+        if length is None or not 0 <= length < 2**31:  # seq_lens are int32 on the device
+            raise ValueError(f"DecodeMetadata.admit: row {row} has seq_len {seq_len!r}; pass an int "
+                             "0 <= seq_len < 2**31")
         used = _cdiv(length, self.block_size)
         if len(blocks) != used or used > self.max_blocks:
             raise ValueError(f"DecodeMetadata.admit: row {row} has {length} tokens in blocks {list(blocks)}; pass "
