@@ -5,12 +5,14 @@ symlinks, leaked files, stray error types)."""
 
 import base64
 import dataclasses
+import gc
 import json
 import multiprocessing as mp
 import os
 import struct
 import subprocess
 import sys
+import threading
 import time
 import uuid
 import warnings
@@ -640,3 +642,76 @@ def test_pool_size_refuses_what_transport_config_refuses(budget, workers, messag
     # "1G" was a bare TypeError from the comparison.
     with pytest.raises(ValueError, match=message):
         pool_size(budget, workers)
+
+
+# -- the producer's files: never left behind by a live process ----------------------------------
+
+def producer_files(pool_id: str) -> list[str]:
+    return sorted(name for name in os.listdir(SHM) if name.startswith(f"torchhal-{pool_id}-"))
+
+
+def test_a_producer_dropped_without_close_unlinks_its_files():
+    # Before: its control block and host blocks stayed in /dev/shm while the process lived
+    # (reclaim skips a live pid), so a server making producers without close() filled it.
+    producer = Producer(small())
+    with pytest.warns(UserWarning, match="sending through host shared memory"):
+        producer.send(torch.zeros(2 * MiB // 4))  # over the 1 MiB pool: a host block
+    pool_id = producer.pool_id
+    assert producer_files(pool_id) == [f"torchhal-{pool_id}-ctl", f"torchhal-{pool_id}-h0-g1"]
+    del producer
+    gc.collect()
+    assert producer_files(pool_id) == []
+
+
+def test_a_producer_whose_construction_is_interrupted_leaves_no_file(monkeypatch):
+    # Before: Ctrl-C (or any error) after the control block was made left it in /dev/shm.
+    from torchhal.core.transport import producer as producer_module
+
+    pool_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    monkeypatch.setattr(producer_module, "new_pool_id", lambda: pool_id)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    platform = torchhal.current_platform()
+    monkeypatch.setattr(platform, "new_event", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        Producer(small(), platform=platform)
+    assert producer_files(pool_id) == []
+
+
+def test_close_waits_for_a_send_running_in_another_thread():
+    # Before: close() did not take the producer's lock. A send in flight on another thread
+    # went on after close: its host block was made after close unlinked the others and stayed
+    # in /dev/shm, and a pool send met the released control block.
+    producer = Producer(small())
+    inside, go_on = threading.Event(), threading.Event()
+    to_host = producer._to_host
+
+    def slow_to_host(*args):
+        inside.set()
+        go_on.wait(10)
+        return to_host(*args)
+
+    producer._to_host = slow_to_host  # type: ignore[method-assign]
+    outcome: list[object] = []
+
+    def send() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the host path's "pool full" warning
+            outcome.append(producer.send(torch.zeros(2 * MiB // 4)))
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    assert inside.wait(10)
+    closer = threading.Thread(target=producer.close)
+    closer.start()
+    closer.join(0.3)
+    waited = closer.is_alive()  # close must wait for the send that holds a slot
+    go_on.set()
+    sender.join(10)
+    closer.join(10)
+    assert waited and len(outcome) == 1  # the send finished before close took its files
+    assert producer_files(producer.pool_id) == []
+    with pytest.raises(RuntimeError, match="this Producer is closed"):
+        producer.send(torch.ones(3))

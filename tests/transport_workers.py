@@ -1,6 +1,8 @@
 """Processes for the transport tests (spawned, so importable at top level). Plain data out."""
 
+import os
 import warnings
+import weakref
 
 import torch
 
@@ -34,7 +36,8 @@ def produce_then_exit(outbox, release, with_host_block=False):
             producer.send(torch.zeros(2 << 20, dtype=torch.uint8))
     outbox.put(producer.send(torch.arange(16, dtype=torch.float32)))
     release.wait(60)
-    # exit without close(): as a crashed worker would
+    # Crash: no close(), and no interpreter exit either (its finalizers unlink the files).
+    os._exit(0)
 
 
 # -- the wire record, for tests that read or forge messages -----------------------------------
@@ -76,3 +79,8 @@ def forge_handle_record(producer, change):
         new.cells[Control.HEADER + i] = value
     new._raw[new._event_start : new._event_start + len(events)] = events
     producer.control = new
+    # The producer's finalizer unlinks the block it was made with: now this one.
+    from torchhal.core.transport.producer import _unlink_files
+
+    producer._unlink_files.detach()
+    producer._unlink_files = weakref.finalize(producer, _unlink_files, new, producer._host_blocks)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +84,14 @@ class TransportConfig:
                              "False")
 
 
+def _unlink_files(control: Control, host_blocks: dict[int, SharedFile]) -> None:
+    """Unmap and unlink a producer's files (its finalizer: it must not hold the producer)."""
+    for block in host_blocks.values():
+        block.discard()
+    host_blocks.clear()
+    control.close(unlink=True)
+
+
 class Producer:
     def __init__(self, config: TransportConfig = TransportConfig(), platform: Platform | None = None,
                  device_index: int | None = None) -> None:
@@ -105,12 +114,6 @@ class Producer:
         self._events: IpcEvents | None = (
             ipc.events if ipc is not None and self.pool is not None and config.interprocess_events else None
         )
-        # Constant per producer, so in the control block (read once per consumer), not in messages.
-        self.control = Control.create(
-            self.pool_id, config.max_slices, config.consumers, self.pool_bytes if self.pool is not None else 0,
-            handle_record(self.pool_handle) if self.pool_handle is not None else b"",
-            self._events.handle_nbytes if self._events is not None else 0,
-        )
         self._free: list[tuple[int, int]] = [(0, self.pool_bytes)]  # (offset, size), sorted by offset
         self._used: dict[int, tuple[int, int, str | None]] = {}  # slot -> (offset, size, host block name)
         self._host_blocks: dict[int, SharedFile] = {}
@@ -124,6 +127,16 @@ class Producer:
         self._sends_since_reclaim = 0
         self._lock = threading.Lock()
         self._closed = False
+        # Constant per producer, so in the control block (read once per consumer), not in messages.
+        # Made last: nothing after it can fail (or be interrupted) and leave its file behind.
+        self.control = Control.create(
+            self.pool_id, config.max_slices, config.consumers, self.pool_bytes if self.pool is not None else 0,
+            handle_record(self.pool_handle) if self.pool_handle is not None else b"",
+            self._events.handle_nbytes if self._events is not None else 0,
+        )
+        # close(), or the producer's collection or the interpreter's exit without it: reclaim
+        # skips the files of a live process, so a dropped producer's would stay until it ends.
+        self._unlink_files = weakref.finalize(self, _unlink_files, self.control, self._host_blocks)
 
     # slices -------------------------------------------------------------------------------
     def _allocate(self, nbytes: int) -> int | None:
@@ -191,8 +204,6 @@ class Producer:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"send() takes a torch.Tensor, got a {type(tensor).__name__}; convert it first "
                             "(torch.as_tensor)")
-        if self._closed:
-            raise RuntimeError("this Producer is closed; make a new one to send more")
         if tensor.layout != torch.strided:
             raise TypeError(f"send() takes a strided (dense) tensor, got layout {tensor.layout}; convert it first "
                             "(tensor.to_dense())")
@@ -206,7 +217,9 @@ class Producer:
         dtype = self._dtype_names.get(source.dtype)
         if dtype is None:
             dtype = self._dtype_names[source.dtype] = dtype_name(source.dtype)  # unsupported: IpcHandleError
-        with self._lock:
+        with self._lock:  # close() takes it too: a send in flight finishes before the files go
+            if self._closed:
+                raise RuntimeError("this Producer is closed; make a new one to send more")
             self._sends_since_reclaim += 1
             if not self._free_slots or self._sends_since_reclaim >= RECLAIM_EVERY:
                 self._reclaim_locked()
@@ -326,16 +339,14 @@ class Producer:
     def close(self) -> None:
         """Unlink the pool, the control block and the host blocks (messages not yet received
         can no longer be); a second close does nothing."""
-        if self._closed:
-            return
-        self._closed = True
-        for event in self._slot_events.values():
-            event.synchronize()  # its last copy done before the event (and the pool) go away
-        self._slot_events.clear()
-        for block in self._host_blocks.values():
-            block.discard()
-        self._host_blocks.clear()
-        self.control.close(unlink=True)
-        self.pool = None
-        self._typed.clear()
-        self._views.clear()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for event in self._slot_events.values():
+                event.synchronize()  # its last copy done before the event (and the pool) go away
+            self._slot_events.clear()
+            self._unlink_files()
+            self.pool = None
+            self._typed.clear()
+            self._views.clear()
