@@ -20,6 +20,7 @@ from torchhal.core.residency import (
     ComponentUse,
     LayerwiseStrategy,
     OffloadStrategy,
+    RequestFailed,
     ResidencyManager,
     ResidencyStrategy,
     ResidentStrategy,
@@ -733,3 +734,49 @@ def test_a_component_on_the_meta_device_is_refused_by_name_before_anything_moves
                                              r"\(no data\); load its weights before registering it"):
             ResidencyManager({"o": other, "c": stack}, {"o": "offload", "c": strategy})
     assert other.weight.device.type == "cpu" and other.weight.is_leaf  # nothing was attached
+
+
+# -- cleanup that fails: the other steps still run, the caller's own error is the one raised ---------
+
+class ReleaseFails(OffloadStrategy):
+    """An offload whose release raises while `failing` (a device fault, a custom strategy's bug)."""
+
+    failing = True
+
+    def release(self, manager: Any, component: Any) -> int:
+        if self.failing:
+            raise RuntimeError("release failed: device busy")
+        return super().release(manager, component)
+
+
+def two_uses() -> list[Stage]:
+    # "other" is prefetched while "enc" runs: on the device when the request fails
+    return [Stage("s", (ComponentUse("enc"), ComponentUse("other", memory_intensive=True)))]
+
+
+@pytest.mark.parametrize("error", [KeyError("the caller's own error"),
+                                   torch.OutOfMemoryError("simulated: tried to allocate 3 GiB")])
+def test_a_release_failing_while_a_request_fails_leaves_the_request_ended_and_its_error_raised(error):
+    # Before: the release's error replaced the caller's (an OOM then was no RequestFailed and
+    # emptied nothing), and a release that kept failing left the manager inside the request for
+    # good: every later request, finish_request() and close() were refused.
+    strategy = ReleaseFails()
+    manager = ResidencyManager({"enc": nn.Linear(4, 4), "other": nn.Linear(4, 4)},
+                               {"enc": strategy, "other": "offload"})
+    expected = RequestFailed if isinstance(error, torch.OutOfMemoryError) else KeyError
+    with pytest.warns(RuntimeWarning, match=r"ReleaseFails.release of 'enc' raised RuntimeError: release failed"), \
+            pytest.raises(expected, match="the caller's own error|out of memory"):
+        with manager.request(two_uses()), manager.use_component("enc"):
+            assert manager.components["other"].on_device
+            raise error
+    assert not manager.in_request and manager.in_use is None
+    assert not manager.components["other"].on_device  # released although enc's release failed first
+    if expected is RequestFailed:
+        assert [e["reason"] for e in manager.trace.of_kind("empty_cache")][-1] == "oom"
+    strategy.failing = False
+    with torch.no_grad(), manager.request(two_uses()):
+        for name in ("enc", "other"):
+            with manager.use_component(name) as module:
+                module(torch.randn(1, 4))
+    manager.close()
+    assert not manager.components["enc"].attached

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -62,6 +62,20 @@ def _check_shared(components: Mapping[str, nn.Module], strategies: Mapping[str, 
                 raise ValueError(f"components {first[0]!r} and {name!r} {what}, and {' and '.join(map(repr, moved))} "
                                  f"would move it: a weight two components hold must stay resident in both; leave "
                                  f"{' and '.join(map(repr, moved))} resident, or pass the module holding it once")
+
+
+Step = tuple[str, Callable[[], object]]  # (what it does, for a report of its failure; the step)
+
+
+def _run_each(steps: Iterable[Step], doing: str) -> None:
+    """Run every step of a cleanup even where an earlier one raised (one failure must not leave
+    the rest undone, nor replace the error that made the cleanup necessary): each failure is
+    a RuntimeWarning naming `doing` and the step."""
+    for what, step in steps:
+        try:
+            step()
+        except Exception as failed:  # noqa: BLE001 - reported, then the next step runs
+            warnings.warn(f"{doing}: {what} raised {type(failed).__name__}: {failed}", RuntimeWarning, stacklevel=3)
 
 
 class _AsGiven:
@@ -177,18 +191,12 @@ class ResidencyManager:
                 state.attached = False
             # the component whose attach raised too: it may be half attached (detach undoes that).
             # Each step is undone even if another fails; the attach's error is the one raised.
-            undo: list[tuple[str, Callable[[], object]]] = [
+            _run_each([
                 *((f"{type(state.strategy).__name__}.detach of {state.name!r}",
                    functools.partial(state.strategy.detach, self, state)) for state in reversed(started)),
                 *((f"putting {state.name!r} back on its devices", as_given.restore)
                   for state, as_given in zip(states, given, strict=True)),
-            ]
-            for what, step in undo:
-                try:
-                    step()
-                except Exception as failed:  # noqa: BLE001 - reported, then the next step runs
-                    warnings.warn(f"undoing a failed ResidencyManager construction: {what} raised "
-                                  f"{type(failed).__name__}: {failed}", RuntimeWarning, stacklevel=2)
+            ], "undoing a failed ResidencyManager construction")
             raise
         self._timeline: list[ComponentUse] = []
         self._stage_spans: list[tuple[int, int, bool]] = []  # (first use, end, exact) of each stage in the timeline
@@ -355,7 +363,9 @@ class ResidencyManager:
                 # Inside request(), an OOM is emptied once where the request fails (reason
                 # OOM): releasing this component is then not a release point of its own.
                 oom = self._oom_handled_by_request and is_out_of_memory(self.platform, exc)
-                self._end_use(component, release_point=not oom, failed=True)
+                _run_each([(f"releasing {component!r}",
+                            functools.partial(self._end_use, component, release_point=not oom, failed=True))],
+                          "ending a failed use")
             raise
         if self._active is not None:
             self.end_use(component)
@@ -489,16 +499,22 @@ class ResidencyManager:
         return True
 
     def _abandon(self) -> None:
-        """Leave a consistent state after a failed request: non-resident weights go home."""
-        for state in self.components.values():
-            self._release(state)
+        """Leave a consistent state after a failed request: the request is over, and every
+        non-resident component goes home, each even where another's release raised (the
+        request's own error is the one that propagates)."""
         self._active, self._kept, self._in_request, self._timeline = None, None, False, []
+        _run_each(((f"{type(state.strategy).__name__}.release of {state.name!r}",
+                    functools.partial(self._release, state)) for state in self.components.values()),
+                  "abandoning a failed request")
 
     def _handle_oom(self, error: BaseException) -> None:
-        self.platform.report_out_of_memory(error, "residency request", self.device_index)
-        self.event("oom", None, error=str(error)[:200])
-        self._abandon()
-        self._empty(where="oom", reason=ReleasePoint.OOM)
+        _run_each([
+            ("the platform's OOM report", functools.partial(self.platform.report_out_of_memory, error,
+                                                            "residency request", self.device_index)),
+            ("the oom event", functools.partial(self.event, "oom", None, error=str(error)[:200])),
+            ("abandoning the request", self._abandon),
+            ("the OOM release point's empty", functools.partial(self._empty, where="oom", reason=ReleasePoint.OOM)),
+        ], "failing a request on out of memory")
 
     def _empty(self, where: str, reason: ReleasePoint = ReleasePoint.COMPONENT_RELEASE) -> int | None:
         released = self.platform.empty_cache(reason, self.device_index)
