@@ -780,3 +780,50 @@ def test_a_release_failing_while_a_request_fails_leaves_the_request_ended_and_it
                 module(torch.randn(1, 4))
     manager.close()
     assert not manager.components["enc"].attached
+
+
+class DetachFails(OffloadStrategy):
+    failing = True
+
+    def detach(self, manager: Any, component: Any) -> None:
+        if self.failing:
+            raise RuntimeError("detach failed: device busy")
+        super().detach(manager, component)
+
+
+def test_a_detach_failing_at_close_gives_every_other_component_back_and_close_retries_it():
+    # Before: close() stopped at the failing detach, so the components after it stayed attached
+    # (their hooks on, their device copies held) until close() was called again.
+    strategies = {"a": OffloadStrategy(), "b": DetachFails(), "c": LayerwiseStrategy(1)}
+    manager = ResidencyManager({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4), "c": Stack()}, strategies)
+    with pytest.raises(RuntimeError, match=r"^close\(\) could not detach 'b': RuntimeError: detach failed: device "
+                                           r"busy; every other component was given back and the cache emptied: call "
+                                           r"close\(\) again to retry$"):
+        manager.close()
+    assert [name for name, state in manager.components.items() if state.attached] == ["b"]
+    assert strategies["c"].hooks == [] and strategies["a"].block is None  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="this ResidencyManager is closed"):
+        manager.begin_request(ONE_USE)
+    strategies["b"].failing = False  # type: ignore[attr-defined]
+    manager.close()  # retries the detach that failed, and only it
+    assert not any(state.attached for state in manager.components.values())
+    assert manager.close() is None
+
+
+def test_a_log_failing_at_close_leaves_the_device_given_back():
+    # Before: the first "release" event that the log refused stopped close() with the other
+    # components attached, and so did every retry: the device could never be given back.
+    class RefusesClose:
+        def info(self, message: str, line: str) -> None:
+            if '"why": "close"' in line or '"where": "close"' in line:
+                raise OSError("log disk full")
+
+    manager = ResidencyManager({"a": nn.Linear(4, 4), "b": Stack()}, {"a": "offload", "b": LayerwiseStrategy(1)},
+                               log=RefusesClose())
+    with pytest.warns(RuntimeWarning) as caught:
+        manager.close()
+    assert [str(w.message) for w in caught] == [
+        f"closing the ResidencyManager: {what} raised OSError: log disk full"
+        for what in ("the release event of 'a'", "the release event of 'b'", "the empty_cache event")]
+    assert not any(state.attached for state in manager.components.values())
+    assert manager.close() is None

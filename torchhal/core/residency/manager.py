@@ -410,19 +410,43 @@ class ResidencyManager:
         """Give the device back: every component returns to host memory, the layerwise
         hooks are removed (the modules run as plain host modules again), and the cache
         is emptied once. Returns the bytes the empty released. Not during a request.
-        The strategy objects are free to serve a component of another manager."""
+        The strategy objects are free to serve a component of another manager.
+
+        A detach that raises does not stop the others: they are given back, the cache is
+        emptied, and a RuntimeError names each failure (the first chained). The manager is
+        closed to requests from the start; a later close() retries only the components whose
+        detach failed. A failing event (a log that raises) is a RuntimeWarning: the device is
+        given back regardless. A close with nothing left to give back returns None."""
         if self._in_request:
             raise RuntimeError("close() during a request; finish_request() first")
-        if self._closed:
+        attached = [state for state in self.components.values() if state.attached]
+        if self._closed and not attached:
             return None
-        self._copied_at_close = self.copied_bytes()
-        for state in self.components.values():
-            cast_buffers(state, None)
-            state.strategy.detach(self, state)
+        if not self._closed:
+            self._copied_at_close = self.copied_bytes()
+            self._closed = True  # from here on no request starts, whatever fails below
+        failures: list[tuple[str, Exception]] = []
+        for state in attached:
+            try:
+                cast_buffers(state, None)
+                state.strategy.detach(self, state)
+            except Exception as failed:  # noqa: BLE001 - the others are still given back; raised below
+                failures.append((state.name, failed))
+                continue
             state.attached = False
-            self.event("release", state.name, why="close")
-        self._closed = True
-        return self._empty(where="close")
+        closing = "closing the ResidencyManager"
+        _run_each(((f"the release event of {state.name!r}",
+                    functools.partial(self.event, "release", state.name, why="close"))
+                   for state in attached if not state.attached), closing)
+        released = self.platform.empty_cache(ReleasePoint.COMPONENT_RELEASE, self.device_index)
+        _run_each([("the empty_cache event", functools.partial(
+            self.event, "empty_cache", None, reason=ReleasePoint.COMPONENT_RELEASE.value, where="close",
+            bytes_released=released))], closing)
+        if failures:
+            named = "; ".join(f"{name!r}: {type(error).__name__}: {error}" for name, error in failures)
+            raise RuntimeError(f"close() could not detach {named}; every other component was given back and "
+                               "the cache emptied: call close() again to retry") from failures[0][1]
+        return released
 
     # -- internals -------------------------------------------------------------------------
     def _expect(self, component: str, phase: str | None) -> int:
