@@ -715,3 +715,19 @@ def test_close_waits_for_a_send_running_in_another_thread():
     assert producer_files(producer.pool_id) == []
     with pytest.raises(RuntimeError, match="this Producer is closed"):
         producer.send(torch.ones(3))
+
+
+@pytest.mark.parametrize(("shape", "message"), [
+    ([1] * 33, r"send\(\) got a tensor of 33 dimensions; a message carries at most 32: reshape it first"),
+    ([0, 2**49], r"send\(\) got a tensor of shape \(0, 562949953421312\): dimension 1 is over the 2\*\*48 - 1 "
+                 r"a message carries; reshape it first"),
+])
+def test_a_tensor_no_consumer_would_accept_is_refused_at_send_without_taking_a_slice(shape, message):
+    # Before: it was sent, every consumer refused the message, and its slice, never acknowledged,
+    # stayed taken for the producer's life (max_slices such sends refused every later one).
+    producer = Producer(small())
+    slots, free = len(producer._free_slots), producer.free_bytes
+    with pytest.raises(ValueError, match=message):
+        producer.send(torch.empty(shape))
+    assert (len(producer._free_slots), producer.free_bytes) == (slots, free)
+    producer.close()

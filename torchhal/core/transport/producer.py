@@ -27,7 +27,7 @@ from torchhal.core.devices import check_device_index
 from torchhal.core.transport._shm import Control, SharedFile, host_name, new_pool_id, reclaim_orphans
 from torchhal.core.transport.messages import checked_contiguous_stride, handle_record
 from torchhal.platforms import IpcEvents, IpcHandle, Platform, check_platform_argument, current_platform
-from torchhal.platforms.ipc import dtype_name
+from torchhal.platforms.ipc import MAX_BYTES, MAX_DIMS, dtype_name
 
 MiB = 1 << 20
 POOL_FLOOR_BYTES = 128 * MiB
@@ -210,6 +210,9 @@ class Producer:
         if tensor.is_meta:
             raise ValueError(f"send() got a tensor on the meta device ({tuple(tensor.shape)} {tensor.dtype}), "
                              "which holds no data to send; send a tensor with data")
+        shape = tuple(tensor.shape)
+        if len(shape) > MAX_DIMS or (shape and max(shape) >= MAX_BYTES):  # every consumer's decoder refuses it
+            self._refuse_view(shape)
         # Detached: the copy into the pool must join no autograd graph, reverse or forward
         # (a forward-mode tangent would give the whole pool view a tangent of its size).
         source = tensor.detach().contiguous()
@@ -247,10 +250,20 @@ class Producer:
         # The wire record, built directly (TensorMessage.to_wire's layout): per-send host work
         # is on the critical path. `source` is contiguous; its stride is sent only where it
         # differs from the one derived from the shape (size-1 dimensions may).
-        shape = tuple(source.shape)
         stride = tuple(source.stride())
         return (kind, self.pool_id, slot, generation, offset, nbytes, dtype, shape,
                 None if stride == checked_contiguous_stride(shape) else stride, event)
+
+    @staticmethod
+    def _refuse_view(shape: tuple[int, ...]) -> None:
+        """Refuse a shape no consumer would accept, before a slice is taken for it (unacknowledged,
+        the slice would stay taken)."""
+        if len(shape) > MAX_DIMS:
+            raise ValueError(f"send() got a tensor of {len(shape)} dimensions; a message carries at most {MAX_DIMS}: "
+                             "reshape it first")
+        index = next(i for i, n in enumerate(shape) if n >= MAX_BYTES)
+        raise ValueError(f"send() got a tensor of shape {shape}: dimension {index} is over the "
+                         f"2**{MAX_BYTES.bit_length() - 1} - 1 a message carries; reshape it first")
 
     def _fill(self, slot: int, generation: int, offset: int | None, source: torch.Tensor,
               nbytes: int) -> tuple[str, int, bool]:
