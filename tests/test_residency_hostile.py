@@ -827,3 +827,20 @@ def test_a_log_failing_at_close_leaves_the_device_given_back():
         for what in ("the release event of 'a'", "the release event of 'b'", "the empty_cache event")]
     assert not any(state.attached for state in manager.components.values())
     assert manager.close() is None
+
+
+@pytest.mark.parametrize(("component", "phase", "message"), [
+    (["enc"], None, r"begin_use\(\['enc'\]\): the component is named by a str, e.g. begin_use\('enc'\)"),
+    ("enc", 3, r"begin_use\('enc', phase=3\): phase must be a str \(as declared in ComponentUse\) or None"),
+])
+def test_begin_use_refuses_a_name_or_phase_of_the_wrong_type_and_the_request_goes_on(component, phase, message):
+    # Before: a list failed with "unhashable type: 'list'", and phase=3 matched a use declared with none.
+    manager = ResidencyManager({"enc": nn.Linear(4, 4)}, {"enc": "offload"})
+    manager.begin_request(ONE_USE)
+    with pytest.raises(TypeError, match=message):
+        manager.begin_use(component, phase)
+    assert manager.in_use is None and not manager.components["enc"].on_device
+    manager.begin_use("enc")
+    manager.end_use("enc")
+    manager.finish_request()
+    serves(manager)

@@ -452,6 +452,12 @@ class ResidencyManager:
     def _expect(self, component: str, phase: str | None) -> int:
         """The timeline position of the use beginning: the first the stages allow next that
         is of this component (and phase)."""
+        if not isinstance(component, str):
+            raise TypeError(f"begin_use({component!r}): the component is named by a str, e.g. "
+                            f"begin_use({next(iter(self.components), 'unet')!r})")
+        if phase is not None and not isinstance(phase, str):  # compared with declared phases: 3 matched none
+            raise TypeError(f"begin_use({component!r}, phase={phase!r}): phase must be a str (as declared in "
+                            "ComponentUse) or None")
         if component not in self.components:
             raise ValueError(f"unknown component {component!r}; registered: {sorted(self.components)}")
         if self._active is not None:
