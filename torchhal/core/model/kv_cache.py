@@ -24,7 +24,7 @@ from torchhal.attention import (
     ReferenceBackend,
     build_metadata_and_positions,
 )
-from torchhal.core.model.config import ModelConfig
+from torchhal.core.model.config import ModelConfig, short_repr
 
 __all__ = ["SCRATCH_BLOCK", "AttentionMetadata", "KVCache"]
 
@@ -56,6 +56,7 @@ class KVCache:
 
 
 _REFERENCE = ReferenceBackend()
+_POSITION_DTYPES = (torch.int64, torch.int32)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,21 @@ class AttentionMetadata:
     positions: torch.Tensor
     backend: AttentionBackend
     decode: bool
+
+    def __post_init__(self) -> None:
+        # Host facts only (no device sync), once per step for every layer: one position for
+        # several tokens broadcast over them (each rotated as that one: wrong hidden states
+        # and KV, no error), and a truthy non-bool decode picked the decode kernel.
+        positions, tokens = self.positions, self.paged.slot_mapping.shape[0]
+        if (not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.shape[0] != tokens
+                or positions.dtype not in _POSITION_DTYPES):
+            shown = f"{tuple(positions.shape)} {positions.dtype}" if isinstance(positions, torch.Tensor) else \
+                short_repr(positions)
+            raise ValueError(f"AttentionMetadata: positions is {shown}; it must be a 1-D integer tensor of one "
+                             f"position per token ({tokens}, as slot_mapping), e.g. from AttentionMetadata.build")
+        if type(self.decode) is not bool:
+            raise ValueError(f"AttentionMetadata: decode is {short_repr(self.decode)}; it must be True or False "
+                             "(True only when every row has one query token)")
 
     @classmethod
     def build(
