@@ -335,6 +335,21 @@ def test_the_reclaim_command_removes_files_of_a_crashed_one(tmp_path):
     assert all(f"removed {name}" in result.stdout for name in files)
 
 
+@pytest.mark.parametrize("where", ["missing", "a file"])
+def test_the_reclaim_command_refuses_a_directory_that_is_not_one(tmp_path, capsys, where):
+    # It reported "0 file(s) ... removed": a mistyped --dir looked like a clean machine.
+    from torchhal.core.transport.__main__ import main
+
+    target = tmp_path / "shm"
+    if where == "a file":
+        target.write_bytes(b"x")
+    with pytest.raises(SystemExit) as ended:
+        main(["reclaim", "--dir", str(target)])
+    assert ended.value.code == 2
+    assert f"--dir {target}" in capsys.readouterr().err
+    assert main(["reclaim", "--dir", str(tmp_path)]) == 0
+
+
 def test_reclaim_keeps_live_producers_and_foreign_files():
     producer = Producer(small())
     from torchhal.core.transport import reclaim_orphans
