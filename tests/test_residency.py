@@ -176,7 +176,7 @@ def test_misuse_is_refused_with_clear_errors(observed):
         manager.begin_use("vae")
     with pytest.raises(ValueError, match="unknown component 'unet'"):
         manager.begin_use("unet")
-    with pytest.raises(RuntimeError, match="already running"):
+    with pytest.raises(RuntimeError, match="already running, and requests do not nest"):
         manager.begin_request(stages(2))
     with pytest.raises(ValueError, match="unknown components \\['ghost'\\]"):
         ResidencyManager(make_components(), {"ghost": Strategy.OFFLOAD})

@@ -266,7 +266,9 @@ class ResidencyManager:
         if self._closed:
             raise RuntimeError("this ResidencyManager is closed; build a new one for more requests")
         if self._in_request:
-            raise RuntimeError("a request is already running; call finish_request() first")
+            raise RuntimeError("a request is already running, and requests do not nest (a managed pipeline called "
+                               "from inside one of its own callbacks is one inside the other): make the call after "
+                               "the running request ends, or end it with finish_request() first")
         if not isinstance(warmup, bool):  # "no" is truthy
             raise ValueError(f"warmup must be True or False, got {warmup!r}")
         if isinstance(stages, Stage):
