@@ -27,6 +27,7 @@ owns. Prefill and mixed batches stay on the breakable runner (`GraphRunner`);
 from __future__ import annotations
 
 import bisect
+import numbers
 import re
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -78,6 +79,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _is_int(value: object) -> bool:
+    """An integer (numpy's too), not a bool: True is no size, token or block."""
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
+
+
 class BlockTable:
     """Rows of the padded decode batch and their block tables, on the device, updated in place.
 
@@ -97,9 +103,14 @@ class BlockTable:
         device: torch.device,
         max_steps: int = 1,
         pin: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        *,
+        num_blocks: int | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         """pin: puts a host tensor in page-locked memory (the platform's `pin_memory`), so the
-        inputs' copy does not wait for the device to finish queued work."""
+        inputs' copy does not wait for the device to finish queued work. num_blocks and
+        vocab_size bound the block ids and input tokens a batch may hold (None: unchecked):
+        past them a device reads or writes outside the KV cache or the embedding."""
         if not isinstance(max_steps, int) or max_steps < 1:
             raise ValueError(f"max_steps {max_steps!r} must be a positive int (decode steps per window)")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
@@ -107,6 +118,7 @@ class BlockTable:
         self.max_rows, self.max_context, self.block_size = max_rows, max_context, block_size
         self.max_blocks = _cdiv(max_context, block_size)
         self.max_steps = max_steps
+        self.num_blocks, self.vocab_size = num_blocks, vocab_size
         self._pin = pin
         self.scratch_slot = SCRATCH_BLOCK * block_size
         self.table = torch.full((max_rows, self.max_blocks), SCRATCH_BLOCK, dtype=torch.int32, device=device)
@@ -259,26 +271,38 @@ class BlockTable:
             self._write_row(row, blocks)
 
     def _validate(self, batch: Sequence[DecodeRow], padded_rows: int, steps: int) -> None:
-        if not 1 <= len(batch) <= padded_rows <= self.max_rows:
+        """Every fact `prepare` relies on, checked before it changes anything. Only the blocks a
+        row newly starts are checked (the others were when they were written), so the host
+        work of a step does not grow with the context."""
+        if not _is_int(padded_rows) or not 1 <= len(batch) <= padded_rows <= self.max_rows:
             raise ValueError(
-                f"a decode batch of {len(batch)} padded to {padded_rows} rows does not fit 1..{self.max_rows} rows"
+                f"a decode batch of {len(batch)} padded to {padded_rows!r} rows does not fit 1..{self.max_rows} rows"
             )
-        if not isinstance(steps, int) or not 1 <= steps <= self.max_steps:
+        if not _is_int(steps) or not 1 <= steps <= self.max_steps:
             raise ValueError(f"a decode window of {steps!r} steps does not fit 1..{self.max_steps} steps")
+        block_limit, vocab = self.num_blocks, self.vocab_size
         seen: set[Hashable] = set()
         for key, token, blocks, length, new in batch:
             if key in seen:
                 raise ValueError(f"request {key!r} appears twice in one decode batch")
             seen.add(key)
-            if not isinstance(new, int) or not 1 <= new <= min(steps, length):
+            if not _is_int(length):
+                raise ValueError(f"request {key!r} has {length!r} KV tokens; pass an int")
+            if not _is_int(new) or not 1 <= new <= min(steps, length):
                 raise ValueError(
                     f"request {key!r} has {new!r} new tokens; a window of {steps} steps takes 1..{steps} "
                     "of the request's tokens"
                 )
-            if len(blocks) != _cdiv(length, self.block_size) or SCRATCH_BLOCK in blocks:
+            row, enough = self._row_of.get(key), len(blocks) == _cdiv(length, self.block_size)
+            started = blocks if row is None or not enough or not self._continues(row, blocks, length, new) else \
+                blocks[self._written[row]:]
+            if not enough or not all(_is_int(block) and block != SCRATCH_BLOCK
+                                     and 0 <= block < (block_limit or block + 1) for block in started):
+                bound = f"an int in 1..{block_limit - 1}" if block_limit is not None else "an int"
                 raise ValueError(
-                    f"request {key!r} holds {length} KV tokens in blocks {list(blocks)}; it needs exactly "
-                    f"{_cdiv(length, self.block_size)} blocks of {self.block_size}, none the scratch block"
+                    f"request {key!r} holds {length} KV tokens in blocks {short_repr(list(blocks))}; it needs "
+                    f"exactly {_cdiv(length, self.block_size)} blocks of {self.block_size}, each {bound} (a block "
+                    "of the KV cache), none the scratch block"
                 )
             # The window's last step reads position length - new + steps - 1.
             if not 1 <= length - new + steps <= self.max_context:
@@ -286,8 +310,9 @@ class BlockTable:
                     f"request {key!r} has {length} KV tokens ({new} new) and a window of {steps} steps; "
                     f"a decode row holds 1..{self.max_context} positions"
                 )
-            if not isinstance(token, int):
-                raise ValueError(f"request {key!r} has input token {token!r}; expected an int")
+            if not _is_int(token) or not 0 <= token < (vocab if vocab is not None else token + 1):
+                expected = f"an int in 0..{vocab - 1}" if vocab is not None else "an int"
+                raise ValueError(f"request {key!r} has input token {token!r}; expected {expected}")
 
     def _continues(self, row: int, blocks: Sequence[int], length: int, new: int) -> bool:
         """True when `blocks` is this row's table grown by `new` tokens."""
@@ -410,8 +435,11 @@ class DecodeGraphRunner:
         self.chained = 0  # windows queued behind the previous one before its tokens were read
         self._graphs: dict[tuple[int, int], Any] = {}
         max_rows = self.batch_buckets[-1]
+        vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
         self.rows = BlockTable(
-            max_rows, self.context_buckets[-1], block_size, self.device, steps_per_sync, pin=platform.pin_memory
+            max_rows, self.context_buckets[-1], block_size, self.device, steps_per_sync, pin=platform.pin_memory,
+            num_blocks=cache.num_blocks if cache is not None else None,
+            vocab_size=vocab_size if _is_int(vocab_size) else None,
         )
         self.history = torch.zeros(steps_per_sync, max_rows, dtype=torch.long, device=self.device)  # tokens
         self._cursor = torch.zeros(1, dtype=torch.long, device=self.device)  # the window step being run
@@ -469,6 +497,8 @@ class DecodeGraphRunner:
         written. Raises ValueError (nothing queued) when a row is not such a continuation."""
         if self.unsupported is not None:
             raise RuntimeError(f"full-graph decode is unavailable: {self.unsupported}")
+        if type(chained) is not bool:  # "no" is truthy: it would run the window as a continuation
+            raise ValueError(f"chained must be True or False, got {chained!r}")
         if not batch:
             raise ValueError("a decode batch needs at least one request")
         # The window's last step reads positions up to length - new + steps - 1.
@@ -584,6 +614,9 @@ class DecodeGraphRunner:
 
     def resume(self) -> None:
         """Recapture after wake; the model's KV pool is a new tensor, so graphs must be new too."""
+        cache = getattr(self.model, "kv", None)
+        if cache is not None:  # the rows address the new pool's blocks
+            self.rows.num_blocks = cache.num_blocks
         if self.unsupported is None and not self.emulate:
             self.capture()
 
