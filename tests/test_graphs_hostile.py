@@ -4,7 +4,9 @@ in the wrong order are refused or repaired, never run on state left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 
 import numpy
 import pytest
@@ -110,3 +112,82 @@ def test_a_window_with_a_non_bool_chained_is_refused_before_it_is_queued(chained
     reference.decode([("a", 5, [1], 1, 1)])
     second = [("a", first[0][0], [1], 2, 1)]
     assert runner.decode(second) == reference.decode(second)  # the refused call left nothing behind
+
+
+def test_a_released_decode_runner_refuses_windows_until_resumed():
+    """After release() (sleep) the decode runner took windows and ran them eagerly, step by
+    step, on a GPU too: silently the slowest path, and on whatever cache the model then held."""
+    runner = decode_runner(cached_model())
+    expected = runner.decode([("a", 5, [1], 1, 1)])
+    runner.release()
+    assert runner.reason(1, 1) == "decode graphs are released (sleep); resume() captures them again"
+    assert not runner.can_run(1, 1)
+    with pytest.raises(RuntimeError, match=r"full-graph decode is unavailable: decode graphs are released \(sleep\); "
+                                           r"resume\(\) captures them again"):
+        runner.decode([("a", 5, [1], 1, 1)])
+    runner.resume()
+    assert runner.reason(1, 1) is None and runner.decode([("a", 5, [1], 1, 1)]) == expected
+
+
+class SimGraph:
+    """A graph that replays nothing: enough to see what a capture that fails leaves behind."""
+
+    def replay(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def sim_capture(graph: SimGraph, pool: object, stream: object) -> Iterator[None]:
+    yield
+
+
+@pytest.fixture
+def graphs_platform(make_registry):
+    from torchhal.platforms import GraphSupport, hookimpl
+    from torchhal.plugins.cpu import CpuPlatform
+
+    class SimGraphsPlatform(CpuPlatform):
+        name = "simgraphs"
+        priority = -1
+
+        def graph_support(self) -> GraphSupport:
+            return GraphSupport(graph_class=SimGraph, new_pool=object, capture=sim_capture,
+                                is_capturing=lambda: False)
+
+    class Registration:
+        @hookimpl
+        def torchhal_register_platforms(self) -> list[CpuPlatform]:
+            return [SimGraphsPlatform()]
+
+    make_registry(Registration())
+    return torchhal.get_platform("simgraphs")
+
+
+class FailingEmbedding(ReferenceDecoder):
+    """A model whose embedding raises once `fail` is set: a capture fails part-way."""
+
+    fail = False
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("out of memory (simulated)")
+        return super().embed_tokens(input_ids)
+
+
+def test_a_decode_capture_that_fails_part_way_leaves_the_runner_refusing_until_one_succeeds(graphs_platform):
+    model = FailingEmbedding(ModelConfig(num_layers=1)).eval()
+    model.kv = KVCache(model.config, 16, BLOCK, CPU, torch.float32)
+    runner = DecodeGraphRunner(model, graphs_platform, 0, block_size=BLOCK, backend=ReferenceBackend(),
+                               batch_buckets=(1, 2), context_buckets=(16,))
+    assert runner.graphs_enabled and runner.report is not None and runner.report.graphs == 2
+    runner.release()
+    model.fail = True
+    with pytest.raises(RuntimeError, match="out of memory"):
+        runner.resume()
+    assert not runner.graphs_enabled and runner.report is None  # no graph of the failed capture is kept
+    assert runner.reason(1, 1) == "decode graph capture did not finish; resume() captures them again"
+    with pytest.raises(RuntimeError, match="capture did not finish"):  # not a silent eager step
+        runner.launch([("a", 5, [1], 1, 1)])
+    model.fail = False
+    runner.resume()
+    assert runner.graphs_enabled and runner.reason(1, 1) is None and runner.report is not None

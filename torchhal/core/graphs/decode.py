@@ -434,6 +434,9 @@ class DecodeGraphRunner:
         self.windows = 0  # token read-backs: one per window of up to steps_per_sync steps
         self.chained = 0  # windows queued behind the previous one before its tokens were read
         self._graphs: dict[tuple[int, int], Any] = {}
+        # Why windows are refused for now: released (sleep), or a capture that did not finish
+        # (its graphs are dropped). Without it a window ran eagerly, step by step, unnoticed.
+        self._idle: str | None = None
         max_rows = self.batch_buckets[-1]
         vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
         self.rows = BlockTable(
@@ -456,6 +459,8 @@ class DecodeGraphRunner:
         KV tokens (this step's included), must run elsewhere; None when this runner takes it."""
         if self.unsupported is not None:
             return self.unsupported
+        if self._idle is not None:
+            return self._idle
         if batch_size > self.batch_buckets[-1]:
             return f"decode batch {batch_size} exceeds the largest batch bucket {self.batch_buckets[-1]}"
         if max_length > self.context_buckets[-1]:
@@ -495,8 +500,9 @@ class DecodeGraphRunner:
         `steps` new tokens: the input tokens are the ones that window's last step left on
         the device (the host does not know them yet), so only positions and slots are
         written. Raises ValueError (nothing queued) when a row is not such a continuation."""
-        if self.unsupported is not None:
-            raise RuntimeError(f"full-graph decode is unavailable: {self.unsupported}")
+        idle = self.unsupported or self._idle
+        if idle is not None:
+            raise RuntimeError(f"full-graph decode is unavailable: {idle}")
         if type(chained) is not bool:  # "no" is truthy: it would run the window as a continuation
             raise ValueError(f"chained must be True or False, got {chained!r}")
         if not batch:
@@ -576,6 +582,7 @@ class DecodeGraphRunner:
         stream = self.platform.new_stream(self.device_index)
         current = self.platform.current_stream(self.device_index)
         self._graphs = {}  # kept only once every bucket is captured: a failed capture leaves none, not some
+        self._idle, self.report = "decode graph capture did not finish; resume() captures them again", None
         graphs: dict[tuple[int, int], Any] = {}
         self.rows.reset()  # warm-up and capture then touch only the scratch block
         with torch.no_grad():
@@ -593,7 +600,7 @@ class DecodeGraphRunner:
                         self._step(batch, context)
                     graphs[(batch, context)] = graph
         self.platform.synchronize(self.device_index)
-        self._graphs = graphs
+        self._graphs, self._idle = graphs, None
         after = self.platform.memory_info(self.device_index).reserved
         pool_bytes = after - before if after is not None and before is not None else None
         self.report = DecodeCaptureReport(
@@ -608,8 +615,10 @@ class DecodeGraphRunner:
 
     # -- lifecycle (sleep / wake) ----------------------------------------------------------------
     def release(self) -> None:
-        """Drop the graphs and every row (the KV pool goes away with sleep)."""
+        """Drop the graphs and every row (the KV pool goes away with sleep); windows are
+        refused until `resume()`."""
         self._graphs = {}
+        self._idle = "decode graphs are released (sleep); resume() captures them again"
         self.rows.reset()
 
     def resume(self) -> None:
@@ -619,4 +628,6 @@ class DecodeGraphRunner:
             self.rows.num_blocks = cache.num_blocks
         if self.unsupported is None and not self.emulate:
             self.capture()
+        else:  # nothing to capture: emulation runs the same steps eagerly
+            self._idle = None
 
