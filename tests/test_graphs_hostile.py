@@ -14,8 +14,9 @@ import torch
 
 import torchhal
 from torchhal.attention import SCRATCH_BLOCK, ReferenceBackend
+from torchhal.core.graphs import GraphRunner
 from torchhal.core.graphs.decode import BlockTable, DecodeGraphRunner
-from torchhal.core.model import KVCache, ModelConfig, ReferenceDecoder
+from torchhal.core.model import AttentionMetadata, KVCache, ModelConfig, ReferenceDecoder
 
 BLOCK = 4
 CPU = torch.device("cpu")
@@ -191,3 +192,64 @@ def test_a_decode_capture_that_fails_part_way_leaves_the_runner_refusing_until_o
     model.fail = False
     runner.resume()
     assert runner.graphs_enabled and runner.reason(1, 1) is None and runner.report is not None
+
+
+# -- the breakable runner ----------------------------------------------------------------------------
+def graph_runner(model: object, platform: object = None, **settings: object) -> GraphRunner:
+    arguments = {"dtype": torch.float32, "buckets": (4, 16), **settings}
+    return GraphRunner(model, platform or torchhal.current_platform(), 0, **arguments)  # type: ignore[arg-type]
+
+
+def test_capture_on_a_runner_that_runs_eagerly_is_refused_naming_why():
+    """It built emulated buckets on a platform without graphs (the runner then padded every step
+    while eager_reason still said it ran eagerly), or failed an assert for a model without a
+    layer stack."""
+    runner = graph_runner(cached_model())
+    with pytest.raises(RuntimeError, match=r"cannot capture: platform 'cpu' declares no graph support; pass "
+                                           r"emulate=True to run the bucketed path without graphs"):
+        runner.capture()
+    assert not runner.graphs_enabled and runner.report is None
+    stackless = graph_runner(torch.nn.Linear(2, 2), hidden_size=2, emulate=True)
+    with pytest.raises(RuntimeError, match=r"cannot capture: cannot find the layer stack of Linear"):
+        stackless.capture()
+
+
+def test_bucket_for_past_the_largest_bucket_names_it():
+    runner = graph_runner(cached_model(), emulate=True)
+    assert runner.bucket_for(5) == 16
+    with pytest.raises(ValueError, match=r"17 tokens exceed the largest bucket \(16\); can_run\(\) says when "
+                                         r"a step fits"):
+        runner.bucket_for(17)
+
+
+def test_a_prefill_capture_that_fails_part_way_keeps_no_bucket_and_runs_eagerly(graphs_platform):
+    model = cached_model()
+    broken = FailingProgram(model)
+    runner = graph_runner(broken, graphs_platform)
+    assert runner.graphs_enabled and runner.report is not None
+    runner.release()
+    broken.fail_after = broken.builds + 1  # the second bucket's capture fails
+    with pytest.raises(RuntimeError, match="out of memory"):
+        runner.resume()
+    assert not runner.graphs_enabled and runner.report is None and not runner.can_run(3)
+    broken.fail_after = None
+    meta = AttentionMetadata.build([[1]], [3], [3], BLOCK, CPU)
+    eager = model.forward(torch.tensor([1, 2, 3]), meta).clone()
+    torch.testing.assert_close(runner.forward(torch.tensor([1, 2, 3]), meta), eager)  # eager, and right
+
+
+class FailingProgram(torch.nn.Module):
+    """A model whose layer program raises from its `fail_after`-th build on (None: never)."""
+
+    def __init__(self, inner: ReferenceDecoder) -> None:
+        super().__init__()
+        self.inner, self.config, self.fail_after, self.builds = inner, inner.config, None, 0
+
+    def layer_program(self) -> list[object]:
+        self.builds += 1
+        if self.fail_after is not None and self.builds > self.fail_after:
+            raise RuntimeError("out of memory (simulated)")
+        return self.inner.layer_program()
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.inner.embed_tokens(input_ids)

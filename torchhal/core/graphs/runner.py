@@ -192,11 +192,18 @@ class GraphRunner:
         return self.graphs_enabled and num_tokens <= self.bucket_sizes[-1]
 
     def bucket_for(self, num_tokens: int) -> int:
-        return self.bucket_sizes[bisect.bisect_left(self.bucket_sizes, num_tokens)]
+        index = bisect.bisect_left(self.bucket_sizes, num_tokens)
+        if index == len(self.bucket_sizes):
+            raise ValueError(f"{num_tokens} tokens exceed the largest bucket ({self.bucket_sizes[-1]}); can_run() "
+                             "says when a step fits")
+        return self.bucket_sizes[index]
 
     # -- capture -------------------------------------------------------------------------
     def capture(self) -> CaptureReport:
-        assert self.stack is not None
+        """Capture (or, emulating, allocate) every bucket; refused for a runner that runs eagerly."""
+        if self.stack is None or self.eager_reason is not None:
+            hint = "; pass emulate=True to run the bucketed path without graphs" if self.stack is not None else ""
+            raise RuntimeError(f"cannot capture: {self.eager_reason}{hint}")
         support = None if self.emulate else self.platform.graph_support
         device = self.platform.device(self.device_index)
         before = self.platform.memory_info(self.device_index).reserved
@@ -205,6 +212,7 @@ class GraphRunner:
         stream = self.platform.new_stream(self.device_index)
         graphs = 0
         self._buckets = {}  # kept only once every bucket is captured: a failed capture leaves none, not some
+        self.report = None
         buckets: dict[int, _Bucket] = {}
         with torch.no_grad():
             for size in sorted(self.bucket_sizes, reverse=True):  # largest first: smaller ones fit its pool
