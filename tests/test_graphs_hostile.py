@@ -253,3 +253,44 @@ class FailingProgram(torch.nn.Module):
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.inner.embed_tokens(input_ids)
+
+
+@pytest.mark.parametrize("tokens", [3, 20], ids=["bucketed", "past_the_buckets"])
+@pytest.mark.parametrize(("ids", "message"), [
+    # [1, T] ids (a batch dimension): copy_'s broadcast error, or a reshape error inside a layer.
+    (lambda n: torch.arange(1, n + 1)[None], r"input_ids is \(1, {n}\) torch.int64; pass a 1-D integer tensor"),
+    (lambda n: torch.arange(1, n + 1).float(), r"input_ids is \({n},\) torch.float32; pass a 1-D integer tensor"),
+    (lambda n: list(range(1, n + 1)), r"input_ids is \[1, 2, 3"),
+    (lambda n: torch.arange(1, n), r"input_ids has {m} tokens but meta.positions {n}; build the metadata for "
+                                   r"this step's tokens"),
+])
+def test_forward_refuses_token_ids_that_are_not_the_steps(tokens, ids, message):
+    model = cached_model()
+    runner = graph_runner(model, emulate=True)
+    meta = AttentionMetadata.build([[1, 2, 3, 4, 5]], [tokens], [tokens], BLOCK, CPU)
+    before = model.kv.k.clone()
+    expected = message.format(n=tokens, m=tokens - 1)
+    with pytest.raises(ValueError, match=rf"GraphRunner.forward: {expected}"):
+        runner.forward(ids(tokens), meta)
+    with pytest.raises(ValueError, match=rf"LlamaDecoder.forward: {expected}"):
+        model.forward(ids(tokens), meta)
+    assert torch.equal(model.kv.k, before)  # refused before any layer wrote the cache
+
+
+class WideEmbedding(ReferenceDecoder):
+    """A Model whose embed_tokens breaks the protocol: one row for every token."""
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().embed_tokens(input_ids[:1])
+
+
+def test_an_embedding_of_the_wrong_shape_is_named_not_broadcast_into_the_bucket():
+    """Copied into the bucket's static buffer, one row was broadcast to every token: wrong hidden
+    states, no error."""
+    model = WideEmbedding(ModelConfig(num_layers=1)).eval()
+    model.kv = KVCache(model.config, 16, BLOCK, CPU, torch.float32)
+    runner = graph_runner(model, emulate=True)
+    meta = AttentionMetadata.build([[1]], [3], [3], BLOCK, CPU)
+    with pytest.raises(ValueError, match=r"WideEmbedding.embed_tokens returned \(1, 128\) torch.float32 for 3 "
+                                         r"tokens; a Model embeds \[T\] ids as \[T, 128\] torch.float32"):
+        runner.forward(torch.tensor([1, 2, 3]), meta)

@@ -79,6 +79,25 @@ def copy_into_captured(captured: StackState, live: StackState) -> None:
             target[: tensor.shape[0]].copy_(tensor)
 
 
+_TOKEN_ID_DTYPES = (torch.int64, torch.int32)
+
+
+def check_step_inputs(label: str, input_ids: object, metadata: Any) -> None:
+    """`input_ids` a 1-D integer tensor with one token per position of `metadata` (host facts
+    only: no device sync). A [1, T] batch or float ids failed deep in a layer, and a runner's
+    static buffers broadcast a mismatched count instead of refusing it."""
+    if (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1
+            or input_ids.dtype not in _TOKEN_ID_DTYPES):
+        shown = (f"{tuple(input_ids.shape)} {input_ids.dtype}" if isinstance(input_ids, torch.Tensor)
+                 else repr(input_ids)[:80])  # core.model imports this module: no short_repr
+        raise ValueError(f"{label}: input_ids is {shown}; pass a 1-D integer tensor of the step's token ids "
+                         "(int64)")
+    positions = getattr(metadata, "positions", None)
+    if isinstance(positions, torch.Tensor) and positions.shape[0] != input_ids.shape[0]:
+        raise ValueError(f"{label}: input_ids has {input_ids.shape[0]} tokens but meta.positions "
+                         f"{positions.shape[0]}; build the metadata for this step's tokens")
+
+
 def run_eager(steps: list[Step], state: StackState, num_tokens: int, metadata: Any) -> None:
     for step in steps:
         if isinstance(step, BreakStep):

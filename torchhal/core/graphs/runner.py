@@ -27,6 +27,7 @@ from torchhal.core.graphs.program import (
     GraphStep,
     StackState,
     Step,
+    check_step_inputs,
     copy_into_captured,
     run_eager,
     run_for_rows,
@@ -267,6 +268,7 @@ class GraphRunner:
             return self._forward(input_ids, meta, rows)
 
     def _forward(self, input_ids: torch.Tensor, meta: Any, rows: torch.Tensor | None) -> torch.Tensor:
+        check_step_inputs("GraphRunner.forward", input_ids, meta)
         num_tokens = input_ids.numel()
         if self.stack is not None and not self.can_run(num_tokens):
             # Past the buckets: eager, and the program may narrow to the rows (run_for_rows checks them).
@@ -279,8 +281,13 @@ class GraphRunner:
             return hidden if rows is None else hidden.index_select(0, rows)
         hidden = self.stack.embed(input_ids)
         bucket = self._buckets[self.bucket_for(num_tokens)]
-        self.bucketed_steps += 1
         static_hidden, static_positions = bucket.inputs
+        if hidden.shape != (num_tokens, self.hidden_size) or hidden.dtype != self.dtype:
+            # copy_ into the static buffer would broadcast a row or cast the dtype: wrong, and no error
+            raise ValueError(f"{type(self.model).__name__}.embed_tokens returned {tuple(hidden.shape)} {hidden.dtype} "
+                             f"for {num_tokens} tokens; a Model embeds [T] ids as [T, {self.hidden_size}] "
+                             f"{self.dtype}")
+        self.bucketed_steps += 1
         static_hidden[:num_tokens].copy_(hidden)
         static_positions[:num_tokens].copy_(meta.positions)
         static_positions[num_tokens:].zero_()  # padded rows: in range, and every op but attention is per token

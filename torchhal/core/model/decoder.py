@@ -23,7 +23,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchhal.attention import StepKvAttentionBackend, decode_metadata_for_rows
-from torchhal.core.graphs.program import OUTPUT_ROWS, BreakStep, GraphStep, StackState, Step, run_for_rows
+from torchhal.core.graphs.program import (
+    OUTPUT_ROWS,
+    BreakStep,
+    GraphStep,
+    StackState,
+    Step,
+    check_step_inputs,
+    run_for_rows,
+)
 from torchhal.core.model.config import Llama3RopeScaling, ModelConfig
 from torchhal.core.model.kv_cache import AttentionMetadata, KVCache
 from torchhal.core.model.linear import LinearFn, routed_linear, takes_kernel
@@ -660,5 +668,6 @@ class LlamaDecoder(nn.Module):
         those of `rows` ([R] int64 token indices) only, computing no more of the last layer
         than they need."""
         self._kv_cache()  # refuse before any layer runs
+        check_step_inputs("LlamaDecoder.forward", input_ids, meta)
         state: StackState = {"hidden": self.embed_tokens(input_ids), "positions": meta.positions}
         return run_for_rows(self.layer_program(), state, input_ids.numel(), meta, rows)
