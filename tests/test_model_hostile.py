@@ -41,3 +41,11 @@ def test_hand_built_attention_metadata_is_refused_where_it_is_made(change, messa
     model = cached_model()
     expected = model.forward(torch.tensor([1, 2, 3]), AttentionMetadata(**fields))  # the same, well formed
     assert expected.shape == (3, model.config.hidden_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, "float32"])
+def test_a_kv_cache_of_a_non_floating_dtype_is_refused(dtype):
+    # An integer cache truncated every K and V written into it: wrong tokens, no error.
+    with pytest.raises(ValueError, match=rf"KVCache: dtype is {dtype!r}; pass the floating torch.dtype the model "
+                                         r"runs in, e.g. torch.bfloat16"):
+        KVCache(ModelConfig(num_layers=1), 4, BLOCK, CPU, dtype)  # type: ignore[arg-type]

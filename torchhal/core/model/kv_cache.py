@@ -39,6 +39,9 @@ class KVCache:
                 raise ValueError(f"KVCache: {label} is {value!r}; pass an int >= 1")
         if num_blocks < 2:
             raise ValueError(f"KVCache: num_blocks is {num_blocks}; pass >= 2 (block {SCRATCH_BLOCK} is scratch)")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # an integer cache truncates K and V
+            raise ValueError(f"KVCache: dtype is {short_repr(dtype)}; pass the floating torch.dtype the model runs in, "
+                             "e.g. torch.bfloat16")
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.k = torch.zeros(shape, device=device, dtype=dtype)
