@@ -49,3 +49,38 @@ def test_a_kv_cache_of_a_non_floating_dtype_is_refused(dtype):
     with pytest.raises(ValueError, match=rf"KVCache: dtype is {dtype!r}; pass the floating torch.dtype the model "
                                          r"runs in, e.g. torch.bfloat16"):
         KVCache(ModelConfig(num_layers=1), 4, BLOCK, CPU, dtype)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("config", [{"vocab_size": 64}, None, "llama"])
+def test_a_decoder_of_something_else_than_a_model_config_is_refused_naming_it(config):
+    from torchhal.core.model import LlamaDecoder
+
+    with pytest.raises(TypeError, match=rf"LlamaDecoder: config is a {type(config).__name__}, not a ModelConfig; "
+                                        r"pass ModelConfig\(...\) \(a checkpoint's: load_checkpoint\(path\)\)"):
+        LlamaDecoder(config)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=rf"LlamaDecoder: config is a {type(config).__name__}"):
+        ReferenceDecoder(config)  # type: ignore[arg-type]
+
+
+def test_the_plans_type_error_names_a_way_to_a_config_that_exists():
+    from torchhal.core.model.parallel import TensorParallelPlan
+
+    with pytest.raises(TypeError) as refused:
+        TensorParallelPlan({"num_attention_heads": 4}, 2)  # type: ignore[arg-type]
+    assert "ModelConfig.from_hf" not in str(refused.value)  # there is no such method
+    assert "config_from_hf" in str(refused.value)
+    from torchhal.core.model.checkpoint import config_from_hf  # the one it names
+
+    assert callable(config_from_hf)
+
+
+@pytest.mark.parametrize("rank", [2, -1, True, 1.0])
+def test_a_plans_slices_refuse_a_rank_outside_it(rank):
+    from torchhal.core.model.parallel import TensorParallelPlan
+
+    plan = TensorParallelPlan(ModelConfig(num_heads=4, num_kv_heads=2), 2)
+    for method in (plan.head_range, plan.kv_head_range, plan.intermediate_range, plan.vocab_range):
+        # rank 2 of 2 gave heads 4..5 of a 4-head model, rank -1 negative ones: slices of nothing, no error
+        with pytest.raises(ValueError, match=rf"tensor-parallel rank {rank!r} must be an int in 0..1"):
+            method(rank)
+    assert plan.head_range(1) == range(2, 4) and plan.vocab_range(1) == range(256, 512)

@@ -373,6 +373,9 @@ class LlamaDecoder(nn.Module):
     def __init__(self, config: ModelConfig,
                  tensor_parallel: RankShard | tuple[TensorParallelPlan, int] | None = None) -> None:
         super().__init__()
+        if not isinstance(config, ModelConfig):  # else an AttributeError on the first field read
+            raise TypeError(f"LlamaDecoder: config is a {type(config).__name__}, not a ModelConfig; pass "
+                            "ModelConfig(...) (a checkpoint's: load_checkpoint(path))")
         shard = RankShard.of(tensor_parallel) if tensor_parallel is not None else None
         if shard is not None and shard.plan.config != config:
             raise ValueError("tensor_parallel: the plan was made for another ModelConfig than this decoder's; "

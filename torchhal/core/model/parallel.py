@@ -53,23 +53,29 @@ class TensorParallelPlan:
     def vocab_per_rank(self) -> int:
         return -(-self.config.vocab_size // self.world_size)  # ceil: the last rank's tail is padding
 
+    def _check_rank(self, rank: object) -> int:
+        """A rank of this plan: past it a slice is of heads or rows the model does not have."""
+        if type(rank) is not int or not 0 <= rank < self.world_size:
+            raise ValueError(f"tensor-parallel rank {rank!r} must be an int in 0..{self.world_size - 1}")
+        return rank
+
     def head_range(self, rank: int) -> range:
         """The query heads `rank` computes."""
-        per = self.heads_per_rank
+        rank, per = self._check_rank(rank), self.heads_per_rank
         return range(rank * per, (rank + 1) * per)
 
     def kv_head_range(self, rank: int) -> range:
         """The KV heads `rank` holds (one replicated head when KV heads are fewer than ranks)."""
-        first = rank // self.kv_replicas * self.kv_heads_per_rank
+        first = self._check_rank(rank) // self.kv_replicas * self.kv_heads_per_rank
         return range(first, first + self.kv_heads_per_rank)
 
     def intermediate_range(self, rank: int) -> range:
-        per = self.intermediate_per_rank
+        rank, per = self._check_rank(rank), self.intermediate_per_rank
         return range(rank * per, (rank + 1) * per)
 
     def vocab_range(self, rank: int) -> range:
         """The vocabulary rows `rank` holds that exist (the shard's padding rows excluded)."""
-        per = self.vocab_per_rank
+        rank, per = self._check_rank(rank), self.vocab_per_rank
         return range(min(rank * per, self.config.vocab_size), min((rank + 1) * per, self.config.vocab_size))
 
     def rank_config(self) -> ModelConfig:
@@ -87,7 +93,8 @@ def check_tensor_parallel(config: ModelConfig, world_size: object) -> None:
     """Refuse a split `TensorParallelPlan` cannot make (ValueError naming the sizes and the fix)."""
     if not isinstance(config, ModelConfig):
         raise TypeError(f"tensor-parallel plan: config is a {type(config).__name__}, not a ModelConfig; pass the "
-                        "model's config (model.config, or ModelConfig.from_hf(...))")
+                        "model's config (model.config, or config_from_hf(config.json's dict) from "
+                        "torchhal.core.model.checkpoint)")
     if type(world_size) is not int or world_size < 1:
         raise ValueError(f"tensor-parallel size {world_size!r} must be a positive int (it is a "
                          f"{type(world_size).__name__}; pass a plain int such as 2)")
