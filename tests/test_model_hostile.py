@@ -4,6 +4,8 @@ and never a silently wrong answer)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -84,3 +86,21 @@ def test_a_plans_slices_refuse_a_rank_outside_it(rank):
         with pytest.raises(ValueError, match=rf"tensor-parallel rank {rank!r} must be an int in 0..1"):
             method(rank)
     assert plan.head_range(1) == range(2, 4) and plan.vocab_range(1) == range(256, 512)
+
+
+@pytest.mark.parametrize("logits", [torch.zeros(10), torch.zeros(2, 3, 10)], ids=["1-D", "3-D"])
+def test_greedy_tokens_name_logits_of_the_wrong_shape(logits):
+    from torchhal.core.model.greedy import greedy_tokens
+
+    shape = tuple(logits.shape)
+    with pytest.raises(ValueError, match=rf"greedy_tokens: logits are {re.escape(str(shape))}; expected \[rows, "
+                                         r"vocab\] \(Model.logits returns one row per index it is given\)"):
+        greedy_tokens(logits)
+
+
+@pytest.mark.parametrize("support", ["triton", 1])
+def test_use_linear_refuses_what_is_not_a_linear_support(support):
+    model = cached_model()
+    with pytest.raises(TypeError, match=rf"linear support {support!r} is not a LinearSupport; pass "
+                                        r"platform.linear_support \(None: F.linear everywhere\)"):
+        model.use_linear(support)  # type: ignore[arg-type]

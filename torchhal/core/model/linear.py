@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from torchhal.core.model.config import short_repr
 from torchhal.platforms import LinearSupport
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -33,6 +34,9 @@ def routed_linear(support: LinearSupport | None) -> LinearFn:
     """`linear(x, weight, bias)`: `support.kernel` where it applies, else F.linear (always, for None)."""
     if support is None:
         return F.linear
+    if not isinstance(support, LinearSupport):  # else an AttributeError here, or at the first projection
+        raise TypeError(f"linear support {short_repr(support)} is not a LinearSupport; pass platform.linear_support "
+                        "(None: F.linear everywhere)")
     kernel = support.kernel
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
