@@ -678,6 +678,27 @@ def test_a_producer_dropped_without_close_unlinks_its_files():
     assert producer_files(pool_id) == []
 
 
+def test_a_forked_child_exiting_leaves_its_parents_producer_files_alone():
+    # The finalizer that unlinks a dropped producer's files is inherited by a forked child,
+    # whose exit (its atexit handlers, or the copy's collection) ran it on the parent's files.
+    producer = Producer(small())
+    pool_id = producer.pool_id
+    child = os.fork()
+    if child == 0:  # the child: drop its copy, then exit as a normal exit does
+        try:
+            import atexit
+
+            del producer
+            gc.collect()
+            atexit._run_exitfuncs()
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    assert producer_files(pool_id) == [f"torchhal-{pool_id}-ctl"]
+    producer.close()
+    assert producer_files(pool_id) == []
+
+
 def test_a_producer_whose_construction_is_interrupted_leaves_no_file(monkeypatch):
     # Before: Ctrl-C (or any error) after the control block was made left it in /dev/shm.
     from torchhal.core.transport import producer as producer_module

@@ -83,4 +83,4 @@ def forge_handle_record(producer, change):
     from torchhal.core.transport.producer import _unlink_files
 
     producer._unlink_files.detach()
-    producer._unlink_files = weakref.finalize(producer, _unlink_files, new, producer._host_blocks)
+    producer._unlink_files = weakref.finalize(producer, _unlink_files, new, producer._host_blocks, os.getpid())

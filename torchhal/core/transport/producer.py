@@ -15,6 +15,7 @@ for its own copy (an event synchronize) before the message leaves.
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 import weakref
@@ -84,8 +85,12 @@ class TransportConfig:
                              "False")
 
 
-def _unlink_files(control: Control, host_blocks: dict[int, SharedFile]) -> None:
-    """Unmap and unlink a producer's files (its finalizer: it must not hold the producer)."""
+def _unlink_files(control: Control, host_blocks: dict[int, SharedFile], owner_pid: int) -> None:
+    """Unmap and unlink a producer's files (its finalizer: it must not hold the producer). Only
+    in the process that made them: a forked child inherits the finalizer with the producer,
+    and its exit must not take the parent's files."""
+    if os.getpid() != owner_pid:
+        return
     for block in host_blocks.values():
         block.discard()
     host_blocks.clear()
@@ -136,7 +141,7 @@ class Producer:
         )
         # close(), or the producer's collection or the interpreter's exit without it: reclaim
         # skips the files of a live process, so a dropped producer's would stay until it ends.
-        self._unlink_files = weakref.finalize(self, _unlink_files, self.control, self._host_blocks)
+        self._unlink_files = weakref.finalize(self, _unlink_files, self.control, self._host_blocks, os.getpid())
 
     # slices -------------------------------------------------------------------------------
     def _allocate(self, nbytes: int) -> int | None:
