@@ -764,11 +764,17 @@ def test_a_release_failing_while_a_request_fails_leaves_the_request_ended_and_it
     manager = ResidencyManager({"enc": nn.Linear(4, 4), "other": nn.Linear(4, 4)},
                                {"enc": strategy, "other": "offload"})
     expected = RequestFailed if isinstance(error, torch.OutOfMemoryError) else KeyError
-    with pytest.warns(RuntimeWarning, match=r"ReleaseFails.release of 'enc' raised RuntimeError: release failed"), \
+    with warnings.catch_warnings(record=True) as caught, \
             pytest.raises(expected, match="the caller's own error|out of memory"):
+        warnings.simplefilter("always")
         with manager.request(two_uses()), manager.use_component("enc"):
             assert manager.components["other"].on_device
             raise error
+    # Both of enc's releases failed and were told, each naming its cleanup: the use's, then the request's.
+    assert [str(w.message) for w in caught if w.category is RuntimeWarning] == [
+        "ending a failed use: releasing 'enc' raised RuntimeError: release failed: device busy",
+        "abandoning a failed request: ReleaseFails.release of 'enc' raised RuntimeError: release failed: device busy",
+    ]
     assert not manager.in_request and manager.in_use is None
     assert not manager.components["other"].on_device  # released although enc's release failed first
     if expected is RequestFailed:
