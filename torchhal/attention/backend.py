@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from torchhal.attention.layout import PagedMetadata, _index, _is_int, outside_on_host
+from torchhal.attention.layout import PagedMetadata, as_index, outside_on_host
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _NO_SCALE = object()
@@ -71,7 +71,7 @@ class AttentionCapability:
         for field in ("head_dims", "block_sizes"):
             sizes = getattr(self, field)
             if sizes is not None and (not isinstance(sizes, tuple) or not sizes
-                                      or not all(_is_int(n) and n >= 1 for n in sizes)):
+                                      or not all(as_index(n) is not None and n >= 1 for n in sizes)):
                 raise bad(field, "None (any) or a non-empty tuple of ints >= 1")
         for field in ("prefill", "sliding_window", "soft_cap", "graph_capture", "step_kv"):
             if not isinstance(getattr(self, field), bool):
@@ -82,7 +82,7 @@ class AttentionCapability:
 
 def check_window(label: str, window: object) -> None:
     """A sliding window is None or an int >= 1 (a bool or a float is refused, not truncated)."""
-    if window is not None and not (_is_int(window) and window >= 1):  # type: ignore[operator]
+    if window is not None and not (as_index(window) is not None and window >= 1):  # type: ignore[operator]
         raise ValueError(f"{label} is {window!r}; pass None or an int >= 1")
 
 
@@ -120,7 +120,7 @@ class AttentionSpec:
         # ints, a real soft_cap as a float: the spec's numbers go to kernels as they are.
         for label in ("num_q_heads", "num_kv_heads", "head_dim", "block_size"):
             value = getattr(self, label)
-            index = _index(value)
+            index = as_index(value)
             if index is None or index < 1:
                 raise ValueError(f"AttentionSpec.{label} is {value!r}; it must be an int >= 1")
             object.__setattr__(self, label, index)
@@ -131,7 +131,7 @@ class AttentionSpec:
             raise ValueError(f"AttentionSpec.dtype is {self.dtype}; use one of {', '.join(map(str, _DTYPES))}")
         check_window("AttentionSpec.sliding_window", self.sliding_window)
         if self.sliding_window is not None:
-            object.__setattr__(self, "sliding_window", _index(self.sliding_window))
+            object.__setattr__(self, "sliding_window", as_index(self.sliding_window))
         if isinstance(self.soft_cap, numbers.Real) and not isinstance(self.soft_cap, bool):
             object.__setattr__(self, "soft_cap", float(self.soft_cap))
         check_positive("AttentionSpec.soft_cap", self.soft_cap, optional=True)

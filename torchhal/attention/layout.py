@@ -95,7 +95,7 @@ def new_kv_cache(
     sizes = []
     for label, value in (("num_blocks", num_blocks), ("block_size", block_size),
                          ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        size = _index(value)  # numpy's integers too, as build_metadata takes them
+        size = as_index(value)  # numpy's integers too, as build_metadata takes them
         if size is None or size < 1:
             raise ValueError(f"new_kv_cache: {label} is {value!r}; pass an int >= 1")
         sizes.append(size)
@@ -167,19 +167,16 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _index(value: object) -> int | None:
+def as_index(value: object) -> int | None:
     """`value` as a plain int when it is an integer (Python, numpy or a one-element torch
-    integer tensor; not a bool), else None."""
+    integer tensor; not a bool: True is no size, rank or token), else None. The package's one
+    such check: the platform layer's communicator and the graph runners take it from here."""
     if isinstance(value, bool):
         return None
     try:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         return None
-
-
-def _is_int(value: object) -> bool:
-    return _index(value) is not None
 
 
 def _block_row(label: str, ids: list[Any]) -> tuple[torch.Tensor, array[int]]:
@@ -190,7 +187,7 @@ def _block_row(label: str, ids: list[Any]) -> tuple[torch.Tensor, array[int]]:
     try:
         packed = array("q", ids)
     except (TypeError, OverflowError):
-        raise _bad_block(label, next((b for b in ids if not 1 <= (_index(b) or 0) < 2**31), ids)) from None
+        raise _bad_block(label, next((b for b in ids if not 1 <= (as_index(b) or 0) < 2**31), ids)) from None
     return (torch.frombuffer(packed, dtype=torch.int64) if ids else torch.empty(0, dtype=torch.int64)), packed
 
 
@@ -265,11 +262,11 @@ def build_metadata_and_positions(
     if not len(block_tables) == len(seq_lens) == len(query_lens):
         raise ValueError(f"build_metadata: {len(block_tables)} block tables, {len(seq_lens)} seq_lens and "
                          f"{len(query_lens)} query_lens; pass one of each per request")
-    size = _index(block_size)
+    size = as_index(block_size)
     if size is None or size < 1:
         raise ValueError(f"build_metadata: block_size is {block_size!r}; pass the cache's block size, an int >= 1")
     block_size = size
-    lengths, queries = [_index(n) for n in seq_lens], [_index(n) for n in query_lens]
+    lengths, queries = [as_index(n) for n in seq_lens], [as_index(n) for n in query_lens]
     for i, (seq_len, query_len) in enumerate(zip(lengths, queries, strict=True)):
         if seq_len is None or query_len is None or seq_len < 0 or query_len < 0 or seq_len >= 2**31 or (
                 seq_len > 0 and query_len > seq_len):  # seq_lens are int32 on the device
@@ -278,7 +275,7 @@ def build_metadata_and_positions(
                              "padded row)")
     seq_lens, query_lens = cast(list[int], lengths), cast(list[int], queries)
     need = max([_cdiv(n, block_size) for n in seq_lens], default=0)
-    widest = need if max_blocks is None else _index(max_blocks)
+    widest = need if max_blocks is None else as_index(max_blocks)
     if widest is None or widest < 0:
         raise ValueError(f"build_metadata: max_blocks is {max_blocks!r}; pass an int >= 0 (the block tables' width), "
                          "or None for the longest request's")
@@ -477,7 +474,7 @@ class DecodeMetadata:
     """
 
     def __init__(self, capacity: int, max_blocks: int, block_size: int, device: torch.device) -> None:
-        sizes = [_index(n) for n in (capacity, max_blocks, block_size)]
+        sizes = [as_index(n) for n in (capacity, max_blocks, block_size)]
         if not all(n is not None and n >= 1 for n in sizes):
             raise ValueError(f"DecodeMetadata: capacity={capacity!r}, max_blocks={max_blocks!r}, "
                              f"block_size={block_size!r}; each must be an int >= 1")
@@ -499,7 +496,7 @@ class DecodeMetadata:
     def admit(self, row: int, blocks: Sequence[int], seq_len: int) -> None:
         """Put a request with `seq_len` cached tokens in `blocks` into a free row."""
         row = self._check_row(row, want_free=True)
-        length = _index(seq_len)
+        length = as_index(seq_len)
         if length is None or not 0 <= length < 2**31:  # seq_lens are int32 on the device
             raise ValueError(f"DecodeMetadata.admit: row {row} has seq_len {seq_len!r}; pass an int "
                              "0 <= seq_len < 2**31")
@@ -574,7 +571,7 @@ class DecodeMetadata:
 
     def _check_row(self, row: int, want_free: bool) -> int:
         """`row` as a plain int, checked in range and free (or in use)."""
-        index = _index(row)
+        index = as_index(row)
         if index is None:
             raise TypeError(f"DecodeMetadata: row {row!r} is a {type(row).__name__}; pass an int row index")
         if not 0 <= index < len(self._lengths):

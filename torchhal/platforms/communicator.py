@@ -10,13 +10,14 @@ wrapping the default one and replacing the calls it does better.
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any, Literal, Protocol, SupportsIndex, TypeVar, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 import torch
 import torch.distributed as dist
+
+from torchhal.attention.layout import as_index as as_index  # one int check for the package; re-exported
 
 #: Reductions every communicator supports, by name.
 ReduceOpName = Literal["sum", "max", "min"]
@@ -94,13 +95,6 @@ def overlaps_itself(tensor: torch.Tensor) -> bool:
                 return True
             reach += stride * (size - 1)
     return False
-
-
-def as_index(value: object) -> int | None:
-    """`value` as an int (numpy's integers too), or None: a bool is a mistake, not 0 or 1."""
-    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
-        return None
-    return operator.index(value)
 
 
 _TORCH_OPS: dict[str, Any] = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}

@@ -27,7 +27,6 @@ owns. Prefill and mixed batches stay on the breakable runner (`GraphRunner`);
 from __future__ import annotations
 
 import bisect
-import numbers
 import re
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -38,6 +37,7 @@ import torch
 from torch import nn
 
 from torchhal.attention import SCRATCH_BLOCK, AttentionBackend, PagedMetadata
+from torchhal.attention.layout import as_index
 from torchhal.core.devices import check_device_index
 from torchhal.core.graphs.program import BreakStep, StackState, Step, run_eager
 from torchhal.core.model.config import short_repr
@@ -77,11 +77,6 @@ def check_buckets(label: str, buckets: Sequence[int]) -> list[int]:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _is_int(value: object) -> bool:
-    """An integer (numpy's too), not a bool: True is no size, token or block."""
-    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
 class BlockTable:
@@ -274,11 +269,11 @@ class BlockTable:
         """Every fact `prepare` relies on, checked before it changes anything. Only the blocks a
         row newly starts are checked (the others were when they were written), so the host
         work of a step does not grow with the context."""
-        if not _is_int(padded_rows) or not 1 <= len(batch) <= padded_rows <= self.max_rows:
+        if as_index(padded_rows) is None or not 1 <= len(batch) <= padded_rows <= self.max_rows:
             raise ValueError(
                 f"a decode batch of {len(batch)} padded to {padded_rows!r} rows does not fit 1..{self.max_rows} rows"
             )
-        if not _is_int(steps) or not 1 <= steps <= self.max_steps:
+        if as_index(steps) is None or not 1 <= steps <= self.max_steps:
             raise ValueError(f"a decode window of {steps!r} steps does not fit 1..{self.max_steps} steps")
         block_limit, vocab = self.num_blocks, self.vocab_size
         seen: set[Hashable] = set()
@@ -286,9 +281,9 @@ class BlockTable:
             if key in seen:
                 raise ValueError(f"request {key!r} appears twice in one decode batch")
             seen.add(key)
-            if not _is_int(length):
+            if as_index(length) is None:
                 raise ValueError(f"request {key!r} has {length!r} KV tokens; pass an int")
-            if not _is_int(new) or not 1 <= new <= min(steps, length):
+            if as_index(new) is None or not 1 <= new <= min(steps, length):
                 raise ValueError(
                     f"request {key!r} has {new!r} new tokens; a window of {steps} steps takes 1..{steps} "
                     "of the request's tokens"
@@ -296,7 +291,7 @@ class BlockTable:
             row, enough = self._row_of.get(key), len(blocks) == _cdiv(length, self.block_size)
             started = blocks if row is None or not enough or not self._continues(row, blocks, length, new) else \
                 blocks[self._written[row]:]
-            if not enough or not all(_is_int(block) and block != SCRATCH_BLOCK
+            if not enough or not all(as_index(block) is not None and block != SCRATCH_BLOCK
                                      and 0 <= block < (block_limit or block + 1) for block in started):
                 bound = f"an int in 1..{block_limit - 1}" if block_limit is not None else "an int"
                 raise ValueError(
@@ -310,7 +305,7 @@ class BlockTable:
                     f"request {key!r} has {length} KV tokens ({new} new) and a window of {steps} steps; "
                     f"a decode row holds 1..{self.max_context} positions"
                 )
-            if not _is_int(token) or not 0 <= token < (vocab if vocab is not None else token + 1):
+            if as_index(token) is None or not 0 <= token < (vocab if vocab is not None else token + 1):
                 expected = f"an int in 0..{vocab - 1}" if vocab is not None else "an int"
                 raise ValueError(f"request {key!r} has input token {token!r}; expected {expected}")
 
@@ -442,7 +437,7 @@ class DecodeGraphRunner:
         self.rows = BlockTable(
             max_rows, self.context_buckets[-1], block_size, self.device, steps_per_sync, pin=platform.pin_memory,
             num_blocks=cache.num_blocks if cache is not None else None,
-            vocab_size=vocab_size if _is_int(vocab_size) else None,
+            vocab_size=vocab_size if as_index(vocab_size) is not None else None,
         )
         self.history = torch.zeros(steps_per_sync, max_rows, dtype=torch.long, device=self.device)  # tokens
         self._cursor = torch.zeros(1, dtype=torch.long, device=self.device)  # the window step being run
