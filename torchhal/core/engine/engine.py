@@ -57,7 +57,7 @@ from torchhal.core.engine.records import (
     check_bool,
     usable_buckets,
 )
-from torchhal.core.engine.requests import RequestBook, check_max_new_tokens
+from torchhal.core.engine.requests import RequestBook, check_max_new_tokens, output_complete
 from torchhal.core.engine.runners import EagerRunner, ModelRunner
 from torchhal.core.engine.scheduler import Scheduler, StepInputs, StepPlan
 from torchhal.core.engine.weights import NamedTensors, WeightUpdater
@@ -552,7 +552,7 @@ class GenerationEngine:
             output = request.output
             for token in tokens:  # a window's tokens past a stop are dropped (their KV goes with the request)
                 output.append(token)
-                if len(output) >= request.max_new_tokens or token in eos:
+                if output_complete(request, eos):
                     done.append(self.requests.finish(request, RequestState.FINISHED))
                     break
         return done

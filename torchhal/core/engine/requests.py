@@ -44,7 +44,7 @@ def check_max_new_tokens(max_new_tokens: object) -> int:
     return max_new_tokens
 
 
-def _complete(request: Request, eos: frozenset[int]) -> bool:
+def output_complete(request: Request, eos: frozenset[int]) -> bool:
     """The request has every token it will get: by length, or its last one ends it."""
     output = request.output
     return len(output) >= request.max_new_tokens or bool(output) and output[-1] in eos
@@ -179,7 +179,7 @@ class RequestBook:
             request.blocks.clear()
             request.kv_tokens = 0
             self._left(request)
-            if _complete(request, eos):
+            if output_complete(request, eos):
                 self.finish(request, RequestState.FINISHED)
             else:
                 request.state = RequestState.WAITING
@@ -212,7 +212,7 @@ class RequestBook:
                 if not 0 < request.kv_tokens < len(request.prompt) + len(request.output):
                     problems.append(f"running request {rid} has {request.kv_tokens} KV tokens for "
                                     f"{len(request.prompt) + len(request.output)} tokens")
-                if _complete(request, eos):
+                if output_complete(request, eos):
                     problems.append(f"running request {rid} has its whole output")
         for rid in self.live.keys() - seen:
             problems.append(f"live request {rid} is in no queue" if rid not in self.results
