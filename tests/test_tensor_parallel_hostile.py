@@ -4,6 +4,7 @@ instead of computing different models."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -176,3 +177,53 @@ def test_a_rank_refuses_its_own_problem_and_the_others_refuse_with_it() -> None:
 def test_configs_that_differ_name_the_field() -> None:
     with pytest.raises(ValueError, match=r"differs between the group's ranks in kv_fraction \(this rank: 0.3\)"):
         agree(EngineConfig(kv_fraction=0.3), EngineConfig(kv_fraction=0.5))
+
+
+class PeerModelHost:
+    """The host communicator of a 2-rank group whose other rank passed a model of `peer_config`
+    and the same EngineConfig, and refused it (it sees the difference too)."""
+
+    world_size = 2
+
+    def __init__(self, config: EngineConfig, peer_config: ModelConfig) -> None:
+        self.config, self.peer_config = config, peer_config
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        from torchhal.core.engine.ranks import config_digests, model_digests
+
+        peer_model = model_digests(LlamaDecoder(self.peer_config))
+        if tensor.shape == peer_model.shape:
+            return torch.cat([tensor, peer_model], dim)
+        return torch.cat([tensor, torch.cat([config_digests(self.config), torch.ones(1, 1, dtype=torch.int64)], 1)],
+                         dim)
+
+
+@pytest.mark.parametrize("field, mine, peer", [
+    ("rope_theta", 10000.0, 500.0),  # no collective differs: both ranks would compute a model that is neither
+    ("num_layers", 1, 2),  # the collectives differ: gloo aborts the process
+    ("vocab_size", 64, 66),
+])
+def test_ranks_whose_models_differ_refuse_naming_the_field_before_touching_the_model(field, mine, peer) -> None:
+    from torchhal.distributed import DeviceGroup, RankPlacement
+    from torchhal.platforms import current_platform
+
+    config = EngineConfig(dtype=torch.bfloat16)
+    model = LlamaDecoder(dataclasses.replace(CONFIG, **{field: mine}))
+    platform = current_platform()
+    group = DeviceGroup("tp", RankPlacement(0, 2, 0, 1), platform, platform.device(0), comm=None,  # type: ignore[arg-type]
+                        host=PeerModelHost(config, dataclasses.replace(CONFIG, **{field: peer})),  # type: ignore[arg-type]
+                        timeout=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=rf"the model differs between the group's ranks in {field} \(this rank: "
+                                         rf"{mine}\); every rank must load the same checkpoint"):
+        GenerationEngine(config, model=model, group=group)
+    assert all(param.dtype == torch.float32 for param in model.parameters()), "the refused model was cast"
+    assert model.kv is None and model.shard is None
+
+
+def test_ranks_whose_models_agree_find_no_problem() -> None:
+    from types import SimpleNamespace
+
+    from torchhal.core.engine.ranks import shard_problem
+
+    host = PeerModelHost(EngineConfig(), CONFIG)
+    assert shard_problem(LlamaDecoder(CONFIG), SimpleNamespace(world_size=2, rank=0, host=host)) is None  # type: ignore[arg-type]

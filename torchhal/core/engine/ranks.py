@@ -33,10 +33,13 @@ def check_group(group: object) -> None:
 
 def shard_problem(model: Model | None, group: DeviceGroup | None) -> str | None:
     """Why `model` cannot run as this rank's tensor-parallel shard in `group` (None: it can, or
-    it is whole): a shard runs only as its own rank of a group of its size."""
+    it is whole): a shard runs only as its own rank of a group of its size, and every rank's
+    model must have the same config (`model_problem`, a collective every rank of a group of
+    several makes, problem or not)."""
+    disagreement = model_problem(model, group)
     shard = getattr(model, "shard", None)
     if shard is None:
-        return None
+        return disagreement
     ranks = group.world_size if group is not None else 1
     if ranks != shard.world_size:
         return (f"the model is rank {shard.rank} of a {shard.world_size}-way tensor-parallel shard, but the engine's "
@@ -46,7 +49,46 @@ def shard_problem(model: Model | None, group: DeviceGroup | None) -> str | None:
         return (f"the model is rank {shard.rank}'s tensor-parallel shard, but this engine is rank {group.rank}; load "
                 f"this rank's shard (load_checkpoint(..., tensor_parallel=({ranks}, {group.rank})), or "
                 "from_checkpoint(..., group=group))")
-    return None
+    return disagreement
+
+
+def model_digests(model: Model | None) -> torch.Tensor:
+    """[1, 2 + ModelConfig's fields]: whether a model was given, its config's class, then one
+    digest per ModelConfig field (read by name from any config: one width on every rank)."""
+    from torchhal.core.model import ModelConfig
+
+    config = getattr(model, "config", None)
+    values = [_describe(model is not None), _describe(type(config).__qualname__)]
+    values += [_describe(getattr(config, field.name, None)) for field in dataclasses.fields(ModelConfig)]
+    return torch.tensor([[_digest(value) for value in values]], dtype=torch.int64)
+
+
+def model_problem(model: Model | None, group: DeviceGroup | None) -> str | None:
+    """How this rank's model differs from its peers' (None: it does not, or there are no peers).
+    Ranks whose models differ in shape (another checkpoint, a layer more, another vocabulary)
+    would meet in collectives of other sizes, which gloo answers by aborting the process, or
+    compute a model that is neither (another rope_theta) without an error."""
+    if group is None or group.world_size == 1:
+        return None
+    from torchhal.core.model import ModelConfig
+
+    mine = model_digests(model)
+    everyone = group.host.all_gather(mine)
+    differing = (everyone != mine).any(dim=0).tolist()
+    if not any(differing):
+        return None
+    if differing[0]:
+        return ("some ranks passed a model and others none (the engine builds its reference decoder from "
+                "EngineConfig.model); every rank must pass the same kind of model")
+    config = getattr(model, "config", None)
+    if differing[1]:
+        return (f"the model's config is a {type(config).__name__} on this rank and another class on other ranks; "
+                "every rank must load the same model")
+    names = [field.name for field in dataclasses.fields(ModelConfig)]
+    shown = ", ".join(f"{name} (this rank: {_describe(getattr(config, name, None))})"
+                      for name, differs in zip(names, differing[2:], strict=True) if differs)
+    return (f"the model differs between the group's ranks in {shown}; every rank must load the same checkpoint "
+            "(or build the same ModelConfig)")
 
 
 #: Fields each rank sets for itself: the device is the rank's own (`engine_device_index`
