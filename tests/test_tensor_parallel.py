@@ -32,6 +32,11 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2_bias": ("qwen2", dict(num_attention_heads=8, num_key_value_heads=4, vocab_size=125)),
     # q/k norms (Qwen3), tied embeddings sharing the vocabulary shard, a vocabulary of 127
     "qwen3_tied": ("qwen3", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=127)),
+    # one KV head (replicated on every rank), head_dim 24 != hidden / heads, tied embeddings over a
+    # padded vocabulary, a sliding window shorter than prompt + generation, and a checkpoint
+    # sharded across files (each rank's slices come from several)
+    "mistral_mqa": ("mistral", dict(num_key_value_heads=1, head_dim=24, tie_word_embeddings=True, vocab_size=127,
+                                    max_shard_size="40KB")),
 }
 NEW_TOKENS = 6
 
