@@ -1283,3 +1283,30 @@ def test_without_detail_debug_the_group_is_not_checked() -> None:
     store = dist.HashStore()
     kinds = on_threads(2, lambda rank: detail_pair(store, rank, lambda g: (type(g.comm), type(g.host))))
     assert all(CheckedCommunicator not in kind for kind in kinds), kinds
+
+
+def test_the_device_and_host_communicators_of_a_cpu_group_do_not_pair_each_others_calls() -> None:
+    """Threads may call `comm` and `host` at once (one feeding requests over `host` while the
+    engine steps). Here each rank makes both sums, in opposite orders on the two ranks: on the
+    CPU both used to be one gloo backend, which pairs calls by their order on it, so rank 0's
+    device sum met rank 1's host sum and both came back wrong (201 and 102), without an error."""
+    store = dist.HashStore()
+    cpu = torchhal.get_platform("cpu")
+
+    def body(rank: int) -> list[float]:
+        group = init_group(cpu, rank=rank, world_size=2, local_rank=rank, store=store, name="both",
+                           timeout=timedelta(seconds=10))
+        try:
+            sums = {"comm": torch.full((4,), float(rank + 1)), "host": torch.full((4,), 100.0 * (rank + 1))}
+            first, second = ("comm", "host") if rank == 0 else ("host", "comm")
+            comm = {"comm": group.comm, "host": group.host}
+            thread = threading.Thread(target=comm[first].all_reduce, args=(sums[first],))
+            thread.start()
+            time.sleep(0.3)  # the first call is issued before the second, on each rank
+            comm[second].all_reduce(sums[second])
+            thread.join(20)
+            return [sums["comm"][0].item(), sums["host"][0].item()]
+        finally:
+            group.close()
+
+    assert on_threads(2, body) == [[3.0, 300.0], [3.0, 300.0]]

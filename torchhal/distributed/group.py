@@ -304,12 +304,13 @@ def _make_group(platform: Platform, placement: RankPlacement, index: int, connec
         ) from exc
     host = TorchCommunicator(host_backend, placement.rank, placement.world_size, torch.device("cpu"),
                              name=f"{group_name}/host", timeout=timeout)
-    if platform.dist_backend == "gloo" and device.type == "cpu":
-        device_backend = host_backend  # host memory is the device: one gloo group serves both
-    else:
-        device_backend = _new_backend(
-            platform.dist_backend, dist.PrefixStore(f"{prefix}/device", base), placement, timeout, group_name
-        )
+    # A backend of its own even where both are gloo on the host: a backend pairs the ranks' calls
+    # by their order on it, and threads may call `comm` and `host` at once (a thread feeding
+    # requests over `host` while the engine steps), so one shared backend would pair one rank's
+    # device sum with another's host sum (a wrong sum, or a wait until the timeout).
+    device_backend = _new_backend(
+        platform.dist_backend, dist.PrefixStore(f"{prefix}/device", base), placement, timeout, group_name
+    )
     default = TorchCommunicator(device_backend, placement.rank, placement.world_size, device,
                                 graph_capturable=support.graph_capturable, name=group_name, timeout=timeout,
                                 store=dist.PrefixStore(f"{prefix}/communicator", base))
