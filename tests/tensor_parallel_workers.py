@@ -123,6 +123,25 @@ def lifecycle(group: Any, job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def tied_update(group: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """Updates of a tied model over a padded vocabulary: the embedding alone (whole HF tensor,
+    under the embedding's name and then under lm_head's, one weight), then a whole checkpoint."""
+    from torchhal.core.engine import GenerationEngine
+    from torchhal.core.model.checkpoint import iter_checkpoint_tensors
+
+    engine = GenerationEngine.from_checkpoint(job["path"], engine_config(False), group=group)
+    prompts, new = job["prompts"], job["new_tokens"]
+    embedding = dict(iter_checkpoint_tensors(job["update_path"]))["model.embed_tokens.weight"]
+    out: dict[str, Any] = {}
+    engine.update_weights_from_tensors({"model.embed_tokens.weight": embedding})
+    out["embedding"] = [list(r.output) for r in engine.generate(prompts, new)]
+    engine.update_weights_from_tensors({"lm_head.weight": embedding * 2})
+    out["lm_head"] = [list(r.output) for r in engine.generate(prompts, new)]
+    engine.update_weights_from_tensors(iter_checkpoint_tensors(job["update_path"]))
+    out["whole"] = [list(r.output) for r in engine.generate(prompts, new)]
+    return out
+
+
 def failure(group: Any, job: dict[str, Any]) -> dict[str, Any]:
     """A step that fails on one rank only, in the model or (`cut="admission"`) in its bookkeeping
     (an admission whose plan is cut short, so that rank's book is recovered): every rank's
@@ -305,4 +324,4 @@ def stalled_device(group: Any, job: dict[str, Any]) -> dict[str, Any]:
 
 JOBS = {"close": close_group, "stalled_device": stalled_device,
         "generate": generate, "lifecycle": lifecycle, "failure": failure, "reference": reference,
-        "disagreement": disagreement, "wrong_shard": wrong_shard}
+        "disagreement": disagreement, "wrong_shard": wrong_shard, "tied_update": tied_update}

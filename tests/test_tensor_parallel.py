@@ -132,6 +132,28 @@ def test_lifecycle_and_a_failed_step_under_tp2(tmp_path: Path) -> None:
         assert_both_refuse(rank, results["failure"])
 
 
+def test_updates_of_a_tied_padded_vocabulary_under_tp2_give_tp1s_tokens(tmp_path: Path) -> None:
+    """qwen3_tied (vocabulary 127: rank 1's shard ends in a padding row, which lm_head shares):
+    the whole embedding, then lm_head alone (the same weight), then a whole checkpoint; each rank
+    writes its rows of each and generates what one device does after the same updates."""
+    from torchhal.core.model.checkpoint import iter_checkpoint_tensors
+
+    path, update = save("qwen3_tied", tmp_path / "model"), save("qwen3_tied", tmp_path / "update", seed=1)
+    prompts = PROMPTS[:3]
+    engine = GenerationEngine.from_checkpoint(path, workers.engine_config(False))
+    embedding = dict(iter_checkpoint_tensors(update))["model.embed_tokens.weight"]
+    expected: dict[str, list[list[int]]] = {}
+    for name, batch in (("embedding", {"model.embed_tokens.weight": embedding}),
+                        ("lm_head", {"lm_head.weight": embedding * 2}), ("whole", iter_checkpoint_tensors(update))):
+        engine.update_weights_from_tensors(batch)
+        expected[name] = [list(r.output) for r in engine.generate(prompts, NEW_TOKENS)]
+    assert len({str(tokens) for tokens in expected.values()}) == 3, "each update must change the tokens"
+    job = dict(kind="tied_update", name="tied", path=str(path), update_path=str(update), prompts=prompts,
+               new_tokens=NEW_TOKENS)
+    for rank, results in enumerate(run_group(2, [job], tmp_path, timeout_s=8.0)):
+        assert results["tied"] == expected, f"rank {rank}"
+
+
 def assert_both_refuse(rank: int, failed: dict[str, Any]) -> None:
     assert failed["step"] != "returned", f"rank {rank}: the failed step returned"
     assert "runs no more steps" in failed["after"], failed["after"]
