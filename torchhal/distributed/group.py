@@ -285,6 +285,13 @@ def _make_group(platform: Platform, placement: RankPlacement, index: int, connec
             checked = _ranks_check_collectives(base, prefix, placement, timeout, group_name)
             host_backend = _new_backend("gloo", dist.PrefixStore(f"{prefix}/host", base), placement, timeout,
                                         group_name)
+            # The device's own backend, even where it is gloo too: a backend pairs the ranks' calls by
+            # their order on it, and threads may call `comm` and `host` at once (one feeding requests
+            # over `host` while the engine steps): one shared backend would pair one rank's device sum
+            # with another's host sum (a wrong sum, or a wait until the timeout). Made here, in the
+            # attempt, as gloo's meets its peers; other backends connect later, at their first call.
+            device_backend = (_new_backend("gloo", dist.PrefixStore(f"{prefix}/device", base), placement, timeout,
+                                           group_name) if platform.dist_backend == "gloo" else None)
             # The checks of the device's and the host's collectives each get a gloo group of their own,
             # as threads may call both and the order their checks meet in must not depend on that.
             checkers = [TorchCommunicator(_new_backend("gloo", dist.PrefixStore(f"{prefix}/check/{part}", base),
@@ -304,13 +311,10 @@ def _make_group(platform: Platform, placement: RankPlacement, index: int, connec
         ) from exc
     host = TorchCommunicator(host_backend, placement.rank, placement.world_size, torch.device("cpu"),
                              name=f"{group_name}/host", timeout=timeout)
-    # A backend of its own even where both are gloo on the host: a backend pairs the ranks' calls
-    # by their order on it, and threads may call `comm` and `host` at once (a thread feeding
-    # requests over `host` while the engine steps), so one shared backend would pair one rank's
-    # device sum with another's host sum (a wrong sum, or a wait until the timeout).
-    device_backend = _new_backend(
-        platform.dist_backend, dist.PrefixStore(f"{prefix}/device", base), placement, timeout, group_name
-    )
+    if device_backend is None:
+        device_backend = _new_backend(
+            platform.dist_backend, dist.PrefixStore(f"{prefix}/device", base), placement, timeout, group_name
+        )
     default = TorchCommunicator(device_backend, placement.rank, placement.world_size, device,
                                 graph_capturable=support.graph_capturable, name=group_name, timeout=timeout,
                                 store=dist.PrefixStore(f"{prefix}/communicator", base))
