@@ -255,6 +255,25 @@ def test_release_on_close_takes_bound_methods_only() -> None:
         group.release_on_close(Holder().release)
 
 
+def test_closing_a_group_of_one_rank_ends_its_engine_as_at_any_size() -> None:
+    """SPMD code written for N ranks behaves the same at N = 1: after group.close() the engine
+    refuses steps, and an engine is not built on a closed group."""
+    from torchhal.core.engine import EngineConfig
+    from torchhal.distributed import CollectiveError, init_group
+
+    config = EngineConfig(model=ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2,
+                                            intermediate_size=48, max_position=64), max_kv_slots=128)
+    group = init_group(rank=0, world_size=1, local_rank=0)
+    engine = GenerationEngine(config, group=group)
+    assert engine.group is None  # one rank: the single-device engine
+    assert len(engine.generate([[1, 2, 3]], 2)[0].output) == 2
+    group.close()
+    with pytest.raises(RuntimeError, match=r"group was closed \(DeviceGroup.close\)"):
+        engine.generate([[1, 2, 3]], 2)
+    with pytest.raises(CollectiveError, match=r"is closed \(DeviceGroup.close\); make a new group with init_group"):
+        GenerationEngine(config, group=group)
+
+
 def test_a_rank_reads_only_its_slices(tmp_path: Path) -> None:
     """Each rank's parameters are exactly its slices of the HF tensors (padding rows zero),
     and it reads only those bytes: about half the sharded weights, plus the replicated ones."""

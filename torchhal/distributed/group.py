@@ -134,6 +134,7 @@ class DeviceGroup:
     timeout: timedelta
     _owned: tuple[TorchCommunicator, ...] = ()
     _releases: list[weakref.WeakMethod[Callable[[], None]]] = field(default_factory=list)
+    _closed: bool = False
 
     @property
     def rank(self) -> int:
@@ -143,6 +144,11 @@ class DeviceGroup:
     def world_size(self) -> int:
         return self.placement.world_size
 
+    @property
+    def closed(self) -> bool:
+        """`close()` has run: the communicators refuse every call."""
+        return self._closed
+
     def release_on_close(self, release: Callable[[], None]) -> None:
         """Have `close()` call `release` (a bound method: the group holds it weakly, so its
         object's lifetime is its own) before it shuts the backends down. Whatever holds device
@@ -151,7 +157,7 @@ class DeviceGroup:
         for ever). `GenerationEngine(..., group=)` registers its graphs' release."""
         if not callable(release) or not hasattr(release, "__self__"):
             raise TypeError(f"release = {release!r} must be a bound method (the group holds it weakly)")
-        if not self._owned:
+        if self.closed:
             raise CollectiveError(f"release_on_close: group {self.name!r} is closed (DeviceGroup.close); make a new "
                                   "group with init_group")
         self._releases = [ref for ref in self._releases if ref() is not None]
@@ -179,6 +185,7 @@ class DeviceGroup:
         for comm in self._owned:
             comm.backend = None
         self._owned = ()
+        self._closed = True
 
     def wait_for(self, event: Any, what: str) -> None:
         """Wait until device work recorded by `event` (the platform's event) is done, for at

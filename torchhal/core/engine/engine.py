@@ -143,7 +143,8 @@ class GenerationEngine:
         `group.device` and holds this rank's shard of a `LlamaDecoder` (a whole one, or None,
         is sharded here; `from_checkpoint(..., group=)` reads only the rank's slices). Every
         rank makes the same engine calls in the same order (SPMD) and gets the same tokens.
-        A group of one rank is no group: today's engine on `group.device`. Under tensor
+        A group of one rank is no group: today's engine on `group.device` (closing it
+        still ends the engine, as at any size). Under tensor
         parallel an error in a step (out-of-memory on one rank, a peer that died, ...)
         is final: the ranks cannot know they failed alike, so instead of retracting and
         retrying (which could leave the ranks' batches apart) the step raises and the engine
@@ -246,8 +247,8 @@ class GenerationEngine:
             if config.decode_graphs is not None:
                 self.decode_runner = self._new_decode_runner(config.decode_graphs)
             _ENGINE_OF_MODEL[id(self.model)] = self  # the model now holds this engine's KV cache
-        if self.group is not None:
-            self.group.release_on_close(self._group_closing)
+        if group is not None:  # a group of one rank too: closing it ends the engine at any world size
+            group.release_on_close(self._group_closing)
 
     def _free_bytes_everywhere(self, saved: ModelState | None) -> int:
         """The free memory the KV pool is sized from: this device's, or under tensor parallel

@@ -23,12 +23,14 @@ if TYPE_CHECKING:
 
 
 def check_group(group: object) -> None:
-    """`group` is a `DeviceGroup` (from `init_group`) or None."""
-    from torchhal.distributed import DeviceGroup
+    """`group` is an open `DeviceGroup` (from `init_group`) or None."""
+    from torchhal.distributed import CollectiveError, DeviceGroup
 
     if group is not None and not isinstance(group, DeviceGroup):
         raise TypeError(f"group is a {type(group).__name__}; pass the DeviceGroup from "
                         "torchhal.distributed.init_group(...), or None for one device")
+    if group is not None and group.closed:  # checked here: a group of one rank makes no collective that would fail
+        raise CollectiveError(f"group {group.name!r} is closed (DeviceGroup.close); make a new group with init_group")
 
 
 def shard_problem(model: Model | None, group: DeviceGroup | None) -> str | None:
