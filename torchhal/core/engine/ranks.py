@@ -60,9 +60,8 @@ def model_digests(model: Model | None) -> torch.Tensor:
     from torchhal.core.model import ModelConfig
 
     config = getattr(model, "config", None)
-    values = [_describe(model is not None), _describe(type(config).__qualname__)]
-    values += [_describe(getattr(config, field.name, None)) for field in dataclasses.fields(ModelConfig)]
-    return torch.tensor([[_digest(value) for value in values]], dtype=torch.int64)
+    return _digests([model is not None, type(config).__qualname__,
+                     *(getattr(config, field.name, None) for field in dataclasses.fields(ModelConfig))])
 
 
 def model_problem(model: Model | None, group: DeviceGroup | None) -> str | None:
@@ -87,8 +86,7 @@ def model_problem(model: Model | None, group: DeviceGroup | None) -> str | None:
         return (f"the model's config is a {type(config).__name__} on this rank and another class on other ranks; "
                 "every rank must load the same model")
     names = [field.name for field in dataclasses.fields(ModelConfig)]
-    shown = ", ".join(f"{name} (this rank: {_describe(getattr(config, name, None))})"
-                      for name, differs in zip(names, differing[2:], strict=True) if differs)
+    shown = _shown_differences(names, [getattr(config, name, None) for name in names], everyone[:, 2:], mine[:, 2:])
     return (f"the model differs between the group's ranks in {shown}; every rank must load the same checkpoint "
             "(or build the same ModelConfig)")
 
@@ -111,14 +109,25 @@ def _digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")  # fits int64
 
 
+def _digests(values: list[object]) -> torch.Tensor:
+    """[1, len(values)]: one int64 digest of each value, equal in every process."""
+    return torch.tensor([[_digest(_describe(value)) for value in values]], dtype=torch.int64)
+
+
+def _shown_differences(names: list[str], values: list[object], everyone: torch.Tensor, mine: torch.Tensor) -> str:
+    """The fields whose digest column differs on some rank, each with this rank's value ("" if none)."""
+    differing = (everyone != mine).any(dim=0).tolist()
+    return ", ".join(f"{name} (this rank: {_describe(value)})"
+                     for name, value, differs in zip(names, values, differing, strict=True) if differs)
+
+
 def agreed_fields(config: EngineConfig) -> list[str]:
     return [field.name for field in dataclasses.fields(config) if field.name not in PER_RANK_FIELDS]
 
 
 def config_digests(config: EngineConfig) -> torch.Tensor:
     """[1, fields]: one int64 digest of each agreed field's value, equal in every process."""
-    return torch.tensor([[_digest(_describe(getattr(config, name))) for name in agreed_fields(config)]],
-                        dtype=torch.int64)
+    return _digests([getattr(config, name) for name in agreed_fields(config)])
 
 
 def agree_on_config(config: EngineConfig, group: DeviceGroup | None, problem: str | None = None) -> None:
@@ -141,9 +150,8 @@ def agree_on_config(config: EngineConfig, group: DeviceGroup | None, problem: st
     if refused:
         raise ValueError(f"rank(s) {refused} of the group refused their engine arguments (their error says why); "
                          "every rank refuses alike")
-    differing = [name for column, name in enumerate(names) if bool((everyone[:, column] != mine[0, column]).any())]
-    if differing:
-        shown = ", ".join(f"{name} (this rank: {_describe(getattr(config, name))})" for name in differing)
+    shown = _shown_differences(names, [getattr(config, name) for name in names], everyone[:, :-1], mine)
+    if shown:
         raise ValueError(f"EngineConfig differs between the group's ranks in {shown}; every rank must build its "
                          "engine with the same EngineConfig")
 
