@@ -176,7 +176,9 @@ def torchhal_side(directory: str, dtype: torch.dtype, prompts: dict[str, list[li
 
     rows = timed_cells(generate, prompts, new_tokens, reps, engine.platform.synchronize, deadline)
     rows["_engine"] = {"setup_s": setup_s, "kv_slots": engine.kv_sizing.num_slots,
-                       "attention": {"name": getattr(attention, "name", None), "why": getattr(attention, "why", None)},
+                       "attention": {"name": getattr(attention, "name", None), "why": getattr(attention, "why", None),
+                                     # the platform's line: which kernel whole prompts take, and why
+                                     "platform_note": getattr(engine.platform.attention_support, "note", None)},
                        "decode_graphs": None if engine.decode_runner is None else {
                            "unsupported": engine.decode_runner.unsupported,
                            "capture_s": engine.decode_runner.report.seconds if engine.decode_runner.report else None}}

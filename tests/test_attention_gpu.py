@@ -149,9 +149,8 @@ def test_equal_whole_prompts_share_one_dense_call_and_equal_the_reference(cuda, 
     """Adjacent whole prompts of one length run as one batched SDPA call (a step of 32 short
     prompts launches once a layer, not 32 times); a chunk between them keeps them apart. The
     output equals the reference and every query row is written."""
-    import torch.nn.functional as F
-
     from torchhal.attention import build_metadata, write_kv
+    from torchhal.plugins import cuda_flash
 
     backend = cuda.choose_attention(AttentionSpec(32, 8, 128, torch.bfloat16, 16)).backend
     device, block_size = cuda.device(0), 16
@@ -170,9 +169,8 @@ def test_equal_whole_prompts_share_one_dense_call_and_equal_the_reference(cuda, 
     write_kv(k_cache, v_cache, key, torch.randn_like(key), meta.slot_mapping)
     query = torch.randn(tokens, 32, 128, device=device, dtype=torch.bfloat16)
     batches: list[int] = []
-    real = F.scaled_dot_product_attention
-    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, *a, **k: (batches.append(q.shape[0]),
-                                                                                real(q, *a, **k))[1])
+    real = cuda_flash.dense_causal
+    monkeypatch.setattr(cuda_flash, "dense_causal", lambda q, *a: (batches.append(q.shape[0]), real(q, *a))[1])
     out = torch.full_like(query, float("nan"))
     backend.prefill(query, k_cache, v_cache, meta, scale=128**-0.5, out=out)
     assert batches == [3, 2, 1]  # three 33s; the two 33s after the chunk; the 7
@@ -183,19 +181,18 @@ def test_equal_whole_prompts_share_one_dense_call_and_equal_the_reference(cuda, 
 
 
 def test_a_step_of_one_dense_call_returns_its_output_without_a_copy(cuda, monkeypatch):
-    """Without `out`, a step whose whole prompts are one SDPA call returns SDPA's own output
-    (a view of it: no copy into a buffer of the step); with `out`, or with two calls, the
-    rows are written into one tensor. Both equal the reference."""
-    import torch.nn.functional as F
-
+    """Without `out`, a step whose whole prompts are one dense call returns the kernel's own
+    output (a view of it: no copy into a buffer of the step); with `out`, or with two calls,
+    the rows are written into one tensor. Both equal the reference."""
     from torchhal.attention import build_metadata, write_kv
+    from torchhal.plugins import cuda_flash
 
     backend = cuda.choose_attention(AttentionSpec(32, 8, 128, torch.bfloat16, 16)).backend
     device, block_size = cuda.device(0), 16
     outputs: list[int] = []
-    real = F.scaled_dot_product_attention
-    monkeypatch.setattr(F, "scaled_dot_product_attention",
-                        lambda *a, **k: (lambda o: (outputs.append(o.data_ptr()), o)[1])(real(*a, **k)))
+    real = cuda_flash.dense_causal
+    monkeypatch.setattr(cuda_flash, "dense_causal",
+                        lambda *a: (lambda o: (outputs.append(o.data_ptr()), o)[1])(real(*a)))
     for lengths, one_call in (([512, 512, 512], True), ([512, 256], False)):
         tables, next_block = [], 1
         for n in lengths:
@@ -211,7 +208,7 @@ def test_a_step_of_one_dense_call_returns_its_output_without_a_copy(cuda, monkey
         outputs.clear()
         returned = backend.prefill(query, k_cache, v_cache, meta, scale=128**-0.5)
         assert len(outputs) == (1 if one_call else 2)
-        assert (returned.data_ptr() == outputs[0]) == one_call  # SDPA's own output, or a buffer of the step
+        assert (returned.data_ptr() == outputs[0]) == one_call  # the kernel's own output, or a buffer of the step
         into = torch.full_like(query, float("nan"))
         assert backend.prefill(query, k_cache, v_cache, meta, scale=128**-0.5, out=into) is into
         for got in (returned, into):
@@ -261,3 +258,38 @@ def test_whole_prompts_attend_over_the_steps_own_kv_in_place(cuda, monkeypatch):
     assert slots not in gathered  # no prompt's K/V read back out of the cache
     without = backend.prefill(query, poisoned_k, poisoned_v, meta, scale=128**-0.5)
     assert without[: 512 + 512 + 300].isnan().all()  # the cache it was told to read
+
+
+has_fa4 = importlib.util.find_spec("flash_attn") is not None and importlib.util.find_spec("flash_attn.cute") is not None
+
+
+@pytest.mark.skipif(not has_fa4, reason="needs the fa4 extra (flash-attn-4) installed")
+def test_fa4_is_the_installed_packages_own_and_equals_sdpa_on_the_engines_views(monkeypatch):
+    """With flash-attn-4 installed on an sm_90 device, whole prompts take it: its signature is
+    the one tests/test_cuda_flash.py checks the fake against, and on q/k/v as the engine passes
+    them (views into the projections' outputs, grouped heads) it equals SDPA, which serves
+    the same call with TORCHHAL_CUDA_FA4=0."""
+    import inspect
+
+    import flash_attn.cute
+
+    from tests.test_cuda_flash import FA4_PARAMETERS
+    from torchhal.plugins import cuda_flash
+
+    assert tuple(inspect.signature(flash_attn.cute.flash_attn_func).parameters) == FA4_PARAMETERS
+    count, length = 2, 1000
+    rotated = torch.randn(count * length, 40, 128, device="cuda", dtype=torch.bfloat16)  # q and k heads
+    projected = torch.randn(count * length, 48, 128, device="cuda", dtype=torch.bfloat16)  # q, k, v heads
+    q = rotated[:, :32].view(count, length, 32, 128)
+    k = rotated[:, 32:].view(count, length, 8, 128)
+    v = projected[:, 40:].view(count, length, 8, 128)
+    outputs = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("TORCHHAL_CUDA_FA4", setting)
+        cuda_flash.fa4_version.cache_clear()
+        outputs[setting] = cuda_flash.dense_causal(q, k, v, 128**-0.5)
+        assert cuda_flash.fa4_takes(q) == (setting == "1" and torch.cuda.get_device_capability()[0] == 9)
+    cuda_flash.fa4_version.cache_clear()
+    fa4, sdpa = outputs["1"].float(), outputs["0"].float()
+    assert fa4.shape == sdpa.shape == (count, length, 32, 128)
+    assert (fa4 - sdpa).norm() / sdpa.norm() < 1e-2

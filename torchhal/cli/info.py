@@ -72,13 +72,17 @@ def _attention_rows(platform: Any) -> list[dict[str, Any]]:
     """The attention backends in the order selection tries them: the platform's, then the reference.
     An engine takes the first whose capability runs its model (`Platform.choose_attention`)."""
     rows = []
-    for backend in platform.attention_backends:
+    support = platform.attention_support
+    declared = len(support.backends) if support is not None else 0
+    for index, backend in enumerate(platform.attention_backends):
         cap = backend.capability
         rows.append({"name": cap.name, "dtypes": [str(d).removeprefix("torch.") for d in cap.dtypes],
                      "head_dims": list(cap.head_dims) if cap.head_dims is not None else None,
                      "block_sizes": list(cap.block_sizes) if cap.block_sizes is not None else None,
                      "prefill": cap.prefill, "sliding_window": cap.sliding_window, "soft_cap": cap.soft_cap,
-                     "graph_capture": cap.graph_capture, "note": cap.note})
+                     "graph_capture": cap.graph_capture, "note": cap.note,
+                     # the platform's own line (e.g. which kernel its prefill takes, and why)
+                     "platform_note": support.note if support is not None and index < declared else ""})
     return rows
 
 
@@ -234,7 +238,8 @@ def format_info(info: dict[str, Any]) -> str:
         dims = ",".join(map(str, row["head_dims"])) if row["head_dims"] is not None else "any"
         blocks = ",".join(map(str, row["block_sizes"])) if row["block_sizes"] is not None else "any"
         lines.append(f"  {label} {rank + 1}. {row['name']} ({why}; {'/'.join(row['dtypes'])}, head dims {dims}, "
-                     f"block sizes {blocks}{', graph capture' if row['graph_capture'] else ''})")
+                     f"block sizes {blocks}{', graph capture' if row['graph_capture'] else ''})"
+                     + (f": {row['platform_note']}" if row["platform_note"] else ""))
     linear = caps["linear"]
     if linear is None:
         lines.append("  linear: (linear_support() failed: see plugin errors)")

@@ -127,9 +127,11 @@ class CudaPlatform(AcceleratorPlatform):
         # Triton is optional: without it the platform falls back on the reference backend.
         if importlib.util.find_spec("triton") is None:
             return None
+        from torchhal.plugins import cuda_flash
         from torchhal.plugins.cuda_attention import TritonPagedAttention
 
-        return AttentionSupport(backends=(TritonPagedAttention(),), note="Triton kernels (torchhal)")
+        return AttentionSupport(backends=(TritonPagedAttention(),),
+                                note=f"Triton kernels (torchhal); {cuda_flash.describe()}")
 
     def linear_support(self) -> LinearSupport | None:
         # The Triton GEMV for one-row linears (decode); without Triton, F.linear everywhere.

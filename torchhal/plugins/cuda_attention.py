@@ -18,12 +18,12 @@ import functools
 import math
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from torchhal.attention import AttentionCapability, PagedMetadata, check_call, check_write, write_kv
 from torchhal.attention.layout import equal_length_runs, prompt_kv, split_whole_prompts
+from torchhal.plugins import cuda_flash
 from torchhal.plugins.cuda_pdl import programmatic_launch, wait_for_previous_kernels
 
 LOG2E = 1.4426950408889634
@@ -217,8 +217,8 @@ class TritonPagedAttention:
         soft_cap=True,
         graph_capture=True,
         step_kv=True,
-        note="Triton: split-K paged decode, paged chunked prefill; whole prompts through SDPA flash on the step's "
-    "own K/V; GQA without KV copies",
+        note="Triton: split-K paged decode, paged chunked prefill; whole prompts through a dense kernel "
+        "(FlashAttention-4 or SDPA: cuda_flash.py) on the step's own K/V; GQA without KV copies",
     )
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -286,21 +286,21 @@ class TritonPagedAttention:
     def _flash_prefill(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, run: tuple[int, int, int],
                        scale: float) -> torch.Tensor:
         """One run of adjacent equally long whole prompts (nothing cached before them; `run`
-        is (first row, prompts, length)), as one batch: SDPA, causal, grouped-query heads
-        native, the kernel torch's selection picks (cuDNN's on an H200 with torch 2.11,
-        1.7-1.8x faster there than SDPA's flash kernel: benchmarks/sdpa_backends.py). Faster
-        than the paged kernel there (H200, 8B shape: 0.27 vs 0.45 ms at 4k). `keys`/`values`
-        are the run's rows [count * length, Hk, D]: the step's own when the engine passed
-        them (cuDNN reads the strided views in place), else copied out of the cache. Returns
-        the run's rows [count * length, Hq, D], SDPA's own output (a view when its layout allows)."""
+        is (first row, prompts, length)), as one batch through `cuda_flash.dense_causal`:
+        FlashAttention-4 where installed on sm_90, else SDPA (cuDNN's kernel on an H200,
+        1.7-1.8x faster there than SDPA's flash kernel: benchmarks/sdpa_backends.py). Both are
+        faster than the paged kernel there (H200, 8B shape: 0.27 vs 0.45 ms at 4k). `keys`/
+        `values` are the run's rows [count * length, Hk, D]: the step's own when the engine
+        passed them (read as strided views in place), else copied out of the cache. Returns
+        the run's rows [count * length, Hq, D], the kernel's own output (a view when its
+        layout allows)."""
         first, count, length = run
         heads, dim = keys.shape[1], keys.shape[2]
         q_heads = query.shape[1]
-        q = query[first : first + count * length].view(count, length, q_heads, dim).transpose(1, 2)  # [count, Hq, L, D]
-        k = keys.view(count, length, heads, dim).transpose(1, 2)
-        v = values.view(count, length, heads, dim).transpose(1, 2)
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        return attended.transpose(1, 2).reshape(count * length, q_heads, dim)
+        q = query[first : first + count * length].view(count, length, q_heads, dim)
+        k = keys.view(count, length, heads, dim)
+        v = values.view(count, length, heads, dim)
+        return cuda_flash.dense_causal(q, k, v, scale).reshape(count * length, q_heads, dim)
 
     def _launch(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
                 max_query_len: int, splits: int, scale: float, sliding_window: int | None, soft_cap: float | None,

@@ -1,0 +1,159 @@
+"""The CUDA plugin's choice of whole-prompt kernel (torchhal/plugins/cuda_flash.py), on the CPU:
+FlashAttention-4 is a fake here that computes the real answer, and its call is checked
+against flash-attn-4's own signature. The real FA4 runs in tests/test_attention_gpu.py and
+the conformance clause on a GPU with the `fa4` extra installed."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import sys
+import types
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchhal.plugins import cuda_flash
+
+#: flash-attn-4 4.0.0b36's `flash_attn.cute.flash_attn_func` parameters, in order (read from its
+#: wheel with `ast`); tests/test_attention_gpu.py checks the installed package against them.
+FA4_PARAMETERS = ("q", "k", "v", "qv", "gather_kv_indices", "softmax_scale", "causal", "window_size",
+                  "learnable_sink", "softcap", "num_splits", "pack_gqa", "deterministic", "score_mod",
+                  "score_mod_bwd", "mask_mod", "aux_tensors", "aux_scalars", "block_sparse_tensors",
+                  "block_sparse_tensors_bwd", "return_lse", "gather_bwd_recompute_p", "gather_bwd_token_chunk")
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention in float32 with the KV heads repeated: [count, L, H, D] in and out."""
+    group = q.shape[2] // k.shape[2]
+    qt, kt, vt = (t.float().transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qt, kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1),
+                                         is_causal=True, scale=scale)
+    return out.transpose(1, 2).to(q.dtype)
+
+
+class FakeFa4:
+    """`flash_attn.cute` as far as torchhal calls it: records each call, returns (out, lse)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+        def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qv: Any = None,
+                            gather_kv_indices: Any = None, softmax_scale: float | None = None,
+                            causal: bool = False, **rest: Any) -> tuple[torch.Tensor, None]:
+            self.calls.append({"shapes": (q.shape, k.shape, v.shape), "softmax_scale": softmax_scale,
+                               "causal": causal, "rest": rest})
+            assert causal and softmax_scale is not None
+            return reference(q, k, v, softmax_scale).contiguous(), None
+
+        self.module = types.ModuleType("flash_attn.cute")
+        self.module.flash_attn_func = flash_attn_func  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def fa4(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeFa4]:
+    """flash-attn-4 "installed" (the fake), an sm_90 device, no capture under way."""
+    fake = FakeFa4()
+    monkeypatch.delenv("TORCHHAL_CUDA_FA4", raising=False)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", fake.module)
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "4.0.0b36" if name == cuda_flash.DISTRIBUTION else real_version(name))
+    monkeypatch.setattr(cuda_flash, "_capability_major", lambda index: 9)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    clear_caches()
+    yield fake
+    clear_caches()
+
+
+def clear_caches() -> None:
+    cuda_flash.fa4_version.cache_clear()
+    cuda_flash._fa4_function.cache_clear()
+
+
+def prompts(count: int = 2, length: int = 37, q_heads: int = 8, kv_heads: int = 2, dim: int = 64,
+            dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q as the engine passes it: a view into the rotated [T, Hq + Hk, D] projection."""
+    torch.manual_seed(0)
+    qk = torch.randn(count * length, q_heads + kv_heads, dim, dtype=dtype)
+    q = qk[:, :q_heads].view(count, length, q_heads, dim)
+    k = qk[:, q_heads:].view(count, length, kv_heads, dim)
+    v = torch.randn(count, length, kv_heads, dim, dtype=dtype)
+    return q, k, v
+
+
+def test_fa4_takes_a_bf16_sm90_call_in_the_engines_layout_and_its_output_is_returned(fa4: FakeFa4) -> None:
+    q, k, v = prompts()
+    out = cuda_flash.dense_causal(q, k, v, 0.125)
+    assert len(fa4.calls) == 1
+    assert fa4.calls[0]["shapes"] == (q.shape, k.shape, v.shape)  # [count, L, H, D]: no transposes, no copies
+    assert fa4.calls[0]["softmax_scale"] == 0.125 and fa4.calls[0]["rest"] == {}
+    torch.testing.assert_close(out, reference(q, k, v, 0.125))
+
+
+@pytest.mark.parametrize("case", ["float32", "sm_80", "head_dim_12", "head_dim_264", "capturing", "env_off"])
+def test_every_other_call_keeps_sdpa(fa4: FakeFa4, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Each condition alone sends the call to SDPA, whose answer is the same attention."""
+    dtype, dim = torch.bfloat16, 64
+    if case == "float32":
+        dtype = torch.float32
+    elif case == "sm_80":
+        monkeypatch.setattr(cuda_flash, "_capability_major", lambda index: 8)
+    elif case == "head_dim_12":
+        dim = 12
+    elif case == "head_dim_264":
+        dim = 264
+    elif case == "capturing":
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    else:
+        monkeypatch.setenv("TORCHHAL_CUDA_FA4", "0")
+        clear_caches()
+    q, k, v = prompts(dim=dim, dtype=dtype)
+    out = cuda_flash.dense_causal(q, k, v, dim**-0.5)
+    assert fa4.calls == []
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, reference(q, k, v, dim**-0.5), atol=2e-2, rtol=2e-2)
+
+
+def test_describe_says_which_kernel_and_why(fa4: FakeFa4, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cuda_flash.describe() == ("whole prompts through FlashAttention-4 (flash-attn-4 4.0.0b36) on sm_90, "
+                                     "SDPA elsewhere")
+    monkeypatch.setenv("TORCHHAL_CUDA_FA4", "0")
+    clear_caches()
+    assert cuda_flash.describe() == "whole prompts through SDPA (TORCHHAL_CUDA_FA4=0)"
+    monkeypatch.delenv("TORCHHAL_CUDA_FA4")
+
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    clear_caches()
+    assert "pip install 'torchhal[fa4]'" in cuda_flash.describe()
+    q, k, v = prompts()
+    cuda_flash.dense_causal(q, k, v, 0.125)
+    assert fa4.calls == []  # not installed: SDPA, and nothing imported
+
+
+def test_a_broken_install_warns_once_and_sdpa_serves(fa4: FakeFa4, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # `import flash_attn.cute` raises ImportError
+    q, k, v = prompts()
+    with pytest.warns(RuntimeWarning, match=r"import flash_attn\.cute` failed.*TORCHHAL_CUDA_FA4=0"):
+        first = cuda_flash.dense_causal(q, k, v, 0.125)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = cuda_flash.dense_causal(q, k, v, 0.125)
+    torch.testing.assert_close(first, second)
+    torch.testing.assert_close(first, reference(q, k, v, 0.125), atol=2e-2, rtol=2e-2)
+
+
+def test_the_fakes_parameters_are_flash_attn_4s() -> None:
+    """The fake names FA4's parameters in FA4's order and takes anything else into `rest`,
+    which the first test finds empty: torchhal passes only names FA4 has."""
+    fake = list(inspect.signature(FakeFa4().module.flash_attn_func).parameters)
+    assert fake[-1] == "rest" and tuple(fake[:-1]) == FA4_PARAMETERS[: len(fake) - 1]
+    assert {"softmax_scale", "causal"} <= set(fake)
