@@ -525,6 +525,21 @@ def test_rank_variables_without_local_rank_are_refused_naming_it(monkeypatch):
     assert RankPlacement.from_env() == RankPlacement(1, 2, 1, 2)
 
 
+@pytest.mark.parametrize("text", ["1_0", " 1", "1 ", "\u0661", "+1", "1.0", "0x1", ""])
+def test_a_rank_variable_that_is_not_plain_digits_is_refused_naming_it(monkeypatch, text):
+    """int() would read "1_0" as 10 and Arabic-Indic digits as numbers: a mistyped rank would
+    silently become another process's."""
+    for var in RANK_VARIABLES:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", text)
+    with pytest.raises(ValueError, match=re.escape(f"RANK={text!r} must be a decimal integer such as 0 or 3")):
+        RankPlacement.from_env()
+    monkeypatch.setenv("RANK", "1")
+    assert RankPlacement.from_env().rank == 1
+
+
 def test_a_refused_or_failed_init_group_takes_no_default_name(monkeypatch):
     for var in (*RANK_VARIABLES, "TORCHELASTIC_USE_AGENT_STORE"):
         monkeypatch.delenv(var, raising=False)

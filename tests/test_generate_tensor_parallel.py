@@ -62,7 +62,7 @@ def fake_launch_from_one_device(edit_rank_one: Any = None):
 
 
 # -- refusals, before anything starts -----------------------------------------------------------
-@pytest.mark.parametrize("size", ["0", "-2", "two", "1.5", ""])
+@pytest.mark.parametrize("size", ["0", "-2", "two", "1.5", "", "1_0", " 2", "\u0662"])
 def test_a_size_that_is_not_a_positive_integer_is_one_line(gqa, generate, no_ranks, size):
     one_line_refusal(generate("--model", str(gqa), "--prompt-ids", "1,2", "--tensor-parallel", size),
                      f"--tensor-parallel {size!r} must be a positive integer")

@@ -88,11 +88,10 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 def parse_tensor_parallel(text: str) -> int:
     """`--tensor-parallel N` as a positive int; GenerateError naming the bad value."""
-    try:
-        size = int(text)
-    except ValueError:
-        size = 0
-    if size < 1:
+    from torchhal.distributed.group import parse_decimal
+
+    size = parse_decimal(text)
+    if size is None or size < 1:
         raise bad_tensor_parallel(text)
     return size
 

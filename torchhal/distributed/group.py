@@ -99,10 +99,10 @@ class RankPlacement:
             text = os.environ.get(var)
             if text is None:
                 return default
-            try:
-                return int(text)
-            except ValueError:
-                raise ValueError(f"{var}={text!r} must be an integer (torchrun sets it)") from None
+            value = parse_decimal(text)
+            if value is None:
+                raise ValueError(f"{var}={text!r} must be a decimal integer such as 0 or 3 (torchrun sets it)")
+            return value
 
         world = read("WORLD_SIZE", world_size, 1)
         if rank is None and "RANK" not in os.environ and isinstance(world, int) and world > 1:
@@ -119,6 +119,15 @@ class RankPlacement:
         local = read("LOCAL_RANK", local_rank, the_rank if world_size is not None or rank is not None else 0)
         local_world = read("LOCAL_WORLD_SIZE", None, world)
         return cls(the_rank, world, local, local_world)
+
+
+def parse_decimal(text: str) -> int | None:
+    """`text` as an int when it is plain ASCII digits with an optional minus sign, else None.
+    `int()` alone would also take "1_0" (10), " 3" and other scripts' digits, so a mistyped
+    rank would silently name another process."""
+    if not (text.isascii() and text.removeprefix("-").isdigit()):
+        return None
+    return int(text)
 
 
 @dataclass
