@@ -322,6 +322,37 @@ def stalled_device(group: Any, job: dict[str, Any]) -> dict[str, Any]:
     return {"after": after, "seconds": time.monotonic() - started, "broken": engine.broken}
 
 
-JOBS = {"close": close_group, "stalled_device": stalled_device,
+def lonely_refusal(group: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """One rank alone cannot build its engine: first its checkpoint directory is missing (refused
+    before the ranks agree), then its load fails after they agreed. Every rank refuses each
+    time (its peers naming it, not timing out in a collective), and the group still serves."""
+    from torchhal.core.engine import GenerationEngine
+    from torchhal.core.model import checkpoint
+
+    def attempt(path: str) -> str:
+        try:
+            GenerationEngine.from_checkpoint(path, engine_config(False), group=group)
+            return "built"
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    out = {"missing": attempt(job["path"] if group.rank == 0 else job["path"] + "-missing")}
+    real_load = checkpoint.load_checkpoint
+
+    def damaged(*args: Any, **kwargs: Any) -> Any:
+        raise checkpoint.CheckpointError("a shard damaged on this host")
+
+    if group.rank == 1:
+        checkpoint.load_checkpoint = damaged
+    try:
+        out["load"] = attempt(job["path"])
+    finally:
+        checkpoint.load_checkpoint = real_load
+    engine = GenerationEngine.from_checkpoint(job["path"], engine_config(False), group=group)
+    out["tokens"] = [list(r.output) for r in engine.generate(job["prompts"], job["new_tokens"])]
+    return out
+
+
+JOBS = {"close": close_group, "lonely_refusal": lonely_refusal, "stalled_device": stalled_device,
         "generate": generate, "lifecycle": lifecycle, "failure": failure, "reference": reference,
         "disagreement": disagreement, "wrong_shard": wrong_shard, "tied_update": tied_update}

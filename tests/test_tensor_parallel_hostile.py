@@ -100,6 +100,22 @@ def test_ranks_that_disagree_refuse_together(tmp_path: Path) -> None:
         assert out["reads_after_close"] == 0, f"rank {rank}: a closed group read weights before refusing"
 
 
+def test_a_rank_that_cannot_build_its_engine_alone_takes_its_peers_with_it(tmp_path: Path) -> None:
+    """Rank 1's checkpoint directory missing, then its shard failing to load: rank 1 raises its
+    own error and rank 0 a ValueError naming rank 1, at once (before, rank 0 waited in its next
+    collective until the group's timeout, then failed there); the group still serves."""
+    path = save("gqa", tmp_path / "model")
+    job = dict(kind="lonely_refusal", name="lonely", path=str(path), prompts=PROMPTS[:2], new_tokens=NEW_TOKENS)
+    ranks = run_group(2, [job], tmp_path, timeout_s=30.0)
+    zero, one = ranks[0]["lonely"], ranks[1]["lonely"]
+    assert one["missing"].startswith("CheckpointError") and "-missing" in one["missing"], one["missing"]
+    assert zero["missing"].startswith("ValueError: rank(s) [1] of the group refused their engine arguments"), \
+        zero["missing"]
+    assert one["load"] == "CheckpointError: a shard damaged on this host", one["load"]
+    assert zero["load"].startswith("ValueError: rank(s) [1] of the group could not load the checkpoint"), zero["load"]
+    assert zero["tokens"] == one["tokens"] and all(len(t) == NEW_TOKENS for t in zero["tokens"])
+
+
 class PeerHost:
     """The host communicator of a 2-rank group whose other rank built its engine with `peer`."""
 

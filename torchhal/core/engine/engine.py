@@ -42,7 +42,13 @@ from torchhal.core.engine.events import EngineEvents
 from torchhal.core.engine.kv_pool import BlockAllocator, KVPoolSizing, size_kv_pool
 from torchhal.core.engine.model_state import ModelState, restored_on_failure
 from torchhal.core.engine.occupation import MemoryOccupation, Releasable
-from torchhal.core.engine.ranks import agree_on_config, agree_on_verdict, check_group, shard_problem
+from torchhal.core.engine.ranks import (
+    agree_on_config,
+    agree_on_verdict,
+    check_group,
+    refuse_with_peers,
+    shard_problem,
+)
 from torchhal.core.engine.records import (
     ContinueReport,
     DecodeGraphConfig,
@@ -992,7 +998,9 @@ class GenerationEngine:
         report is kept as `engine.checkpoint`.
 
         `group`: each rank reads only its shard's slices, onto `group.device` (see `__init__`);
-        a model that cannot be split over the group is refused before any weight is read."""
+        a model that cannot be split over the group is refused before any weight is read. A
+        rank refused alone (its arguments, or its load) raises its error and its peers a
+        ValueError naming it, together, so none waits out the group's timeout."""
         from torchhal.core.model.checkpoint import (
             checkpoint_dtype,
             checkpoint_eos_token_ids,
@@ -1005,20 +1013,35 @@ class GenerationEngine:
                             "directory as a str or Path")
         check_platform_argument(platform, "GenerationEngine.from_checkpoint")
         check_group(group)
-        hf, where = read_hf_config(path), f"{Path(path) / 'config.json'}"
-        config = EngineConfig(dtype=checkpoint_dtype(hf, where)) if config is None else config
-        check_engine_config(config, runner_factory)  # before any weight is read
-        if not config.eos_tokens and config.eos_token is None:
-            config = replace(config, eos_tokens=checkpoint_eos_token_ids(path, hf))
-        platform = platform or (group.platform if group is not None else current_platform())
-        index = engine_device_index(platform, config, group)  # a bad device is refused before any read
-        vocab = hf.get("vocab_size")  # and end tokens the model cannot emit (a bad size: the loader's to refuse)
-        if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= 1:
-            check_eos_tokens(config, vocab)
+        try:  # a rank refusing alone tells its peers (refuse_with_peers), who would wait out the timeout
+            hf, where = read_hf_config(path), f"{Path(path) / 'config.json'}"
+            config = EngineConfig(dtype=checkpoint_dtype(hf, where)) if config is None else config
+            check_engine_config(config, runner_factory)  # before any weight is read
+            if not config.eos_tokens and config.eos_token is None:
+                config = replace(config, eos_tokens=checkpoint_eos_token_ids(path, hf))
+            platform = platform or (group.platform if group is not None else current_platform())
+            index = engine_device_index(platform, config, group)  # a bad device is refused before any read
+            vocab = hf.get("vocab_size")  # and end tokens the model cannot emit (a bad size: the loader's to refuse)
+            if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= 1:
+                check_eos_tokens(config, vocab)
+        except Exception as exc:
+            refuse_with_peers(group, exc)
+            raise
         agree_on_config(config, group)  # and configs that differ between ranks, or a closed group
         split = (group.world_size, group.rank) if group is not None else None
-        model, report = load_checkpoint(path, dtype=config.dtype, device=platform.device(index),
-                                        tensor_parallel=split, check_finite=config.check_finite_weights)
+        failure: Exception | None = None
+        try:
+            model, report = load_checkpoint(path, dtype=config.dtype, device=platform.device(index),
+                                            tensor_parallel=split, check_finite=config.check_finite_weights)
+        except Exception as exc:  # e.g. a shard file damaged on one host only
+            failure = exc
+        if group is not None and group.world_size > 1:
+            refused = agree_on_verdict(group, failure is not None)
+            if refused and failure is None:
+                raise ValueError(f"rank(s) {refused} of the group could not load the checkpoint (their error says "
+                                 "why); every rank refuses alike")
+        if failure is not None:
+            raise failure
         engine = cls(config, platform=platform, model=model, runner_factory=runner_factory, group=group)
         engine.checkpoint = report
         return engine

@@ -156,6 +156,19 @@ def agree_on_config(config: EngineConfig, group: DeviceGroup | None, problem: st
                          "engine with the same EngineConfig")
 
 
+def refuse_with_peers(group: DeviceGroup | None, error: BaseException) -> None:
+    """Call before raising `error`, this rank's refusal of its own arguments ahead of
+    `agree_on_config`: joins that agreement with a problem flagged, so the peers refuse
+    with it at once instead of waiting in it until the group's timeout. Anything the
+    collective itself raises (a closed group, a dead peer) gives way to `error`."""
+    if group is None or group.world_size == 1 or group.closed:
+        return
+    try:
+        agree_on_config(EngineConfig(), group, f"{type(error).__name__}: {error}")
+    except Exception:  # our own problem coming back, or a collective that failed: `error` is the one to raise
+        pass
+
+
 def agree_on_verdict(group: DeviceGroup, refused: bool) -> list[int]:
     """The ranks that refused (an empty list: none did); every rank gets the same list."""
     flags = group.host.all_gather(torch.tensor([int(refused)], dtype=torch.int64))
