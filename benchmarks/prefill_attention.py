@@ -102,15 +102,10 @@ def in_stack(count: int, length: int, attend: dict[str, Attention], reps: int,
     for rep in range(reps + 1):  # the first round warms both up
         for name in (list(calls) if rep % 2 else list(calls)[::-1]):
             stack.operations["attention"] = calls[name]
-            events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-            begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            stack.run(events)
-            finish.record()
-            torch.cuda.synchronize()
+            total, operations = stack.timed()
             if rep:
-                totals[name].append(begin.elapsed_time(finish))
-                attention_ms[name] += [s.elapsed_time(e) for op, s, e in events if op == "attention"]
+                totals[name].append(total)
+                attention_ms[name] += [ms for op, ms in operations if op == "attention"]
     row: dict[str, Any] = {name: {"stack_ms": statistics.median(totals[name]), "stack_ms_all": totals[name],
                                   "attention_ms": statistics.median(attention_ms[name])} for name in calls}
     row["fa4_over_sdpa_stack"] = row["fa4"]["stack_ms"] / row["sdpa"]["stack_ms"]

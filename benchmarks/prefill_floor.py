@@ -183,6 +183,17 @@ class LayerStack:
                 events.append((name, start, end))
 
 
+    def timed(self) -> tuple[float, list[tuple[str, float]]]:
+        """One pass through the layers: its milliseconds and each operation's (name, ms), by CUDA events."""
+        events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        self.run(events)
+        finish.record()
+        torch.cuda.synchronize()
+        return begin.elapsed_time(finish), [(name, start.elapsed_time(end)) for name, start, end in events]
+
+
 def measure_step(prompts: int, length: int, reps: int, idle_s: float, device: torch.device) -> dict[str, Any]:
     stack = LayerStack(prompts, length, device)
     stack.run()  # warm-up: cuBLAS / cuDNN plans
@@ -203,15 +214,10 @@ def measure_step(prompts: int, length: int, reps: int, idle_s: float, device: to
     in_stack: dict[str, list[float]] = {name: [] for name in stack.order}
     with Sampler() as sampler:
         for _ in range(reps):
-            events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-            begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            stack.run(events)
-            finish.record()
-            torch.cuda.synchronize()
-            stack_ms.append(begin.elapsed_time(finish))
-            for name, start, end in events:
-                in_stack[name].append(start.elapsed_time(end))
+            total, timed_operations = stack.timed()
+            stack_ms.append(total)
+            for name, ms in timed_operations:
+                in_stack[name].append(ms)
     flops = operation_flops(stack.tokens, prompts)
     operations = {}
     for name in stack.order:
