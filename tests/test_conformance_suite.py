@@ -69,6 +69,7 @@ def test_reference_simulated_cache_is_conformant(tmp_path):
         ("broken_device_info", (), ["device::test_device_module_matches_the_platform"]),
         ("broken_env_list", (), ["contract::test_spi_attributes_have_the_right_types"]),
         ("broken_graph_record", (), ["contract::test_capability_records_have_the_right_types"]),
+        ("broken_attention_record", (), ["contract::test_capability_records_have_the_right_types"]),
     ],
 )
 def test_broken_plugins_fail_exactly_the_right_tests(tmp_path, platform, args, expected_failures):

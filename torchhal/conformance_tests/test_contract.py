@@ -21,6 +21,8 @@ from torchhal.platforms import (
     PluginFailure,
     RegisteredPlatform,
 )
+from torchhal.platforms.errors import PluginContractError
+from torchhal.platforms.platform import FACTS as PLATFORM_FACTS
 from torchhal.platforms.testing import describe_error
 
 from ._helpers import python_code_command
@@ -129,6 +131,15 @@ def test_platform_names_are_unique(suite: SuiteState, request: pytest.FixtureReq
 
 
 def test_capability_records_have_the_right_types(platform):
+    # Every fact the SPI types (graph, IPC, attention, linear, compile, distributed support, OOM
+    # types): a wrong answer would otherwise pass core and fail the first engine that reads it.
+    refused = []
+    for fact in PLATFORM_FACTS:
+        try:
+            getattr(platform, fact)
+        except PluginContractError as exc:
+            refused.append(str(exc))
+    assert not refused, "; ".join(refused)
     graphs, ipc = platform.graph_support, platform.ipc_support
     assert graphs is None or isinstance(graphs, GraphSupport), (
         f"graph_support() returned {graphs!r}, not a GraphSupport"

@@ -169,7 +169,7 @@ class Platform:
             # The SPI's default asks the plugin for its types on every call; this reads the
             # checked fact instead, so a wrong answer is a contract error, not a TypeError.
             self.__dict__["is_out_of_memory"] = self._is_out_of_memory
-        for name in _FACTS:
+        for name in FACTS:
             self.__dict__.pop(name, None)
 
     def _is_out_of_memory(self, error: BaseException) -> bool:
@@ -368,4 +368,4 @@ def check_platform_argument(platform: object, where: str = "") -> None:
 
 
 _PASS_THROUGHS: tuple[str, ...] = tuple(n for n, v in vars(Platform).items() if isinstance(v, _PassThrough))
-_FACTS: tuple[str, ...] = tuple(n for n, v in vars(Platform).items() if isinstance(v, _Fact))
+FACTS: tuple[str, ...] = tuple(n for n, v in vars(Platform).items() if isinstance(v, _Fact))

@@ -162,10 +162,18 @@ class SimGraphDict(SimAccelPlatform):
         return {"graph_class": object}  # the bug: a dict, not a GraphSupport record
 
 
+class SimAttentionList(SimAccelPlatform):
+    name = "broken_attention_record"
+
+    def attention_support(self):
+        return []  # the bug: a list, not an AttentionSupport record (or None)
+
+
 @hookimpl
 def torchhal_register_platforms():
     return [
         SimCache(), QueryEmpties(), EmptyNoop(), IpcNoBounds(), DetectRaises(), MissingMethod(),
         SimFloatCounters(), SimReservedFrozen(), SimAllocatedStuck(), SimDetectInitialises(),
         SimOomUnrecognised(), SimSlowMemoryInfo(), SimNoDeviceMemory(), SimEnvList(), SimGraphDict(),
+        SimAttentionList(),
     ]
