@@ -8,7 +8,14 @@ import sys
 import pytest
 import tomllib
 
-from torchhal.cli.plugin_template import BASES, TemplateError, torchhal_requirement, write_plugin
+from torchhal.cli.plugin_template import (
+    BASES,
+    PLACEHOLDER_REQUIREMENT,
+    TemplateError,
+    runner_requirement,
+    torchhal_requirement,
+    write_plugin,
+)
 from torchhal.platforms import ENTRY_POINT_GROUP, SPI_ATTRIBUTES, SPI_METHODS, Availability, PlatformPlugin
 from torchhal.plugins.accelerator import AcceleratorPlatform
 
@@ -40,8 +47,23 @@ def test_the_distribution_has_its_entry_point_readme_and_ci_job(generated):
     readme = (target / "README.md").read_text()
     assert f'pip install "{requirement}"' in readme
     assert readme.index(requirement) < readme.index("pip install -e .")
-    install = ci.index(f'python -m pip install "{requirement}"')
+    install = ci.index(f'python -m pip install "{runner_requirement(requirement)[0]}"')
     assert install < ci.index("python -m pip install .\n") < ci.index("torchhal conformance --platform")
+
+
+def test_a_ci_runner_is_not_sent_to_a_directory_of_this_machine(monkeypatch, tmp_path):
+    """Installed from a local directory, the README may name it (it is on this machine); the CI
+    job gets the placeholder and a TODO naming the directory. A VCS source goes to both."""
+    from torchhal.cli import plugin_template
+
+    for installed, runner in (("torchhal @ file:///src/torchhal", PLACEHOLDER_REQUIREMENT),
+                              ("torchhal @ git+https://example.org/t.git@abc", "torchhal @ git+https://example.org/t.git@abc")):
+        monkeypatch.setattr(plugin_template, "torchhal_requirement", lambda installed=installed: installed)
+        target = write_plugin("myaccel", tmp_path / installed.split(":")[1].strip("/").replace("/", "_"))
+        ci = (target / ".github" / "workflows" / "conformance.yml").read_text()
+        assert f'python -m pip install "{runner}"' in ci
+        assert ("TODO: this torchhal was installed from file:///src/torchhal" in ci) == (runner != installed)
+        assert f'pip install "{installed}"' in (target / "README.md").read_text()
 
 
 def test_the_requirement_names_where_this_torchhal_was_installed_from(monkeypatch):

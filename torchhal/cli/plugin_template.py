@@ -311,7 +311,21 @@ def torchhal_requirement() -> str:
         return f"torchhal @ {vcs.get('vcs', 'git')}+{url['url']}{commit}"
     if isinstance(url, dict) and isinstance(url.get("url"), str):
         return f"torchhal @ {url['url']}"
-    return "torchhal @ git+https://YOUR-GIT-HOST/torchhal.git"  # TODO: where your torchhal comes from
+    return PLACEHOLDER_REQUIREMENT
+
+
+#: What to fill in when no installable source of torchhal is known.
+PLACEHOLDER_REQUIREMENT = "torchhal @ git+https://YOUR-GIT-HOST/torchhal.git"
+
+
+def runner_requirement(requirement: str) -> tuple[str, str]:
+    """(requirement, TODO comment or "") for the CI job: a local directory is where torchhal
+    lives on this machine only, so a runner gets the placeholder and a TODO saying why."""
+    if not requirement.startswith("torchhal @ file:"):
+        return requirement, ""
+    where = requirement.removeprefix("torchhal @ ")
+    return PLACEHOLDER_REQUIREMENT, (f"# TODO: this torchhal was installed from {where}, a directory a runner does "
+                                     "not have: name the git URL (and commit) it comes from.")
 
 
 def _pyproject(name: str, package: str) -> str:
@@ -355,6 +369,8 @@ A torchhal platform plugin for {name}, started from `torchhal plugin new {name}`
 
 
 def _ci_workflow(name: str, requirement: str) -> str:
+    requirement, todo = runner_requirement(requirement)
+    todo = f"\n      {todo}" if todo else ""
     return f"""name: torchhal conformance
 on: [push, pull_request]
 jobs:
@@ -363,7 +379,7 @@ jobs:
     runs-on: [self-hosted, {name}]
     steps:
       - uses: actions/checkout@v4
-      # torchhal is not on the package index: install it from its source first.
+      # torchhal is not on the package index: install it from its source first.{todo}
       - run: python -m pip install "{requirement}"
       - run: python -m pip install .
       - run: torchhal info
