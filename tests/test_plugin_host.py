@@ -331,6 +331,18 @@ def test_a_hook_wrapper_is_refused_at_registration_naming_the_hook(make_registry
     assert seen == [] and not platform.traces_events and reg.names() == ["cpu"]
 
 
+@pytest.mark.parametrize("flag", ["wrapper", "hookwrapper"])
+def test_a_wrapper_that_is_not_a_generator_gets_torchhals_message_not_pluggys(make_registry, flag):
+    """pluggy refuses a plain function marked as a wrapper by telling the vendor to make it a
+    generator, the wrong way: torchhal never runs wrappers, so its own refusal comes first."""
+    tracer = type("Tracer", (), {"torchhal_cache_emptied": hookimpl(**{flag: True})(lambda self, **kw: None)})()
+    with pytest.warns(TorchhalPluginWarning, match=rf"implements 'torchhal_cache_emptied' \({flag}=True\)"):
+        reg = make_registry(tracer)
+    [failure] = errors_of(reg, "register")
+    assert "generator" not in failure.error and "declare it with a plain @torchhal.hookimpl" in failure.error
+    assert reg.names() == ["cpu"]
+
+
 def test_an_object_with_no_hooks_is_reported(make_registry):
     class Nothing:
         pass

@@ -144,6 +144,10 @@ class PlatformRegistry:
 
     def add_plugin(self, plugin: object, name: str, distribution: str, version: str) -> bool:
         """Register one pluggy plugin (module or object); reject unknown hooks, no hooks and wrappers."""
+        declared = _declared_wrappers(plugin)
+        if declared:  # before pluggy, whose message for a plain function says to make it a generator
+            self._record_failure(PluginFailure(name, "register", _wrapper_problem(declared), distribution))
+            return False
         _, error = isolated(lambda: self.pm.register(plugin, name=name))
         if error is not None:  # pluggy raises ValueError / PluginValidationError
             self._record_failure(PluginFailure(name, "register", describe_error(error), distribution))
@@ -502,11 +506,27 @@ def _hook_problem(plugin: object, callers: list[pluggy.HookCaller]) -> str | Non
     wrappers = [f"{caller.name!r} ({'wrapper' if impl.wrapper else 'hookwrapper'}=True)"
                 for caller in callers for impl in caller.get_hookimpls()
                 if impl.plugin is plugin and (impl.wrapper or impl.hookwrapper)]
-    if wrappers:
-        return (f"implements {', '.join(wrappers)} as a hook wrapper, which torchhal never runs: it calls each hook "
-                "implementation itself; declare it with a plain @torchhal.hookimpl (an observer is called after "
-                "the event, with its arguments)")
-    return None
+    return _wrapper_problem(wrappers) if wrappers else None
+
+
+def _wrapper_problem(wrappers: list[str]) -> str:
+    return (f"implements {', '.join(wrappers)} as a hook wrapper, which torchhal never runs: it calls each hook "
+            "implementation itself; declare it with a plain @torchhal.hookimpl (an observer is called after "
+            "the event, with its arguments)")
+
+
+def _declared_wrappers(plugin: object) -> list[str]:
+    """The plugin's torchhal hooks marked wrapper=True or hookwrapper=True, as `_hook_problem`
+    names them, read from the marks `torchhal.hookimpl` leaves before pluggy sees them."""
+    found = []
+    for attribute in sorted(n for n in dir(plugin) if n.startswith("torchhal_")):
+        try:
+            options = getattr(getattr(plugin, attribute), f"{hookspecs.PROJECT_NAME}_impl", None)
+        except Exception:  # a property that raises: pluggy's registration reports it
+            continue
+        if isinstance(options, dict):
+            found += [f"{attribute!r} ({flag}=True)" for flag in ("wrapper", "hookwrapper") if options.get(flag)]
+    return found
 
 
 def _validate_platform_object(item: Any) -> str | None:
