@@ -537,3 +537,20 @@ def test_platform_env_for_a_plugin_whose_import_failed_gives_the_import_error():
     says = "'hostile' is not registered: plugin 'hostile' (distribution torchhal-hostile) failed to import"
     assert says + ": called sys.exit(3)" in out.stderr
     assert "install the plugin" not in out.stderr
+
+
+@pytest.mark.parametrize("group", ["torchhal.platforms", "torch_hal", "TorchHAL"])
+def test_an_entry_point_in_a_near_miss_group_is_a_notice_naming_the_right_group(tmp_path, group):
+    """A plugin registered under a group torchhal does not read was silently absent: `info`
+    listed nothing and conformance said to install a plugin that is installed."""
+    from .conftest import run_cli
+
+    info = tmp_path / "torchhal_mybad-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torchhal-mybad\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[{group}]\nmybad = tests.attention_broken\n")
+    out = run_cli("info", env={"PYTHONPATH": f"{tmp_path}:{PLUGIN_DIST.parent.parent}"})
+    assert out.returncode == 0, out.stderr
+    notice = (f"distribution 'torchhal-mybad' declares entry point 'mybad' in group {group!r}, which torchhal does "
+              "not read: plugins register under group 'torchhal' ([project.entry-points.torchhal] in pyproject.toml)")
+    assert notice in " ".join(out.stdout.split()), out.stdout

@@ -186,6 +186,10 @@ class PlatformRegistry:
                 self._record_failure(PluginFailure(ep.name, "import", describe_error(error), dist))
                 continue
             self.add_plugin(plugin, ep.name, dist, version)
+        for dist, ep in _near_miss_entry_points():
+            self._notice(f"distribution {dist!r} declares entry point {ep.name!r} in group {ep.group!r}, which "
+                         f"torchhal does not read: plugins register under group {ENTRY_POINT_GROUP!r} "
+                         f"([project.entry-points.{ENTRY_POINT_GROUP}] in pyproject.toml)")
         for missing in sorted((allow or frozenset()) - seen - self._builtin_names):
             self._record_failure(
                 PluginFailure(
@@ -507,6 +511,18 @@ def _hook_problem(plugin: object, callers: list[pluggy.HookCaller]) -> str | Non
                 for caller in callers for impl in caller.get_hookimpls()
                 if impl.plugin is plugin and (impl.wrapper or impl.hookwrapper)]
     return _wrapper_problem(wrappers) if wrappers else None
+
+
+def _near_miss_entry_points() -> list[tuple[str, metadata.EntryPoint]]:
+    """(distribution, entry point) in a group that reads like torchhal's but is not it
+    ("torchhal.platforms", "torch_hal", "TorchHAL"): their plugins would be silently absent."""
+    def squashed(group: str) -> str:
+        return "".join(c for c in group.lower() if c.isalnum())
+
+    wanted = squashed(ENTRY_POINT_GROUP)
+    return [(dist.metadata["Name"] or "<unknown distribution>", ep)
+            for dist in metadata.distributions() for ep in dist.entry_points
+            if ep.group != ENTRY_POINT_GROUP and squashed(ep.group).startswith(wanted)]
 
 
 def _wrapper_problem(wrappers: list[str]) -> str:
