@@ -76,7 +76,7 @@ def clear_caches() -> None:
     cuda_flash._fa4_function.cache_clear()
 
 
-def prompts(count: int = 2, length: int = 37, q_heads: int = 8, kv_heads: int = 2, dim: int = 64,
+def prompts(count: int = 2, length: int = 37, q_heads: int = 8, kv_heads: int = 2, dim: int = 128,
             dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q as the engine passes it: a view into the rotated [T, Hq + Hk, D] projection."""
     torch.manual_seed(0)
@@ -96,18 +96,18 @@ def test_fa4_takes_a_bf16_sm90_call_in_the_engines_layout_and_its_output_is_retu
     torch.testing.assert_close(out, reference(q, k, v, 0.125))
 
 
-@pytest.mark.parametrize("case", ["float32", "sm_80", "head_dim_12", "head_dim_264", "capturing", "env_off"])
+@pytest.mark.parametrize("case", ["float32", "sm_80", "head_dim_64", "head_dim_256", "capturing", "env_off"])
 def test_every_other_call_keeps_sdpa(fa4: FakeFa4, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """Each condition alone sends the call to SDPA, whose answer is the same attention."""
-    dtype, dim = torch.bfloat16, 64
+    dtype, dim = torch.bfloat16, 128
     if case == "float32":
         dtype = torch.float32
     elif case == "sm_80":
         monkeypatch.setattr(cuda_flash, "_capability_major", lambda index: 8)
-    elif case == "head_dim_12":
-        dim = 12
-    elif case == "head_dim_264":
-        dim = 264
+    elif case == "head_dim_64":
+        dim = 64
+    elif case == "head_dim_256":
+        dim = 256
     elif case == "capturing":
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     else:
@@ -121,8 +121,8 @@ def test_every_other_call_keeps_sdpa(fa4: FakeFa4, monkeypatch: pytest.MonkeyPat
 
 
 def test_describe_says_which_kernel_and_why(fa4: FakeFa4, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert cuda_flash.describe() == ("whole prompts through FlashAttention-4 (flash-attn-4 4.0.0b36) on sm_90, "
-                                     "SDPA elsewhere")
+    assert cuda_flash.describe() == ("whole prompts through FlashAttention-4 (flash-attn-4 4.0.0b36) on sm_90 at "
+                                     "head dim 128, SDPA elsewhere")
     monkeypatch.setenv("TORCHHAL_CUDA_FA4", "0")
     clear_caches()
     assert cuda_flash.describe() == "whole prompts through SDPA (TORCHHAL_CUDA_FA4=0)"

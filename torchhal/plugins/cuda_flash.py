@@ -7,8 +7,9 @@ bf16) its causal kernel took a 16000-token prompt's attention in 3.43 ms a layer
 cuDNN's 4.13, in a layer stack running at the power limit (benchmarks/README.md). It is used
 only where all of these hold, so every other case keeps the SDPA path it had:
 
-- compute capability 9.x (sm_90: where it was measured);
-- float16 or bfloat16, a head dim FA4 takes on sm_90 (a multiple of 8, 8 to 256);
+- compute capability 9.x and head dim 128 (where it was measured and checked against the
+  reference on hardware; FA4 itself takes more head dims);
+- float16 or bfloat16;
 - not while a graph is being captured (its first call per configuration compiles);
 - `TORCHHAL_CUDA_FA4` is not `0` (to measure against SDPA, or to rule it out).
 
@@ -31,8 +32,10 @@ import torch
 import torch.nn.functional as F
 
 DISTRIBUTION = "flash-attn-4"
-#: Compute capability majors where FA4 was measured faster than SDPA's pick (9: H200).
+#: Compute capability majors and head dims where FA4 was measured faster than SDPA's pick
+#: and checked against the reference (9: H200; 128: Llama, Mistral, Qwen).
 MEASURED_CAPABILITIES = (9,)
+MEASURED_HEAD_DIMS = (128,)
 DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -53,7 +56,7 @@ def describe() -> str:
     version, why = fa4_version()
     if version is None:
         return f"whole prompts through SDPA ({why})"
-    return f"whole prompts through FlashAttention-4 ({why}) on sm_90, SDPA elsewhere"
+    return f"whole prompts through FlashAttention-4 ({why}) on sm_90 at head dim 128, SDPA elsewhere"
 
 
 @functools.cache
@@ -74,8 +77,7 @@ def _capability_major(device_index: int) -> int:
 
 def fa4_takes(query: torch.Tensor) -> bool:
     """FA4 runs this call (the conditions in the module's docstring)."""
-    dim = query.shape[-1]
-    return (fa4_version()[0] is not None and query.dtype in DTYPES and dim % 8 == 0 and 8 <= dim <= 256
+    return (fa4_version()[0] is not None and query.dtype in DTYPES and query.shape[-1] in MEASURED_HEAD_DIMS
             and _capability_major(query.device.index or 0) in MEASURED_CAPABILITIES
             and not torch.cuda.is_current_stream_capturing() and _fa4_function() is not None)
 
