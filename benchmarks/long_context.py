@@ -175,7 +175,13 @@ def torchhal_side(directory: str, dtype: torch.dtype, prompts: dict[str, list[li
         return engine_tokens(engine, batch_prompts, new)
 
     rows = timed_cells(generate, prompts, new_tokens, reps, engine.platform.synchronize, deadline)
-    rows["_engine"] = {"setup_s": setup_s, "kv_slots": engine.kv_sizing.num_slots,
+    dense_calls = None
+    if engine.platform.name == "cuda":  # which whole-prompt kernel actually ran, not only which was meant to
+        from torchhal.plugins import cuda_flash
+
+        dense_calls = {"kernel_calls": dict(cuda_flash.KERNEL_CALLS), "after_run": cuda_flash.describe()}
+    rows["_engine"] = {"whole_prompt_attention": dense_calls, "setup_s": setup_s,
+                       "kv_slots": engine.kv_sizing.num_slots,
                        "attention": {"name": getattr(attention, "name", None), "why": getattr(attention, "why", None),
                                      # the platform's line: which kernel whole prompts take, and why
                                      "platform_note": getattr(engine.platform.attention_support, "note", None)},

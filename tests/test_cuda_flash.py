@@ -5,6 +5,7 @@ the conformance clause on a GPU with the `fa4` extra installed."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import inspect
 import sys
@@ -66,6 +67,8 @@ def fa4(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeFa4]:
                         lambda name: "4.0.0b36" if name == cuda_flash.DISTRIBUTION else real_version(name))
     monkeypatch.setattr(cuda_flash, "_capability_major", lambda index: 9)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # CPU tensors here
+    monkeypatch.setattr(cuda_flash, "MIN_LENGTH", 32)  # the rule, at lengths the CPU computes quickly
     clear_caches()
     yield fake
     clear_caches()
@@ -74,6 +77,8 @@ def fa4(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeFa4]:
 def clear_caches() -> None:
     cuda_flash.fa4_version.cache_clear()
     cuda_flash._fa4_function.cache_clear()
+    cuda_flash._failure.clear()
+    cuda_flash.KERNEL_CALLS.clear()
 
 
 def prompts(count: int = 2, length: int = 37, q_heads: int = 8, kv_heads: int = 2, dim: int = 128,
@@ -94,14 +99,18 @@ def test_fa4_takes_a_bf16_sm90_call_in_the_engines_layout_and_its_output_is_retu
     assert fa4.calls[0]["shapes"] == (q.shape, k.shape, v.shape)  # [count, L, H, D]: no transposes, no copies
     assert fa4.calls[0]["softmax_scale"] == 0.125 and fa4.calls[0]["rest"] == {}
     torch.testing.assert_close(out, reference(q, k, v, 0.125))
+    assert cuda_flash.KERNEL_CALLS == {"fa4": 1}
 
 
-@pytest.mark.parametrize("case", ["float32", "sm_80", "head_dim_64", "head_dim_256", "capturing", "env_off"])
+@pytest.mark.parametrize("case", ["float32", "float16", "sm_80", "head_dim_64", "head_dim_256", "short",
+                                  "capturing", "env_off"])
 def test_every_other_call_keeps_sdpa(fa4: FakeFa4, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """Each condition alone sends the call to SDPA, whose answer is the same attention."""
-    dtype, dim = torch.bfloat16, 128
-    if case == "float32":
-        dtype = torch.float32
+    dtype, dim, length = torch.bfloat16, 128, 37
+    if case in ("float32", "float16"):
+        dtype = getattr(torch, case)
+    elif case == "short":
+        length = 31
     elif case == "sm_80":
         monkeypatch.setattr(cuda_flash, "_capability_major", lambda index: 8)
     elif case == "head_dim_64":
@@ -111,20 +120,20 @@ def test_every_other_call_keeps_sdpa(fa4: FakeFa4, monkeypatch: pytest.MonkeyPat
     elif case == "capturing":
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     else:
+        cuda_flash.dense_causal(*prompts(), 0.125)  # on, then switched off mid-process: read at every call
+        fa4.calls.clear()
         monkeypatch.setenv("TORCHHAL_CUDA_FA4", "0")
-        clear_caches()
-    q, k, v = prompts(dim=dim, dtype=dtype)
+    q, k, v = prompts(dim=dim, dtype=dtype, length=length)
     out = cuda_flash.dense_causal(q, k, v, dim**-0.5)
-    assert fa4.calls == []
+    assert fa4.calls == [] and cuda_flash.KERNEL_CALLS["sdpa"] == 1
     assert out.shape == q.shape
     torch.testing.assert_close(out, reference(q, k, v, dim**-0.5), atol=2e-2, rtol=2e-2)
 
 
 def test_describe_says_which_kernel_and_why(fa4: FakeFa4, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert cuda_flash.describe() == ("whole prompts through FlashAttention-4 (flash-attn-4 4.0.0b36) on sm_90 at "
-                                     "head dim 128, SDPA elsewhere")
+    assert cuda_flash.describe() == ("whole prompts through FlashAttention-4 (flash-attn-4 4.0.0b36) on sm_90, "
+                                     "bf16, head dim 128, prompts of >= 32 tokens; SDPA elsewhere")
     monkeypatch.setenv("TORCHHAL_CUDA_FA4", "0")
-    clear_caches()
     assert cuda_flash.describe() == "whole prompts through SDPA (TORCHHAL_CUDA_FA4=0)"
     monkeypatch.delenv("TORCHHAL_CUDA_FA4")
 
@@ -142,13 +151,45 @@ def test_describe_says_which_kernel_and_why(fa4: FakeFa4, monkeypatch: pytest.Mo
 def test_a_broken_install_warns_once_and_sdpa_serves(fa4: FakeFa4, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # `import flash_attn.cute` raises ImportError
     q, k, v = prompts()
-    with pytest.warns(RuntimeWarning, match=r"import flash_attn\.cute` failed.*TORCHHAL_CUDA_FA4=0"):
+    with pytest.warns(RuntimeWarning, match=r"import flash_attn\.cute`\) failed.*TORCHHAL_CUDA_FA4=0"):
         first = cuda_flash.dense_causal(q, k, v, 0.125)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         second = cuda_flash.dense_causal(q, k, v, 0.125)
     torch.testing.assert_close(first, second)
     torch.testing.assert_close(first, reference(q, k, v, 0.125), atol=2e-2, rtol=2e-2)
+
+
+def test_a_failing_call_warns_once_and_sdpa_serves_but_out_of_memory_is_raised(fa4: FakeFa4,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compile or launch that fails turns FA4 off for the process (a broken toolchain fails
+    every call alike); running out of memory is the engine's to handle, as from any kernel."""
+    q, k, v = prompts()
+    real = fa4.module.flash_attn_func
+
+    def out_of_memory(*args: Any, **kwargs: Any) -> Any:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(fa4.module, "flash_attn_func", out_of_memory)
+    clear_caches()
+    with pytest.raises(torch.OutOfMemoryError):
+        cuda_flash.dense_causal(q, k, v, 0.125)
+    assert not cuda_flash._failure
+
+    def fails(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("ptxas exited with 255")
+
+    monkeypatch.setattr(fa4.module, "flash_attn_func", fails)
+    clear_caches()
+    with pytest.warns(RuntimeWarning, match="FlashAttention-4 call failed .*ptxas exited with 255"):
+        out = cuda_flash.dense_causal(q, k, v, 0.125)
+    torch.testing.assert_close(out, reference(q, k, v, 0.125), atol=2e-2, rtol=2e-2)
+    monkeypatch.setattr(fa4.module, "flash_attn_func", real)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cuda_flash.dense_causal(q, k, v, 0.125)
+    assert fa4.calls == [] and cuda_flash.KERNEL_CALLS == {"sdpa": 2}
+    assert "FlashAttention-4 failed: call: RuntimeError: ptxas exited with 255" in cuda_flash.describe()
 
 
 def test_the_fakes_parameters_are_flash_attn_4s() -> None:

@@ -218,7 +218,8 @@ class TritonPagedAttention:
         graph_capture=True,
         step_kv=True,
         note="Triton: split-K paged decode, paged chunked prefill; whole prompts through a dense kernel "
-        "(FlashAttention-4 or SDPA: cuda_flash.py) on the step's own K/V; GQA without KV copies",
+        "(FlashAttention-4 for long bf16 prompts at head dim 128 on sm_90, else SDPA: cuda_flash.py) on the "
+        "step's own K/V; GQA without KV copies",
     )
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -269,7 +270,7 @@ class TritonPagedAttention:
             k, v = prompt_kv(k_cache, v_cache, meta.slot_mapping, first, first + count * length, key, value)
             return self._flash_prefill(query, k, v, run, scale)
 
-        if out is None and split.rest is None and len(runs) == 1:  # one SDPA call covers the step
+        if out is None and split.rest is None and len(runs) == 1:  # one dense call covers the step
             return dense(runs[0])
         if out is None:
             out = torch.empty_like(query)
@@ -287,7 +288,8 @@ class TritonPagedAttention:
                        scale: float) -> torch.Tensor:
         """One run of adjacent equally long whole prompts (nothing cached before them; `run`
         is (first row, prompts, length)), as one batch through `cuda_flash.dense_causal`:
-        FlashAttention-4 where installed on sm_90, else SDPA (cuDNN's kernel on an H200,
+        FlashAttention-4 where installed, for the cases it was measured in (sm_90, bf16, head
+        dim 128, prompts of >= 3968 tokens), else SDPA (cuDNN's kernel on an H200,
         1.7-1.8x faster there than SDPA's flash kernel: benchmarks/sdpa_backends.py). Both are
         faster than the paged kernel there (H200, 8B shape: 0.27 vs 0.45 ms at 4k). `keys`/
         `values` are the run's rows [count * length, Hk, D]: the step's own when the engine

@@ -5,21 +5,23 @@ FlashAttention-4 (the `flash-attn-4` package: CuTe DSL kernels) is an optional e
 `pip install 'torchhal[fa4]'`. On an H200 at the Llama-3.1-8B shape (32/8 heads, dim 128,
 bf16) its causal kernel took a 16000-token prompt's attention in 3.43 ms a layer against
 cuDNN's 4.13, in a layer stack running at the power limit (benchmarks/README.md). It is used
-only where all of these hold, so every other case keeps the SDPA path it had:
+only where all of these hold, the conditions it was measured and checked under, so every
+other case keeps the SDPA path it had:
 
-- compute capability 9.x and head dim 128 (where it was measured and checked against the
-  reference on hardware; FA4 itself takes more head dims);
-- float16 or bfloat16;
+- compute capability 9.x, bfloat16, head dim 128, prompts of at least 3968 tokens (shorter
+  ones were not measured, and each FA4 call costs more host time than SDPA's);
 - not while a graph is being captured (its first call per configuration compiles);
-- `TORCHHAL_CUDA_FA4` is not `0` (to measure against SDPA, or to rule it out).
+- `TORCHHAL_CUDA_FA4` is not `0` (read at every call: to measure against SDPA, or to rule it out).
 
 Importing it takes seconds (it loads the CuTe compiler), so that happens at the first call
-that would use it, not at plugin load. An import that fails warns once, naming the error,
-and SDPA serves from then on.
+that would use it, not at plugin load. An import or a call that fails (other than running out
+of memory, which the engine handles) warns once, naming the error, and SDPA serves from then
+on. `KERNEL_CALLS` counts the calls each kernel served.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib
 import importlib.metadata
@@ -32,31 +34,53 @@ import torch
 import torch.nn.functional as F
 
 DISTRIBUTION = "flash-attn-4"
-#: Compute capability majors and head dims where FA4 was measured faster than SDPA's pick
-#: and checked against the reference (9: H200; 128: Llama, Mistral, Qwen).
+#: Where FA4 was measured faster than SDPA's pick and checked against the reference (H200,
+#: Llama-3.1-8B's attention): compute capability majors, head dims, dtypes, shortest prompt.
 MEASURED_CAPABILITIES = (9,)
 MEASURED_HEAD_DIMS = (128,)
-DTYPES = (torch.float16, torch.bfloat16)
+DTYPES = (torch.bfloat16,)
+MIN_LENGTH = 3968
+#: How many dense calls each kernel served in this process ("fa4", "sdpa").
+KERNEL_CALLS: collections.Counter[str] = collections.Counter()
+#: The error that turned FA4 off for this process, if one did.
+_failure: list[str] = []
+
+
+def switched_off() -> bool:
+    return os.environ.get("TORCHHAL_CUDA_FA4", "1") == "0"
 
 
 @functools.cache
 def fa4_version() -> tuple[str | None, str]:
     """(version, why): the installed flash-attn-4's version, or None and why it is not used."""
-    if os.environ.get("TORCHHAL_CUDA_FA4", "1") == "0":
-        return None, "TORCHHAL_CUDA_FA4=0"
     try:
         version = importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
-        return None, "flash-attn-4 is not installed: pip install 'torchhal[fa4]'"
+        return None, "flash-attn-4 is not installed: pip install 'torchhal[fa4]' on sm_90"
     return version, f"flash-attn-4 {version}"
 
 
 def describe() -> str:
     """One line for `torchhal info`: which kernel whole prompts take, and why."""
     version, why = fa4_version()
+    if switched_off():
+        return "whole prompts through SDPA (TORCHHAL_CUDA_FA4=0)"
     if version is None:
         return f"whole prompts through SDPA ({why})"
-    return f"whole prompts through FlashAttention-4 ({why}) on sm_90 at head dim 128, SDPA elsewhere"
+    if _failure:
+        return f"whole prompts through SDPA (FlashAttention-4 failed: {_failure[0]})"
+    return (f"whole prompts through FlashAttention-4 ({why}) on sm_90, bf16, head dim 128, prompts of "
+            f">= {MIN_LENGTH} tokens; SDPA elsewhere")
+
+
+def _turn_off(error: BaseException, what: str) -> None:
+    """Warn once and serve every later call through SDPA."""
+    if _failure:
+        return
+    _failure.append(f"{what}: {type(error).__name__}: {error}")
+    warnings.warn(f"FlashAttention-4 {what} failed ({type(error).__name__}: {error}); whole prompts use SDPA "
+                  "from now on. Reinstall it (pip install 'torchhal[fa4]') or set TORCHHAL_CUDA_FA4=0 to silence "
+                  "this.", RuntimeWarning, stacklevel=2)
 
 
 @functools.cache
@@ -64,9 +88,7 @@ def _fa4_function() -> Callable[..., Any] | None:
     try:
         return importlib.import_module("flash_attn.cute").flash_attn_func  # type: ignore[no-any-return]
     except Exception as exc:  # a broken install: say so once, keep serving through SDPA
-        warnings.warn(f"flash-attn-4 is installed but `import flash_attn.cute` failed ({type(exc).__name__}: "
-                      f"{exc}); whole prompts use SDPA. Reinstall it (pip install 'torchhal[fa4]') or set "
-                      "TORCHHAL_CUDA_FA4=0 to silence this.", RuntimeWarning, stacklevel=3)
+        _turn_off(exc, "import (`import flash_attn.cute`)")
         return None
 
 
@@ -77,7 +99,8 @@ def _capability_major(device_index: int) -> int:
 
 def fa4_takes(query: torch.Tensor) -> bool:
     """FA4 runs this call (the conditions in the module's docstring)."""
-    return (fa4_version()[0] is not None and query.dtype in DTYPES and query.shape[-1] in MEASURED_HEAD_DIMS
+    return (not switched_off() and not _failure and fa4_version()[0] is not None and query.dtype in DTYPES
+            and query.shape[-1] in MEASURED_HEAD_DIMS and query.shape[1] >= MIN_LENGTH
             and _capability_major(query.device.index or 0) in MEASURED_CAPABILITIES
             and not torch.cuda.is_current_stream_capturing() and _fa4_function() is not None)
 
@@ -93,8 +116,16 @@ def dense_causal(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     if fa4_takes(query):
         function = _fa4_function()
         assert function is not None  # fa4_takes checked it
-        out = function(query, keys, values, softmax_scale=scale, causal=True)
-        return out[0] if isinstance(out, tuple) else out
+        try:
+            with torch.cuda.device(query.device):  # FA4 reads the architecture of the current device
+                out = function(query, keys, values, softmax_scale=scale, causal=True)
+            KERNEL_CALLS["fa4"] += 1
+            return out[0] if isinstance(out, tuple) else out
+        except torch.OutOfMemoryError:
+            raise  # the engine's to handle, as from any kernel
+        except Exception as exc:  # a compile or launch that fails: SDPA from now on
+            _turn_off(exc, "call")
+    KERNEL_CALLS["sdpa"] += 1
     attended = F.scaled_dot_product_attention(query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                               is_causal=True, scale=scale, enable_gqa=True)
     return attended.transpose(1, 2)
