@@ -513,16 +513,21 @@ def _hook_problem(plugin: object, callers: list[pluggy.HookCaller]) -> str | Non
     return _wrapper_problem(wrappers) if wrappers else None
 
 
+#: Groups a vendor may write for torchhal's, squashed (lower case, letters and digits only).
+_NEAR_MISS_GROUPS = frozenset({"torchhal", "torchhalplatforms", "torchhalplatform", "torchhalplugins",
+                               "torchhalplugin"})
+
+
 def _near_miss_entry_points() -> list[tuple[str, metadata.EntryPoint]]:
     """(distribution, entry point) in a group that reads like torchhal's but is not it
-    ("torchhal.platforms", "torch_hal", "TorchHAL"): their plugins would be silently absent."""
+    ("torchhal.platforms", "torch_hal", "TorchHAL"): their plugins would be silently absent.
+    Other groups that merely start with "torchhal" may be another project's own."""
     def squashed(group: str) -> str:
         return "".join(c for c in group.lower() if c.isalnum())
 
-    wanted = squashed(ENTRY_POINT_GROUP)
     return [(dist.metadata["Name"] or "<unknown distribution>", ep)
             for dist in metadata.distributions() for ep in dist.entry_points
-            if ep.group != ENTRY_POINT_GROUP and squashed(ep.group).startswith(wanted)]
+            if ep.group != ENTRY_POINT_GROUP and squashed(ep.group) in _NEAR_MISS_GROUPS]
 
 
 def _wrapper_problem(wrappers: list[str]) -> str:
