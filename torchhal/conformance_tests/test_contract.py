@@ -11,6 +11,7 @@ import pytest
 
 import torchhal
 from torchhal.platforms import (
+    PLATFORM_FACTS,
     SPI_ATTRIBUTES,
     SPI_METHODS,
     Availability,
@@ -18,11 +19,10 @@ from torchhal.platforms import (
     IpcEvents,
     IpcSupport,
     PlatformPlugin,
+    PluginContractError,
     PluginFailure,
     RegisteredPlatform,
 )
-from torchhal.platforms.errors import PluginContractError
-from torchhal.platforms.platform import FACTS as PLATFORM_FACTS
 from torchhal.platforms.testing import describe_error
 
 from ._helpers import python_code_command

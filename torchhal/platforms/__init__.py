@@ -23,6 +23,7 @@ from torchhal.platforms.manager import (
     PlatformRegistry,
     RegisteredPlatform,
 )
+from torchhal.platforms.platform import FACTS as PLATFORM_FACTS
 from torchhal.platforms.platform import Platform, check_platform_argument
 from torchhal.platforms.plugin import (
     DEPRECATED_MEMBERS,
@@ -86,6 +87,7 @@ __all__ = [
     "MemoryInfo",
     "PeakMemory",
     "Platform",
+    "PLATFORM_FACTS",
     "check_platform_argument",
     "PlatformError",
     "PlatformPlugin",
