@@ -40,20 +40,11 @@ Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def kernels() -> dict[str, Attention]:
-    """The two kernels as `cuda_flash.dense_causal` calls them: [count, L, H, D] in and out."""
-    fa4 = cuda_flash._fa4_function()
-    if fa4 is None:
+    """The two kernels `cuda_flash.dense_causal` chooses between: [count, L, H, D] in and out."""
+    if cuda_flash._fa4_function() is None:
         raise SystemExit("flash-attn-4 does not import: pip install 'torchhal[fa4]'")
-
-    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              is_causal=True, scale=SCALE, enable_gqa=True).transpose(1, 2)
-
-    def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = fa4(q, k, v, softmax_scale=SCALE, causal=True)
-        return out[0] if isinstance(out, tuple) else out  # type: ignore[no-any-return]
-
-    return {"sdpa": sdpa, "fa4": flash}
+    return {"sdpa": lambda q, k, v: cuda_flash.sdpa_causal(q, k, v, SCALE),
+            "fa4": lambda q, k, v: cuda_flash.fa4_causal(q, k, v, SCALE)}
 
 
 def median_ms(call: Callable[[], object], reps: int = 10) -> float:

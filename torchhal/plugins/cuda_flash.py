@@ -114,18 +114,29 @@ def dense_causal(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     contiguous; SDPA's a transposed view of its own).
     """
     if fa4_takes(query):
-        function = _fa4_function()
-        assert function is not None  # fa4_takes checked it
         try:
-            with torch.cuda.device(query.device):  # FA4 reads the architecture of the current device
-                out = function(query, keys, values, softmax_scale=scale, causal=True)
+            out = fa4_causal(query, keys, values, scale)
             KERNEL_CALLS["fa4"] += 1
-            return out[0] if isinstance(out, tuple) else out
+            return out
         except torch.OutOfMemoryError:
             raise  # the engine's to handle, as from any kernel
         except Exception as exc:  # a compile or launch that fails: SDPA from now on
             _turn_off(exc, "call")
     KERNEL_CALLS["sdpa"] += 1
+    return sdpa_causal(query, keys, values, scale)
+
+
+def fa4_causal(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """FA4's kernel alone, as `dense_causal` calls it (the import must have succeeded)."""
+    function = _fa4_function()
+    assert function is not None, "flash-attn-4 does not import: pip install 'torchhal[fa4]'"
+    with torch.cuda.device(query.device):  # FA4 reads the architecture of the current device
+        out = function(query, keys, values, softmax_scale=scale, causal=True)
+    return out[0] if isinstance(out, tuple) else out  # type: ignore[no-any-return]
+
+
+def sdpa_causal(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA alone, as `dense_causal` calls it: [count, L, H, D] in and out."""
     attended = F.scaled_dot_product_attention(query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                               is_causal=True, scale=scale, enable_gqa=True)
     return attended.transpose(1, 2)
