@@ -493,8 +493,8 @@ def _call_back(thread: threading.Thread) -> FrameType | None:
 
 def _hook_problem(plugin: object, callers: list[pluggy.HookCaller]) -> str | None:
     """Why a registered plugin's hook implementations cannot work, or None: no torchhal hook at
-    all, a hook name no spec has, or a pluggy wrapper (torchhal calls each implementation itself,
-    isolated, so a wrapper's generator would be made and dropped: its body would never run)."""
+    all, or a hook name no spec has. (A wrapper is refused before registration: torchhal calls
+    each implementation itself, isolated, so a wrapper's generator would be made and dropped.)"""
     if not callers:
         return (f"{_describe_plugin(plugin)} implements no torchhal hook, so it registers nothing; point the "
                 "entry point at the module that defines torchhal_register_platforms (decorated with "
@@ -507,10 +507,7 @@ def _hook_problem(plugin: object, callers: list[pluggy.HookCaller]) -> str | Non
             close = difflib.get_close_matches(hook_name, known, n=1)
             hints.append(f"{hook_name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         return "unknown hook " + ", ".join(hints)
-    wrappers = [f"{caller.name!r} ({'wrapper' if impl.wrapper else 'hookwrapper'}=True)"
-                for caller in callers for impl in caller.get_hookimpls()
-                if impl.plugin is plugin and (impl.wrapper or impl.hookwrapper)]
-    return _wrapper_problem(wrappers) if wrappers else None
+    return None
 
 
 #: Groups a vendor may write for torchhal's, squashed (lower case, letters and digits only).
@@ -537,16 +534,18 @@ def _wrapper_problem(wrappers: list[str]) -> str:
 
 
 def _declared_wrappers(plugin: object) -> list[str]:
-    """The plugin's torchhal hooks marked wrapper=True or hookwrapper=True, as `_hook_problem`
-    names them, read from the marks `torchhal.hookimpl` leaves before pluggy sees them."""
+    """The plugin's hooks marked wrapper=True or hookwrapper=True ("'hook' (wrapper=True)"),
+    read from the marks `torchhal.hookimpl` leaves, as pluggy reads them (every attribute, the
+    hook named by `specname` where given), before pluggy registers the plugin."""
     found = []
-    for attribute in sorted(n for n in dir(plugin) if n.startswith("torchhal_")):
+    for attribute in dir(plugin):
         try:
             options = getattr(getattr(plugin, attribute), f"{hookspecs.PROJECT_NAME}_impl", None)
         except Exception:  # a property that raises: pluggy's registration reports it
             continue
         if isinstance(options, dict):
-            found += [f"{attribute!r} ({flag}=True)" for flag in ("wrapper", "hookwrapper") if options.get(flag)]
+            hook = options.get("specname") or attribute
+            found += [f"{hook!r} ({flag}=True)" for flag in ("wrapper", "hookwrapper") if options.get(flag)]
     return found
 
 
