@@ -3,16 +3,17 @@ FlashAttention-4 (the `fa4` extra), the two kernels `torchhal.plugins.cuda_flash
 between, alone and inside the layer stack of `prefill_floor.py` (the 8B layer's projections
 and attention back to back, so the device runs at its power limit as a real prefill does).
 
-    python benchmarks/prefill_attention.py [--reps 7] [--out results]
+    python benchmarks/prefill_attention.py [--reps 7] [--steps 1x3968,4x3968,1x16000] [--out results]
 
-Per step shape (the engine's whole-prompt batches for `long_context.py`'s cells: 1 x 3968,
-4 x 3968, 1 x 16000): each kernel's milliseconds alone (CUDA events, median of 10 after a
-warm-up, from a device that has idled between shapes); the stack's milliseconds with each kernel,
-interleaved rep by rep in alternating order so a drift of the clock falls on both alike, and
-each kernel's median milliseconds inside the stack; FA4's first-call (compile) seconds; the
-largest difference between the two outputs, and each one's from float32 on one KV group at
-1 x 3968. q is the engine's layout (a view into the rotated [T, Hq + Hk, D] projection). Needs a
-CUDA GPU and flash-attn-4.
+Per step shape (by default the engine's whole-prompt batches for `long_context.py`'s cells:
+1 x 3968, 4 x 3968, 1 x 16000; `--steps` for others, such as shorter prompts): each kernel's
+milliseconds alone (CUDA events, median of 10 after a warm-up, from a device that has idled
+between shapes); the stack's milliseconds with each kernel, interleaved rep by rep in
+alternating order so a drift of the clock falls on both alike, and each kernel's median
+milliseconds inside the stack; FA4's first-call (compile) seconds; the largest difference
+between the two outputs, and each one's from float32 on one KV group at the first step shape.
+q is the engine's layout (a view into the rotated [T, Hq + Hk, D] projection). Needs a CUDA
+GPU and flash-attn-4.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from prefill_floor import HEAD_DIM, KV_HEADS, Q_HEADS, LayerStack  # noqa: E402
 
 from torchhal.plugins import cuda_flash  # noqa: E402
 
-SHAPES = ((1, 3968), (4, 3968), (1, 16000))  # (prompts, tokens each)
+STEPS = "1x3968,4x3968,1x16000"  # prompts x tokens each
 SCALE = HEAD_DIM**-0.5
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -61,7 +62,19 @@ def median_ms(call: Callable[[], object], reps: int = 10) -> float:
     return statistics.median(times)
 
 
-def alone(count: int, length: int, attend: dict[str, Attention], device: torch.device) -> dict[str, Any]:
+def parse_steps(text: str) -> list[tuple[int, int]]:
+    """'1x3968,4x3968' -> [(1, 3968), (4, 3968)]: prompts x tokens each."""
+    steps = []
+    for step in text.split(","):
+        count, _, length = step.strip().partition("x")
+        if not (count.isdigit() and length.isdigit() and int(count) > 0 and int(length) > 0):
+            raise argparse.ArgumentTypeError(f"step {step!r} is not PROMPTSxTOKENS, e.g. 4x3968")
+        steps.append((int(count), int(length)))
+    return steps
+
+
+def alone(count: int, length: int, attend: dict[str, Attention], device: torch.device,
+          check_float32: bool) -> dict[str, Any]:
     qk = torch.randn(count * length, Q_HEADS + KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     q = qk[:, :Q_HEADS].view(count, length, Q_HEADS, HEAD_DIM)
     k = qk[:, Q_HEADS:].view(count, length, KV_HEADS, HEAD_DIM)
@@ -73,7 +86,7 @@ def alone(count: int, length: int, attend: dict[str, Attention], device: torch.d
                            "max_abs_diff": (outputs["fa4"].float() - outputs["sdpa"].float()).abs().max().item()}
     for name, kernel in attend.items():
         row[f"{name}_ms"] = median_ms(lambda kernel=kernel: kernel(q, k, v))  # type: ignore[misc]
-    if (count, length) == (1, 3968):  # float32 on the first KV group's query heads
+    if check_float32:  # float32 on the first KV group's query heads
         group = Q_HEADS // KV_HEADS
         qf, kf, vf = (t.float().transpose(1, 2) for t in (q[:, :, :group], k[:, :, :1], v[:, :, :1]))
         exact = F.scaled_dot_product_attention(qf, kf.expand(-1, group, -1, -1), vf.expand(-1, group, -1, -1),
@@ -109,6 +122,8 @@ def in_stack(count: int, length: int, attend: dict[str, Attention], reps: int,
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--reps", type=int, default=7, help="stack runs per kernel after one warm-up round")
+    parser.add_argument("--steps", type=parse_steps, default=parse_steps(STEPS),
+                        help=f"comma-separated PROMPTSxTOKENS step shapes (default {STEPS})")
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -118,10 +133,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     attend = kernels()
     results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "cudnn": torch.backends.cudnn.version(),
                                "flash_attn_4": cuda_flash.fa4_version()[0], "alone": {}, "stack": {}}
-    for count, length in SHAPES:
+    for index, (count, length) in enumerate(args.steps):
         time.sleep(1.0)  # each shape's kernels alone from an idle device
-        results["alone"][f"{count}x{length}"] = alone(count, length, attend, device)
-    for count, length in SHAPES:
+        results["alone"][f"{count}x{length}"] = alone(count, length, attend, device, check_float32=index == 0)
+    for count, length in args.steps:
         results["stack"][f"{count}x{length}"] = row = in_stack(count, length, attend, args.reps, device)
         print(f"{count}x{length}: stack fa4/sdpa {row['fa4_over_sdpa_stack']:.3f}, "
               f"attention {row['fa4_over_sdpa_attention']:.3f}", flush=True)

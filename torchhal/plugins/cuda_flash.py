@@ -39,6 +39,8 @@ DISTRIBUTION = "flash-attn-4"
 MEASURED_CAPABILITIES = (9,)
 MEASURED_HEAD_DIMS = (128,)
 DTYPES = (torch.bfloat16,)
+#: From 2048 tokens FA4's kernel is faster in the stack too, but the prefill gains at most 1.8%,
+#: inside a lease's spread, and the first prompt that reaches the threshold pays a 7 s import.
 MIN_LENGTH = 3968
 #: How many dense calls each kernel served in this process ("fa4", "sdpa").
 KERNEL_CALLS: collections.Counter[str] = collections.Counter()
