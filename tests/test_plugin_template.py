@@ -66,6 +66,27 @@ def test_a_ci_runner_is_not_sent_to_a_directory_of_this_machine(monkeypatch, tmp
         assert f'pip install "{installed}"' in (target / "README.md").read_text()
 
 
+@pytest.mark.parametrize("base", BASES)
+def test_a_cpu_backed_plugins_ci_job_runs_on_a_hosted_runner_the_others_on_their_device(tmp_path, base):
+    """Host tensors need no device: that job runs on a hosted runner with torch's CPU build
+    installed first; a device's plugin needs a runner with that device."""
+    target = write_plugin("myaccel", tmp_path / base, base=base)
+    ci = (target / ".github" / "workflows" / "conformance.yml").read_text()
+    readme = (target / "README.md").read_text()
+    runs_on = [line.strip() for line in ci.splitlines() if line.strip().startswith("runs-on:")]
+    if base == "cpu":
+        assert runs_on == ["runs-on: ubuntu-latest"]
+        torch_install = ci.index("pip install torch --index-url https://download.pytorch.org/whl/cpu")
+        assert torch_install < ci.index("python -m pip install .\n")
+        assert "hosted Ubuntu runner" in readme
+    else:
+        assert runs_on == ["runs-on: [self-hosted, myaccel]"]
+        assert "pip install torch" not in ci  # the device's own torch build is the runner's
+        assert "a runner with the device" in readme
+    steps = ci.index("    steps:\n")
+    assert ci.index("actions/checkout@v4") > steps and ci.count("    steps:") == 1
+
+
 def test_the_requirement_names_where_this_torchhal_was_installed_from(monkeypatch):
     import importlib.metadata
     import json

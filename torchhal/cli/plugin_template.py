@@ -349,7 +349,8 @@ packages = ["{package}"]
 '''
 
 
-def _readme(name: str, package: str, requirement: str) -> str:
+def _readme(name: str, package: str, requirement: str, base: str) -> str:
+    runner = "GitHub's hosted Ubuntu runner (the plugin is CPU-backed)" if base == "cpu" else "a runner with the device"
     return f"""# torchhal-{name.replace("_", "-")}
 
 A torchhal platform plugin for {name}, started from `torchhal plugin new {name}`.
@@ -364,21 +365,34 @@ A torchhal platform plugin for {name}, started from `torchhal plugin new {name}`
    until the verdict is `CONFORMANT`; declare known failures in an expectation file
    (docs/conformance.md).
 
-`.github/workflows/conformance.yml` runs the suite on every push, on a runner with the device.
+`.github/workflows/conformance.yml` runs the suite on every push, on {runner}.
 """
 
 
-def _ci_workflow(name: str, requirement: str) -> str:
+#: Where a CPU-backed plugin's CI job runs, and how it gets torch there: the CPU build (the
+#: default index's is the multi-GB CUDA one).
+HOSTED_RUNNER = """runs-on: ubuntu-latest
+    steps:
+      - uses: actions/checkout@v4
+      - uses: actions/setup-python@v5
+        with:
+          python-version: "3.12"
+      - run: python -m pip install torch --index-url https://download.pytorch.org/whl/cpu"""
+
+
+def _ci_workflow(name: str, requirement: str, base: str) -> str:
     requirement, todo = runner_requirement(requirement)
     todo = f"\n      {todo}" if todo else ""
+    if base == "cpu":  # host tensors: any machine runs the suite
+        runner = f"# {name} is CPU-backed: a hosted runner has all it needs.\n    {HOSTED_RUNNER}"
+    else:
+        runner = (f"# TODO: a runner with a {name} device and its runtime installed.\n"
+                  f"    runs-on: [self-hosted, {name}]\n    steps:\n      - uses: actions/checkout@v4")
     return f"""name: torchhal conformance
 on: [push, pull_request]
 jobs:
   conformance:
-    # TODO: a runner with a {name} device and its runtime installed.
-    runs-on: [self-hosted, {name}]
-    steps:
-      - uses: actions/checkout@v4
+    {runner}
       # torchhal is not on the package index: install it from its source first.{todo}
       - run: python -m pip install "{requirement}"
       - run: python -m pip install .
@@ -412,8 +426,8 @@ def write_plugin(name: str, directory: Path | None = None, base: str = "plugin")
     files = {
         Path("pyproject.toml"): _pyproject(name, package),
         Path(package) / "__init__.py": plugin_module_source(name, base),
-        Path("README.md"): _readme(name, package, requirement),
-        Path(".github") / "workflows" / "conformance.yml": _ci_workflow(name, requirement),
+        Path("README.md"): _readme(name, package, requirement, base),
+        Path(".github") / "workflows" / "conformance.yml": _ci_workflow(name, requirement, base),
     }
     made: list[Path] = []  # what this call created, undone if anything stops it (a full disk, Ctrl-C)
     try:
