@@ -1325,3 +1325,57 @@ def test_the_device_and_host_communicators_of_a_cpu_group_do_not_pair_each_other
             group.close()
 
     assert on_threads(2, body) == [[3.0, 300.0], [3.0, 300.0]]
+
+
+def test_a_world_size_past_any_group_is_refused_before_the_store_is_touched(monkeypatch) -> None:
+    """2**40 ranks once listed a store key per rank: the host's memory filled before any timeout."""
+    from torchhal.distributed.group import MAX_WORLD_SIZE
+
+    with pytest.raises(ValueError, match=r"world_size = 1099511627776 is more ranks than any group torchhal forms"):
+        RankPlacement(0, 2**40, 0, 1)
+    with pytest.raises(ValueError, match=r"local_world_size = 1048577 is more ranks"):
+        RankPlacement(0, 2, 0, MAX_WORLD_SIZE + 1)
+    monkeypatch.setenv("WORLD_SIZE", "9" * 25)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ValueError, match=r"world_size = 9{25} is more ranks.*WORLD_SIZE"):
+        RankPlacement.from_env()
+    touched = []
+
+    class Store:
+        def __getattr__(self, name: str) -> Any:
+            touched.append(name)
+            raise AssertionError(f"store.{name} called")
+
+    with pytest.raises(ValueError, match="more ranks than any group"):
+        init_group(rank=0, world_size=2**40, local_rank=0, store=Store(), timeout=timedelta(seconds=2),  # type: ignore[arg-type]
+                   name="huge")
+    assert touched == []
+
+
+def test_a_hostile_variable_is_refused_naming_it_not_pythons_digit_limit(monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "9" * 5000)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match=r"WORLD_SIZE='9999.*must be a decimal integer"):
+        RankPlacement.from_env()
+
+
+def test_parse_decimal_reads_text_only() -> None:
+    from torchhal.distributed.group import MAX_DECIMAL_DIGITS, parse_decimal
+
+    assert parse_decimal("-12") == -12 and parse_decimal("9" * MAX_DECIMAL_DIGITS) == int("9" * MAX_DECIMAL_DIGITS)
+    assert parse_decimal("9" * (MAX_DECIMAL_DIGITS + 1)) is None
+    for text in ("1_0", " 3", "\u0664", "", "-", "+1"):
+        assert parse_decimal(text) is None, text
+    for value in (None, 3, b"3"):
+        with pytest.raises(TypeError, match="parse_decimal takes the text to read, a str"):
+            parse_decimal(value)  # type: ignore[arg-type]
+
+
+def test_a_placement_of_numpy_integers_is_one_of_plain_ints() -> None:
+    np = pytest.importorskip("numpy")
+    placement = RankPlacement(np.int64(1), np.int32(2), np.int64(0), np.int64(1))
+    assert placement == RankPlacement(1, 2, 0, 1)
+    assert all(type(getattr(placement, f)) is int for f in ("rank", "world_size", "local_rank", "local_world_size"))
+    with pytest.raises(TypeError, match="rank = True must be an int"):
+        RankPlacement(True, 2, 0, 1)

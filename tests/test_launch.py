@@ -292,6 +292,26 @@ def test_a_bad_world_size_is_refused_before_any_process_starts(world_size):
         launch(report_placement, world_size, ("x",))  # type: ignore[arg-type]
 
 
+def test_more_ranks_than_the_host_can_run_are_refused_before_any_process_starts(monkeypatch):
+    launch_module = sys.modules["torchhal.distributed.launch"]  # the package's `launch` is the function
+    monkeypatch.setattr(launch_module.os, "cpu_count", lambda: 2)
+    started = []
+    monkeypatch.setattr(launch_module.multiprocessing, "get_context", lambda method: started.append(method))
+    limit = 2 * launch_module.MAX_RANKS_PER_CORE
+    with pytest.raises(ValueError, match=rf"world_size = {limit + 1}: launch starts one process per rank on this host.*"
+                                         rf"at most {limit}"):
+        launch(report_placement, limit + 1, ("x",))
+    with pytest.raises(ValueError, match=r"world_size = 1000000:"):
+        launch(report_placement, 10**6, ("x",))
+    assert started == []
+
+
+def test_a_numpy_world_size_is_a_world_size():
+    np = pytest.importorskip("numpy")
+    [(tag, rank, world_size, *_)] = launch(report_placement, np.int64(1), ("x",))
+    assert (tag, rank, world_size) == ("x", 0, 1)
+
+
 def test_a_bad_timeout_is_refused():
     with pytest.raises(ValueError, match="timeout = 0 must be a positive number of seconds"):
         launch(report_placement, 1, ("x",), timeout=0)

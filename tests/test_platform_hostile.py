@@ -114,3 +114,27 @@ def test_a_plugin_that_defines_is_out_of_memory_keeps_its_own():
     with patched_plugin(platform, is_out_of_memory=lambda error: isinstance(error, KeyError)):
         assert platform.is_out_of_memory(KeyError("x"))
         assert not platform.is_out_of_memory(torch.OutOfMemoryError("out of memory"))
+
+
+@pytest.mark.parametrize("local_rank, local_world_size", [(-1, 2), (2, 2), (True, 2), (0, 0), (0.0, 1), ("0", 1)])
+def test_device_for_rank_refuses_a_rank_outside_its_host(local_rank, local_world_size):
+    """A plugin's default once returned -1 for local rank -1: a device index nothing has."""
+    platform = torchhal.current_platform()
+    with pytest.raises(ValueError, match=re.escape(f"device_for_rank({local_rank!r}, {local_world_size!r}): need "
+                                                   "integers with 0 <= local_rank < local_world_size")):
+        platform.device_for_rank(local_rank, local_world_size)
+
+
+def test_device_for_rank_gives_the_plugin_plain_ints():
+    np = pytest.importorskip("numpy")
+    platform = torchhal.current_platform()
+    seen = []
+    original = platform._plugin.device_for_rank
+
+    def spy(local_rank, local_world_size):
+        seen.append((type(local_rank), type(local_world_size)))
+        return original(local_rank, local_world_size)
+
+    with patched_plugin(platform, device_for_rank=spy):
+        assert platform.device_for_rank(np.int64(0), np.int32(1)) == platform.device_for_rank(0, 1)
+    assert seen == [(int, int), (int, int)]

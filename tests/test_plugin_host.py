@@ -188,7 +188,7 @@ def test_without_a_detect_limit_a_call_back_is_named_instead_of_hanging(monkeypa
     assert sim.returned.wait(5)
 
 
-@pytest.mark.parametrize("raw", ["soon", "nan", "inf"])
+@pytest.mark.parametrize("raw", ["soon", "nan", "inf", "-inf"])
 def test_a_bad_detect_timeout_is_a_clear_error(monkeypatch, raw):
     monkeypatch.setenv("TORCHHAL_DETECT_TIMEOUT", raw)
     with pytest.raises(torchhal.PlatformError, match=f"TORCHHAL_DETECT_TIMEOUT='{raw}' is not a number"):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from torchhal.distributed.checked import CheckedCommunicator, CheckJournal
 from torchhal.platforms import Platform, check_platform_argument, current_platform
-from torchhal.platforms.communicator import CollectiveError, Communicator, TorchCommunicator
+from torchhal.platforms.communicator import CollectiveError, Communicator, TorchCommunicator, as_index
 
 #: How long a collective waits for a peer before it raises (a dead or hung rank).
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -66,6 +66,11 @@ if hasattr(os, "register_at_fork"):  # not on Windows, which cannot fork
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+#: Far above any real job; forming a group lists a key per rank, so a mistyped size (2**40)
+#: would fill the host's memory before any timeout.
+MAX_WORLD_SIZE = 1 << 20
+
+
 @dataclass(frozen=True)
 class RankPlacement:
     """Where this process sits: its rank in the group and on its host."""
@@ -78,8 +83,15 @@ class RankPlacement:
     def __post_init__(self) -> None:
         for name in ("rank", "world_size", "local_rank", "local_world_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
+            number = as_index(value)
+            if number is None:
                 raise TypeError(f"{name} = {value!r} must be an int")
+            object.__setattr__(self, name, number)  # a numpy integer becomes a plain int
+        for name in ("world_size", "local_world_size"):
+            if getattr(self, name) > MAX_WORLD_SIZE:
+                raise ValueError(f"{name} = {getattr(self, name)} is more ranks than any group torchhal forms "
+                                 f"(at most {MAX_WORLD_SIZE}): check the value (WORLD_SIZE / LOCAL_WORLD_SIZE "
+                                 "when read from the environment)")
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} of world_size {self.world_size}: need 0 <= rank < world_size")
         if self.local_world_size < 1 or not 0 <= self.local_rank < self.local_world_size:
@@ -122,12 +134,19 @@ class RankPlacement:
 
 
 def parse_decimal(text: str) -> int | None:
-    """`text` as an int when it is plain ASCII digits with an optional minus sign, else None.
-    `int()` alone would also take "1_0" (10), " 3" and other scripts' digits, so a mistyped
-    rank would silently name another process."""
-    if not (text.isascii() and text.removeprefix("-").isdigit()):
+    """`text` as an int when it is plain ASCII digits with an optional minus sign, at most
+    `MAX_DECIMAL_DIGITS` of them, else None. `int()` alone would also take "1_0" (10), " 3"
+    and other scripts' digits, so a mistyped rank would silently name another process."""
+    if not isinstance(text, str):
+        raise TypeError(f"parse_decimal takes the text to read, a str; got {text!r}")
+    digits = text.removeprefix("-")
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > MAX_DECIMAL_DIGITS:
         return None
     return int(text)
+
+
+#: Digits `parse_decimal` reads: any rank, size or token id fits; Python refuses past 4300.
+MAX_DECIMAL_DIGITS = 30
 
 
 @dataclass

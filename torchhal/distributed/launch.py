@@ -42,6 +42,11 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
+from torchhal.platforms.communicator import as_index
+
+#: Ranks launch starts per core of this host, at most: each is a process that imports torch
+#: (hundreds of MB), so more only thrash, and a mistyped world size would spawn without end.
+MAX_RANKS_PER_CORE = 8
 #: Seconds a rank gets to exit after SIGTERM before it is killed.
 DEFAULT_GRACE = 3.0
 #: Lines of a failed rank's stderr quoted in the error.
@@ -114,8 +119,15 @@ def launch(
     stops the ranks and removes their log directory, then ends the process by SIGTERM's default
     action all the same (its exit status says SIGTERM; the caller's own cleanup is skipped, as
     it would have been). A SIGTERM handler of the caller's own is left in place."""
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+    ranks = as_index(world_size)
+    if ranks is None or ranks < 1:
         raise ValueError(f"world_size = {world_size!r} must be a positive integer")
+    most = MAX_RANKS_PER_CORE * (os.cpu_count() or 1)
+    if ranks > most:
+        raise ValueError(f"world_size = {ranks}: launch starts one process per rank on this host, and "
+                         f"{ranks} is more than {MAX_RANKS_PER_CORE} per core of its {os.cpu_count() or 1} "
+                         f"(at most {most}); check the value, or start ranks on several hosts with torchrun")
+    world_size = ranks
     if timeout is not None and not (_is_seconds(timeout) and timeout > 0):
         raise ValueError(f"timeout = {timeout!r} must be a positive number of seconds (a finite int or float), "
                          "or None for no deadline")

@@ -85,7 +85,7 @@ def detect_timeout_from_env() -> float | None:
         seconds = float(raw)
     except ValueError:
         seconds = float("nan")
-    if seconds != seconds or seconds == float("inf"):
+    if seconds != seconds or seconds in (float("inf"), float("-inf")):
         raise PlatformError(
             f"{DETECT_TIMEOUT_ENV}={raw!r} is not a number of seconds; set it to e.g. "
             f"{DEFAULT_DETECT_TIMEOUT:g}, or 0 for no limit"

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar,
 import pluggy
 import torch
 
+from torchhal.attention.layout import as_index
 from torchhal.platforms.errors import PluginContractError, TorchhalPluginWarning, describe_error, isolated
 from torchhal.platforms.plugin import PlatformPlugin
 from torchhal.platforms.records import DeviceInfo, MemoryInfo, PeakMemory, ReleasePoint
@@ -133,7 +134,6 @@ class Platform:
     use_stream = _PassThrough(PlatformPlugin.use_stream)
     new_event = _PassThrough(PlatformPlugin.new_event)
     can_access_peer = _PassThrough(PlatformPlugin.can_access_peer)
-    device_for_rank = _PassThrough(PlatformPlugin.device_for_rank)
 
     # -- facts: asked of the plugin once ----------------------------------------------
     oom_error_types = _Fact(PlatformPlugin.oom_error_types)
@@ -179,6 +179,16 @@ class Platform:
         return f"<Platform {self.name} ({self.distribution} {self.version})>"
 
     # -- devices -----------------------------------------------------------------
+    def device_for_rank(self, local_rank: int, local_world_size: int) -> int:
+        """The device index local rank `local_rank` of `local_world_size` on this host uses (the
+        plugin's `device_for_rank`, given plain ints with 0 <= local_rank < local_world_size)."""
+        rank, size = as_index(local_rank), as_index(local_world_size)
+        if rank is None or size is None or not 0 <= rank < size:
+            raise ValueError(f"device_for_rank({local_rank!r}, {local_world_size!r}): need integers with "
+                             "0 <= local_rank < local_world_size (this process's rank on its host, and the "
+                             "host's number of ranks)")
+        return self._plugin.device_for_rank(rank, size)
+
     def set_device(self, index: int) -> None:
         self._plugin.set_device(self._check_index(index))
 
