@@ -52,6 +52,28 @@ def test_bad_lengths_are_refused_before_loading(tiny, generate, new, expected):
     assert time.perf_counter() - start < 5  # no KV pool sized for a billion tokens
 
 
+@pytest.mark.parametrize("flags, expected", [
+    # int() would read each of these as a number: 10, 10, 4 and 4
+    (("--prompt-ids", "1_0"), "('1_0' is not one)"),
+    (("--prompt-ids", "1", "--max-new-tokens", "1_0"), "--max-new-tokens 1_0 must be a positive integer"),
+    (("--prompt-ids", "1", "--max-new-tokens", "\u0664"), "--max-new-tokens \u0664 must be a positive integer"),
+    (("--prompt-ids", "1", "--max-new-tokens", " 4"), "--max-new-tokens ' 4' must be a positive integer"),
+    # argparse's usage block before; now the one line every other bad value gets
+    (("--prompt-ids", "1", "--max-new-tokens", "abc"), "--max-new-tokens abc must be a positive integer"),
+    (("--prompt-ids", "1", "--tensor-parallel", "1_0"), "--tensor-parallel 1_0 must be a positive integer"),
+])
+def test_every_numeric_flag_reads_plain_decimals_only(tiny, generate, flags, expected):
+    one_line_refusal(generate("--model", str(tiny), *flags), expected)
+
+
+def test_a_huge_prompt_id_is_refused_in_a_short_line(tiny, generate):
+    """5000 digits: past Python's int-from-text limit, once said to be "not an integer" and
+    printed twice whole."""
+    ran = generate("--model", str(tiny), "--prompt-ids", "9" * 5000)
+    one_line_refusal(ran, "must be comma-separated integers")
+    assert len(ran.stderr) < 400
+
+
 def test_a_missing_or_wrong_model_path_is_one_line(tmp_path, generate):
     one_line_refusal(generate("--model", str(tmp_path / "nope"), "--prompt-ids", "1"), "config.json")
     (tmp_path / "file").write_text("x")

@@ -62,10 +62,12 @@ def fake_launch_from_one_device(edit_rank_one: Any = None):
 
 
 # -- refusals, before anything starts -----------------------------------------------------------
-@pytest.mark.parametrize("size", ["0", "-2", "two", "1.5", "", "1_0", " 2", "\u0662"])
-def test_a_size_that_is_not_a_positive_integer_is_one_line(gqa, generate, no_ranks, size):
+@pytest.mark.parametrize("size, shown", [("0", "0"), ("-2", "-2"), ("two", "two"), ("1.5", "1.5"), ("", "''"),
+                                         ("1_0", "1_0"), (" 2", "' 2'"), ("\u0662", "\u0662")])
+def test_a_size_that_is_not_a_positive_integer_is_one_line(gqa, generate, no_ranks, size, shown):
+    """Shown as typed, quoted only where blanks would hide what was typed."""
     one_line_refusal(generate("--model", str(gqa), "--prompt-ids", "1,2", "--tensor-parallel", size),
-                     f"--tensor-parallel {size!r} must be a positive integer")
+                     f"--tensor-parallel {shown} must be a positive integer")
 
 
 def test_a_model_that_cannot_be_split_is_one_line_naming_the_valid_sizes(gqa, generate, no_ranks):

@@ -75,30 +75,39 @@ def load_tokenizer(path: Path) -> Any | None:
 
 
 def parse_prompt_ids(text: str) -> list[int]:
-    """`1,2,3` as token ids; GenerateError naming the bad item."""
+    """`1,2,3` (spaces after the commas allowed) as token ids; GenerateError naming the bad
+    item. Read as the other numeric flags are (`parse_decimal`): "1_0" is no token id."""
+    from torchhal.core.model.config import short_repr
+    from torchhal.distributed.group import parse_decimal
+
     ids = []
     for item in text.split(","):
-        try:
-            ids.append(int(item.strip()))
-        except ValueError:
-            raise GenerateError(f"--prompt-ids {text!r} must be comma-separated integers, like 1,2,3 "
-                                f"({item.strip()!r} is not one)") from None
+        token = parse_decimal(item.strip())
+        if token is None:
+            raise GenerateError(f"--prompt-ids {short_repr(text)} must be comma-separated integers, like "
+                                f"1,2,3 ({short_repr(item.strip())} is not one)")
+        ids.append(token)
     return ids
 
 
-def parse_tensor_parallel(text: str) -> int:
-    """`--tensor-parallel N` as a positive int; GenerateError naming the bad value."""
+def parse_positive(flag: str, text: str) -> int:
+    """A numeric flag's text as a positive int, read by `parse_decimal`; GenerateError naming it otherwise."""
+    from torchhal.core.model.config import short_repr
     from torchhal.distributed.group import parse_decimal
 
-    size = parse_decimal(text)
-    if size is None or size < 1:
-        raise bad_tensor_parallel(text)
-    return size
+    value = parse_decimal(text)
+    if value is None or value < 1:
+        # as typed where that reads unambiguously on one line, else quoted
+        plain = text.isprintable() and text.strip() == text != "" and len(text) <= 40
+        raise bad_count(flag, text if plain else short_repr(text))
+    return value
 
 
-def bad_tensor_parallel(value: object) -> GenerateError:
-    return GenerateError(f"--tensor-parallel {value!r} must be a positive integer: the number of ranks "
-                         "(1 runs on one device)")
+def bad_count(flag: str, shown: str) -> GenerateError:
+    """`shown`: the bad value as the message shows it (the flag's text, or a Python value's repr)."""
+    what = {"--max-new-tokens": "the number of tokens to generate",
+            "--tensor-parallel": "the number of ranks (1 runs on one device)"}[flag]
+    return GenerateError(f"{flag} {shown} must be a positive integer: {what}")
 
 
 def generate_from_checkpoint(
@@ -143,6 +152,7 @@ def prepare_generation(
     tokenizer (None for `prompt_ids`), or GenerateError naming the fix."""
     from torchhal.core.engine.requests import check_prompt
     from torchhal.core.model.checkpoint import check_checkpoint, checkpoint_dtype, config_from_hf, read_hf_config
+    from torchhal.core.model.config import short_repr
     from torchhal.platforms import PlatformError
     from torchhal.platforms.selection import current_platform
 
@@ -150,10 +160,9 @@ def prepare_generation(
     if dtype_name is not None and dtype_name not in DTYPES:
         raise GenerateError(f"--dtype {dtype_name!r} is not one of {', '.join(DTYPES)}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise GenerateError(f"--max-new-tokens {max_new_tokens!r} must be a positive integer: the number of tokens "
-                            "to generate")
+        raise bad_count("--max-new-tokens", short_repr(max_new_tokens))
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
-        raise bad_tensor_parallel(tensor_parallel)
+        raise bad_count("--tensor-parallel", short_repr(tensor_parallel))
     if not isinstance(graphs, bool):
         raise GenerateError(f"--graphs {graphs!r} must be True or False")
     if prompt is not None and prompt_ids is not None:  # the command line makes them exclusive; so does the call
@@ -385,9 +394,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     try:
         ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
-        size = parse_tensor_parallel(args.tensor_parallel)
-        out = generate_from_checkpoint(args.model, args.prompt, ids, args.max_new_tokens, args.dtype, args.graphs,
-                                       size)
+        new_tokens = parse_positive("--max-new-tokens", args.max_new_tokens)
+        size = parse_positive("--tensor-parallel", args.tensor_parallel)
+        out = generate_from_checkpoint(args.model, args.prompt, ids, new_tokens, args.dtype, args.graphs, size)
     except (CheckpointError, GenerateError) as exc:
         return refuse("generate", str(exc))
     except (LaunchError, RanksDisagree) as exc:
@@ -403,7 +412,7 @@ def add_command(sub: Any) -> None:
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer: pip install 'torchhal[hf]')")
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated: 1,2,3")
-    gen.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    gen.add_argument("--max-new-tokens", default="32", metavar="N", help="tokens to generate (default 32)")
     gen.add_argument("--dtype", choices=DTYPES, help="override the checkpoint's dtype")
     gen.add_argument("--graphs", action="store_true",
                      help="full-graph decode (one graph replay per decode step) where the platform captures graphs")
