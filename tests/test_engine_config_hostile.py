@@ -637,3 +637,40 @@ def test_a_platform_or_runner_factory_of_the_wrong_type_is_refused_before_anythi
         GenerationEngine.from_checkpoint(None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"ResidencyManager: platform = 'cpu' must be a torchhal Platform"):
         ResidencyManager({"a": torch.nn.Linear(2, 2)}, {}, platform="cpu")  # type: ignore[arg-type]
+
+
+def test_integers_of_any_kind_but_bool_are_taken_as_plain_ints() -> None:
+    """numpy's and IntEnum's integers: eos_tokens took an IntEnum and eos_token refused it;
+    every count refused numpy's, which the attention layer and the communicator take."""
+    import enum
+
+    class Special(enum.IntEnum):
+        EOS = 3
+
+    config = EngineConfig(model=SMALL, max_kv_slots=numpy.int64(128), max_running=numpy.int32(4),
+                          kv_block_size=numpy.int64(16), device=numpy.int64(0),
+                          eos_tokens=(Special.EOS, numpy.int64(5)), eos_token=Special.EOS)
+    assert (config.max_kv_slots, config.max_running, config.kv_block_size, config.device) == (128, 4, 16, 0)
+    assert config.eos_tokens == (3, 5) and config.eos_token == 3
+    plain = (config.max_kv_slots, config.max_running, config.kv_block_size, config.device, *config.eos_tokens,
+             config.eos_token)
+    assert all(type(value) is int for value in plain)
+    with pytest.raises(ValueError, match=r"EngineConfig.eos_token = True must be a token id"):
+        EngineConfig(model=SMALL, eos_token=True)
+    with pytest.raises(ValueError, match=r"EngineConfig.eos_tokens = \(True,\) must be a tuple of token ids"):
+        EngineConfig(model=SMALL, eos_tokens=(True,))
+    with pytest.raises(ValueError, match=r"EngineConfig.max_running = True must be a positive int"):
+        EngineConfig(model=SMALL, max_running=True)
+    engine = GenerationEngine(EngineConfig(model=SMALL, max_kv_slots=128))
+    [result] = engine.generate([[1, 2, 3]], numpy.int64(2))
+    assert len(result.output) == 2
+    with pytest.raises(TypeError, match=r"token np.int64\(2\) at position 1 is a int64, not an int token id; from a "
+                                        r"numpy array or a tensor, pass .tolist\(\)"):
+        engine.add_request([1, numpy.int64(2)], 2)
+
+
+def test_a_compile_backend_torch_does_not_have_is_refused_when_configured() -> None:
+    with pytest.raises(ValueError, match=r"EngineConfig.compile_layers = 'nonexistent_backend' is not a torch.compile "
+                                         r"backend of this torch; use one of .*inductor"):
+        EngineConfig(model=SMALL, compile_layers="nonexistent_backend")
+    assert EngineConfig(model=SMALL, compile_layers="eager").compile_layers == "eager"

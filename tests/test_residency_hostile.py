@@ -850,3 +850,16 @@ def test_begin_use_refuses_a_name_or_phase_of_the_wrong_type_and_the_request_goe
     manager.end_use("enc")
     manager.finish_request()
     serves(manager)
+
+
+@pytest.mark.parametrize("layers_attr", [5, None, {"layers"}, b"layers", ()])
+def test_layers_attr_that_names_no_module_list_is_refused_naming_the_parameter(layers_attr) -> None:
+    with pytest.raises(ValueError, match=r"layers_attr must name the nn.ModuleList\(s\) to stream"):
+        LayerwiseStrategy(layers_attr=layers_attr)
+
+
+def test_a_numpy_prefetch_count_is_a_count() -> None:
+    numpy = pytest.importorskip("numpy")
+    strategy = LayerwiseStrategy(prefetch_layers=numpy.int64(2), layers_attr=["blocks", "layers"])
+    assert strategy.prefetch_layers == 2 and type(strategy.prefetch_layers) is int
+    assert strategy.layers_attr == ("blocks", "layers")

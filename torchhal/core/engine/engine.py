@@ -416,7 +416,7 @@ class GenerationEngine:
         requests that pause ended (abort) are returned as they are."""
         # Read and checked before the lock: a lazy iterable (a tokenizer, another thread's queue)
         # would otherwise hold every other caller's steps, or wait for a thread waiting for the lock.
-        check_max_new_tokens(max_new_tokens)
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
         listed = listed_prompts(prompts)
         rids: list[int] = []
         try:  # from the first prompt queued: interrupted anywhere (Ctrl-C, say), nothing of the call stays

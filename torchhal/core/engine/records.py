@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from torchhal.attention.layout import as_index
 from torchhal.core.model import ModelConfig
 from torchhal.core.model.config import check_number, short_repr
 from torchhal.core.model.decoder import check_compile_backend
@@ -201,21 +202,31 @@ class EngineConfig:
                      above=0.0, maximum=1.0)
         for name in ("max_kv_slots", "max_batch_tokens", "max_running", "kv_block_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"EngineConfig.{name} = {value!r} must be a positive int")
+            number = as_index(value)
+            if number is None or number < 1:
+                raise ValueError(f"EngineConfig.{name} = {short_repr(value)} must be a positive int")
+            object.__setattr__(self, name, number)  # a numpy integer becomes a plain int
         if not isinstance(self.dtype, torch.dtype) or self.dtype not in ENGINE_DTYPES:
             raise ValueError(f"EngineConfig.dtype = {self.dtype!r} must be one of "
                              f"{', '.join(map(str, ENGINE_DTYPES))}, e.g. dtype=torch.bfloat16")
-        if self.device is not None and (not isinstance(self.device, int) or isinstance(self.device, bool)
-                                        or self.device < 0):
-            raise ValueError(f"EngineConfig.device = {self.device!r} must be a device index (an int >= 0, e.g. 0) "
-                             "or None for the current device")
-        if not isinstance(self.eos_tokens, tuple) or any(
-            not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.eos_tokens
-        ):
-            raise ValueError(f"EngineConfig.eos_tokens = {self.eos_tokens!r} must be a tuple of token ids, e.g. (2,)")
-        if self.eos_token is not None and (type(self.eos_token) is not int or self.eos_token < 0):
-            raise ValueError(f"EngineConfig.eos_token = {self.eos_token!r} must be a token id (an int >= 0) or None")
+        if self.device is not None:
+            index = as_index(self.device)
+            if index is None or index < 0:
+                raise ValueError(f"EngineConfig.device = {short_repr(self.device)} must be a device index (an int "
+                                 ">= 0, e.g. 0) or None for the current device")
+            object.__setattr__(self, "device", index)
+        # One rule for both: an integer of any kind (an IntEnum, numpy) but bool, >= 0; kept as a plain int.
+        eos = tuple(map(as_index, self.eos_tokens)) if isinstance(self.eos_tokens, tuple) else None
+        if eos is None or any(t is None or t < 0 for t in eos):
+            raise ValueError(f"EngineConfig.eos_tokens = {short_repr(self.eos_tokens)} must be a tuple of token ids "
+                             "(ints >= 0), e.g. (2,)")
+        object.__setattr__(self, "eos_tokens", tuple(t for t in eos if t is not None))
+        if self.eos_token is not None:
+            token = as_index(self.eos_token)
+            if token is None or token < 0:
+                raise ValueError(f"EngineConfig.eos_token = {short_repr(self.eos_token)} must be a token id (an int "
+                                 ">= 0) or None")
+            object.__setattr__(self, "eos_token", token)
         check_bool("EngineConfig.check_finite_weights", self.check_finite_weights)
         if self.max_kv_slots < self.kv_block_size:
             raise ValueError(f"EngineConfig.max_kv_slots = {self.max_kv_slots} holds no block of kv_block_size = "

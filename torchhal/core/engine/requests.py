@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from torchhal.attention.layout import as_index
 from torchhal.core.engine.kv_pool import BlockAllocator, blocks_for
 from torchhal.core.engine.records import GenerationResult, Request, RequestState
 from torchhal.core.model.config import short_repr
@@ -24,8 +25,9 @@ def check_prompt(prompt: object, max_new_tokens: object, vocab_size: int, max_po
     if not set(map(type, prompt)) <= {int}:
         for position, token in enumerate(prompt):
             if type(token) is not int:  # not a bool either: True would run as token 1
+                hint = "; from a numpy array or a tensor, pass .tolist()" if as_index(token) is not None else ""
                 raise TypeError(f"token {short_repr(token)} at position {position} is a {type(token).__name__}, "
-                                "not an int token id")
+                                f"not an int token id{hint}")
     if min(prompt) < 0 or max(prompt) >= vocab_size:
         bad = next(t for t in prompt if not 0 <= t < vocab_size)
         raise ValueError(f"token id {bad!r} is outside the vocabulary 0..{vocab_size - 1}")
@@ -37,11 +39,13 @@ def check_prompt(prompt: object, max_new_tokens: object, vocab_size: int, max_po
 
 
 def check_max_new_tokens(max_new_tokens: object) -> int:
-    if type(max_new_tokens) is not int:  # not a bool either: True would run one token
+    """`max_new_tokens` as a plain int (an integer of any kind but bool: True would run one token)."""
+    count = as_index(max_new_tokens)
+    if count is None:
         raise TypeError(f"max_new_tokens {short_repr(max_new_tokens)} must be a positive int, e.g. 16")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens {max_new_tokens} must be a positive int, e.g. 16")
-    return max_new_tokens
+    if count < 1:
+        raise ValueError(f"max_new_tokens {count} must be a positive int, e.g. 16")
+    return count
 
 
 def output_complete(request: Request, eos: frozenset[int]) -> bool:
@@ -82,7 +86,7 @@ class RequestBook:
         """Queue a prompt; raises TypeError/ValueError naming a bad token or length (nothing queued)."""
         tokens = check_prompt(prompt, max_new_tokens, self.vocab_size, self.max_position)
         rid = self._new_rid()
-        request = Request(rid, tokens, max_new_tokens)
+        request = Request(rid, tokens, check_max_new_tokens(max_new_tokens))  # a numpy count as a plain int
         self.waiting.append(request)
         self.live[rid] = request  # last: cut short before it, the request is dropped by `recover`
         return rid

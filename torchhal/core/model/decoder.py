@@ -32,7 +32,7 @@ from torchhal.core.graphs.program import (
     check_step_inputs,
     run_for_rows,
 )
-from torchhal.core.model.config import Llama3RopeScaling, ModelConfig
+from torchhal.core.model.config import Llama3RopeScaling, ModelConfig, short_repr
 from torchhal.core.model.kv_cache import AttentionMetadata, KVCache
 from torchhal.core.model.linear import LinearFn, routed_linear, takes_kernel
 from torchhal.core.model.parallel import RankShard, TensorParallelPlan
@@ -326,10 +326,17 @@ class LayerMath:
 
 
 def check_compile_backend(backend: object, label: str) -> None:
-    """A torch.compile backend: a non-empty name (e.g. "inductor") or a backend callable."""
-    if not (isinstance(backend, str) and backend) and not callable(backend):
-        raise ValueError(f"{label} = {backend!r} must be a torch.compile backend name "
+    """A torch.compile backend: a registered name (e.g. "inductor") or a backend callable."""
+    if callable(backend):
+        return
+    if not (isinstance(backend, str) and backend):
+        raise ValueError(f"{label} = {short_repr(backend)} must be a torch.compile backend name "
                          "(e.g. 'inductor') or a backend callable")
+    import torch._dynamo
+
+    if backend not in torch._dynamo.list_backends(exclude_tags=()):  # debug ones too, but only the usual named
+        raise ValueError(f"{label} = {short_repr(backend)} is not a torch.compile backend of this torch; use one of "
+                         f"{', '.join(torch._dynamo.list_backends())} (e.g. 'inductor'), or a backend callable")
 
 
 def _token_dim_dynamic(compiled: Callable[..., Any], token_args: tuple[int, ...]) -> Callable[..., Any]:

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
+from torchhal.attention.layout import as_index
 from torchhal.core.residency.declarations import Strategy
 from torchhal.core.residency.weights import WeightBlock
 from torchhal.platforms import Platform
@@ -281,14 +282,17 @@ class LayerwiseStrategy(ResidencyStrategy):
 
     def __init__(self, prefetch_layers: int = 1, layers_attr: str | Sequence[str] = "layers", *,
                  buffers: str = "ring", rest: str = "resident") -> None:
-        if isinstance(prefetch_layers, bool) or not isinstance(prefetch_layers, int):
+        layers_ahead = as_index(prefetch_layers)
+        if layers_ahead is None:
             raise ValueError(
                 f"prefetch_layers must be an int (layers copied ahead of the running one), "
                 f"got {prefetch_layers!r}; use e.g. prefetch_layers=1"
             )
-        if prefetch_layers < 0:
-            raise ValueError(f"prefetch_layers {prefetch_layers} must be >= 0 (0: load each layer when it runs)")
-        names = (layers_attr,) if isinstance(layers_attr, str) else tuple(layers_attr)
+        if layers_ahead < 0:
+            raise ValueError(f"prefetch_layers {layers_ahead} must be >= 0 (0: load each layer when it runs)")
+        prefetch_layers = layers_ahead
+        names = (layers_attr,) if isinstance(layers_attr, str) else (
+            tuple(layers_attr) if isinstance(layers_attr, Sequence) else ())
         if not names or not all(isinstance(n, str) and n for n in names):
             raise ValueError(
                 f"layers_attr must name the nn.ModuleList(s) to stream (a str or a sequence of str), "
