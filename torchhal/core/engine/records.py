@@ -194,6 +194,15 @@ class EngineConfig:
     #: numbers differ from uncompiled ones in the last bits. None (default): not compiled.
     compile_layers: str | Callable[..., Any] | None = None
 
+    def _keep_plain_int(self, name: str, minimum: int, rule: str) -> None:
+        """Field `name` as a plain int >= `minimum`: any integer but a bool (an IntEnum, numpy's;
+        one rule for every count, index and token id), else ValueError saying `rule`."""
+        value = getattr(self, name)
+        number = as_index(value)
+        if number is None or number < minimum:
+            raise ValueError(f"EngineConfig.{name} = {short_repr(value)} must be {rule}")
+        object.__setattr__(self, name, number)
+
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
             raise TypeError(f"EngineConfig.model = {short_repr(self.model)} must be a ModelConfig (the model the "
@@ -201,32 +210,19 @@ class EngineConfig:
         check_number(self, "kv_fraction", self.kv_fraction, "a fraction of free memory in (0, 1], e.g. 0.3",
                      above=0.0, maximum=1.0)
         for name in ("max_kv_slots", "max_batch_tokens", "max_running", "kv_block_size"):
-            value = getattr(self, name)
-            number = as_index(value)
-            if number is None or number < 1:
-                raise ValueError(f"EngineConfig.{name} = {short_repr(value)} must be a positive int")
-            object.__setattr__(self, name, number)  # a numpy integer becomes a plain int
+            self._keep_plain_int(name, 1, "a positive int")
         if not isinstance(self.dtype, torch.dtype) or self.dtype not in ENGINE_DTYPES:
             raise ValueError(f"EngineConfig.dtype = {self.dtype!r} must be one of "
                              f"{', '.join(map(str, ENGINE_DTYPES))}, e.g. dtype=torch.bfloat16")
         if self.device is not None:
-            index = as_index(self.device)
-            if index is None or index < 0:
-                raise ValueError(f"EngineConfig.device = {short_repr(self.device)} must be a device index (an int "
-                                 ">= 0, e.g. 0) or None for the current device")
-            object.__setattr__(self, "device", index)
-        # One rule for both: an integer of any kind (an IntEnum, numpy) but bool, >= 0; kept as a plain int.
+            self._keep_plain_int("device", 0, "a device index (an int >= 0, e.g. 0) or None for the current device")
         eos = tuple(map(as_index, self.eos_tokens)) if isinstance(self.eos_tokens, tuple) else None
         if eos is None or any(t is None or t < 0 for t in eos):
             raise ValueError(f"EngineConfig.eos_tokens = {short_repr(self.eos_tokens)} must be a tuple of token ids "
                              "(ints >= 0), e.g. (2,)")
         object.__setattr__(self, "eos_tokens", tuple(t for t in eos if t is not None))
         if self.eos_token is not None:
-            token = as_index(self.eos_token)
-            if token is None or token < 0:
-                raise ValueError(f"EngineConfig.eos_token = {short_repr(self.eos_token)} must be a token id (an int "
-                                 ">= 0) or None")
-            object.__setattr__(self, "eos_token", token)
+            self._keep_plain_int("eos_token", 0, "a token id (an int >= 0) or None")
         check_bool("EngineConfig.check_finite_weights", self.check_finite_weights)
         if self.max_kv_slots < self.kv_block_size:
             raise ValueError(f"EngineConfig.max_kv_slots = {self.max_kv_slots} holds no block of kv_block_size = "
