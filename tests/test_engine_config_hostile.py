@@ -12,9 +12,10 @@ import numpy
 import pytest
 import torch
 
+import torchhal
 from torchhal.core.engine import DecodeGraphConfig, EagerRunner, EngineConfig, GenerationEngine, PrefillGraphConfig
 from torchhal.core.model import AttentionMetadata, LlamaDecoder, ModelConfig, ReferenceDecoder
-from torchhal.core.model.config import short_repr
+from torchhal.core.model.config import ConfigValueError, short_repr
 
 SMALL = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=48, max_position=256)
 
@@ -674,3 +675,27 @@ def test_a_compile_backend_torch_does_not_have_is_refused_when_configured() -> N
                                          r"backend of this torch; use one of .*inductor"):
         EngineConfig(model=SMALL, compile_layers="nonexistent_backend")
     assert EngineConfig(model=SMALL, compile_layers="eager").compile_layers == "eager"
+
+
+def test_model_and_graph_configs_take_numpy_integers_as_plain_ints() -> None:
+    """The same rule as EngineConfig's: a shape computed with numpy is a shape."""
+    from torchhal.core.devices import check_device_index
+    from torchhal.core.graphs.decode import check_buckets
+
+    model = ModelConfig(vocab_size=numpy.int64(64), hidden_size=numpy.int32(32), num_layers=1, num_heads=2,
+                        intermediate_size=48, max_position=256, seed=numpy.uint64(7))
+    assert model == dataclasses.replace(SMALL, seed=7)
+    assert type(model.vocab_size) is int and type(model.hidden_size) is int and type(model.seed) is int
+    decode = DecodeGraphConfig(batch_buckets=(numpy.int64(1), 8), context_buckets=(numpy.int64(128),),
+                               steps_per_sync=numpy.int32(4))
+    assert (decode.batch_buckets, decode.context_buckets, decode.steps_per_sync) == ((1, 8), (128,), 4)
+    assert all(type(b) is int for b in (*decode.batch_buckets, *decode.context_buckets, decode.steps_per_sync))
+    prefill = PrefillGraphConfig(token_buckets=(numpy.int64(16), 64))
+    assert prefill.token_buckets == (16, 64) and all(type(b) is int for b in prefill.token_buckets)
+    assert check_buckets("buckets", [numpy.int64(8), 1, 8]) == [1, 8]
+    assert type(check_device_index(torchhal.current_platform(), numpy.int64(0), "device")) is int
+    for bad in ((True,), (numpy.float64(8.0),), (0,)):
+        with pytest.raises(ValueError, match="must be a non-empty tuple of positive ints"):
+            PrefillGraphConfig(token_buckets=bad)
+    with pytest.raises(ConfigValueError, match=r"ModelConfig.num_layers = True must be an int"):
+        dataclasses.replace(SMALL, num_layers=True)

@@ -15,7 +15,7 @@ import torch
 from torchhal.core.engine import EngineConfig, GenerationEngine
 from torchhal.core.model import LlamaDecoder, ModelConfig
 from torchhal.core.model.checkpoint import load_checkpoint
-from torchhal.core.model.parallel import TensorParallelPlan
+from torchhal.core.model.parallel import RankShard, TensorParallelPlan
 
 from .hf_models import PROMPTS
 from .test_tensor_parallel import NEW_TOKENS, run_group, save
@@ -38,7 +38,8 @@ def test_a_tensor_parallel_argument_of_the_wrong_form_names_the_forms(tensor_par
 
 @pytest.mark.parametrize("config, world_size, error, message", [
     (None, 2, TypeError, "config is a NoneType, not a ModelConfig"),
-    (CONFIG, numpy.int64(2), ValueError, r"tensor-parallel size np.int64\(2\) must be a positive int \(it is a int64"),
+    (CONFIG, numpy.float64(2), ValueError, r"tensor-parallel size np.float64\(2.0\) must be a positive int \(it is a "
+                                           r"float64"),
     (CONFIG, True, ValueError, r"tensor-parallel size True must be a positive int \(it is a bool"),
     (CONFIG, 0, ValueError, r"tensor-parallel size 0 must be a positive int"),
 ])
@@ -243,3 +244,12 @@ def test_ranks_whose_models_agree_find_no_problem() -> None:
 
     host = PeerModelHost(EngineConfig(), CONFIG)
     assert shard_problem(LlamaDecoder(CONFIG), SimpleNamespace(world_size=2, rank=0, host=host)) is None  # type: ignore[arg-type]
+
+
+def test_a_numpy_size_and_rank_make_the_plain_plan() -> None:
+    """numpy's integers were refused here while the group and the engine take them."""
+    plan = TensorParallelPlan(CONFIG, numpy.int64(2))
+    assert plan == TensorParallelPlan(CONFIG, 2) and type(plan.world_size) is int
+    shard = RankShard(plan, numpy.int32(1))
+    assert shard == RankShard(plan, 1) and type(shard.rank) is int
+    assert plan.head_range(numpy.int64(1)) == plan.head_range(1)

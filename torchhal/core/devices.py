@@ -8,25 +8,27 @@ from typing import Any
 
 import torch
 
+from torchhal.attention.layout import as_index
 from torchhal.platforms import Platform, TorchhalPluginWarning
 
 
 def check_device_index(platform: Platform, index: object, label: str) -> int:
-    """`index` if the platform has that device (None: its current device), else a ValueError
-    naming `label`, the value and the range. A platform that reports no devices (a host-only
-    one) still has device 0."""
+    """`index` as a plain int if the platform has that device (None: its current device), else
+    a ValueError naming `label`, the value and the range. Any integer but a bool (numpy's too).
+    A platform that reports no devices (a host-only one) still has device 0."""
     if index is None:
         return platform.current_device()
-    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+    number = as_index(index)
+    if number is None or number < 0:
         raise ValueError(f"{label} = {index!r} must be a device index (an int >= 0, e.g. 0) "
                          "or None for the current device")
     count = platform.device_count()
-    if index >= max(count, 1):
+    if number >= max(count, 1):
         raise ValueError(
-            f"{label} = {index!r}, but platform {platform.name!r} has {count} device(s); "
+            f"{label} = {number}, but platform {platform.name!r} has {count} device(s); "
             f"pass 0..{max(count - 1, 0)}, or None for the current device"
         )
-    return index
+    return number
 
 
 def model_placement(model: Any, device: torch.device) -> torch.device:

@@ -95,11 +95,13 @@ class WeightUpdateIncomplete(RuntimeError):
     generate until an update covering the named weights succeeds."""
 
 
-def check_buckets(label: str, buckets: object, example: str) -> None:
-    """A graph config's buckets: a non-empty tuple of positive ints."""
-    if (not isinstance(buckets, tuple) or not buckets
-            or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets)):
-        raise ValueError(f"{label} = {buckets!r} must be a non-empty tuple of positive ints, e.g. {example}")
+def check_buckets(label: str, buckets: object, example: str) -> tuple[int, ...]:
+    """A graph config's buckets: a non-empty tuple of positive integers (numpy's too, not
+    bools), returned as plain ints."""
+    sizes = tuple(map(as_index, buckets)) if isinstance(buckets, tuple) else ()
+    if not sizes or any(b is None or b < 1 for b in sizes):
+        raise ValueError(f"{label} = {short_repr(buckets)} must be a non-empty tuple of positive ints, e.g. {example}")
+    return tuple(b for b in sizes if b is not None)
 
 
 def check_bool(label: str, value: object) -> None:
@@ -138,12 +140,13 @@ class DecodeGraphConfig:
 
     def __post_init__(self) -> None:
         for name in ("batch_buckets", "context_buckets"):
-            check_buckets(f"DecodeGraphConfig.{name}", getattr(self, name), "(1, 8, 32)")
-        steps = self.steps_per_sync
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            raise ValueError(
-                f"DecodeGraphConfig.steps_per_sync = {steps!r} must be a positive int; 1 reads tokens back every step"
-            )
+            buckets = check_buckets(f"DecodeGraphConfig.{name}", getattr(self, name), "(1, 8, 32)")
+            object.__setattr__(self, name, buckets)
+        steps = as_index(self.steps_per_sync)
+        if steps is None or steps < 1:
+            raise ValueError(f"DecodeGraphConfig.steps_per_sync = {short_repr(self.steps_per_sync)} must be a positive "
+                             "int; 1 reads tokens back every step")
+        object.__setattr__(self, "steps_per_sync", steps)
         check_bool("DecodeGraphConfig.emulate", self.emulate)
 
 
@@ -165,7 +168,8 @@ class PrefillGraphConfig:
     emulate: bool = False
 
     def __post_init__(self) -> None:
-        check_buckets("PrefillGraphConfig.token_buckets", self.token_buckets, "(16, 64, 256)")
+        object.__setattr__(self, "token_buckets",
+                           check_buckets("PrefillGraphConfig.token_buckets", self.token_buckets, "(16, 64, 256)"))
         check_bool("PrefillGraphConfig.emulate", self.emulate)
 
 

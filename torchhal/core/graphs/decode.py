@@ -68,11 +68,12 @@ def pick_bucket(buckets: Sequence[int], size: int) -> int | None:
 
 def check_buckets(label: str, buckets: Sequence[int]) -> list[int]:
     """A runner's buckets, sorted and deduplicated; a ValueError naming them unless they are a
-    non-empty sequence of positive ints (True is not a size; a bare int is not a sequence)."""
-    if (isinstance(buckets, str) or not isinstance(buckets, Sequence) or not buckets
-            or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets)):
-        raise ValueError(f"{label} {buckets!r} must be a non-empty list of positive ints, e.g. (1, 8, 32)")
-    return sorted(set(buckets))
+    non-empty sequence of positive integers (numpy's too, as plain ints; True is not a size; a
+    bare int is not a sequence)."""
+    sizes = [] if isinstance(buckets, str) or not isinstance(buckets, Sequence) else list(map(as_index, buckets))
+    if not sizes or any(b is None or b < 1 for b in sizes):
+        raise ValueError(f"{label} {short_repr(buckets)} must be a non-empty list of positive ints, e.g. (1, 8, 32)")
+    return sorted({b for b in sizes if b is not None})
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -422,9 +423,10 @@ class DecodeGraphRunner:
         self.backend, self.emulate = backend, emulate
         self.device = platform.device(device_index)
         self.report: DecodeCaptureReport | None = None
-        if not isinstance(steps_per_sync, int) or isinstance(steps_per_sync, bool) or steps_per_sync < 1:
-            raise ValueError(f"steps_per_sync {steps_per_sync!r} must be a positive int, e.g. 8")
-        self.steps_per_sync = steps_per_sync  # may be lowered later (the window buffers keep their size)
+        steps = as_index(steps_per_sync)
+        if steps is None or steps < 1:
+            raise ValueError(f"steps_per_sync {short_repr(steps_per_sync)} must be a positive int, e.g. 8")
+        self.steps_per_sync = steps  # may be lowered later (the window buffers keep their size)
         self.steps = 0  # decode steps run (replayed or emulated)
         self.windows = 0  # token read-backs: one per window of up to steps_per_sync steps
         self.chained = 0  # windows queued behind the previous one before its tokens were read

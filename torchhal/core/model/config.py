@@ -7,6 +7,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from torchhal.attention.layout import as_index
+
 
 @dataclass(frozen=True)
 class Llama3RopeScaling:
@@ -46,9 +48,12 @@ class ConfigValueError(ValueError):
 
 
 def check_int(owner: object, field: str, value: object, minimum: int = 1) -> None:
-    """`value` an int (not a bool) in [minimum, MAX_SIZE]."""
-    if type(value) is not int or not minimum <= value <= MAX_SIZE:
+    """`value` an integer (numpy's or an IntEnum too, not a bool) in [minimum, MAX_SIZE]; the
+    frozen `owner`'s `field` keeps it as a plain int."""
+    number = as_index(value)
+    if number is None or not minimum <= number <= MAX_SIZE:
         raise ConfigValueError(owner, field, value, f"an int in [{minimum}, {MAX_SIZE}]")
+    object.__setattr__(owner, field, number)
 
 
 def check_number(
@@ -110,8 +115,10 @@ class ModelConfig:
             check_int(self, name, getattr(self, name))
         check_int(self, "num_kv_heads", self.num_kv_heads, minimum=0)
         check_int(self, "head_dim", self.head_dim, minimum=0)
-        if type(self.seed) is not int or not 0 <= self.seed < 2**64:  # what torch.manual_seed takes
+        seed = as_index(self.seed)
+        if seed is None or not 0 <= seed < 2**64:  # what torch.manual_seed takes
             raise ConfigValueError(self, "seed", self.seed, "an int in [0, 2**64)")
+        object.__setattr__(self, "seed", seed)
         # rope_theta < 1 makes frequencies above 1 that overflow; eps outside (0, 1) zeroes or NaNs the norms.
         check_number(self, "rope_theta", self.rope_theta, minimum=1.0, rule="a finite number >= 1")
         check_number(self, "rms_eps", self.rms_eps, above=0.0, below=1.0, rule="a finite number in (0, 1)")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from torchhal.attention.layout import as_index
 from torchhal.core.model.config import ModelConfig, short_repr
 
 
@@ -30,7 +31,7 @@ class TensorParallelPlan:
     world_size: int
 
     def __post_init__(self) -> None:
-        check_tensor_parallel(self.config, self.world_size)
+        object.__setattr__(self, "world_size", check_tensor_parallel(self.config, self.world_size))
 
     @property
     def heads_per_rank(self) -> int:
@@ -54,10 +55,12 @@ class TensorParallelPlan:
         return -(-self.config.vocab_size // self.world_size)  # ceil: the last rank's tail is padding
 
     def _check_rank(self, rank: object) -> int:
-        """A rank of this plan: past it a slice is of heads or rows the model does not have."""
-        if type(rank) is not int or not 0 <= rank < self.world_size:
-            raise ValueError(f"tensor-parallel rank {rank!r} must be an int in 0..{self.world_size - 1}")
-        return rank
+        """A rank of this plan, as a plain int: past it a slice is of heads or rows the model does
+        not have."""
+        number = as_index(rank)
+        if number is None or not 0 <= number < self.world_size:
+            raise ValueError(f"tensor-parallel rank {short_repr(rank)} must be an int in 0..{self.world_size - 1}")
+        return number
 
     def head_range(self, rank: int) -> range:
         """The query heads `rank` computes."""
@@ -89,15 +92,18 @@ class TensorParallelPlan:
         )
 
 
-def check_tensor_parallel(config: ModelConfig, world_size: object) -> None:
-    """Refuse a split `TensorParallelPlan` cannot make (ValueError naming the sizes and the fix)."""
+def check_tensor_parallel(config: ModelConfig, world_size: object) -> int:
+    """`world_size` as a plain int (any integer but a bool); a split `TensorParallelPlan` cannot
+    make is refused (ValueError naming the sizes and the fix)."""
     if not isinstance(config, ModelConfig):
         raise TypeError(f"tensor-parallel plan: config is a {type(config).__name__}, not a ModelConfig; pass the "
                         "model's config (model.config, or config_from_hf(config.json's dict) from "
                         "torchhal.core.model.checkpoint)")
-    if type(world_size) is not int or world_size < 1:
-        raise ValueError(f"tensor-parallel size {world_size!r} must be a positive int (it is a "
-                         f"{type(world_size).__name__}; pass a plain int such as 2)")
+    size = as_index(world_size)
+    if size is None or size < 1:
+        raise ValueError(f"tensor-parallel size {short_repr(world_size)} must be a positive int (it is a "
+                         f"{type(world_size).__name__}; pass an integer such as 2)")
+    world_size = size
     problems = []
     heads, kv = config.num_heads, config.num_kv_heads
     if heads % world_size:
@@ -115,6 +121,7 @@ def check_tensor_parallel(config: ModelConfig, world_size: object) -> None:
             f"cannot split this model over {world_size} ranks: {'; '.join(problems)}; "
             f"choose a tensor-parallel size from {sizes}"
         )
+    return size
 
 
 def _splits(config: ModelConfig, world_size: int) -> bool:
@@ -165,9 +172,7 @@ class RankShard:
         if not isinstance(self.plan, TensorParallelPlan):
             raise TypeError(f"tensor_parallel: the plan is {short_repr(self.plan)}; pass (TensorParallelPlan(config, "
                             "world_size), rank) or a RankShard ((world_size, rank) is load_checkpoint's form)")
-        world = self.plan.world_size
-        if type(self.rank) is not int or not 0 <= self.rank < world:
-            raise ValueError(f"tensor-parallel rank {self.rank!r} must be an int in 0..{world - 1}")
+        object.__setattr__(self, "rank", self.plan._check_rank(self.rank))
 
     @classmethod
     def of(cls, tensor_parallel: RankShard | tuple[TensorParallelPlan, int]) -> RankShard:
