@@ -699,3 +699,15 @@ def test_model_and_graph_configs_take_numpy_integers_as_plain_ints() -> None:
             PrefillGraphConfig(token_buckets=bad)
     with pytest.raises(ConfigValueError, match=r"ModelConfig.num_layers = True must be an int"):
         dataclasses.replace(SMALL, num_layers=True)
+
+
+def test_a_reference_model_larger_than_the_host_is_refused_naming_the_config() -> None:
+    """2**31 - 1 tokens x 128: 2 TiB of float32, once a torch allocator error naming no field."""
+    huge = ModelConfig(vocab_size=2**31 - 1, hidden_size=128)
+    with pytest.raises(ValueError, match=r"ReferenceDecoder: this ModelConfig has [\d,]+ parameters, [\d,.]+ GiB of "
+                                         r"torch.float32 weights, more than this host's .*\(vocab_size=2147483647, "
+                                         r"hidden_size=128.*choose a smaller ModelConfig"):
+        ReferenceDecoder(huge)
+    with pytest.raises(ValueError, match="choose a smaller ModelConfig"):
+        GenerationEngine(EngineConfig(model=huge, max_kv_slots=64))
+    assert len(ReferenceDecoder(SMALL).state_dict()) > 0  # a config that fits is built as before
