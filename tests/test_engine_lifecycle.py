@@ -277,6 +277,59 @@ def test_ctrl_c_during_a_weight_write_stays_a_keyboard_interrupt_and_still_refus
         e.generate(PROMPTS[:2], 6)
 
 
+class Peers:
+    """Stands in for a tensor-parallel group's verdicts (`WeightUpdater.agree`): this rank is
+    rank 0; `failing` says which of the other ranks fail the n-th verdict."""
+
+    def __init__(self, *failing: list[int]) -> None:
+        self.failing, self.asked = list(failing), []
+
+    def __call__(self, failed: bool) -> list[int]:
+        self.asked.append(failed)
+        peers = self.failing[len(self.asked) - 1] if len(self.asked) <= len(self.failing) else []
+        return ([0] if failed else []) + peers
+
+
+def test_a_write_that_fails_on_a_peer_refuses_generation_on_every_rank():
+    """Rank 1's write failed after the batch was agreed: rank 0's own write went through, but
+    the ranks' weights now differ, so rank 0 refuses generation too (before, it stepped alone
+    and waited out the group's timeout in the first collective)."""
+    from torchhal.core.engine.weights import WeightUpdater
+
+    e = engine()
+    new_weights = {k: v.detach().clone() for k, v in engine(model=ModelConfig(seed=5)).model.named_parameters()}
+    peers = Peers([], [1])  # agreed before the write; rank 1's write failed
+    e.weights = WeightUpdater(e.model, agree=peers)
+    with pytest.raises(RuntimeError, match=r"failed part-way on rank\(s\) \[1\] of the group"):
+        e.update_weights_from_tensors(new_weights)
+    assert peers.asked == [False, False]
+    with pytest.raises(RuntimeError, match="half-written"):
+        e.generate(PROMPTS[:2], 6)
+    e.weights.agree = Peers()
+    e.update_weights_from_tensors(new_weights)  # rewritten on every rank: generation is back
+    assert len(outputs_of(e, PROMPTS[:2])) == 2
+
+
+@pytest.mark.parametrize("stage", ["staging", "writing"])
+def test_ctrl_c_on_one_rank_tells_its_peers_before_it_propagates(monkeypatch, stage):
+    """Ctrl-C while this rank staged its batch once skipped the verdict its peers wait for: they
+    waited out the group's timeout. Now the peers hear a refusal (staging) or a failed write."""
+    from torchhal.core.engine.weights import WeightUpdater
+
+    e = engine()
+    new_weights = {k: v.detach().clone() for k, v in engine(model=ModelConfig(seed=5)).model.named_parameters()}
+    peers = Peers()
+    e.weights = WeightUpdater(e.model, agree=peers)
+    if stage == "staging":
+        monkeypatch.setattr(WeightUpdater, "_stage", lambda self, tensor, param: (_ for _ in ()).throw(
+            KeyboardInterrupt()))
+    else:
+        fail_once(monkeypatch, e.model, "process_weights", KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        e.update_weights_from_tensors(new_weights)
+    assert peers.asked == ([True] if stage == "staging" else [False, True])
+
+
 @pytest.mark.parametrize("first, then", [("state_dict", "named_parameters"), ("named_parameters", "state_dict")])
 def test_a_tied_weight_rewritten_under_its_other_name_clears_a_failed_writes_refusal(monkeypatch, first, then):
     # The refusal tracked names: a failed state_dict() update (both tied names) stayed refused

@@ -25,8 +25,10 @@ class WeightUpdater:
 
     def __init__(self, model: Model, check_finite: bool = False, shard: RankShard | None = None,
                  agree: Callable[[bool], list[int]] | None = None) -> None:
-        """`agree(refused)` (tensor parallel): every rank's verdict on a batch, the ranks that
-        refused it, so that a batch one rank refuses (a NaN in its slice) no rank applies."""
+        """`agree(failed)` (tensor parallel): every rank's verdict, the ranks whose verdict was a
+        failure. Asked once before writing, so that a batch one rank refuses (a NaN in its slice)
+        no rank applies, and once after, so that a write that fails on one rank leaves every
+        rank refusing generation until the batch is rewritten."""
         self.model = model
         self.check_finite = check_finite
         self.shard = shard
@@ -41,7 +43,7 @@ class WeightUpdater:
         """Replace the named weights all together and rebuild derived weights; returns the count."""
         try:
             names, staged = self._checked_and_staged(named_tensors)
-        except Exception:  # a refusal, or anything staging raised: the peers must not wait for this rank
+        except BaseException:  # a refusal, anything staging raised, Ctrl-C: the peers must not wait for this rank
             if self.agree is not None:
                 self.agree(True)  # the peers refuse with this rank
             raise
@@ -52,6 +54,7 @@ class WeightUpdater:
                 "names why); every rank refuses a batch any rank refuses"
             )
         written = len(staged)  # a tied weight given under both names is one
+        failure: BaseException | None = None
         try:
             with torch.no_grad():
                 for param, value in staged:
@@ -59,13 +62,21 @@ class WeightUpdater:
                 del staged
                 self.model.process_weights()
         except BaseException as exc:
+            failure = exc
+        # Tensor parallel: a write that failed on any rank leaves the ranks' weights different, so
+        # every rank refuses generation until the batch is rewritten (else the peers would step
+        # alone and wait out the group's timeout in the first collective).
+        failed_on = self.agree(failure is not None) if self.agree is not None else []
+        if failure is not None or failed_on:
             self.incomplete.update(names)
-            if not isinstance(exc, Exception):  # Ctrl-C stays Ctrl-C; generation is refused all the same
-                raise
+            if failure is not None and not isinstance(failure, Exception):  # Ctrl-C stays Ctrl-C
+                raise failure
+            where = (f"({type(failure).__name__}: {failure})" if failure is not None
+                     else f"on rank(s) {failed_on} of the group (their error names why)")
             raise WeightUpdateIncomplete(
-                f"writing the validated weights failed part-way ({type(exc).__name__}: {exc}); generation is "
-                "refused until an update of every weight in this batch succeeds"
-            ) from exc
+                f"writing the validated weights failed part-way {where}; generation is refused until an update of "
+                "every weight in this batch succeeds"
+            ) from failure
         self.incomplete.difference_update(names)
         self.version += 1
         return written
