@@ -293,3 +293,11 @@ def test_generate_from_checkpoint_refuses_its_callers_arguments_as_theirs(tiny, 
         generate_from_checkpoint(tiny, **arguments)  # type: ignore[arg-type]
     assert expected in str(info.value)
     assert "config.json" not in str(info.value)  # the caller's value, not the checkpoint's
+
+
+def test_generate_from_checkpoint_takes_numpy_counts_as_the_engine_does(tiny):
+    np = pytest.importorskip("numpy")
+    from torchhal.cli.generate import generate_from_checkpoint
+
+    out = generate_from_checkpoint(tiny, prompt_ids=[1, 2], max_new_tokens=np.int64(3), tensor_parallel=np.int32(1))
+    assert out["max_new_tokens"] == 3 and type(out["max_new_tokens"]) is int

@@ -150,6 +150,7 @@ def prepare_generation(
 ) -> tuple[GenerationRequest, Any | None]:
     """Every check `torchhal generate` makes before it starts anything: the request and the
     tokenizer (None for `prompt_ids`), or GenerateError naming the fix."""
+    from torchhal.attention.layout import as_index
     from torchhal.core.engine.requests import check_prompt
     from torchhal.core.model.checkpoint import check_checkpoint, checkpoint_dtype, config_from_hf, read_hf_config
     from torchhal.core.model.config import short_repr
@@ -159,10 +160,13 @@ def prepare_generation(
     root = Path(path)
     if dtype_name is not None and dtype_name not in DTYPES:
         raise GenerateError(f"--dtype {dtype_name!r} is not one of {', '.join(DTYPES)}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise bad_count("--max-new-tokens", short_repr(max_new_tokens))
-    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
-        raise bad_count("--tensor-parallel", short_repr(tensor_parallel))
+    counts = {}  # any integer but a bool, as the engine takes them; plain ints from here on
+    for flag, value in (("--max-new-tokens", max_new_tokens), ("--tensor-parallel", tensor_parallel)):
+        count = as_index(value)
+        if count is None or count < 1:
+            raise bad_count(flag, short_repr(value))
+        counts[flag] = count
+    max_new_tokens, tensor_parallel = counts["--max-new-tokens"], counts["--tensor-parallel"]
     if not isinstance(graphs, bool):
         raise GenerateError(f"--graphs {graphs!r} must be True or False")
     if prompt is not None and prompt_ids is not None:  # the command line makes them exclusive; so does the call
