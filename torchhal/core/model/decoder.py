@@ -334,7 +334,7 @@ def check_compile_backend(backend: object, label: str) -> None:
                          "(e.g. 'inductor') or a backend callable")
     import torch._dynamo
 
-    if backend not in torch._dynamo.list_backends(exclude_tags=()):  # debug ones too, but only the usual named
+    if backend not in torch._dynamo.list_backends(exclude_tags=()):  # any registered one; the usual ones named
         raise ValueError(f"{label} = {short_repr(backend)} is not a torch.compile backend of this torch; use one of "
                          f"{', '.join(torch._dynamo.list_backends())} (e.g. 'inductor'), or a backend callable")
 
