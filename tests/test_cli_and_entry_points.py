@@ -151,3 +151,31 @@ def test_conformance_output_that_cannot_be_written_is_one_line_and_the_report_is
     stderr = pipe.stderr.read()
     assert pipe.wait(timeout=300) == 2
     assert stderr.strip() == "torchhal conformance: cannot write the output: Broken pipe", stderr
+
+
+def test_pytest_marking_the_installed_package_for_rewriting_does_not_warn():
+    """Installed from a wheel (how a vendor's CI installs torchhal), every `torchhal conformance`
+    printed PytestAssertRewriteWarning: pytest marks the distribution's top-level package of its
+    `pytest11` entry point for rewriting, after the command had imported it. pytest's own hook
+    decides, in a fresh process (here pytest's loader has imported torchhal already)."""
+    import subprocess
+    import sys
+
+    script = """
+import torchhal  # first, as the CLI does
+from _pytest.assertion.rewrite import AssertionRewritingHook
+
+class Config:
+    warned = []
+    def getini(self, name):
+        return ["test_*.py"]
+    def issue_config_time_warning(self, warning, stacklevel):
+        self.warned.append(str(warning))
+
+config = Config()
+AssertionRewritingHook(config).mark_rewrite("torchhal")
+print(config.warned)
+"""
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "[]", ran.stdout
