@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import operator
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -177,6 +177,15 @@ def as_index(value: object) -> int | None:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def as_indices(values: Iterable[object], minimum: int) -> tuple[int, ...] | None:
+    """Each of `values` as a plain int >= `minimum` (each read as `as_index` reads one), or
+    None if any is not one."""
+    numbers = tuple(map(as_index, values))
+    if any(n is None or n < minimum for n in numbers):
+        return None
+    return cast(tuple[int, ...], numbers)  # no None left
 
 
 def _block_row(label: str, ids: list[Any]) -> tuple[torch.Tensor, array[int]]:

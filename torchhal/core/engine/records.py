@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from torchhal.attention.layout import as_index
+from torchhal.attention.layout import as_index, as_indices
 from torchhal.core.model import ModelConfig
-from torchhal.core.model.config import check_number, short_repr
+from torchhal.core.model.config import check_int, check_number, short_repr
 from torchhal.core.model.decoder import check_compile_backend
 
 
@@ -98,10 +98,10 @@ class WeightUpdateIncomplete(RuntimeError):
 def check_buckets(label: str, buckets: object, example: str) -> tuple[int, ...]:
     """A graph config's buckets: a non-empty tuple of positive integers (numpy's too, not
     bools), returned as plain ints."""
-    sizes = tuple(map(as_index, buckets)) if isinstance(buckets, tuple) else ()
-    if not sizes or any(b is None or b < 1 for b in sizes):
+    sizes = as_indices(buckets, 1) if isinstance(buckets, tuple) else None
+    if not sizes:
         raise ValueError(f"{label} = {short_repr(buckets)} must be a non-empty tuple of positive ints, e.g. {example}")
-    return tuple(b for b in sizes if b is not None)
+    return sizes
 
 
 def check_bool(label: str, value: object) -> None:
@@ -198,15 +198,6 @@ class EngineConfig:
     #: numbers differ from uncompiled ones in the last bits. None (default): not compiled.
     compile_layers: str | Callable[..., Any] | None = None
 
-    def _keep_plain_int(self, name: str, minimum: int, rule: str) -> None:
-        """Field `name` as a plain int >= `minimum`: any integer but a bool (an IntEnum, numpy's;
-        one rule for every count, index and token id), else ValueError saying `rule`."""
-        value = getattr(self, name)
-        number = as_index(value)
-        if number is None or number < minimum:
-            raise ValueError(f"EngineConfig.{name} = {short_repr(value)} must be {rule}")
-        object.__setattr__(self, name, number)
-
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
             raise TypeError(f"EngineConfig.model = {short_repr(self.model)} must be a ModelConfig (the model the "
@@ -214,19 +205,19 @@ class EngineConfig:
         check_number(self, "kv_fraction", self.kv_fraction, "a fraction of free memory in (0, 1], e.g. 0.3",
                      above=0.0, maximum=1.0)
         for name in ("max_kv_slots", "max_batch_tokens", "max_running", "kv_block_size"):
-            self._keep_plain_int(name, 1, "a positive int")
+            check_int(self, name, 1, None, "a positive int")
         if not isinstance(self.dtype, torch.dtype) or self.dtype not in ENGINE_DTYPES:
             raise ValueError(f"EngineConfig.dtype = {self.dtype!r} must be one of "
                              f"{', '.join(map(str, ENGINE_DTYPES))}, e.g. dtype=torch.bfloat16")
         if self.device is not None:
-            self._keep_plain_int("device", 0, "a device index (an int >= 0, e.g. 0) or None for the current device")
-        eos = tuple(map(as_index, self.eos_tokens)) if isinstance(self.eos_tokens, tuple) else None
-        if eos is None or any(t is None or t < 0 for t in eos):
+            check_int(self, "device", 0, None, "a device index (an int >= 0, e.g. 0) or None for the current device")
+        eos = as_indices(self.eos_tokens, 0) if isinstance(self.eos_tokens, tuple) else None
+        if eos is None:
             raise ValueError(f"EngineConfig.eos_tokens = {short_repr(self.eos_tokens)} must be a tuple of token ids "
                              "(ints >= 0), e.g. (2,)")
-        object.__setattr__(self, "eos_tokens", tuple(t for t in eos if t is not None))
+        object.__setattr__(self, "eos_tokens", eos)
         if self.eos_token is not None:
-            self._keep_plain_int("eos_token", 0, "a token id (an int >= 0) or None")
+            check_int(self, "eos_token", 0, None, "a token id (an int >= 0) or None")
         check_bool("EngineConfig.check_finite_weights", self.check_finite_weights)
         if self.max_kv_slots < self.kv_block_size:
             raise ValueError(f"EngineConfig.max_kv_slots = {self.max_kv_slots} holds no block of kv_block_size = "

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from torchhal.attention import SCRATCH_BLOCK, AttentionBackend, PagedMetadata
-from torchhal.attention.layout import as_index
+from torchhal.attention.layout import as_index, as_indices
 from torchhal.core.devices import check_device_index
 from torchhal.core.graphs.program import BreakStep, StackState, Step, run_eager
 from torchhal.core.model.config import short_repr
@@ -70,10 +70,10 @@ def check_buckets(label: str, buckets: Sequence[int]) -> list[int]:
     """A runner's buckets, sorted and deduplicated; a ValueError naming them unless they are a
     non-empty sequence of positive integers (numpy's too, as plain ints; True is not a size; a
     bare int is not a sequence)."""
-    sizes = [] if isinstance(buckets, str) or not isinstance(buckets, Sequence) else list(map(as_index, buckets))
-    if not sizes or any(b is None or b < 1 for b in sizes):
+    sizes = None if isinstance(buckets, str) or not isinstance(buckets, Sequence) else as_indices(buckets, 1)
+    if not sizes:
         raise ValueError(f"{label} {short_repr(buckets)} must be a non-empty list of positive ints, e.g. (1, 8, 32)")
-    return sorted({b for b in sizes if b is not None})
+    return sorted(set(sizes))
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -25,7 +25,7 @@ class Llama3RopeScaling:
         check_number(self, "low_freq_factor", self.low_freq_factor, above=0.0, rule="a finite number > 0")
         check_number(self, "high_freq_factor", self.high_freq_factor, above=self.low_freq_factor,
                      rule=f"a finite number > low_freq_factor ({self.low_freq_factor})")
-        check_int(self, "original_max_position", self.original_max_position)
+        check_int(self, "original_max_position")
         for name in ("factor", "low_freq_factor", "high_freq_factor"):  # an int beyond float32 breaks torch's pow
             object.__setattr__(self, name, float(getattr(self, name)))
 
@@ -47,12 +47,15 @@ class ConfigValueError(ValueError):
         super().__init__(f"{type(owner).__name__}.{field} = {short_repr(value)} must be {rule}")
 
 
-def check_int(owner: object, field: str, value: object, minimum: int = 1) -> None:
-    """`value` an integer (numpy's or an IntEnum too, not a bool) in [minimum, MAX_SIZE]; the
-    frozen `owner`'s `field` keeps it as a plain int."""
+def check_int(owner: object, field: str, minimum: int = 1, maximum: int | None = MAX_SIZE,
+              rule: str | None = None) -> None:
+    """The frozen `owner`'s `field` kept as a plain int: any integer but a bool (numpy's, an
+    IntEnum) in [minimum, maximum] (None: no maximum), else ConfigValueError saying `rule`
+    (default: the range)."""
+    value = getattr(owner, field)
     number = as_index(value)
-    if number is None or not minimum <= number <= MAX_SIZE:
-        raise ConfigValueError(owner, field, value, f"an int in [{minimum}, {MAX_SIZE}]")
+    if number is None or number < minimum or (maximum is not None and number > maximum):
+        raise ConfigValueError(owner, field, value, rule or f"an int in [{minimum}, {maximum}]")
     object.__setattr__(owner, field, number)
 
 
@@ -112,13 +115,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position"):
-            check_int(self, name, getattr(self, name))
-        check_int(self, "num_kv_heads", self.num_kv_heads, minimum=0)
-        check_int(self, "head_dim", self.head_dim, minimum=0)
-        seed = as_index(self.seed)
-        if seed is None or not 0 <= seed < 2**64:  # what torch.manual_seed takes
-            raise ConfigValueError(self, "seed", self.seed, "an int in [0, 2**64)")
-        object.__setattr__(self, "seed", seed)
+            check_int(self, name)
+        check_int(self, "num_kv_heads", minimum=0)
+        check_int(self, "head_dim", minimum=0)
+        check_int(self, "seed", 0, 2**64 - 1, "an int in [0, 2**64)")  # what torch.manual_seed takes
         # rope_theta < 1 makes frequencies above 1 that overflow; eps outside (0, 1) zeroes or NaNs the norms.
         check_number(self, "rope_theta", self.rope_theta, minimum=1.0, rule="a finite number >= 1")
         check_number(self, "rms_eps", self.rms_eps, above=0.0, below=1.0, rule="a finite number in (0, 1)")
@@ -130,7 +130,7 @@ class ModelConfig:
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
             raise ConfigValueError(self, "rope_scaling", self.rope_scaling, "a Llama3RopeScaling or None")
         if self.sliding_window is not None:
-            check_int(self, "sliding_window", self.sliding_window)
+            check_int(self, "sliding_window")
         if self.head_dim == 0:
             if self.hidden_size % self.num_heads:
                 raise ValueError(
