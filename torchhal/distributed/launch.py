@@ -122,11 +122,12 @@ def launch(
     ranks = as_index(world_size)
     if ranks is None or ranks < 1:
         raise ValueError(f"world_size = {world_size!r} must be a positive integer")
-    most = MAX_RANKS_PER_CORE * (os.cpu_count() or 1)
-    if ranks > most:
+    cores = os.cpu_count() or 1
+    if ranks > MAX_RANKS_PER_CORE * cores:
         raise ValueError(f"world_size = {ranks}: launch starts one process per rank on this host, and "
-                         f"{ranks} is more than {MAX_RANKS_PER_CORE} per core of its {os.cpu_count() or 1} "
-                         f"(at most {most}); check the value, or start ranks on several hosts with torchrun")
+                         f"{ranks} is more than {MAX_RANKS_PER_CORE} per core of its {cores} "
+                         f"(at most {MAX_RANKS_PER_CORE * cores}); check the value, or start ranks on several "
+                         "hosts with torchrun")
     world_size = ranks
     if timeout is not None and not (_is_seconds(timeout) and timeout > 0):
         raise ValueError(f"timeout = {timeout!r} must be a positive number of seconds (a finite int or float), "
