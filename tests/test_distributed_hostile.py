@@ -1361,7 +1361,7 @@ def test_a_hostile_variable_is_refused_naming_it_not_pythons_digit_limit(monkeyp
 
 
 def test_parse_decimal_reads_text_only() -> None:
-    from torchhal.distributed.group import MAX_DECIMAL_DIGITS, parse_decimal
+    from torchhal.values import MAX_DECIMAL_DIGITS, parse_decimal
 
     assert parse_decimal("-12") == -12 and parse_decimal("9" * MAX_DECIMAL_DIGITS) == int("9" * MAX_DECIMAL_DIGITS)
     assert parse_decimal("9" * (MAX_DECIMAL_DIGITS + 1)) is None

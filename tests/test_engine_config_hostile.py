@@ -15,7 +15,8 @@ import torch
 import torchhal
 from torchhal.core.engine import DecodeGraphConfig, EagerRunner, EngineConfig, GenerationEngine, PrefillGraphConfig
 from torchhal.core.model import AttentionMetadata, LlamaDecoder, ModelConfig, ReferenceDecoder
-from torchhal.core.model.config import ConfigValueError, short_repr
+from torchhal.core.model.config import ConfigValueError
+from torchhal.values import short_repr
 
 SMALL = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=48, max_position=256)
 

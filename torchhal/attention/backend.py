@@ -15,7 +15,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from torchhal.attention.layout import PagedMetadata, as_index, outside_on_host
+from torchhal.attention.layout import PagedMetadata, outside_on_host
+from torchhal.values import as_index
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _NO_SCALE = object()

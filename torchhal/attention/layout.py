@@ -15,13 +15,14 @@ host work grows with the batch, never with the context.
 
 from __future__ import annotations
 
-import operator
 from array import array
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+
+from torchhal.values import as_index, ceil_div
 
 #: The block padded rows write to and unused table entries point at; never a request's.
 SCRATCH_BLOCK = 0
@@ -163,31 +164,6 @@ class PagedWriter:
         write_kv(k_cache, v_cache, key, value, slot_mapping)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def as_index(value: object) -> int | None:
-    """`value` as a plain int when it is an integer (Python, numpy or a one-element torch
-    integer tensor; not a bool: True is no size, rank or token), else None. The package's one
-    such check: the platform layer's communicator and the graph runners take it from here."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        return None
-
-
-def as_indices(values: Iterable[object], minimum: int) -> tuple[int, ...] | None:
-    """Each of `values` as a plain int >= `minimum` (each read as `as_index` reads one), or
-    None if any is not one."""
-    numbers = tuple(map(as_index, values))
-    if any(n is None or n < minimum for n in numbers):
-        return None
-    return cast(tuple[int, ...], numbers)  # no None left
-
-
 def _block_row(label: str, ids: list[Any]) -> tuple[torch.Tensor, array[int]]:
     """`ids` as an int64 tensor and as an array of plain ints, which the tensor shares (the
     repeat checks need values: a torch integer hashes by identity). The array's strict
@@ -283,7 +259,7 @@ def build_metadata_and_positions(
                              f"{query_lens[i]!r}; need ints 0 <= query_len <= seq_len < 2**31 (or seq_len 0 for a "
                              "padded row)")
     seq_lens, query_lens = cast(list[int], lengths), cast(list[int], queries)
-    need = max([_cdiv(n, block_size) for n in seq_lens], default=0)
+    need = max([ceil_div(n, block_size) for n in seq_lens], default=0)
     widest = need if max_blocks is None else as_index(max_blocks)
     if widest is None or widest < 0:
         raise ValueError(f"build_metadata: max_blocks is {max_blocks!r}; pass an int >= 0 (the block tables' width), "
@@ -299,7 +275,7 @@ def build_metadata_and_positions(
     blocks64 = torch.zeros((batch, width), dtype=torch.int64)  # checked whole, then copied into `tables`
     requests: list[Sequence[int]] = []
     for i, (blocks, seq_len, query_len) in enumerate(zip(block_tables, seq_lens, query_lens, strict=True)):
-        used = _cdiv(seq_len, block_size)
+        used = ceil_div(seq_len, block_size)
         ids = list(blocks)[:used]
         if len(ids) < used:
             raise ValueError(f"build_metadata: request {i} ({seq_len} tokens) needs {used} blocks of {block_size}; "
@@ -509,7 +485,7 @@ class DecodeMetadata:
         if length is None or not 0 <= length < 2**31:  # seq_lens are int32 on the device
             raise ValueError(f"DecodeMetadata.admit: row {row} has seq_len {seq_len!r}; pass an int "
                              "0 <= seq_len < 2**31")
-        used = _cdiv(length, self.block_size)
+        used = ceil_div(length, self.block_size)
         if len(blocks) != used or used > self.max_blocks:
             raise ValueError(f"DecodeMetadata.admit: row {row} has {length} tokens in blocks {list(blocks)}; pass "
                              f"exactly {used} blocks (at most {self.max_blocks})")

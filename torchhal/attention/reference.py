@@ -12,6 +12,7 @@ import torch
 
 from torchhal.attention.backend import AttentionCapability, check_call
 from torchhal.attention.layout import PagedMetadata, PagedWriter
+from torchhal.values import ceil_div
 
 #: Query rows the reference prefill scores at once (bounds its float32 score tensor).
 PREFILL_CHUNK = 512
@@ -85,7 +86,7 @@ class ReferenceBackend(PagedWriter):
             first, last = starts[row], starts[row + 1]
             if seq_len == 0 or first == last:
                 continue
-            blocks = meta.block_tables[row, : -(-seq_len // block_size)].long()
+            blocks = meta.block_tables[row, : ceil_div(seq_len, block_size)].long()
             keys = k_cache[blocks].flatten(0, 1)[None, :seq_len]
             values = v_cache[blocks].flatten(0, 1)[None, :seq_len]
             length = torch.tensor([seq_len], device=query.device)

@@ -77,8 +77,7 @@ def load_tokenizer(path: Path) -> Any | None:
 def parse_prompt_ids(text: str) -> list[int]:
     """`1,2,3` (spaces after the commas allowed) as token ids; GenerateError naming the bad
     item. Read as the other numeric flags are (`parse_decimal`): "1_0" is no token id."""
-    from torchhal.core.model.config import short_repr
-    from torchhal.distributed.group import parse_decimal
+    from torchhal.values import parse_decimal, short_repr
 
     ids = []
     for item in text.split(","):
@@ -92,8 +91,7 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 def parse_positive(flag: str, text: str) -> int:
     """A numeric flag's text as a positive int, read by `parse_decimal`; GenerateError naming it otherwise."""
-    from torchhal.core.model.config import short_repr
-    from torchhal.distributed.group import parse_decimal
+    from torchhal.values import parse_decimal, short_repr
 
     value = parse_decimal(text)
     if value is None or value < 1:
@@ -150,12 +148,11 @@ def prepare_generation(
 ) -> tuple[GenerationRequest, Any | None]:
     """Every check `torchhal generate` makes before it starts anything: the request and the
     tokenizer (None for `prompt_ids`), or GenerateError naming the fix."""
-    from torchhal.attention.layout import as_index
     from torchhal.core.engine.requests import check_prompt
     from torchhal.core.model.checkpoint import check_checkpoint, checkpoint_dtype, config_from_hf, read_hf_config
-    from torchhal.core.model.config import short_repr
     from torchhal.platforms import PlatformError
     from torchhal.platforms.selection import current_platform
+    from torchhal.values import as_index, short_repr
 
     root = Path(path)
     if dtype_name is not None and dtype_name not in DTYPES:

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from torchhal.attention.layout import as_index
 from torchhal.platforms import Platform, TorchhalPluginWarning
+from torchhal.values import as_index
 
 
 def check_device_index(platform: Platform, index: object, label: str) -> int:

@@ -28,10 +28,10 @@ from torchhal.platforms.communicator import (
     Communicator,
     ReduceOpName,
     WrappedCommunicator,
-    as_index,
     is_on,
     overlaps_itself,
 )
+from torchhal.values import as_index
 
 #: Bytes a rank shares per call: a digest of its whole description, then as much of the text as fits.
 DIGEST_BYTES, DESCRIPTION_BYTES = 32, 256

@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from torchhal.distributed.checked import CheckedCommunicator, CheckJournal
 from torchhal.platforms import Platform, check_platform_argument, current_platform
-from torchhal.platforms.communicator import CollectiveError, Communicator, TorchCommunicator, as_index
+from torchhal.platforms.communicator import CollectiveError, Communicator, TorchCommunicator
+from torchhal.values import as_index, parse_decimal
 
 #: How long a collective waits for a peer before it raises (a dead or hung rank).
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -131,22 +132,6 @@ class RankPlacement:
         local = read("LOCAL_RANK", local_rank, the_rank if world_size is not None or rank is not None else 0)
         local_world = read("LOCAL_WORLD_SIZE", None, world)
         return cls(the_rank, world, local, local_world)
-
-
-def parse_decimal(text: str) -> int | None:
-    """`text` as an int when it is plain ASCII digits with an optional minus sign, at most
-    `MAX_DECIMAL_DIGITS` of them, else None. `int()` alone would also take "1_0" (10), " 3"
-    and other scripts' digits, so a mistyped rank would silently name another process."""
-    if not isinstance(text, str):
-        raise TypeError(f"parse_decimal takes the text to read, a str; got {text!r}")
-    digits = text.removeprefix("-")
-    if not (digits.isascii() and digits.isdigit()) or len(digits) > MAX_DECIMAL_DIGITS:
-        return None
-    return int(text)
-
-
-#: Digits `parse_decimal` reads: any rank, size or token id fits; Python refuses past 4300.
-MAX_DECIMAL_DIGITS = 30
 
 
 @dataclass

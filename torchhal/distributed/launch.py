@@ -42,7 +42,7 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
-from torchhal.platforms.communicator import as_index
+from torchhal.values import as_index
 
 #: Ranks launch starts per core of this host, at most: each is a process that imports torch
 #: (hundreds of MB), so more only thrash, and a mistyped world size would spawn without end.

@@ -17,7 +17,7 @@ from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from torchhal.attention.layout import as_index as as_index  # one int check for the package; re-exported
+from torchhal.values import as_index
 
 #: Reductions every communicator supports, by name.
 ReduceOpName = Literal["sum", "max", "min"]

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar,
 import pluggy
 import torch
 
-from torchhal.attention.layout import as_index
 from torchhal.platforms.errors import PluginContractError, TorchhalPluginWarning, describe_error, isolated
 from torchhal.platforms.plugin import PlatformPlugin
 from torchhal.platforms.records import DeviceInfo, MemoryInfo, PeakMemory, ReleasePoint
+from torchhal.values import as_index
 
 if TYPE_CHECKING:
     import torch.distributed as dist

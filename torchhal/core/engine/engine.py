@@ -60,7 +60,6 @@ from torchhal.core.engine.records import (
     RequestState,
     WeightUpdateIncomplete,
     WeightUpdateResult,
-    check_bool,
     usable_buckets,
 )
 from torchhal.core.engine.requests import RequestBook, check_max_new_tokens, output_complete
@@ -70,11 +69,11 @@ from torchhal.core.engine.weights import NamedTensors, WeightUpdater
 from torchhal.core.graphs.decode import BlockTable, DecodeGraphRunner, DecodeWindow
 from torchhal.core.graphs.runner import GraphRunner
 from torchhal.core.model import AttentionMetadata, KVCache, Model, ModelConfig, ReferenceDecoder
-from torchhal.core.model.config import short_repr
 from torchhal.core.model.greedy import greedy_tokens
 from torchhal.core.model.linear import use_platform_linear
 from torchhal.core.model.protocol import missing_model_members
 from torchhal.platforms import CompileSupport, Platform, ReleasePoint, check_platform_argument, current_platform
+from torchhal.values import check_bool, short_repr
 
 if TYPE_CHECKING:
     from torchhal.core.model.checkpoint import LoadReport

@@ -18,6 +18,7 @@ import torch
 from torchhal.core.engine.records import Request
 from torchhal.core.model import SCRATCH_BLOCK, KVCache, ModelConfig
 from torchhal.platforms import Platform
+from torchhal.values import ceil_div
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class KVPoolSizing:
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
+    return ceil_div(tokens, block_size)
 
 
 def size_kv_pool(

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from torchhal.attention.layout import as_index, as_indices
 from torchhal.core.model import ModelConfig
-from torchhal.core.model.config import check_int, check_number, short_repr
+from torchhal.core.model.config import check_int, check_number
 from torchhal.core.model.decoder import check_compile_backend
+from torchhal.values import as_index, as_indices, check_bool, short_repr
 
 
 class PauseMode(str, enum.Enum):
@@ -102,12 +102,6 @@ def check_buckets(label: str, buckets: object, example: str) -> tuple[int, ...]:
     if not sizes:
         raise ValueError(f"{label} = {short_repr(buckets)} must be a non-empty tuple of positive ints, e.g. {example}")
     return sizes
-
-
-def check_bool(label: str, value: object) -> None:
-    """A flag: a real bool, not a truthy stand-in ("no" is truthy)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{label} = {value!r} must be True or False")
 
 
 def usable_buckets(buckets: tuple[int, ...], limit: int) -> tuple[int, ...]:

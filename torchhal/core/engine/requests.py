@@ -7,10 +7,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from torchhal.attention.layout import as_index
 from torchhal.core.engine.kv_pool import BlockAllocator, blocks_for
 from torchhal.core.engine.records import GenerationResult, Request, RequestState
-from torchhal.core.model.config import short_repr
+from torchhal.values import as_index, short_repr
 
 
 def check_prompt(prompt: object, max_new_tokens: object, vocab_size: int, max_position: int) -> list[int]:

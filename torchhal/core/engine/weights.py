@@ -15,6 +15,7 @@ import torch
 from torchhal.core.engine.records import WeightUpdateIncomplete, WeightUpdateRejected
 from torchhal.core.model import Model
 from torchhal.core.model.parallel import RankShard
+from torchhal.values import short_repr
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -265,5 +266,4 @@ def _short(value: object) -> str:
     if isinstance(value, (tuple, list)):
         inner = ", ".join(_short(v) for v in value[:3]) + (", ..." if len(value) > 3 else "")
         return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return short_repr(value, 60)

@@ -37,13 +37,12 @@ import torch
 from torch import nn
 
 from torchhal.attention import SCRATCH_BLOCK, AttentionBackend, PagedMetadata
-from torchhal.attention.layout import as_index, as_indices
 from torchhal.core.devices import check_device_index
 from torchhal.core.graphs.program import BreakStep, StackState, Step, run_eager
-from torchhal.core.model.config import short_repr
 from torchhal.core.model.greedy import greedy_tokens
 from torchhal.core.model.kv_cache import AttentionMetadata
 from torchhal.platforms import Platform
+from torchhal.values import as_index, as_indices, ceil_div, short_repr
 
 DecodeRow = tuple[Hashable, int, Sequence[int], int, int]
 """(request key, input token, the request's KV blocks, its KV tokens including this
@@ -74,10 +73,6 @@ def check_buckets(label: str, buckets: Sequence[int]) -> list[int]:
     if not sizes:
         raise ValueError(f"{label} {short_repr(buckets)} must be a non-empty list of positive ints, e.g. (1, 8, 32)")
     return sorted(set(sizes))
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class BlockTable:
@@ -112,7 +107,7 @@ class BlockTable:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size {block_size!r} must be a positive int (tokens per KV block)")
         self.max_rows, self.max_context, self.block_size = max_rows, max_context, block_size
-        self.max_blocks = _cdiv(max_context, block_size)
+        self.max_blocks = ceil_div(max_context, block_size)
         self.max_steps = max_steps
         self.num_blocks, self.vocab_size = num_blocks, vocab_size
         self._pin = pin
@@ -208,7 +203,7 @@ class BlockTable:
         sync, so a graph can capture it; padded rows get context 0)."""
         _, positions, out_slots, live = self.step_inputs[:, :rows]
         return PagedMetadata(
-            block_tables=self.table[:rows, : _cdiv(context, self.block_size)],
+            block_tables=self.table[:rows, : ceil_div(context, self.block_size)],
             seq_lens=((positions + 1) * live).to(torch.int32),  # a live row's context ends at its position
             query_start=self._query_start[: rows + 1],
             slot_mapping=out_slots,
@@ -289,7 +284,7 @@ class BlockTable:
                     f"request {key!r} has {new!r} new tokens; a window of {steps} steps takes 1..{steps} "
                     "of the request's tokens"
                 )
-            row, enough = self._row_of.get(key), len(blocks) == _cdiv(length, self.block_size)
+            row, enough = self._row_of.get(key), len(blocks) == ceil_div(length, self.block_size)
             started = blocks if row is None or not enough or not self._continues(row, blocks, length, new) else \
                 blocks[self._written[row]:]
             if not enough or not all(as_index(block) is not None and block != SCRATCH_BLOCK
@@ -297,7 +292,7 @@ class BlockTable:
                 bound = f"an int in 1..{block_limit - 1}" if block_limit is not None else "an int"
                 raise ValueError(
                     f"request {key!r} holds {length} KV tokens in blocks {short_repr(list(blocks))}; it needs "
-                    f"exactly {_cdiv(length, self.block_size)} blocks of {self.block_size}, each {bound} (a block "
+                    f"exactly {ceil_div(length, self.block_size)} blocks of {self.block_size}, each {bound} (a block "
                     "of the KV cache), none the scratch block"
                 )
             # The window's last step reads position length - new + steps - 1.

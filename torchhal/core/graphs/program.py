@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from torchhal.attention.layout import check_rows
+from torchhal.values import short_repr
 
 StackState = dict[str, torch.Tensor]
 
@@ -89,7 +90,7 @@ def check_step_inputs(label: str, input_ids: object, metadata: Any) -> None:
     if (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1
             or input_ids.dtype not in _TOKEN_ID_DTYPES):
         shown = (f"{tuple(input_ids.shape)} {input_ids.dtype}" if isinstance(input_ids, torch.Tensor)
-                 else repr(input_ids)[:80])  # core.model imports this module: no short_repr
+                 else short_repr(input_ids))
         raise ValueError(f"{label}: input_ids is {shown}; pass a 1-D integer tensor of the step's token ids "
                          "(int64)")
     positions = getattr(metadata, "positions", None)

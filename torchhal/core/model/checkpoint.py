@@ -35,9 +35,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from torchhal.core.model.config import ConfigValueError, Llama3RopeScaling, ModelConfig, short_repr
+from torchhal.core.model.config import ConfigValueError, Llama3RopeScaling, ModelConfig
 from torchhal.core.model.decoder import LlamaDecoder
 from torchhal.core.model.parallel import RankShard, ShardSlice, TensorParallelPlan
+from torchhal.values import short_repr
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 CONFIG_FILE = "config.json"

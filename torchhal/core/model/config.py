@@ -7,7 +7,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from torchhal.attention.layout import as_index
+from torchhal.values import MAX_SIZE, as_index, short_repr
 
 
 @dataclass(frozen=True)
@@ -28,15 +28,6 @@ class Llama3RopeScaling:
         check_int(self, "original_max_position")
         for name in ("factor", "low_freq_factor", "high_freq_factor"):  # an int beyond float32 breaks torch's pow
             object.__setattr__(self, name, float(getattr(self, name)))
-
-
-MAX_SIZE = 2**31 - 1  # largest size, length or count a config may give (int32 indexing everywhere)
-
-
-def short_repr(value: object, limit: int = 80) -> str:
-    """`repr(value)` cut to `limit` characters: one short line however large a hostile value is."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class ConfigValueError(ValueError):

@@ -32,10 +32,11 @@ from torchhal.core.graphs.program import (
     check_step_inputs,
     run_for_rows,
 )
-from torchhal.core.model.config import Llama3RopeScaling, ModelConfig, short_repr
+from torchhal.core.model.config import Llama3RopeScaling, ModelConfig
 from torchhal.core.model.kv_cache import AttentionMetadata, KVCache
 from torchhal.core.model.linear import LinearFn, routed_linear, takes_kernel
 from torchhal.core.model.parallel import RankShard, TensorParallelPlan
+from torchhal.values import short_repr
 
 if TYPE_CHECKING:
     from torchhal.distributed import Communicator

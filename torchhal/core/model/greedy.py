@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from torchhal.values import ceil_div
+
 # Chunks per row for the first pass; 256 keeps a 128k vocabulary's chunks at ~500 logits.
 _CHUNKS = 256
 
@@ -19,7 +21,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"greedy_tokens: logits are {tuple(logits.shape)}; expected [rows, vocab] (Model.logits "
                          "returns one row per index it is given)")
     rows, vocab = logits.shape
-    width = -(-vocab // _CHUNKS)
+    width = ceil_div(vocab, _CHUNKS)
     if vocab <= 2 * width:  # a small vocabulary: one pass is already wide enough
         return logits.argmax(-1)
     pad = width * _CHUNKS - vocab

@@ -24,7 +24,8 @@ from torchhal.attention import (
     ReferenceBackend,
     build_metadata_and_positions,
 )
-from torchhal.core.model.config import ModelConfig, short_repr
+from torchhal.core.model.config import ModelConfig
+from torchhal.values import short_repr
 
 __all__ = ["SCRATCH_BLOCK", "AttentionMetadata", "KVCache"]
 

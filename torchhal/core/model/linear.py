@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from torchhal.core.model.config import short_repr
 from torchhal.platforms import LinearSupport
+from torchhal.values import short_repr
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from torchhal.attention.layout import as_index
-from torchhal.core.model.config import ModelConfig, short_repr
+from torchhal.core.model.config import ModelConfig
+from torchhal.values import as_index, ceil_div, short_repr
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class TensorParallelPlan:
 
     @property
     def vocab_per_rank(self) -> int:
-        return -(-self.config.vocab_size // self.world_size)  # ceil: the last rank's tail is padding
+        return ceil_div(self.config.vocab_size, self.world_size)  # ceil: the last rank's tail is padding
 
     def _check_rank(self, rank: object) -> int:
         """A rank of this plan, as a plain int: past it a slice is of heads or rows the model does

@@ -15,10 +15,10 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
-from torchhal.attention.layout import as_index
 from torchhal.core.residency.declarations import Strategy
 from torchhal.core.residency.weights import WeightBlock
 from torchhal.platforms import Platform
+from torchhal.values import as_index
 
 
 class StrategyHost(Protocol):
