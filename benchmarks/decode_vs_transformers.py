@@ -268,7 +268,7 @@ def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, budg
     outputs_by_batch: dict[int, dict[str, list[list[int]]]] = {}
     for backend, phase_modes in phases:
         if backend is not None:
-            engine.runner, engine.decode_runner = eager_runner, decode_runner
+            engine.executor.runner, engine.executor.decode = eager_runner, decode_runner
             compile_started = time.perf_counter()
             engine.model.compile_layers(backend)  # type: ignore[attr-defined]  # LlamaDecoder's, not the protocol's
             report = decode_runner.capture() if full_graph_real else None  # compiles in the warm-ups
@@ -298,7 +298,7 @@ def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, budg
                     row[mode] = {"skipped": graph_runner.eager_reason}
                 if decode is not None and not full_graph_real:
                     row[mode] = {"skipped": decode_runner.unsupported or "graphs emulated on this device (tokens only)"}
-                engine.runner, engine.decode_runner = runner, decode
+                engine.executor.runner, engine.executor.decode = runner, decode
                 decode_runner.steps_per_sync = steps_per_sync
 
                 def run(prompts: list[list[int]] = prompts[batch]) -> tuple[list[list[int]], float, float]:

@@ -571,9 +571,9 @@ def step_overlap_lever(engine: GenerationEngine, generate: Callable[[list[list[i
         for _ in range(rounds):
             for label, (lands_later, copies) in settings.items():
                 if lands_later:
-                    engine.__dict__.pop("_lands_later", None)
+                    engine.executor.__dict__.pop("_lands_later", None)
                 else:
-                    engine._lands_later = lambda batch, emits: False  # type: ignore[method-assign]
+                    engine.executor._lands_later = lambda batch, counts: False  # type: ignore[method-assign]
                 backend_class.prefill = copying_prefill if copies else real_prefill  # type: ignore[method-assign]
                 for cell in ran(("3968x8", "3968x32", "16000x8"), prompts):
                     seconds, out = median_run(functools.partial(generate, prompts[cell], 1), 1, 3, sync)
@@ -851,11 +851,11 @@ def prefill_graphs_lever(engine: GenerationEngine, generate: Callable[[list[list
     graphs = engine.runner
     sides = {}
     for label, runner in (("before_eager", EagerRunner(engine.model)), ("after_graphs", graphs)):
-        engine.runner = runner
+        engine.executor.runner = runner
         try:
             sides[label] = prefill_medians(generate, prompts, ("32x1", "32x8", "32x32"), sync)
         finally:
-            engine.runner = graphs
+            engine.executor.runner = graphs
     result = compare(sides["before_eager"], sides["after_graphs"], "prefill_s")
     print(f"  lever prefill graphs: {result}", flush=True)
     return result

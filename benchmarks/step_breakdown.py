@@ -106,7 +106,7 @@ def decode_step(batch: int, steps: int = 20) -> dict:
     for _ in range(steps):
         for name, runner, window in modes:
             engine.drain()  # the previous mode's window lands before the runner changes
-            engine.decode_runner = runner  # detached: the step runs on the breakable runner
+            engine.executor.decode = runner  # detached: the step runs on the breakable runner
             decode.steps_per_sync = window
             sync()
             start = time.perf_counter()

@@ -212,7 +212,7 @@ def test_sleep_and_wake(empties):
     while e.waiting or e.running:
         e.step()
     e.release_memory_occupation()
-    assert e.model.kv is None and empties == [ReleasePoint.SLEEP]
+    assert e.asleep_tags == ("weights", "kv_cache") and empties == [ReleasePoint.SLEEP]
     with pytest.raises(RuntimeError, match="asleep"):
         e.step()
     e.resume_memory_occupation()

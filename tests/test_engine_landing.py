@@ -54,13 +54,13 @@ def test_the_next_step_is_launched_before_the_tokens_of_one_that_ends_its_reques
     assert [[r.rid for r in done] for done in returned] == [[]] + [[rid] for rid in rids]
     assert [e.results[rid].output for rid in rids] == one_token
     assert all(e.results[rid].state is RequestState.FINISHED for rid in rids)
-    assert e._landing is None and e.blocks.available == e.blocks.num_blocks
+    assert e.executor.in_flight is None and e.blocks.available == e.blocks.num_blocks
 
 
 def test_generate_returns_every_token_and_frees_every_block(one_token):
     e = engine()
     assert [r.output for r in e.generate(PROMPTS, 1)] == one_token
-    assert e._landing is None and e.pending() is None and e.blocks.available == e.blocks.num_blocks
+    assert e.executor.in_flight is None and e.pending() is None and e.blocks.available == e.blocks.num_blocks
 
 
 def test_a_request_that_goes_on_decoding_has_its_token_read_before_the_next_step(one_token):
@@ -93,9 +93,9 @@ def test_drain_and_the_lifecycle_calls_land_the_tokens_first(one_token):
     e = engine()
     rid = e.add_request(PROMPTS[0], 1)
     e.step()
-    assert e._landing is not None and rid not in e.results
+    assert e.executor.in_flight is not None and rid not in e.results
     e.drain()
-    assert e._landing is None and e.results[rid].output == one_token[0]
+    assert e.executor.in_flight is None and e.results[rid].output == one_token[0]
     e.add_request(PROMPTS[1], 1)
     e.step()
     assert e.flush_cache(empty_cache=False).flushed  # landed, so nothing was pending
@@ -115,7 +115,7 @@ def test_a_failing_next_step_still_lands_the_tokens_and_is_rolled_back(monkeypat
     with pytest.raises(RuntimeError, match="step fault"):
         e.step()
     assert e.results[rids[0]].output == one_token[0]  # landed despite the failure
-    assert e._landing is None and e.running == [] and [r.rid for r in e.waiting] == [rids[1]]
+    assert e.executor.in_flight is None and e.running == [] and [r.rid for r in e.waiting] == [rids[1]]
     assert e.blocks.available == e.blocks.num_blocks > free
     monkeypatch.setattr(e.runner, "forward", real)
     while rids[1] not in e.results:
@@ -148,7 +148,7 @@ def test_tokens_that_fail_to_land_are_computed_again(one_token):
     e = engine()
     rids = [e.add_request(p, 1) for p in PROMPTS[:2]]
     e.step()
-    landing = e._landing
+    landing = e.executor.in_flight
     assert landing is not None
 
     landing.done = FaultyEvent()
@@ -169,7 +169,7 @@ def test_tokens_that_fail_to_land_after_a_step_that_read_its_own_keep_that_steps
     first = e.add_request(PROMPTS[0], 1)
     e.step()
     second = e.add_request(PROMPTS[1], 3)
-    landing = e._landing
+    landing = e.executor.in_flight
     assert landing is not None
 
     landing.done = FaultyEvent()
@@ -195,8 +195,8 @@ def test_a_step_and_its_landing_failing_together_undo_the_step_before_dropping_t
     e.step()
     x = e.add_request(x_prompt, 1)
     e.step()
-    landing = e._landing
-    assert landing is not None and [r.rid for r in landing.batch] == [a, x]
+    landing = e.executor.in_flight
+    assert landing is not None and [r.rid for r in landing.requests] == [a, x]
 
     landing.done = FaultyEvent()
     real = e.runner.forward
@@ -224,7 +224,7 @@ def test_a_landing_that_fails_breaks_a_tensor_parallel_engine(monkeypatch):
     broken = []
     monkeypatch.setattr(e, "_break", lambda error: broken.append(str(error)))
 
-    e._landing.done = FaultyEvent()
+    e.executor.in_flight.done = FaultyEvent()
     with pytest.raises(RuntimeError, match="device fault"):
         e.drain()
     assert broken == ["device fault"]
@@ -246,7 +246,7 @@ def test_a_generate_that_meets_an_error_lands_the_tokens_of_other_callers(monkey
     monkeypatch.setattr(e, "_check_can_run", refuse_in_the_step)
     with pytest.raises(RuntimeError, match="refused mid-call"):
         e.generate([PROMPTS[1]], 1)
-    assert e.results[other].output == one_token[0] and e._landing is None
+    assert e.results[other].output == one_token[0] and e.executor.in_flight is None
     assert e.pending() is None and e.blocks.available == e.blocks.num_blocks
 
 

@@ -137,7 +137,7 @@ def test_oom_while_building_the_batch_is_handled_like_oom_in_forward(empties, mo
         fail_once(monkeypatch, AttentionMetadata, "build", oom)
     else:  # decode metadata from the device rows the host updates
         e.step()
-        fail_once(monkeypatch, e.decode_rows, "prepare", oom)
+        fail_once(monkeypatch, e.executor.rows, "prepare", oom)
     assert e.step() == []  # no exception: the batch is retracted and retried
     assert empties == [ReleasePoint.OOM]
     while any(rid not in e.results for rid in rids):
@@ -347,12 +347,12 @@ def test_a_tied_weight_rewritten_under_its_other_name_clears_a_failed_writes_ref
     assert outputs_of(e, PROMPTS[:2]) == expected
 
 
-def test_finite_check_is_optional_and_rejects_nan_when_on():
-    default = engine()
-    name, target = list(params(default).items())[-1]
+def test_finite_check_is_on_by_default_and_can_be_turned_off():
+    off = engine(check_finite_weights=False)
+    name, target = list(params(off).items())[-1]
     nan = torch.full_like(target, float("nan"))
-    assert default.update_weights_from_tensors({name: nan}).weight_version == 1  # off by default
-    e = engine(check_finite_weights=True)
+    assert off.update_weights_from_tensors({name: nan}).weight_version == 1
+    e = engine()
     before = snapshot(e)
     with pytest.raises(ValueError, match=f"nothing applied: '{re.escape(name)}' holds NaN or infinite"):
         e.update_weights_from_tensors([*early_zeros(e), (name, nan)])
@@ -364,7 +364,10 @@ def test_finite_check_is_optional_and_rejects_nan_when_on():
 
 # -- sleep / update / wake ----------------------------------------------------------------------
 class CopyingPinPlatform:
-    """The CPU platform, but `pin_memory` returns a copy (as on every accelerator)."""
+    """The CPU platform without virtual memory (its engines sleep by host offload), and whose
+    `pin_memory` returns a copy (as on every accelerator)."""
+
+    virtual_memory_support = None
 
     def __init__(self, inner):
         self.inner = inner
@@ -429,16 +432,15 @@ def test_a_weight_update_made_while_asleep_survives_wake(make_registry, copying_
     assert outputs_of(e, PROMPTS[:3]) == expected
 
 
-def test_a_host_engine_wakes_its_host_model_where_it_slept(make_registry):
-    """On the host, wake leaves the sleeping weights where they are: torch would copy every
-    tensor from `cpu` to `cpu:0`, the same memory."""
+def test_on_regions_the_weights_and_kv_cache_wake_under_the_addresses_they_slept_at(make_registry):
     make_registry()
     e = engine()
     before = outputs_of(e, PROMPTS[:3])
+    awake = [p.data_ptr() for p in e.model.parameters()] + [e.model.kv.k.data_ptr(), e.model.kv.v.data_ptr()]
     e.release_memory_occupation()
-    asleep = [p.untyped_storage().data_ptr() for p in e.model.parameters()]
+    assert all(p.device.type == "cpu" for p in e.model.parameters())  # the backup, as host tensors
     e.resume_memory_occupation()
-    assert [p.untyped_storage().data_ptr() for p in e.model.parameters()] == asleep
+    assert [p.data_ptr() for p in e.model.parameters()] + [e.model.kv.k.data_ptr(), e.model.kv.v.data_ptr()] == awake
     assert outputs_of(e, PROMPTS[:3]) == before
 
 
@@ -481,11 +483,11 @@ def test_a_sleep_that_fails_part_way_leaves_the_engine_awake_as_it_was(make_regi
 
 @pytest.mark.parametrize("where", ["prefill graphs", "decode graphs", "kv cache"])
 def test_a_wake_that_fails_part_way_leaves_the_engine_asleep_and_can_be_retried(monkeypatch, reference, where):
-    # It marked the engine awake first: a retry was refused ("not asleep") and steps met a
+    # Host offload: marked awake first, a retry was refused ("not asleep") and steps met a
     # half-captured runner (a bare KeyError for a missing bucket).
     import torchhal.core.graphs.runner as graph_runner
 
-    e = graph_engine()
+    e = graph_engine(CopyingPinPlatform(torchhal.current_platform()))
     e.release_memory_occupation()
     oom = torch.OutOfMemoryError(f"simulated: out of memory in the {where}")
     if where == "prefill graphs":
@@ -510,6 +512,29 @@ def test_a_wake_that_fails_part_way_leaves_the_engine_asleep_and_can_be_retried(
     monkeypatch.undo()
     e.resume_memory_occupation()
     assert e.runner.graphs_enabled and outputs_of(e) == reference
+
+
+@pytest.mark.parametrize("tag", ["weights", "kv_cache"])
+def test_a_region_that_fails_to_restore_leaves_its_tag_asleep_and_can_be_retried(monkeypatch, reference, tag):
+    e = graph_engine()
+    e.release_memory_occupation()
+    regions = e.occupation.regions
+    real = regions.restore
+
+    def out_of_memory_for(name):
+        if name == tag:
+            raise torch.OutOfMemoryError(f"simulated: no memory for {name}")
+        return real(name)
+
+    monkeypatch.setattr(regions, "restore", out_of_memory_for)
+    with pytest.raises(torch.OutOfMemoryError, match=tag):
+        e.resume_memory_occupation()
+    assert tag in e.asleep_tags and regions.released(tag)
+    with pytest.raises(RuntimeError, match="asleep"):
+        e.generate(PROMPTS, 6)
+    monkeypatch.undo()
+    e.resume_memory_occupation()
+    assert not e.asleep and e.decode_runner.captures == 0 and outputs_of(e) == reference
 
 
 def test_close_gives_the_kv_cache_back_at_once_and_frees_the_model_for_a_new_engine(reference):
@@ -620,7 +645,7 @@ def test_nothing_the_engine_runs_records_autograd_history(monkeypatch, runner):
     assert e.model.kv.k.grad_fn is None and not e.model.kv.k.requires_grad
 
 
-@pytest.mark.parametrize("where", ["collect", "launch"])
+@pytest.mark.parametrize("where", ["wait", "launch"])
 def test_oom_while_a_decode_window_lands_or_chains_is_handled_like_oom_in_a_step(empties, where):
     from torchhal.core.engine import DecodeGraphConfig
 
@@ -630,13 +655,13 @@ def test_oom_while_a_decode_window_lands_or_chains_is_handled_like_oom_in_a_step
     rids = [e.add_request(p, 20) for p in PROMPTS[:2]]
     e.step()  # the prefill
     e.step()  # a decode window launched: its tokens land at the next step
-    assert e._in_flight is not None
-    runner = e.decode_runner
+    assert e.executor.in_flight is not None
+    runner = e.decode_runner if where == "launch" else e.executor
     real = getattr(runner, where)
     failed = []
 
     def out_of_memory_once(*args, **kwargs):
-        if not failed and (where == "collect" or kwargs.get("chained")):
+        if not failed and (where == "wait" or kwargs.get("chained")):
             failed.append(True)
             raise torch.OutOfMemoryError(f"simulated: decode window {where}")
         return real(*args, **kwargs)

@@ -83,7 +83,7 @@ def test_the_step_after_one_whose_tokens_land_later_is_launched_without_a_device
     engine = GenerationEngine(config)
     rids = [engine.add_request(p, 1) for p in prompts]
     engine.step()
-    assert engine._landing is not None
+    assert engine.executor.in_flight is not None
     real_land = engine._land
 
     def land(landing):

@@ -9,7 +9,7 @@ import torch
 
 import torchhal
 from torchhal.core.engine import EngineConfig, GenerationEngine
-from torchhal.core.graphs import DecodeGraphRunner, GraphRunner
+from torchhal.core.graphs import GraphRunner
 from torchhal.core.model import ModelConfig, ReferenceDecoder
 
 HIDDEN = ModelConfig().hidden_size
@@ -67,40 +67,6 @@ def test_an_engine_refuses_a_runner_in_another_dtype_before_any_step():
 
     with pytest.raises(ValueError, match="dtype = torch.float16 but ReferenceDecoder's weights are torch.float32"):
         GenerationEngine(EngineConfig(model=ModelConfig(num_layers=1), max_kv_slots=256), runner_factory=factory)
-
-
-def test_the_decode_runner_shares_the_bucket_check(model):
-    with pytest.raises(ValueError, match=r"batch_buckets 8 must be a non-empty list of positive ints"):
-        DecodeGraphRunner(model, torchhal.current_platform(), 0, block_size=16, backend=None,  # type: ignore[arg-type]
-                          batch_buckets=8)  # type: ignore[arg-type]
-
-
-def cached_model(block_size: int = 4) -> ReferenceDecoder:
-    from torchhal.core.model.kv_cache import KVCache
-
-    decoder = ReferenceDecoder(ModelConfig(num_layers=1)).eval()
-    decoder.kv = KVCache(decoder.config, 16, block_size, torch.device("cpu"), torch.float32)
-    return decoder
-
-
-@pytest.mark.parametrize(("kwargs", "error", "message"), [
-    ({"block_size": 8}, ValueError, r"block_size 8 is not the model's KV cache's \(4\); pass model.kv.block_size"),
-    ({"device_index": 5}, ValueError, r"device_index = 5, but platform 'cpu' has 1 device\(s\)"),
-    ({"device_index": -1}, ValueError, r"device_index = -1 must be a device index"),
-    ({"emulate": "no"}, ValueError, r"emulate must be True or False, got 'no'$"),
-    ({"backend": None}, TypeError, r"backend None is not an attention backend"),
-    ({"backend": "reference"}, TypeError, r"backend 'reference' is not an attention backend"),
-])
-def test_the_decode_runner_refuses_what_would_decode_wrong_or_fail_at_the_first_step(kwargs, error, message):
-    # A block size other than the cache's addressed other slots: wrong tokens and no error.
-    from torchhal.attention import ReferenceBackend
-
-    arguments = {"device_index": 0, "block_size": 4, "backend": ReferenceBackend(), "emulate": True,
-                 "batch_buckets": (1, 2), "context_buckets": (16,), **kwargs}
-    with pytest.raises(error, match=message):
-        DecodeGraphRunner(cached_model(), torchhal.current_platform(), **arguments)
-    arguments.update(device_index=0, block_size=4, backend=ReferenceBackend(), emulate=True)
-    DecodeGraphRunner(cached_model(), torchhal.current_platform(), **arguments)  # the same, well formed
 
 
 @pytest.mark.parametrize("tokens", [3, 20], ids=["bucketed", "past_the_buckets"])

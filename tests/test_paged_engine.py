@@ -92,8 +92,8 @@ def test_decode_steps_on_the_runner_read_device_rows_and_upload_only_the_blocks_
     assert len(built) == 1  # no decode step built metadata from host lists
     # The request's table was written once; its 39 decode tokens (KV 201..239) started blocks at
     # 209 and 225: one upload each, none at the other 37 steps.
-    assert (e.decode_rows.rows_written, e.decode_rows.block_uploads) == (1, 2)
-    assert e.decode_rows.live == 0  # the finished request gave its row back
+    assert (e.executor.rows.rows_written, e.executor.rows.block_uploads) == (1, 2)
+    assert e.executor.rows.live == 0  # the finished request gave its row back
 
 
 def test_a_long_prompt_prefills_in_chunks_while_running_requests_gain_a_token_each_step():

@@ -60,6 +60,7 @@ from torchhal.platforms.selection import (
     registry,
     use_registry,
 )
+from torchhal.platforms.virtual_memory import MemoryRegions, VirtualMemorySupport
 
 __all__ = [
     "DEFAULT_PLUGINS",
@@ -85,6 +86,7 @@ __all__ = [
     "IpcSupport",
     "LinearSupport",
     "MemoryInfo",
+    "MemoryRegions",
     "PeakMemory",
     "Platform",
     "PLATFORM_FACTS",
@@ -101,6 +103,7 @@ __all__ = [
     "ReleasePoint",
     "TorchhalPluginWarning",
     "UnknownPlatformError",
+    "VirtualMemorySupport",
     "current_platform",
     "get_platform",
     "hookimpl",

@@ -6,6 +6,7 @@ tracing. An SPI call the API exposes unchanged (a pass-through) is the
 plugin's own bound method, set on the instance when the platform is made, so
 calling it costs exactly the plugin's call. A fact that cannot change for the
 process (`graph_support`, `ipc_support`, `attention_support`, `linear_support`, `compile_support`,
+`virtual_memory_support`,
 `oom_error_types`) is asked of the plugin once and kept as a value. There is no pluggy on the hot path: observer
 hooks fire only where the engine changes memory or asks to trace.
 
@@ -142,6 +143,7 @@ class Platform:
     attention_support = _Fact(PlatformPlugin.attention_support)
     linear_support = _Fact(PlatformPlugin.linear_support)
     compile_support = _Fact(PlatformPlugin.compile_support)
+    virtual_memory_support = _Fact(PlatformPlugin.virtual_memory_support)
     distributed_support = _Fact(PlatformPlugin.distributed_support)
 
     def __init__(

@@ -44,11 +44,12 @@ from torchhal.platforms.records import (
     MemoryInfo,
     PeakMemory,
 )
+from torchhal.platforms.virtual_memory import VirtualMemorySupport
 
 #: The SPI version this torchhal implements: (major, minor). A minor release only adds
 #: members, each with a default; a major release may remove or change members.
 #: docs/vendor-guide.md ("Compatibility") states the policy.
-SPI_VERSION: tuple[int, int] = (1, 8)  # 1.1: IpcSupport.events; 1.2: attention_support();
+SPI_VERSION: tuple[int, int] = (1, 9)  # 1.1: IpcSupport.events; 1.2: attention_support();
 # 1.3: device_for_rank(), distributed_support(); 1.4: linear_support(); 1.5: compile_support();
 # 1.6: PagedMetadata.block_size, check_call(scale=, out=); 1.7: AttentionCapability.step_kv,
 # prefill(key=, value=) and check_call(key=, value=); 1.8: TorchCommunicator.store (and the
@@ -219,6 +220,11 @@ class PlatformPlugin(abc.ABC):
 
     def compile_support(self) -> CompileSupport | None:
         """Inductor options for the layers engines compile; None: inductor's defaults."""
+        return None
+
+    def virtual_memory_support(self) -> VirtualMemorySupport | None:
+        """Tagged device-memory regions released and restored under the same addresses (an
+        engine's sleep keeps its graphs); None: engines sleep by host offload."""
         return None
 
     # -- distributed ------------------------------------------------------------------

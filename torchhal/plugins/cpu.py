@@ -13,6 +13,7 @@ import functools
 import os
 import re
 import stat
+import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -28,6 +29,7 @@ from torchhal.platforms import (
     MemoryInfo,
     PeakMemory,
     PlatformPlugin,
+    VirtualMemorySupport,
     hookimpl,
 )
 from torchhal.platforms.ipc import describe, tensor_from_storage, validate_handle
@@ -119,6 +121,15 @@ class CpuPlatform(PlatformPlugin):
 
     def new_event(self) -> Any:
         return _CpuEvent()
+
+    def virtual_memory_support(self) -> VirtualMemorySupport | None:
+        """The reference: anonymous host pages given back with madvise(MADV_DONTNEED) (Linux)."""
+        if not sys.platform.startswith("linux"):
+            return None
+        from torchhal.plugins.virtual_memory import HostDriver, Regions
+
+        return VirtualMemorySupport(lambda index: Regions(HostDriver(), self.pin_memory), graph_memory=False,
+                                    note="host pages: mmap, madvise(MADV_DONTNEED)")
 
     def ipc_support(self) -> IpcSupport | None:
         # handles name this platform, which may be a vendor's subclass of this one

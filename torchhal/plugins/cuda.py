@@ -16,6 +16,7 @@ from torchhal.platforms import (
     LinearSupport,
     MemoryInfo,
     PlatformPlugin,
+    VirtualMemorySupport,
     hookimpl,
 )
 from torchhal.plugins.accelerator import AcceleratorPlatform
@@ -154,6 +155,21 @@ class CudaPlatform(AcceleratorPlatform):
             inductor_options={"triton.enable_pdl": True},
             note="programmatic dependent launch: a kernel launches while the one before it finishes",
         )
+
+    def virtual_memory_support(self) -> VirtualMemorySupport | None:
+        if not torch.cuda.is_available():
+            return None
+        from torchhal.plugins.virtual_memory import Regions, VmmDriver, cuda_graph_pool
+
+        def new_regions(index: int) -> Regions:
+            driver = VmmDriver("libcuda.so.1", "cu", torch.device("cuda", index), lambda: torch.cuda.synchronize(index))
+            return Regions(driver, self.pin_memory, graph_pools=cuda_graph_pool)
+
+        return VirtualMemorySupport(
+            new_regions, graph_memory=True,
+            not_released=("the CUDA context", "NCCL communicators' buffers (a graph that captured a collective needs "
+                          "NCCL_GRAPH_REGISTER=0 to replay after a release)"),
+            note="CUDA virtual memory: cuMemCreate / cuMemMap under addresses kept by cuMemAddressReserve")
 
     def runtime_version(self) -> str | None:
         text = f"CUDA runtime {torch.version.cuda}"

@@ -2,11 +2,13 @@
 
 `GenerationEngine` is the public face; each of its parts has one job:
 `RequestBook` (requests and results), `Scheduler` (batches and their rollback),
-`WeightUpdater`, `MemoryOccupation` (sleep/wake) and a `ModelRunner`.
+`StepExecutor` (a plan on the device, and its tokens back), `WeightUpdater`,
+`Occupation` (sleep/wake) and a `ModelRunner`.
 """
 
 from torchhal.core.engine.engine import GenerationEngine
-from torchhal.core.engine.occupation import MemoryOccupation
+from torchhal.core.engine.execution import InFlight, StepExecutor
+from torchhal.core.engine.occupation import Occupation
 from torchhal.core.engine.records import (
     ContinueReport,
     DecodeGraphConfig,
@@ -34,7 +36,8 @@ __all__ = [
     "FlushResult",
     "GenerationEngine",
     "GenerationResult",
-    "MemoryOccupation",
+    "InFlight",
+    "Occupation",
     "ModelRunner",
     "PauseMode",
     "PrefillGraphConfig",
@@ -42,6 +45,7 @@ __all__ = [
     "RequestBook",
     "RequestState",
     "Scheduler",
+    "StepExecutor",
     "StepPlan",
     "WeightUpdateIncomplete",
     "WeightUpdateRejected",

@@ -28,13 +28,13 @@ class KVPoolSizing:
     block_size: int
     bytes_per_block: int
     num_blocks: int  # blocks requests can own; the cache holds one more (the scratch block)
-    capped_by_max_slots: bool = False  # max_kv_slots, not the free memory, set num_blocks
+    capped_by: str | None = None  # the setting that capped the pool below what memory holds
 
     @property
     def how_to_grow(self) -> str:
         """The setting that would give the pool more blocks."""
-        if self.capped_by_max_slots:
-            return f"raise EngineConfig.max_kv_slots (it caps the pool at {self.num_slots} tokens)"
+        if self.capped_by is not None:
+            return f"raise EngineConfig.{self.capped_by} (it caps the pool at {self.num_slots} tokens)"
         return "raise EngineConfig.kv_fraction"
 
     @property
@@ -49,13 +49,13 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 def size_kv_pool(
     platform: Platform, device: int, config: ModelConfig, dtype: torch.dtype, fraction: float, max_slots: int,
-    block_size: int, free_bytes: int | None = None,
+    block_size: int, free_bytes: int | None = None, cap: str = "max_kv_slots",
 ) -> KVPoolSizing:
     """Blocks that fit in `fraction` of the device's free memory (an observation only),
-    at most `max_slots` tokens' worth; the scratch block comes out of the same budget.
-    `free_bytes`: the free memory to size from (tensor parallel: the least of any rank's)."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"kv_fraction {fraction!r} must be in (0, 1]; e.g. 0.3 for 30% of free memory")
+    at most `max_slots` tokens' worth (the setting `cap` says so); the scratch block comes out
+    of the same budget. `free_bytes`: the free memory to size from (tensor parallel: the least
+    of any rank's)."""
+    assert 0 < fraction <= 1
     free = platform.memory_info(device).free if free_bytes is None else free_bytes
     per_block = KVCache.bytes_per_block(config, dtype, block_size)
     fitting = int(free * fraction) // per_block - 1
@@ -66,7 +66,7 @@ def size_kv_pool(
             f"{block_size} tokens ({per_block} bytes) beside the scratch block; raise kv_fraction or max_kv_slots, "
             "or lower kv_block_size"
         )
-    return KVPoolSizing(free, fraction, block_size, per_block, blocks, capped_by_max_slots=blocks < fitting)
+    return KVPoolSizing(free, fraction, block_size, per_block, blocks, capped_by=cap if blocks < fitting else None)
 
 
 class BlockAllocator:

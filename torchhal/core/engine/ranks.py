@@ -173,3 +173,18 @@ def agree_on_verdict(group: DeviceGroup, refused: bool) -> list[int]:
     """The ranks that refused (an empty list: none did); every rank gets the same list."""
     flags = group.host.all_gather(torch.tensor([int(refused)], dtype=torch.int64))
     return [rank for rank, flag in enumerate(flags.tolist()) if flag]
+
+
+def agree_on_call(group: DeviceGroup | None, call: str, *arguments: object) -> None:
+    """Every rank makes the same engine call with the same arguments (SPMD): ranks whose
+    `generate` prompts differed would meet in collectives of other sizes, which gloo answers by
+    aborting the process. A difference is a ValueError on every rank, naming the ranks that
+    differ from rank 0 (one small collective on the host communicator per call)."""
+    if group is None:
+        return
+    mine = _digests([call, *arguments])
+    everyone = group.host.all_gather(mine)
+    apart = [rank for rank, row in enumerate(everyone.tolist()) if row != everyone[0].tolist()]
+    if apart:
+        raise ValueError(f"{call}() was called with other arguments on rank(s) {apart} than on rank 0 of the group; "
+                         "under tensor parallel every rank makes the same engine calls with the same arguments")

@@ -116,9 +116,11 @@ class DecodeGraphConfig:
     """Full-graph decode: a pure decode step (no prefill in the batch) whose batch and
     longest context fit a bucket runs as one graph replay; every other step runs on the
     engine's runner. One graph is captured per (batch, context) bucket pair, at engine
-    construction and again after wake. `emulate` runs the same padded static step
-    eagerly (platforms without graph support, CPU tests); without it, a platform that
-    cannot capture graphs runs every step on the engine's runner.
+    construction (and again after a wake where the platform has no virtual memory).
+    `context_buckets` None: powers of 4 from 256 up to the longest request the engine holds.
+    `emulate` runs the same padded static step eagerly (platforms without graph support, CPU
+    tests); without it, a platform that cannot capture graphs runs every step on the engine's
+    runner.
 
     `steps_per_sync`: while no request waits for admission, one engine step runs a
     window of up to this many decode steps back to back on the device (each step's
@@ -128,12 +130,14 @@ class DecodeGraphConfig:
     every step."""
 
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    context_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
+    context_buckets: tuple[int, ...] | None = None
     steps_per_sync: int = 8
     emulate: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch_buckets", "context_buckets"):
+            if name == "context_buckets" and self.context_buckets is None:
+                continue
             buckets = check_buckets(f"DecodeGraphConfig.{name}", getattr(self, name), "(1, 8, 32)")
             object.__setattr__(self, name, buckets)
         steps = as_index(self.steps_per_sync)
@@ -171,26 +175,48 @@ class PrefillGraphConfig:
 ENGINE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
 
+#: `EngineConfig.compile_layers` default: the platform's choice (inductor where the platform
+#: declares compile support, `Platform.compile_support`; no compile elsewhere).
+PLATFORM_COMPILE = "platform"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
+    """The engine's settings. The defaults are the fast configuration where it is safe:
+
+    - `max_batch_tokens` None: sized at construction so that a whole prompt of the longest
+      request the engine holds prefills in one step, within a quarter of the memory the KV
+      pool leaves;
+    - `max_kv_slots` None: the KV pool is what `kv_fraction` of free memory holds, at most
+      `max_running` requests of the model's `max_position` tokens;
+    - `compile_layers` "platform": the model's per-layer arithmetic outside attention is
+      compiled with inductor where the platform declares compile support (start-up: the first
+      engine of a process compiles, about a minute for an 8B model on an H100/H200; inductor's
+      cache makes later ones faster); None is the way off;
+    - `decode_graphs`: full-graph decode where the platform captures graphs (start-up: one
+      capture per bucket pair); None is the way off;
+    - `check_finite_weights`: weight updates holding NaN or inf are refused (one device sync
+      per tensor); False is the way off.
+    """
+
     model: ModelConfig = ModelConfig()  # used only when the engine builds its own ReferenceDecoder
     dtype: torch.dtype = torch.float32
     device: int | None = None
     kv_fraction: float = 0.3  # of free device memory, observed by memory_info
-    max_kv_slots: int = 1 << 16  # at most this many tokens' KV (whole blocks)
+    max_kv_slots: int | None = None  # at most this many tokens' KV (whole blocks); None: see above
     kv_block_size: int = 16  # tokens per KV block: requests own whole blocks
-    max_batch_tokens: int = 4096
+    max_batch_tokens: int | None = None  # tokens one step computes at most; None: see above
     max_running: int = 256
     idle_empty_after_s: float | None = None
     eos_token: int | None = None  # a request ends on this token or on any of eos_tokens
     eos_tokens: tuple[int, ...] = ()  # Hugging Face configs often list several (Llama 3)
-    check_finite_weights: bool = False  # reject weight updates holding NaN/inf (one device sync per tensor)
-    decode_graphs: DecodeGraphConfig | None = None  # full-graph decode, off by default (see DecodeGraphConfig)
+    check_finite_weights: bool = True
+    decode_graphs: DecodeGraphConfig | None = DecodeGraphConfig()
     prefill_graphs: PrefillGraphConfig | None = None  # graphs for short prefills, off by default (see there)
-    #: a `torch.compile` backend ("inductor") for the model's per-layer arithmetic outside
-    #: attention (`model.compile_layers`): fused kernels, the same for eager and graph paths;
-    #: numbers differ from uncompiled ones in the last bits. None (default): not compiled.
-    compile_layers: str | Callable[..., Any] | None = None
+    #: a `torch.compile` backend ("inductor", or a backend callable) for the model's per-layer
+    #: arithmetic outside attention (`model.compile_layers`): fused kernels, the same for eager
+    #: and graph paths; numbers differ from uncompiled ones in the last bits. None: not compiled.
+    compile_layers: str | Callable[..., Any] | None = PLATFORM_COMPILE
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
@@ -198,8 +224,11 @@ class EngineConfig:
                             "engine builds when given none), e.g. ModelConfig(vocab_size=32000, ...)")
         check_number(self, "kv_fraction", self.kv_fraction, "a fraction of free memory in (0, 1], e.g. 0.3",
                      above=0.0, maximum=1.0)
-        for name in ("max_kv_slots", "max_batch_tokens", "max_running", "kv_block_size"):
+        for name in ("max_running", "kv_block_size"):
             check_int(self, name, 1, None, "a positive int")
+        for name in ("max_kv_slots", "max_batch_tokens"):
+            if getattr(self, name) is not None:
+                check_int(self, name, 1, None, "a positive int, or None to size it from the model and memory")
         if not isinstance(self.dtype, torch.dtype) or self.dtype not in ENGINE_DTYPES:
             raise ValueError(f"EngineConfig.dtype = {self.dtype!r} must be one of "
                              f"{', '.join(map(str, ENGINE_DTYPES))}, e.g. dtype=torch.bfloat16")
@@ -213,7 +242,7 @@ class EngineConfig:
         if self.eos_token is not None:
             check_int(self, "eos_token", 0, None, "a token id (an int >= 0) or None")
         check_bool("EngineConfig.check_finite_weights", self.check_finite_weights)
-        if self.max_kv_slots < self.kv_block_size:
+        if self.max_kv_slots is not None and self.max_kv_slots < self.kv_block_size:
             raise ValueError(f"EngineConfig.max_kv_slots = {self.max_kv_slots} holds no block of kv_block_size = "
                              f"{self.kv_block_size} tokens; raise max_kv_slots or lower kv_block_size")
         if self.decode_graphs is not None and not isinstance(self.decode_graphs, DecodeGraphConfig):
@@ -226,7 +255,7 @@ class EngineConfig:
                 f"EngineConfig.prefill_graphs = {self.prefill_graphs!r} must be a PrefillGraphConfig or None; "
                 "e.g. prefill_graphs=PrefillGraphConfig() to run short prefills as graphs"
             )
-        if self.compile_layers is not None:
+        if self.compile_layers is not None and self.compile_layers != PLATFORM_COMPILE:
             check_compile_backend(self.compile_layers, "EngineConfig.compile_layers")
         if self.idle_empty_after_s is not None:
             check_number(self, "idle_empty_after_s", self.idle_empty_after_s,

@@ -35,10 +35,11 @@ class WeightUpdater:
         self.shard = shard
         self.agree = agree
         self.version = 0
-        # Weights a failed write may have left half-updated; generation is refused until
-        # an update covering them succeeds (the old values cannot be restored without a
-        # model-sized copy, which every update would pay for).
+        # Weights a failed write may have left half-updated (or a level-2 sleep discarded);
+        # generation is refused until an update covering them succeeds (the old values cannot
+        # be restored without a model-sized copy, which every update would pay for).
         self.incomplete: set[str] = set()
+        self._unset_why: str | None = None
 
     def apply(self, named_tensors: NamedTensors) -> int:
         """Replace the named weights all together and rebuild derived weights; returns the count."""
@@ -120,10 +121,19 @@ class WeightUpdater:
         staged_params = {id(param) for param, _ in staged}
         return [name for name, param in params.items() if id(param) in staged_params], staged
 
+    def mark_unset(self, why: str) -> None:
+        """Every weight holds no values now (a level-2 sleep): generation is refused, saying
+        `why`, until updates have covered them all."""
+        self.incomplete.update(name for name, _ in self.model.named_parameters(remove_duplicate=False))
+        self._unset_why = why
+
     def refusal(self) -> str | None:
-        """Why the model must not run (a failed write), or None."""
+        """Why the model must not run (a failed write, or weights a sleep discarded), or None."""
         if not self.incomplete:
+            self._unset_why = None
             return None
+        if self._unset_why is not None:
+            return f"{self._unset_why} ({len(self.incomplete)} weight(s) not yet updated)"
         shown = ", ".join(sorted(self.incomplete)[:5]) + (", ..." if len(self.incomplete) > 5 else "")
         return (
             f"{len(self.incomplete)} weight(s) may be half-written by a failed update ({shown}); "

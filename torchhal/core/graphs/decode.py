@@ -37,12 +37,11 @@ import torch
 from torch import nn
 
 from torchhal.attention import SCRATCH_BLOCK, AttentionBackend, PagedMetadata
-from torchhal.core.devices import check_device_index
 from torchhal.core.graphs.program import BreakStep, StackState, Step, run_eager
 from torchhal.core.model.greedy import greedy_tokens
 from torchhal.core.model.kv_cache import AttentionMetadata
 from torchhal.platforms import Platform
-from torchhal.values import as_index, as_indices, ceil_div, short_repr
+from torchhal.values import ceil_div
 
 DecodeRow = tuple[Hashable, int, Sequence[int], int, int]
 """(request key, input token, the request's KV blocks, its KV tokens including this
@@ -65,16 +64,6 @@ def pick_bucket(buckets: Sequence[int], size: int) -> int | None:
     return buckets[index] if index < len(buckets) else None
 
 
-def check_buckets(label: str, buckets: Sequence[int]) -> list[int]:
-    """A runner's buckets, sorted and deduplicated; a ValueError naming them unless they are a
-    non-empty sequence of positive integers (numpy's too, as plain ints; True is not a size; a
-    bare int is not a sequence)."""
-    sizes = None if isinstance(buckets, str) or not isinstance(buckets, Sequence) else as_indices(buckets, 1)
-    if not sizes:
-        raise ValueError(f"{label} {short_repr(buckets)} must be a non-empty list of positive ints, e.g. (1, 8, 32)")
-    return sorted(set(sizes))
-
-
 class BlockTable:
     """Rows of the padded decode batch and their block tables, on the device, updated in place.
 
@@ -86,30 +75,14 @@ class BlockTable:
     rewritten.
     """
 
-    def __init__(
-        self,
-        max_rows: int,
-        max_context: int,
-        block_size: int,
-        device: torch.device,
-        max_steps: int = 1,
-        pin: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        *,
-        num_blocks: int | None = None,
-        vocab_size: int | None = None,
-    ) -> None:
+    def __init__(self, max_rows: int, max_context: int, block_size: int, device: torch.device, max_steps: int = 1,
+                 pin: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """pin: puts a host tensor in page-locked memory (the platform's `pin_memory`), so the
-        inputs' copy does not wait for the device to finish queued work. num_blocks and
-        vocab_size bound the block ids and input tokens a batch may hold (None: unchecked):
-        past them a device reads or writes outside the KV cache or the embedding."""
-        if not isinstance(max_steps, int) or max_steps < 1:
-            raise ValueError(f"max_steps {max_steps!r} must be a positive int (decode steps per window)")
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"block_size {block_size!r} must be a positive int (tokens per KV block)")
+        inputs' copy does not wait for the device to finish queued work."""
+        assert max_steps >= 1 and block_size >= 1
         self.max_rows, self.max_context, self.block_size = max_rows, max_context, block_size
         self.max_blocks = ceil_div(max_context, block_size)
         self.max_steps = max_steps
-        self.num_blocks, self.vocab_size = num_blocks, vocab_size
         self._pin = pin
         self.scratch_slot = SCRATCH_BLOCK * block_size
         self.table = torch.full((max_rows, self.max_blocks), SCRATCH_BLOCK, dtype=torch.int32, device=device)
@@ -161,13 +134,12 @@ class BlockTable:
         are padding: token 0 at position 0, context 0, writing the scratch block. Requests
         absent from the batch lose their rows. keep_tokens: every request continues in its
         row and its input token is already on the device (left by the previous window); only
-        positions, slots and new blocks are written. Raises ValueError (nothing changed) on a
-        bad batch.
+        positions, slots and new blocks are written. The batch is the engine's: each request's
+        blocks hold exactly its KV tokens (`BlockAllocator`), so it is trusted as it is.
         """
-        self._validate(batch, padded_rows, steps)
+        assert 1 <= len(batch) <= padded_rows <= self.max_rows and 1 <= steps <= self.max_steps
         if not self._all_continue(batch):
-            if keep_tokens:
-                raise ValueError("a chained decode window must continue every row of the previous one in place")
+            assert not keep_tokens, "a chained decode window continues every row of the one before in place"
             self._place(batch)
         self._upload_new_blocks(batch)
         # One flat host list -> one small tensor -> one copy: token, position, slot, live, future rows.
@@ -261,50 +233,6 @@ class BlockTable:
             self._row_of[key], self._key[row] = row, key
             self._write_row(row, blocks)
 
-    def _validate(self, batch: Sequence[DecodeRow], padded_rows: int, steps: int) -> None:
-        """Every fact `prepare` relies on, checked before it changes anything. Only the blocks a
-        row newly starts are checked (the others were when they were written), so the host
-        work of a step does not grow with the context."""
-        if as_index(padded_rows) is None or not 1 <= len(batch) <= padded_rows <= self.max_rows:
-            raise ValueError(
-                f"a decode batch of {len(batch)} padded to {padded_rows!r} rows does not fit 1..{self.max_rows} rows"
-            )
-        if as_index(steps) is None or not 1 <= steps <= self.max_steps:
-            raise ValueError(f"a decode window of {steps!r} steps does not fit 1..{self.max_steps} steps")
-        block_limit, vocab = self.num_blocks, self.vocab_size
-        seen: set[Hashable] = set()
-        for key, token, blocks, length, new in batch:
-            if key in seen:
-                raise ValueError(f"request {key!r} appears twice in one decode batch")
-            seen.add(key)
-            if as_index(length) is None:
-                raise ValueError(f"request {key!r} has {length!r} KV tokens; pass an int")
-            if as_index(new) is None or not 1 <= new <= min(steps, length):
-                raise ValueError(
-                    f"request {key!r} has {new!r} new tokens; a window of {steps} steps takes 1..{steps} "
-                    "of the request's tokens"
-                )
-            row, enough = self._row_of.get(key), len(blocks) == ceil_div(length, self.block_size)
-            started = blocks if row is None or not enough or not self._continues(row, blocks, length, new) else \
-                blocks[self._written[row]:]
-            if not enough or not all(as_index(block) is not None and block != SCRATCH_BLOCK
-                                     and 0 <= block < (block_limit or block + 1) for block in started):
-                bound = f"an int in 1..{block_limit - 1}" if block_limit is not None else "an int"
-                raise ValueError(
-                    f"request {key!r} holds {length} KV tokens in blocks {short_repr(list(blocks))}; it needs "
-                    f"exactly {ceil_div(length, self.block_size)} blocks of {self.block_size}, each {bound} (a block "
-                    "of the KV cache), none the scratch block"
-                )
-            # The window's last step reads position length - new + steps - 1.
-            if not 1 <= length - new + steps <= self.max_context:
-                raise ValueError(
-                    f"request {key!r} has {length} KV tokens ({new} new) and a window of {steps} steps; "
-                    f"a decode row holds 1..{self.max_context} positions"
-                )
-            if as_index(token) is None or not 0 <= token < (vocab if vocab is not None else token + 1):
-                expected = f"an int in 0..{vocab - 1}" if vocab is not None else "an int"
-                raise ValueError(f"request {key!r} has input token {token!r}; expected {expected}")
-
     def _continues(self, row: int, blocks: Sequence[int], length: int, new: int) -> bool:
         """True when `blocks` is this row's table grown by `new` tokens."""
         written = self._written[row]
@@ -332,16 +260,6 @@ class BlockTable:
         self.table[row].copy_(torch.tensor(padded, dtype=torch.int32))
         self._written[row], self._first[row] = len(blocks), blocks[0]
         self.rows_written += 1
-
-
-@dataclass(frozen=True)
-class DecodeWindow:
-    """A launched decode window: its rows, the tokens each wants, and their host copy."""
-
-    rows: list[int]
-    new: list[int]
-    tokens: torch.Tensor  # [steps, padded] on the host, valid once `done` has completed
-    done: Any  # the platform event recorded after the copy
 
 
 @dataclass(frozen=True)
@@ -386,7 +304,11 @@ def unsupported_reason(model: nn.Module, emulate: bool = False) -> str | None:
 
 class DecodeGraphRunner:
     """Runs pure decode steps as one graph replay each; `emulate=True` runs the same
-    padded static path eagerly (CPU tests, debugging)."""
+    padded static path eagerly (CPU tests, debugging).
+
+    The engine builds it from a checked `DecodeGraphConfig`: the buckets are positive ints and
+    `block_size` is the model's KV cache's. `pool` (a graph pool handle of the platform's, such
+    as one in a virtual-memory region) backs every graph; None: a new one of the platform's."""
 
     def __init__(
         self,
@@ -400,42 +322,27 @@ class DecodeGraphRunner:
         context_buckets: Sequence[int] = (128, 256, 512, 1024, 2048, 4096),
         steps_per_sync: int = 1,
         emulate: bool = False,
+        pool: Any = None,
     ) -> None:
-        self.batch_buckets = check_buckets("batch_buckets", batch_buckets)
-        self.context_buckets = check_buckets("context_buckets", context_buckets)
-        device_index = check_device_index(platform, device_index, "device_index")
-        if not isinstance(emulate, bool):  # "no" is truthy
-            raise ValueError(f"emulate must be True or False, got {emulate!r}")
-        if not isinstance(backend, AttentionBackend):
-            raise TypeError(f"backend {short_repr(backend)} is not an attention backend; pass the one the engine "
-                            "chose (torchhal.attention.choose_backend) or ReferenceBackend()")
+        self.batch_buckets, self.context_buckets = sorted(set(batch_buckets)), sorted(set(context_buckets))
         cache = getattr(model, "kv", None)
-        if cache is not None and block_size != cache.block_size:
-            # Block tables of another size address other slots: wrong tokens, no error.
-            raise ValueError(f"block_size {block_size!r} is not the model's KV cache's ({cache.block_size}); "
-                             "pass model.kv.block_size")
+        assert cache is None or cache.block_size == block_size, "block tables of another size address other slots"
         self.model, self.platform, self.device_index = model, platform, device_index
-        self.backend, self.emulate = backend, emulate
+        self.backend, self.emulate, self.pool = backend, emulate, pool
         self.device = platform.device(device_index)
         self.report: DecodeCaptureReport | None = None
-        steps = as_index(steps_per_sync)
-        if steps is None or steps < 1:
-            raise ValueError(f"steps_per_sync {short_repr(steps_per_sync)} must be a positive int, e.g. 8")
-        self.steps_per_sync = steps  # may be lowered later (the window buffers keep their size)
+        self.steps_per_sync = steps_per_sync  # may be lowered later (the window buffers keep their size)
         self.steps = 0  # decode steps run (replayed or emulated)
         self.windows = 0  # token read-backs: one per window of up to steps_per_sync steps
         self.chained = 0  # windows queued behind the previous one before its tokens were read
+        self.captures = 0  # graphs captured over the runner's life
         self._graphs: dict[tuple[int, int], Any] = {}
         # Why windows are refused for now: released (sleep), or a capture that did not finish
         # (its graphs are dropped). Without it a window ran eagerly, step by step, unnoticed.
         self._idle: str | None = None
         max_rows = self.batch_buckets[-1]
-        vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
-        self.rows = BlockTable(
-            max_rows, self.context_buckets[-1], block_size, self.device, steps_per_sync, pin=platform.pin_memory,
-            num_blocks=cache.num_blocks if cache is not None else None,
-            vocab_size=vocab_size if as_index(vocab_size) is not None else None,
-        )
+        self.rows = BlockTable(max_rows, self.context_buckets[-1], block_size, self.device, steps_per_sync,
+                               pin=platform.pin_memory)
         self.history = torch.zeros(steps_per_sync, max_rows, dtype=torch.long, device=self.device)  # tokens
         self._cursor = torch.zeros(1, dtype=torch.long, device=self.device)  # the window step being run
         self._row_index = torch.arange(self.batch_buckets[-1], device=self.device)
@@ -481,29 +388,25 @@ class DecodeGraphRunner:
         """Greedy tokens of each request, in batch order: `new` of them for a row with `new`
         new tokens. Runs `steps` steps back to back (one replay each) and syncs once to read
         the tokens back."""
-        return self.collect(self.launch(batch, steps))
+        rows, tokens, done = self.launch(batch, steps)
+        done.synchronize()
+        by_step = tokens.tolist()
+        return [[by_step[step][row] for step in range(new)] for row, (*_, new) in zip(rows, batch, strict=True)]
 
-    def launch(self, batch: Sequence[DecodeRow], steps: int = 1, *, chained: bool = False) -> DecodeWindow:
+    def launch(self, batch: Sequence[DecodeRow], steps: int = 1, *,
+               chained: bool = False) -> tuple[list[int], torch.Tensor, Any]:
         """Queue a window of `steps` decode steps and the copy of its tokens to the host;
-        returns at once (the device may still be running the window before). `collect`
-        reads the tokens.
+        returns at once (the device may still be running the window before) with each request's
+        row, the host copy ([steps, padded rows], valid once the event has completed) and the
+        event: token `j` of request `i` is at `[j, rows[i]]`.
 
         chained=True continues the window queued last on exactly the same rows, each with
         `steps` new tokens: the input tokens are the ones that window's last step left on
         the device (the host does not know them yet), so only positions and slots are
-        written. Raises ValueError (nothing queued) when a row is not such a continuation."""
-        idle = self.unsupported or self._idle
-        if idle is not None:
-            raise RuntimeError(f"full-graph decode is unavailable: {idle}")
-        if type(chained) is not bool:  # "no" is truthy: it would run the window as a continuation
-            raise ValueError(f"chained must be True or False, got {chained!r}")
-        if not batch:
-            raise ValueError("a decode batch needs at least one request")
+        written. The caller has asked `can_run` for the batch and its reach."""
+        assert self.unsupported is None and self._idle is None, self.unsupported or self._idle
         # The window's last step reads positions up to length - new + steps - 1.
-        reach = max((length - new + steps for _, _, _, length, new in batch), default=0)
-        problem = self.reason(len(batch), reach)
-        if problem is not None:
-            raise ValueError(problem)
+        reach = max(length - new + steps for _, _, _, length, new in batch)
         padded, context = self.buckets_for(len(batch), reach)
         rows = self.rows.prepare(batch, padded, steps, keep_tokens=chained)
         self._cursor.zero_()
@@ -522,13 +425,7 @@ class DecodeGraphRunner:
         host.copy_(self.history[:steps, :padded], non_blocking=True)
         done = self.platform.new_event()
         done.record(self.platform.current_stream(self.device_index))
-        return DecodeWindow(rows, [new for *_, new in batch], host, done)
-
-    def collect(self, window: DecodeWindow) -> list[list[int]]:
-        """Wait for a launched window and return each request's `new` tokens, in batch order."""
-        window.done.synchronize()
-        by_step = window.tokens.tolist()
-        return [[by_step[step][row] for step in range(new)] for row, new in zip(window.rows, window.new, strict=True)]
+        return rows, host, done
 
     def forget(self, key: Hashable) -> None:
         """The request left the running batch (finished, aborted, retracted)."""
@@ -570,7 +467,7 @@ class DecodeGraphRunner:
             raise RuntimeError(f"cannot capture decode graphs: {self.unsupported or 'no graph support'}")
         before = self.platform.memory_info(self.device_index).reserved
         started = time.perf_counter()
-        pool = support.new_pool()
+        pool = self.pool if self.pool is not None else support.new_pool()
         stream = self.platform.new_stream(self.device_index)
         current = self.platform.current_stream(self.device_index)
         self._graphs = {}  # kept only once every bucket is captured: a failed capture leaves none, not some
@@ -591,6 +488,7 @@ class DecodeGraphRunner:
                     with support.capture(graph, pool, stream):
                         self._step(batch, context)
                     graphs[(batch, context)] = graph
+                    self.captures += 1
         self.platform.synchronize(self.device_index)
         self._graphs, self._idle = graphs, None
         after = self.platform.memory_info(self.device_index).reserved
@@ -615,9 +513,6 @@ class DecodeGraphRunner:
 
     def resume(self) -> None:
         """Recapture after wake; the model's KV pool is a new tensor, so graphs must be new too."""
-        cache = getattr(self.model, "kv", None)
-        if cache is not None:  # the rows address the new pool's blocks
-            self.rows.num_blocks = cache.num_blocks
         if self.unsupported is None and not self.emulate:
             self.capture()
         else:  # nothing to capture: emulation runs the same steps eagerly

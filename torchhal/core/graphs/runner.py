@@ -21,7 +21,6 @@ from torch import nn
 
 from torchhal.attention.layout import check_rows
 from torchhal.core.devices import check_device_index
-from torchhal.core.graphs.decode import check_buckets
 from torchhal.core.graphs.program import (
     BreakStep,
     GraphStep,
@@ -34,11 +33,22 @@ from torchhal.core.graphs.program import (
     split_segments,
 )
 from torchhal.platforms import Platform
+from torchhal.values import as_indices, short_repr
 
 if TYPE_CHECKING:  # core.model imports core.graphs.program: a runtime import here would be circular
     from torchhal.core.model import Model
 
 _warned_guesses: set[str] = set()
+
+
+def check_buckets(label: str, buckets: Sequence[int]) -> list[int]:
+    """A runner's buckets, sorted and deduplicated; a ValueError naming them unless they are a
+    non-empty sequence of positive integers (numpy's too, as plain ints; True is not a size; a
+    bare int is not a sequence)."""
+    sizes = None if isinstance(buckets, str) or not isinstance(buckets, Sequence) else as_indices(buckets, 1)
+    if not sizes:
+        raise ValueError(f"{label} {short_repr(buckets)} must be a non-empty list of positive ints, e.g. (1, 8, 32)")
+    return sorted(set(sizes))
 
 
 @dataclass(frozen=True)
@@ -155,11 +165,13 @@ class GraphRunner:
         dtype: torch.dtype,
         buckets: Sequence[int] = (8, 16, 32, 64, 128, 256, 512),
         emulate: bool = False,
+        pool: Any = None,
     ) -> None:
         """`device_index` is one of the platform's devices (None: its current device).
         `hidden_size` defaults to `model.config.hidden_size` (one given must match it);
         `dtype` is the floating dtype of the model's weights. `emulate=True` runs the
-        bucketed, padded path without graphs (CPU tests, debugging). Every argument is
+        bucketed, padded path without graphs (CPU tests, debugging). `pool`: the graph pool
+        handle every bucket captures into (None: a new one of the platform's). Every argument is
         checked here, before anything is allocated."""
         device_index = check_device_index(platform, device_index, "device_index")
         if not isinstance(emulate, bool):  # "no" is truthy
@@ -170,7 +182,7 @@ class GraphRunner:
         self.model, self.platform, self.device_index = model, platform, device_index
         self.hidden_size, self.dtype = hidden_size, dtype
         self.bucket_sizes = bucket_sizes
-        self.emulate = emulate
+        self.emulate, self.pool = emulate, pool
         self._buckets: dict[int, _Bucket] = {}
         self.report: CaptureReport | None = None
         self.bucketed_steps = 0  # forwards run on a bucket (replayed, or padded and eager when emulating)
@@ -209,7 +221,7 @@ class GraphRunner:
         device = self.platform.device(self.device_index)
         before = self.platform.memory_info(self.device_index).reserved
         started = time.perf_counter()
-        pool = support.new_pool() if support else None
+        pool = (self.pool if self.pool is not None else support.new_pool()) if support else None
         stream = self.platform.new_stream(self.device_index)
         graphs = 0
         self._buckets = {}  # kept only once every bucket is captured: a failed capture leaves none, not some
