@@ -165,6 +165,14 @@ def test_the_spec_refuses_window_and_cap_values_that_are_not_numbers_of_their_ki
         AttentionSpec(4, 2, 8, torch.float32, 4, **{field: value})
 
 
+def test_a_flag_of_the_spec_is_a_bool_not_a_truthy_stand_in() -> None:
+    with pytest.raises(TypeError, match="AttentionSpec.needs_graph = 'false' must be True or False"):
+        AttentionSpec(4, 2, 8, torch.float32, 16, needs_graph="false")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="AttentionSpec.needs_prefill = 1 must be True or False"):
+        AttentionSpec(4, 2, 8, torch.float32, 16, needs_prefill=1)  # type: ignore[arg-type]
+    assert AttentionSpec(4, 2, 8, torch.float32, 16, needs_graph=True).needs_graph is True
+
+
 # -- a plugin's declarations ----------------------------------------------------------------
 
 @pytest.mark.parametrize("field, value, must", [

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from torchhal.attention.layout import PagedMetadata, outside_on_host
-from torchhal.values import as_index
+from torchhal.values import as_index, check_bool
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _NO_SCALE = object()
@@ -136,6 +136,8 @@ class AttentionSpec:
         if isinstance(self.soft_cap, numbers.Real) and not isinstance(self.soft_cap, bool):
             object.__setattr__(self, "soft_cap", float(self.soft_cap))
         check_positive("AttentionSpec.soft_cap", self.soft_cap, optional=True)
+        check_bool("AttentionSpec.needs_prefill", self.needs_prefill)
+        check_bool("AttentionSpec.needs_graph", self.needs_graph)
 
 
 @runtime_checkable
