@@ -371,46 +371,6 @@ def test_decode_over_chosen_rows_equals_those_rows_of_the_prefill(window, soft_c
     assert sub.slot_mapping.tolist() == [meta.slot_mapping[11].item(), meta.slot_mapping[0].item()]
 
 
-def test_split_whole_prompts_parts_a_step_and_the_rest_attends_as_before():
-    """Whole prompts apart; the rest's gathered metadata gives the reference's own numbers."""
-    from torchhal.attention.layout import PagedMetadata, split_whole_prompts
-
-    tables, seq_lens, query_lens = [[1], [2, 3], [], [4, 5], [6]], [5, 20, 0, 30, 9], [5, 20, 0, 4, 1]
-    meta = build_metadata(tables, seq_lens, query_lens, 16, CPU)
-    split = split_whole_prompts(meta, None)
-    assert split is not None and split.whole == [(0, 5), (5, 25)]  # the padded row has no queries
-    assert split.rest is not None and split.rest_tokens is not None
-    assert split.rest_tokens.tolist() == [25, 26, 27, 28, 29]  # the chunk after 26 cached tokens, the decode row
-    expected = build_metadata([[4, 5], [6]], [30, 9], [4, 1], 16, CPU, max_blocks=meta.max_blocks)
-    for field in ("block_tables", "seq_lens", "query_start", "slot_mapping"):
-        assert torch.equal(getattr(split.rest, field), getattr(expected, field)), field
-    k_cache, v_cache = new_kv_cache(8, 16, 2, 32, torch.float32, CPU)
-    k_cache.normal_(), v_cache.normal_()
-    query = torch.randn(30, 4, 32)
-    full = ReferenceBackend().prefill(query, k_cache, v_cache, meta, scale=0.2)
-    part = ReferenceBackend().prefill(query[split.rest_tokens], k_cache, v_cache, split.rest, scale=0.2)
-    assert torch.allclose(part, full[split.rest_tokens])
-
-    assert split_whole_prompts(meta, 19).whole == [(0, 5)]  # a window shorter than a prompt cuts into it
-    decode_only = build_metadata([[1], [2]], [5, 9], [1, 1], 16, CPU)
-    assert split_whole_prompts(decode_only, None).rest is decode_only  # nothing whole: the metadata as it is
-    device_built = PagedMetadata(meta.block_tables, meta.seq_lens, meta.query_start, meta.slot_mapping, 20)
-    assert split_whole_prompts(device_built, None) is None  # no host copies: never a device sync to find out
-
-
-def test_equal_length_runs_join_only_adjacent_prompts_of_one_length():
-    """A dense kernel takes each run as one batch: only prompts that sit back to back in the
-    step's rows and are equally long may share one (a reshape of their rows)."""
-    from torchhal.attention.layout import equal_length_runs
-
-    assert equal_length_runs([]) == []
-    assert equal_length_runs([(0, 32), (32, 64), (64, 96)]) == [(0, 3, 32)]
-    # a shorter prompt ends a run; the equal ones after it start a new one
-    assert equal_length_runs([(0, 4), (4, 8), (8, 11), (11, 14), (14, 18)]) == [(0, 2, 4), (8, 2, 3), (14, 1, 4)]
-    # rows 8..12 belong to a request that is not a whole prompt: the prompts around it stay apart
-    assert equal_length_runs([(0, 4), (4, 8), (12, 16), (16, 20)]) == [(0, 2, 4), (12, 2, 4)]
-
-
 def test_a_steps_kv_given_to_prefill_is_checked_in_one_line():
     query, k, v, _, meta = random_case([5, 3], [5, 2], 4, 2)
     key = torch.randn(query.shape[0], 2, k.shape[3])
@@ -428,18 +388,6 @@ def test_a_steps_kv_given_to_prefill_is_checked_in_one_line():
         reference.prefill(query, k, v, meta, scale=1.0, key=key.half(), value=key)
     with pytest.raises(ValueError, match="key is list"):
         reference.prefill(query, k, v, meta, scale=1.0, key=[1.0], value=key)  # type: ignore[arg-type]
-
-
-def test_prompt_kv_takes_the_steps_rows_when_given_else_reads_the_cache():
-    from torchhal.attention import prompt_kv
-
-    query, k, v, _, meta = random_case([5, 3], [5, 3], 4, 2)
-    key, value = torch.randn(8, 2, 8), torch.randn(8, 2, 8)
-    got_k, got_v = prompt_kv(k, v, meta.slot_mapping, 5, 8, key, value)
-    assert got_k.data_ptr() == key[5].data_ptr() and torch.equal(got_v, value[5:8])  # views, not copies
-    cached_k, cached_v = prompt_kv(k, v, meta.slot_mapping, 5, 8)
-    slots = meta.slot_mapping[5:8].long()
-    assert torch.equal(cached_k, k.view(-1, 2, 8)[slots]) and torch.equal(cached_v, v.view(-1, 2, 8)[slots])
 
 
 class SpyingBackend(ReferenceBackend):

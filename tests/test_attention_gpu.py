@@ -109,10 +109,9 @@ def test_a_long_context_decode_is_split_and_matches_the_reference(cuda):
 
 
 def test_whole_prompts_take_the_dense_kernel_and_equal_the_reference(cuda, monkeypatch):
-    """Prompts with nothing cached before them run SDPA's flash kernel per prompt; chunks
-    after cached tokens stay on the paged kernel. Both equal the reference."""
+    """Prompts with nothing cached before them run a dense kernel per prompt; chunks after
+    cached tokens stay on the paged kernel. Both equal the reference."""
     from torchhal.attention import build_metadata, write_kv
-    from torchhal.plugins import cuda_attention
 
     backend = cuda.choose_attention(AttentionSpec(32, 8, 128, torch.bfloat16, 16)).backend
     device, block_size = cuda.device(0), 16
@@ -142,7 +141,6 @@ def test_whole_prompts_take_the_dense_kernel_and_equal_the_reference(cuda, monke
         assert error < 1e-2, (query_lens, error)
     # The one-token request is a whole prompt in every step; the others only while they are.
     assert dense_runs == [[(0, 1, 1), (1, 1, 300), (301, 1, 4096)], [(0, 1, 1)], [(0, 1, 1), (1, 1, 300)]]
-    assert cuda_attention.split_whole_prompts is not None
 
 
 def test_equal_whole_prompts_share_one_dense_call_and_equal_the_reference(cuda, monkeypatch):

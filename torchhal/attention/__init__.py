@@ -26,7 +26,6 @@ from torchhal.attention.layout import (
     check_write,
     decode_metadata_for_rows,
     new_kv_cache,
-    prompt_kv,
     query_positions,
     write_kv,
 )
@@ -52,7 +51,6 @@ __all__ = [
     "choose_backend",
     "decode_metadata_for_rows",
     "new_kv_cache",
-    "prompt_kv",
     "query_positions",
     "unsupported_reason",
     "write_kv",

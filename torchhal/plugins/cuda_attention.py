@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from torchhal.attention import AttentionCapability, PagedMetadata, check_call, check_write, write_kv
-from torchhal.attention.layout import equal_length_runs, prompt_kv, split_whole_prompts
 from torchhal.plugins import cuda_flash
 from torchhal.plugins.cuda_pdl import programmatic_launch, wait_for_previous_kernels
 
@@ -259,26 +258,26 @@ class TritonPagedAttention:
                 value: torch.Tensor | None = None) -> torch.Tensor:
         check_call(query, k_cache, v_cache, meta, False, sliding_window, soft_cap, scale=scale, out=out, key=key,
                    value=value)
-        split = split_whole_prompts(meta, sliding_window) if soft_cap is None else None
-        if split is None or not split.whole:
+        split = cuda_flash.split_whole_prompts(meta, sliding_window) if soft_cap is None else None
+        if split is None or not split.runs:
             return self._launch(query, k_cache, v_cache, meta, meta.max_query_len, 1, scale, sliding_window,
                                 soft_cap, out)
-        runs = equal_length_runs(split.whole)
 
         def dense(run: tuple[int, int, int]) -> torch.Tensor:
             first, count, length = run
-            k, v = prompt_kv(k_cache, v_cache, meta.slot_mapping, first, first + count * length, key, value)
+            k, v = cuda_flash.prompt_kv(k_cache, v_cache, meta.slot_mapping, first, first + count * length, key,
+                                        value)
             return self._flash_prefill(query, k, v, run, scale)
 
-        if out is None and split.rest is None and len(runs) == 1:  # one dense call covers the step
-            return dense(runs[0])
+        if out is None and split.rest is None and len(split.runs) == 1:  # one dense call covers the step
+            return dense(split.runs[0])
         if out is None:
             out = torch.empty_like(query)
         if split.rest is not None and split.rest_tokens is not None:  # chunks after cached tokens, decode rows
             part = self._launch(query.index_select(0, split.rest_tokens), k_cache, v_cache, split.rest,
                                 split.rest.max_query_len, 1, scale, sliding_window, soft_cap, None)
             out.index_copy_(0, split.rest_tokens, part)
-        for run in runs:
+        for run in split.runs:
             first, count, length = run
             out[first : first + count * length] = dense(run)
         return out
