@@ -1,6 +1,6 @@
 """Attention core on the CPU: the reference backend against a plain per-token loop, the
-paged layout's writer and metadata (built from host lists, and advanced on the device step
-by step), the capability record and backend selection through the platform."""
+paged layout's writer and metadata (built from host lists, and derived for a step's rows),
+the capability record and backend selection through the platform."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from torchhal.attention import (
     SCRATCH_BLOCK,
     AttentionCapability,
     AttentionSpec,
-    DecodeMetadata,
     ReferenceBackend,
     build_metadata,
     build_metadata_and_positions,
@@ -23,7 +22,6 @@ from torchhal.attention import (
     choose_backend,
     decode_metadata_for_rows,
     new_kv_cache,
-    query_positions,
     write_kv,
 )
 from torchhal.platforms import AttentionSupport
@@ -160,7 +158,7 @@ def test_build_metadata_slots_and_positions_equal_a_per_token_walk():
             seq_len = rng.randint(1, 23)
             blocks = [free.pop() for _ in range(math.ceil(seq_len / block_size))]
             tables.append(blocks), seq_lens.append(seq_len), query_lens.append(rng.randint(1, seq_len))
-        meta = build_metadata(tables, seq_lens, query_lens, block_size, CPU)
+        meta, given = build_metadata_and_positions(tables, seq_lens, query_lens, block_size, CPU)
         slots, positions = [], []
         for blocks, seq_len, query_len in zip(tables, seq_lens, query_lens, strict=True):
             for position in range(seq_len - query_len, seq_len):
@@ -168,8 +166,6 @@ def test_build_metadata_slots_and_positions_equal_a_per_token_walk():
                 slots.append(SCRATCH_BLOCK * block_size if seq_len == 0 else
                              blocks[position // block_size] * block_size + position % block_size)
         assert meta.slot_mapping.tolist() == slots and meta.slot_mapping.dtype == torch.int64
-        assert query_positions(meta).tolist() == positions
-        _, given = build_metadata_and_positions(tables, seq_lens, query_lens, block_size, CPU)
         assert given.tolist() == positions
 
 
@@ -184,81 +180,6 @@ def test_build_metadata_refuses_bad_tables_in_one_line(args, message):
         build_metadata(*args, block_size=4, device=CPU)
     with pytest.raises(ValueError, match="max_blocks=1 but a request of 9 tokens needs 3 blocks"):
         build_metadata([[1, 2, 3]], [9], [1], block_size=4, device=CPU, max_blocks=1)
-
-
-def test_decode_metadata_advanced_step_by_step_equals_a_fresh_build():
-    """Admit, step across block boundaries, release, re-admit: after every step the
-    device-advanced metadata equals metadata built from the host's lists."""
-    block_size, capacity = 4, 5
-    meta = DecodeMetadata(capacity, max_blocks=8, block_size=block_size, device=CPU)
-    free = list(range(1, 100))
-    tables: dict[int, list[int]] = {}
-    lengths: dict[int, int] = {}
-
-    def admit(row: int, n: int) -> None:
-        tables[row] = [free.pop(0) for _ in range(-(-n // block_size))]
-        lengths[row] = n
-        meta.admit(row, tables[row], n)
-
-    admit(0, 3)
-    admit(2, 4)
-    admit(3, 9)
-    for step in range(14):
-        if step == 6:
-            meta.release(2)
-            del tables[2], lengths[2]
-        if step == 8:
-            admit(4, 1)
-        new = {row: free.pop(0) for row in meta.rows_needing_block()}
-        for row, block in new.items():
-            tables[row].append(block)
-        got = meta.step(new)
-        for row in lengths:
-            lengths[row] += 1
-        rows = range(capacity)
-        expected = build_metadata([tables.get(r, []) for r in rows], [lengths.get(r, 0) for r in rows],
-                                  [1] * capacity, block_size, CPU, max_blocks=8)
-        live = [r for r in rows if r in lengths]
-        assert got.seq_lens.tolist() == expected.seq_lens.tolist(), step
-        assert got.block_tables.tolist() == expected.block_tables.tolist(), step
-        assert got.slot_mapping[live].tolist() == expected.slot_mapping[live].tolist(), step
-        padded = [r for r in rows if r not in lengths]
-        assert all(s == SCRATCH_BLOCK * block_size for s in got.slot_mapping[padded].tolist()), step
-        assert meta.lengths == tuple(lengths.get(r) for r in rows)
-
-
-def test_a_decode_step_inside_blocks_uploads_nothing_whatever_the_context():
-    for context in (5, 50_001):  # both 1 past a block boundary: the next two tokens fit
-        meta = DecodeMetadata(2, max_blocks=context // 4 + 2, block_size=4, device=CPU)
-        meta.admit(0, list(range(1, -(-context // 4) + 1)), context)
-        uploads = meta.uploads
-        meta.step()
-        meta.step()
-        assert meta.uploads == uploads  # host work per step does not depend on the context
-        assert meta.seq_lens.tolist() == [context + 2, 0]
-
-
-def test_decode_metadata_refuses_a_missing_or_scratch_block_and_keeps_its_state():
-    meta = DecodeMetadata(2, max_blocks=2, block_size=4, device=CPU)
-    meta.admit(0, [3], 4)
-    before = (meta.seq_lens.clone(), meta.block_tables.clone(), meta.lengths)
-    with pytest.raises(ValueError, match=r"new_blocks covers rows \[\], but rows \[0\] start a new block"):
-        meta.step()
-    with pytest.raises(ValueError, match=r"new_blocks \{0: 0\} has block id 0; .*\(block 0 is scratch\)"):
-        meta.step({0: SCRATCH_BLOCK})
-    with pytest.raises(ValueError, match=r"covers rows \[0, 1\], but rows \[0\]"):
-        meta.step({0: 5, 1: 6})
-    assert torch.equal(meta.seq_lens, before[0]) and torch.equal(meta.block_tables, before[1])
-    assert meta.lengths == before[2]
-    meta.step({0: 5})
-    for _ in range(3):
-        meta.step()
-    with pytest.raises(ValueError, match="row 0 would need block 3 of 2"):
-        meta.step({0: 6})
-    with pytest.raises(ValueError, match="row 0 is in use; release it first"):
-        meta.admit(0, [7], 1)
-    with pytest.raises(ValueError, match=r"row 1 has block id 0; .*\(block 0 is scratch\)"):
-        meta.admit(1, [0], 1)
 
 
 def test_spec_refuses_impossible_models_in_one_line():
@@ -380,7 +301,7 @@ def test_a_steps_kv_given_to_prefill_is_checked_in_one_line():
         reference.prefill(query, k, v, meta, scale=1.0, key=key)
     with pytest.raises(ValueError, match="attention.decode: key/value given; the step's K/V are prefill's"):
         check_call(query[:2], k, v, build_metadata([[1], [2]], [3, 3], [1, 1], 4, torch.device("cpu")), True, None,
-                   None, key=key[:2], value=key[:2])
+                   None, scale=1.0, key=key[:2], value=key[:2])
     with pytest.raises(ValueError, match=r"value is \(6, 2, 8\) torch.float32 on cpu; it must be the step's "
                                          r"values, \[7, 2, 8\] \(query rows, KV heads, head dim\) torch.float32"):
         reference.prefill(query, k, v, meta, scale=1.0, key=key, value=key[:6])
@@ -392,13 +313,14 @@ def test_a_steps_kv_given_to_prefill_is_checked_in_one_line():
 
 class SpyingBackend(ReferenceBackend):
     """Records the K/V `write_kv` stores and what `prefill` receives, in order; `step_kv`
-    declared or not, and with or without the SPI 1.7 arguments (an older backend's signature)."""
+    declared or not, and with or without `key`/`value` parameters (a backend not declaring
+    `step_kv` need not take them)."""
 
-    def __init__(self, step_kv: bool, old_signature: bool) -> None:
+    def __init__(self, step_kv: bool, without_kv: bool) -> None:
         self.capability = AttentionCapability(name="spy", dtypes=(torch.float32,), step_kv=step_kv)
         self.calls: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = []
-        if old_signature:
-            self.prefill = self.old_prefill  # type: ignore[method-assign]
+        if without_kv:
+            self.prefill = self.prefill_without_kv  # type: ignore[method-assign]
 
     def write_kv(self, k_cache, v_cache, key, value, slot_mapping):  # noqa: ANN001
         self.calls.append(("write", key, value))
@@ -408,22 +330,22 @@ class SpyingBackend(ReferenceBackend):
         self.calls.append(("prefill", key, value))
         return super().prefill(query, k_cache, v_cache, meta, key=key, value=value, **kwargs)
 
-    def old_prefill(self, query, k_cache, v_cache, meta, *, scale, sliding_window=None, soft_cap=None,  # noqa: ANN001
+    def prefill_without_kv(self, query, k_cache, v_cache, meta, *, scale, sliding_window=None, soft_cap=None,  # noqa: ANN001
                     out=None):
         self.calls.append(("prefill", None, None))
         return super().prefill(query, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window,
                                soft_cap=soft_cap, out=out)
 
 
-@pytest.mark.parametrize("step_kv, old_signature", [(True, False), (False, False), (False, True)])
-def test_the_engine_hands_the_steps_kv_only_to_a_backend_declaring_step_kv(step_kv, old_signature):
+@pytest.mark.parametrize("step_kv, without_kv", [(True, False), (False, False), (False, True)])
+def test_the_engine_hands_the_steps_kv_only_to_a_backend_declaring_step_kv(step_kv, without_kv):
     from torchhal.core.engine import EngineConfig, GenerationEngine
     from torchhal.core.model import ModelConfig
 
     config = EngineConfig(model=ModelConfig(num_heads=4, num_kv_heads=2), max_kv_slots=512, max_batch_tokens=16)
     prompts = [[1, 2, 3], list(range(5, 30))]  # the long one prefills in chunks, the second after cached tokens
     expected = [r.output for r in GenerationEngine(config).generate(prompts, 4)]
-    spy = SpyingBackend(step_kv, old_signature)
+    spy = SpyingBackend(step_kv, without_kv)
     platform = torchhal.get_platform("cpu")
     with patched_plugin(platform, attention_support=lambda: AttentionSupport(backends=(spy,))):
         engine = GenerationEngine(config, platform=platform)

@@ -15,7 +15,6 @@ import torchhal
 from torchhal.attention import (
     AttentionCapability,
     AttentionSpec,
-    DecodeMetadata,
     ReferenceBackend,
     build_metadata,
     new_kv_cache,
@@ -93,25 +92,6 @@ def test_requests_may_share_the_blocks_they_only_read():
 def test_build_metadata_refuses_a_block_size_that_is_not_a_positive_int(block_size):
     with pytest.raises(ValueError, match=f"block_size is {block_size!r}; pass the cache's block size"):
         build_metadata([[1]], [1], [1], block_size, CPU)
-
-
-def test_decode_metadata_refuses_bad_block_ids_and_keeps_its_rows():
-    meta = DecodeMetadata(2, max_blocks=4, block_size=4, device=CPU)
-    with pytest.raises(ValueError, match="block_size=4.0; each must be an int >= 1"):
-        DecodeMetadata(2, max_blocks=4, block_size=4.0, device=CPU)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="row 0 has block id -1"):
-        meta.admit(0, [-1], 3)
-    with pytest.raises(ValueError, match="row 0 has seq_len 5.0; pass an int 0 <= seq_len"):
-        meta.admit(0, [4], 5.0)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="row 0 names block 5 twice"):
-        meta.admit(0, [5, 5], 8)
-    assert meta.lengths == (None, None)
-    meta.admit(0, [5], 4)
-    with pytest.raises(ValueError, match="has block id -3"):
-        meta.step({0: -3})
-    assert meta.lengths == (4, None)
-    meta.step({0: 6})
-    assert meta.slot_mapping.tolist()[0] == 6 * 4
 
 
 # -- backend calls --------------------------------------------------------------------------
@@ -279,21 +259,6 @@ def test_write_kv_refuses_a_slice_of_a_cache_naming_it() -> None:
     assert not cache.any()
 
 
-def test_decode_metadata_rows_are_ints_numpy_ones_included_and_never_bools() -> None:
-    import numpy
-
-    from torchhal.attention import DecodeMetadata
-
-    meta = DecodeMetadata(2, max_blocks=4, block_size=4, device=torch.device("cpu"))
-    with pytest.raises(TypeError, match=r"row True is a bool; pass an int row index"):
-        meta.admit(True, [5], 4)  # type: ignore[arg-type]
-    assert not meta.active.any()  # nothing admitted
-    meta.admit(numpy.int64(1), [5], 4)  # type: ignore[arg-type]
-    assert meta.active.tolist() == [False, True] and int(meta.seq_lens[1]) == 4
-    meta.release(numpy.int64(1))  # type: ignore[arg-type]
-    assert not meta.active.any()
-
-
 @pytest.mark.parametrize("call", ["decode", "prefill"])
 def test_block_tables_naming_a_block_past_the_cache_are_refused_on_the_host(call: str) -> None:
     from torchhal.attention import ReferenceBackend, build_metadata, new_kv_cache
@@ -305,8 +270,7 @@ def test_block_tables_naming_a_block_past_the_cache_are_refused_on_the_host(call
 
 
 def test_numpy_integers_build_a_spec_and_a_cache_as_they_build_metadata() -> None:
-    # build_metadata and DecodeMetadata took numpy ints; AttentionSpec and new_kv_cache refused
-    # them as "not an int".
+    # build_metadata takes numpy ints: so do AttentionSpec and new_kv_cache.
     import numpy
 
     spec = AttentionSpec(numpy.int64(4), numpy.int32(2), numpy.int64(8), torch.float32, numpy.int64(16),
@@ -388,14 +352,8 @@ def test_a_query_on_another_device_than_the_cache_is_named() -> None:
 
 
 def test_a_length_past_int32_is_named_not_a_torch_overflow() -> None:
-    # seq_lens are int32 on the device: 2**31 tokens failed as "value cannot be converted to type int32".
+    # seq_lens are int32 on the device: 2**31 tokens would fail as "value cannot be converted to type int32".
     with pytest.raises(ValueError, match=r"^build_metadata: request 0 has seq_len 2147483648 and query_len 1; need "
                                          r"ints 0 <= query_len <= seq_len < 2\*\*31"):
         build_metadata([[1]], [2**31], [1], 2**31, CPU)
     assert build_metadata([[1]], [2**31 - 1], [1], 2**31 - 1, CPU).host_seq_lens == (2**31 - 1,)
-    meta = DecodeMetadata(1, max_blocks=2, block_size=2**31 - 1, device=CPU)
-    with pytest.raises(ValueError, match=r"^DecodeMetadata.admit: row 0 has seq_len 2147483648; pass an int "
-                                         r"0 <= seq_len < 2\*\*31"):
-        meta.admit(0, [1, 2], 2**31)
-    # Refused before the row's table was written: it stayed a free, scratch row.
-    assert meta.lengths == (None,) and meta.block_tables.tolist() == [[0, 0]]

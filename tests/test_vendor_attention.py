@@ -9,6 +9,7 @@ Ascend, ROCm, XPU or MUSA devices.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 import zlib
@@ -16,7 +17,7 @@ import zlib
 import pytest
 import torch
 
-from torchhal.attention import AttentionSpec, DecodeMetadata, ReferenceBackend, build_metadata, choose_backend
+from torchhal.attention import AttentionSpec, ReferenceBackend, build_metadata, choose_backend
 from torchhal.conformance_tests import test_attention as clause
 from torchhal.plugins.musa import MusaPlatform
 from torchhal.plugins.npu import NpuPlatform
@@ -129,15 +130,13 @@ def test_lengths_come_from_the_host_copy_without_a_device_read(npu, monkeypatch)
     assert npu.op.calls[0]["actual_seq_lengths_kv"] == list(meta.host_seq_lens)
 
 
-def test_device_advanced_decode_metadata_reads_its_lengths_once(npu):
-    """DecodeMetadata keeps no host copy: the lengths FIA takes are read from the device, after the step."""
-    decode = DecodeMetadata(capacity=3, max_blocks=2, block_size=NPU_BLOCK, device=torch.device("cpu"))
-    decode.admit(0, [1], 5)
-    decode.admit(2, [2, 3], 200)
-    meta = decode.step()
-    k_cache = torch.randn(4, NPU_BLOCK, 2, 64).half()
-    NpuFusedAttention().decode(torch.randn(3, 8, 64).half(), k_cache, k_cache.clone(), meta, scale=0.125)
-    assert npu.op.calls[0]["actual_seq_lengths_kv"] == [6, 0, 201]
+def test_metadata_worked_out_on_the_device_gives_fia_its_lengths_read_back(npu):
+    """Metadata with no host copy (as the decode graph's, worked out on the device): the lengths
+    FIA takes on the host are read from the device."""
+    query, k_cache, v_cache, meta = small_layout((1, 1, 1))
+    device_built = dataclasses.replace(meta, host_seq_lens=None, host_query_start=None)
+    NpuFusedAttention().decode(query, k_cache, v_cache, device_built, scale=0.125)
+    assert npu.op.calls[0]["actual_seq_lengths_kv"] == [5, 0, 130]
 
 
 @pytest.mark.parametrize("change, named", [

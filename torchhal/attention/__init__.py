@@ -10,7 +10,6 @@ from torchhal.attention.backend import (
     AttentionCapability,
     AttentionChoice,
     AttentionSpec,
-    StepKvAttentionBackend,
     check_call,
     check_step_kv,
     choose_backend,
@@ -18,7 +17,6 @@ from torchhal.attention.backend import (
 )
 from torchhal.attention.layout import (
     SCRATCH_BLOCK,
-    DecodeMetadata,
     PagedMetadata,
     PagedWriter,
     build_metadata,
@@ -26,7 +24,6 @@ from torchhal.attention.layout import (
     check_write,
     decode_metadata_for_rows,
     new_kv_cache,
-    query_positions,
     write_kv,
 )
 from torchhal.attention.reference import ReferenceBackend, attend
@@ -37,11 +34,9 @@ __all__ = [
     "AttentionCapability",
     "AttentionChoice",
     "AttentionSpec",
-    "DecodeMetadata",
     "PagedMetadata",
     "PagedWriter",
     "ReferenceBackend",
-    "StepKvAttentionBackend",
     "attend",
     "build_metadata",
     "build_metadata_and_positions",
@@ -51,7 +46,6 @@ __all__ = [
     "choose_backend",
     "decode_metadata_for_rows",
     "new_kv_cache",
-    "query_positions",
     "unsupported_reason",
     "write_kv",
 ]

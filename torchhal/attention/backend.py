@@ -19,7 +19,6 @@ from torchhal.attention.layout import PagedMetadata, outside_on_host
 from torchhal.values import as_index, check_bool
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_NO_SCALE = object()
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,7 @@ class AttentionCapability:
     step_kv:        `prefill` takes the step's own K/V (`key`, `value`: what `write_kv` just
                     stored at the step's slots) and may read a whole prompt's K/V from them
                     instead of back out of the cache. Engines pass them only to a backend
-                    that declares this (SPI 1.7), so older backends keep their signature.
+                    that declares this.
     note:           one line for reports.
     """
 
@@ -172,25 +171,13 @@ class AttentionBackend(Protocol):
     def prefill(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
         scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Variable-length causal attention: request i's queries are rows
-        meta.query_start[i]:meta.query_start[i + 1], its last tokens."""
-        ...
-
-
-@runtime_checkable
-class StepKvAttentionBackend(AttentionBackend, Protocol):
-    """A backend declaring `step_kv` (SPI 1.7): its `prefill` also takes the step's K/V,
-    row t for query row t, the tensors `write_kv` just stored (views into the projections'
-    outputs: each with its own strides). `AttentionBackend.prefill` keeps its 1.6 signature,
-    so a backend written for 1.6 still type-checks."""
-
-    def prefill(
-        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
-        scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
         out: torch.Tensor | None = None, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Variable-length causal attention: request i's queries are rows
+        meta.query_start[i]:meta.query_start[i + 1], its last tokens. `key`/`value`: the
+        step's K/V, row t for query row t, as `write_kv` just stored them (views into the
+        projections' outputs, each with its own strides); given only to a backend declaring
+        `step_kv`."""
         ...
 
 
@@ -244,7 +231,7 @@ def choose_backend(declared: tuple[AttentionBackend, ...], spec: AttentionSpec,
 
 def check_call(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
                decode: bool, sliding_window: int | None, soft_cap: float | None, *,
-               scale: object = _NO_SCALE, out: torch.Tensor | None = None,
+               scale: object, out: torch.Tensor | None = None,
                key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> None:
     """Raise one line naming the bad argument; shared by every backend's entry points.
     Only what is known on the host is checked (no device sync): shapes, dtypes, the
@@ -295,8 +282,7 @@ def check_call(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         check_step_kv(query, k_cache, key, value)
     check_window("attention: sliding_window", sliding_window)
     check_positive("attention: soft_cap", soft_cap, optional=True)
-    if scale is not _NO_SCALE:  # callers from before `scale` was checked pass none
-        check_positive("attention: scale", scale, optional=False)
+    check_positive("attention: scale", scale, optional=False)
 
 
 def check_step_kv(query: torch.Tensor, k_cache: torch.Tensor, key: torch.Tensor | None,

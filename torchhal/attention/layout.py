@@ -8,15 +8,13 @@ graph bucket) write there, and unused block-table entries point there, so every 
 entry is a valid index and no kernel needs a bounds branch for them.
 
 A step's metadata (`PagedMetadata`) is device tensors only: block tables, context lengths
-(including this step's tokens), query offsets and the slots this step writes. Decode
-metadata is kept on the device and advanced in place (`DecodeMetadata.step`), so a step's
-host work grows with the batch, never with the context.
+(including this step's tokens), query offsets and the slots this step writes.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -72,7 +70,7 @@ class PagedMetadata:
             if not isinstance(tensor, torch.Tensor) or tensor.dim() != dims or tensor.dtype != dtype:
                 shown = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else repr(tensor)
                 raise ValueError(f"PagedMetadata: {field} is {shown}; it must be a {dims}-D {dtype} tensor "
-                                 "(build_metadata and DecodeMetadata make them so)")
+                                 "(build_metadata makes them so)")
             if tensor.device != device:
                 raise ValueError(f"PagedMetadata: {field} is on {tensor.device} but slot_mapping on {device}; put "
                                  "the metadata's tensors on one device")
@@ -232,9 +230,9 @@ def build_metadata_and_positions(
     device: torch.device,
     max_blocks: int | None = None,
 ) -> tuple[PagedMetadata, torch.Tensor]:
-    """Metadata for one step from host lists (prefill, tests), and its query tokens' positions
-    ([num_tokens] int64, as `query_positions` gives them: the slots are worked out from them,
-    so they come free). Request i's last `query_lens[i]` of `seq_lens[i]` tokens are this step's queries.
+    """Metadata for one step from host lists, and its query tokens' absolute positions
+    ([num_tokens] int64, the rotary positions too: the slots are worked out from them, so
+    they come free). Request i's last `query_lens[i]` of `seq_lens[i]` tokens are this step's queries.
 
     A padded row has seq_len 0 and query_len 0 (prefill) or 1 (a decode row of a padded
     batch: it writes the scratch slot and outputs zeros).
@@ -323,12 +321,6 @@ def _token_rows_and_positions(seq_lens: torch.Tensor, query_start: torch.Tensor,
     return rows, seq_lens[rows].to(torch.int64) - (query_start[rows + 1].to(torch.int64) - tokens)
 
 
-def query_positions(meta: PagedMetadata) -> torch.Tensor:
-    """[num_tokens] int64: each of the step's query tokens' absolute position (the rotary
-    position too), worked out on the metadata's device."""
-    return _token_rows_and_positions(meta.seq_lens, meta.query_start, int(meta.slot_mapping.shape[0]))[1]
-
-
 def check_rows(label: str, rows: object, num_tokens: int, device: torch.device) -> None:
     """Raise one line naming a bad `rows` argument: [R] int64 token indices on `device`, each
     in 0..num_tokens-1. The range is checked where that costs no device sync (host-resident
@@ -364,133 +356,3 @@ def decode_metadata_for_rows(meta: PagedMetadata, rows: torch.Tensor) -> PagedMe
         host_query_start=tuple(range(count + 1)),
         block_size=meta.block_size,
     )
-
-
-class DecodeMetadata:
-    """Decode metadata for a fixed batch capacity, kept on the device and advanced in place.
-
-    Rows are admitted with their whole block table once (`admit`); each step appends one
-    token to every active row on the device (`step`). The host's share of a step is a
-    loop over the rows and one small upload of the blocks newly appended at a block
-    boundary: it does not grow with the context. The tensors keep their addresses, so a
-    graph captured over them replays with each step's values.
-    """
-
-    def __init__(self, capacity: int, max_blocks: int, block_size: int, device: torch.device) -> None:
-        sizes = [as_index(n) for n in (capacity, max_blocks, block_size)]
-        if not all(n is not None and n >= 1 for n in sizes):
-            raise ValueError(f"DecodeMetadata: capacity={capacity!r}, max_blocks={max_blocks!r}, "
-                             f"block_size={block_size!r}; each must be an int >= 1")
-        capacity, max_blocks, block_size = cast(list[int], sizes)
-        self.block_size, self.max_blocks, self.device = block_size, max_blocks, device
-        self.block_tables = torch.full((capacity, max_blocks), SCRATCH_BLOCK, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(capacity, dtype=torch.int32, device=device)
-        self.active = torch.zeros(capacity, dtype=torch.bool, device=device)
-        self.slot_mapping = torch.full((capacity,), SCRATCH_BLOCK * block_size, dtype=torch.int64, device=device)
-        self.query_start = torch.arange(capacity + 1, dtype=torch.int32, device=device)
-        self._lengths: list[int | None] = [None] * capacity  # host copy: None = free row
-        self.uploads = 0  # host-to-device uploads of table entries (tests check a step needs none)
-
-    @property
-    def metadata(self) -> PagedMetadata:
-        return PagedMetadata(self.block_tables, self.seq_lens, self.query_start, self.slot_mapping, 1,
-                             block_size=self.block_size)
-
-    def admit(self, row: int, blocks: Sequence[int], seq_len: int) -> None:
-        """Put a request with `seq_len` cached tokens in `blocks` into a free row."""
-        row = self._check_row(row, want_free=True)
-        length = as_index(seq_len)
-        if length is None or not 0 <= length < 2**31:  # seq_lens are int32 on the device
-            raise ValueError(f"DecodeMetadata.admit: row {row} has seq_len {seq_len!r}; pass an int "
-                             "0 <= seq_len < 2**31")
-        used = ceil_div(length, self.block_size)
-        if len(blocks) != used or used > self.max_blocks:
-            raise ValueError(f"DecodeMetadata.admit: row {row} has {length} tokens in blocks {list(blocks)}; pass "
-                             f"exactly {used} blocks (at most {self.max_blocks})")
-        label = f"DecodeMetadata.admit: row {row}"
-        table, plain = _block_row(label, list(blocks))
-        _check_tables(lambda _: label, table[None], [plain], [0])
-        self._upload(row, 0, plain)
-        self.seq_lens[row] = length
-        self.active[row] = True
-        self._lengths[row] = length
-
-    def release(self, row: int) -> None:
-        """Free a row: it becomes a padded row (seq_len 0, scratch table, scratch slot)."""
-        row = self._check_row(row, want_free=False)
-        self.block_tables[row].fill_(SCRATCH_BLOCK)
-        self.seq_lens[row] = 0
-        self.active[row] = False
-        self._lengths[row] = None
-
-    def rows_needing_block(self) -> list[int]:
-        """Active rows whose next token starts a new block: pass a block for each to `step`."""
-        return [row for row, n in enumerate(self._lengths) if n is not None and n % self.block_size == 0]
-
-    @property
-    def lengths(self) -> tuple[int | None, ...]:
-        """The host's copy of each row's length after the last step (None: a free row)."""
-        return tuple(self._lengths)
-
-    def step(self, new_blocks: Mapping[int, int] | None = None) -> PagedMetadata:
-        """Advance every active row by one token; returns the step's metadata.
-
-        `new_blocks` maps each row of `rows_needing_block()` to the block its token starts.
-        """
-        self.append_blocks(new_blocks)
-        self.advance_on_device()
-        return self.metadata
-
-    def append_blocks(self, new_blocks: Mapping[int, int] | None = None) -> None:
-        """The host part of `step`: check and upload the step's new blocks, count the token.
-
-        With a captured graph that runs `advance_on_device`, call this, then replay.
-        """
-        new_blocks = dict(new_blocks or {})
-        needed = self.rows_needing_block()
-        if sorted(new_blocks) != needed:
-            raise ValueError(f"DecodeMetadata.step: new_blocks covers rows {sorted(new_blocks)}, but rows {needed} "
-                             "start a new block this step; pass exactly one block for each")
-        label = f"DecodeMetadata.step: new_blocks {new_blocks}"
-        table, appended = _block_row(label, [new_blocks[row] for row in needed])
-        _check_tables(lambda _: label, table[None], [appended], [0])
-        columns = [self._lengths[row] // self.block_size for row in needed]  # type: ignore[operator]
-        for row, column in zip(needed, columns, strict=True):
-            if column >= self.max_blocks:
-                raise ValueError(f"DecodeMetadata.step: row {row} would need block {column + 1} of "
-                                 f"{self.max_blocks}; release it or build with a larger max_blocks")
-        self._upload_many(needed, columns, appended)
-        for row, n in enumerate(self._lengths):
-            if n is not None:
-                self._lengths[row] = n + 1
-
-    def advance_on_device(self) -> None:
-        """The device part of `step`: lengths and slots, in place, no host sync."""
-        self.seq_lens.add_(self.active.to(torch.int32))
-        position = (self.seq_lens - 1).clamp_(min=0).to(torch.int64)
-        block = self.block_tables.gather(1, (position // self.block_size)[:, None]).squeeze(1).to(torch.int64)
-        slot = block * self.block_size + position % self.block_size
-        self.slot_mapping.copy_(torch.where(self.active, slot, SCRATCH_BLOCK * self.block_size))
-
-    def _check_row(self, row: int, want_free: bool) -> int:
-        """`row` as a plain int, checked in range and free (or in use)."""
-        index = as_index(row)
-        if index is None:
-            raise TypeError(f"DecodeMetadata: row {row!r} is a {type(row).__name__}; pass an int row index")
-        if not 0 <= index < len(self._lengths):
-            raise ValueError(f"DecodeMetadata: row {row!r} is out of range 0..{len(self._lengths) - 1}")
-        if want_free and self._lengths[index] is not None:
-            raise ValueError(f"DecodeMetadata.admit: row {index} is in use; release it first")
-        if not want_free and self._lengths[index] is None:
-            raise ValueError(f"DecodeMetadata.release: row {index} is not in use")
-        return index
-
-    def _upload(self, row: int, first: int, blocks: Sequence[int]) -> None:
-        self._upload_many([row] * len(blocks), list(range(first, first + len(blocks))), blocks)
-
-    def _upload_many(self, rows: list[int], columns: list[int], blocks: Sequence[int]) -> None:
-        if not blocks:
-            return
-        self.uploads += 1
-        values = torch.tensor(blocks, dtype=torch.int32).to(self.device, non_blocking=True)
-        self.block_tables[rows, columns] = values
