@@ -139,24 +139,6 @@ def test_metadata_worked_out_on_the_device_gives_fia_its_lengths_read_back(npu):
     assert npu.op.calls[0]["actual_seq_lengths_kv"] == [5, 0, 130]
 
 
-@pytest.mark.parametrize("change, named", [
-    ({"dtype": torch.float32}, "dtype torch.float32"),
-    ({"block": 16}, "block_size 16"),
-    ({"dim": 72}, "head_dim 72"),
-    ({"window": 8}, "sliding_window 8"),
-    ({"soft_cap": 2.0}, "soft_cap 2.0"),
-])
-def test_a_direct_call_fia_cannot_take_fails_in_one_line_before_the_op(npu, change, named):
-    dtype, block, dim = change.get("dtype", torch.float16), change.get("block", NPU_BLOCK), change.get("dim", 64)
-    meta = build_metadata([[1]], [3], [1], block, torch.device("cpu"))
-    k_cache = torch.zeros(2, block, 2, dim, dtype=dtype)
-    with pytest.raises(ValueError, match=named) as error:
-        NpuFusedAttention().decode(torch.zeros(1, 8, dim, dtype=dtype), k_cache, k_cache.clone(), meta, scale=1.0,
-                                   sliding_window=change.get("window"), soft_cap=change.get("soft_cap"))
-    assert "\n" not in str(error.value) and "choose_attention" in str(error.value)
-    assert npu.op.calls == []
-
-
 def test_the_fake_refuses_what_the_op_documents_as_invalid(npu):
     """The fake is only as good as its checks: a mapping error it must catch."""
     query, k_cache, v_cache, meta = small_layout((5, 0, 3))

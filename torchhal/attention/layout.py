@@ -1,4 +1,4 @@
-"""The paged KV layout every attention backend reads, and the metadata that addresses it.
+"""The paged KV layout every attention backend reads, the metadata that addresses it, and the write.
 
 Per layer, `k_cache` and `v_cache` are `[num_blocks, block_size, num_kv_heads, head_dim]`:
 a token's K (or V) for all KV heads is one contiguous row, so a kernel reads a block's
@@ -7,28 +7,35 @@ Block `SCRATCH_BLOCK` (0) is never handed to a request: padded rows (a batch pad
 graph bucket) write there, and unused block-table entries point there, so every table
 entry is a valid index and no kernel needs a bounds branch for them.
 
-A step's metadata (`PagedMetadata`) is device tensors only: block tables, context lengths
-(including this step's tokens), query offsets and the slots this step writes.
+A step's metadata (`PagedMetadata`) is device tensors: block tables, context lengths
+(including this step's tokens), query offsets and the slots this step writes. Its
+constructor is the one place metadata is checked: it refuses tensors unlike the fields it
+documents, and lengths and offsets that do not fit them, from what the host knows without a
+device sync (the builder's host copies, or the tensors themselves where they are in host
+memory). Backends read what it admitted without checking it again. `build_metadata` makes
+it from host lists, refusing block ids that are not a request's own.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from itertools import pairwise
 
 import torch
 
-from torchhal.values import as_index, ceil_div
+from torchhal.values import as_index, as_indices, ceil_div, short_repr
 
 #: The block padded rows write to and unused table entries point at; never a request's.
 SCRATCH_BLOCK = 0
-
+#: Lengths and block ids are int32 on the device.
+INT32_END = 2**31
 
 #: PagedMetadata's tensors as it documents them: (field, dims, dtype).
-_METADATA_LAYOUT = (("block_tables", 2, torch.int32), ("seq_lens", 1, torch.int32), ("query_start", 1, torch.int32),
-                    ("slot_mapping", 1, torch.int64))
+_TENSORS = (("block_tables", 2, torch.int32), ("seq_lens", 1, torch.int32), ("query_start", 1, torch.int32),
+            ("slot_mapping", 1, torch.int64))
 
 
 @dataclass(frozen=True)
@@ -42,13 +49,16 @@ class PagedMetadata:
                   the earlier ones are already in the cache).
     slot_mapping: [num_tokens] int64: where each query token's K/V is written
                   (block * block_size + offset; a scratch slot for padded rows).
-    max_query_len: the longest request's query count (a host int, for the launch grid);
-                  1 for decode.
+    max_query_len: at least the longest request's query count (a host int, for the launch
+                  grid); 1 for decode.
+    block_size:   the tokens a block of the cache holds, as the slots were worked out.
     host_seq_lens, host_query_start: host copies of seq_lens and query_start where the
-                  builder had them (`build_metadata`; None on the device-advanced decode
-                  path), so a backend can pick a kernel by shape without a device sync.
-    block_size:   the tokens a block holds, as the slots were worked out (None: not recorded);
-                  `check_call` refuses a cache whose blocks hold another count.
+                  builder had them (`build_metadata`; None for metadata worked out on the
+                  device), so a backend can pick a kernel by shape without a device sync.
+
+    A request's context fits its table row (seq_len <= max_blocks * block_size) and holds its
+    queries (query count <= seq_len; a padded decode row has seq_len 0 and one query);
+    query_start rises from 0 to num_tokens.
     """
 
     block_tables: torch.Tensor
@@ -56,27 +66,59 @@ class PagedMetadata:
     query_start: torch.Tensor
     slot_mapping: torch.Tensor
     max_query_len: int
+    block_size: int
     host_seq_lens: tuple[int, ...] | None = None
     host_query_start: tuple[int, ...] | None = None
-    block_size: int | None = None
 
     def __post_init__(self) -> None:
-        # Checked once where made, not at every layer's call: hand-built metadata unlike the
-        # fields above failed deep in a kernel, or gave a wrong answer (a float length
-        # truncated, a second table row ignored). Host facts only: no device sync.
+        problem = self._layout_problem() or self._lengths_problem()
+        if problem is not None:
+            raise ValueError(f"PagedMetadata: {problem}")
+
+    def _layout_problem(self) -> str | None:
         device = self.slot_mapping.device if isinstance(self.slot_mapping, torch.Tensor) else None
-        for field, dims, dtype in _METADATA_LAYOUT:
+        for field, dims, dtype in _TENSORS:
             tensor = getattr(self, field)
             if not isinstance(tensor, torch.Tensor) or tensor.dim() != dims or tensor.dtype != dtype:
                 shown = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else repr(tensor)
-                raise ValueError(f"PagedMetadata: {field} is {shown}; it must be a {dims}-D {dtype} tensor "
-                                 "(build_metadata makes them so)")
+                return f"{field} is {shown}; it must be a {dims}-D {dtype} tensor (build_metadata makes them so)"
             if tensor.device != device:
-                raise ValueError(f"PagedMetadata: {field} is on {tensor.device} but slot_mapping on {device}; put "
-                                 "the metadata's tensors on one device")
-        if self.block_tables.shape[0] != self.seq_lens.shape[0]:
-            raise ValueError(f"PagedMetadata: block_tables has {self.block_tables.shape[0]} rows but seq_lens "
-                             f"{self.seq_lens.shape[0]}; give one table row per request")
+                return f"{field} is on {tensor.device} but slot_mapping on {device}; put the tensors on one device"
+        if not self.block_tables.shape[0] == self.batch == self.query_start.shape[0] - 1:
+            return (f"block_tables has {self.block_tables.shape[0]} rows and query_start {self.query_start.shape[0]} "
+                    f"entries for {self.batch} seq_lens; give one table row per request and batch + 1 offsets")
+        for field, least in (("block_size", 1), ("max_query_len", 0)):
+            value = as_index(getattr(self, field))
+            if value is None or value < least:
+                return f"{field} is {short_repr(getattr(self, field))}; it must be an int >= {least}"
+            object.__setattr__(self, field, value)
+        return None
+
+    def _lengths_problem(self) -> str | None:
+        """What is wrong with the lengths and offsets as the host knows them: the host copies,
+        else the tensors themselves where they are in host memory (never a device sync)."""
+        on_host, batch, tokens = self.seq_lens.device.type == "cpu", self.batch, self.slot_mapping.shape[0]
+        seq_lens = self.seq_lens.tolist() if self.host_seq_lens is None and on_host else self.host_seq_lens
+        starts = self.query_start.tolist() if self.host_query_start is None and on_host else self.host_query_start
+        counts = [0] * batch
+        if starts is not None:
+            counts = [last - first for first, last in pairwise(starts)]
+            if len(starts) != batch + 1 or starts[0] != 0 or starts[-1] != tokens or min(counts, default=0) < 0:
+                return (f"query_start is {short_repr(list(starts))}; it must rise from 0 to the step's {tokens} "
+                        f"tokens (slot_mapping's entries) in {batch + 1} offsets")
+            if max(counts, default=0) > self.max_query_len:
+                return f"max_query_len is {self.max_query_len} but a request has {max(counts)} queries"
+        if seq_lens is None:
+            return None
+        if len(seq_lens) != batch:
+            return f"host_seq_lens has {len(seq_lens)} entries for a batch of {batch}"
+        capacity = self.max_blocks * self.block_size
+        for row, (seq_len, count) in enumerate(zip(seq_lens, counts, strict=True)):
+            if not 0 <= seq_len <= capacity or (count > seq_len and not (seq_len == 0 and count == 1)):
+                return (f"request {row} has seq_len {seq_len} and {count} queries; need 0 <= queries <= seq_len <= "
+                        f"{capacity} (its table row: {self.max_blocks} blocks of {self.block_size}), or a padded row "
+                        "(seq_len 0, at most one query)")
+        return None
 
     @property
     def batch(self) -> int:
@@ -91,62 +133,24 @@ def new_kv_cache(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's (k_cache, v_cache), zeroed, in the paged layout."""
-    sizes = []
-    for label, value in (("num_blocks", num_blocks), ("block_size", block_size),
-                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        size = as_index(value)  # numpy's integers too, as build_metadata takes them
-        if size is None or size < 1:
-            raise ValueError(f"new_kv_cache: {label} is {value!r}; pass an int >= 1")
-        sizes.append(size)
-    if sizes[0] < 2:
-        raise ValueError(f"new_kv_cache: num_blocks is {num_blocks}; pass >= 2 (block {SCRATCH_BLOCK} is scratch)")
-    shape = tuple(sizes)
+    sizes = {"num_blocks": num_blocks, "block_size": block_size, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    for label, value in sizes.items():
+        least = 2 if label == "num_blocks" else 1  # block SCRATCH_BLOCK is no request's
+        if (as_index(value) or 0) < least:  # numpy's integers too, as build_metadata takes them
+            raise ValueError(f"new_kv_cache: {label} is {value!r}; pass an int >= {least}"
+                             + (f" (block {SCRATCH_BLOCK} is scratch)" if least == 2 else ""))
+    shape = tuple(as_index(value) or 0 for value in sizes.values())
     return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-
-
-def check_write(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                slot_mapping: torch.Tensor) -> None:
-    """Raise one line naming the bad argument of a `write_kv` call (every writer checks these),
-    before anything is written. The slots' range is checked where that costs no device sync
-    (a host-resident slot_mapping); on a device the metadata builders guarantee it."""
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"write_kv: k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} must be one "
-                         "layer's pair from the same KV cache, [num_blocks, block_size, num_kv_heads, head_dim]")
-    heads, dim = k_cache.shape[2], k_cache.shape[3]
-    if key.shape != value.shape or key.dim() != 3 or tuple(key.shape[1:]) != (heads, dim):
-        raise ValueError(
-            f"write_kv: key {tuple(key.shape)} / value {tuple(value.shape)} must both be "
-            f"[num_tokens, {heads}, {dim}] to match the cache"
-        )
-    if slot_mapping.shape != key.shape[:1] or slot_mapping.dtype != torch.int64:
-        raise ValueError(f"write_kv: slot_mapping is {tuple(slot_mapping.shape)} {slot_mapping.dtype}; it needs one "
-                         f"int64 slot per token ({key.shape[0]})")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("write_kv: k_cache / v_cache must be contiguous, one layer's pair as the KV cache holds "
-                         "them (a slice of one is not: its slots are not where the metadata says)")
-    slots = k_cache.shape[0] * k_cache.shape[1]
-    bad = outside_on_host(slot_mapping, slots)
-    if bad is not None:
-        raise ValueError(f"write_kv: slot {bad} is outside the cache's {slots} slots (0..{slots - 1})")
-
-
-def outside_on_host(ids: torch.Tensor, count: int) -> int | None:
-    """An id of `ids` outside 0..count-1, where `ids` is in host memory; None when all are in
-    range, or when `ids` is on a device (finding out there would cost a sync)."""
-    if ids.device.type != "cpu" or not ids.numel():
-        return None
-    low, high = int(ids.min()), int(ids.max())
-    return low if low < 0 else high if high >= count else None
 
 
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store this step's K/V ([num_tokens, num_kv_heads, head_dim]) into their slots.
+    """Store this step's K/V ([num_tokens, num_kv_heads, head_dim], any strides) into their
+    slots (`slot_mapping`, from the step's metadata) of one layer's contiguous caches.
 
     One indexed copy per cache, no host sync: capturable in a device graph.
     """
-    check_write(k_cache, v_cache, key, value, slot_mapping)
     heads, dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
@@ -162,52 +166,46 @@ class PagedWriter:
         write_kv(k_cache, v_cache, key, value, slot_mapping)
 
 
-def _block_row(label: str, ids: list[Any]) -> tuple[torch.Tensor, array[int]]:
-    """`ids` as an int64 tensor and as an array of plain ints, which the tensor shares (the
-    repeat checks need values: a torch integer hashes by identity). The array's strict
-    conversion refuses a float (or anything else that is not an integer) instead of
-    truncating it, at C speed: it runs for every request of every step."""
+def _block_ids(row: int, ids: Sequence[object]) -> array[int]:
+    """A request's block ids as machine integers. The array's strict conversion refuses a float
+    (or anything else that is not an integer) instead of truncating it, at C speed: it runs
+    for every request of every step."""
     try:
-        packed = array("q", ids)
+        return array("q", ids)  # type: ignore[arg-type]
     except (TypeError, OverflowError):
-        raise _bad_block(label, next((b for b in ids if not 1 <= (as_index(b) or 0) < 2**31), ids)) from None
-    return (torch.frombuffer(packed, dtype=torch.int64) if ids else torch.empty(0, dtype=torch.int64)), packed
+        raise _bad_block(row, next(b for b in ids if not 1 <= (as_index(b) or 0) < INT32_END)) from None
 
 
-def _bad_block(label: str, block: object) -> ValueError:
-    return ValueError(f"{label} has block id {block!r}; a block id is an int from 1 to 2**31 - 1 (block "
-                      f"{SCRATCH_BLOCK} is scratch)")
+def _bad_block(row: int, block: object) -> ValueError:
+    return ValueError(f"build_metadata: request {row} has block id {block!r}; a block id is an int from 1 to "
+                      f"2**31 - 1 (block {SCRATCH_BLOCK} is scratch)")
 
 
-def _check_tables(label: Callable[[int], str], tables: torch.Tensor, ids: Sequence[Sequence[int]],
-                  first_written: list[int]) -> None:
+def _check_blocks(tables: torch.Tensor, ids: list[array[int]], first_written: list[int]) -> None:
     """Block ids of one step's requests (`ids[i]`: request i's blocks, from index
     `first_written[i]` on the ones this step writes; `tables`: the same, host [batch, width]
     int64, 0 past each row's blocks): each from 1 to 2**31 - 1, none twice in a table (two
     positions would share slots), and a block a request writes in no other request's table
     (requests may share the blocks they only read, a common prefix). The common case, no
     block repeated anywhere, costs one set union and three reductions, not a Python loop."""
-    counts = [len(row) for row in ids]
-    if not sum(counts):
+    count = sum(map(len, ids))
+    if not count:
         return
-    if int(tables.min()) < 0 or int(tables.max()) >= 2**31 or int(tables.count_nonzero()) != sum(counts):
-        row = next(i for i, blocks in enumerate(ids) if blocks and not 1 <= min(blocks) <= max(blocks) < 2**31)
-        raise _bad_block(label(row), next(b for b in ids[row] if not 1 <= b < 2**31))
-    if len(set().union(*ids)) == sum(counts):
+    if int(tables.min()) < 0 or int(tables.max()) >= INT32_END or int(tables.count_nonzero()) != count:
+        row = next(i for i, blocks in enumerate(ids) if blocks and not 1 <= min(blocks) <= max(blocks) < INT32_END)
+        raise _bad_block(row, next(b for b in ids[row] if not 1 <= b < INT32_END))
+    if len(set().union(*ids)) == count:
         return
-    owners: dict[int, int] = {}
-    for row, blocks in enumerate(ids):  # only where some block repeats
+    owners = Counter(block for blocks in ids for block in set(blocks))  # only where some block repeats
+    for row, blocks in enumerate(ids):
         if len(set(blocks)) < len(blocks):
             repeated = next(b for k, b in enumerate(blocks) if b in blocks[:k])
-            raise ValueError(f"{label(row)} names block {repeated} twice; each block holds one span of a request's "
-                             "tokens")
-        for block in blocks:
-            owners[block] = owners.get(block, 0) + 1
-    for row, blocks in enumerate(ids):
+            raise ValueError(f"build_metadata: request {row} names block {repeated} twice; each block holds one "
+                             "span of a request's tokens")
         shared = next((b for b in blocks[first_written[row]:] if owners[b] > 1), None)
         if shared is not None:
-            raise ValueError(f"{label(row)} writes block {shared} this step, and another request's table has it "
-                             "too; give each request the blocks it writes to itself")
+            raise ValueError(f"build_metadata: request {row} writes block {shared} this step, and another request's "
+                             "table has it too; give each request the blocks it writes to itself")
 
 
 def build_metadata(
@@ -232,7 +230,9 @@ def build_metadata_and_positions(
 ) -> tuple[PagedMetadata, torch.Tensor]:
     """Metadata for one step from host lists, and its query tokens' absolute positions
     ([num_tokens] int64, the rotary positions too: the slots are worked out from them, so
-    they come free). Request i's last `query_lens[i]` of `seq_lens[i]` tokens are this step's queries.
+    they come free). Request i's last `query_lens[i]` of `seq_lens[i]` tokens are this step's
+    queries, its KV in the first ceil(seq_lens[i] / block_size) blocks of `block_tables[i]`;
+    the tables are `max_blocks` wide (None: the longest request's).
 
     A padded row has seq_len 0 and query_len 0 (prefill) or 1 (a decode row of a padded
     batch: it writes the scratch slot and outputs zeros).
@@ -248,63 +248,53 @@ def build_metadata_and_positions(
     size = as_index(block_size)
     if size is None or size < 1:
         raise ValueError(f"build_metadata: block_size is {block_size!r}; pass the cache's block size, an int >= 1")
-    block_size = size
-    lengths, queries = [as_index(n) for n in seq_lens], [as_index(n) for n in query_lens]
-    for i, (seq_len, query_len) in enumerate(zip(lengths, queries, strict=True)):
-        if seq_len is None or query_len is None or seq_len < 0 or query_len < 0 or seq_len >= 2**31 or (
-                seq_len > 0 and query_len > seq_len):  # seq_lens are int32 on the device
-            raise ValueError(f"build_metadata: request {i} has seq_len {seq_lens[i]!r} and query_len "
-                             f"{query_lens[i]!r}; need ints 0 <= query_len <= seq_len < 2**31 (or seq_len 0 for a "
-                             "padded row)")
-    seq_lens, query_lens = cast(list[int], lengths), cast(list[int], queries)
-    need = max([ceil_div(n, block_size) for n in seq_lens], default=0)
-    widest = need if max_blocks is None else as_index(max_blocks)
-    if widest is None or widest < 0:
-        raise ValueError(f"build_metadata: max_blocks is {max_blocks!r}; pass an int >= 0 (the block tables' width), "
-                         "or None for the longest request's")
-    width = max(widest, 1)
-    if width < need:
-        raise ValueError(f"build_metadata: max_blocks={max_blocks} but a request of {max(seq_lens)} tokens needs "
-                         f"{need} blocks of {block_size}; raise max_blocks")
-    batch, starts = len(seq_lens), [0]
-    # One host buffer, one upload: the tables, then seq_lens, then query_start.
-    host = torch.full((batch * width + 2 * batch + 1,), SCRATCH_BLOCK, dtype=torch.int32)
-    tables = host[: batch * width].view(batch, width)
-    blocks64 = torch.zeros((batch, width), dtype=torch.int64)  # checked whole, then copied into `tables`
-    requests: list[Sequence[int]] = []
-    for i, (blocks, seq_len, query_len) in enumerate(zip(block_tables, seq_lens, query_lens, strict=True)):
-        used = ceil_div(seq_len, block_size)
+    lengths, queries = as_indices(seq_lens, 0), as_indices(query_lens, 0)
+    if lengths is None or queries is None or max(lengths, default=0) >= INT32_END:
+        row = next(i for i, pair in enumerate(zip(seq_lens, query_lens, strict=True))
+                   if as_indices(pair, 0) is None or pair[0] >= INT32_END)
+        raise ValueError(f"build_metadata: request {row} has seq_len {seq_lens[row]!r} and query_len "
+                         f"{query_lens[row]!r}; need ints 0 <= query_len <= seq_len < 2**31")
+    need = max([ceil_div(n, size) for n in lengths], default=0)
+    width = need if max_blocks is None else as_index(max_blocks)
+    if width is None or width < need:
+        raise ValueError(f"build_metadata: max_blocks is {max_blocks!r}, and the longest request needs {need} "
+                         f"blocks of {size}; pass an int >= {need}, or None for that")
+    width, batch, starts = max(width, 1), len(lengths), [0]
+    blocks64 = torch.full((batch, width), SCRATCH_BLOCK, dtype=torch.int64)  # checked whole, then made int32
+    requests: list[array[int]] = []
+    for row, (blocks, seq_len, query_len) in enumerate(zip(block_tables, lengths, queries, strict=True)):
+        used = ceil_div(seq_len, size)
         ids = list(blocks)[:used]
         if len(ids) < used:
-            raise ValueError(f"build_metadata: request {i} ({seq_len} tokens) needs {used} blocks of {block_size}; "
-                             f"its table is {list(blocks)}")
-        blocks64[i, :used], plain = _block_row(f"build_metadata: request {i}", ids)
-        requests.append(plain)
+            raise ValueError(f"build_metadata: request {row} ({seq_len} tokens) needs {used} blocks of {size}; "
+                             f"its table is {short_repr(list(blocks))}")
+        requests.append(_block_ids(row, ids))
+        if used:
+            blocks64[row, :used] = torch.frombuffer(requests[-1], dtype=torch.int64)
         starts.append(starts[-1] + query_len)
     # A request writes from the block of its first query on; one without queries writes nothing.
-    first_written = [(n - q) // block_size if q else len(blocks)
-                     for n, q, blocks in zip(seq_lens, query_lens, requests, strict=True)]
-    _check_tables(lambda row: f"build_metadata: request {row}", blocks64, requests, first_written)
-    tables.copy_(blocks64)
-    host[batch * width : batch * width + batch] = torch.tensor(list(seq_lens), dtype=torch.int32)
-    host[batch * width + batch :] = torch.tensor(starts, dtype=torch.int32)
-    uploaded = host.to(device, non_blocking=True)
+    first_written = [max(n - q, 0) // size if q else len(blocks)
+                     for n, q, blocks in zip(lengths, queries, requests, strict=True)]
+    _check_blocks(blocks64, requests, first_written)
+    # One host buffer, one upload: the tables, then seq_lens, then query_start.
+    host = torch.cat([blocks64.view(-1), torch.tensor(lengths, dtype=torch.int64), torch.tensor(starts)])
+    uploaded = host.to(torch.int32).to(device, non_blocking=True)
     block_table = uploaded[: batch * width].view(batch, width)
     device_seq_lens = uploaded[batch * width : batch * width + batch]
     query_start = uploaded[batch * width + batch :]
     rows, positions = _token_rows_and_positions(device_seq_lens, query_start, starts[-1])
     columns = positions.clamp(min=0)
-    slots = block_table[rows, columns // block_size].to(torch.int64) * block_size + columns % block_size
+    slots = block_table[rows, columns // size].to(torch.int64) * size + columns % size
     padded = device_seq_lens[rows] == 0
     meta = PagedMetadata(
         block_tables=block_table,
         seq_lens=device_seq_lens,
         query_start=query_start,
-        slot_mapping=slots.masked_fill_(padded, SCRATCH_BLOCK * block_size),
-        max_query_len=max(query_lens, default=0),
-        host_seq_lens=tuple(seq_lens),
+        slot_mapping=slots.masked_fill_(padded, SCRATCH_BLOCK * size),
+        max_query_len=max(queries, default=0),
+        block_size=size,
+        host_seq_lens=lengths,
         host_query_start=tuple(starts),
-        block_size=block_size,
     )
     return meta, positions
 
@@ -321,6 +311,27 @@ def _token_rows_and_positions(seq_lens: torch.Tensor, query_start: torch.Tensor,
     return rows, seq_lens[rows].to(torch.int64) - (query_start[rows + 1].to(torch.int64) - tokens)
 
 
+def decode_metadata_for_rows(meta: PagedMetadata, rows: torch.Tensor) -> PagedMetadata:
+    """Decode metadata (one query per row) that attends from the step's query rows `rows`
+    ([R] int64 token indices, on the metadata's device) alone: each row gets its request's
+    block table and, as its context, the tokens up to and including its own. So
+    `backend.decode(query[rows], ..., this)` equals `backend.prefill(query, ..., meta)[rows]`,
+    and a layer that needs only some rows' outputs (the last layer, whose other rows nothing
+    reads) attends for those alone. Worked out on the device, no host sync; the host copy of
+    the contexts is not known."""
+    request, position = _token_rows_and_positions(meta.seq_lens, meta.query_start, rows)
+    count = int(rows.shape[0])
+    return PagedMetadata(
+        block_tables=meta.block_tables.index_select(0, request),
+        seq_lens=(position + 1).to(torch.int32),
+        query_start=torch.arange(count + 1, dtype=torch.int32, device=meta.query_start.device),
+        slot_mapping=meta.slot_mapping.index_select(0, rows),
+        max_query_len=1,
+        block_size=meta.block_size,
+        host_query_start=tuple(range(count + 1)),
+    )
+
+
 def check_rows(label: str, rows: object, num_tokens: int, device: torch.device) -> None:
     """Raise one line naming a bad `rows` argument: [R] int64 token indices on `device`, each
     in 0..num_tokens-1. The range is checked where that costs no device sync (host-resident
@@ -335,24 +346,3 @@ def check_rows(label: str, rows: object, num_tokens: int, device: torch.device) 
         if low < 0 or high >= num_tokens:
             raise ValueError(f"{label}: row {low if low < 0 else high} is outside the step's {num_tokens} tokens "
                              f"(0..{num_tokens - 1})")
-
-
-def decode_metadata_for_rows(meta: PagedMetadata, rows: torch.Tensor) -> PagedMetadata:
-    """Decode metadata (one query per row) that attends from the step's query rows `rows`
-    ([R] int, device) alone: each row gets its request's block table and, as its context,
-    the tokens up to and including its own. So `backend.decode(query[rows], ..., this)`
-    equals `backend.prefill(query, ..., meta)[rows]`, and a layer that needs only some rows'
-    outputs (the last layer, whose other rows nothing reads) attends for those alone.
-    Worked out on the device, no host sync; the host copy of the contexts is not known."""
-    check_rows("decode_metadata_for_rows", rows, int(meta.slot_mapping.shape[0]), meta.slot_mapping.device)
-    request, position = _token_rows_and_positions(meta.seq_lens, meta.query_start, rows)
-    count = int(rows.shape[0])
-    return PagedMetadata(
-        block_tables=meta.block_tables.index_select(0, request),
-        seq_lens=(position + 1).to(torch.int32),
-        query_start=torch.arange(count + 1, dtype=torch.int32, device=meta.query_start.device),
-        slot_mapping=meta.slot_mapping.index_select(0, rows),
-        max_query_len=1,
-        host_query_start=tuple(range(count + 1)),
-        block_size=meta.block_size,
-    )
