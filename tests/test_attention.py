@@ -1,6 +1,6 @@
 """Attention core on the CPU: the reference backend against a plain per-token loop, the
-paged layout's writer and metadata (built from host lists, and advanced on the device step
-by step), the capability record and backend selection through the platform."""
+paged layout's writer and metadata (built from host lists, and derived for a step's rows),
+the capability record and backend selection through the platform."""
 
 from __future__ import annotations
 
@@ -15,15 +15,12 @@ from torchhal.attention import (
     SCRATCH_BLOCK,
     AttentionCapability,
     AttentionSpec,
-    DecodeMetadata,
     ReferenceBackend,
     build_metadata,
     build_metadata_and_positions,
-    check_call,
     choose_backend,
     decode_metadata_for_rows,
     new_kv_cache,
-    query_positions,
     write_kv,
 )
 from torchhal.platforms import AttentionSupport
@@ -125,15 +122,6 @@ def test_write_kv_stores_each_token_at_block_times_size_plus_offset():
     assert int((k != 0).any(-1).any(-1).sum()) == 3  # nothing else written
 
 
-def test_write_kv_refuses_mismatched_shapes_naming_them():
-    k, v = new_kv_cache(4, 4, 2, 3, torch.float32, CPU)
-    with pytest.raises(ValueError, match=r"key \(3, 2, 4\) / value \(3, 2, 4\) must both be \[num_tokens, 2, 3\]"):
-        write_kv(k, v, torch.zeros(3, 2, 4), torch.zeros(3, 2, 4), torch.zeros(3, dtype=torch.int64))
-    with pytest.raises(ValueError, match=r"slot_mapping is \(2,\) torch.int64; it needs one int64 slot per token"):
-        write_kv(k, v, torch.zeros(3, 2, 3), torch.zeros(3, 2, 3), torch.zeros(2, dtype=torch.int64))
-    assert not k.any() and not v.any()
-
-
 def test_build_metadata_addresses_slots_and_pads_rows_to_scratch():
     meta = build_metadata([[5, 2], [], [7]], [6, 0, 3], [2, 1, 3], block_size=4, device=CPU, max_blocks=3)
     assert meta.block_tables.tolist() == [[5, 2, SCRATCH_BLOCK], [SCRATCH_BLOCK] * 3, [7, SCRATCH_BLOCK, SCRATCH_BLOCK]]
@@ -160,7 +148,7 @@ def test_build_metadata_slots_and_positions_equal_a_per_token_walk():
             seq_len = rng.randint(1, 23)
             blocks = [free.pop() for _ in range(math.ceil(seq_len / block_size))]
             tables.append(blocks), seq_lens.append(seq_len), query_lens.append(rng.randint(1, seq_len))
-        meta = build_metadata(tables, seq_lens, query_lens, block_size, CPU)
+        meta, given = build_metadata_and_positions(tables, seq_lens, query_lens, block_size, CPU)
         slots, positions = [], []
         for blocks, seq_len, query_len in zip(tables, seq_lens, query_lens, strict=True):
             for position in range(seq_len - query_len, seq_len):
@@ -168,97 +156,20 @@ def test_build_metadata_slots_and_positions_equal_a_per_token_walk():
                 slots.append(SCRATCH_BLOCK * block_size if seq_len == 0 else
                              blocks[position // block_size] * block_size + position % block_size)
         assert meta.slot_mapping.tolist() == slots and meta.slot_mapping.dtype == torch.int64
-        assert query_positions(meta).tolist() == positions
-        _, given = build_metadata_and_positions(tables, seq_lens, query_lens, block_size, CPU)
         assert given.tolist() == positions
 
 
 @pytest.mark.parametrize("args, message", [
     (([[1]], [5], [1]), "request 0 \\(5 tokens\\) needs 2 blocks"),
     (([[0, 3]], [5], [1]), "request 0 has block id 0; a block id is an int from 1 .* \\(block 0 is scratch\\)"),
-    (([[1]], [2], [3]), "request 0 has seq_len 2 and query_len 3"),
+    (([[1]], [2], [3]), "PagedMetadata: request 0 has seq_len 2 and 3 queries"),
     (([[1], [2]], [2], [1]), "2 block tables, 1 seq_lens and 1 query_lens"),
 ])
 def test_build_metadata_refuses_bad_tables_in_one_line(args, message):
     with pytest.raises(ValueError, match=message):
         build_metadata(*args, block_size=4, device=CPU)
-    with pytest.raises(ValueError, match="max_blocks=1 but a request of 9 tokens needs 3 blocks"):
+    with pytest.raises(ValueError, match="max_blocks is 1, and the longest request needs 3 blocks of 4"):
         build_metadata([[1, 2, 3]], [9], [1], block_size=4, device=CPU, max_blocks=1)
-
-
-def test_decode_metadata_advanced_step_by_step_equals_a_fresh_build():
-    """Admit, step across block boundaries, release, re-admit: after every step the
-    device-advanced metadata equals metadata built from the host's lists."""
-    block_size, capacity = 4, 5
-    meta = DecodeMetadata(capacity, max_blocks=8, block_size=block_size, device=CPU)
-    free = list(range(1, 100))
-    tables: dict[int, list[int]] = {}
-    lengths: dict[int, int] = {}
-
-    def admit(row: int, n: int) -> None:
-        tables[row] = [free.pop(0) for _ in range(-(-n // block_size))]
-        lengths[row] = n
-        meta.admit(row, tables[row], n)
-
-    admit(0, 3)
-    admit(2, 4)
-    admit(3, 9)
-    for step in range(14):
-        if step == 6:
-            meta.release(2)
-            del tables[2], lengths[2]
-        if step == 8:
-            admit(4, 1)
-        new = {row: free.pop(0) for row in meta.rows_needing_block()}
-        for row, block in new.items():
-            tables[row].append(block)
-        got = meta.step(new)
-        for row in lengths:
-            lengths[row] += 1
-        rows = range(capacity)
-        expected = build_metadata([tables.get(r, []) for r in rows], [lengths.get(r, 0) for r in rows],
-                                  [1] * capacity, block_size, CPU, max_blocks=8)
-        live = [r for r in rows if r in lengths]
-        assert got.seq_lens.tolist() == expected.seq_lens.tolist(), step
-        assert got.block_tables.tolist() == expected.block_tables.tolist(), step
-        assert got.slot_mapping[live].tolist() == expected.slot_mapping[live].tolist(), step
-        padded = [r for r in rows if r not in lengths]
-        assert all(s == SCRATCH_BLOCK * block_size for s in got.slot_mapping[padded].tolist()), step
-        assert meta.lengths == tuple(lengths.get(r) for r in rows)
-
-
-def test_a_decode_step_inside_blocks_uploads_nothing_whatever_the_context():
-    for context in (5, 50_001):  # both 1 past a block boundary: the next two tokens fit
-        meta = DecodeMetadata(2, max_blocks=context // 4 + 2, block_size=4, device=CPU)
-        meta.admit(0, list(range(1, -(-context // 4) + 1)), context)
-        uploads = meta.uploads
-        meta.step()
-        meta.step()
-        assert meta.uploads == uploads  # host work per step does not depend on the context
-        assert meta.seq_lens.tolist() == [context + 2, 0]
-
-
-def test_decode_metadata_refuses_a_missing_or_scratch_block_and_keeps_its_state():
-    meta = DecodeMetadata(2, max_blocks=2, block_size=4, device=CPU)
-    meta.admit(0, [3], 4)
-    before = (meta.seq_lens.clone(), meta.block_tables.clone(), meta.lengths)
-    with pytest.raises(ValueError, match=r"new_blocks covers rows \[\], but rows \[0\] start a new block"):
-        meta.step()
-    with pytest.raises(ValueError, match=r"new_blocks \{0: 0\} has block id 0; .*\(block 0 is scratch\)"):
-        meta.step({0: SCRATCH_BLOCK})
-    with pytest.raises(ValueError, match=r"covers rows \[0, 1\], but rows \[0\]"):
-        meta.step({0: 5, 1: 6})
-    assert torch.equal(meta.seq_lens, before[0]) and torch.equal(meta.block_tables, before[1])
-    assert meta.lengths == before[2]
-    meta.step({0: 5})
-    for _ in range(3):
-        meta.step()
-    with pytest.raises(ValueError, match="row 0 would need block 3 of 2"):
-        meta.step({0: 6})
-    with pytest.raises(ValueError, match="row 0 is in use; release it first"):
-        meta.admit(0, [7], 1)
-    with pytest.raises(ValueError, match=r"row 1 has block id 0; .*\(block 0 is scratch\)"):
-        meta.admit(1, [0], 1)
 
 
 def test_spec_refuses_impossible_models_in_one_line():
@@ -326,20 +237,6 @@ def test_the_platform_asks_its_plugin_once_and_falls_back_on_the_reference():
         assert len(calls) == 1  # a fact: asked once
 
 
-def test_backend_calls_refuse_mismatched_tensors_in_one_line():
-    query, k, v, _, meta = random_case([5], [1], 4, 2)
-    reference = ReferenceBackend()
-    with pytest.raises(ValueError, match="query is torch.float16 but the cache is torch.float32"):
-        reference.decode(query.half(), k, v, meta, scale=1.0)
-    with pytest.raises(ValueError, match=r"query \(1, 3, 8\) must be \[num_tokens, num_q_heads, 8\] with "
-                                         "num_q_heads a multiple of the cache's 2 KV heads"):
-        reference.decode(query[:, :3], k, v, meta, scale=1.0)
-    with pytest.raises(ValueError, match="query has 2 rows for a batch of 1"):
-        reference.decode(torch.cat([query, query]), k, v, meta, scale=1.0)
-    with pytest.raises(ValueError, match="sliding_window is 0"):
-        reference.decode(query, k, v, meta, scale=1.0, sliding_window=0)
-
-
 def test_reference_decode_is_the_reference_prefill_of_one_token():
     query, k, v, _, meta = random_case([7, 12, 1], [1, 1, 1], 6, 3, seed=9)
     reference = ReferenceBackend()
@@ -371,86 +268,16 @@ def test_decode_over_chosen_rows_equals_those_rows_of_the_prefill(window, soft_c
     assert sub.slot_mapping.tolist() == [meta.slot_mapping[11].item(), meta.slot_mapping[0].item()]
 
 
-def test_split_whole_prompts_parts_a_step_and_the_rest_attends_as_before():
-    """Whole prompts apart; the rest's gathered metadata gives the reference's own numbers."""
-    from torchhal.attention.layout import PagedMetadata, split_whole_prompts
-
-    tables, seq_lens, query_lens = [[1], [2, 3], [], [4, 5], [6]], [5, 20, 0, 30, 9], [5, 20, 0, 4, 1]
-    meta = build_metadata(tables, seq_lens, query_lens, 16, CPU)
-    split = split_whole_prompts(meta, None)
-    assert split is not None and split.whole == [(0, 5), (5, 25)]  # the padded row has no queries
-    assert split.rest is not None and split.rest_tokens is not None
-    assert split.rest_tokens.tolist() == [25, 26, 27, 28, 29]  # the chunk after 26 cached tokens, the decode row
-    expected = build_metadata([[4, 5], [6]], [30, 9], [4, 1], 16, CPU, max_blocks=meta.max_blocks)
-    for field in ("block_tables", "seq_lens", "query_start", "slot_mapping"):
-        assert torch.equal(getattr(split.rest, field), getattr(expected, field)), field
-    k_cache, v_cache = new_kv_cache(8, 16, 2, 32, torch.float32, CPU)
-    k_cache.normal_(), v_cache.normal_()
-    query = torch.randn(30, 4, 32)
-    full = ReferenceBackend().prefill(query, k_cache, v_cache, meta, scale=0.2)
-    part = ReferenceBackend().prefill(query[split.rest_tokens], k_cache, v_cache, split.rest, scale=0.2)
-    assert torch.allclose(part, full[split.rest_tokens])
-
-    assert split_whole_prompts(meta, 19).whole == [(0, 5)]  # a window shorter than a prompt cuts into it
-    decode_only = build_metadata([[1], [2]], [5, 9], [1, 1], 16, CPU)
-    assert split_whole_prompts(decode_only, None).rest is decode_only  # nothing whole: the metadata as it is
-    device_built = PagedMetadata(meta.block_tables, meta.seq_lens, meta.query_start, meta.slot_mapping, 20)
-    assert split_whole_prompts(device_built, None) is None  # no host copies: never a device sync to find out
-
-
-def test_equal_length_runs_join_only_adjacent_prompts_of_one_length():
-    """A dense kernel takes each run as one batch: only prompts that sit back to back in the
-    step's rows and are equally long may share one (a reshape of their rows)."""
-    from torchhal.attention.layout import equal_length_runs
-
-    assert equal_length_runs([]) == []
-    assert equal_length_runs([(0, 32), (32, 64), (64, 96)]) == [(0, 3, 32)]
-    # a shorter prompt ends a run; the equal ones after it start a new one
-    assert equal_length_runs([(0, 4), (4, 8), (8, 11), (11, 14), (14, 18)]) == [(0, 2, 4), (8, 2, 3), (14, 1, 4)]
-    # rows 8..12 belong to a request that is not a whole prompt: the prompts around it stay apart
-    assert equal_length_runs([(0, 4), (4, 8), (12, 16), (16, 20)]) == [(0, 2, 4), (12, 2, 4)]
-
-
-def test_a_steps_kv_given_to_prefill_is_checked_in_one_line():
-    query, k, v, _, meta = random_case([5, 3], [5, 2], 4, 2)
-    key = torch.randn(query.shape[0], 2, k.shape[3])
-    reference = ReferenceBackend()
-    reference.prefill(query, k, v, meta, scale=1.0, key=key, value=key.clone())  # the right shapes pass
-    with pytest.raises(ValueError, match="key is Tensor and value is None; pass both of the step's K/V or neither"):
-        reference.prefill(query, k, v, meta, scale=1.0, key=key)
-    with pytest.raises(ValueError, match="attention.decode: key/value given; the step's K/V are prefill's"):
-        check_call(query[:2], k, v, build_metadata([[1], [2]], [3, 3], [1, 1], 4, torch.device("cpu")), True, None,
-                   None, key=key[:2], value=key[:2])
-    with pytest.raises(ValueError, match=r"value is \(6, 2, 8\) torch.float32 on cpu; it must be the step's "
-                                         r"values, \[7, 2, 8\] \(query rows, KV heads, head dim\) torch.float32"):
-        reference.prefill(query, k, v, meta, scale=1.0, key=key, value=key[:6])
-    with pytest.raises(ValueError, match=r"key is \(7, 2, 8\) torch.float16"):
-        reference.prefill(query, k, v, meta, scale=1.0, key=key.half(), value=key)
-    with pytest.raises(ValueError, match="key is list"):
-        reference.prefill(query, k, v, meta, scale=1.0, key=[1.0], value=key)  # type: ignore[arg-type]
-
-
-def test_prompt_kv_takes_the_steps_rows_when_given_else_reads_the_cache():
-    from torchhal.attention import prompt_kv
-
-    query, k, v, _, meta = random_case([5, 3], [5, 3], 4, 2)
-    key, value = torch.randn(8, 2, 8), torch.randn(8, 2, 8)
-    got_k, got_v = prompt_kv(k, v, meta.slot_mapping, 5, 8, key, value)
-    assert got_k.data_ptr() == key[5].data_ptr() and torch.equal(got_v, value[5:8])  # views, not copies
-    cached_k, cached_v = prompt_kv(k, v, meta.slot_mapping, 5, 8)
-    slots = meta.slot_mapping[5:8].long()
-    assert torch.equal(cached_k, k.view(-1, 2, 8)[slots]) and torch.equal(cached_v, v.view(-1, 2, 8)[slots])
-
-
 class SpyingBackend(ReferenceBackend):
     """Records the K/V `write_kv` stores and what `prefill` receives, in order; `step_kv`
-    declared or not, and with or without the SPI 1.7 arguments (an older backend's signature)."""
+    declared or not, and with or without `key`/`value` parameters (a backend not declaring
+    `step_kv` need not take them)."""
 
-    def __init__(self, step_kv: bool, old_signature: bool) -> None:
+    def __init__(self, step_kv: bool, without_kv: bool) -> None:
         self.capability = AttentionCapability(name="spy", dtypes=(torch.float32,), step_kv=step_kv)
         self.calls: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = []
-        if old_signature:
-            self.prefill = self.old_prefill  # type: ignore[method-assign]
+        if without_kv:
+            self.prefill = self.prefill_without_kv  # type: ignore[method-assign]
 
     def write_kv(self, k_cache, v_cache, key, value, slot_mapping):  # noqa: ANN001
         self.calls.append(("write", key, value))
@@ -460,22 +287,22 @@ class SpyingBackend(ReferenceBackend):
         self.calls.append(("prefill", key, value))
         return super().prefill(query, k_cache, v_cache, meta, key=key, value=value, **kwargs)
 
-    def old_prefill(self, query, k_cache, v_cache, meta, *, scale, sliding_window=None, soft_cap=None,  # noqa: ANN001
+    def prefill_without_kv(self, query, k_cache, v_cache, meta, *, scale, sliding_window=None, soft_cap=None,  # noqa: ANN001
                     out=None):
         self.calls.append(("prefill", None, None))
         return super().prefill(query, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window,
                                soft_cap=soft_cap, out=out)
 
 
-@pytest.mark.parametrize("step_kv, old_signature", [(True, False), (False, False), (False, True)])
-def test_the_engine_hands_the_steps_kv_only_to_a_backend_declaring_step_kv(step_kv, old_signature):
+@pytest.mark.parametrize("step_kv, without_kv", [(True, False), (False, False), (False, True)])
+def test_the_engine_hands_the_steps_kv_only_to_a_backend_declaring_step_kv(step_kv, without_kv):
     from torchhal.core.engine import EngineConfig, GenerationEngine
     from torchhal.core.model import ModelConfig
 
     config = EngineConfig(model=ModelConfig(num_heads=4, num_kv_heads=2), max_kv_slots=512, max_batch_tokens=16)
     prompts = [[1, 2, 3], list(range(5, 30))]  # the long one prefills in chunks, the second after cached tokens
     expected = [r.output for r in GenerationEngine(config).generate(prompts, 4)]
-    spy = SpyingBackend(step_kv, old_signature)
+    spy = SpyingBackend(step_kv, without_kv)
     platform = torchhal.get_platform("cpu")
     with patched_plugin(platform, attention_support=lambda: AttentionSupport(backends=(spy,))):
         engine = GenerationEngine(config, platform=platform)

@@ -6,13 +6,14 @@ the kernels case by case; these tests check what the engine will wire together.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
 import torch
 
 import torchhal
-from torchhal.attention import AttentionSpec, DecodeMetadata, ReferenceBackend, new_kv_cache
+from torchhal.attention import SCRATCH_BLOCK, AttentionSpec, ReferenceBackend, build_metadata, new_kv_cache
 
 has_cuda = torch.cuda.is_available() and torch.version.cuda is not None
 has_triton = importlib.util.find_spec("triton") is not None
@@ -32,28 +33,36 @@ def test_cuda_chooses_its_triton_backend_for_llama_shapes_and_says_why(cuda):
     assert odd.name == "reference" and "head_dim 72 is not among" in odd.why
 
 
-def test_one_graph_writes_kv_advances_nothing_on_the_host_and_attends(cuda):
-    """The engine's decode step, captured once: write this step's K/V at the device-built
-    slots, then attend; replayed for 40 steps across block boundaries against the reference."""
+def test_one_graph_writes_kv_at_slots_worked_out_on_the_device_and_attends(cuda):
+    """The engine's decode step, captured once: every live row grows by a token and its slot is
+    worked out on the device, this step's K/V are written there, then attended; replayed for 40
+    steps across block boundaries against the reference."""
     backend = cuda.choose_attention(AttentionSpec(8, 2, 128, torch.bfloat16, 16, needs_graph=True)).backend
     device = cuda.device(0)
     block_size, capacity = 16, 4
     k_cache, v_cache = new_kv_cache(64, block_size, 2, 128, torch.bfloat16, device)
-    meta = DecodeMetadata(capacity, max_blocks=8, block_size=block_size, device=device)
-    next_block = iter(range(1, 64))
-    meta.admit(0, [next(next_block) for _ in range(2)], 17)
-    meta.admit(2, [next(next_block)], 15)  # rows 1 and 3 stay padded
     k_cache.normal_()
     v_cache.normal_()
+    # Rows 0 and 2 hold 16 and 14 tokens; rows 1 and 3 stay padded. No host copies: the
+    # lengths change on the device, as the decode graph's do.
+    built = build_metadata([[1], [], [5], []], [16, 0, 14, 0], [1] * capacity, block_size, device, max_blocks=8)
+    meta = dataclasses.replace(built, host_seq_lens=None, host_query_start=None)
+    meta.block_tables[0, :4] = torch.arange(1, 5, dtype=torch.int32)  # the blocks they grow into, ahead
+    meta.block_tables[2, :4] = torch.arange(5, 9, dtype=torch.int32)
+    live = meta.seq_lens > 0
     query = torch.zeros(capacity, 8, 128, dtype=torch.bfloat16, device=device)
     key = torch.zeros(capacity, 2, 128, dtype=torch.bfloat16, device=device)
     value = torch.zeros_like(key)
     out = torch.empty_like(query)
 
     def step() -> None:
-        meta.advance_on_device()
+        meta.seq_lens.add_(live.to(torch.int32))
+        position = (meta.seq_lens - 1).clamp(min=0).to(torch.int64)
+        block = meta.block_tables.gather(1, (position // block_size)[:, None]).squeeze(1).to(torch.int64)
+        meta.slot_mapping.copy_(torch.where(live, block * block_size + position % block_size,
+                                            SCRATCH_BLOCK * block_size))
         backend.write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
-        backend.decode(query, k_cache, v_cache, meta.metadata, scale=128**-0.5, out=out)
+        backend.decode(query, k_cache, v_cache, meta, scale=128**-0.5, out=out)
 
     graphs = cuda.graph_support
     graph = graphs.graph_class()
@@ -70,15 +79,13 @@ def test_one_graph_writes_kv_advances_nothing_on_the_host_and_attends(cuda):
         step()
     cuda.current_stream(0).wait_stream(stream)
     reference = ReferenceBackend()
-    for _ in range(40):
-        needed = meta.rows_needing_block()
-        meta.append_blocks({row: next(next_block) for row in needed})
+    for grown in range(1, 41):
         for tensor in (query, key, value):
             tensor.normal_()
         graph.replay()
         cuda.synchronize(0)
-        assert meta.seq_lens.tolist() == [n or 0 for n in meta.lengths]
-        expected = reference.decode(query, k_cache, v_cache, meta.metadata, scale=128**-0.5)
+        assert meta.seq_lens.tolist() == [16 + grown, 0, 14 + grown, 0]
+        expected = reference.decode(query, k_cache, v_cache, meta, scale=128**-0.5)
         torch.testing.assert_close(out, expected, atol=3e-2, rtol=3e-2)
         assert out[[1, 3]].abs().max() == 0
         # The token just written is where the device-built slot says.
@@ -96,8 +103,6 @@ def test_a_long_context_decode_is_split_and_matches_the_reference(cuda):
     k_cache, v_cache = new_kv_cache(blocks + 1, block_size, 8, 128, torch.bfloat16, device)
     k_cache.normal_()
     v_cache.normal_()
-    from torchhal.attention import build_metadata
-
     order = (torch.randperm(blocks) + 1).tolist()
     meta = build_metadata([order], [context], [1], block_size, device)
     query = torch.randn(1, 32, 128, dtype=torch.bfloat16, device=device)
@@ -109,10 +114,9 @@ def test_a_long_context_decode_is_split_and_matches_the_reference(cuda):
 
 
 def test_whole_prompts_take_the_dense_kernel_and_equal_the_reference(cuda, monkeypatch):
-    """Prompts with nothing cached before them run SDPA's flash kernel per prompt; chunks
-    after cached tokens stay on the paged kernel. Both equal the reference."""
-    from torchhal.attention import build_metadata, write_kv
-    from torchhal.plugins import cuda_attention
+    """Prompts with nothing cached before them run a dense kernel per prompt; chunks after
+    cached tokens stay on the paged kernel. Both equal the reference."""
+    from torchhal.attention import write_kv
 
     backend = cuda.choose_attention(AttentionSpec(32, 8, 128, torch.bfloat16, 16)).backend
     device, block_size = cuda.device(0), 16
@@ -142,14 +146,13 @@ def test_whole_prompts_take_the_dense_kernel_and_equal_the_reference(cuda, monke
         assert error < 1e-2, (query_lens, error)
     # The one-token request is a whole prompt in every step; the others only while they are.
     assert dense_runs == [[(0, 1, 1), (1, 1, 300), (301, 1, 4096)], [(0, 1, 1)], [(0, 1, 1), (1, 1, 300)]]
-    assert cuda_attention.split_whole_prompts is not None
 
 
 def test_equal_whole_prompts_share_one_dense_call_and_equal_the_reference(cuda, monkeypatch):
     """Adjacent whole prompts of one length run as one batched SDPA call (a step of 32 short
     prompts launches once a layer, not 32 times); a chunk between them keeps them apart. The
     output equals the reference and every query row is written."""
-    from torchhal.attention import build_metadata, write_kv
+    from torchhal.attention import write_kv
     from torchhal.plugins import cuda_flash
 
     backend = cuda.choose_attention(AttentionSpec(32, 8, 128, torch.bfloat16, 16)).backend
@@ -184,7 +187,7 @@ def test_a_step_of_one_dense_call_returns_its_output_without_a_copy(cuda, monkey
     """Without `out`, a step whose whole prompts are one dense call returns the kernel's own
     output (a view of it: no copy into a buffer of the step); with `out`, or with two calls,
     the rows are written into one tensor. Both equal the reference."""
-    from torchhal.attention import build_metadata, write_kv
+    from torchhal.attention import write_kv
     from torchhal.plugins import cuda_flash
 
     backend = cuda.choose_attention(AttentionSpec(32, 8, 128, torch.bfloat16, 16)).backend
@@ -223,7 +226,7 @@ def test_whole_prompts_attend_over_the_steps_own_kv_in_place(cuda, monkeypatch):
     prompts read them where they are, not back out of the cache: with those slots of the cache
     holding NaN the output still equals the reference over the real cache, and nothing is
     gathered. A chunk after cached tokens still reads the cache. Without them, the cache."""
-    from torchhal.attention import build_metadata, write_kv
+    from torchhal.attention import write_kv
 
     backend = cuda.choose_attention(AttentionSpec(32, 8, 128, torch.bfloat16, 16)).backend
     assert backend.capability.step_kv

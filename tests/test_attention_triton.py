@@ -29,6 +29,7 @@ def interpreter_gap() -> str | None:
 pytestmark = pytest.mark.skipif(interpreter_gap() is not None, reason=str(interpreter_gap()))
 
 SCRIPT = textwrap.dedent("""
+    from dataclasses import replace
     import torch
     from torchhal.conformance_tests.test_attention import DECODE_CASES, PREFILL_CASES, TOLERANCE, paged_layout
     from torchhal.attention import ReferenceBackend
@@ -37,16 +38,17 @@ SCRIPT = textwrap.dedent("""
     cuda_attention._multiprocessors = lambda index: 132  # no GPU to ask
     cuda_attention.MIN_TOKENS_PER_SPLIT = {min_split}  # small enough that decode splits these contexts
     triton_backend, reference = cuda_attention.TritonPagedAttention(), ReferenceBackend()
+    head_dim_64 = replace(triton_backend.capability, head_dims=(64,))  # the clause's layouts at head dim 64
     for mode, cases in (("decode", DECODE_CASES), ("prefill", PREFILL_CASES)):
         for name, case in cases.items():
-            layout = paged_layout(case, torch.float32, 64, torch.device("cpu"), seed=len(name))
+            layout = paged_layout(case, torch.float32, head_dim_64, torch.device("cpu"), seed=len(name))
             kwargs = dict(scale=layout.scale, sliding_window=case.window, soft_cap=case.soft_cap)
             expected = getattr(reference, mode)(layout.query, layout.k_cache, layout.v_cache, layout.meta, **kwargs)
             got = getattr(triton_backend, mode)(layout.query, layout.k_cache, layout.v_cache, layout.meta, **kwargs)
             error = float((got - expected).abs().max())
             assert error < TOLERANCE[torch.float32][0], f"{{mode}} {{name}}: max error {{error}}"
             print("ok", mode, name)
-    layout = paged_layout(PREFILL_CASES["padded_rows"], torch.float32, 64, torch.device("cpu"), seed=7)
+    layout = paged_layout(PREFILL_CASES["padded_rows"], torch.float32, head_dim_64, torch.device("cpu"), seed=7)
     tokens, heads = layout.meta.slot_mapping.shape[0], layout.k_cache.shape[2]
     fused = torch.randn(tokens, 4 * heads, 64)  # K and V as views into one projection: strided rows
     key, value = fused[:, 2 * heads : 3 * heads], fused[:, 3 * heads :]

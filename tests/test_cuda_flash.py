@@ -1,11 +1,13 @@
-"""The CUDA plugin's choice of whole-prompt kernel (torchhal/plugins/cuda_flash.py), on the CPU:
-FlashAttention-4 is a fake here that computes the real answer, and its call is checked
-against flash-attn-4's own signature. The real FA4 runs in tests/test_attention_gpu.py and
+"""The CUDA plugin's whole-prompt path (torchhal/plugins/cuda_flash.py), on the CPU: a step's
+whole prompts apart from its other requests, their dense call over the step's own K/V or the
+cache, and the choice of kernel. FlashAttention-4 is a fake here that computes the real answer,
+and its call is checked against flash-attn-4's own signature. The real FA4 runs in tests/test_attention_gpu.py and
 the conformance clause on a GPU with the `fa4` extra installed."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import inspect
 import sys
@@ -18,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torchhal.attention import ReferenceBackend, build_metadata, new_kv_cache
 from torchhal.plugins import cuda_flash
 
 #: flash-attn-4 4.0.0b36's `flash_attn.cute.flash_attn_func` parameters, in order (read from its
@@ -198,3 +201,64 @@ def test_the_fakes_parameters_are_flash_attn_4s() -> None:
     fake = list(inspect.signature(FakeFa4().module.flash_attn_func).parameters)
     assert fake[-1] == "rest" and tuple(fake[:-1]) == FA4_PARAMETERS[: len(fake) - 1]
     assert {"softmax_scale", "causal"} <= set(fake)
+
+
+# -- whole prompts apart from the rest of a step, and their dense call ---------------------------
+CPU = torch.device("cpu")
+
+
+def whole_prompt_runs(seq_lens: list[int], query_lens: list[int], window: int | None = None) -> list[tuple[int, ...]]:
+    blocks = iter(range(1, 1000))
+    tables = [[next(blocks) for _ in range(-(-n // 4))] for n in seq_lens]
+    split = cuda_flash.split_whole_prompts(build_metadata(tables, seq_lens, query_lens, 4, CPU), window)
+    assert split is not None
+    return split.runs
+
+
+def test_whole_prompts_run_together_only_when_adjacent_and_equally_long() -> None:
+    """A dense kernel takes each run as one batch (a reshape of its rows): only prompts that sit
+    back to back in the step's rows and are equally long may share one."""
+    assert whole_prompt_runs([32, 32, 32], [32, 32, 32]) == [(0, 3, 32)]
+    # a shorter prompt ends a run; the equal ones after it start a new one
+    assert whole_prompt_runs([4, 4, 3, 3, 4], [4, 4, 3, 3, 4]) == [(0, 2, 4), (8, 2, 3), (14, 1, 4)]
+    # rows 8..11 belong to a chunk after cached tokens: the prompts around it stay apart
+    assert whole_prompt_runs([4, 4, 8, 4, 4], [4, 4, 4, 4, 4]) == [(0, 2, 4), (12, 2, 4)]
+    assert whole_prompt_runs([4, 0, 4], [4, 0, 4]) == [(0, 2, 4)]  # a padded row has no rows to break a run
+    assert whole_prompt_runs([4, 9], [4, 9], window=8) == [(0, 1, 4)]  # a window shorter than a prompt cuts into it
+
+
+def test_split_whole_prompts_parts_a_step_and_the_rest_attends_as_before() -> None:
+    """Whole prompts apart; the rest's gathered metadata gives the reference's own numbers."""
+    tables, seq_lens, query_lens = [[1], [2, 3], [], [4, 5], [6]], [5, 20, 0, 30, 9], [5, 20, 0, 4, 1]
+    meta = build_metadata(tables, seq_lens, query_lens, 16, CPU)
+    split = cuda_flash.split_whole_prompts(meta, None)
+    assert split is not None and split.runs == [(0, 1, 5), (5, 1, 20)]  # the padded row has no queries
+    assert split.rest is not None and split.rest_tokens is not None
+    assert split.rest_tokens.tolist() == [25, 26, 27, 28, 29]  # the chunk after 26 cached tokens, the decode row
+    expected = build_metadata([[4, 5], [6]], [30, 9], [4, 1], 16, CPU, max_blocks=meta.max_blocks)
+    for field in ("block_tables", "seq_lens", "query_start", "slot_mapping"):
+        assert torch.equal(getattr(split.rest, field), getattr(expected, field)), field
+    k_cache, v_cache = new_kv_cache(8, 16, 2, 32, torch.float32, CPU)
+    k_cache.normal_(), v_cache.normal_()
+    query = torch.randn(30, 4, 32)
+    full = ReferenceBackend().prefill(query, k_cache, v_cache, meta, scale=0.2)
+    part = ReferenceBackend().prefill(query[split.rest_tokens], k_cache, v_cache, split.rest, scale=0.2)
+    assert torch.allclose(part, full[split.rest_tokens])
+
+    decode_only = build_metadata([[1], [2]], [5, 9], [1, 1], 16, CPU)
+    decode_split = cuda_flash.split_whole_prompts(decode_only, None)
+    assert decode_split is not None and decode_split.rest is decode_only  # nothing whole: the metadata as it is
+    device_built = dataclasses.replace(meta, host_seq_lens=None, host_query_start=None)
+    assert cuda_flash.split_whole_prompts(device_built, None) is None  # no host copies: never a device sync
+
+
+def test_prompt_kv_takes_the_steps_rows_when_given_else_reads_the_cache() -> None:
+    meta = build_metadata([[1, 2], [3]], [5, 3], [5, 3], 4, CPU)
+    k_cache, v_cache = new_kv_cache(4, 4, 2, 8, torch.float32, CPU)
+    k_cache.normal_(), v_cache.normal_()
+    key, value = torch.randn(8, 2, 8), torch.randn(8, 2, 8)
+    got_k, got_v = cuda_flash.prompt_kv(k_cache, v_cache, meta.slot_mapping, 5, 8, key, value)
+    assert got_k.data_ptr() == key[5].data_ptr() and torch.equal(got_v, value[5:8])  # views, not copies
+    cached_k, cached_v = cuda_flash.prompt_kv(k_cache, v_cache, meta.slot_mapping, 5, 8)
+    slots = meta.slot_mapping[5:8]
+    assert torch.equal(cached_k, k_cache.view(-1, 2, 8)[slots]) and torch.equal(cached_v, v_cache.view(-1, 2, 8)[slots])

@@ -9,6 +9,7 @@ Ascend, ROCm, XPU or MUSA devices.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 import zlib
@@ -16,7 +17,7 @@ import zlib
 import pytest
 import torch
 
-from torchhal.attention import AttentionSpec, DecodeMetadata, ReferenceBackend, build_metadata, choose_backend
+from torchhal.attention import AttentionSpec, ReferenceBackend, build_metadata, choose_backend
 from torchhal.conformance_tests import test_attention as clause
 from torchhal.plugins.musa import MusaPlatform
 from torchhal.plugins.npu import NpuPlatform
@@ -129,33 +130,13 @@ def test_lengths_come_from_the_host_copy_without_a_device_read(npu, monkeypatch)
     assert npu.op.calls[0]["actual_seq_lengths_kv"] == list(meta.host_seq_lens)
 
 
-def test_device_advanced_decode_metadata_reads_its_lengths_once(npu):
-    """DecodeMetadata keeps no host copy: the lengths FIA takes are read from the device, after the step."""
-    decode = DecodeMetadata(capacity=3, max_blocks=2, block_size=NPU_BLOCK, device=torch.device("cpu"))
-    decode.admit(0, [1], 5)
-    decode.admit(2, [2, 3], 200)
-    meta = decode.step()
-    k_cache = torch.randn(4, NPU_BLOCK, 2, 64).half()
-    NpuFusedAttention().decode(torch.randn(3, 8, 64).half(), k_cache, k_cache.clone(), meta, scale=0.125)
-    assert npu.op.calls[0]["actual_seq_lengths_kv"] == [6, 0, 201]
-
-
-@pytest.mark.parametrize("change, named", [
-    ({"dtype": torch.float32}, "dtype torch.float32"),
-    ({"block": 16}, "block_size 16"),
-    ({"dim": 72}, "head_dim 72"),
-    ({"window": 8}, "sliding_window 8"),
-    ({"soft_cap": 2.0}, "soft_cap 2.0"),
-])
-def test_a_direct_call_fia_cannot_take_fails_in_one_line_before_the_op(npu, change, named):
-    dtype, block, dim = change.get("dtype", torch.float16), change.get("block", NPU_BLOCK), change.get("dim", 64)
-    meta = build_metadata([[1]], [3], [1], block, torch.device("cpu"))
-    k_cache = torch.zeros(2, block, 2, dim, dtype=dtype)
-    with pytest.raises(ValueError, match=named) as error:
-        NpuFusedAttention().decode(torch.zeros(1, 8, dim, dtype=dtype), k_cache, k_cache.clone(), meta, scale=1.0,
-                                   sliding_window=change.get("window"), soft_cap=change.get("soft_cap"))
-    assert "\n" not in str(error.value) and "choose_attention" in str(error.value)
-    assert npu.op.calls == []
+def test_metadata_worked_out_on_the_device_gives_fia_its_lengths_read_back(npu):
+    """Metadata with no host copy (as the decode graph's, worked out on the device): the lengths
+    FIA takes on the host are read from the device."""
+    query, k_cache, v_cache, meta = small_layout((1, 1, 1))
+    device_built = dataclasses.replace(meta, host_seq_lens=None, host_query_start=None)
+    NpuFusedAttention().decode(query, k_cache, v_cache, device_built, scale=0.125)
+    assert npu.op.calls[0]["actual_seq_lengths_kv"] == [5, 0, 130]
 
 
 def test_the_fake_refuses_what_the_op_documents_as_invalid(npu):

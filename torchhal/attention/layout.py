@@ -1,4 +1,4 @@
-"""The paged KV layout every attention backend reads, and the metadata that addresses it.
+"""The paged KV layout every attention backend reads, the metadata that addresses it, and the write.
 
 Per layer, `k_cache` and `v_cache` are `[num_blocks, block_size, num_kv_heads, head_dim]`:
 a token's K (or V) for all KV heads is one contiguous row, so a kernel reads a block's
@@ -7,30 +7,35 @@ Block `SCRATCH_BLOCK` (0) is never handed to a request: padded rows (a batch pad
 graph bucket) write there, and unused block-table entries point there, so every table
 entry is a valid index and no kernel needs a bounds branch for them.
 
-A step's metadata (`PagedMetadata`) is device tensors only: block tables, context lengths
-(including this step's tokens), query offsets and the slots this step writes. Decode
-metadata is kept on the device and advanced in place (`DecodeMetadata.step`), so a step's
-host work grows with the batch, never with the context.
+A step's metadata (`PagedMetadata`) is device tensors: block tables, context lengths
+(including this step's tokens), query offsets and the slots this step writes. Its
+constructor is the one place metadata is checked: it refuses tensors unlike the fields it
+documents, and lengths and offsets that do not fit them, from what the host knows without a
+device sync (the builder's host copies, or the tensors themselves where they are in host
+memory). Backends read what it admitted without checking it again. `build_metadata` makes
+it from host lists, refusing block ids that are not a request's own.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from itertools import pairwise
 
 import torch
 
-from torchhal.values import as_index, ceil_div
+from torchhal.values import as_index, as_indices, ceil_div, short_repr
 
 #: The block padded rows write to and unused table entries point at; never a request's.
 SCRATCH_BLOCK = 0
-
+#: Lengths and block ids are int32 on the device.
+INT32_END = 2**31
 
 #: PagedMetadata's tensors as it documents them: (field, dims, dtype).
-_METADATA_LAYOUT = (("block_tables", 2, torch.int32), ("seq_lens", 1, torch.int32), ("query_start", 1, torch.int32),
-                    ("slot_mapping", 1, torch.int64))
+_TENSORS = (("block_tables", 2, torch.int32), ("seq_lens", 1, torch.int32), ("query_start", 1, torch.int32),
+            ("slot_mapping", 1, torch.int64))
 
 
 @dataclass(frozen=True)
@@ -44,13 +49,16 @@ class PagedMetadata:
                   the earlier ones are already in the cache).
     slot_mapping: [num_tokens] int64: where each query token's K/V is written
                   (block * block_size + offset; a scratch slot for padded rows).
-    max_query_len: the longest request's query count (a host int, for the launch grid);
-                  1 for decode.
+    max_query_len: at least the longest request's query count (a host int, for the launch
+                  grid); 1 for decode.
+    block_size:   the tokens a block of the cache holds, as the slots were worked out.
     host_seq_lens, host_query_start: host copies of seq_lens and query_start where the
-                  builder had them (`build_metadata`; None on the device-advanced decode
-                  path), so a backend can pick a kernel by shape without a device sync.
-    block_size:   the tokens a block holds, as the slots were worked out (None: not recorded);
-                  `check_call` refuses a cache whose blocks hold another count.
+                  builder had them (`build_metadata`; None for metadata worked out on the
+                  device), so a backend can pick a kernel by shape without a device sync.
+
+    A request's context fits its table row (seq_len <= max_blocks * block_size) and holds its
+    queries (query count <= seq_len; a padded decode row has seq_len 0 and one query);
+    query_start rises from 0 to num_tokens.
     """
 
     block_tables: torch.Tensor
@@ -58,27 +66,59 @@ class PagedMetadata:
     query_start: torch.Tensor
     slot_mapping: torch.Tensor
     max_query_len: int
+    block_size: int
     host_seq_lens: tuple[int, ...] | None = None
     host_query_start: tuple[int, ...] | None = None
-    block_size: int | None = None
 
     def __post_init__(self) -> None:
-        # Checked once where made, not at every layer's call: hand-built metadata unlike the
-        # fields above failed deep in a kernel, or gave a wrong answer (a float length
-        # truncated, a second table row ignored). Host facts only: no device sync.
+        problem = self._layout_problem() or self._lengths_problem()
+        if problem is not None:
+            raise ValueError(f"PagedMetadata: {problem}")
+
+    def _layout_problem(self) -> str | None:
         device = self.slot_mapping.device if isinstance(self.slot_mapping, torch.Tensor) else None
-        for field, dims, dtype in _METADATA_LAYOUT:
+        for field, dims, dtype in _TENSORS:
             tensor = getattr(self, field)
             if not isinstance(tensor, torch.Tensor) or tensor.dim() != dims or tensor.dtype != dtype:
                 shown = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else repr(tensor)
-                raise ValueError(f"PagedMetadata: {field} is {shown}; it must be a {dims}-D {dtype} tensor "
-                                 "(build_metadata and DecodeMetadata make them so)")
+                return f"{field} is {shown}; it must be a {dims}-D {dtype} tensor (build_metadata makes them so)"
             if tensor.device != device:
-                raise ValueError(f"PagedMetadata: {field} is on {tensor.device} but slot_mapping on {device}; put "
-                                 "the metadata's tensors on one device")
-        if self.block_tables.shape[0] != self.seq_lens.shape[0]:
-            raise ValueError(f"PagedMetadata: block_tables has {self.block_tables.shape[0]} rows but seq_lens "
-                             f"{self.seq_lens.shape[0]}; give one table row per request")
+                return f"{field} is on {tensor.device} but slot_mapping on {device}; put the tensors on one device"
+        if not self.block_tables.shape[0] == self.batch == self.query_start.shape[0] - 1:
+            return (f"block_tables has {self.block_tables.shape[0]} rows and query_start {self.query_start.shape[0]} "
+                    f"entries for {self.batch} seq_lens; give one table row per request and batch + 1 offsets")
+        for field, least in (("block_size", 1), ("max_query_len", 0)):
+            value = as_index(getattr(self, field))
+            if value is None or value < least:
+                return f"{field} is {short_repr(getattr(self, field))}; it must be an int >= {least}"
+            object.__setattr__(self, field, value)
+        return None
+
+    def _lengths_problem(self) -> str | None:
+        """What is wrong with the lengths and offsets as the host knows them: the host copies,
+        else the tensors themselves where they are in host memory (never a device sync)."""
+        on_host, batch, tokens = self.seq_lens.device.type == "cpu", self.batch, self.slot_mapping.shape[0]
+        seq_lens = self.seq_lens.tolist() if self.host_seq_lens is None and on_host else self.host_seq_lens
+        starts = self.query_start.tolist() if self.host_query_start is None and on_host else self.host_query_start
+        counts = [0] * batch
+        if starts is not None:
+            counts = [last - first for first, last in pairwise(starts)]
+            if len(starts) != batch + 1 or starts[0] != 0 or starts[-1] != tokens or min(counts, default=0) < 0:
+                return (f"query_start is {short_repr(list(starts))}; it must rise from 0 to the step's {tokens} "
+                        f"tokens (slot_mapping's entries) in {batch + 1} offsets")
+            if max(counts, default=0) > self.max_query_len:
+                return f"max_query_len is {self.max_query_len} but a request has {max(counts)} queries"
+        if seq_lens is None:
+            return None
+        if len(seq_lens) != batch:
+            return f"host_seq_lens has {len(seq_lens)} entries for a batch of {batch}"
+        capacity = self.max_blocks * self.block_size
+        for row, (seq_len, count) in enumerate(zip(seq_lens, counts, strict=True)):
+            if not 0 <= seq_len <= capacity or (count > seq_len and not (seq_len == 0 and count == 1)):
+                return (f"request {row} has seq_len {seq_len} and {count} queries; need 0 <= queries <= seq_len <= "
+                        f"{capacity} (its table row: {self.max_blocks} blocks of {self.block_size}), or a padded row "
+                        "(seq_len 0, at most one query)")
+        return None
 
     @property
     def batch(self) -> int:
@@ -93,62 +133,24 @@ def new_kv_cache(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's (k_cache, v_cache), zeroed, in the paged layout."""
-    sizes = []
-    for label, value in (("num_blocks", num_blocks), ("block_size", block_size),
-                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        size = as_index(value)  # numpy's integers too, as build_metadata takes them
-        if size is None or size < 1:
-            raise ValueError(f"new_kv_cache: {label} is {value!r}; pass an int >= 1")
-        sizes.append(size)
-    if sizes[0] < 2:
-        raise ValueError(f"new_kv_cache: num_blocks is {num_blocks}; pass >= 2 (block {SCRATCH_BLOCK} is scratch)")
-    shape = tuple(sizes)
+    sizes = {"num_blocks": num_blocks, "block_size": block_size, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    for label, value in sizes.items():
+        least = 2 if label == "num_blocks" else 1  # block SCRATCH_BLOCK is no request's
+        if (as_index(value) or 0) < least:  # numpy's integers too, as build_metadata takes them
+            raise ValueError(f"new_kv_cache: {label} is {value!r}; pass an int >= {least}"
+                             + (f" (block {SCRATCH_BLOCK} is scratch)" if least == 2 else ""))
+    shape = tuple(as_index(value) or 0 for value in sizes.values())
     return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-
-
-def check_write(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                slot_mapping: torch.Tensor) -> None:
-    """Raise one line naming the bad argument of a `write_kv` call (every writer checks these),
-    before anything is written. The slots' range is checked where that costs no device sync
-    (a host-resident slot_mapping); on a device the metadata builders guarantee it."""
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"write_kv: k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} must be one "
-                         "layer's pair from the same KV cache, [num_blocks, block_size, num_kv_heads, head_dim]")
-    heads, dim = k_cache.shape[2], k_cache.shape[3]
-    if key.shape != value.shape or key.dim() != 3 or tuple(key.shape[1:]) != (heads, dim):
-        raise ValueError(
-            f"write_kv: key {tuple(key.shape)} / value {tuple(value.shape)} must both be "
-            f"[num_tokens, {heads}, {dim}] to match the cache"
-        )
-    if slot_mapping.shape != key.shape[:1] or slot_mapping.dtype != torch.int64:
-        raise ValueError(f"write_kv: slot_mapping is {tuple(slot_mapping.shape)} {slot_mapping.dtype}; it needs one "
-                         f"int64 slot per token ({key.shape[0]})")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("write_kv: k_cache / v_cache must be contiguous, one layer's pair as the KV cache holds "
-                         "them (a slice of one is not: its slots are not where the metadata says)")
-    slots = k_cache.shape[0] * k_cache.shape[1]
-    bad = outside_on_host(slot_mapping, slots)
-    if bad is not None:
-        raise ValueError(f"write_kv: slot {bad} is outside the cache's {slots} slots (0..{slots - 1})")
-
-
-def outside_on_host(ids: torch.Tensor, count: int) -> int | None:
-    """An id of `ids` outside 0..count-1, where `ids` is in host memory; None when all are in
-    range, or when `ids` is on a device (finding out there would cost a sync)."""
-    if ids.device.type != "cpu" or not ids.numel():
-        return None
-    low, high = int(ids.min()), int(ids.max())
-    return low if low < 0 else high if high >= count else None
 
 
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store this step's K/V ([num_tokens, num_kv_heads, head_dim]) into their slots.
+    """Store this step's K/V ([num_tokens, num_kv_heads, head_dim], any strides) into their
+    slots (`slot_mapping`, from the step's metadata) of one layer's contiguous caches.
 
     One indexed copy per cache, no host sync: capturable in a device graph.
     """
-    check_write(k_cache, v_cache, key, value, slot_mapping)
     heads, dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
@@ -164,52 +166,46 @@ class PagedWriter:
         write_kv(k_cache, v_cache, key, value, slot_mapping)
 
 
-def _block_row(label: str, ids: list[Any]) -> tuple[torch.Tensor, array[int]]:
-    """`ids` as an int64 tensor and as an array of plain ints, which the tensor shares (the
-    repeat checks need values: a torch integer hashes by identity). The array's strict
-    conversion refuses a float (or anything else that is not an integer) instead of
-    truncating it, at C speed: it runs for every request of every step."""
+def _block_ids(row: int, ids: Sequence[object]) -> array[int]:
+    """A request's block ids as machine integers. The array's strict conversion refuses a float
+    (or anything else that is not an integer) instead of truncating it, at C speed: it runs
+    for every request of every step."""
     try:
-        packed = array("q", ids)
+        return array("q", ids)  # type: ignore[arg-type]
     except (TypeError, OverflowError):
-        raise _bad_block(label, next((b for b in ids if not 1 <= (as_index(b) or 0) < 2**31), ids)) from None
-    return (torch.frombuffer(packed, dtype=torch.int64) if ids else torch.empty(0, dtype=torch.int64)), packed
+        raise _bad_block(row, next(b for b in ids if not 1 <= (as_index(b) or 0) < INT32_END)) from None
 
 
-def _bad_block(label: str, block: object) -> ValueError:
-    return ValueError(f"{label} has block id {block!r}; a block id is an int from 1 to 2**31 - 1 (block "
-                      f"{SCRATCH_BLOCK} is scratch)")
+def _bad_block(row: int, block: object) -> ValueError:
+    return ValueError(f"build_metadata: request {row} has block id {block!r}; a block id is an int from 1 to "
+                      f"2**31 - 1 (block {SCRATCH_BLOCK} is scratch)")
 
 
-def _check_tables(label: Callable[[int], str], tables: torch.Tensor, ids: Sequence[Sequence[int]],
-                  first_written: list[int]) -> None:
+def _check_blocks(tables: torch.Tensor, ids: list[array[int]], first_written: list[int]) -> None:
     """Block ids of one step's requests (`ids[i]`: request i's blocks, from index
     `first_written[i]` on the ones this step writes; `tables`: the same, host [batch, width]
     int64, 0 past each row's blocks): each from 1 to 2**31 - 1, none twice in a table (two
     positions would share slots), and a block a request writes in no other request's table
     (requests may share the blocks they only read, a common prefix). The common case, no
     block repeated anywhere, costs one set union and three reductions, not a Python loop."""
-    counts = [len(row) for row in ids]
-    if not sum(counts):
+    count = sum(map(len, ids))
+    if not count:
         return
-    if int(tables.min()) < 0 or int(tables.max()) >= 2**31 or int(tables.count_nonzero()) != sum(counts):
-        row = next(i for i, blocks in enumerate(ids) if blocks and not 1 <= min(blocks) <= max(blocks) < 2**31)
-        raise _bad_block(label(row), next(b for b in ids[row] if not 1 <= b < 2**31))
-    if len(set().union(*ids)) == sum(counts):
+    if int(tables.min()) < 0 or int(tables.max()) >= INT32_END or int(tables.count_nonzero()) != count:
+        row = next(i for i, blocks in enumerate(ids) if blocks and not 1 <= min(blocks) <= max(blocks) < INT32_END)
+        raise _bad_block(row, next(b for b in ids[row] if not 1 <= b < INT32_END))
+    if len(set().union(*ids)) == count:
         return
-    owners: dict[int, int] = {}
-    for row, blocks in enumerate(ids):  # only where some block repeats
+    owners = Counter(block for blocks in ids for block in set(blocks))  # only where some block repeats
+    for row, blocks in enumerate(ids):
         if len(set(blocks)) < len(blocks):
             repeated = next(b for k, b in enumerate(blocks) if b in blocks[:k])
-            raise ValueError(f"{label(row)} names block {repeated} twice; each block holds one span of a request's "
-                             "tokens")
-        for block in blocks:
-            owners[block] = owners.get(block, 0) + 1
-    for row, blocks in enumerate(ids):
+            raise ValueError(f"build_metadata: request {row} names block {repeated} twice; each block holds one "
+                             "span of a request's tokens")
         shared = next((b for b in blocks[first_written[row]:] if owners[b] > 1), None)
         if shared is not None:
-            raise ValueError(f"{label(row)} writes block {shared} this step, and another request's table has it "
-                             "too; give each request the blocks it writes to itself")
+            raise ValueError(f"build_metadata: request {row} writes block {shared} this step, and another request's "
+                             "table has it too; give each request the blocks it writes to itself")
 
 
 def build_metadata(
@@ -232,9 +228,11 @@ def build_metadata_and_positions(
     device: torch.device,
     max_blocks: int | None = None,
 ) -> tuple[PagedMetadata, torch.Tensor]:
-    """Metadata for one step from host lists (prefill, tests), and its query tokens' positions
-    ([num_tokens] int64, as `query_positions` gives them: the slots are worked out from them,
-    so they come free). Request i's last `query_lens[i]` of `seq_lens[i]` tokens are this step's queries.
+    """Metadata for one step from host lists, and its query tokens' absolute positions
+    ([num_tokens] int64, the rotary positions too: the slots are worked out from them, so
+    they come free). Request i's last `query_lens[i]` of `seq_lens[i]` tokens are this step's
+    queries, its KV in the first ceil(seq_lens[i] / block_size) blocks of `block_tables[i]`;
+    the tables are `max_blocks` wide (None: the longest request's).
 
     A padded row has seq_len 0 and query_len 0 (prefill) or 1 (a decode row of a padded
     batch: it writes the scratch slot and outputs zeros).
@@ -250,63 +248,53 @@ def build_metadata_and_positions(
     size = as_index(block_size)
     if size is None or size < 1:
         raise ValueError(f"build_metadata: block_size is {block_size!r}; pass the cache's block size, an int >= 1")
-    block_size = size
-    lengths, queries = [as_index(n) for n in seq_lens], [as_index(n) for n in query_lens]
-    for i, (seq_len, query_len) in enumerate(zip(lengths, queries, strict=True)):
-        if seq_len is None or query_len is None or seq_len < 0 or query_len < 0 or seq_len >= 2**31 or (
-                seq_len > 0 and query_len > seq_len):  # seq_lens are int32 on the device
-            raise ValueError(f"build_metadata: request {i} has seq_len {seq_lens[i]!r} and query_len "
-                             f"{query_lens[i]!r}; need ints 0 <= query_len <= seq_len < 2**31 (or seq_len 0 for a "
-                             "padded row)")
-    seq_lens, query_lens = cast(list[int], lengths), cast(list[int], queries)
-    need = max([ceil_div(n, block_size) for n in seq_lens], default=0)
-    widest = need if max_blocks is None else as_index(max_blocks)
-    if widest is None or widest < 0:
-        raise ValueError(f"build_metadata: max_blocks is {max_blocks!r}; pass an int >= 0 (the block tables' width), "
-                         "or None for the longest request's")
-    width = max(widest, 1)
-    if width < need:
-        raise ValueError(f"build_metadata: max_blocks={max_blocks} but a request of {max(seq_lens)} tokens needs "
-                         f"{need} blocks of {block_size}; raise max_blocks")
-    batch, starts = len(seq_lens), [0]
-    # One host buffer, one upload: the tables, then seq_lens, then query_start.
-    host = torch.full((batch * width + 2 * batch + 1,), SCRATCH_BLOCK, dtype=torch.int32)
-    tables = host[: batch * width].view(batch, width)
-    blocks64 = torch.zeros((batch, width), dtype=torch.int64)  # checked whole, then copied into `tables`
-    requests: list[Sequence[int]] = []
-    for i, (blocks, seq_len, query_len) in enumerate(zip(block_tables, seq_lens, query_lens, strict=True)):
-        used = ceil_div(seq_len, block_size)
+    lengths, queries = as_indices(seq_lens, 0), as_indices(query_lens, 0)
+    if lengths is None or queries is None or max(lengths, default=0) >= INT32_END:
+        row = next(i for i, pair in enumerate(zip(seq_lens, query_lens, strict=True))
+                   if as_indices(pair, 0) is None or pair[0] >= INT32_END)
+        raise ValueError(f"build_metadata: request {row} has seq_len {seq_lens[row]!r} and query_len "
+                         f"{query_lens[row]!r}; need ints 0 <= query_len <= seq_len < 2**31")
+    need = max([ceil_div(n, size) for n in lengths], default=0)
+    width = need if max_blocks is None else as_index(max_blocks)
+    if width is None or width < need:
+        raise ValueError(f"build_metadata: max_blocks is {max_blocks!r}, and the longest request needs {need} "
+                         f"blocks of {size}; pass an int >= {need}, or None for that")
+    width, batch, starts = max(width, 1), len(lengths), [0]
+    blocks64 = torch.full((batch, width), SCRATCH_BLOCK, dtype=torch.int64)  # checked whole, then made int32
+    requests: list[array[int]] = []
+    for row, (blocks, seq_len, query_len) in enumerate(zip(block_tables, lengths, queries, strict=True)):
+        used = ceil_div(seq_len, size)
         ids = list(blocks)[:used]
         if len(ids) < used:
-            raise ValueError(f"build_metadata: request {i} ({seq_len} tokens) needs {used} blocks of {block_size}; "
-                             f"its table is {list(blocks)}")
-        blocks64[i, :used], plain = _block_row(f"build_metadata: request {i}", ids)
-        requests.append(plain)
+            raise ValueError(f"build_metadata: request {row} ({seq_len} tokens) needs {used} blocks of {size}; "
+                             f"its table is {short_repr(list(blocks))}")
+        requests.append(_block_ids(row, ids))
+        if used:
+            blocks64[row, :used] = torch.frombuffer(requests[-1], dtype=torch.int64)
         starts.append(starts[-1] + query_len)
     # A request writes from the block of its first query on; one without queries writes nothing.
-    first_written = [(n - q) // block_size if q else len(blocks)
-                     for n, q, blocks in zip(seq_lens, query_lens, requests, strict=True)]
-    _check_tables(lambda row: f"build_metadata: request {row}", blocks64, requests, first_written)
-    tables.copy_(blocks64)
-    host[batch * width : batch * width + batch] = torch.tensor(list(seq_lens), dtype=torch.int32)
-    host[batch * width + batch :] = torch.tensor(starts, dtype=torch.int32)
-    uploaded = host.to(device, non_blocking=True)
+    first_written = [max(n - q, 0) // size if q else len(blocks)
+                     for n, q, blocks in zip(lengths, queries, requests, strict=True)]
+    _check_blocks(blocks64, requests, first_written)
+    # One host buffer, one upload: the tables, then seq_lens, then query_start.
+    host = torch.cat([blocks64.view(-1), torch.tensor(lengths, dtype=torch.int64), torch.tensor(starts)])
+    uploaded = host.to(torch.int32).to(device, non_blocking=True)
     block_table = uploaded[: batch * width].view(batch, width)
     device_seq_lens = uploaded[batch * width : batch * width + batch]
     query_start = uploaded[batch * width + batch :]
     rows, positions = _token_rows_and_positions(device_seq_lens, query_start, starts[-1])
     columns = positions.clamp(min=0)
-    slots = block_table[rows, columns // block_size].to(torch.int64) * block_size + columns % block_size
+    slots = block_table[rows, columns // size].to(torch.int64) * size + columns % size
     padded = device_seq_lens[rows] == 0
     meta = PagedMetadata(
         block_tables=block_table,
         seq_lens=device_seq_lens,
         query_start=query_start,
-        slot_mapping=slots.masked_fill_(padded, SCRATCH_BLOCK * block_size),
-        max_query_len=max(query_lens, default=0),
-        host_seq_lens=tuple(seq_lens),
+        slot_mapping=slots.masked_fill_(padded, SCRATCH_BLOCK * size),
+        max_query_len=max(queries, default=0),
+        block_size=size,
+        host_seq_lens=lengths,
         host_query_start=tuple(starts),
-        block_size=block_size,
     )
     return meta, positions
 
@@ -323,10 +311,25 @@ def _token_rows_and_positions(seq_lens: torch.Tensor, query_start: torch.Tensor,
     return rows, seq_lens[rows].to(torch.int64) - (query_start[rows + 1].to(torch.int64) - tokens)
 
 
-def query_positions(meta: PagedMetadata) -> torch.Tensor:
-    """[num_tokens] int64: each of the step's query tokens' absolute position (the rotary
-    position too), worked out on the metadata's device."""
-    return _token_rows_and_positions(meta.seq_lens, meta.query_start, int(meta.slot_mapping.shape[0]))[1]
+def decode_metadata_for_rows(meta: PagedMetadata, rows: torch.Tensor) -> PagedMetadata:
+    """Decode metadata (one query per row) that attends from the step's query rows `rows`
+    ([R] int64 token indices, on the metadata's device) alone: each row gets its request's
+    block table and, as its context, the tokens up to and including its own. So
+    `backend.decode(query[rows], ..., this)` equals `backend.prefill(query, ..., meta)[rows]`,
+    and a layer that needs only some rows' outputs (the last layer, whose other rows nothing
+    reads) attends for those alone. Worked out on the device, no host sync; the host copy of
+    the contexts is not known."""
+    request, position = _token_rows_and_positions(meta.seq_lens, meta.query_start, rows)
+    count = int(rows.shape[0])
+    return PagedMetadata(
+        block_tables=meta.block_tables.index_select(0, request),
+        seq_lens=(position + 1).to(torch.int32),
+        query_start=torch.arange(count + 1, dtype=torch.int32, device=meta.query_start.device),
+        slot_mapping=meta.slot_mapping.index_select(0, rows),
+        max_query_len=1,
+        block_size=meta.block_size,
+        host_query_start=tuple(range(count + 1)),
+    )
 
 
 def check_rows(label: str, rows: object, num_tokens: int, device: torch.device) -> None:
@@ -343,236 +346,3 @@ def check_rows(label: str, rows: object, num_tokens: int, device: torch.device) 
         if low < 0 or high >= num_tokens:
             raise ValueError(f"{label}: row {low if low < 0 else high} is outside the step's {num_tokens} tokens "
                              f"(0..{num_tokens - 1})")
-
-
-def decode_metadata_for_rows(meta: PagedMetadata, rows: torch.Tensor) -> PagedMetadata:
-    """Decode metadata (one query per row) that attends from the step's query rows `rows`
-    ([R] int, device) alone: each row gets its request's block table and, as its context,
-    the tokens up to and including its own. So `backend.decode(query[rows], ..., this)`
-    equals `backend.prefill(query, ..., meta)[rows]`, and a layer that needs only some rows'
-    outputs (the last layer, whose other rows nothing reads) attends for those alone.
-    Worked out on the device, no host sync; the host copy of the contexts is not known."""
-    check_rows("decode_metadata_for_rows", rows, int(meta.slot_mapping.shape[0]), meta.slot_mapping.device)
-    request, position = _token_rows_and_positions(meta.seq_lens, meta.query_start, rows)
-    count = int(rows.shape[0])
-    return PagedMetadata(
-        block_tables=meta.block_tables.index_select(0, request),
-        seq_lens=(position + 1).to(torch.int32),
-        query_start=torch.arange(count + 1, dtype=torch.int32, device=meta.query_start.device),
-        slot_mapping=meta.slot_mapping.index_select(0, rows),
-        max_query_len=1,
-        host_query_start=tuple(range(count + 1)),
-        block_size=meta.block_size,
-    )
-
-
-@dataclass(frozen=True)
-class PromptSplit:
-    """A prefill step's requests in two kinds (see `split_whole_prompts`).
-
-    whole: (first, last) query rows of each request whose queries are its whole context
-           (a prompt with nothing cached before it) and which no window cuts into.
-    rest:  the metadata of every other request (chunks after cached tokens, decode rows
-           sharing the step), its query rows gathered in `rest_tokens` order; None when
-           there is none. `rest_tokens` indexes the step's query rows (device, int64).
-    """
-
-    whole: list[tuple[int, int]]
-    rest: PagedMetadata | None
-    rest_tokens: torch.Tensor | None
-
-
-def split_whole_prompts(meta: PagedMetadata, sliding_window: int | None) -> PromptSplit | None:
-    """The step's whole prompts apart from its other requests, from the metadata's host
-    copies (no device sync); None without host copies. A backend runs a dense causal kernel
-    on each whole prompt's own K/V and its paged kernel on the rest."""
-    if meta.host_seq_lens is None or meta.host_query_start is None:
-        return None
-    starts, whole, rest = meta.host_query_start, [], []
-    for row, seq_len in enumerate(meta.host_seq_lens):
-        first, last = starts[row], starts[row + 1]
-        if last == first:
-            continue  # a padded row: nothing to write
-        if seq_len == last - first and (sliding_window is None or sliding_window >= seq_len):
-            whole.append((first, last))
-        else:
-            rest.append(row)
-    if not rest:
-        return PromptSplit(whole, None, None)
-    if not whole:
-        return PromptSplit([], meta, None)  # every row: the metadata as it is
-    device = meta.seq_lens.device
-    query_start = [0]
-    for row in rest:
-        query_start.append(query_start[-1] + starts[row + 1] - starts[row])
-    rows = torch.tensor(rest, dtype=torch.int64).to(device, non_blocking=True)
-    rest_tokens = torch.cat([torch.arange(starts[row], starts[row + 1]) for row in rest]).to(device, non_blocking=True)
-    sub = PagedMetadata(
-        block_tables=meta.block_tables.index_select(0, rows),
-        seq_lens=meta.seq_lens.index_select(0, rows),
-        query_start=torch.tensor(query_start, dtype=torch.int32).to(device, non_blocking=True),
-        slot_mapping=meta.slot_mapping.index_select(0, rest_tokens),
-        max_query_len=max(b - a for a, b in zip(query_start, query_start[1:], strict=False)),
-        host_seq_lens=tuple(meta.host_seq_lens[row] for row in rest),
-        host_query_start=tuple(query_start),
-        block_size=meta.block_size,
-    )
-    return PromptSplit(whole, sub, rest_tokens)
-
-
-def equal_length_runs(rows: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """`rows` ((first, last) query rows, as `PromptSplit.whole` lists them) as maximal runs of
-    prompts that are adjacent in the step's rows and equally long: (first row, prompts,
-    length) each, in order. A dense kernel takes each run as one batch of prompts, so a step
-    of many short prompts launches once per run instead of once per prompt."""
-    runs: list[tuple[int, int, int]] = []
-    for first, last in rows:
-        if runs:
-            start, count, length = runs[-1]
-            if last - first == length and first == start + count * length:
-                runs[-1] = (start, count + 1, length)
-                continue
-        runs.append((first, 1, last - first))
-    return runs
-
-
-def prompt_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, first: int, last: int,
-              key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The K/V of query rows first:last when they are whole prompts ([last - first, Hk, D]):
-    the step's own `key`/`value` rows when a backend was given them (views, no copy), else
-    read back out of the cache at the rows' slots (a gather: one copy of the prompts' K/V)."""
-    if key is not None and value is not None:
-        return key[first:last], value[first:last]
-    heads, dim = k_cache.shape[2], k_cache.shape[3]
-    slots = slot_mapping[first:last]
-    return k_cache.view(-1, heads, dim).index_select(0, slots), v_cache.view(-1, heads, dim).index_select(0, slots)
-
-
-class DecodeMetadata:
-    """Decode metadata for a fixed batch capacity, kept on the device and advanced in place.
-
-    Rows are admitted with their whole block table once (`admit`); each step appends one
-    token to every active row on the device (`step`). The host's share of a step is a
-    loop over the rows and one small upload of the blocks newly appended at a block
-    boundary: it does not grow with the context. The tensors keep their addresses, so a
-    graph captured over them replays with each step's values.
-    """
-
-    def __init__(self, capacity: int, max_blocks: int, block_size: int, device: torch.device) -> None:
-        sizes = [as_index(n) for n in (capacity, max_blocks, block_size)]
-        if not all(n is not None and n >= 1 for n in sizes):
-            raise ValueError(f"DecodeMetadata: capacity={capacity!r}, max_blocks={max_blocks!r}, "
-                             f"block_size={block_size!r}; each must be an int >= 1")
-        capacity, max_blocks, block_size = cast(list[int], sizes)
-        self.block_size, self.max_blocks, self.device = block_size, max_blocks, device
-        self.block_tables = torch.full((capacity, max_blocks), SCRATCH_BLOCK, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(capacity, dtype=torch.int32, device=device)
-        self.active = torch.zeros(capacity, dtype=torch.bool, device=device)
-        self.slot_mapping = torch.full((capacity,), SCRATCH_BLOCK * block_size, dtype=torch.int64, device=device)
-        self.query_start = torch.arange(capacity + 1, dtype=torch.int32, device=device)
-        self._lengths: list[int | None] = [None] * capacity  # host copy: None = free row
-        self.uploads = 0  # host-to-device uploads of table entries (tests check a step needs none)
-
-    @property
-    def metadata(self) -> PagedMetadata:
-        return PagedMetadata(self.block_tables, self.seq_lens, self.query_start, self.slot_mapping, 1,
-                             block_size=self.block_size)
-
-    def admit(self, row: int, blocks: Sequence[int], seq_len: int) -> None:
-        """Put a request with `seq_len` cached tokens in `blocks` into a free row."""
-        row = self._check_row(row, want_free=True)
-        length = as_index(seq_len)
-        if length is None or not 0 <= length < 2**31:  # seq_lens are int32 on the device
-            raise ValueError(f"DecodeMetadata.admit: row {row} has seq_len {seq_len!r}; pass an int "
-                             "0 <= seq_len < 2**31")
-        used = ceil_div(length, self.block_size)
-        if len(blocks) != used or used > self.max_blocks:
-            raise ValueError(f"DecodeMetadata.admit: row {row} has {length} tokens in blocks {list(blocks)}; pass "
-                             f"exactly {used} blocks (at most {self.max_blocks})")
-        label = f"DecodeMetadata.admit: row {row}"
-        table, plain = _block_row(label, list(blocks))
-        _check_tables(lambda _: label, table[None], [plain], [0])
-        self._upload(row, 0, plain)
-        self.seq_lens[row] = length
-        self.active[row] = True
-        self._lengths[row] = length
-
-    def release(self, row: int) -> None:
-        """Free a row: it becomes a padded row (seq_len 0, scratch table, scratch slot)."""
-        row = self._check_row(row, want_free=False)
-        self.block_tables[row].fill_(SCRATCH_BLOCK)
-        self.seq_lens[row] = 0
-        self.active[row] = False
-        self._lengths[row] = None
-
-    def rows_needing_block(self) -> list[int]:
-        """Active rows whose next token starts a new block: pass a block for each to `step`."""
-        return [row for row, n in enumerate(self._lengths) if n is not None and n % self.block_size == 0]
-
-    @property
-    def lengths(self) -> tuple[int | None, ...]:
-        """The host's copy of each row's length after the last step (None: a free row)."""
-        return tuple(self._lengths)
-
-    def step(self, new_blocks: Mapping[int, int] | None = None) -> PagedMetadata:
-        """Advance every active row by one token; returns the step's metadata.
-
-        `new_blocks` maps each row of `rows_needing_block()` to the block its token starts.
-        """
-        self.append_blocks(new_blocks)
-        self.advance_on_device()
-        return self.metadata
-
-    def append_blocks(self, new_blocks: Mapping[int, int] | None = None) -> None:
-        """The host part of `step`: check and upload the step's new blocks, count the token.
-
-        With a captured graph that runs `advance_on_device`, call this, then replay.
-        """
-        new_blocks = dict(new_blocks or {})
-        needed = self.rows_needing_block()
-        if sorted(new_blocks) != needed:
-            raise ValueError(f"DecodeMetadata.step: new_blocks covers rows {sorted(new_blocks)}, but rows {needed} "
-                             "start a new block this step; pass exactly one block for each")
-        label = f"DecodeMetadata.step: new_blocks {new_blocks}"
-        table, appended = _block_row(label, [new_blocks[row] for row in needed])
-        _check_tables(lambda _: label, table[None], [appended], [0])
-        columns = [self._lengths[row] // self.block_size for row in needed]  # type: ignore[operator]
-        for row, column in zip(needed, columns, strict=True):
-            if column >= self.max_blocks:
-                raise ValueError(f"DecodeMetadata.step: row {row} would need block {column + 1} of "
-                                 f"{self.max_blocks}; release it or build with a larger max_blocks")
-        self._upload_many(needed, columns, appended)
-        for row, n in enumerate(self._lengths):
-            if n is not None:
-                self._lengths[row] = n + 1
-
-    def advance_on_device(self) -> None:
-        """The device part of `step`: lengths and slots, in place, no host sync."""
-        self.seq_lens.add_(self.active.to(torch.int32))
-        position = (self.seq_lens - 1).clamp_(min=0).to(torch.int64)
-        block = self.block_tables.gather(1, (position // self.block_size)[:, None]).squeeze(1).to(torch.int64)
-        slot = block * self.block_size + position % self.block_size
-        self.slot_mapping.copy_(torch.where(self.active, slot, SCRATCH_BLOCK * self.block_size))
-
-    def _check_row(self, row: int, want_free: bool) -> int:
-        """`row` as a plain int, checked in range and free (or in use)."""
-        index = as_index(row)
-        if index is None:
-            raise TypeError(f"DecodeMetadata: row {row!r} is a {type(row).__name__}; pass an int row index")
-        if not 0 <= index < len(self._lengths):
-            raise ValueError(f"DecodeMetadata: row {row!r} is out of range 0..{len(self._lengths) - 1}")
-        if want_free and self._lengths[index] is not None:
-            raise ValueError(f"DecodeMetadata.admit: row {index} is in use; release it first")
-        if not want_free and self._lengths[index] is None:
-            raise ValueError(f"DecodeMetadata.release: row {index} is not in use")
-        return index
-
-    def _upload(self, row: int, first: int, blocks: Sequence[int]) -> None:
-        self._upload_many([row] * len(blocks), list(range(first, first + len(blocks))), blocks)
-
-    def _upload_many(self, rows: list[int], columns: list[int], blocks: Sequence[int]) -> None:
-        if not blocks:
-            return
-        self.uploads += 1
-        values = torch.tensor(blocks, dtype=torch.int32).to(self.device, non_blocking=True)
-        self.block_tables[rows, columns] = values

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from torchhal.attention.backend import AttentionCapability, check_call
+from torchhal.attention.backend import AttentionCapability
 from torchhal.attention.layout import PagedMetadata, PagedWriter
 from torchhal.values import ceil_div
 
@@ -62,7 +62,7 @@ class ReferenceBackend(PagedWriter):
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
                scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        check_call(query, k_cache, v_cache, meta, True, sliding_window, soft_cap, scale=scale, out=out)
+        assert meta.block_size == k_cache.shape[1], "metadata built for the cache's block size"
         batch, block_size = meta.batch, k_cache.shape[1]
         shape = (batch, meta.max_blocks * block_size, k_cache.shape[2], k_cache.shape[3])
         keys = k_cache[meta.block_tables.long()].view(shape)
@@ -70,18 +70,18 @@ class ReferenceBackend(PagedWriter):
         query_pos = (meta.seq_lens.long() - 1)[:, None]  # -1 for a padded row: attends nothing
         result = attend(query[:, None], keys, values, query_pos, meta.seq_lens.long(), scale, sliding_window,
                         soft_cap)[:, 0]
-        return _finish(result, query, out)
+        return result.to(query.dtype) if out is None else out.copy_(result)
 
     def prefill(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
                 scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                 out: torch.Tensor | None = None, key: torch.Tensor | None = None,
                 value: torch.Tensor | None = None) -> torch.Tensor:
-        # Not declaring `step_kv`, it reads every K/V out of the cache; a step's K/V, if passed, are only checked.
-        check_call(query, k_cache, v_cache, meta, False, sliding_window, soft_cap, scale=scale, out=out, key=key,
-                   value=value)
+        # Not declaring `step_kv`, it reads every K/V out of the cache.
+        assert meta.block_size == k_cache.shape[1], "metadata built for the cache's block size"
         block_size = k_cache.shape[1]
         result = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
-        starts, seq_lens = meta.query_start.tolist(), meta.seq_lens.tolist()  # host walk: not capturable
+        starts = meta.host_query_start or meta.query_start.tolist()  # a host walk: not capturable
+        seq_lens = meta.host_seq_lens or meta.seq_lens.tolist()
         for row, seq_len in enumerate(seq_lens):
             first, last = starts[row], starts[row + 1]
             if seq_len == 0 or first == last:
@@ -95,11 +95,4 @@ class ReferenceBackend(PagedWriter):
                 query_pos = torch.arange(chunk, end, device=query.device)[None] + (seq_len - last)
                 result[chunk:end] = attend(query[None, chunk:end], keys, values, query_pos, length, scale,
                                            sliding_window, soft_cap)[0]
-        return _finish(result, query, out)
-
-
-def _finish(result: torch.Tensor, query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return result.to(query.dtype)
-    out.copy_(result)
-    return out
+        return result.to(query.dtype) if out is None else out.copy_(result)

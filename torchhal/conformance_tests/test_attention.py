@@ -100,9 +100,7 @@ def paged_layout(case: Case, dtype: torch.dtype, capability: AttentionCapability
     shape = (num_blocks, block_size, case.kv_heads, head_dim)
     k_cache = torch.full(shape, float("nan"), dtype=dtype)
     v_cache = torch.full(shape, float("nan"), dtype=dtype)
-    written = torch.tensor([blocks[p // block_size] * block_size + p % block_size
-                            for blocks, seq_len in zip(tables, case.seq_lens, strict=True) for p in range(seq_len)],
-                           dtype=torch.int64)
+    written = build_metadata(tables, case.seq_lens, case.seq_lens, block_size, torch.device("cpu")).slot_mapping
     for cache in (k_cache, v_cache):
         cache.view(-1, case.kv_heads, head_dim)[written] = torch.randn(
             len(written), case.kv_heads, head_dim, generator=generator).to(dtype)
@@ -129,12 +127,9 @@ def head_dim_for(capability: AttentionCapability) -> int:
     return 128 if dims is None or 128 in dims else dims[0]
 
 
-def applicable(capability: AttentionCapability, case: Case) -> str | None:
-    if case.window is not None and not capability.sliding_window:
-        return "no sliding window declared"
-    if case.soft_cap is not None and not capability.soft_cap:
-        return "no soft-capping declared"
-    return None
+def applicable(capability: AttentionCapability, case: Case) -> bool:
+    """The backend declares the features the case needs."""
+    return (case.window is None or capability.sliding_window) and (case.soft_cap is None or capability.soft_cap)
 
 
 def check_against_reference(platform: Platform, device_index: int, case: Case, name: str, mode: str) -> None:
@@ -143,44 +138,48 @@ def check_against_reference(platform: Platform, device_index: int, case: Case, n
     ran = 0
     for backend in declared_backends(platform):
         capability = backend.capability
-        if mode == "prefill" and not capability.prefill:
-            continue
-        if applicable(capability, case) is not None:
+        if (mode == "prefill" and not capability.prefill) or not applicable(capability, case):
             continue
         for dtype in capability.dtypes:
-            seed = zlib.crc32(f"{name} {dtype}".encode())
-            layout = paged_layout(case, dtype, capability, device, seed=seed)
+            layout = paged_layout(case, dtype, capability, device, seed=zlib.crc32(f"{name} {dtype}".encode()))
             kwargs: dict[str, Any] = {"scale": layout.scale, "sliding_window": case.window, "soft_cap": case.soft_cap}
             expected = getattr(reference, mode)(layout.query, layout.k_cache, layout.v_cache, layout.meta, **kwargs)
-            out = torch.full_like(layout.query, float("nan"))
-            got = getattr(backend, mode)(layout.query, layout.k_cache, layout.v_cache, layout.meta, out=out, **kwargs)
-            platform.synchronize(device_index)
-            assert got is out, f"{capability.name}.{mode} did not return the `out` it was given"
-            atol, rtol = TOLERANCE[dtype]
-            bad = ~torch.isclose(got.float(), expected.float(), atol=atol, rtol=rtol)
-            assert not bad.any(), (
-                f"{capability.name}.{mode} differs from the reference on {name} ({dtype}): "
-                f"{int(bad.sum())} of {bad.numel()} values, e.g. token/head {bad.nonzero()[0].tolist()[:2]}, "
-                f"max error {float((got.float() - expected.float()).nan_to_num(1e9).abs().max()):.3g}"
-            )
+            calls: list[tuple[str, dict[str, Any]]] = [("", {"out": torch.full_like(layout.query, float("nan"))})]
             if mode == "prefill":
                 # Engines also take the tensor it returns without `out` (no copy), and hand a
                 # backend declaring `step_kv` the step's K/V.
-                calls: list[tuple[str, dict[str, Any]]] = [("without `out`", {})]
+                calls.append((" without `out`", {}))
                 if capability.step_kv:
                     key, value = step_kv_views(layout)
-                    calls += [("given the step's K/V", {"key": key, "value": value, "out": out.fill_(float("nan"))}),
-                              ("given the step's K/V, without `out`", {"key": key, "value": value})]
-                for label, extra in calls:
-                    fresh = backend.prefill(layout.query, layout.k_cache, layout.v_cache, layout.meta, **kwargs,
-                                            **extra)
-                    platform.synchronize(device_index)
-                    assert "out" not in extra or fresh is extra["out"], (
-                        f"{capability.name}.prefill {label} did not return the `out` it was given")
-                    check_prefill_result(capability.name, label, fresh, expected, layout, name, dtype)
+                    calls += [(" given the step's K/V", {"key": key, "value": value,
+                                                         "out": torch.full_like(layout.query, float("nan"))}),
+                              (" given the step's K/V, without `out`", {"key": key, "value": value})]
+            for label, extra in calls:
+                got = getattr(backend, mode)(layout.query, layout.k_cache, layout.v_cache, layout.meta, **kwargs,
+                                             **extra)
+                platform.synchronize(device_index)
+                check_result(f"{capability.name}.{mode}{label}", got, extra.get("out"), expected, layout,
+                             f"{name} ({dtype})")
             ran += 1
     if ran == 0:
         pytest.skip(f"not applicable: no declared backend covers {name} ({mode})")
+
+
+def check_result(call: str, got: object, out: torch.Tensor | None, expected: torch.Tensor, layout: Layout,
+                 where: str) -> None:
+    """`got` is the `out` given (if one was), a tensor like the query, and the reference's values."""
+    like = (layout.query.shape, layout.query.dtype, layout.query.device)
+    assert out is None or got is out, f"{call} did not return the `out` it was given"
+    assert isinstance(got, torch.Tensor) and (got.shape, got.dtype, got.device) == like, (
+        f"{call} returned {type(got).__name__} {tuple(getattr(got, 'shape', ()))}; return a tensor like the query, "
+        f"{like}")
+    atol, rtol = TOLERANCE[layout.query.dtype]
+    bad = ~torch.isclose(got.float(), expected.float(), atol=atol, rtol=rtol)
+    error = float((got.float() - expected.float()).nan_to_num(1e9).abs().max())
+    assert not bad.any(), (
+        f"{call} differs from the reference on {where}: {int(bad.sum())} of {bad.numel()} values, e.g. token/head "
+        f"{bad.nonzero()[0].tolist()[:2]}, max error {error:.3g}"
+    )
 
 
 def projection_views(tokens: int, q_heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
@@ -203,33 +202,6 @@ def step_kv_views(layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
     key.copy_(layout.k_cache.view(-1, kv_heads, dim)[slots])
     value.copy_(layout.v_cache.view(-1, kv_heads, dim)[slots])
     return key, value
-
-
-def check_prefill_result(backend: str, label: str, got: object, expected: torch.Tensor, layout: Layout, name: str,
-                         dtype: torch.dtype) -> None:
-    like = (layout.query.shape, layout.query.dtype, layout.query.device)
-    assert isinstance(got, torch.Tensor) and (got.shape, got.dtype, got.device) == like, (
-        f"{backend}.prefill {label} returned {type(got).__name__} {tuple(getattr(got, 'shape', ()))}; "
-        f"return a tensor like the query, {like}")
-    atol, rtol = TOLERANCE[dtype]
-    bad = ~torch.isclose(got.float(), expected.float(), atol=atol, rtol=rtol)
-    assert not bad.any(), (
-        f"{backend}.prefill {label} differs from the reference on {name} ({dtype}): "
-        f"{int(bad.sum())} of {bad.numel()} values, e.g. token/head {bad.nonzero()[0].tolist()[:2]}"
-    )
-
-
-def test_attention_support_is_a_record_of_backends(platform):
-    for backend in declared_backends(platform):
-        capability = getattr(backend, "capability", None)
-        assert isinstance(capability, AttentionCapability), (
-            f"backend {backend!r} has capability {capability!r}; declare an AttentionCapability"
-        )
-        assert capability.dtypes and all(isinstance(d, torch.dtype) for d in capability.dtypes), (
-            f"{capability.name}: dtypes is {capability.dtypes!r}; list torch dtypes"
-        )
-        for method in ("write_kv", "decode", "prefill"):
-            assert callable(getattr(backend, method, None)), f"{capability.name} has no {method}()"
 
 
 @pytest.mark.parametrize("name", DECODE_CASES)
@@ -302,7 +274,9 @@ def replay_and_compare(platform: Platform, device_index: int, backend: Attention
     layout = paged_layout(DECODE_CASES["mixed_lengths_gqa4"], dtype, capability,
                           platform.device(device_index), seed=11)
     k_cache, v_cache = layout.k_cache.nan_to_num(0.0), layout.v_cache.nan_to_num(0.0)
-    meta, query = layout.meta, layout.query.clone()
+    # The lengths grow on the device below, as a decode graph's do: no host copies.
+    meta = replace(layout.meta, host_seq_lens=None, host_query_start=None)
+    query = layout.query.clone()
     out = torch.empty_like(query)
 
     def step() -> torch.Tensor:
@@ -335,7 +309,7 @@ def replay_and_compare(platform: Platform, device_index: int, backend: Attention
 
 def test_padded_rows_output_zeros(platform, device_index):
     device = platform.device(device_index)
-    case = replace(DECODE_CASES["mixed_lengths_gqa4"])
+    case = DECODE_CASES["mixed_lengths_gqa4"]
     padded = [i for i, n in enumerate(case.seq_lens) if n == 0]
     for backend in declared_backends(platform):
         capability = backend.capability

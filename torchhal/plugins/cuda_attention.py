@@ -21,8 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchhal.attention import AttentionCapability, PagedMetadata, check_call, check_write, write_kv
-from torchhal.attention.layout import equal_length_runs, prompt_kv, split_whole_prompts
+from torchhal.attention import AttentionCapability, PagedMetadata
 from torchhal.plugins import cuda_flash
 from torchhal.plugins.cuda_pdl import programmatic_launch, wait_for_previous_kernels
 
@@ -226,10 +225,7 @@ class TritonPagedAttention:
                  slot_mapping: torch.Tensor) -> None:
         """One launch for K and V, read through their strides: the engine passes views into
         the fused QKV projection, which an indexed copy would first copy to contiguous."""
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            write_kv(k_cache, v_cache, key, value, slot_mapping)  # the kernel takes the pool's own layout
-            return
-        check_write(k_cache, v_cache, key, value, slot_mapping)
+        assert k_cache.is_contiguous() and v_cache.is_contiguous(), "the kernel puts slot s at s * a slot's stride"
         tokens, heads, dim = key.shape
         if tokens == 0:
             return
@@ -248,7 +244,6 @@ class TritonPagedAttention:
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
                scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        check_call(query, k_cache, v_cache, meta, True, sliding_window, soft_cap, scale=scale, out=out)
         splits = decode_splits(meta.batch, k_cache.shape[2], meta.max_blocks * k_cache.shape[1],
                                _multiprocessors(query.device.index or 0))
         return self._launch(query, k_cache, v_cache, meta, 1, splits, scale, sliding_window, soft_cap, out)
@@ -257,28 +252,26 @@ class TritonPagedAttention:
                 scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                 out: torch.Tensor | None = None, key: torch.Tensor | None = None,
                 value: torch.Tensor | None = None) -> torch.Tensor:
-        check_call(query, k_cache, v_cache, meta, False, sliding_window, soft_cap, scale=scale, out=out, key=key,
-                   value=value)
-        split = split_whole_prompts(meta, sliding_window) if soft_cap is None else None
-        if split is None or not split.whole:
+        split = cuda_flash.split_whole_prompts(meta, sliding_window) if soft_cap is None else None
+        if split is None or not split.runs:
             return self._launch(query, k_cache, v_cache, meta, meta.max_query_len, 1, scale, sliding_window,
                                 soft_cap, out)
-        runs = equal_length_runs(split.whole)
 
         def dense(run: tuple[int, int, int]) -> torch.Tensor:
             first, count, length = run
-            k, v = prompt_kv(k_cache, v_cache, meta.slot_mapping, first, first + count * length, key, value)
+            k, v = cuda_flash.prompt_kv(k_cache, v_cache, meta.slot_mapping, first, first + count * length, key,
+                                        value)
             return self._flash_prefill(query, k, v, run, scale)
 
-        if out is None and split.rest is None and len(runs) == 1:  # one dense call covers the step
-            return dense(runs[0])
+        if out is None and split.rest is None and len(split.runs) == 1:  # one dense call covers the step
+            return dense(split.runs[0])
         if out is None:
             out = torch.empty_like(query)
         if split.rest is not None and split.rest_tokens is not None:  # chunks after cached tokens, decode rows
             part = self._launch(query.index_select(0, split.rest_tokens), k_cache, v_cache, split.rest,
                                 split.rest.max_query_len, 1, scale, sliding_window, soft_cap, None)
             out.index_copy_(0, split.rest_tokens, part)
-        for run in runs:
+        for run in split.runs:
             first, count, length = run
             out[first : first + count * length] = dense(run)
         return out
@@ -297,16 +290,14 @@ class TritonPagedAttention:
         the run's rows [count * length, Hq, D], the kernel's own output (a view when its
         layout allows)."""
         first, count, length = run
-        heads, dim = keys.shape[1], keys.shape[2]
-        q_heads = query.shape[1]
-        q = query[first : first + count * length].view(count, length, q_heads, dim)
-        k = keys.view(count, length, heads, dim)
-        v = values.view(count, length, heads, dim)
-        return cuda_flash.dense_causal(q, k, v, scale).reshape(count * length, q_heads, dim)
+        rows = query[first : first + count * length]
+        q, k, v = (t.view(count, length, *t.shape[1:]) for t in (rows, keys, values))
+        return cuda_flash.dense_causal(q, k, v, scale).reshape(rows.shape)
 
     def _launch(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
                 max_query_len: int, splits: int, scale: float, sliding_window: int | None, soft_cap: float | None,
                 out: torch.Tensor | None) -> torch.Tensor:
+        assert meta.block_size == k_cache.shape[1], "metadata built for the cache's block size"
         if query.stride(-1) != 1:
             query = query.contiguous()
         if out is None:

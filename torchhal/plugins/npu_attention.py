@@ -32,13 +32,11 @@ from types import ModuleType
 
 import torch
 
-from torchhal.attention import AttentionCapability, PagedMetadata, PagedWriter, check_call
+from torchhal.attention import AttentionCapability, PagedMetadata, PagedWriter
 
 #: FIA's right-down causal mode, and the side of the square mask it takes for it.
 RIGHT_DOWN_CAUSAL = 3
 CAUSAL_MASK_SIDE = 2048
-#: FIA limit on N * D of a BSND/BSH row and on H of the (blocks, block_size, H) cache.
-MAX_HIDDEN = 65535
 
 
 def _torch_npu() -> ModuleType:
@@ -68,17 +66,14 @@ class NpuFusedAttention(PagedWriter):
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
                scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        check_call(query, k_cache, v_cache, meta, True, sliding_window, soft_cap, scale=scale, out=out)
-        result = self._attend(query[:, None], k_cache, v_cache, meta, None, scale, sliding_window, soft_cap)[:, 0]
-        return _finish(result, out)
+        result = self._attend(query[:, None], k_cache, v_cache, meta, None, scale)[:, 0]
+        return result if out is None else out.copy_(result)
 
     def prefill(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, *,
                 scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                 out: torch.Tensor | None = None, key: torch.Tensor | None = None,
                 value: torch.Tensor | None = None) -> torch.Tensor:
-        # Not declaring `step_kv`, it reads every K/V out of the cache; a step's K/V, if passed, are only checked.
-        check_call(query, k_cache, v_cache, meta, False, sliding_window, soft_cap, scale=scale, out=out, key=key,
-                   value=value)
+        # Not declaring `step_kv`, it reads every K/V out of the cache.
         starts = list(meta.host_query_start) if meta.host_query_start is not None else meta.query_start.tolist()
         seq_lens = _host_seq_lens(meta)
         # A padded row (seq_len 0) gets no queries in FIA: its rows are zeroed below anyway.
@@ -87,22 +82,22 @@ class NpuFusedAttention(PagedWriter):
         rows = [(request, position) for request, length in enumerate(query_lens) for position in range(length)]
         result = query.new_zeros(query.shape)
         if not rows:
-            return _finish(result, out)
+            return result if out is None else out.copy_(result)
         # Row t of the step's queries is position t - starts[request] of its request.
         tokens = torch.tensor([starts[request] + position for request, position in rows], device=query.device)
         where = torch.tensor(rows, device=query.device).T
         padded = query.new_zeros((meta.batch, max(query_lens), *query.shape[1:]))
         padded[where[0], where[1]] = query[tokens]
-        attended = self._attend(padded, k_cache, v_cache, meta, query_lens, scale, sliding_window, soft_cap)
+        attended = self._attend(padded, k_cache, v_cache, meta, query_lens, scale)
         result[tokens] = attended[where[0], where[1]]
-        return _finish(result, out)
+        return result if out is None else out.copy_(result)
 
     def _attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
-                query_lens: list[int] | None, scale: float, sliding_window: int | None,
-                soft_cap: float | None) -> torch.Tensor:
-        """FIA on a BSND query [batch, q_len, q_heads, head_dim]; padded rows come back zero."""
+                query_lens: list[int] | None, scale: float) -> torch.Tensor:
+        """FIA on a BSND query [batch, q_len, q_heads, head_dim]; padded rows come back zero.
+        Selection gave it only models whose dtype, head dim, block size and features FIA takes
+        (its capability), so no window or soft cap is passed."""
         num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-        self._check_supported(query, k_cache, sliding_window, soft_cap)
         prompt = query.shape[1] > 1  # FIA's prompt branch: causal mask and per-request query lengths
         torch_npu = _torch_npu()
         attention, _ = torch_npu.npu_fused_infer_attention_score(
@@ -123,27 +118,6 @@ class NpuFusedAttention(PagedWriter):
         live = (meta.seq_lens > 0)[:, None, None, None]
         return torch.where(live, attention, 0.0).to(query.dtype)
 
-    def _check_supported(self, query: torch.Tensor, k_cache: torch.Tensor, sliding_window: int | None,
-                         soft_cap: float | None) -> None:
-        """One line naming what FIA cannot take (selection passes such models over; direct calls land here)."""
-        capability, (_, block_size, kv_heads, head_dim) = self.capability, k_cache.shape
-        problems = []
-        if query.dtype not in capability.dtypes:
-            problems.append(f"dtype {query.dtype} (FIA takes float16 or bfloat16; use the reference backend)")
-        if capability.block_sizes is not None and block_size not in capability.block_sizes:
-            problems.append(f"block_size {block_size} (FIA page attention takes {list(capability.block_sizes)})")
-        if capability.head_dims is not None and head_dim not in capability.head_dims:
-            problems.append(f"head_dim {head_dim} (FIA takes multiples of 16 up to 512)")
-        if max(kv_heads, query.shape[2]) * head_dim > MAX_HIDDEN:
-            problems.append(f"{max(kv_heads, query.shape[2])} heads x head_dim {head_dim} > {MAX_HIDDEN}")
-        if sliding_window is not None:
-            problems.append(f"sliding_window {sliding_window} (not mapped: FIA decode ignores pre_tokens)")
-        if soft_cap is not None:
-            problems.append(f"soft_cap {soft_cap} (FIA has no soft-capping)")
-        if problems:
-            raise ValueError(f"{capability.name}: unsupported {'; '.join(problems)}; "
-                             "choose the backend with platform.choose_attention(spec)")
-
     def _causal_mask(self, device: torch.device) -> torch.Tensor:
         """The square upper-triangle mask (True = masked) FIA's right-down causal mode requires."""
         mask = self._masks.get(device)
@@ -156,10 +130,3 @@ class NpuFusedAttention(PagedWriter):
 
 def _host_seq_lens(meta: PagedMetadata) -> list[int]:
     return list(meta.host_seq_lens) if meta.host_seq_lens is not None else meta.seq_lens.tolist()
-
-
-def _finish(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return result
-    out.copy_(result)
-    return out
