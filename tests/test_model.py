@@ -264,16 +264,12 @@ def test_the_kept_layer_program_follows_moves_and_each_copy_runs_its_own_weights
 def test_bad_output_rows_are_refused_naming_them_before_any_layer_runs(rows, message):
     """Host-checkable faults in `rows` are refused before the program runs: no K/V is written
     and the model can run the step again."""
-    from torchhal.attention import decode_metadata_for_rows
-
     model = fresh_model(ModelConfig(num_layers=2))
     step, tokens = meta([[1]], [4], [4]), torch.tensor([3, 1, 4, 1])
     before = model.kv.k.clone()
     with pytest.raises(ValueError, match="forward: " + message):
         model(tokens, step, rows)
     assert torch.equal(model.kv.k, before)
-    with pytest.raises(ValueError, match="decode_metadata_for_rows: " + message):
-        decode_metadata_for_rows(step.paged, rows)
     torch.testing.assert_close(model(tokens, step, torch.tensor([3])), model(tokens, step)[3:])
 
 

@@ -185,7 +185,7 @@ class GenerationEngine:
         self.attention: AttentionChoice = self.platform.choose_attention(AttentionSpec(
             num_q_heads=local.num_heads, num_kv_heads=local.num_kv_heads, head_dim=local.head_dim,
             dtype=config.dtype, block_size=config.kv_block_size, sliding_window=local.sliding_window,
-            needs_graph=config.decode_graphs is not None))
+            needs_graph=self._captures_decode_graphs))
         self.model.kv = self.occupation.place_kv(self._new_kv_cache)
         model_config = self.model_config
         self.requests = RequestBook(BlockAllocator(self.kv_sizing.num_blocks, config.kv_block_size),
@@ -226,6 +226,12 @@ class GenerationEngine:
                                      runner, decode, rows, config.kv_block_size, config.dtype,
                                      device_waiter(self.group), self.attention.backend)
         self.requests.on_leave = self.executor.forget
+
+    @property
+    def _captures_decode_graphs(self) -> bool:
+        """Decode steps will be captured: the attention backend must then be capturable."""
+        graphs = self.config.decode_graphs
+        return graphs is not None and not graphs.emulate and self.platform.graph_support is not None
 
     def _free_bytes_everywhere(self, saved: ModelState | None) -> int:
         """The free memory the KV pool is sized from: this device's, or under tensor parallel

@@ -180,6 +180,7 @@ class BlockTable:
             query_start=self._query_start[: rows + 1],
             slot_mapping=out_slots,
             max_query_len=1,
+            block_size=self.block_size,
         )
 
     def _upload_new_blocks(self, batch: Sequence[DecodeRow]) -> None:

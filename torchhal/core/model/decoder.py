@@ -16,13 +16,13 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchhal.attention import StepKvAttentionBackend, decode_metadata_for_rows
+from torchhal.attention import decode_metadata_for_rows
 from torchhal.core.graphs.program import (
     OUTPUT_ROWS,
     BreakStep,
@@ -626,12 +626,11 @@ class LlamaDecoder(nn.Module):
                     backend.decode(query, k_cache, v_cache, meta.paged, scale=scale,
                                    sliding_window=config.sliding_window, out=out[:num_tokens])
                     return
-                # A backend declaring `step_kv` reads whole prompts' K/V where the projection left
-                # them; one that does not may predate the arguments (SPI < 1.7), so gets none.
+                # A backend declaring `step_kv` reads whole prompts' K/V where the projection left them.
                 prefill: Callable[..., torch.Tensor] = backend.prefill
                 if backend.capability.step_kv:
-                    prefill = functools.partial(cast(StepKvAttentionBackend, backend).prefill,
-                                                key=state["k"][:num_tokens], value=state["v"][:num_tokens])
+                    prefill = functools.partial(backend.prefill, key=state["k"][:num_tokens],
+                                                value=state["v"][:num_tokens])
                 if num_tokens != out.shape[0]:  # a graph bucket's padded rows
                     prefill(query, k_cache, v_cache, meta.paged, scale=scale, sliding_window=config.sliding_window,
                             out=out[:num_tokens])
