@@ -563,7 +563,9 @@ def test_a_construction_that_fails_after_the_move_puts_the_callers_model_back(fa
 
     overrides: dict[str, object] = {"runner_factory": fail}
     if fails_at == "decode_graphs":  # the last part of construction
-        monkeypatch.setattr(GenerationEngine, "_new_decode_runner", lambda self, settings: fail(self))
+        from torchhal.core.engine import construction
+
+        monkeypatch.setattr(construction, "make_decode_runner", lambda engine, settings: fail(engine))
         overrides = {}
     graphs = {"decode_graphs": DecodeGraphConfig(emulate=True),  # built after the prefill graphs' program
               "prefill_graphs": PrefillGraphConfig(token_buckets=(4, 16), emulate=True)}

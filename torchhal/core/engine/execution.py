@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from torchhal.core.engine.records import Request, RequestState
+from torchhal.core.engine.records import GenerationResult, Request, RequestState
 from torchhal.core.engine.requests import RequestBook
 from torchhal.core.engine.runners import ModelRunner
 from torchhal.core.engine.scheduler import Scheduler, StepInputs, StepPlan
@@ -59,12 +59,15 @@ class StepExecutor:
     def __init__(self, model: Model, platform: Platform, device_index: int, book: RequestBook,
                  scheduler: Scheduler, runner: ModelRunner, decode: DecodeGraphRunner | None, rows: BlockTable,
                  block_size: int, dtype: torch.dtype, wait: Callable[[Any, str], None],
-                 backend: Any) -> None:
+                 backend: Any, eos: frozenset[int], on_failure: Callable[[BaseException], None]) -> None:
+        """`eos`: the tokens that end a request; `on_failure(error)`: told of every landing that
+        fails (under tensor parallel it ends the engine: the ranks may now disagree)."""
         self.model, self.platform, self.device_index = model, platform, device_index
         self.device = platform.device(device_index)
         self.book, self.scheduler = book, scheduler
         self.runner, self.decode, self.rows = runner, decode, rows
         self.block_size, self.dtype, self.wait, self.backend = block_size, dtype, wait, backend
+        self.eos, self.on_failure = eos, on_failure
         self.in_flight: InFlight | None = None
 
     # -- running a plan ---------------------------------------------------------------------
@@ -149,7 +152,7 @@ class StepExecutor:
         rows, host, done = decode.launch(batch, max(new), chained=chained)
         return InFlight(requests, new, new, rows, host.shape[1], host, done, window=True)
 
-    def advance(self) -> tuple[list[Request], list[list[int]]]:
+    def advance(self) -> list[GenerationResult]:
         """A window in flight: queue the next window of the same requests behind it when they
         all continue, then land it. If either fails, both give their KV back and the error
         propagates."""
@@ -160,13 +163,14 @@ class StepExecutor:
             with torch.no_grad():
                 chained = self._chain(flight)
             tokens = self._read(flight)
-        except BaseException:
+        except BaseException as exc:
             for work in (chained, flight):
                 if work is not None:
                     self.give_back(work)
+            self.on_failure(exc)
             raise
         self.in_flight = chained
-        return flight.requests, tokens
+        return self.append(flight.requests, tokens)
 
     def _chain(self, flight: InFlight) -> InFlight | None:
         """The next window of `flight`'s requests, queued before its tokens are read; None when
@@ -193,14 +197,43 @@ class StepExecutor:
             raise
 
     # -- landing ----------------------------------------------------------------------------
-    def land(self, flight: InFlight) -> tuple[list[Request], list[list[int]]]:
-        """Wait for `flight`'s tokens; if that fails, its requests give back what they reserved
-        (they compute it again) and the error propagates."""
+    def append(self, batch: list[Request], tokens: list[list[int]]) -> list[GenerationResult]:
+        return self.book.append(batch, tokens, self.eos)
+
+    def land(self, flight: InFlight) -> list[GenerationResult]:
+        """Wait for `flight`'s tokens and append them; if that fails, its requests give back what
+        they reserved (they compute it again) and the error propagates."""
         try:
-            return flight.requests, self._read(flight)
-        except BaseException:
+            tokens = self._read(flight)
+        except BaseException as exc:
             self.give_back(flight)
+            self.on_failure(exc)
             raise
+        return self.append(flight.requests, tokens)
+
+    def land_or_drop(self, flight: InFlight | None) -> list[GenerationResult]:
+        """Land tokens on an error path: a second error there drops them instead (their
+        requests compute them again), so the first error is the one raised."""
+        if flight is None:
+            return []
+        try:
+            return self.land(flight)
+        except BaseException:
+            return []
+
+    def drain(self) -> list[GenerationResult]:
+        """Land whatever is in flight."""
+        flight = self.take()
+        return self.land(flight) if flight is not None else []
+
+    def drop(self) -> None:
+        """A launched window gives back its KV without its tokens (they are computed again); a
+        step's tokens on their way land (or, if that fails, are computed again)."""
+        flight = self.take()
+        if flight is not None and flight.window:
+            self.give_back(flight)
+        else:
+            self.land_or_drop(flight)
 
     def _read(self, flight: InFlight) -> list[list[int]]:
         self.wait(flight.done, "a decode window's tokens" if flight.window else "a step's tokens landing")

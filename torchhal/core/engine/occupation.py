@@ -24,7 +24,7 @@ capture failing) leaves the engine as it was before the call, so the call can be
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,7 +32,7 @@ import torch
 
 from torchhal.core.model import KVCache, Model
 from torchhal.platforms import MemoryRegions, Platform, ReleasePoint
-from torchhal.values import ceil_div
+from torchhal.values import ceil_div, short_repr
 
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
 #: What wakes, in the order a wake of several takes them.
@@ -105,6 +105,22 @@ class Occupation:
 
     def describe(self) -> str:
         raise NotImplementedError
+
+    def wake_order(self, tags: object) -> list[str]:
+        """`resume_memory_occupation`'s tags (None: all) checked, in the order they wake."""
+        if not self.asleep:
+            raise RuntimeError("the engine is not asleep")
+        if tags is None:
+            wanted = set(TAGS)
+        elif isinstance(tags, str) or not isinstance(tags, Iterable) or not set(tags) or not set(tags) <= set(TAGS):
+            raise ValueError(f"resume_memory_occupation(tags={short_repr(tags)}): pass a tuple of "
+                             f"{', '.join(map(repr, TAGS))} (the weights first), or None for everything asleep")
+        else:
+            wanted = set(tags)
+        if KV_CACHE in wanted and WEIGHTS in self.asleep and WEIGHTS not in wanted:
+            raise ValueError("resume_memory_occupation(tags=('kv_cache',)) while the weights sleep: wake the weights "
+                             "first (tags=('weights',)), or both (tags=None)")
+        return [tag for tag in TAGS if tag in wanted and tag in self.asleep]
 
     def graph_pool(self, tag: str) -> Any:
         """The pool handle a runner captures its graphs into (None: the platform's own new pool)."""
@@ -307,6 +323,12 @@ def _chunks(storages: list[_Storage]) -> list[list[tuple[int, _Storage]]]:
         chunks[-1].append((size, storage))
         filled += size
     return chunks
+
+
+def check_level(level: object) -> None:
+    if type(level) is not int or level not in (1, 2):
+        raise ValueError(f"release_memory_occupation(level={short_repr(level)}): pass 1 (weights backed up to host) "
+                         "or 2 (weights discarded)")
 
 
 def occupation_for(platform: Platform, device: torch.device, model: Model) -> Occupation:

@@ -20,6 +20,14 @@ class PauseMode(str, enum.Enum):
     RETRACT = "retract"  # in-flight requests free their KV and wait again
     IN_PLACE = "in_place"  # freeze; KV kept
 
+    @classmethod
+    def named(cls, mode: object) -> PauseMode:
+        try:
+            return cls(mode)
+        except ValueError:
+            raise ValueError(f"pause_generation(mode={mode!r}): choose one of "
+                             f"{', '.join(repr(m.value) for m in cls)} (or a PauseMode)") from None
+
 
 class RequestState(str, enum.Enum):
     WAITING = "waiting"

@@ -73,6 +73,7 @@ class RequestBook:
         # held in neither queue is still found here (`recover`).
         self.live: dict[int, Request] = {}
         self._next_rid = 0
+        self.steps = 0  # steps whose tokens were appended
         # Called with the rid of every request that leaves the running batch (finished,
         # aborted, failed, retracted, discarded): per-request state elsewhere is dropped.
         self.on_leave: Callable[[int], None] | None = None
@@ -89,6 +90,15 @@ class RequestBook:
         self.waiting.append(request)
         self.live[rid] = request  # last: cut short before it, the request is dropped by `recover`
         return rid
+
+    def add_all(self, prompts: list[object], max_new_tokens: int, rids: list[int]) -> None:
+        """Queue each prompt, its rid appended to `rids` as it is queued (interrupted part-way, the
+        caller knows what to withdraw); one that is refused gets a failed result instead."""
+        for prompt in prompts:
+            try:
+                rids.append(self.add(prompt, max_new_tokens))
+            except (TypeError, ValueError) as exc:
+                rids.append(self.fail_unqueued(prompt, str(exc)))
 
     def fail_unqueued(self, prompt: object, error: str) -> int:
         """A result for a prompt that was never queued."""
@@ -141,6 +151,33 @@ class RequestBook:
             f"{self.blocks.num_blocks} blocks of {self.blocks.block_size}; {self.grow_pool}, or shorten the prompt"
         )
         return [self.finish(request, RequestState.FAILED)]
+
+    def append(self, batch: list[Request], tokens: list[list[int]], eos: frozenset[int]) -> list[GenerationResult]:
+        """Give each request its new tokens; finish those that reach a stop (a window's tokens
+        past a stop are dropped: their KV goes with the request)."""
+        self.steps += 1
+        done = []
+        for request, new in zip(batch, tokens, strict=True):
+            if request.state is not RequestState.RUNNING:
+                continue  # ended by an earlier window's stop while this window was in flight
+            for token in new:
+                request.output.append(token)
+                if output_complete(request, eos):
+                    done.append(self.finish(request, RequestState.FINISHED))
+                    break
+        return done
+
+    def after_out_of_memory(self, batch: list[Request], error: BaseException) -> list[GenerationResult]:
+        """A batch that ran out of memory: each request waits again, or fails on its second time."""
+        failed = []
+        for request in reversed(batch):
+            request.oom_retries += 1
+            if request.oom_retries > 1:
+                request.error = f"out of memory twice while running a batch of {len(batch)} request(s): {error}"
+                failed.append(self.finish(request, RequestState.FAILED))
+            elif request.state is RequestState.RUNNING:
+                self.retract(request)
+        return failed
 
     def abort_all(self, reason: str) -> list[GenerationResult]:
         ended = []
