@@ -522,7 +522,7 @@ def test_ref_counter_names_are_torch_names_not_the_drivers_ipc_files():
                             r"cells, at most 16777215: lower max_slices or consumers"),
 ])
 def test_a_bad_transport_config_is_refused_when_it_is_made(field, value, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(TypeError if field == "interprocess_events" else ValueError, match=message):
         small(**{field: value})
 
 
@@ -549,7 +549,7 @@ def test_bad_input_to_the_ends_is_refused_without_taking_anything():
                                  ("max_producers", "3", "max_producers = '3' must be an int >= 1"),
                                  ("device_index", 7, "device_index = 7, but platform 'cpu' has 1 device"),
                                  ("copy_stream", "yes", "copy_stream = 'yes' must be True or False")):
-        with pytest.raises(ValueError, match=text):
+        with pytest.raises(TypeError if keyword == "copy_stream" else ValueError, match=text):
             Consumer(**{keyword: value})
     consumer = Consumer()
     consumer.close()
@@ -634,10 +634,9 @@ def test_receive_and_flush_acks_take_only_true_or_false(flag):
     # valid only until the producer recycles it; copy="no" (truthy) copied.
     producer, consumer = Producer(small()), Consumer()
     message = producer.send(torch.ones(3))
-    with pytest.raises(ValueError, match=rf"receive\(copy={flag!r}\): copy must be True \(a tensor of its own\) "
-                                         r"or False \(a view of the producer's slice, valid until it is recycled\)"):
+    with pytest.raises(TypeError, match=rf"^receive\(copy\) = {flag!r} must be True or False$"):
         consumer.receive(message, copy=flag)
-    with pytest.raises(ValueError, match=rf"flush_acks\(wait={flag!r}\): wait must be True or False"):
+    with pytest.raises(TypeError, match=rf"^flush_acks\(wait\) = {flag!r} must be True or False$"):
         consumer.flush_acks(wait=flag)
     assert consumer.open_producers == 0  # the refused receive opened nothing
     assert consumer.receive(message).tolist() == [1.0, 1.0, 1.0]  # and acknowledged nothing: still fresh
