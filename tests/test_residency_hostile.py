@@ -391,22 +391,22 @@ def test_a_bad_stage_is_refused_naming_the_value_and_the_fix(name, uses, message
 
 # -- flags and the device index --------------------------------------------------------------------
 
-@pytest.mark.parametrize(("keyword", "value", "message"), [
-    ("empty_after_every_use", "no", "empty_after_every_use must be True or False, got 'no'"),
-    ("record_trace", "no", "record_trace must be True or False, got 'no'"),
-    ("device_index", 7, r"device_index = 7, but platform 'cpu' has 1 device\(s\); pass 0..0, or None"),
+@pytest.mark.parametrize(("keyword", "value", "error", "message"), [
+    ("empty_after_every_use", "no", TypeError, "empty_after_every_use = 'no' must be True or False"),
+    ("record_trace", "no", TypeError, "record_trace = 'no' must be True or False"),
+    ("device_index", 7, ValueError, r"device_index = 7, but platform 'cpu' has 1 device\(s\); pass 0..0, or None"),
 ])
-def test_bad_flags_and_device_indexes_are_refused_at_construction(keyword, value, message):
+def test_bad_flags_and_device_indexes_are_refused_at_construction(keyword, value, error, message):
     enc = nn.Linear(4, 4)
     before = snapshot(enc)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         ResidencyManager({"enc": enc}, {"enc": "offload"}, **{keyword: value})
     assert snapshot(enc) == before
 
 
 def test_a_bad_request_declaration_is_refused_and_the_manager_still_serves():
     manager = ResidencyManager({"enc": nn.Linear(4, 4)}, {"enc": "offload"})
-    with pytest.raises(ValueError, match="warmup must be True or False, got 'no'"):
+    with pytest.raises(TypeError, match="warmup = 'no' must be True or False"):
         manager.begin_request(ONE_USE, warmup="no")
     for stages in (ONE_USE[0], None, "encode", (s for s in ONE_USE)):
         with pytest.raises(TypeError, match="a request is declared as a list of Stage records, got"):

@@ -27,6 +27,7 @@ from torchhal.core.residency.declarations import ComponentUse, Stage, Strategy, 
 from torchhal.core.residency.manager import PlacementSpec, ResidencyManager, check_placements
 from torchhal.core.residency.strategies import LayerwiseStrategy, ResidencyStrategy, ResidentStrategy
 from torchhal.platforms import Platform
+from torchhal.values import check_bool
 
 #: Attribute paths of block lists in common diffusers / transformers models, in run order.
 BLOCK_LIST_CANDIDATES = (
@@ -131,8 +132,7 @@ class ManagedPipeline:
         modules = _modules_of(pipeline)
         check_placements(placements)
         denoiser = _check_denoiser(pipeline, modules, denoiser)
-        if not isinstance(prefetch, bool):  # the manager checks its own flags before it attaches anything
-            raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
+        check_bool("prefetch", prefetch)  # the manager checks its own flags before it attaches anything
         managed = [name for name, m in modules.items() if isinstance(m.__dict__.get("_hf_hook"), _ExecutionDevice)]
         if managed:  # wrapping the other's wrappers: closing both would leave them behind
             raise ValueError(
@@ -330,16 +330,9 @@ def _check_denoiser(pipeline: Any, modules: Mapping[str, nn.Module], denoiser: o
     choices = sorted(name for name, t in takes.items() if t) or sorted(modules)
     if denoiser is None:
         denoiser = next((n for n in ("transformer", "unet") if n in modules), None)
-        if denoiser is None:
-            raise ValueError(
-                f"{type(pipeline).__name__} has no 'transformer' or 'unet'; pass denoiser= naming the component "
-                f"called once per step, one of {choices}"
-            )
-    if not isinstance(denoiser, str) or denoiser not in modules:
-        raise ValueError(
-            f"denoiser {denoiser!r} is not a module of the pipeline; name the component called once per step, "
-            f"one of {choices}"
-        )
+    if not isinstance(denoiser, str) or denoiser not in modules:  # None: neither "transformer" nor "unet"
+        raise ValueError(f"denoiser {denoiser!r} is not a module of {type(pipeline).__name__}; pass denoiser= "
+                         f"naming the component called once per step, one of {choices}")
     if takes[denoiser] is False and any(takes.values()):
         raise ValueError(
             f"denoiser {denoiser!r} ({type(modules[denoiser]).__name__}) takes no timestep, so it is not the "
