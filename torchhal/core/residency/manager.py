@@ -14,9 +14,8 @@ strategies are handed behind it has been checked.
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -97,18 +96,15 @@ def _check_shared(components: Mapping[str, nn.Module], strategies: Mapping[str, 
                                  "the module holding it once")
 
 
-Step = tuple[str, Callable[[], object]]  # (what it does, for a report of its failure; the step)
-
-
-def _run_each(steps: Iterable[Step], doing: str) -> None:
-    """Run every step of a cleanup even where an earlier one raised (one failure must not leave
-    the rest undone, nor replace the error that made the cleanup necessary): each failure is
-    a RuntimeWarning naming `doing` and the step."""
-    for what, step in steps:
-        try:
-            step()
-        except Exception as failed:  # noqa: BLE001 - reported, then the next step runs
-            warnings.warn(f"{doing}: {what} raised {type(failed).__name__}: {failed}", RuntimeWarning, stacklevel=3)
+@contextlib.contextmanager
+def _reported(doing: str, what: str) -> Iterator[None]:
+    """One step of a cleanup: a failure is a RuntimeWarning naming `doing` and the step, and the
+    cleanup goes on (one failure must not leave the rest undone, nor replace the error that
+    made the cleanup necessary)."""
+    try:
+        yield
+    except Exception as failed:  # noqa: BLE001 - reported, then the next step runs
+        warnings.warn(f"{doing}: {what} raised {type(failed).__name__}: {failed}", RuntimeWarning, stacklevel=3)
 
 
 class _AsGiven:
@@ -249,12 +245,13 @@ class ResidencyManager:
         except BaseException:
             # The component whose attach raised too: it may be half attached (detach undoes that).
             # Each step is undone even if another fails; the attach's error is the one raised.
-            _run_each([
-                *((f"{type(state.strategy).__name__}.detach of {state.name!r}",
-                   functools.partial(state.strategy.detach, self, state)) for state in reversed(started)),
-                *((f"putting {state.name!r} back on its devices", as_given.restore)
-                  for state, as_given in zip(states, given, strict=True)),
-            ], "undoing a failed ResidencyManager construction")
+            undoing = "undoing a failed ResidencyManager construction"
+            for state in reversed(started):
+                with _reported(undoing, f"{type(state.strategy).__name__}.detach of {state.name!r}"):
+                    state.strategy.detach(self, state)
+            for state, as_given in zip(states, given, strict=True):
+                with _reported(undoing, f"putting {state.name!r} back on its devices"):
+                    as_given.restore()
             for state in started:
                 state.strategy.serving = None
             raise
@@ -311,12 +308,12 @@ class ResidencyManager:
                                "from inside one of its own callbacks is one inside the other): make the call after "
                                "the running request ends, or end it with finish_request() first")
         check_bool("warmup", warmup)
-        if isinstance(stages, (Stage, str)) or not isinstance(stages, Sequence):
-            got = f"the single stage {stages.name!r}; pass [stage]" if isinstance(stages, Stage) else repr(stages)
-            raise TypeError(f"a request is declared as a list of Stage records, got {got}")
-        bad = [s for s in stages if not isinstance(s, Stage)]
+        listed = not isinstance(stages, (Stage, str)) and isinstance(stages, Sequence)
+        bad = [s for s in stages if not isinstance(s, Stage)] if listed else [stages]
         if bad:
-            raise ValueError(f"a request is declared as Stage records, got {bad[0]!r}")
+            got = f"the single stage {stages.name!r}; pass [stage]" if isinstance(stages, Stage) else (
+                repr(stages) if not listed else f"{bad[0]!r} in it")
+            raise TypeError(f"a request is declared as a list of Stage records, got {got}")
         plan = _Timeline(stages)
         unknown = sorted({u.component for u in plan.uses} - set(self.components))
         if unknown:
@@ -393,9 +390,8 @@ class ResidencyManager:
                 # Inside request(), an OOM is emptied once where the request fails (reason
                 # OOM): releasing this component is then not a release point of its own.
                 oom = self._oom_handled_by_request and is_out_of_memory(self.platform, exc)
-                _run_each([(f"releasing {component!r}",
-                            functools.partial(self._end_use, component, release_point=not oom, failed=True))],
-                          "ending a failed use")
+                with _reported("ending a failed use", f"releasing {component!r}"):
+                    self._end_use(component, release_point=not oom, failed=True)
             raise
         if self._active is not None:
             self.end_use(component)
@@ -466,13 +462,14 @@ class ResidencyManager:
                 continue
             state.strategy.serving = None
         closing = "closing the ResidencyManager"
-        _run_each(((f"the release event of {state.name!r}",
-                    functools.partial(self.event, "release", state.name, why="close"))
-                   for state in attached if not state.attached), closing)
+        for state in attached:
+            if not state.attached:
+                with _reported(closing, f"the release event of {state.name!r}"):
+                    self.event("release", state.name, why="close")
         released = self.platform.empty_cache(ReleasePoint.COMPONENT_RELEASE, self.device_index)
-        _run_each([("the empty_cache event", functools.partial(
-            self.event, "empty_cache", None, reason=ReleasePoint.COMPONENT_RELEASE.value, where="close",
-            bytes_released=released))], closing)
+        with _reported(closing, "the empty_cache event"):
+            self.event("empty_cache", None, reason=ReleasePoint.COMPONENT_RELEASE.value, where="close",
+                       bytes_released=released)
         if failures:
             named = "; ".join(f"{name!r}: {type(error).__name__}: {error}" for name, error in failures)
             raise RuntimeError(f"close() could not detach {named}; every other component was given back and "
@@ -539,18 +536,20 @@ class ResidencyManager:
         non-resident component goes home, each even where another's release raised (the
         request's own error is the one that propagates)."""
         self._active, self._kept, self._in_request, self._plan = None, None, False, _Timeline(())
-        _run_each(((f"{type(state.strategy).__name__}.release of {state.name!r}",
-                    functools.partial(self._release, state)) for state in self.components.values()),
-                  "abandoning a failed request")
+        for state in self.components.values():
+            with _reported("abandoning a failed request", f"{type(state.strategy).__name__}.release of {state.name!r}"):
+                self._release(state)
 
     def _handle_oom(self, error: BaseException) -> None:
-        _run_each([
-            ("the platform's OOM report", functools.partial(self.platform.report_out_of_memory, error,
-                                                            "residency request", self.device_index)),
-            ("the oom event", functools.partial(self.event, "oom", None, error=str(error)[:200])),
-            ("abandoning the request", self._abandon),
-            ("the OOM release point's empty", functools.partial(self._empty, where="oom", reason=ReleasePoint.OOM)),
-        ], "failing a request on out of memory")
+        failing = "failing a request on out of memory"
+        with _reported(failing, "the platform's OOM report"):
+            self.platform.report_out_of_memory(error, "residency request", self.device_index)
+        with _reported(failing, "the oom event"):
+            self.event("oom", None, error=str(error)[:200])
+        with _reported(failing, "abandoning the request"):
+            self._abandon()
+        with _reported(failing, "the OOM release point's empty"):
+            self._empty(where="oom", reason=ReleasePoint.OOM)
 
     def _empty(self, where: str, reason: ReleasePoint = ReleasePoint.COMPONENT_RELEASE) -> int | None:
         released = self.platform.empty_cache(reason, self.device_index)

@@ -228,7 +228,8 @@ class OffloadStrategy(ResidencyStrategy):
         self.block = None
 
 
-def _lookup(module: nn.Module, dotted: str) -> Any:
+def attribute_path(module: nn.Module, dotted: str) -> Any:
+    """`module.a.b.c` for "a.b.c", or None where a part is missing."""
     owner: Any = module
     for part in dotted.split("."):
         owner = getattr(owner, part, None)
@@ -304,7 +305,7 @@ class LayerwiseStrategy(ResidencyStrategy):
     def _find_layers(self, component: ComponentState) -> list[nn.Module]:
         layers: list[nn.Module] = []
         for name in self.layers_attr:
-            stack = _lookup(component.module, name)
+            stack = attribute_path(component.module, name)
             if not isinstance(stack, nn.ModuleList) or len(stack) == 0:
                 raise ValueError(f"component {component.name!r} is layerwise but has no non-empty nn.ModuleList "
                                  f"{name!r}; name its layer list(s) with layers_attr")
@@ -349,7 +350,7 @@ class LayerwiseStrategy(ResidencyStrategy):
             self.hooks.append(layer.register_forward_pre_hook(self._before_layer(manager, component, index)))
             self.hooks.append(layer.register_forward_hook(self._after_layer(index)))
         for name in filter(None, self.rest_blocks):
-            owner = _lookup(module, name)
+            owner = attribute_path(module, name)
             self.hooks.append(owner.register_forward_pre_hook(self._before_rest(manager, component, name)))
 
     def load(self, manager: StrategyHost, component: ComponentState, stream: Any | None) -> int:

@@ -299,7 +299,7 @@ class Producer:
 
     def close(self) -> None:
         """Unlink the pool, the control block and the host blocks (messages not yet received
-        can no longer be); a second close does nothing."""
+        cannot be received after it); a second close does nothing."""
         with self._lock:
             if self._closed:
                 return
