@@ -199,7 +199,7 @@ def test_bad_messages_are_clear_errors(change, match):
     "wire, match",
     [
         (None, "must be the tuple"),
-        ({"kind": "pool"}, "must be the tuple"),  # the old dict form, or any mapping
+        ({"kind": "pool"}, "must be the tuple"),  # a dict, or any mapping
         ("pool", "must be the tuple"),
         ((), "has 0 fields, not the 10"),
         (("pool",) * 11, "has 11 fields, not the 10"),
@@ -329,8 +329,8 @@ def test_copy_on_a_side_stream_returns_the_same_values():
 
 
 def test_reused_slices_carry_each_send_in_its_own_dtype_and_shape():
-    """Both sides keep pool views for reuse: the same bytes sent as another dtype, shape or
-    stride must still arrive as sent, and a zero-copy view is never one kept for copies."""
+    """One slice reused: the same bytes sent as another dtype, shape or stride arrive as sent,
+    and each zero-copy view is a tensor of its own."""
     producer, consumer = Producer(small()), Consumer(0)
     sends = [torch.arange(32, dtype=torch.float32).reshape(4, 8), torch.arange(32, dtype=torch.float32).reshape(8, 4),
              torch.arange(64, dtype=torch.int16), torch.arange(32, dtype=torch.int32).reshape(4, 8),

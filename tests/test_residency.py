@@ -588,8 +588,8 @@ class SkippingStack(torch.nn.Module):
 @pytest.mark.parametrize("buffers", ["ring", "exact"])
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_layers_a_forward_skips_do_not_leave_other_layers_weights_behind(buffers, prefetch):
-    # A skipped layer was prefetched but ran no after-hook: it kept pointing at its ring slot,
-    # which a later layer then filled, and the next forward ran it with that layer's weights.
+    # A skipped layer that is prefetched runs no after-hook: left pointing at its ring slot,
+    # which a later layer fills, the next forward would run it with that layer's weights.
     torch.manual_seed(0)
     stack = SkippingStack().eval()
     x = torch.randn(2, 8)
