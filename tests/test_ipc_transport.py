@@ -329,8 +329,8 @@ def test_copy_on_a_side_stream_returns_the_same_values():
 
 
 def test_reused_slices_carry_each_send_in_its_own_dtype_and_shape():
-    """One slice reused: the same bytes sent as another dtype, shape or stride arrive as sent,
-    and each zero-copy view is a tensor of its own."""
+    """Both sides keep pool views for reuse: the same bytes sent as another dtype, shape or
+    stride must still arrive as sent, and a zero-copy view is never one kept for copies."""
     producer, consumer = Producer(small()), Consumer(0)
     sends = [torch.arange(32, dtype=torch.float32).reshape(4, 8), torch.arange(32, dtype=torch.float32).reshape(8, 4),
              torch.arange(64, dtype=torch.int16), torch.arange(32, dtype=torch.int32).reshape(4, 8),
@@ -357,6 +357,25 @@ def test_reused_slices_carry_each_send_in_its_own_dtype_and_shape():
     consumer.close()
 
 
+def test_kept_views_are_bounded(monkeypatch):
+    from torchhal.core.transport import consumer as consumer_module
+    from torchhal.core.transport import producer as producer_module
+
+    monkeypatch.setattr(producer_module, "MAX_KEPT_VIEWS", 4)
+    monkeypatch.setattr(consumer_module, "MAX_KEPT_VIEWS", 4)
+    producers, consumer = [Producer(small()), Producer(small())], Consumer(0)
+    for length in range(1, 20):  # 19 shapes at the same offset: 19 keys on each side, per producer
+        tensor = torch.arange(length, dtype=torch.float32)
+        for producer in producers:
+            assert torch.equal(consumer.receive(producer.send(tensor)), tensor)
+            producer.reclaim()
+    assert all(len(producer._views) <= 4 for producer in producers)
+    assert sum(len(entry.views) for entry in consumer._open.values()) <= 4  # over all producers
+    for producer in producers:
+        producer.close()
+    consumer.close()
+
+
 def test_sent_tensors_join_no_autograd_graph_and_any_inference_mode():
     import torch.autograd.forward_ad as forward_ad
 
@@ -369,8 +388,8 @@ def test_sent_tensors_join_no_autograd_graph_and_any_inference_mode():
         dual = forward_ad.make_dual(torch.arange(8.0), torch.ones(8))
         got = consumer.receive(producer.send(dual))
         assert forward_ad.unpack_dual(got).tangent is None and torch.equal(got, torch.arange(8.0))
-        # The producer's pool must not take the tangent (it would be the pool's size).
-        assert forward_ad.unpack_dual(producer.pool).tangent is None
+        # The producer's pool and its kept views must not take the tangent (it would be the pool's size).
+        assert all(forward_ad.unpack_dual(view).tangent is None for view in [producer.pool, *producer._views.values()])
     producer.close()
     producer = Producer(small())  # its pool views are first made inside inference mode
     with torch.inference_mode():

@@ -8,7 +8,9 @@ absurd shape is an `IpcHandleError`, never an out-of-bounds read.
 from __future__ import annotations
 
 import base64
-from typing import Any
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -38,10 +40,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def _size(label: str, value: object) -> int:
-    if type(value) is not int or not 0 <= value < MAX_BYTES:  # exactly int: a bool is no size
-        raise IpcHandleError(f"{label} = {short_repr(value)} is not a size (an int in [0, 2**48))")
-    return value
+def _sizes(values: Sequence[object], labels: str | Sequence[str]) -> tuple[int, ...]:
+    """`values` as sizes (exact ints in [0, 2**48): a bool is no size), else an IpcHandleError
+    naming the first bad one (`labels`: one per value, or a name to index)."""
+    for i, value in enumerate(values):
+        if type(value) is not int or not 0 <= value < MAX_BYTES:
+            label = f"{labels}[{i}]" if isinstance(labels, str) else labels[i]
+            raise IpcHandleError(f"{label} = {short_repr(value)} is not a size (an int in [0, 2**48))")
+    return tuple(values)  # type: ignore[arg-type]
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -52,11 +58,18 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def check_view(dtype: object, shape: object, stride: object, offset_bytes: object, storage_nbytes: object
-               ) -> torch.dtype:
+class View(NamedTuple):
+    """A checked view: its dtype, shape and stride (the contiguous one where none was given)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def check_view(dtype: object, shape: object, stride: object, offset_bytes: object, storage_nbytes: object) -> View:
     """The one validator of a shared tensor view: (dtype, shape, stride, byte offset) inside
-    `storage_nbytes` bytes; `stride` None is the contiguous one. Returns the dtype; anything
-    else is an `IpcHandleError`.
+    `storage_nbytes` bytes; `stride` None is the contiguous one. Anything else is an
+    `IpcHandleError`.
 
     Used by every plugin's IPC open (through `validate_handle`) and by the transport's
     message decoder, so a view is judged the same way wherever it arrives.
@@ -68,17 +81,19 @@ def check_view(dtype: object, shape: object, stride: object, offset_bytes: objec
             stride is None or isinstance(stride, (tuple, list)) and len(stride) == len(shape)):
         raise IpcHandleError(f"shape {short_repr(shape)} and stride {short_repr(stride)} are not a view: int "
                              f"sequences that do not differ in length, of no more than {MAX_DIMS} dimensions")
-    sizes = tuple(_size(f"shape[{i}]", n) for i, n in enumerate(shape))
-    steps = contiguous_stride(sizes) if not isinstance(stride, (tuple, list)) else tuple(
-        _size(f"stride[{i}]", s) for i, s in enumerate(stride))
-    offset, limit = _size("offset_bytes", offset_bytes), _size("storage_nbytes", storage_nbytes)
-    if offset % resolved.itemsize:
-        raise IpcHandleError(f"offset_bytes {offset} is not a multiple of the {dtype} size {resolved.itemsize}")
-    extent = 0 if 0 in sizes else (sum((n - 1) * s for n, s in zip(sizes, steps, strict=True)) + 1) * resolved.itemsize
+    sizes, item = _sizes(shape, "shape"), resolved.itemsize
+    offset, limit = _sizes((offset_bytes, storage_nbytes), ("offset_bytes", "storage_nbytes"))
+    if offset % item:
+        raise IpcHandleError(f"offset_bytes {offset} is not a multiple of the {dtype} size {item}")
+    if isinstance(stride, (tuple, list)):
+        steps = _sizes(stride, "stride")
+        extent = 0 if 0 in sizes else (sum((n - 1) * s for n, s in zip(sizes, steps, strict=True)) + 1) * item
+    else:
+        steps, extent = contiguous_stride(sizes), math.prod(sizes) * item
     if offset + extent > limit:  # limit < MAX_BYTES: no extent past it passes
         raise IpcHandleError(f"IPC view reaches byte {offset + extent} but its storage holds {limit} bytes "
                              f"(offset {offset}, shape {sizes}, stride {steps}, {dtype})")
-    return resolved
+    return View(resolved, sizes, steps)
 
 
 def validate_handle(handle: IpcHandle, storage_nbytes: int | None = None) -> torch.dtype:
@@ -89,7 +104,7 @@ def validate_handle(handle: IpcHandle, storage_nbytes: int | None = None) -> tor
     the claim would read past, or grow, the real object).
     """
     assert isinstance(handle, IpcHandle)  # each plugin's open checks what it is given
-    dtype = check_view(handle.dtype, handle.shape, handle.stride, handle.offset_bytes, handle.storage_nbytes)
+    dtype = check_view(handle.dtype, handle.shape, handle.stride, handle.offset_bytes, handle.storage_nbytes).dtype
     if storage_nbytes is not None and handle.storage_nbytes > storage_nbytes:
         raise IpcHandleError(
             f"IPC handle claims a storage of {handle.storage_nbytes} bytes but the shared object holds {storage_nbytes}"

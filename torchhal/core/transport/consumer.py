@@ -41,6 +41,8 @@ MAX_OPEN_PRODUCERS = 64
 #: copies whose acknowledgement waits for the copy to finish on the device; past this the
 #: oldest is waited for on the host (a consumer that receives faster than its device copies).
 MAX_PENDING_ACKS = 64
+#: pool views kept for copies (by producer, offset, dtype, shape, stride); past it they start over.
+MAX_KEPT_VIEWS = 1024
 
 
 @dataclass
@@ -50,6 +52,7 @@ class _OpenProducer:
     pool: torch.Tensor | None = None  # the opened pool as flat bytes
     #: slot -> its opened event; at most one per slot of this producer.
     events: dict[int, Any] = field(default_factory=dict)
+    views: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)  # see Consumer._kept_view
 
 
 class Consumer:
@@ -70,6 +73,7 @@ class Consumer:
         # copy=True acknowledgements wait until the copy ran (the producer may overwrite the
         # slice as soon as it is acknowledged): (copy-done event, control, slot, generation).
         self._pending: deque[tuple[Any, Control, int, int]] = deque()
+        self._kept_views = 0  # views kept over all producers (see _kept_view)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -113,7 +117,8 @@ class Consumer:
                                      f"{control.pool_bytes} bytes")
             pool = entry.pool if entry.pool is not None else self._pool(entry, msg)
             # Bytes [offset, offset + nbytes) and nothing else: the decoder checked the view fits them.
-            tensor = pool[msg.offset : msg.offset + msg.nbytes].view(dtype).as_strided(msg.shape, msg.stride)
+            # A view only copied from is kept for the next message naming the same bytes.
+            tensor = self._kept_view(entry, pool, msg, dtype) if copy else _view(pool, msg, dtype)
             ready = self._slot_event(entry, msg) if msg.event else None
             pool_index = pool.device.index or 0
             side = copy and self._side is not None and pool_index == self.device_index
@@ -163,6 +168,24 @@ class Consumer:
         while self._pending and self._ack_oldest(wait):
             acked += 1
         return acked
+
+    def _kept_view(self, entry: _OpenProducer, pool: torch.Tensor, msg: TensorMessage,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """`_view`, kept by what it views (its shape and stride are exact ints, as decoded): an
+        engine receives the same shapes from the same slices step after step, and making the
+        view costs about as much host time as the rest of a receive. Never handed out: a
+        caller could change a view's metadata in place. At most MAX_KEPT_VIEWS over all
+        producers (kept with each producer's entry, dropped with it)."""
+        key = (msg.offset, msg.dtype, msg.shape, msg.stride)
+        view = entry.views.get(key)
+        if view is None:
+            if self._kept_views >= MAX_KEPT_VIEWS:
+                for known in self._open.values():
+                    known.views.clear()
+                self._kept_views = 0
+            view = entry.views[key] = _view(pool, msg, dtype)
+            self._kept_views += 1
+        return view
 
     def _copy_on_side(self, view: torch.Tensor) -> torch.Tensor:
         assert self._side is not None and self._copied is not None
@@ -236,6 +259,8 @@ class Consumer:
         if any(pending[1] is entry.control for pending in self._pending):
             self.flush_acks(wait=True)  # rare: an evicted or closed producer with copies in flight
         entry.pool = None  # views handed out keep their own reference to the storage
+        self._kept_views = max(self._kept_views - len(entry.views), 0)
+        entry.views.clear()
         entry.events.clear()  # waits already queued keep what they wait for
         entry.control.close(unlink=False)
 
@@ -285,3 +310,8 @@ class Consumer:
             for entry in self._open.values():
                 self._close_entry(entry)
             self._open.clear()
+
+
+def _view(pool: torch.Tensor, msg: TensorMessage, dtype: torch.dtype) -> torch.Tensor:
+    """The message's view of its bytes [offset, offset + nbytes) of the pool."""
+    return pool[msg.offset : msg.offset + msg.nbytes].view(dtype).as_strided(msg.shape, msg.stride)

@@ -66,18 +66,17 @@ def _count(value: object) -> str | None:
     return None if 0 <= value < MAX_BYTES else "is out of range"
 
 
-#: What each wire field must be: its rule gives the problem with a value, or None. The view
-#: (dtype, shape, stride) is then checked as a whole by `check_view`.
-_FIELD_RULES: dict[str, Callable[[Any], str | None]] = {
-    "kind": lambda v: None if v in ("pool", "host") else "is neither 'pool' nor 'host'",
-    "pool_id": lambda v: None if type(v) is str and POOL_ID.fullmatch(v) else
-    "is not a producer id '<pid>-<12 hex digits>'",
-    "slot": _count, "generation": _count, "offset": _count, "nbytes": _count,
-    "dtype": lambda v: None,
-    "shape": lambda v: None if type(v) in (tuple, list) else "is not a sequence of ints",
-    "stride": lambda v: None if v is None or type(v) in (tuple, list) else "is neither None nor ints",
-    "event": lambda v: None if type(v) is bool else "is not a bool",
-}
+#: What each wire field must be, in wire order: a rule gives the problem with a value, or
+#: None. The view (dtype, shape, stride) is then checked as a whole by `check_view`.
+_FIELD_RULES: tuple[Callable[[Any], str | None], ...] = (
+    lambda v: None if v in ("pool", "host") else "is neither 'pool' nor 'host'",
+    lambda v: None if type(v) is str and POOL_ID.fullmatch(v) else "is not a producer id '<pid>-<12 hex digits>'",
+    _count, _count, _count, _count,
+    lambda v: None,  # dtype
+    lambda v: None if type(v) in (tuple, list) else "is not a sequence of ints",
+    lambda v: None if v is None or type(v) in (tuple, list) else "is neither None nor ints",
+    lambda v: None if type(v) is bool else "is not a bool",
+)
 
 
 class TensorMessage(NamedTuple):
@@ -124,8 +123,8 @@ class TensorMessage(NamedTuple):
         if len(data) != len(WIRE_FIELDS):
             raise TransportError(f"message has {len(data)} fields, not the {len(WIRE_FIELDS)} of "
                                  f"({', '.join(WIRE_FIELDS)})")
-        for name, value in zip(WIRE_FIELDS, data, strict=True):
-            problem = _FIELD_RULES[name](value)
+        for name, rule, value in zip(WIRE_FIELDS, _FIELD_RULES, data, strict=True):
+            problem = rule(value)
             if problem is not None:
                 raise TransportError(f"message field {name!r} = {short_repr(value)} {problem}")
         kind, pool_id, slot, generation, offset, nbytes, dtype, shape, stride, event = data
@@ -136,14 +135,13 @@ class TensorMessage(NamedTuple):
         try:
             # The slice [offset, offset + nbytes) is the storage an explicit stride's view must
             # fit (a contiguous view's extent is its size, checked below).
-            size = check_view(dtype, shape, stride, 0, nbytes if stride is not None else MAX_BYTES - 1).itemsize
+            view = check_view(dtype, shape, stride, 0, nbytes if stride is not None else MAX_BYTES - 1)
         except IpcHandleError as exc:
             raise TransportError(f"message view is invalid: {exc}") from exc
-        shape = tuple(shape)
-        stride = contiguous_stride(shape) if stride is None else tuple(stride)
-        if math.prod(shape) * size > nbytes:  # e.g. stride 0: a copy would allocate more than was sent
-            raise TransportError(f"view of {math.prod(shape)} x {size} bytes (shape {list(shape)}, stride "
-                                 f"{list(stride)}) is larger than the {nbytes} bytes the message names")
+        numel, size = math.prod(view.shape), view.dtype.itemsize
+        if numel * size > nbytes:  # e.g. stride 0: a copy would allocate more than was sent
+            raise TransportError(f"view of {numel} x {size} bytes (shape {list(view.shape)}, stride "
+                                 f"{list(view.stride)}) is larger than the {nbytes} bytes the message names")
         if offset % size or nbytes % size:
             raise TransportError(f"offset {offset} and nbytes {nbytes} must be multiples of the {dtype} size {size}")
-        return cls(kind, pool_id, slot, generation, offset, nbytes, dtype, shape, stride, event)
+        return cls(kind, pool_id, slot, generation, offset, nbytes, dtype, view.shape, view.stride, event)

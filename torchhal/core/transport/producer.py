@@ -37,6 +37,8 @@ BUDGET_SETTING = "TransportConfig.budget_bytes"
 #: sends between reclaim scans while slots and pool space last (a full pool or slot table
 #: reclaims at once): the scan reads every used slot's acks, so not on every send.
 RECLAIM_EVERY = 32
+#: pool slice views kept for reuse (by offset, dtype and shape); past it they start over.
+MAX_KEPT_VIEWS = 1024
 #: slices start on multiples of this (and of TransportConfig.alignment, a multiple of it): the
 #: widest element any sent dtype has, so a slice is a whole number of elements from the pool's start.
 SLICE_ALIGNMENT = 16
@@ -114,6 +116,7 @@ class Producer:
         self._warned_full = False
         self._copied = self.platform.new_event()  # marks the end of each send's copy into the pool
         self._slot_events: dict[int, Any] = {}  # slot -> its interprocess event
+        self._views: dict[tuple[int, torch.dtype, torch.Size], torch.Tensor] = {}  # see _slice
         self._sends_since_reclaim = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -133,11 +136,13 @@ class Producer:
         return -(-max(nbytes, 1) // self.config.alignment) * self.config.alignment
 
     def _allocate(self, nbytes: int) -> int | None:
-        size = self._rounded(nbytes)
-        fits = [i for i, (_, free) in enumerate(self._free) if free >= size]
-        if not fits:
+        """The offset of a best-fit slice of the free ranges (sorted by offset), or None."""
+        size, best = self._rounded(nbytes), None
+        for i, (_, free) in enumerate(self._free):
+            if free >= size and (best is None or free < self._free[best][1]):
+                best = i
+        if best is None:
             return None
-        best = min(fits, key=lambda i: self._free[i][1])
         offset, free = self._free[best]
         if free == size:
             del self._free[best]
@@ -146,9 +151,11 @@ class Producer:
         return offset
 
     def _release_range(self, offset: int, size: int) -> None:
-        merged: list[tuple[int, int]] = []
-        for start, length in sorted([*self._free, (offset, self._rounded(size))]):
-            if merged and sum(merged[-1]) == start:
+        self._free.append((offset, self._rounded(size)))
+        self._free.sort()
+        merged = self._free[:1]
+        for start, length in self._free[1:]:
+            if merged[-1][0] + merged[-1][1] == start:
                 merged[-1] = (merged[-1][0], merged[-1][1] + length)
             else:
                 merged.append((start, length))
@@ -259,10 +266,22 @@ class Producer:
         return "pool", offset, self._events is not None
 
     def _slice(self, offset: int, nbytes: int, source: torch.Tensor) -> torch.Tensor:
-        """Pool bytes [offset, offset + nbytes) as a tensor shaped like (contiguous) `source`;
-        `offset` is a multiple of SLICE_ALIGNMENT, so of the element size."""
+        """Pool bytes [offset, offset + nbytes) as a tensor shaped like (contiguous) `source`
+        (`offset` is a multiple of SLICE_ALIGNMENT, so of the element size). Kept by (offset,
+        dtype, shape): an engine sends the same shapes into the same slices step after step,
+        and making the view costs about as much host time as the rest of a send. It never
+        leaves the producer: it is only copied into."""
         assert self.pool is not None
-        return self.pool[offset : offset + nbytes].view(source.dtype).view(source.shape)
+        key = (offset, source.dtype, source.shape)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= MAX_KEPT_VIEWS:
+                self._views.clear()
+            # Outside inference mode even when a send runs inside it: a view made there would
+            # be an inference tensor, which no later send outside it may copy into.
+            with torch.inference_mode(False):
+                view = self._views[key] = self.pool[offset : offset + nbytes].view(source.dtype).view(source.shape)
+        return view
 
     def _record_slot_event(self, slot: int, stream: Any, events: IpcEvents) -> None:
         """Record the slot's interprocess event on `stream`; made on first use, when its handle
@@ -309,3 +328,4 @@ class Producer:
             self._slot_events.clear()
             self._unlink_files()
             self.pool = None
+            self._views.clear()
