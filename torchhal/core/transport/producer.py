@@ -100,7 +100,7 @@ class Producer:
         self.platform = platform or current_platform()
         self.device_index = check_device_index(self.platform, device_index, "device_index")
         self.pool_bytes = pool_size(config.budget_bytes, config.workers, config.pool_floor_bytes)
-        self.reclaimed_orphans = reclaim_orphans()  # files of producers that died without close()
+        reclaim_orphans()  # files of producers that died without close()
         self.pool_id = new_pool_id()
         ipc = self.platform.ipc_support
         self.pool: torch.Tensor | None = None
