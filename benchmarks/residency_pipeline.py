@@ -1,4 +1,4 @@
-"""Residency manager on a GPU: an empty after every use (the old habit) vs explicit release points,
+"""Residency manager on a GPU: an empty after every use (the baseline) vs explicit release points,
 and layerwise streaming against a resident stack.
 
     python benchmarks/residency_pipeline.py [--out results]

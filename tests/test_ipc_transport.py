@@ -199,7 +199,7 @@ def test_bad_messages_are_clear_errors(change, match):
     "wire, match",
     [
         (None, "must be the tuple"),
-        ({"kind": "pool"}, "must be the tuple"),  # the old dict form, or any mapping
+        ({"kind": "pool"}, "must be the tuple"),  # a dict, or any mapping
         ("pool", "must be the tuple"),
         ((), "has 0 fields, not the 10"),
         (("pool",) * 11, "has 11 fields, not the 10"),
@@ -388,8 +388,8 @@ def test_sent_tensors_join_no_autograd_graph_and_any_inference_mode():
         dual = forward_ad.make_dual(torch.arange(8.0), torch.ones(8))
         got = consumer.receive(producer.send(dual))
         assert forward_ad.unpack_dual(got).tangent is None and torch.equal(got, torch.arange(8.0))
-        # The producer's pool views must not take the tangent (it would be the pool's size).
-        assert all(forward_ad.unpack_dual(view).tangent is None for view in producer._typed.values())
+        # The producer's pool and its kept views must not take the tangent (it would be the pool's size).
+        assert all(forward_ad.unpack_dual(view).tangent is None for view in [producer.pool, *producer._views.values()])
     producer.close()
     producer = Producer(small())  # its pool views are first made inside inference mode
     with torch.inference_mode():
@@ -401,9 +401,6 @@ def test_sent_tensors_join_no_autograd_graph_and_any_inference_mode():
 
 
 def test_a_hand_built_message_does_not_change_how_others_decode():
-    from torchhal.core.transport import messages
-
-    messages.checked_contiguous_stride.cache_clear()
     TensorMessage("pool", "1-0123456789ab", 0, 0, 0, 24, "float32", (2.0, 3.0), (3, 1)).to_wire()  # type: ignore[arg-type]
     decoded = TensorMessage.from_wire(("pool", "1-0123456789ab", 0, 0, 0, 24, "float32", (2, 3), None, False))
     assert decoded.stride == (3, 1) and all(type(n) is int for n in decoded.stride)

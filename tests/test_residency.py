@@ -94,7 +94,7 @@ def test_without_release_points_nothing_is_emptied_and_prefetch_still_runs(obser
     assert observed["empties"] == [] and kinds(manager, "empty_cache") == []
     assert [e["component"] for e in kinds(manager, "release")] == ["text_encoder", "transformer", "vae"]
     assert [p["component"] for p in kinds(manager, "prefetch")] == ["transformer", "text_encoder"]
-    with pytest.raises(ValueError, match="empty_on_release must be True or False, got 0"):
+    with pytest.raises(TypeError, match="empty_on_release = 0 must be True or False"):
         ResidencyManager(make_components(), {}, empty_on_release=0)  # type: ignore[arg-type]
 
 
@@ -358,7 +358,7 @@ def test_a_mixed_dtype_offload_is_refused_before_any_component_is_attached(obser
 
 
 def test_declarations_are_checked_when_written():
-    with pytest.raises(ValueError, match="memory_intensive must be True or False, got 'yes'"):
+    with pytest.raises(TypeError, match=r"ComponentUse\('vae'\).memory_intensive = 'yes' must be True or False"):
         ComponentUse("vae", memory_intensive="yes")
     with pytest.raises(ValueError, match="component must be a component name"):
         ComponentUse(3)
@@ -367,7 +367,7 @@ def test_declarations_are_checked_when_written():
     with pytest.raises(ValueError, match="same strategy object"):
         shared = LayerwiseStrategy(1)
         ResidencyManager(make_components(), {"transformer": shared, "vae": shared})
-    with pytest.raises(ValueError, match="stage 'denoise': exact must be True or False, got 'no'"):
+    with pytest.raises(TypeError, match="stage 'denoise': exact = 'no' must be True or False"):
         Stage("denoise", (ComponentUse("transformer"),), exact="no")  # type: ignore[arg-type]
 
 
@@ -588,8 +588,8 @@ class SkippingStack(torch.nn.Module):
 @pytest.mark.parametrize("buffers", ["ring", "exact"])
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_layers_a_forward_skips_do_not_leave_other_layers_weights_behind(buffers, prefetch):
-    # A skipped layer was prefetched but ran no after-hook: it kept pointing at its ring slot,
-    # which a later layer then filled, and the next forward ran it with that layer's weights.
+    # A skipped layer that is prefetched runs no after-hook: left pointing at its ring slot,
+    # which a later layer fills, the next forward would run it with that layer's weights.
     torch.manual_seed(0)
     stack = SkippingStack().eval()
     x = torch.randn(2, 8)

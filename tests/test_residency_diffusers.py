@@ -87,7 +87,7 @@ def test_empty_on_release_empties_after_each_component_that_left(reference_image
     # one release point right after each of them
     assert empties == [ReleasePoint.COMPONENT_RELEASE] * 4
     assert all(e["where"] == "component_release" for e in trace.of_kind("empty_cache"))
-    with pytest.raises(ValueError, match="empty_on_release must be True or False, got 'yes'"):
+    with pytest.raises(TypeError, match="empty_on_release = 'yes' must be True or False"):
         ManagedPipeline(flux_pipeline(), {}, empty_on_release="yes")  # type: ignore[arg-type]
 
 
@@ -438,7 +438,7 @@ def test_bad_arguments_are_refused_at_construction_naming_them(empties):
             ManagedPipeline(pipe if pipeline == "pipe" else pipeline, placements,
                             **({"denoiser": denoiser[0]} if denoiser else {}))
     for flag in ("prefetch", "record_trace", "empty_on_release"):
-        with pytest.raises(ValueError, match=f"{flag} must be True or False, got 'yes'"):
+        with pytest.raises(TypeError, match=f"{flag} = 'yes' must be True or False"):
             ManagedPipeline(pipe, {"vae": "offload"}, **{flag: "yes"})
     assert_same_attributes(pipe, before)  # nothing was wrapped or attached
     assert weight_storage(pipe) == weights  # and no weight was moved into a host buffer

@@ -267,8 +267,8 @@ def test_a_construction_that_fails_is_undone_and_the_same_strategies_serve_again
 
 
 class DetachAssumesAFullAttach(ResidencyStrategy):
-    """A strategy written to the contract before detach had to undo a half attach: it raises
-    in attach before its state exists, and its detach then fails on the missing state."""
+    """A strategy whose detach assumes a full attach: it raises in attach before its state
+    exists, and its detach then fails on the missing state."""
 
     def attach(self, manager: Any, component: Any) -> None:
         raise torch.OutOfMemoryError("simulated: out of memory before the block")
@@ -278,8 +278,8 @@ class DetachAssumesAFullAttach(ResidencyStrategy):
 
 
 def test_an_undo_step_that_raises_is_reported_and_the_rest_still_undone():
-    # The undo stopped at the failing detach: the attach's error was lost to an AttributeError,
-    # and the layerwise component kept its hooks and its strategy stayed taken.
+    # An undo that stops at the failing detach loses the attach's error to an AttributeError,
+    # and leaves the layerwise component its hooks and its strategy taken.
     enc, stack = with_buffers()
     expected = unmanaged(enc, stack)
     placements: dict[str, ResidencyStrategy] = {"stack": LayerwiseStrategy(1), "enc": OffloadStrategy(),
@@ -359,7 +359,7 @@ def test_a_weight_two_components_hold_is_refused_where_either_would_move_it(shar
 
 def test_a_weight_two_components_hold_serves_both_while_resident():
     # A controlnet built from its transformer's own blocks shares them: refusing every sharing
-    # made such pipelines unmanageable whatever their placements.
+    # would make such pipelines unmanageable whatever their placements.
     enc, stack = with_buffers()
     expected = unmanaged(enc, stack)
     shared = nn.Module()
@@ -391,22 +391,22 @@ def test_a_bad_stage_is_refused_naming_the_value_and_the_fix(name, uses, message
 
 # -- flags and the device index --------------------------------------------------------------------
 
-@pytest.mark.parametrize(("keyword", "value", "message"), [
-    ("empty_after_every_use", "no", "empty_after_every_use must be True or False, got 'no'"),
-    ("record_trace", "no", "record_trace must be True or False, got 'no'"),
-    ("device_index", 7, r"device_index = 7, but platform 'cpu' has 1 device\(s\); pass 0..0, or None"),
+@pytest.mark.parametrize(("keyword", "value", "error", "message"), [
+    ("empty_after_every_use", "no", TypeError, "empty_after_every_use = 'no' must be True or False"),
+    ("record_trace", "no", TypeError, "record_trace = 'no' must be True or False"),
+    ("device_index", 7, ValueError, r"device_index = 7, but platform 'cpu' has 1 device\(s\); pass 0..0, or None"),
 ])
-def test_bad_flags_and_device_indexes_are_refused_at_construction(keyword, value, message):
+def test_bad_flags_and_device_indexes_are_refused_at_construction(keyword, value, error, message):
     enc = nn.Linear(4, 4)
     before = snapshot(enc)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         ResidencyManager({"enc": enc}, {"enc": "offload"}, **{keyword: value})
     assert snapshot(enc) == before
 
 
 def test_a_bad_request_declaration_is_refused_and_the_manager_still_serves():
     manager = ResidencyManager({"enc": nn.Linear(4, 4)}, {"enc": "offload"})
-    with pytest.raises(ValueError, match="warmup must be True or False, got 'no'"):
+    with pytest.raises(TypeError, match="warmup = 'no' must be True or False"):
         manager.begin_request(ONE_USE, warmup="no")
     for stages in (ONE_USE[0], None, "encode", (s for s in ONE_USE)):
         with pytest.raises(TypeError, match="a request is declared as a list of Stage records, got"):
@@ -643,7 +643,7 @@ def own_attributes_of(module: nn.Module) -> set[str]:
 
 
 def test_the_trace_keeps_the_newest_events_only(monkeypatch):
-    # Recorded by default, the trace grew by ~0.5 MiB a Flux-sized request, for ever.
+    # Recorded by default, an unbounded trace grows by ~0.5 MiB a Flux-sized request, for ever.
     from torchhal.core.residency.trace import ResidencyTrace
 
     monkeypatch.setattr(ResidencyTrace, "MAX_EVENTS", 40)
@@ -660,8 +660,8 @@ def test_the_trace_keeps_the_newest_events_only(monkeypatch):
 
 
 def test_a_log_that_fails_on_request_end_leaves_the_request_ended():
-    # The event was sent before the request was marked ended: the next request and close()
-    # were refused for ever ("a request is already running").
+    # An event sent before the request is marked ended would leave it running: the next
+    # request and close() refused for ever ("a request is already running").
     import json
 
     class Log:
@@ -683,8 +683,8 @@ def test_a_log_that_fails_on_request_end_leaves_the_request_ended():
 
 @pytest.mark.parametrize("placement", ["resident", "offload"])
 def test_a_use_dtype_casts_floating_buffers_with_the_weights(placement):
-    # Only the parameters were cast: a BatchNorm's statistics (or a position table) stayed in
-    # float32 and the forward failed ("expected scalar type BFloat16 but found Float").
+    # Casting only the parameters leaves a BatchNorm's statistics (or a position table) in
+    # float32, and the forward fails ("expected scalar type BFloat16 but found Float").
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
     x = torch.randn(1, 3, 8, 8)
@@ -701,8 +701,8 @@ def test_a_use_dtype_casts_floating_buffers_with_the_weights(placement):
 
 @pytest.mark.parametrize("strategy_class", [ResidentStrategy, OffloadStrategy])
 def test_a_strategy_serving_a_live_managers_component_is_refused_by_another_manager(strategy_class):
-    # A ResidentStrategy was taken: the second attach replaced the first component's registered
-    # dtypes, so the first manager's uses ignored their dtype and its close could not cast back.
+    # A second attach of a serving ResidentStrategy would replace the first component's registered
+    # dtypes: the first manager's uses would ignore their dtype and its close could not cast back.
     strategy = strategy_class()
     first = ResidencyManager({"a": nn.Linear(4, 4)}, {"a": strategy})
     with pytest.raises(ValueError, match=f"this {strategy_class.__name__} already serves a component; pass a new "
@@ -718,8 +718,8 @@ def test_a_strategy_serving_a_live_managers_component_is_refused_by_another_mana
 
 @pytest.mark.parametrize("placement", ["resident", "offload", "layerwise"])
 def test_a_component_on_the_meta_device_is_refused_by_name_before_anything_moves(placement):
-    # Each strategy failed inside attach on torch's "Cannot copy out of meta tensor", naming no
-    # component, and the rollback warned about its own failing steps.
+    # Unrefused, each strategy fails inside attach on torch's "Cannot copy out of meta tensor",
+    # naming no component, and the rollback warns about its own failing steps.
     with torch.device("meta"):
         stack = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     other = nn.Linear(4, 4)
@@ -757,9 +757,9 @@ def two_uses() -> list[Stage]:
 @pytest.mark.parametrize("error", [KeyError("the caller's own error"),
                                    torch.OutOfMemoryError("simulated: tried to allocate 3 GiB")])
 def test_a_release_failing_while_a_request_fails_leaves_the_request_ended_and_its_error_raised(error):
-    # Before: the release's error replaced the caller's (an OOM then was no RequestFailed and
-    # emptied nothing), and a release that kept failing left the manager inside the request for
-    # good: every later request, finish_request() and close() were refused.
+    # The release's error must not replace the caller's (an OOM would be no RequestFailed and
+    # empty nothing), nor a release that keeps failing leave the manager inside the request for
+    # good (every later request, finish_request() and close() refused).
     strategy = ReleaseFails()
     manager = ResidencyManager({"enc": nn.Linear(4, 4), "other": nn.Linear(4, 4)},
                                {"enc": strategy, "other": "offload"})
@@ -798,8 +798,8 @@ class DetachFails(OffloadStrategy):
 
 
 def test_a_detach_failing_at_close_gives_every_other_component_back_and_close_retries_it():
-    # Before: close() stopped at the failing detach, so the components after it stayed attached
-    # (their hooks on, their device copies held) until close() was called again.
+    # A close() that stops at the failing detach leaves the components after it attached
+    # (their hooks on, their device copies held) until close() is called again.
     strategies = {"a": OffloadStrategy(), "b": DetachFails(), "c": LayerwiseStrategy(1)}
     manager = ResidencyManager({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4), "c": Stack()}, strategies)
     with pytest.raises(RuntimeError, match=r"^close\(\) could not detach 'b': RuntimeError: detach failed: device "
@@ -817,8 +817,8 @@ def test_a_detach_failing_at_close_gives_every_other_component_back_and_close_re
 
 
 def test_a_log_failing_at_close_leaves_the_device_given_back():
-    # Before: the first "release" event that the log refused stopped close() with the other
-    # components attached, and so did every retry: the device could never be given back.
+    # A "release" event the log refuses must not stop close() with the other components
+    # attached, on every retry: the device would never be given back.
     class RefusesClose:
         def info(self, message: str, line: str) -> None:
             if '"why": "close"' in line or '"where": "close"' in line:
@@ -840,7 +840,7 @@ def test_a_log_failing_at_close_leaves_the_device_given_back():
     ("enc", 3, r"begin_use\('enc', phase=3\): phase must be a str \(as declared in ComponentUse\) or None"),
 ])
 def test_begin_use_refuses_a_name_or_phase_of_the_wrong_type_and_the_request_goes_on(component, phase, message):
-    # Before: a list failed with "unhashable type: 'list'", and phase=3 matched a use declared with none.
+    # Unchecked, a list fails with "unhashable type: 'list'", and phase=3 matches a use declared with none.
     manager = ResidencyManager({"enc": nn.Linear(4, 4)}, {"enc": "offload"})
     manager.begin_request(ONE_USE)
     with pytest.raises(TypeError, match=message):

@@ -196,7 +196,7 @@ def test_send_records_the_slot_event_and_never_synchronizes(platform, log):
     consumer.close()
 
 
-def test_without_the_capability_send_synchronizes_its_copy_as_before(plain_platform, log):
+def test_without_the_capability_send_synchronizes_its_copy(plain_platform, log):
     producer = Producer(config(), plain_platform, 0)
     consumer = Consumer(0, plain_platform, 0)
     for i in range(5):

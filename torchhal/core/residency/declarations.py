@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from torchhal.values import check_bool
+
 
 class Strategy(str, enum.Enum):
     """Names of the built-in strategies (a placement may also be a ResidencyStrategy instance)."""
@@ -41,14 +43,10 @@ class ComponentUse:
         if self.phase is not None and not isinstance(self.phase, str):
             raise ValueError(f"ComponentUse.phase must be a str or None, got {self.phase!r}")
         for flag in _FLAGS:
-            value = getattr(self, flag)
-            if not isinstance(value, bool):
-                raise ValueError(f"ComponentUse({self.component!r}).{flag} must be True or False, got {value!r}")
+            check_bool(f"ComponentUse({self.component!r}).{flag}", getattr(self, flag))
         if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
-            raise ValueError(
-                f"the use of {self.component!r} declares dtype {self.dtype!r}; "
-                "a target dtype is a floating torch.dtype such as torch.bfloat16"
-            )
+            raise ValueError(f"the use of {self.component!r} declares dtype {self.dtype!r}; a target dtype is a "
+                             "floating torch.dtype such as torch.bfloat16")
 
 
 @dataclass(frozen=True)
@@ -68,14 +66,11 @@ class Stage:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"Stage name must be a non-empty str such as 'denoise', got {self.name!r}")
-        if not isinstance(self.exact, bool):  # "no" is truthy
-            raise ValueError(f"stage {self.name!r}: exact must be True or False, got {self.exact!r}")
-        if isinstance(self.uses, ComponentUse):  # tuple() of it is a bare "not iterable" TypeError
-            raise ValueError(f"stage {self.name!r}: uses must be a tuple of ComponentUse records, got the single "
-                             f"use of {self.uses.component!r}; pass uses=(use,)")
-        if isinstance(self.uses, (str, bytes)) or not isinstance(self.uses, Iterable):
-            raise ValueError(f"stage {self.name!r}: uses must be a tuple of ComponentUse records, got "
-                             f"{self.uses!r}; pass e.g. uses=(ComponentUse('unet'),)")
+        check_bool(f"stage {self.name!r}: exact", self.exact)
+        if isinstance(self.uses, (ComponentUse, str, bytes)) or not isinstance(self.uses, Iterable):
+            got = (f"the single use of {self.uses.component!r}; pass uses=(use,)" if isinstance(self.uses, ComponentUse)
+                   else f"{self.uses!r}; pass e.g. uses=(ComponentUse('unet'),)")
+            raise ValueError(f"stage {self.name!r}: uses must be a tuple of ComponentUse records, got {got}")
         uses = tuple(self.uses)
         if not uses:  # e.g. a comprehension over a component list that came out empty
             raise ValueError(f"stage {self.name!r} has no uses; a stage declares the component uses it makes: pass "

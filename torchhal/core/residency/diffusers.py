@@ -25,8 +25,9 @@ from torch import nn
 
 from torchhal.core.residency.declarations import ComponentUse, Stage, Strategy, UndeclaredUse
 from torchhal.core.residency.manager import PlacementSpec, ResidencyManager, check_placements
-from torchhal.core.residency.strategies import LayerwiseStrategy, ResidencyStrategy, ResidentStrategy
+from torchhal.core.residency.strategies import LayerwiseStrategy, ResidentStrategy, attribute_path
 from torchhal.platforms import Platform
+from torchhal.values import check_bool
 
 #: Attribute paths of block lists in common diffusers / transformers models, in run order.
 BLOCK_LIST_CANDIDATES = (
@@ -43,22 +44,15 @@ _ENTRY_METHODS = ("forward", "encode", "decode")
 #: What a ManagedPipeline sets on each component instance (and `close` restores).
 _PATCHED = (*_ENTRY_METHODS, "_hf_hook")
 _ABSENT = object()  # the instance had no attribute of its own by that name
-_warned: set[tuple[str, str, tuple[str, ...]]] = set()
-
-
-def _path(module: nn.Module, dotted: str) -> Any:
-    owner: Any = module
-    for part in dotted.split("."):
-        owner = getattr(owner, part, None)
-    return owner
 
 
 def guess_block_lists(module: nn.Module, name: str = "component") -> tuple[str, ...]:
-    """The module's block lists to stream, guessed from BLOCK_LIST_CANDIDATES (warned once)."""
+    """The module's block lists to stream, guessed from BLOCK_LIST_CANDIDATES, with a warning
+    (shown once per module and name, as the warnings filters show a repeated one)."""
     found: list[str] = []
     claimed: set[int] = set()
     for path in BLOCK_LIST_CANDIDATES:
-        stack = _path(module, path)
+        stack = attribute_path(module, path)
         if isinstance(stack, nn.ModuleList) and len(stack) and id(stack) not in claimed:
             if any(id(m) in claimed for m in stack.modules()):
                 continue  # inside a list already chosen
@@ -69,14 +63,8 @@ def guess_block_lists(module: nn.Module, name: str = "component") -> tuple[str, 
             f"no block list found in {type(module).__name__} {name!r} (tried {', '.join(BLOCK_LIST_CANDIDATES)}); "
             "pass LayerwiseStrategy(layers_attr=...) naming its nn.ModuleList(s) in the order they run"
         )
-    key = (type(module).__name__, name, tuple(found))
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(
-            f"residency guessed the block lists of {type(module).__name__} {name!r}: {', '.join(found)}; "
-            "pass LayerwiseStrategy(layers_attr=...) to name them and silence this",
-            stacklevel=3,
-        )
+    warnings.warn(f"residency guessed the block lists of {type(module).__name__} {name!r}: {', '.join(found)}; "
+                  "pass LayerwiseStrategy(layers_attr=...) to name them and silence this", stacklevel=3)
     return tuple(found)
 
 
@@ -131,20 +119,17 @@ class ManagedPipeline:
         modules = _modules_of(pipeline)
         check_placements(placements)
         denoiser = _check_denoiser(pipeline, modules, denoiser)
-        if not isinstance(prefetch, bool):  # the manager checks its own flags before it attaches anything
-            raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
+        check_bool("prefetch", prefetch)  # the manager checks its own flags before it attaches anything
         managed = [name for name, m in modules.items() if isinstance(m.__dict__.get("_hf_hook"), _ExecutionDevice)]
         if managed:  # wrapping the other's wrappers: closing both would leave them behind
             raise ValueError(
                 f"{type(pipeline).__name__} components {managed} are already managed by another ManagedPipeline; "
                 "close() that one first (it leaves the pipeline as it found it)"
             )
-        strategies: dict[str, PlacementSpec] = {}
-        for name, spec in placements.items():
-            if not isinstance(spec, ResidencyStrategy) and name in modules and _is_layerwise(spec):
-                spec = LayerwiseStrategy(1, guess_block_lists(modules[name], name), rest="on_call",
-                                         buffers="ring" if name == denoiser else "exact")
-            strategies[name] = spec
+        strategies = {name: LayerwiseStrategy(1, guess_block_lists(modules[name], name), rest="on_call",
+                                              buffers="ring" if name == denoiser else "exact")
+                      if isinstance(spec, str) and spec == Strategy.LAYERWISE and name in modules else spec
+                      for name, spec in placements.items()}
         # (module, attribute, what the instance had of its own before anything is attached, or _ABSENT)
         self._wrapped: list[tuple[nn.Module, str, Any]] = [
             (module, attribute, module.__dict__.get(attribute, _ABSENT))
@@ -330,16 +315,9 @@ def _check_denoiser(pipeline: Any, modules: Mapping[str, nn.Module], denoiser: o
     choices = sorted(name for name, t in takes.items() if t) or sorted(modules)
     if denoiser is None:
         denoiser = next((n for n in ("transformer", "unet") if n in modules), None)
-        if denoiser is None:
-            raise ValueError(
-                f"{type(pipeline).__name__} has no 'transformer' or 'unet'; pass denoiser= naming the component "
-                f"called once per step, one of {choices}"
-            )
-    if not isinstance(denoiser, str) or denoiser not in modules:
-        raise ValueError(
-            f"denoiser {denoiser!r} is not a module of the pipeline; name the component called once per step, "
-            f"one of {choices}"
-        )
+    if not isinstance(denoiser, str) or denoiser not in modules:  # None: neither "transformer" nor "unet"
+        raise ValueError(f"denoiser {denoiser!r} is not a module of {type(pipeline).__name__}; pass denoiser= "
+                         f"naming the component called once per step, one of {choices}")
     if takes[denoiser] is False and any(takes.values()):
         raise ValueError(
             f"denoiser {denoiser!r} ({type(modules[denoiser]).__name__}) takes no timestep, so it is not the "
@@ -347,9 +325,3 @@ def _check_denoiser(pipeline: Any, modules: Mapping[str, nn.Module], denoiser: o
         )
     return denoiser
 
-
-def _is_layerwise(spec: PlacementSpec) -> bool:
-    try:
-        return Strategy(spec) is Strategy.LAYERWISE
-    except ValueError:
-        return False

@@ -6,14 +6,16 @@ the device cache only where memory was actually given back: after a
 memory-intensive component left the device or a layerwise release happened
 (ReleasePoint.COMPONENT_RELEASE; off with `empty_on_release=False`), and after an
 out-of-memory error (ReleasePoint.OOM). Never between uses, never inside a memory query.
+
+Every public method checks its arguments before it changes anything; what the
+strategies are handed behind it has been checked.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -29,6 +31,7 @@ from torchhal.core.residency.strategies import (
 )
 from torchhal.core.residency.trace import ResidencyTrace
 from torchhal.platforms import Platform, ReleasePoint, check_platform_argument, current_platform
+from torchhal.values import check_bool
 
 #: A component's placement: a built-in strategy's name, or a strategy object (one per component).
 PlacementSpec = ResidencyStrategy | Strategy | str
@@ -43,6 +46,37 @@ def check_placements(placements: object) -> None:
         )
 
 
+def _check_components(components: object, placements: Mapping[str, PlacementSpec]) -> dict[str, ResidencyStrategy]:
+    """Each component's strategy object, once the components, their names and what their
+    placements name are checked: nothing is attached yet."""
+    if not isinstance(components, Mapping):
+        raise TypeError(f"components must be a dict of component name -> nn.Module, e.g. {{'vae': vae}}, "
+                        f"got a {type(components).__name__}")
+    for name, module in components.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"component name {name!r} must be a non-empty str (uses name components by it)")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"component {name!r} is a {type(module).__name__}, not an nn.Module; "
+                            "pass the module whose weights the manager should place")
+        meta = next((n for n, p in module.named_parameters() if p.is_meta), None)
+        if meta is not None:  # no data to place: every strategy's first copy would fail mid-attach
+            raise ValueError(f"component {name!r} has {meta!r} on the meta device (no data); load its weights "
+                             "before registering it (e.g. module.to_empty(device=...) and a state dict)")
+    unknown = set(placements) - set(components)
+    if unknown:
+        raise ValueError(f"placements name unknown components {sorted(unknown)}; known: {sorted(components)}")
+    strategies = {name: strategy_for(name, placements.get(name, Strategy.RESIDENT)) for name in components}
+    owners: dict[int, str] = {}
+    for name, strategy in strategies.items():
+        owner = strategy.serving.name if strategy.serving is not None else owners.get(id(strategy))
+        if owner is not None:
+            raise ValueError(f"this {type(strategy).__name__} already serves a component; pass a new one for "
+                             f"{name!r} (the same strategy object cannot keep the state of {owner!r} and {name!r})")
+        owners[id(strategy)] = name
+    _check_shared(components, strategies)
+    return strategies
+
+
 def _check_shared(components: Mapping[str, nn.Module], strategies: Mapping[str, ResidencyStrategy]) -> None:
     """A module or parameter held by two components must stay resident in both: a strategy
     that moves one component's weights (offload, layerwise, one of the user's) would move the
@@ -50,32 +84,27 @@ def _check_shared(components: Mapping[str, nn.Module], strategies: Mapping[str, 
     own blocks, as some diffusers pipelines do)."""
     owners: dict[int, tuple[str, str]] = {}  # id(parameter or module) -> (component, its name there)
     for name, module in components.items():
-        held = [("the module itself", module), *module.named_parameters()]
-        for part, item in held:
+        for part, item in [("the module itself", module), *module.named_parameters()]:
             first = owners.setdefault(id(item), (name, part))
-            if first[0] == name:
-                continue
             moved = [n for n in (first[0], name) if not isinstance(strategies[n], ResidentStrategy)]
-            if moved:
+            if first[0] != name and moved:
                 what = (f"are the same {type(module).__name__}" if part == "the module itself" else
                         f"share a parameter ({first[1]!r} of {first[0]!r}, {part!r} of {name!r})")
-                raise ValueError(f"components {first[0]!r} and {name!r} {what}, and {' and '.join(map(repr, moved))} "
-                                 f"would move it: a weight two components hold must stay resident in both; leave "
-                                 f"{' and '.join(map(repr, moved))} resident, or pass the module holding it once")
+                movers = " and ".join(map(repr, moved))
+                raise ValueError(f"components {first[0]!r} and {name!r} {what}, and {movers} would move it: a weight "
+                                 f"two components hold must stay resident in both; leave {movers} resident, or pass "
+                                 "the module holding it once")
 
 
-Step = tuple[str, Callable[[], object]]  # (what it does, for a report of its failure; the step)
-
-
-def _run_each(steps: Iterable[Step], doing: str) -> None:
-    """Run every step of a cleanup even where an earlier one raised (one failure must not leave
-    the rest undone, nor replace the error that made the cleanup necessary): each failure is
-    a RuntimeWarning naming `doing` and the step."""
-    for what, step in steps:
-        try:
-            step()
-        except Exception as failed:  # noqa: BLE001 - reported, then the next step runs
-            warnings.warn(f"{doing}: {what} raised {type(failed).__name__}: {failed}", RuntimeWarning, stacklevel=3)
+@contextlib.contextmanager
+def _reported(doing: str, what: str) -> Iterator[None]:
+    """One step of a cleanup: a failure is a RuntimeWarning naming `doing` and the step, and the
+    cleanup goes on (one failure must not leave the rest undone, nor replace the error that
+    made the cleanup necessary)."""
+    try:
+        yield
+    except Exception as failed:  # noqa: BLE001 - reported, then the next step runs
+        warnings.warn(f"{doing}: {what} raised {type(failed).__name__}: {failed}", RuntimeWarning, stacklevel=3)
 
 
 class _AsGiven:
@@ -102,6 +131,42 @@ class _AsGiven:
             sub.training = was_training
 
 
+class _Timeline:
+    """A request's declared uses in order, each with its stage: which of them may come next."""
+
+    def __init__(self, stages: Sequence[Stage]) -> None:
+        self.uses = [use for stage in stages for use in stage.uses]
+        self.spans: list[tuple[int, int, bool]] = []  # (first use, end, exact) of each stage
+        self.stage_at: list[int] = []  # the stage of each use
+        for index, stage in enumerate(stages):
+            self.spans.append((len(self.stage_at), len(self.stage_at) + len(stage.uses), stage.exact))
+            self.stage_at.extend([index] * len(stage.uses))
+
+    def allowed(self, cursor: int) -> list[int]:
+        """Positions the use after the one at `cursor` may take: the next use of an exact stage
+        under way; else any use of the current stage if it is not exact, then, stage by stage,
+        any use of a later stage that is not exact (it may not run at all), up to the first
+        use of the next exact stage."""
+        stage = -1 if cursor < 0 else self.stage_at[cursor]
+        positions: list[int] = []
+        if stage >= 0:
+            first, end, exact = self.spans[stage]
+            if exact and cursor + 1 < end:
+                return [cursor + 1]
+            if not exact:
+                positions.extend(range(first, end))
+        for first, end, exact in self.spans[stage + 1 :]:
+            if exact:
+                positions.append(first)
+                break
+            positions.extend(range(first, end))
+        return positions
+
+    def certain(self, positions: list[int]) -> bool:
+        """Whether `positions` leave one use that must come (the next of an exact stage)."""
+        return len(positions) == 1 and self.spans[self.stage_at[positions[0]]][2]
+
+
 class ResidencyManager:
     def __init__(
         self,
@@ -117,10 +182,10 @@ class ResidencyManager:
     ) -> None:
         """Components not named in `placements` are resident.
 
-        `empty_after_every_use=True` reproduces the old habit of emptying the cache at
-        every boundary (for benchmarks only). `empty_on_release=False` makes no release a
-        release point: a memory-intensive component that leaves gives its memory to the
-        allocator's cache, which serves the next use (only an out-of-memory error empties).
+        `empty_after_every_use=True` empties the cache at every use's end (a baseline for
+        benchmarks only). `empty_on_release=False` makes no release a release point: a
+        memory-intensive component that leaves gives its memory to the allocator's cache,
+        which serves the next use (only an out-of-memory error empties).
         Events go to `self.trace` (see ResidencyTrace) and, with `log` (a logging.Logger,
         or anything with an `.info` method), one JSON line each. Every argument is checked
         before anything is attached: a refusal changes nothing. A module or parameter two
@@ -133,37 +198,13 @@ class ResidencyManager:
         """
         check_placements(placements)
         check_platform_argument(platform, "ResidencyManager")
-        if not isinstance(components, Mapping):
-            raise TypeError(f"components must be a dict of component name -> nn.Module, e.g. {{'vae': vae}}, "
-                            f"got a {type(components).__name__}")
-        for name, module in components.items():
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"component name {name!r} must be a non-empty str (uses name components by it)")
-            if not isinstance(module, nn.Module):
-                raise TypeError(f"component {name!r} is a {type(module).__name__}, not an nn.Module; "
-                                "pass the module whose weights the manager should place")
-            meta = next((n for n, p in module.named_parameters() if p.is_meta), None)
-            if meta is not None:  # no data to place: every strategy's first copy would fail mid-attach
-                raise ValueError(f"component {name!r} has {meta!r} on the meta device (no data); load its weights "
-                                 "before registering it (e.g. module.to_empty(device=...) and a state dict)")
-        unknown = set(placements) - set(components)
-        if unknown:
-            raise ValueError(f"placements name unknown components {sorted(unknown)}; known: {sorted(components)}")
+        strategies = _check_components(components, placements)
         for flag, value in (("empty_after_every_use", empty_after_every_use),
                             ("empty_on_release", empty_on_release), ("record_trace", record_trace)):
-            if not isinstance(value, bool):  # "no" is truthy
-                raise ValueError(f"{flag} must be True or False, got {value!r}")
+            check_bool(flag, value)
         if log is not None and not callable(getattr(log, "info", None)):
             raise TypeError(f"log must be a logging.Logger (anything with an .info method) or None, got {log!r}; "
                             "e.g. log=logging.getLogger('torchhal.residency')")
-        strategies = {name: strategy_for(name, placements.get(name, Strategy.RESIDENT)) for name in components}
-        shared = [name for name, s in strategies.items() if sum(s is o for o in strategies.values()) > 1]
-        if shared:
-            raise ValueError(
-                f"components {sorted(shared)} were given the same strategy object; a strategy keeps "
-                "one component's state: pass a separate instance for each"
-            )
-        _check_shared(components, strategies)
         self.platform = platform or current_platform()
         self.device_index = check_device_index(self.platform, device_index, "device_index")
         states = [ComponentState(name, module, strategies[name]) for name, module in components.items()]
@@ -171,52 +212,49 @@ class ResidencyManager:
             state.strategy.check(state)
         self.device = self.platform.device(self.device_index)
         self.side_stream = self.platform.new_stream(self.device_index)
-        self.empty_after_every_use = empty_after_every_use
-        self.empty_on_release = empty_on_release
+        self.empty_after_every_use, self.empty_on_release = empty_after_every_use, empty_on_release
         self.trace = ResidencyTrace(self.platform, self.device_index, record=record_trace, log=log)
         self.components: dict[str, ComponentState] = {}
-        given = [_AsGiven(state.module) for state in states]
-        started: list[ComponentState] = []
-        try:
-            for state in states:
-                started.append(state)
-                state.module.eval()
-                state.buffer_dtypes = {name: buf.dtype for name, buf in state.module.named_buffers()
-                                       if buf.dtype.is_floating_point}
-                state.strategy.attach(self, state)
-                state.attached = True
-                self.components[state.name] = state
-        except BaseException:
-            for state in started:
-                state.attached = False
-            # the component whose attach raised too: it may be half attached (detach undoes that).
-            # Each step is undone even if another fails; the attach's error is the one raised.
-            _run_each([
-                *((f"{type(state.strategy).__name__}.detach of {state.name!r}",
-                   functools.partial(state.strategy.detach, self, state)) for state in reversed(started)),
-                *((f"putting {state.name!r} back on its devices", as_given.restore)
-                  for state, as_given in zip(states, given, strict=True)),
-            ], "undoing a failed ResidencyManager construction")
-            raise
-        self._timeline: list[ComponentUse] = []
-        self._stage_spans: list[tuple[int, int, bool]] = []  # (first use, end, exact) of each stage in the timeline
-        self._stage_at: list[int] = []  # the stage of each use in the timeline
+        self._attach(states)
+        self._plan = _Timeline(())
         self._cursor = -1  # the use running or run last (-1: none yet)
         self._furthest = -1  # the furthest use reached: prefetching forecasts from there
         self._kept: ComponentUse | None = None  # a use whose component is kept for a next use that may not come
-        self._uses_run = 0
-        self._prefetched = False
-        self._warmup = False
-        self._in_request = False
-        self._oom_handled_by_request = False
-        self._closed = False
-        self._copied_at_close: dict[str, int] = {}
         self._active: ComponentUse | None = None
+        self._uses_run = 0
+        self._prefetched = self._warmup = self._in_request = self._oom_handled_by_request = self._closed = False
+        self._copied_at_close: dict[str, int] = {}
         # bytes that load() reported, for strategies that do not count their own copies
         self._loaded_bytes = dict.fromkeys(self.components, 0)
         self._copied_at_request_start: dict[str, int] = {}
         #: host -> device bytes copied in the last finished request, per component (counted, not modelled)
         self.last_request_h2d_bytes: dict[str, int] = {}
+
+    def _attach(self, states: list[ComponentState]) -> None:
+        given = [_AsGiven(state.module) for state in states]
+        started: list[ComponentState] = []
+        try:
+            for state in states:
+                started.append(state)
+                state.strategy.serving = state
+                state.module.eval()
+                state.buffer_dtypes = {name: buf.dtype for name, buf in state.module.named_buffers()
+                                       if buf.dtype.is_floating_point}
+                state.strategy.attach(self, state)
+                self.components[state.name] = state
+        except BaseException:
+            # The component whose attach raised too: it may be half attached (detach undoes that).
+            # Each step is undone even if another fails; the attach's error is the one raised.
+            undoing = "undoing a failed ResidencyManager construction"
+            for state in reversed(started):
+                with _reported(undoing, f"{type(state.strategy).__name__}.detach of {state.name!r}"):
+                    state.strategy.detach(self, state)
+            for state, as_given in zip(states, given, strict=True):
+                with _reported(undoing, f"putting {state.name!r} back on its devices"):
+                    as_given.restore()
+            for state in started:
+                state.strategy.serving = None
+            raise
 
     def copied_bytes(self) -> dict[str, int]:
         """Host -> device bytes each component's strategy has copied since registration: its own
@@ -269,32 +307,22 @@ class ResidencyManager:
             raise RuntimeError("a request is already running, and requests do not nest (a managed pipeline called "
                                "from inside one of its own callbacks is one inside the other): make the call after "
                                "the running request ends, or end it with finish_request() first")
-        if not isinstance(warmup, bool):  # "no" is truthy
-            raise ValueError(f"warmup must be True or False, got {warmup!r}")
-        if isinstance(stages, Stage):
-            raise TypeError(f"a request is declared as a list of Stage records, got the single stage "
-                            f"{stages.name!r}; pass [stage]")
-        if isinstance(stages, str) or not isinstance(stages, Sequence):
-            raise TypeError(f"a request is declared as a list of Stage records, got {stages!r}")
-        bad = [s for s in stages if not isinstance(s, Stage)]
+        check_bool("warmup", warmup)
+        listed = not isinstance(stages, (Stage, str)) and isinstance(stages, Sequence)
+        bad = [s for s in stages if not isinstance(s, Stage)] if listed else [stages]
         if bad:
-            raise ValueError(f"a request is declared as Stage records, got {bad[0]!r}")
-        known = set(self.components)
-        timeline = [use for stage in stages for use in stage.uses]
-        spans: list[tuple[int, int, bool]] = []
-        stage_at: list[int] = []
-        for index, stage in enumerate(stages):
-            spans.append((len(stage_at), len(stage_at) + len(stage.uses), stage.exact))
-            stage_at.extend([index] * len(stage.uses))
-        unknown = sorted({u.component for u in timeline} - known)
+            got = f"the single stage {stages.name!r}; pass [stage]" if isinstance(stages, Stage) else (
+                repr(stages) if not listed else f"{bad[0]!r} in it")
+            raise TypeError(f"a request is declared as a list of Stage records, got {got}")
+        plan = _Timeline(stages)
+        unknown = sorted({u.component for u in plan.uses} - set(self.components))
         if unknown:
-            raise ValueError(f"stages use unknown components {unknown}; registered: {sorted(known)}")
+            raise ValueError(f"stages use unknown components {unknown}; registered: {sorted(self.components)}")
         copied = self.copied_bytes()
         # before the request counts as started: an event that fails leaves no request behind
-        self.event("request_start", None, uses=len(timeline), warmup=warmup)
-        self._timeline, self._stage_spans, self._stage_at = timeline, spans, stage_at
-        self._cursor, self._furthest, self._kept, self._uses_run, self._prefetched = -1, -1, None, 0, False
-        self._warmup, self._in_request = warmup, True
+        self.event("request_start", None, uses=len(plan.uses), warmup=warmup)
+        self._plan, self._cursor, self._furthest, self._kept, self._uses_run = plan, -1, -1, None, 0
+        self._prefetched, self._warmup, self._in_request = False, warmup, True
         self._copied_at_request_start = copied
 
     def begin_use(self, component: str, phase: str | None = None) -> None:
@@ -305,13 +333,13 @@ class ResidencyManager:
             # kept for a use that did not come: it leaves before this one loads, as at its use's end
             self._leave(self._kept, release_point=True)
             self._kept = None
-        use = self._timeline[position]
+        use = self._plan.uses[position]
         state = self.components[component]
         state.dtype = use.dtype
         cast_buffers(state, use.dtype)
         moved = state.strategy.load(self, state, None)
         if moved:
-            self._note_moved(state, "host", str(self.device), moved)
+            self._note_moved(state, moved)
             self.event("prepare", component, nbytes=moved)
         elif state.strategy.wait(self, state):
             self.event("wait", component)
@@ -328,30 +356,27 @@ class ResidencyManager:
         if use is None or use.component != component:
             raise RuntimeError(f"end_use({component!r}) without a matching begin_use")
         self._active = None
-        allowed = [] if failed else self._next_positions()  # a failed use ends its request: nothing to keep for
-        if any(self._timeline[p].component == component for p in allowed):
+        allowed = [] if failed else self._plan.allowed(self._cursor)  # a failed use ends its request
+        if any(self._plan.uses[p].component == component for p in allowed):
             # The next use may need it again: keep it, and keep the cache warm for the
             # layers streamed back in (their blocks are reused, not re-allocated). If a use
             # of another component comes instead, this one leaves when that one begins.
             self._kept = use
-            certain = len(allowed) == 1 and self._stage_spans[self._stage_at[allowed[0]]][2]
-            self.event("keep", component, why="needed by the next use" if certain else "may be needed by the next use")
-            if self.empty_after_every_use:
-                self._empty(where="every_use")
-            return
-        self._leave(use, release_point)
+            why = "needed by the next use" if self._plan.certain(allowed) else "may be needed by the next use"
+            self.event("keep", component, why=why)
+        else:
+            self._leave(use, release_point)
         if self.empty_after_every_use:
             self._empty(where="every_use")
 
     def _leave(self, use: ComponentUse, release_point: bool) -> None:
         """The used component leaves the device (unless warmup keeps it); its release empties
-        the cache where it is a release point (the baseline that empties after every use has
-        emptied at the use's end)."""
+        the cache where it is a release point (the baseline that empties after every use
+        empties at the use's end instead)."""
         state = self.components[use.component]
         if self._keep_after_warmup(use) and state.strategy.keepable:
             return
-        released = self._release(state)
-        if released and use.memory_intensive and release_point and self.empty_on_release \
+        if self._release(state) and use.memory_intensive and release_point and self.empty_on_release \
                 and not self.empty_after_every_use:
             self._empty(where="component_release")
 
@@ -365,9 +390,8 @@ class ResidencyManager:
                 # Inside request(), an OOM is emptied once where the request fails (reason
                 # OOM): releasing this component is then not a release point of its own.
                 oom = self._oom_handled_by_request and is_out_of_memory(self.platform, exc)
-                _run_each([(f"releasing {component!r}",
-                            functools.partial(self._end_use, component, release_point=not oom, failed=True))],
-                          "ending a failed use")
+                with _reported("ending a failed use", f"releasing {component!r}"):
+                    self._end_use(component, release_point=not oom, failed=True)
             raise
         if self._active is not None:
             self.end_use(component)
@@ -378,8 +402,9 @@ class ResidencyManager:
         if self._active is not None:  # its weights would leave the device under the running use
             name = self._active.component
             raise RuntimeError(f"finish_request() while {name!r} is in use; end_use({name!r}) first")
-        preferred = {u.component for u in self._timeline if u.preferred_ready_after_request}
-        kept = {u.component for u in self._timeline if self._keep_after_warmup(u)}
+        uses = self._plan.uses
+        preferred = {u.component for u in uses if u.preferred_ready_after_request}
+        kept = {u.component for u in uses if self._keep_after_warmup(u)}
         last = self._kept
         if last is not None:  # kept for a use that did not come: it leaves as at its use's end
             if last.component not in preferred or not self.components[last.component].strategy.keepable:
@@ -391,10 +416,10 @@ class ResidencyManager:
                 continue
             if name in preferred:
                 # in the dtype this request used it in: the best guess for the next one
-                state.dtype = next(u.dtype for u in self._timeline if u.component == name)
+                state.dtype = next(u.dtype for u in uses if u.component == name)
                 moved = state.strategy.load(self, state, self.side_stream)
                 if moved:
-                    self._note_moved(state, "host", str(self.device), moved)
+                    self._note_moved(state, moved)
                     self.event("prefetch", name, why="preferred ready after request", nbytes=moved)
             elif name in kept:
                 self.event("keep", name, why="keep_ready_after_warmup")
@@ -404,7 +429,7 @@ class ResidencyManager:
             self._empty(where="request_end")
         now = self.copied_bytes()
         self.last_request_h2d_bytes = {name: now[name] - self._copied_at_request_start.get(name, 0) for name in now}
-        self._in_request, self._timeline = False, []  # ended before it is told: a failing log leaves it ended
+        self._in_request, self._plan = False, _Timeline(())  # ended before it is told: a failing log leaves it ended
         self.event("request_end", None, uses_run=self._uses_run, h2d_bytes=sum(self.last_request_h2d_bytes.values()),
                    h2d_bytes_by_component=dict(self.last_request_h2d_bytes))
 
@@ -435,15 +460,16 @@ class ResidencyManager:
             except Exception as failed:  # noqa: BLE001 - the others are still given back; raised below
                 failures.append((state.name, failed))
                 continue
-            state.attached = False
+            state.strategy.serving = None
         closing = "closing the ResidencyManager"
-        _run_each(((f"the release event of {state.name!r}",
-                    functools.partial(self.event, "release", state.name, why="close"))
-                   for state in attached if not state.attached), closing)
+        for state in attached:
+            if not state.attached:
+                with _reported(closing, f"the release event of {state.name!r}"):
+                    self.event("release", state.name, why="close")
         released = self.platform.empty_cache(ReleasePoint.COMPONENT_RELEASE, self.device_index)
-        _run_each([("the empty_cache event", functools.partial(
-            self.event, "empty_cache", None, reason=ReleasePoint.COMPONENT_RELEASE.value, where="close",
-            bytes_released=released))], closing)
+        with _reported(closing, "the empty_cache event"):
+            self.event("empty_cache", None, reason=ReleasePoint.COMPONENT_RELEASE.value, where="close",
+                       bytes_released=released)
         if failures:
             named = "; ".join(f"{name!r}: {type(error).__name__}: {error}" for name, error in failures)
             raise RuntimeError(f"close() could not detach {named}; every other component was given back and "
@@ -464,57 +490,32 @@ class ResidencyManager:
             raise ValueError(f"unknown component {component!r}; registered: {sorted(self.components)}")
         if self._active is not None:
             raise RuntimeError(f"begin_use({component!r}) while {self._active.component!r} is in use")
-        allowed = self._next_positions()
-        if not allowed:
-            raise UndeclaredUse(f"begin_use({component!r}) after the request's declared uses ran out", component)
-        fitting = [p for p in allowed if self._timeline[p].component == component
-                   and (phase is None or self._timeline[p].phase in (None, phase))]
+        uses, allowed = self._plan.uses, self._plan.allowed(self._cursor)
+        fitting = [p for p in allowed if uses[p].component == component and (phase is None or uses[p].phase
+                                                                             in (None, phase))]
         if fitting:  # a use declared with this very phase before one declared with any
-            return next((p for p in fitting if phase is not None and self._timeline[p].phase == phase), fitting[0])
-        first = self._timeline[allowed[0]]
-        names = tuple(dict.fromkeys(self._timeline[p].component for p in allowed))
-        if len(allowed) == 1:
-            declared = f"the declared next use is {first.component!r} (phase {first.phase!r})"
-        else:
-            uses = dict.fromkeys(repr(u.component) + ("" if u.phase is None else f" (phase {u.phase!r})")
-                                 for u in (self._timeline[p] for p in allowed))
-            declared = f"the declared next use is one of {', '.join(uses)}"
-        raise UndeclaredUse(f"begin_use({component!r}, phase={phase!r}) but {declared}; declare the stages in "
-                            "the order they run", component, first.component, names)
-
-    def _next_positions(self) -> list[int]:
-        """Timeline positions the next use may take: the next use of an exact stage under way;
-        else any use of the current stage if it is not exact, then, stage by stage, any use
-        of a later stage that is not exact (it may not run at all), up to the first use of
-        the next exact stage."""
-        stage = -1 if self._cursor < 0 else self._stage_at[self._cursor]
-        positions: list[int] = []
-        if stage >= 0:
-            first, end, exact = self._stage_spans[stage]
-            if exact and self._cursor + 1 < end:
-                return [self._cursor + 1]
-            if not exact:
-                positions.extend(range(first, end))
-        for first, end, exact in self._stage_spans[stage + 1 :]:
-            if exact:
-                positions.append(first)
-                break
-            positions.extend(range(first, end))
-        return positions
+            return next((p for p in fitting if phase is not None and uses[p].phase == phase), fitting[0])
+        named = list(dict.fromkeys(repr(uses[p].component) + ("" if uses[p].phase is None else
+                                                              f" (phase {uses[p].phase!r})") for p in allowed))
+        declared = (f"but the declared next use is {'one of ' * (len(named) > 1)}{', '.join(named)}; declare the "
+                    "stages in the order they run" if allowed else "after the request's declared uses ran out")
+        raise UndeclaredUse(f"begin_use({component!r}, phase={phase!r}) {declared}", component,
+                            uses[allowed[0]].component if allowed else None,
+                            tuple(dict.fromkeys(uses[p].component for p in allowed)))
 
     def _maybe_prefetch(self) -> None:
         if self._prefetched:
             return
         # after the furthest use reached: a use of a stage that is not exact may go back in it
-        for use in self._timeline[self._furthest + 1 :]:
+        for use in self._plan.uses[self._furthest + 1 :]:
             state = self.components[use.component]
-            if not use.memory_intensive or use.component == self._timeline[self._cursor].component:
+            if not use.memory_intensive or use.component == self._plan.uses[self._cursor].component:
                 continue
             if use.allow_prefetch and state.strategy.prefetchable:
                 state.dtype = use.dtype
                 moved = state.strategy.load(self, state, self.side_stream)
                 if moved:
-                    self._note_moved(state, "host", str(self.device), moved)
+                    self._note_moved(state, moved)
                     self.event("prefetch", use.component, nbytes=moved)
                     self._prefetched = True
             return  # only the next memory-intensive use, once per request
@@ -526,7 +527,7 @@ class ResidencyManager:
         nbytes = state.strategy.release(self, state)
         if not nbytes:
             return False
-        self._note_moved(state, str(self.device), "host", nbytes)
+        self.platform.notify_component_moved(state.name, str(self.device), "host", nbytes)
         self.event("release", state.name, nbytes=nbytes)
         return True
 
@@ -534,29 +535,31 @@ class ResidencyManager:
         """Leave a consistent state after a failed request: the request is over, and every
         non-resident component goes home, each even where another's release raised (the
         request's own error is the one that propagates)."""
-        self._active, self._kept, self._in_request, self._timeline = None, None, False, []
-        _run_each(((f"{type(state.strategy).__name__}.release of {state.name!r}",
-                    functools.partial(self._release, state)) for state in self.components.values()),
-                  "abandoning a failed request")
+        self._active, self._kept, self._in_request, self._plan = None, None, False, _Timeline(())
+        for state in self.components.values():
+            with _reported("abandoning a failed request", f"{type(state.strategy).__name__}.release of {state.name!r}"):
+                self._release(state)
 
     def _handle_oom(self, error: BaseException) -> None:
-        _run_each([
-            ("the platform's OOM report", functools.partial(self.platform.report_out_of_memory, error,
-                                                            "residency request", self.device_index)),
-            ("the oom event", functools.partial(self.event, "oom", None, error=str(error)[:200])),
-            ("abandoning the request", self._abandon),
-            ("the OOM release point's empty", functools.partial(self._empty, where="oom", reason=ReleasePoint.OOM)),
-        ], "failing a request on out of memory")
+        failing = "failing a request on out of memory"
+        with _reported(failing, "the platform's OOM report"):
+            self.platform.report_out_of_memory(error, "residency request", self.device_index)
+        with _reported(failing, "the oom event"):
+            self.event("oom", None, error=str(error)[:200])
+        with _reported(failing, "abandoning the request"):
+            self._abandon()
+        with _reported(failing, "the OOM release point's empty"):
+            self._empty(where="oom", reason=ReleasePoint.OOM)
 
     def _empty(self, where: str, reason: ReleasePoint = ReleasePoint.COMPONENT_RELEASE) -> int | None:
         released = self.platform.empty_cache(reason, self.device_index)
         self.event("empty_cache", None, reason=reason.value, where=where, bytes_released=released)
         return released
 
-    def _note_moved(self, state: ComponentState, source: str, destination: str, nbytes: int) -> None:
-        if source == "host":
-            self._loaded_bytes[state.name] += nbytes
-        self.platform.notify_component_moved(state.name, source, destination, nbytes)
+    def _note_moved(self, state: ComponentState, nbytes: int) -> None:
+        """`nbytes` of the component reached the device."""
+        self._loaded_bytes[state.name] += nbytes
+        self.platform.notify_component_moved(state.name, "host", str(self.device), nbytes)
 
 
 __all__ = ["PlacementSpec", "ResidencyManager", "check_placements"]

@@ -3,7 +3,8 @@ the three built-in strategies (resident, offload, layerwise).
 
 A strategy object serves one component and keeps that component's state itself
 (host copies, device buffers, hooks); the manager keeps only what every strategy
-shares (the ComponentState) and decides *when* to call it.
+shares (the ComponentState), decides *when* to call it, and has checked every
+component it hands a strategy (`check` refused what the strategy cannot serve).
 """
 
 from __future__ import annotations
@@ -43,9 +44,12 @@ class ComponentState:
     #: buffers with the weights, as module.to(dtype) would, and close casts them back.
     buffer_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     buffers_cast_to: torch.dtype | None = None  # the dtype `cast_buffers` last gave them (None: as registered)
-    #: Between the strategy's attach and its detach (the manager sets it): outside that span
-    #: nothing of the component is on the device, whatever the strategy reports.
-    attached: bool = False
+
+    @property
+    def attached(self) -> bool:
+        """Between the strategy's attach and its detach: outside that span nothing of the
+        component is on the device, whatever the strategy reports."""
+        return self.strategy.serving is self
 
     @property
     def on_device(self) -> bool:
@@ -66,6 +70,9 @@ class ResidencyStrategy:
     prefetchable: ClassVar[bool] = False
     #: Between uses the component holds a whole device copy that keep rules may keep.
     keepable: ClassVar[bool] = False
+    #: The component this strategy serves (the manager sets it from attach to detach); a
+    #: strategy serving one is refused for another.
+    serving: ComponentState | None = None
 
     def check(self, component: ComponentState) -> None:
         """Before any component moves: raise ValueError if this strategy cannot serve it."""
@@ -113,10 +120,8 @@ def _cast_on_device(module: nn.Module, dtype: torch.dtype | None, registered: di
     """Cast device-resident floating parameters in place (their storage is the only copy) to
     the use's dtype, or with dtype None back to the dtype each was registered in."""
     for param in module.parameters():
-        if id(param) not in registered:  # not cast in place: streamed, or not floating
-            continue
-        want = dtype or registered[id(param)]
-        if param.dtype != want:
+        want = dtype or registered.get(id(param))  # not registered: streamed, or not floating
+        if id(param) in registered and param.dtype != want:
             param.data = param.data.to(want)
 
 
@@ -131,17 +136,14 @@ def _check_one_block(component: str, part: str, params: list[nn.Parameter], if_e
                          f"{' and '.join(dtypes)}; cast the component to one dtype first (module.to(dtype))")
 
 
+def _set_buffer(module: nn.Module, dotted: str, value: torch.Tensor) -> None:
+    *path, last = dotted.split(".")
+    module.get_submodule(".".join(path))._buffers[last] = value
+
+
 def _buffers_to(module: nn.Module, device: torch.device) -> None:
     for dotted, buf in module.named_buffers():
         _set_buffer(module, dotted, buf.to(device))
-
-
-def _set_buffer(module: nn.Module, dotted: str, value: torch.Tensor) -> None:
-    owner = module
-    *path, last = dotted.split(".")
-    for part in path:
-        owner = getattr(owner, part)
-    owner._buffers[last] = value
 
 
 def cast_buffers(component: ComponentState, dtype: torch.dtype | None) -> None:
@@ -164,19 +166,12 @@ class ResidentStrategy(ResidencyStrategy):
 
     def __init__(self) -> None:
         self.registered: dict[int, torch.dtype] = {}
-        self.serving = False  # attached to a component (registered may be empty: no floating weights)
 
     def copied_bytes(self) -> int | None:
         return 0  # placed once at registration, never copied per request
 
-    def check(self, component: ComponentState) -> None:
-        if self.serving:  # a second attach would take over `registered`, leaving the first unrestorable
-            raise ValueError(f"this ResidentStrategy already serves a component; pass a new one for "
-                             f"{component.name!r}")
-
     def attach(self, manager: StrategyHost, component: ComponentState) -> None:
         self.registered = _floating_dtypes(component.module)
-        self.serving = True
         component.module.to(manager.device)
 
     def load(self, manager: StrategyHost, component: ComponentState, stream: Any | None) -> int:
@@ -186,7 +181,7 @@ class ResidentStrategy(ResidencyStrategy):
     def detach(self, manager: StrategyHost, component: ComponentState) -> None:
         _cast_on_device(component.module, None, self.registered)
         super().detach(manager, component)
-        self.registered, self.serving = {}, False
+        self.registered = {}
 
 
 class OffloadStrategy(ResidencyStrategy):
@@ -199,15 +194,7 @@ class OffloadStrategy(ResidencyStrategy):
     def __init__(self) -> None:
         self.block: WeightBlock | None = None
 
-    def _block(self) -> WeightBlock:
-        if self.block is None:
-            raise RuntimeError("this OffloadStrategy is not attached to a component")
-        return self.block
-
     def check(self, component: ComponentState) -> None:
-        if self.block is not None:
-            raise ValueError(f"this OffloadStrategy already serves a component; pass a new one for "
-                             f"{component.name!r}")
         _check_one_block(component.name, "the offloaded module", list(component.module.parameters()),
                          "leave it resident")
 
@@ -216,19 +203,19 @@ class OffloadStrategy(ResidencyStrategy):
         self.block = WeightBlock(list(component.module.parameters()), manager.platform, manager.device)
 
     def load(self, manager: StrategyHost, component: ComponentState, stream: Any | None) -> int:
-        block = self._block()
-        want = component.dtype or block.dtype
-        if block.on_device and block.device_dtype == want:
+        assert self.block is not None  # attached
+        want = component.dtype or self.block.dtype
+        if self.block.on_device and self.block.device_dtype == want:
             return 0
-        block.release()  # loaded in another dtype (e.g. prepared before this request's uses were known)
-        block.load(stream, dtype=want)
-        return block.nbytes
+        self.block.release()  # loaded in another dtype (e.g. prepared before this request's uses were known)
+        self.block.load(stream, dtype=want)
+        return self.block.nbytes
 
     def wait(self, manager: StrategyHost, component: ComponentState) -> bool:
-        return self._block().wait()
+        return self.block is not None and self.block.wait()
 
     def release(self, manager: StrategyHost, component: ComponentState) -> int:
-        return self._block().release()
+        return 0 if self.block is None else self.block.release()
 
     def on_device(self, component: ComponentState) -> bool:
         return self.block is not None and self.block.on_device
@@ -237,18 +224,15 @@ class OffloadStrategy(ResidencyStrategy):
         return 0 if self.block is None else self.block.copied_bytes
 
     def detach(self, manager: StrategyHost, component: ComponentState) -> None:
-        if self.block is not None:  # None: attach failed before the block was made
-            self.block.release()
-        component.module.to("cpu")
+        super().detach(manager, component)  # the block may not exist: attach failed before it was made
         self.block = None
 
 
-def _lookup(module: nn.Module, dotted: str) -> Any:
+def attribute_path(module: nn.Module, dotted: str) -> Any:
+    """`module.a.b.c` for "a.b.c", or None where a part is missing."""
     owner: Any = module
     for part in dotted.split("."):
         owner = getattr(owner, part, None)
-        if owner is None:
-            return None
     return owner
 
 
@@ -277,42 +261,37 @@ class LayerwiseStrategy(ResidencyStrategy):
         directly by a module that contains streamed layers load at the start of the use.
     """
 
-    BUFFERS = ("ring", "exact")
-    REST = ("resident", "on_call")
+    MODES = {
+        "buffers": {"ring": "p + 1 buffers of the largest layer, kept",
+                    "exact": "each layer at its own size, given back at its release"},
+        "rest": {"resident": "non-layer weights stay on the device",
+                 "on_call": "each non-layer submodule loads when called, leaves at the release"},
+    }
 
     def __init__(self, prefetch_layers: int = 1, layers_attr: str | Sequence[str] = "layers", *,
                  buffers: str = "ring", rest: str = "resident") -> None:
         layers_ahead = as_index(prefetch_layers)
         if layers_ahead is None:
-            raise ValueError(
-                f"prefetch_layers must be an int (layers copied ahead of the running one), "
-                f"got {prefetch_layers!r}; use e.g. prefetch_layers=1"
-            )
+            raise ValueError(f"prefetch_layers must be an int (layers copied ahead of the running one), "
+                             f"got {prefetch_layers!r}; use e.g. prefetch_layers=1")
         if layers_ahead < 0:
             raise ValueError(f"prefetch_layers {layers_ahead} must be >= 0 (0: load each layer when it runs)")
-        prefetch_layers = layers_ahead
         names = (layers_attr,) if isinstance(layers_attr, str) else (
             tuple(layers_attr) if isinstance(layers_attr, Sequence) else ())
         if not names or not all(isinstance(n, str) and n for n in names):
-            raise ValueError(
-                f"layers_attr must name the nn.ModuleList(s) to stream (a str or a sequence of str), "
-                f"got {layers_attr!r}"
-            )
-        if buffers not in self.BUFFERS:
-            raise ValueError(f"buffers={buffers!r}: use 'ring' (p + 1 buffers of the largest layer, kept) "
-                             f"or 'exact' (each layer at its own size, given back at its release)")
-        if rest not in self.REST:
-            raise ValueError(f"rest={rest!r}: use 'resident' (non-layer weights stay on the device) or "
-                             f"'on_call' (each non-layer submodule loads when called, leaves at the release)")
-        self.prefetch_layers = prefetch_layers
-        self.layers_attr: tuple[str, ...] = names
+            raise ValueError(f"layers_attr must name the nn.ModuleList(s) to stream (a str or a sequence of str), "
+                             f"got {layers_attr!r}")
+        for mode, value in (("buffers", buffers), ("rest", rest)):
+            if not (isinstance(value, str) and value in self.MODES[mode]):
+                choices = " or ".join(f"{name!r} ({what})" for name, what in self.MODES[mode].items())
+                raise ValueError(f"{mode}={value!r}: use {choices}")
+        self.prefetch_layers, self.layers_attr = layers_ahead, names
         self.buffers, self.rest = buffers, rest
         self._unattached()
 
     def _unattached(self) -> None:
         """The state of a strategy serving no component (made, detached)."""
-        self.layers: list[nn.Module] = []  # every streamed layer, in run order
-        self.blocks: list[WeightBlock] = []  # one per layer
+        self.blocks: list[WeightBlock] = []  # one per streamed layer, in run order
         self.ring: list[torch.Tensor] = []  # buffers="ring": p + 1 reusable device buffers while in use
         self.slot_layers: list[int | None] = []  # the layer whose weights each ring slot holds
         #: rest="on_call": (dotted name, its blocks) per non-layer submodule; "" holds the weights
@@ -326,12 +305,10 @@ class LayerwiseStrategy(ResidencyStrategy):
     def _find_layers(self, component: ComponentState) -> list[nn.Module]:
         layers: list[nn.Module] = []
         for name in self.layers_attr:
-            stack = _lookup(component.module, name)
+            stack = attribute_path(component.module, name)
             if not isinstance(stack, nn.ModuleList) or len(stack) == 0:
-                raise ValueError(
-                    f"component {component.name!r} is layerwise but has no non-empty nn.ModuleList "
-                    f"{name!r}; name its layer list(s) with layers_attr"
-                )
+                raise ValueError(f"component {component.name!r} is layerwise but has no non-empty nn.ModuleList "
+                                 f"{name!r}; name its layer list(s) with layers_attr")
             layers.extend(stack)
         return layers
 
@@ -339,27 +316,22 @@ class LayerwiseStrategy(ResidencyStrategy):
         layers = self._find_layers(component)
         if self.prefetch_layers >= len(layers):
             raise ValueError(
-                f"prefetch_layers={self.prefetch_layers} for {component.name!r}, which streams "
-                f"{len(layers)} layers: at most {len(layers) - 1} can be ahead of a running one "
-                f"(each costs a device buffer of one layer); use prefetch_layers <= {len(layers) - 1}"
-            )
-        if self.hooks:
-            raise ValueError(f"this LayerwiseStrategy already serves a component; pass a new one for "
-                             f"{component.name!r}")
+                f"prefetch_layers={self.prefetch_layers} for {component.name!r}, which streams {len(layers)} layers: "
+                f"at most {len(layers) - 1} can be ahead of a running one (each costs a device buffer of one "
+                f"layer); use prefetch_layers <= {len(layers) - 1}")
         holder: dict[int, int] = {}  # parameter id -> the first streamed layer holding it
         for index, layer in enumerate(layers):
             params = list(layer.parameters())
             _check_one_block(component.name, f"streamed layer {index}", params,
                              "name only layer lists whose layers hold weights (layers_attr)")
-            for p in params:
-                first = holder.setdefault(id(p), index)
-                if first != index:  # two blocks would stream one weight into two buffers, racing
-                    raise ValueError(
-                        f"component {component.name!r}: streamed layers {first} and {index} hold the same weights "
-                        f"(layers_attr={self.layers_attr!r} names a layer twice, a list inside another, or a "
-                        "list that repeats one layer); name each layer once, or keep a component whose layers "
-                        "share weights resident or offloaded"
-                    )
+            first = next((holder[id(p)] for p in params if id(p) in holder), None)
+            if first is not None:  # two blocks would stream one weight into two buffers, racing
+                raise ValueError(
+                    f"component {component.name!r}: streamed layers {first} and {index} hold the same weights "
+                    f"(layers_attr={self.layers_attr!r} names a layer twice, a list inside another, or a list that "
+                    "repeats one layer); name each layer once, or keep a component whose layers share weights "
+                    "resident or offloaded")
+            holder.update(dict.fromkeys(map(id, params), index))
 
     def attach(self, manager: StrategyHost, component: ComponentState) -> None:
         module = component.module
@@ -373,15 +345,13 @@ class LayerwiseStrategy(ResidencyStrategy):
                 if id(p) not in layer_params:
                     p.data = p.data.to(manager.device)
         _buffers_to(module, manager.device)
-        self.layers = layers
         self.blocks = [WeightBlock(list(layer.parameters()), manager.platform, manager.device) for layer in layers]
         for index, layer in enumerate(layers):
             self.hooks.append(layer.register_forward_pre_hook(self._before_layer(manager, component, index)))
             self.hooks.append(layer.register_forward_hook(self._after_layer(index)))
-        for name in self.rest_blocks:
-            if name:
-                owner = _lookup(module, name)
-                self.hooks.append(owner.register_forward_pre_hook(self._before_rest(manager, component, name)))
+        for name in filter(None, self.rest_blocks):
+            owner = attribute_path(module, name)
+            self.hooks.append(owner.register_forward_pre_hook(self._before_rest(manager, component, name)))
 
     def load(self, manager: StrategyHost, component: ComponentState, stream: Any | None) -> int:
         if self.rest == "on_call":  # only the weights no submodule call would bring in
@@ -425,24 +395,20 @@ class LayerwiseStrategy(ResidencyStrategy):
     def _before_rest(self, manager: StrategyHost, component: ComponentState, name: str) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
             self._load_rest(manager, component, name)
-            return None
 
         return hook
 
     def _before_layer(self, manager: StrategyHost, component: ComponentState, index: int) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
             block = self.blocks[index]
-            if block.on_device:
-                if block.wait():
-                    manager.event("wait", component.name, layer=index)
-            else:
+            if not block.on_device:
                 block.load(None, self._slot(component.dtype, index), component.dtype)
                 manager.event("prepare", component.name, layer=index, nbytes=block.nbytes)
+            elif block.wait():
+                manager.event("wait", component.name, layer=index)
             for ahead in range(index + 1, min(index + 1 + self.prefetch_layers, len(self.blocks))):
                 if not self.blocks[ahead].on_device:
-                    self.blocks[ahead].load(manager.side_stream, self._slot(component.dtype, ahead),
-                                            component.dtype)
-            return None
+                    self.blocks[ahead].load(manager.side_stream, self._slot(component.dtype, ahead), component.dtype)
 
         return hook
 
@@ -454,8 +420,7 @@ class LayerwiseStrategy(ResidencyStrategy):
             return None
         dtype = dtype or self.blocks[0].dtype
         if not self.ring or self.ring[0].dtype != dtype:
-            numel = max(b.numel for b in self.blocks)
-            device = self.blocks[0].device
+            numel, device = max(b.numel for b in self.blocks), self.blocks[0].device
             self.ring = [torch.empty(numel, dtype=dtype, device=device) for _ in range(self.prefetch_layers + 1)]
             self.slot_layers = [None] * len(self.ring)
         slot = index % len(self.ring)
@@ -470,7 +435,6 @@ class LayerwiseStrategy(ResidencyStrategy):
     def _after_layer(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             self.released_bytes += self.blocks[index].release()
-            return None
 
         return hook
 
@@ -478,37 +442,32 @@ class LayerwiseStrategy(ResidencyStrategy):
 def _rest_groups(module: nn.Module, layers: list[nn.Module], layer_params: set[int],
                  manager: StrategyHost) -> dict[str, list[WeightBlock]]:
     """Blocks of the weights outside the streamed layers, one group per submodule that holds
-    no layer (keyed by its dotted name), and "" for weights owned by modules that hold layers."""
+    no layer (keyed by its dotted name), and "" for weights owned by modules that hold layers;
+    a group's parameters of each dtype make one block."""
     layer_ids = {id(layer) for layer in layers}
     holders = {id(m) for m in module.modules() if any(id(sub) in layer_ids for sub in m.modules())}
     seen = set(layer_params)  # a tied weight belongs to the first group that names it
-    groups: dict[str, list[nn.Parameter]] = {}
+    groups: dict[str, dict[torch.dtype, list[nn.Parameter]]] = {}
 
     def take(key: str, params: Any) -> None:
         for p in params:
             if id(p) not in seen:
                 seen.add(id(p))
-                groups.setdefault(key, []).append(p)
+                groups.setdefault(key, {}).setdefault(p.dtype, []).append(p)
 
     def walk(owner: nn.Module, prefix: str) -> None:
         take("", owner.parameters(recurse=False))
         for name, child in owner.named_children():
             if id(child) in layer_ids:
                 continue
-            dotted = f"{prefix}{name}"
             if id(child) in holders:
-                walk(child, dotted + ".")
+                walk(child, f"{prefix}{name}.")
             else:
-                take(dotted, child.parameters())
+                take(f"{prefix}{name}", child.parameters())
 
     walk(module, "")
-    blocks: dict[str, list[WeightBlock]] = {}
-    for key, params in groups.items():
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in params:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        blocks[key] = [WeightBlock(ps, manager.platform, manager.device) for ps in by_dtype.values()]
-    return blocks
+    return {key: [WeightBlock(ps, manager.platform, manager.device) for ps in by_dtype.values()]
+            for key, by_dtype in groups.items()}
 
 
 _BUILTIN: dict[Strategy, type[ResidencyStrategy]] = {
@@ -524,11 +483,8 @@ def strategy_for(name: str, placement: ResidencyStrategy | Strategy | str) -> Re
         return placement
     if isinstance(placement, type) and issubclass(placement, ResidencyStrategy):
         return placement()
-    try:
-        return _BUILTIN[Strategy(placement)]()
-    except ValueError:
-        names = ", ".join(s.value for s in Strategy)
-        raise ValueError(
-            f"component {name!r}: unknown strategy {placement!r}; "
-            f"use one of {names} or a ResidencyStrategy instance"
-        ) from None
+    builtin = next((cls for key, cls in _BUILTIN.items() if placement == key), None)  # a name or the enum
+    if builtin is None:
+        raise ValueError(f"component {name!r}: unknown strategy {placement!r}; use one of "
+                         f"{', '.join(s.value for s in Strategy)} or a ResidencyStrategy instance")
+    return builtin()

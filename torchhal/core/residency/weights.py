@@ -5,11 +5,10 @@ ring slot, reused by layer after layer) or, without one, packed by granule: one 
 buffer of a whole number of allocator granules holds the largest parameters that fit
 (descending size, first fit, 16-byte aligned offsets) and each parameter left over gets a
 tensor of its own. The caching allocator rounds a large request up to its granule and keeps
-a remainder under 1 MiB inside the block, counted as allocated, so one flat buffer for the
-whole block held up to a granule more than the parameters; a whole-granule request is not
-rounded. Per-parameter tensors were not rounded either, but when the cache is not emptied
-between pipeline stages their freed segments (tens of MiB each) could not serve the next
-stage's large activations; the head is one large segment the allocator can carve for them.
+the remainder (under 1 MiB) inside the block, counted as allocated; a whole-granule request
+is not rounded, and a parameter's own tensor is its own size. One head is one large segment:
+once released, the allocator can carve it for the next stage's large activations, where the
+freed segments of many per-parameter tensors (tens of MiB each) could not serve them.
 """
 
 from __future__ import annotations
@@ -67,10 +66,7 @@ class WeightBlock:
     buffer or packed by granule (see the module docstring for why)."""
 
     def __init__(self, params: list[nn.Parameter], platform: Platform, device: torch.device) -> None:
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1:
-            found = sorted(map(str, dtypes))
-            raise ValueError(f"a weight block needs one dtype, got {found}; cast the component first")
+        assert len({p.dtype for p in params}) == 1  # the strategies' check refused any other block
         self.params, self.platform, self.device = params, platform, device
         self.numel = sum(p.numel() for p in params)
         self.dtype = params[0].dtype

@@ -9,6 +9,7 @@ regular file owned by this user, with one link.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
@@ -16,21 +17,11 @@ import stat
 import tempfile
 import uuid
 
-from torchhal.core.transport.messages import (
-    EVENT_HANDLE_MAX,
-    POOL_ID,
-    TransportError,
-    control_name,
-    handle_fingerprint,
-    host_name,
-)
-
-__all__ = ["POOL_ID", "SHM_DIR", "Control", "SharedFile", "control_name", "host_name", "new_pool_id",
-           "pid_alive", "reclaim_orphans"]
+from torchhal.core.transport.messages import EVENT_HANDLE_MAX, TransportError, control_name, handle_fingerprint
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-#: any file of this package, old or new naming, with the creating pid first.
-_OWNED_FILE = re.compile(r"torchhal-(\d{1,10})-[0-9a-f]{12,32}(-[a-z0-9-]{1,40})?")
+#: a file a producer made: its pid, its token, its role.
+_OWNED_FILE = re.compile(r"torchhal-(\d{1,10})-[0-9a-f]{12}-(ctl|h\d{1,10}-g\d{1,20})")
 _OPEN_FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
@@ -39,13 +30,11 @@ def new_pool_id() -> str:
 
 
 def pid_alive(pid: int) -> bool:
-    if pid <= 0:
+    if pid <= 0:  # kill(0, ...) would signal this process group
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OverflowError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:  # someone else's live process
         return True
@@ -53,11 +42,12 @@ def pid_alive(pid: int) -> bool:
 
 
 class SharedFile:
-    """A named block of shared memory: a file in SHM_DIR, mapped."""
+    """A named block of shared memory: a file in SHM_DIR, mapped. Made with `size` (the
+    producer), else opened as untrusted (the consumer): an empty file fails to map."""
 
     def __init__(self, name: str, size: int | None = None, writable: bool = True) -> None:
         path = os.path.join(SHM_DIR, name)
-        if size is not None:  # create (producer side)
+        if size is not None:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | _OPEN_FLAGS, 0o600)
             try:
                 os.ftruncate(fd, max(size, 1))
@@ -68,23 +58,18 @@ class SharedFile:
         else:
             try:
                 fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | _OPEN_FLAGS)
-            except FileNotFoundError:
-                raise TransportError(f"shared memory {name!r} is gone (recycled, or its producer exited)") from None
             except OSError as exc:  # ELOOP for a symlink, EACCES, ...
-                raise TransportError(f"shared memory {name!r} cannot be opened safely: {exc}") from exc
+                problem = ("is gone (recycled, or its producer exited)" if isinstance(exc, FileNotFoundError)
+                           else f"cannot be opened safely: {exc}")
+                raise TransportError(f"shared memory {name!r} {problem}") from exc
         try:
             info = os.fstat(fd)
-            if size is None and (
-                not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_nlink != 1
-            ):
-                raise TransportError(
-                    f"shared memory {name!r} is not a regular file of this user with one link; refusing it"
-                )
+            if size is None and (not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid()
+                                 or info.st_nlink != 1):
+                raise TransportError(f"shared memory {name!r} is not a regular file of this user with one link; "
+                                     "refusing it")
             self.size = info.st_size
-            if self.size == 0:
-                raise TransportError(f"shared memory {name!r} is empty")
-            access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-            self.map = mmap.mmap(fd, self.size, access=access)
+            self.map = mmap.mmap(fd, self.size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
         finally:
             os.close(fd)
         self.name = name
@@ -93,15 +78,17 @@ class SharedFile:
         self.map.close()
 
     def unlink(self) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(SHM_DIR, self.name))
-        except FileNotFoundError:
-            pass
 
     def discard(self) -> None:
         """Unmap and remove: a producer's host block that no message will name again."""
         self.close()
         self.unlink()
+
+
+def _event_stride(event_bytes: int) -> int:
+    return -(-event_bytes // 8) * 8
 
 
 class Control:
@@ -119,10 +106,6 @@ class Control:
     HEADER = 11
     MAX_CELLS = 1 << 24  # 128 MiB of cells: far beyond any real slots x consumers
     MAX_HANDLE_BYTES = 1 << 16  # a pool handle's plain data is well under a KiB
-    slots: int  # the layout (see _fix_layout)
-    consumers: int
-    pool_bytes: int
-    event_bytes: int
 
     def __init__(self, shm: SharedFile) -> None:
         self.shm = shm
@@ -138,20 +121,16 @@ class Control:
         self._acks = self.HEADER + slots  # first ack cell
         self._event_lengths = self._acks + slots * consumers  # first event-length cell
         self._event_start = 8 * (self._event_lengths + slots)  # byte where the event handles start
-        self._event_stride = -(-event_bytes // 8) * 8
-        self._handle_start = self._event_start + slots * self._event_stride
+        self._handle_start = self._event_start + slots * _event_stride(event_bytes)
 
-    @staticmethod
-    def _size(slots: int, consumers: int, event_bytes: int, handle_bytes: int) -> int:
-        event_area = slots * (-(-event_bytes // 8) * 8)
-        return 8 * (Control.HEADER + 2 * slots + slots * consumers) + event_area + handle_bytes
+    @classmethod
+    def _size(cls, slots: int, consumers: int, event_bytes: int, handle_bytes: int) -> int:
+        return 8 * (cls.HEADER + 2 * slots + slots * consumers) + slots * _event_stride(event_bytes) + handle_bytes
 
     @classmethod
     def create(cls, pool_id: str, slots: int, consumers: int, pool_bytes: int, handle: bytes = b"",
                event_bytes: int = 0) -> Control:
-        if len(handle) > cls.MAX_HANDLE_BYTES or not 0 <= event_bytes <= EVENT_HANDLE_MAX:
-            raise ValueError(f"handle record of {len(handle)} bytes or event handles of {event_bytes} bytes "
-                             f"exceed {cls.MAX_HANDLE_BYTES} / {EVENT_HANDLE_MAX}")
+        assert len(handle) <= cls.MAX_HANDLE_BYTES and 0 <= event_bytes <= EVENT_HANDLE_MAX
         control = cls(SharedFile(control_name(pool_id), cls._size(slots, consumers, event_bytes, len(handle))))
         cells = control.cells
         for i in range(cls.HEADER + slots, cls.HEADER + slots + slots * consumers):
@@ -162,26 +141,25 @@ class Control:
             cells[5 + i] = int.from_bytes(fingerprint[8 * i : 8 * i + 8], "little", signed=True)
         cells[9], cells[10] = event_bytes, len(handle)
         control._fix_layout(slots, consumers, pool_bytes, event_bytes, len(handle))
-        start = control._handle_start
-        control._raw[start : start + len(handle)] = handle
+        control._raw[control._handle_start : control._handle_start + len(handle)] = handle
         cells[0] = 1
         return control
 
     @classmethod
     def open(cls, name: str, producer_pid: int) -> Control:
+        """Open a producer's block as untrusted: its layout must agree with the file's size,
+        and its pid with the one its name gives."""
         control = cls(SharedFile(name))
         try:
-            cells = control.cells
-            if len(cells) < cls.HEADER:
-                raise TransportError(f"control block {name!r} is too small to be one")
-            slots, consumers, event_bytes, handle_bytes = cells[2], cells[3], cells[9], cells[10]
+            header = control.cells[: cls.HEADER].tolist() + [0] * cls.HEADER  # a block too short for one: zeros
+            pid, slots, consumers, pool_bytes, event_bytes, handle_bytes = (header[i] for i in (1, 2, 3, 4, 9, 10))
             if not (0 < slots and 0 < consumers and slots * (2 + consumers) < cls.MAX_CELLS
                     and 0 <= event_bytes <= EVENT_HANDLE_MAX and 0 <= handle_bytes <= cls.MAX_HANDLE_BYTES
-                    and control.shm.size == cls._size(slots, consumers, event_bytes, handle_bytes)):
-                raise TransportError(f"control block {name!r} has an inconsistent layout")
-            if cells[1] != producer_pid:
-                raise TransportError(f"control block {name!r} belongs to pid {cells[1]}, not {producer_pid}")
-            control._fix_layout(slots, consumers, cells[4], event_bytes, handle_bytes)
+                    and control.shm.size == cls._size(slots, consumers, event_bytes, handle_bytes)
+                    and pid == producer_pid):
+                raise TransportError(f"control block {name!r} has an inconsistent layout (its slots, consumers and "
+                                     f"record sizes must give its file's size, its pid must be {producer_pid})")
+            control._fix_layout(slots, consumers, pool_bytes, event_bytes, handle_bytes)
         except BaseException:
             control.close(unlink=False)
             raise
@@ -197,15 +175,15 @@ class Control:
 
     def handle_record(self) -> bytes:
         """The pool handle's record as the producer wrote it (empty without a device pool)."""
-        start = self._handle_start
-        return bytes(self._raw[start : start + self._handle_bytes])
+        return bytes(self._raw[self._handle_start : self._handle_start + self._handle_bytes])
+
+    def _event_at(self, slot: int) -> int:
+        return self._event_start + slot * _event_stride(self.event_bytes)
 
     def set_event(self, slot: int, handle: bytes) -> None:
         """Store slot `slot`'s event handle (before any message asks to wait on it)."""
-        if not 0 < len(handle) <= self.event_bytes:
-            raise ValueError(f"event handle of {len(handle)} bytes does not fit the {self.event_bytes} reserved")
-        start = self._event_start + slot * self._event_stride
-        self._raw[start : start + len(handle)] = handle
+        assert 0 < len(handle) <= self.event_bytes
+        self._raw[self._event_at(slot) : self._event_at(slot) + len(handle)] = handle
         self.cells[self._event_lengths + slot] = len(handle)
 
     def event(self, slot: int) -> bytes | None:
@@ -214,12 +192,9 @@ class Control:
         if length == 0:
             return None
         if not 0 < length <= self.event_bytes:
-            raise TransportError(
-                f"control block {self.name!r} is garbled: slot {slot}'s event handle length {length} is outside "
-                f"1..{self.event_bytes}"
-            )
-        start = self._event_start + slot * self._event_stride
-        return bytes(self._raw[start : start + length])
+            raise TransportError(f"control block {self.name!r} is garbled: slot {slot}'s event handle length "
+                                 f"{length} is outside 1..{self.event_bytes}")
+        return bytes(self._raw[self._event_at(slot) : self._event_at(slot) + length])
 
     def generation(self, slot: int) -> int:
         return self.cells[self.HEADER + slot]
@@ -257,22 +232,19 @@ def reclaim_orphans(directory: str | None = None) -> list[str]:
     file whose pid was reused by a live process is kept until that process exits.
     """
     directory = directory or SHM_DIR
-    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:
-        return removed
-    uid = os.geteuid()
+        return []
+    removed: list[str] = []
     for name in names:
         match = _OWNED_FILE.fullmatch(name)
         if match is None or pid_alive(int(match.group(1))):
             continue
         path = os.path.join(directory, name)
-        try:
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
             info = os.lstat(path)
-            if stat.S_ISREG(info.st_mode) and info.st_uid == uid:
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
                 os.unlink(path)
                 removed.append(name)
-        except OSError:
-            continue  # gone meanwhile, or not ours to remove
     return removed

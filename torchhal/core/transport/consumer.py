@@ -3,7 +3,9 @@
 A consumer opens each producer's control block once, and its pool once per device
 (redirected to its own device where peers allow) from the handle record in that block,
 checked against its fingerprint; it rebuilds the tensor from the bytes the message names,
-and acknowledges. Anything wrong with a message is a `TransportError`.
+and acknowledges. Anything wrong with a message is a `TransportError`: `receive` is the one
+place it is checked, by the decoder (`TensorMessage.from_wire`), against the producer's
+control block, and by the platform's open.
 
 A pool message may ask to wait on the producer slot's interprocess event: the consumer
 reads its handle from the control block and opens it once per slot (kept with the
@@ -22,10 +24,17 @@ from typing import Any
 import torch
 
 from torchhal.core.devices import check_device_index, is_out_of_memory
-from torchhal.core.transport._shm import Control, SharedFile, control_name, pid_alive
-from torchhal.core.transport.messages import TensorMessage, TransportError, handle_fingerprint
+from torchhal.core.transport._shm import Control, SharedFile, pid_alive
+from torchhal.core.transport.messages import (
+    TensorMessage,
+    TransportError,
+    check_count,
+    control_name,
+    handle_fingerprint,
+)
 from torchhal.platforms import IpcHandle, IpcHandleError, Platform, check_platform_argument, current_platform
 from torchhal.platforms.ipc import DTYPES, handle_from_data
+from torchhal.values import check_bool
 
 #: producers whose control block and pool a consumer keeps open at once (least recently used go).
 MAX_OPEN_PRODUCERS = 64
@@ -39,40 +48,32 @@ MAX_KEPT_VIEWS = 1024
 @dataclass
 class _OpenProducer:
     control: Control
-    producer_pid: int  # the pid the control block was checked against
-    handle: IpcHandle | None = None  # the pool handle read from the control block, checked
+    handle: IpcHandle | None = None  # the pool handle read from the control block
     pool: torch.Tensor | None = None  # the opened pool as flat bytes
     #: slot -> its opened event; at most one per slot of this producer.
     events: dict[int, Any] = field(default_factory=dict)
-    typed: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # the pool viewed as each dtype
     views: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)  # see Consumer._kept_view
 
 
 class Consumer:
     def __init__(self, rank: int = 0, platform: Platform | None = None, device_index: int | None = None,
                  max_producers: int = MAX_OPEN_PRODUCERS, copy_stream: bool = False) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"rank = {rank!r} must be an int >= 0 (this consumer's index among the producer's "
-                             "TransportConfig.consumers)")
-        if isinstance(max_producers, bool) or not isinstance(max_producers, int) or max_producers < 1:
-            raise ValueError(f"max_producers = {max_producers!r} must be an int >= 1")
-        if not isinstance(copy_stream, bool):
-            raise ValueError(f"copy_stream = {copy_stream!r} must be True or False")
+        """`rank`: this consumer's index among the producers' `TransportConfig.consumers`.
+        `copy_stream`: copies run on a side stream the caller's stream then waits for (an
+        event, no host synchronisation), so they can overlap work already queued."""
+        self.rank = check_count("rank", rank, 0)
+        self.max_producers = check_count("max_producers", max_producers, 1)
+        check_bool("copy_stream", copy_stream)
         check_platform_argument(platform, "Consumer")
-        self.rank = rank
         self.platform = platform or current_platform()
         self.device_index = check_device_index(self.platform, device_index, "device_index")
-        self.max_producers = max_producers
         self._open: OrderedDict[str, _OpenProducer] = OrderedDict()  # by pool id
-        # copy_stream: copies run on a side stream the caller's stream then waits for (an
-        # event, no host synchronisation), so they can overlap work already queued.
         self._side = self.platform.new_stream(self.device_index) if copy_stream else None
         self._copied = self.platform.new_event() if copy_stream else None
         # copy=True acknowledgements wait until the copy ran (the producer may overwrite the
         # slice as soon as it is acknowledged): (copy-done event, control, slot, generation).
-        self._pending: deque[tuple[Any, int, Control, int, int]] = deque()  # (event, device, ...)
+        self._pending: deque[tuple[Any, Control, int, int]] = deque()
         self._kept_views = 0  # views kept over all producers (see _kept_view)
-        self._spare_events: dict[int, list[Any]] = {}  # done events to reuse, by device (events keep theirs)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -91,39 +92,33 @@ class Consumer:
         """
         if self._closed:
             raise RuntimeError("this Consumer is closed; make a new one to receive more")
-        if not isinstance(copy, bool):  # None is falsy: a view the producer may overwrite
-            raise ValueError(f"receive(copy={copy!r}): copy must be True (a tensor of its own) or False (a view of "
-                             "the producer's slice, valid until it is recycled)")
+        check_bool("receive(copy)", copy)  # None is falsy: a view the producer may overwrite
         try:
             return self._receive(message, copy)
-        except TransportError:
-            raise
         except Exception as exc:
-            if is_out_of_memory(self.platform, exc):
+            if isinstance(exc, TransportError) or is_out_of_memory(self.platform, exc):
                 raise
-            raise TransportError(f"message cannot be received: {type(exc).__name__}: {exc}") from exc
+            detail = str(exc) if isinstance(exc, IpcHandleError) else f"{type(exc).__name__}: {exc}"
+            raise TransportError(f"message cannot be opened: {detail}") from exc
 
     def _receive(self, message: Any, copy: bool) -> torch.Tensor:
         msg = TensorMessage.from_wire(message)
         entry = self._producer(msg)
         control = entry.control
         if control.generation(msg.slot) != msg.generation:
-            raise TransportError(
-                f"stale message: slice {msg.slot} was recycled (generation {control.generation(msg.slot)}, "
-                f"message has {msg.generation})"
-            )
+            raise TransportError(f"stale message: slice {msg.slot} was recycled (generation "
+                                 f"{control.generation(msg.slot)}, message has {msg.generation})")
         dtype = DTYPES[msg.dtype]
         if msg.kind == "host":
             tensor = self._from_host(msg, dtype)
         else:
-            if msg.offset + msg.nbytes > control.pool_bytes:  # before opening anything
-                raise TransportError(
-                    f"slice [{msg.offset}, {msg.offset + msg.nbytes}) exceeds its pool of {control.pool_bytes} bytes"
-                )
+            if not control.pool_bytes or msg.offset + msg.nbytes > control.pool_bytes:  # before opening anything
+                raise TransportError(f"slice [{msg.offset}, {msg.offset + msg.nbytes}) exceeds its pool of "
+                                     f"{control.pool_bytes} bytes")
             pool = entry.pool if entry.pool is not None else self._pool(entry, msg)
-            # Bytes [offset, offset + nbytes) and nothing else; the view was checked to fit them.
+            # Bytes [offset, offset + nbytes) and nothing else: the decoder checked the view fits them.
             # A view only copied from is kept for the next message naming the same bytes.
-            tensor = self._kept_view(entry, pool, msg, dtype) if copy else self._view(entry, pool, msg, dtype)
+            tensor = self._kept_view(entry, pool, msg, dtype) if copy else _view(pool, msg, dtype)
             ready = self._slot_event(entry, msg) if msg.event else None
             pool_index = pool.device.index or 0
             side = copy and self._side is not None and pool_index == self.device_index
@@ -135,7 +130,7 @@ class Consumer:
                 tensor = self._copy_on_side(tensor) if side else tensor.clone()
                 # The producer may overwrite the slice once it is acknowledged: ack when the
                 # copy has run (at once where it already has, e.g. in-order host platforms).
-                self._ack_when_done(reader, pool_index, control, msg.slot, msg.generation)
+                self._ack_when_done(reader, control, msg.slot, msg.generation)
                 return tensor
         # Acknowledged after the wait was queued: the producer re-records this slot's event
         # only after every consumer acknowledged, and a queued wait keeps the record it saw.
@@ -144,11 +139,10 @@ class Consumer:
             self.flush_acks(wait=False)
         return tensor
 
-    def _ack_when_done(self, stream: Any, index: int, control: Control, slot: int, generation: int) -> None:
-        spare = self._spare_events.setdefault(index, [])
-        done = spare.pop() if spare else self.platform.new_event()
+    def _ack_when_done(self, stream: Any, control: Control, slot: int, generation: int) -> None:
+        done = self.platform.new_event()
         done.record(stream)
-        self._pending.append((done, index, control, slot, generation))
+        self._pending.append((done, control, slot, generation))
         # Once this copy is queued, so the device runs it meanwhile: acknowledge the copies
         # that have run, earlier ones and this one where it already has (in-order hosts).
         self.flush_acks(wait=False)
@@ -156,22 +150,20 @@ class Consumer:
             self._ack_oldest(wait=True)
 
     def _ack_oldest(self, wait: bool) -> bool:
-        done, index, control, slot, generation = self._pending[0]
+        done, control, slot, generation = self._pending[0]
         if wait:
             done.synchronize()
         elif not done.query():
             return False
         self._pending.popleft()
         control.ack(slot, self.rank, generation)
-        self._spare_events[index].append(done)
         return True
 
     def flush_acks(self, wait: bool = True) -> int:
         """Acknowledge received copies whose device copy has finished (wait=True: wait for
         all of them); returns how many. A consumer that stops receiving calls this so its
         producers can recycle the last slices it copied."""
-        if not isinstance(wait, bool):
-            raise ValueError(f"flush_acks(wait={wait!r}): wait must be True or False")
+        check_bool("flush_acks(wait)", wait)
         acked = 0
         while self._pending and self._ack_oldest(wait):
             acked += 1
@@ -179,9 +171,10 @@ class Consumer:
 
     def _kept_view(self, entry: _OpenProducer, pool: torch.Tensor, msg: TensorMessage,
                    dtype: torch.dtype) -> torch.Tensor:
-        """`_view`, kept by what it views (~8 us a view on a GPU host's receive path; an engine
-        receives the same shapes from the same slices step after step). Never handed out:
-        a caller could change a view's metadata in place. At most MAX_KEPT_VIEWS over all
+        """`_view`, kept by what it views (its shape and stride are exact ints, as decoded): an
+        engine receives the same shapes from the same slices step after step, and making the
+        view costs about as much host time as the rest of a receive. Never handed out: a
+        caller could change a view's metadata in place. At most MAX_KEPT_VIEWS over all
         producers (kept with each producer's entry, dropped with it)."""
         key = (msg.offset, msg.dtype, msg.shape, msg.stride)
         view = entry.views.get(key)
@@ -190,20 +183,9 @@ class Consumer:
                 for known in self._open.values():
                     known.views.clear()
                 self._kept_views = 0
-            view = entry.views[key] = self._view(entry, pool, msg, dtype)
+            view = entry.views[key] = _view(pool, msg, dtype)
             self._kept_views += 1
         return view
-
-    @staticmethod
-    def _view(entry: _OpenProducer, pool: torch.Tensor, msg: TensorMessage, dtype: torch.dtype) -> torch.Tensor:
-        size = dtype.itemsize  # msg.offset is a multiple of it (checked by the decoder)
-        typed = entry.typed.get(dtype)
-        if typed is None:
-            if pool.numel() % size:
-                return pool[msg.offset : msg.offset + msg.nbytes].view(dtype).as_strided(msg.shape, msg.stride)
-            typed = entry.typed[dtype] = pool.view(dtype)
-        # The same bytes as slicing [offset, offset + nbytes) and viewing: one strided view.
-        return typed.as_strided(msg.shape, msg.stride, typed.storage_offset() + msg.offset // size)
 
     def _copy_on_side(self, view: torch.Tensor) -> torch.Tensor:
         assert self._side is not None and self._copied is not None
@@ -222,26 +204,18 @@ class Consumer:
             return known
         handle = entry.control.event(msg.slot)
         if handle is None:
-            raise TransportError(
-                f"message asks to wait on slot {msg.slot}'s event, but producer {msg.pool_id} stored none"
-            )
-        assert entry.handle is not None
+            raise TransportError(f"message asks to wait on slot {msg.slot}'s event, but producer {msg.pool_id} "
+                                 "stored none")
         ipc = self.platform.ipc_support
         events = ipc.events if ipc is not None else None
         if events is None:
-            raise TransportError(
-                f"message asks to wait on an event but platform {self.platform.name!r} cannot open interprocess "
-                "events; producer and consumer must run the same platform"
-            )
+            raise TransportError(f"message asks to wait on an event but platform {self.platform.name!r} cannot open "
+                                 "interprocess events; producer and consumer must run the same platform")
         if len(handle) != events.handle_nbytes:
-            raise TransportError(
-                f"event handle of {len(handle)} bytes is not a {self.platform.name} event handle "
-                f"({events.handle_nbytes} bytes)"
-            )
-        try:
-            opened = events.open(handle, entry.handle.device, self.device_index)
-        except IpcHandleError as exc:
-            raise TransportError(f"event handle of slot {msg.slot} cannot be opened: {exc}") from exc
+            raise TransportError(f"event handle of {len(handle)} bytes is not a {self.platform.name} event handle "
+                                 f"({events.handle_nbytes} bytes)")
+        assert entry.handle is not None  # the pool was opened first
+        opened = events.open(handle, entry.handle.device, self.device_index)
         with self._lock:
             entry.events[msg.slot] = opened  # one per slot: bounded by the producer's slots
         return opened
@@ -257,17 +231,14 @@ class Consumer:
                 self._open.move_to_end(msg.pool_id)
             else:  # first sight: the control block named by the pool id, and of its pid
                 self._prune()
-                entry = _OpenProducer(Control.open(control_name(msg.pool_id), pid), pid)
-                self._open[msg.pool_id] = entry
+                entry = self._open[msg.pool_id] = _OpenProducer(Control.open(control_name(msg.pool_id), pid))
         control = entry.control
         if not control.alive:
             self._forget(msg.pool_id)
             raise TransportError(f"producer pool {msg.pool_id} was closed")
         if not 0 <= msg.slot < control.slots or not 0 <= self.rank < control.consumers:
-            raise TransportError(
-                f"slot {msg.slot} or consumer rank {self.rank} is outside the producer's "
-                f"{control.slots} slots x {control.consumers} consumers"
-            )
+            raise TransportError(f"slot {msg.slot} or consumer rank {self.rank} is outside the producer's "
+                                 f"{control.slots} slots x {control.consumers} consumers")
         return entry
 
     def _prune(self) -> None:
@@ -285,10 +256,9 @@ class Consumer:
                 self._close_entry(entry)
 
     def _close_entry(self, entry: _OpenProducer) -> None:
-        if any(pending[2] is entry.control for pending in self._pending):
+        if any(pending[1] is entry.control for pending in self._pending):
             self.flush_acks(wait=True)  # rare: an evicted or closed producer with copies in flight
         entry.pool = None  # views handed out keep their own reference to the storage
-        entry.typed.clear()
         self._kept_views = max(self._kept_views - len(entry.views), 0)
         entry.views.clear()
         entry.events.clear()  # waits already queued keep what they wait for
@@ -305,32 +275,20 @@ class Consumer:
             if entry.pool is not None:
                 return entry.pool
             record = control.handle_record()
-            if not record or control.pool_bytes == 0:
-                raise TransportError(f"producer {msg.pool_id} has no device pool, yet the message names one")
             if handle_fingerprint(record) != control.fingerprint:
-                raise TransportError(
-                    f"the pool handle record of producer {msg.pool_id} does not match its fingerprint (garbled)"
-                )
-            try:
-                handle = handle_from_data(json.loads(record))
-            except (IpcHandleError, ValueError) as exc:
-                raise TransportError(f"producer {msg.pool_id} has an invalid pool handle: {exc}") from exc
+                raise TransportError(f"the pool handle record of producer {msg.pool_id} does not match its "
+                                     "fingerprint (garbled)")
+            handle = handle_from_data(json.loads(record))  # the platform's open checks its fields
             # A pool is one flat byte buffer; anything else would index the slice in elements.
-            flat = handle.dtype == "uint8" and handle.offset_bytes == 0 and handle.stride == (1,)
-            if not flat or len(handle.shape) != 1 or handle.shape[0] > handle.storage_nbytes:
-                raise TransportError(
-                    f"pool handle must describe a flat uint8 buffer, got {handle.dtype} {handle.shape} "
-                    f"stride {handle.stride} at byte {handle.offset_bytes} of {handle.storage_nbytes}"
-                )
-            if handle.shape[0] != control.pool_bytes:
-                raise TransportError(
-                    f"pool handle names {handle.shape[0]} bytes; the producer's pool has {control.pool_bytes}"
-                )
+            if (handle.dtype, handle.offset_bytes, handle.shape, handle.stride) != (
+                    "uint8", 0, (control.pool_bytes,), (1,)):
+                raise TransportError(f"pool handle must describe a flat uint8 buffer of the producer's "
+                                     f"{control.pool_bytes} bytes, got {handle.dtype} {handle.shape} stride "
+                                     f"{handle.stride} at byte {handle.offset_bytes}")
             ipc = self.platform.ipc_support
             if ipc is None:
                 raise TransportError(f"platform {self.platform.name!r} cannot open device pools")
-            opened = ipc.open(handle, self.device_index)
-            entry.pool, entry.handle = opened.reshape(-1).view(torch.uint8), handle  # index in bytes, always
+            entry.pool, entry.handle = ipc.open(handle, self.device_index).view(torch.uint8), handle
             return entry.pool
 
     def _from_host(self, msg: TensorMessage, dtype: torch.dtype) -> torch.Tensor:
@@ -338,9 +296,8 @@ class Consumer:
         try:
             if block.size < msg.nbytes:
                 raise TransportError(f"host block holds {block.size} bytes, message claims {msg.nbytes}")
-            raw = torch.empty(msg.nbytes, dtype=torch.uint8)
-            if msg.nbytes:
-                raw.copy_(torch.frombuffer(bytearray(block.map[: msg.nbytes]), dtype=torch.uint8))
+            raw = torch.frombuffer(bytearray(block.map[: msg.nbytes]), dtype=torch.uint8) if msg.nbytes else \
+                torch.empty(0, dtype=torch.uint8)
         finally:
             block.close()
         host = raw.view(dtype).as_strided(msg.shape, msg.stride)
@@ -353,3 +310,8 @@ class Consumer:
             for entry in self._open.values():
                 self._close_entry(entry)
             self._open.clear()
+
+
+def _view(pool: torch.Tensor, msg: TensorMessage, dtype: torch.dtype) -> torch.Tensor:
+    """The message's view of its bytes [offset, offset + nbytes) of the pool."""
+    return pool[msg.offset : msg.offset + msg.nbytes].view(dtype).as_strided(msg.shape, msg.stride)

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
-from functools import lru_cache
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from torchhal.platforms import IpcHandle, IpcHandleError
-from torchhal.platforms.ipc import DTYPES, MAX_BYTES, MAX_DIMS, check_view, handle_to_data, itemsize
+from torchhal.platforms.ipc import MAX_BYTES, check_view, contiguous_stride, handle_to_data
+from torchhal.values import as_index, short_repr
 
 
 class TransportError(ValueError):
@@ -27,10 +29,17 @@ class TransportError(ValueError):
 
 #: the wire record's fields, in order.
 WIRE_FIELDS = ("kind", "pool_id", "slot", "generation", "offset", "nbytes", "dtype", "shape", "stride", "event")
-_COUNTS = ("slot", "generation", "offset", "nbytes")
 #: pool ids are `<producer pid>-<12 hex digits>`; the names of the producer's files embed them.
 POOL_ID = re.compile(r"(\d{1,10})-([0-9a-f]{12})")
 EVENT_HANDLE_MAX = 256  # bytes; driver event handles are tens of bytes
+
+
+def check_count(label: str, value: object, minimum: int) -> int:
+    """A count given to the transport's public calls: an int (not a bool) of at least `minimum`."""
+    number = as_index(value)
+    if number is None or number < minimum:
+        raise ValueError(f"{label} = {short_repr(value)} must be an int >= {minimum}")
+    return number
 
 
 def control_name(pool_id: str) -> str:
@@ -51,22 +60,27 @@ def handle_fingerprint(record: bytes) -> bytes:
     return hashlib.sha256(record).digest()
 
 
-def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(stride))
+def _count(value: object) -> str | None:
+    if type(value) is not int:  # exactly int: a bool is no count
+        return "is not an int"
+    return None if 0 <= value < MAX_BYTES else "is out of range"
 
 
-#: `contiguous_stride` for shapes already checked to be ints (per message on both sides, for
-#: the few shapes an engine sends). Never for unchecked shapes: (2.0, 3.0) == (2, 3) as a key.
-checked_contiguous_stride = lru_cache(maxsize=1024)(contiguous_stride)
+#: What each wire field must be, in wire order: a rule gives the problem with a value, or
+#: None. The view (dtype, shape, stride) is then checked as a whole by `check_view`.
+_FIELD_RULES: tuple[Callable[[Any], str | None], ...] = (
+    lambda v: None if v in ("pool", "host") else "is neither 'pool' nor 'host'",
+    lambda v: None if type(v) is str and POOL_ID.fullmatch(v) else "is not a producer id '<pid>-<12 hex digits>'",
+    _count, _count, _count, _count,
+    lambda v: None,  # dtype
+    lambda v: None if type(v) in (tuple, list) else "is not a sequence of ints",
+    lambda v: None if v is None or type(v) in (tuple, list) else "is neither None nor ints",
+    lambda v: None if type(v) is bool else "is not a bool",
+)
 
 
 class TensorMessage(NamedTuple):
-    """A decoded message (a named tuple: built per message on the receive path, ~0.4 us
-    against ~2 us for a frozen dataclass)."""
+    """A decoded message (a named tuple: one is built per message received)."""
 
     kind: str  # "pool" (device pool slice) or "host" (shared-memory fallback)
     pool_id: str  # the producer: `<pid>-<12 hex>`
@@ -103,81 +117,31 @@ class TensorMessage(NamedTuple):
 
     @classmethod
     def from_wire(cls, data: Any) -> TensorMessage:
-        """Decode and validate. Anything wrong raises TransportError, never anything else."""
-        try:
-            return cls._decode(data)
-        except TransportError:
-            raise
-        except Exception as exc:  # a malformed message must never escape as another error type
-            raise TransportError(f"malformed message: {type(exc).__name__}: {exc}") from exc
-
-    @classmethod
-    def _decode(cls, data: Any) -> TensorMessage:
+        """Decode and validate a record another process sent: anything wrong is a TransportError."""
         if type(data) is not tuple and type(data) is not list:
-            raise TransportError(
-                f"message must be the tuple ({', '.join(WIRE_FIELDS)}), got {type(data).__name__}"
-            )
+            raise TransportError(f"message must be the tuple ({', '.join(WIRE_FIELDS)}), got {type(data).__name__}")
         if len(data) != len(WIRE_FIELDS):
-            raise TransportError(
-                f"message has {len(data)} fields, not the {len(WIRE_FIELDS)} of ({', '.join(WIRE_FIELDS)})"
-            )
+            raise TransportError(f"message has {len(data)} fields, not the {len(WIRE_FIELDS)} of "
+                                 f"({', '.join(WIRE_FIELDS)})")
+        for name, rule, value in zip(WIRE_FIELDS, _FIELD_RULES, data, strict=True):
+            problem = rule(value)
+            if problem is not None:
+                raise TransportError(f"message field {name!r} = {short_repr(value)} {problem}")
         kind, pool_id, slot, generation, offset, nbytes, dtype, shape, stride, event = data
-        if kind != "pool" and kind != "host":
-            raise TransportError(f"message kind {kind!r:.80} is neither 'pool' nor 'host'")
-        if type(pool_id) is not str or POOL_ID.fullmatch(pool_id) is None:
-            raise TransportError(f"message pool_id {pool_id!r:.80} is not a producer id '<pid>-<12 hex digits>'")
-        for key, value in zip(_COUNTS, (slot, generation, offset, nbytes), strict=True):
-            if type(value) is not int:  # exactly int: bool is no int
-                raise TransportError(f"message field {key!r} = {value!r:.80} is not an int")
-            if not 0 <= value < MAX_BYTES:
-                raise TransportError(f"message field {key!r} = {value} is out of range")
-        if type(dtype) is not str or dtype not in DTYPES:
-            raise TransportError(
-                f"message view is invalid: unknown dtype {dtype!r:.80}; supported: {', '.join(DTYPES)}"
-            )
-        if type(event) is not bool:
-            raise TransportError(f"message field 'event' = {event!r:.80} is not a bool")
         if event and kind != "pool":
             raise TransportError("only pool messages carry an event")
         if kind == "host" and offset:  # a host block holds one tensor, from its first byte
             raise TransportError(f"message field 'offset' = {offset} must be 0 in a host message")
-        if type(shape) is not tuple:
-            if type(shape) is not list:
-                raise TransportError(f"message field 'shape' = {shape!r:.80} is not a sequence of ints")
-            shape = tuple(shape)
-        if stride is None:
-            # Contiguous (what producers send): its extent is numel x itemsize, so the checks
-            # of `check_view` reduce to these and the size check below.
-            if len(shape) > MAX_DIMS:
-                raise TransportError(f"message view is invalid: shape has more than {MAX_DIMS} dimensions")
-            numel = 1
-            for i, n in enumerate(shape):
-                if type(n) is not int or not 0 <= n < MAX_BYTES:
-                    raise TransportError(f"message view is invalid: shape[{i}] = {n!r:.80} is not a size")
-                numel *= n
-            size = DTYPES[dtype].itemsize
-            stride = checked_contiguous_stride(shape)
-        else:
-            if type(stride) is not tuple:
-                if type(stride) is not list:
-                    raise TransportError(f"message field 'stride' = {stride!r:.80} is neither None nor ints")
-                stride = tuple(stride)
-            try:
-                # The slice [offset, offset + nbytes) is the storage the view must fit: the
-                # same validator every platform's IPC open applies to its handles.
-                size = itemsize(check_view(dtype, shape, stride, 0, nbytes))
-            except IpcHandleError as exc:
-                raise TransportError(f"message view is invalid: {exc}") from exc
-            numel = 1
-            for n in shape:
-                numel *= n
+        try:
+            # The slice [offset, offset + nbytes) is the storage an explicit stride's view must
+            # fit (a contiguous view's extent is its size, checked below).
+            view = check_view(dtype, shape, stride, 0, nbytes if stride is not None else MAX_BYTES - 1)
+        except IpcHandleError as exc:
+            raise TransportError(f"message view is invalid: {exc}") from exc
+        numel, size = math.prod(view.shape), view.dtype.itemsize
         if numel * size > nbytes:  # e.g. stride 0: a copy would allocate more than was sent
-            raise TransportError(
-                f"view of {numel} x {size} bytes (shape {list(shape)}, stride {list(stride)}) is larger "
-                f"than the {nbytes} bytes the message names"
-            )
+            raise TransportError(f"view of {numel} x {size} bytes (shape {list(view.shape)}, stride "
+                                 f"{list(view.stride)}) is larger than the {nbytes} bytes the message names")
         if offset % size or nbytes % size:
-            raise TransportError(
-                f"offset {offset} and nbytes {nbytes} must be multiples of the {dtype} size {size}"
-            )
-        return cls(kind, pool_id, slot, generation, offset, nbytes, dtype, shape, stride, event)
+            raise TransportError(f"offset {offset} and nbytes {nbytes} must be multiples of the {dtype} size {size}")
+        return cls(kind, pool_id, slot, generation, offset, nbytes, dtype, view.shape, view.stride, event)

@@ -25,10 +25,11 @@ from typing import Any
 import torch
 
 from torchhal.core.devices import check_device_index
-from torchhal.core.transport._shm import Control, SharedFile, host_name, new_pool_id, reclaim_orphans
-from torchhal.core.transport.messages import checked_contiguous_stride, handle_record
+from torchhal.core.transport._shm import Control, SharedFile, new_pool_id, reclaim_orphans
+from torchhal.core.transport.messages import check_count, handle_record, host_name
 from torchhal.platforms import IpcEvents, IpcHandle, Platform, check_platform_argument, current_platform
-from torchhal.platforms.ipc import MAX_BYTES, MAX_DIMS, dtype_name
+from torchhal.platforms.ipc import MAX_BYTES, MAX_DIMS, contiguous_stride, dtype_name
+from torchhal.values import check_bool
 
 MiB = 1 << 20
 POOL_FLOOR_BYTES = 128 * MiB
@@ -43,17 +44,10 @@ MAX_KEPT_VIEWS = 1024
 SLICE_ALIGNMENT = 16
 
 
-def _check_count(label: str, value: object, minimum: int) -> None:
-    """An int (not a bool: True is no byte count) of at least `minimum`, else a ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{label} = {value!r} must be an int >= {minimum}")
-
-
 def pool_size(budget_bytes: int, workers: int, floor: int = POOL_FLOOR_BYTES) -> int:
     """Each producer's share of the total budget, never below the floor."""
-    for label, value, minimum in (("budget_bytes", budget_bytes, 0), ("workers", workers, 1), ("floor", floor, 1)):
-        _check_count(label, value, minimum)
-    return max(budget_bytes // workers, floor)
+    budget, share = check_count("budget_bytes", budget_bytes, 0), check_count("workers", workers, 1)
+    return max(budget // share, check_count("floor", floor, 1))
 
 
 @dataclass(frozen=True)
@@ -72,7 +66,7 @@ class TransportConfig:
         least = {"budget_bytes": 0, "workers": 1, "consumers": 1, "max_slices": 1, "pool_floor_bytes": 1,
                  "alignment": SLICE_ALIGNMENT}
         for name, minimum in least.items():
-            _check_count(f"TransportConfig.{name}", getattr(self, name), minimum)
+            check_count(f"TransportConfig.{name}", getattr(self, name), minimum)
         if self.alignment % SLICE_ALIGNMENT:  # every dtype's slices start on an element boundary
             raise ValueError(f"TransportConfig.alignment = {self.alignment} must be a multiple of {SLICE_ALIGNMENT} "
                              "bytes (the default is 512)")
@@ -80,9 +74,7 @@ class TransportConfig:
             raise ValueError(f"TransportConfig.max_slices = {self.max_slices} with consumers = {self.consumers} "
                              f"needs {self.max_slices * (2 + self.consumers)} control cells, at most "
                              f"{Control.MAX_CELLS - 1}: lower max_slices or consumers")
-        if not isinstance(self.interprocess_events, bool):
-            raise ValueError(f"TransportConfig.interprocess_events = {self.interprocess_events!r} must be True or "
-                             "False")
+        check_bool("TransportConfig.interprocess_events", self.interprocess_events)
 
 
 def _unlink_files(control: Control, host_blocks: dict[int, SharedFile], owner_pid: int) -> None:
@@ -108,7 +100,7 @@ class Producer:
         self.platform = platform or current_platform()
         self.device_index = check_device_index(self.platform, device_index, "device_index")
         self.pool_bytes = pool_size(config.budget_bytes, config.workers, config.pool_floor_bytes)
-        self.reclaimed_orphans = reclaim_orphans()  # files of producers that died without close()
+        reclaim_orphans()  # files of producers that died without close()
         self.pool_id = new_pool_id()
         ipc = self.platform.ipc_support
         self.pool: torch.Tensor | None = None
@@ -116,19 +108,15 @@ class Producer:
         if ipc is not None:
             self.pool = torch.empty(self.pool_bytes, dtype=torch.uint8, device=self.platform.device(self.device_index))
             self.pool_handle = ipc.share(self.pool)  # taken once for the pool's lifetime
-        self._events: IpcEvents | None = (
-            ipc.events if ipc is not None and self.pool is not None and config.interprocess_events else None
-        )
+        self._events: IpcEvents | None = ipc.events if ipc is not None and config.interprocess_events else None
         self._free: list[tuple[int, int]] = [(0, self.pool_bytes)]  # (offset, size), sorted by offset
         self._used: dict[int, tuple[int, int, str | None]] = {}  # slot -> (offset, size, host block name)
         self._host_blocks: dict[int, SharedFile] = {}
         self._free_slots = list(range(config.max_slices - 1, -1, -1))
         self._warned_full = False
         self._copied = self.platform.new_event()  # marks the end of each send's copy into the pool
-        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the pool viewed as each dtype sent
-        self._views: dict[tuple[int, torch.dtype, torch.Size], torch.Tensor] = {}  # see _slice
         self._slot_events: dict[int, Any] = {}  # slot -> its interprocess event
-        self._dtype_names: dict[torch.dtype, str] = {}
+        self._views: dict[tuple[int, torch.dtype, torch.Size], torch.Tensor] = {}  # see _slice
         self._sends_since_reclaim = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -144,9 +132,12 @@ class Producer:
         self._unlink_files = weakref.finalize(self, _unlink_files, self.control, self._host_blocks, os.getpid())
 
     # slices -------------------------------------------------------------------------------
+    def _rounded(self, nbytes: int) -> int:
+        return -(-max(nbytes, 1) // self.config.alignment) * self.config.alignment
+
     def _allocate(self, nbytes: int) -> int | None:
-        size = -(-max(nbytes, 1) // self.config.alignment) * self.config.alignment
-        best = None
+        """The offset of a best-fit slice of the free ranges (sorted by offset), or None."""
+        size, best = self._rounded(nbytes), None
         for i, (_, free) in enumerate(self._free):
             if free >= size and (best is None or free < self._free[best][1]):
                 best = i
@@ -160,15 +151,14 @@ class Producer:
         return offset
 
     def _release_range(self, offset: int, size: int) -> None:
-        size = -(-max(size, 1) // self.config.alignment) * self.config.alignment
-        self._free.append((offset, size))
+        self._free.append((offset, self._rounded(size)))
         self._free.sort()
-        merged: list[tuple[int, int]] = []
-        for off, sz in self._free:
-            if merged and merged[-1][0] + merged[-1][1] == off:
-                merged[-1] = (merged[-1][0], merged[-1][1] + sz)
+        merged = self._free[:1]
+        for start, length in self._free[1:]:
+            if merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
             else:
-                merged.append((off, sz))
+                merged.append((start, length))
         self._free = merged
 
     def reclaim(self) -> int:
@@ -177,13 +167,10 @@ class Producer:
             return 0 if self._closed else self._reclaim_locked()
 
     def _reclaim_locked(self) -> int:
-        freed = 0
         self._sends_since_reclaim = 0
-        all_acked = self.control.all_acked
-        for slot, (start, size, host) in list(self._used.items()):
-            if not all_acked(slot):
-                continue
-            del self._used[slot]
+        freed = [slot for slot in self._used if self.control.all_acked(slot)]
+        for slot in freed:
+            start, size, host = self._used.pop(slot)
             self._free_slots.append(slot)
             # Its bytes may now go to another slot: a replay of its last message must read as stale.
             self.control.bump(slot)
@@ -191,8 +178,7 @@ class Producer:
                 self._release_range(start, size)
             else:
                 self._host_blocks.pop(slot).discard()
-            freed += 1
-        return freed
+        return len(freed)
 
     @property
     def free_bytes(self) -> int:
@@ -205,6 +191,7 @@ class Producer:
 
         With interprocess events the copy may still be running when this returns (it is
         queued on the pool device's current stream); the consumer's stream waits for it.
+        A tensor no consumer would accept is refused before a slice is taken for it.
         """
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"send() takes a torch.Tensor, got a {type(tensor).__name__}; convert it first "
@@ -216,15 +203,17 @@ class Producer:
             raise ValueError(f"send() got a tensor on the meta device ({tuple(tensor.shape)} {tensor.dtype}), "
                              "which holds no data to send; send a tensor with data")
         shape = tuple(tensor.shape)
-        if len(shape) > MAX_DIMS or (shape and max(shape) >= MAX_BYTES):  # every consumer's decoder refuses it
-            self._refuse_view(shape)
+        over = next((i for i, n in enumerate(shape) if n >= MAX_BYTES), None)
+        if len(shape) > MAX_DIMS or over is not None:
+            problem = (f"{len(shape)} dimensions; a message carries at most {MAX_DIMS}: reshape it first"
+                       if len(shape) > MAX_DIMS else f"shape {shape}: dimension {over} is over the "
+                       f"2**{MAX_BYTES.bit_length() - 1} - 1 a message carries; reshape it first")
+            raise ValueError(f"send() got a tensor of {problem}")
         # Detached: the copy into the pool must join no autograd graph, reverse or forward
-        # (a forward-mode tangent would give the whole pool view a tangent of its size).
+        # (a forward-mode tangent would give the pool view a tangent of its own).
         source = tensor.detach().contiguous()
         nbytes = source.numel() * source.element_size()
-        dtype = self._dtype_names.get(source.dtype)
-        if dtype is None:
-            dtype = self._dtype_names[source.dtype] = dtype_name(source.dtype)  # unsupported: IpcHandleError
+        dtype = dtype_name(source.dtype)  # an unsupported one: IpcHandleError
         with self._lock:  # close() takes it too: a send in flight finishes before the files go
             if self._closed:
                 raise RuntimeError("this Producer is closed; make a new one to send more")
@@ -232,16 +221,12 @@ class Producer:
             if not self._free_slots or self._sends_since_reclaim >= RECLAIM_EVERY:
                 self._reclaim_locked()
             if not self._free_slots:
-                raise RuntimeError(
-                    f"all {self.config.max_slices} slices are awaiting acknowledgement; consumers must ack, "
-                    "or raise TransportConfig.max_slices"
-                )
-            offset = None
-            if self.pool is not None:
+                raise RuntimeError(f"all {self.config.max_slices} slices are awaiting acknowledgement; consumers "
+                                   "must ack, or raise TransportConfig.max_slices")
+            offset = None if self.pool is None else self._allocate(nbytes)
+            if offset is None and self.pool is not None and self._used:  # acknowledged slices may free room
+                self._reclaim_locked()
                 offset = self._allocate(nbytes)
-                if offset is None and self._used:  # acknowledged slices may free enough room
-                    self._reclaim_locked()
-                    offset = self._allocate(nbytes)
             slot = self._free_slots.pop()
             generation = self.control.bump(slot)
             try:
@@ -252,53 +237,41 @@ class Producer:
                 if offset is not None:
                     self._release_range(offset, nbytes)
                 raise
-        # The wire record, built directly (TensorMessage.to_wire's layout): per-send host work
-        # is on the critical path. `source` is contiguous; its stride is sent only where it
-        # differs from the one derived from the shape (size-1 dimensions may).
+        # `source` is contiguous; its stride is sent only where it differs from the one derived
+        # from the shape (size-1 dimensions may).
         stride = tuple(source.stride())
         return (kind, self.pool_id, slot, generation, offset, nbytes, dtype, shape,
-                None if stride == checked_contiguous_stride(shape) else stride, event)
-
-    @staticmethod
-    def _refuse_view(shape: tuple[int, ...]) -> None:
-        """Refuse a shape no consumer would accept, before a slice is taken for it (unacknowledged,
-        the slice would stay taken)."""
-        if len(shape) > MAX_DIMS:
-            raise ValueError(f"send() got a tensor of {len(shape)} dimensions; a message carries at most {MAX_DIMS}: "
-                             "reshape it first")
-        index = next(i for i, n in enumerate(shape) if n >= MAX_BYTES)
-        raise ValueError(f"send() got a tensor of shape {shape}: dimension {index} is over the "
-                         f"2**{MAX_BYTES.bit_length() - 1} - 1 a message carries; reshape it first")
+                None if stride == contiguous_stride(shape) else stride, event)
 
     def _fill(self, slot: int, generation: int, offset: int | None, source: torch.Tensor,
               nbytes: int) -> tuple[str, int, bool]:
         """Copy `source` into slot `slot`'s pool bytes at `offset`, or host memory when None;
         (kind, offset, whether an interprocess event marks the copy)."""
-        if offset is not None and self.pool is not None:
-            self._slice(offset, nbytes, source).copy_(source)
-            stream = self.platform.current_stream(self.device_index)
-            if self._events is not None:
-                # Re-recording a slot's event cannot race a reader of its previous
-                # generation: the slot is reused only after every consumer acknowledged
-                # that generation, and a consumer acknowledges after queuing its wait,
-                # which waits for the record it saw, not for later ones.
-                self._record_slot_event(slot, stream, self._events)
-            else:
-                # Consumers read after the message arrives: wait for this copy (the pool
-                # device's current stream), not for everything queued on the device.
-                self._copied.record(stream)
-                self._copied.synchronize()
-            self._used[slot] = (offset, nbytes, None)
-            return "pool", offset, self._events is not None
-        self._used[slot] = (0, nbytes, self._to_host(slot, generation, source, nbytes))
-        return "host", 0, False
+        if offset is None:
+            self._used[slot] = (0, nbytes, self._to_host(slot, generation, source, nbytes))
+            return "host", 0, False
+        self._slice(offset, nbytes, source).copy_(source)
+        stream = self.platform.current_stream(self.device_index)
+        if self._events is not None:
+            # Re-recording a slot's event cannot race a reader of its previous generation: the
+            # slot is reused only after every consumer acknowledged that generation, and a
+            # consumer acknowledges after queuing its wait, which waits for the record it saw.
+            self._record_slot_event(slot, stream, self._events)
+        else:
+            # Consumers read after the message arrives: wait for this copy (the pool device's
+            # current stream), not for everything queued on the device.
+            self._copied.record(stream)
+            self._copied.synchronize()
+        self._used[slot] = (offset, nbytes, None)
+        return "pool", offset, self._events is not None
 
     def _slice(self, offset: int, nbytes: int, source: torch.Tensor) -> torch.Tensor:
-        """Pool bytes [offset, offset + nbytes) as a tensor shaped like (contiguous) `source`.
-
-        Kept by (offset, dtype, shape): an engine sends the same shapes into the same slices
-        step after step, and a view costs a device-agnostic op (~7 us on a GPU host's send
-        path). The view never leaves the producer: it is only copied into."""
+        """Pool bytes [offset, offset + nbytes) as a tensor shaped like (contiguous) `source`
+        (`offset` is a multiple of SLICE_ALIGNMENT, so of the element size). Kept by (offset,
+        dtype, shape): an engine sends the same shapes into the same slices step after step,
+        and making the view costs about as much host time as the rest of a send. It never
+        leaves the producer: it is only copied into."""
+        assert self.pool is not None
         key = (offset, source.dtype, source.shape)
         view = self._views.get(key)
         if view is None:
@@ -307,31 +280,20 @@ class Producer:
             # Outside inference mode even when a send runs inside it: a view made there would
             # be an inference tensor, which no later send outside it may copy into.
             with torch.inference_mode(False):
-                view = self._views[key] = self._new_slice(offset, nbytes, source)
+                view = self._views[key] = self.pool[offset : offset + nbytes].view(source.dtype).view(source.shape)
         return view
-
-    def _new_slice(self, offset: int, nbytes: int, source: torch.Tensor) -> torch.Tensor:
-        assert self.pool is not None
-        size = source.element_size()
-        typed = self._typed.get(source.dtype)
-        if typed is None and self.pool_bytes % size == 0:
-            typed = self._typed[source.dtype] = self.pool.view(source.dtype)
-        if typed is None or offset % size:
-            return self.pool[offset : offset + nbytes].view(source.dtype).view(source.shape)
-        # One strided view of the pool (no slice, no reinterpretation per send).
-        return typed.as_strided(source.shape, source.stride(), typed.storage_offset() + offset // size)
 
     def _record_slot_event(self, slot: int, stream: Any, events: IpcEvents) -> None:
         """Record the slot's interprocess event on `stream`; made on first use, when its handle
         is stored in the control block (before the message that asks to wait on it leaves)."""
-        known = self._slot_events.get(slot)
-        if known is not None:
-            known.record(stream)
-            return
-        event = events.new(self.device_index)
-        event.record(stream)
-        self.control.set_event(slot, events.export(event))  # after the first record: the event exists
-        self._slot_events[slot] = event
+        event = self._slot_events.get(slot)
+        if event is None:
+            event = events.new(self.device_index)
+            event.record(stream)
+            self.control.set_event(slot, events.export(event))  # after the first record: the event exists
+            self._slot_events[slot] = event
+        else:
+            event.record(stream)
 
     def _to_host(self, slot: int, generation: int, source: torch.Tensor, nbytes: int) -> str:
         if self.pool is not None and not self._warned_full:
@@ -356,7 +318,7 @@ class Producer:
 
     def close(self) -> None:
         """Unlink the pool, the control block and the host blocks (messages not yet received
-        can no longer be); a second close does nothing."""
+        cannot be received after it); a second close does nothing."""
         with self._lock:
             if self._closed:
                 return
@@ -366,5 +328,4 @@ class Producer:
             self._slot_events.clear()
             self._unlink_files()
             self.pool = None
-            self._typed.clear()
             self._views.clear()
