@@ -101,35 +101,44 @@ def test_a_run_that_stops_at_end_of_sequence_says_so(tmp_path, tiny, generate):
     assert as_json["stop"] == "eos" and as_json["new_tokens"] == stop_at
 
 
+@pytest.fixture(scope="module")
+def roomy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("roomy")
+    save_hf_model("llama3", directory, max_position_embeddings=2048)  # 312,576 bytes of float32 weights
+    return directory
+
+
 @pytest.mark.parametrize("free, new, expected", [
-    # Not one KV block beside the weights: the fix names what the command can change.
-    (3_000, "1", ["no room for the weights and a KV cache", "--tensor-parallel N", "smaller --dtype"]),
-    # Room for 48 tokens beside the weights, 63 asked: the most --max-new-tokens that fits.
-    (40_000, "60", ["room for 48 tokens of KV cache beside the weights", "need 63",
-                    "lower --max-new-tokens to at most 45"]),
+    # Less free memory than the weights take: refused before a weight is read, the fix naming
+    # what the command can change.
+    (3_000, "1", ["no room for the weights and a KV cache", "the weights need 312,576 bytes", "which has 3,000 bytes",
+                  "--tensor-parallel N", "smaller --dtype"]),
+    # Room for 544 tokens beside the weights, 553 asked: the most --max-new-tokens that fits.
+    (320_000, "550", ["room for 544 tokens of KV cache beside the weights", "need 553",
+                      "lower --max-new-tokens to at most 541"]),
     # More than the free memory holds even without the weights: refused before anything is loaded
-    # (the pool was sized to all the memory there is, allocated and filled, then refused).
-    # (40,000 B x 0.9 // 512 B a token of the tiny model's K and V = 70)
-    (40_000, "200", ["free memory holds at most 70 tokens of KV cache, before the weights are loaded", "need 203",
-                     "lower --max-new-tokens to at most 67"]),
+    # (else the pool would be sized to all the memory there is, allocated and filled, then refused).
+    # (320,000 B x 0.9 // 512 B a token of the tiny model's K and V = 562)
+    (320_000, "600", ["free memory holds at most 562 tokens of KV cache, before the weights are loaded", "need 603",
+                      "lower --max-new-tokens to at most 559"]),
 ])
-def test_a_device_without_room_for_the_request_is_one_line_naming_the_flag(tiny, generate, monkeypatch, free, new,
+def test_a_device_without_room_for_the_request_is_one_line_naming_the_flag(roomy, generate, monkeypatch, free, new,
                                                                            expected):
     import psutil
 
     real = psutil.virtual_memory
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real()._replace(available=free))
-    ran = generate("--model", str(tiny), "--prompt-ids", "1,2,3", "--max-new-tokens", new)
+    ran = generate("--model", str(roomy), "--prompt-ids", "1,2,3", "--max-new-tokens", new)
     one_line_refusal(ran, *expected)
     assert "kv_fraction" not in ran.stderr and "EngineConfig" not in ran.stderr  # settings a CLI user cannot set
 
 
 def test_one_request_takes_most_of_the_free_memory_for_its_kv_cache(tiny, generate, monkeypatch):
-    """At 30% of 150 kB (the engine's default share) 200 new tokens would not fit; at 90% they do."""
+    """At 30% of 340 kB (the engine's default share) 200 new tokens would not fit; at 90% they do."""
     import psutil
 
     real = psutil.virtual_memory
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: real()._replace(available=150_000))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real()._replace(available=340_000))
     ran = generate("--model", str(tiny), "--prompt-ids", "1,2,3", "--max-new-tokens", "200", "--json")
     assert ran.returncode == 0, ran.stderr
     assert len(json.loads(ran.stdout)["output_ids"]) == 200
