@@ -58,7 +58,7 @@ def test_bad_lengths_are_refused_before_loading(tiny, generate, new, expected):
     (("--prompt-ids", "1", "--max-new-tokens", "1_0"), "--max-new-tokens 1_0 must be a positive integer"),
     (("--prompt-ids", "1", "--max-new-tokens", "\u0664"), "--max-new-tokens \u0664 must be a positive integer"),
     (("--prompt-ids", "1", "--max-new-tokens", " 4"), "--max-new-tokens ' 4' must be a positive integer"),
-    # argparse's usage block before; now the one line every other bad value gets
+    # not argparse's usage block: the one line every other bad value gets
     (("--prompt-ids", "1", "--max-new-tokens", "abc"), "--max-new-tokens abc must be a positive integer"),
     (("--prompt-ids", "1", "--tensor-parallel", "1_0"), "--tensor-parallel 1_0 must be a positive integer"),
 ])
@@ -142,3 +142,52 @@ def test_one_request_takes_most_of_the_free_memory_for_its_kv_cache(tiny, genera
     ran = generate("--model", str(tiny), "--prompt-ids", "1,2,3", "--max-new-tokens", "200", "--json")
     assert ran.returncode == 0, ran.stderr
     assert len(json.loads(ran.stdout)["output_ids"]) == 200
+
+
+def test_weights_that_are_not_finite_are_refused_unless_asked_not_to(tmp_path, tiny, generate):
+    # NaN weights loaded and generated "0 0 0 0", exit 0: nothing said the model was broken.
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "nan"
+    shutil.copytree(tiny, model)
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, model / "model.safetensors")
+    args = ("--model", str(model), "--prompt-ids", "1,2", "--max-new-tokens", "4")
+    one_line_refusal(generate(*args), "model.safetensors: tensor 'model.layers.0.mlp.down_proj.weight' holds NaN or "
+                                      "infinite values once in torch.float32")
+    ran = generate(*args, "--no-check-finite", "--json")
+    assert ran.returncode == 0, ran.stderr
+    assert len(json.loads(ran.stdout)["output_ids"]) == 4
+
+
+def test_a_tiny_model_decodes_on_one_cpu_thread_unless_omp_num_threads_says(tiny, generate, monkeypatch):
+    """Its per-token work is too small to share: torch's default thread count ran it 20x slower
+    on a busy host. The command's threads are its own: the caller's count is kept."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        args = ("--model", str(tiny), "--prompt-ids", "1,2", "--max-new-tokens", "2", "--json")
+        assert json.loads(generate(*args).stdout)["threads"] == 1
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's count: left as torch has it
+        assert json.loads(generate(*args).stdout)["threads"] == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_thread_count_follows_the_model_size_and_the_ranks(monkeypatch):
+    import os
+
+    from torchhal.cli.generate import cpu_threads
+    from torchhal.core.model import ModelConfig
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    tiny = ModelConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=96)
+    seven_b = ModelConfig(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, intermediate_size=11008)
+    mid = ModelConfig(vocab_size=32000, hidden_size=512, num_layers=8, num_heads=8, intermediate_size=2048)  # 58M
+    assert (cpu_threads(tiny, 1), cpu_threads(tiny, 2)) == (1, 1)
+    assert (cpu_threads(seven_b, 1), cpu_threads(seven_b, 2), cpu_threads(seven_b, 32)) == (16, 8, 1)
+    assert cpu_threads(mid, 1) == 3
