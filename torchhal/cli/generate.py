@@ -52,6 +52,7 @@ class GenerationRequest:
     """A checked request: all a rank needs to load the checkpoint and generate (picklable)."""
 
     root: Path
+    config: ModelConfig  # the checkpoint's, from its config.json
     prompt_ids: list[int]
     max_new_tokens: int
     dtype_name: str  # a torch dtype's name: --dtype, else the checkpoint's
@@ -209,7 +210,7 @@ def prepare_generation(
     threads = None
     if platform.device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         threads = cpu_threads(model_config, tensor_parallel)
-    return GenerationRequest(root, prompt_ids, max_new_tokens, str(dtype).removeprefix("torch."), graphs,
+    return GenerationRequest(root, model_config, prompt_ids, max_new_tokens, str(dtype).removeprefix("torch."), graphs,
                              tensor_parallel, check_finite, threads), tokenizer
 
 
@@ -260,7 +261,6 @@ def run_generation(request: GenerationRequest, platform: Platform | None = None,
     import torch
 
     from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine
-    from torchhal.core.model.checkpoint import config_from_hf, read_hf_config
     from torchhal.core.model.kv_cache import KVCache
     from torchhal.platforms.selection import current_platform
 
@@ -279,9 +279,8 @@ def run_generation(request: GenerationRequest, platform: Platform | None = None,
                           decode_graphs=decode_graphs, check_finite_weights=request.check_finite)
     # Before any weight is read: a KV cache that alone exceeds the pool's share of the free
     # memory cannot run, and loading would first size the pool to all that memory and fill it.
-    model_config = config_from_hf(read_hf_config(root), str(root / "config.json"))
     ranks = group.world_size if group is not None else 1  # each rank holds its share of the KV heads
-    per_token = max(KVCache.bytes_per_token(model_config, dtype) // ranks, 1)
+    per_token = max(KVCache.bytes_per_token(request.config, dtype) // ranks, 1)
     index = (group.device.index or 0) if group is not None else platform.current_device()
     refuse_beyond(request, int(platform.memory_info(index).free * KV_FRACTION) // per_token,
                   "the device's free memory holds at most {} tokens of KV cache, before the weights are loaded",
