@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import operator
 import os
 import sys
 import time
@@ -166,7 +167,7 @@ def prepare_generation(
 ) -> tuple[GenerationRequest, Any | None]:
     """Every check `torchhal generate` makes before it starts anything: the request and the
     tokenizer (None for `prompt_ids`), or GenerateError naming the fix."""
-    from torchhal.core.engine.requests import check_max_new_tokens, check_prompt
+    from torchhal.core.engine.requests import check_prompt
     from torchhal.core.model.checkpoint import check_checkpoint, checkpoint_dtype, config_from_hf, read_hf_config
     from torchhal.core.model.parallel import check_tensor_parallel
     from torchhal.platforms.selection import current_platform
@@ -188,12 +189,12 @@ def prepare_generation(
             raise GenerateError(f"{root} ships no tokenizer, or transformers is missing (pip install "
                                 "'torchhal[hf]'); give --prompt-ids instead of --prompt")
         prompt_ids = list(tokenizer(prompt)["input_ids"])
-    try:  # the caller's values, read as the engine reads them (any integer but a bool, as a plain int)
-        max_new_tokens = check_max_new_tokens(max_new_tokens)
+    try:  # the caller's values, read by the engine's own rules (any integer but a bool)
         prompt_ids = check_prompt(prompt_ids, max_new_tokens, model_config.vocab_size, model_config.max_position)
         tensor_parallel = check_tensor_parallel(model_config, tensor_parallel)
     except (TypeError, ValueError) as exc:
         raise GenerateError(str(exc)) from None
+    max_new_tokens = operator.index(max_new_tokens)  # as a plain int (numpy's, too)
     if tensor_parallel > 1:
         cpu = platform.device_type == "cpu"
         devices = (os.cpu_count() or 1) if cpu else platform.device_count()
