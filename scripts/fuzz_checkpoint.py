@@ -450,6 +450,16 @@ def observe_loader_opens() -> None:
         return opened
 
     ckpt._open_regular = recorded  # type: ignore[assignment]
+    free_bytes = ckpt._free_bytes
+
+    def unrecorded(device: Any) -> Any:  # the OS's memory figures (/proc, cgroup files), not the checkpoint's
+        OBSERVED.recording = False
+        try:
+            return free_bytes(device)
+        finally:
+            OBSERVED.recording = True
+
+    ckpt._free_bytes = unrecorded  # type: ignore[assignment]
 
 
 # config.json key -> (ModelConfig field, JSON type it must have been written as)
@@ -652,12 +662,22 @@ def apply_breakage(name: str | None) -> None:
     if name == "scope":
         ckpt._Scope.holds = lambda self, resolved: True  # type: ignore[method-assign]
     elif name == "regular":
-        # A copy of `stat` only the loader sees (os.path.isfile must keep working).
-        ckpt.stat = types.SimpleNamespace(**{**vars(stat), "S_ISREG": lambda mode: True})  # type: ignore[assignment]
+        # A copy of `stat` only the loader sees (os.path.isfile must keep working), taking
+        # directories for files. (Not FIFOs: safetensors would block opening one, in native code
+        # the watchdog cannot interrupt.)
+        ckpt.stat = types.SimpleNamespace(**{**vars(stat), "S_ISREG": lambda mode: stat.S_ISREG(mode)  # type: ignore
+                                             or stat.S_ISDIR(mode)})
     elif name == "ranges":
         model_config.check_number = lambda *args, **kwargs: None  # type: ignore[assignment]
-    elif name == "types":
-        ckpt._flag = lambda hf, key, default, where: bool(ckpt._optional(hf, key, default))  # type: ignore[assignment]
+    elif name == "types":  # flags read for their truth: "false" taken for True
+        real = ckpt._setting
+
+        def truthy(hf: Any, key: str, default: Any, where: str) -> Any:
+            if isinstance(default, bool):
+                return bool(ckpt._optional(hf, key, default))
+            return real(hf, key, default, where)
+
+        ckpt._setting = truthy  # type: ignore[assignment]
     else:
         raise SystemExit(f"--break {name!r}: choose scope, regular, ranges or types")
 

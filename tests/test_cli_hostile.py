@@ -277,10 +277,12 @@ def test_a_refused_conformance_run_leaves_no_report_directory_behind(tmp_path, c
 
 
 @pytest.mark.parametrize("keywords, expected", [
-    ({"tensor_parallel": True}, "--tensor-parallel True must be a positive integer"),  # ran on one rank
-    ({"tensor_parallel": "2"}, "--tensor-parallel '2' must be a positive integer"),
-    ({"tensor_parallel": 2.0}, "--tensor-parallel 2.0 must be a positive integer"),
+    ({"tensor_parallel": True}, "tensor-parallel size True must be a positive int"),  # ran on one rank
+    ({"tensor_parallel": "2"}, "tensor-parallel size '2' must be a positive int"),
+    ({"tensor_parallel": 2.0}, "tensor-parallel size 2.0 must be a positive int"),
+    ({"max_new_tokens": True}, "max_new_tokens True must be a positive int"),  # one token
     ({"graphs": "no"}, "--graphs 'no' must be True or False"),  # truthy: captured graphs
+    ({"check_finite": "no"}, "check_finite 'no' must be True or False"),
     ({"prompt": "hi"}, "give a prompt or prompt ids, not both"),  # the text won, the ids were dropped
     ({"prompt_ids": "1,2"}, "prompt '1,2' is a str; pass a list of int token ids"),
     ({"prompt_ids": [1, True]}, "token True at position 1 is a bool"),

@@ -195,7 +195,7 @@ def test_missing_shard_names_the_shard(saved, tmp_path):
     shutil.copytree(saved["llama3"][0], sharded)
     victim = checkpoint_files(sharded)[-1]
     victim.unlink()
-    with pytest.raises(CheckpointError, match=f"missing shard\\(s\\): {victim.name} \\(holds '"):
+    with pytest.raises(CheckpointError, match=f"{victim.name}: cannot be opened \\(No such file or directory\\)"):
         load_checkpoint(sharded)
 
 
@@ -222,7 +222,7 @@ def test_bad_tensors_are_all_named_and_nothing_is_loaded(saved, tmp_path, monkey
 
 
 def test_missing_config_and_missing_weights_dir(tmp_path):
-    with pytest.raises(CheckpointError, match="config.json not found"):
+    with pytest.raises(CheckpointError, match="config.json: cannot be opened"):
         load_checkpoint(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(CheckpointError, match="no \\*.safetensors files"):

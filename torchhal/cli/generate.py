@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import operator
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,13 +27,16 @@ if TYPE_CHECKING:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 DTYPES = ("float32", "bfloat16", "float16")
 
-
 #: Exit code of a run that started and failed (a rank died, the ranks disagree).
 FAILURE_EXIT = 1
 
-
 #: The share of the free memory (after the weights) this one-request command gives its KV pool.
 KV_FRACTION = 0.9
+
+#: A CPU thread per this many parameters of a rank's weights: below it a token's work is too
+#: small to share, and the threads' hand-offs cost more than the split saves (a model of a
+#: few million parameters decodes many times faster on one thread of a busy host than on all).
+PARAMETERS_PER_THREAD = 1 << 24
 
 
 class GenerateError(ValueError):
@@ -46,11 +53,14 @@ class GenerationRequest:
     """A checked request: all a rank needs to load the checkpoint and generate (picklable)."""
 
     root: Path
+    config: ModelConfig  # the checkpoint's, from its config.json
     prompt_ids: list[int]
     max_new_tokens: int
     dtype_name: str  # a torch dtype's name: --dtype, else the checkpoint's
     graphs: bool
     tensor_parallel: int = 1
+    check_finite: bool = True
+    threads: int | None = None  # the CPU threads each rank runs on (None: torch's own count)
 
 
 def load_tokenizer(path: Path) -> Any | None:
@@ -89,23 +99,28 @@ def parse_prompt_ids(text: str) -> list[int]:
     return ids
 
 
-def parse_positive(flag: str, text: str) -> int:
+def parse_count(flag: str, text: str) -> int:
     """A numeric flag's text as a positive int, read by `parse_decimal`; GenerateError naming it otherwise."""
     from torchhal.values import parse_decimal, short_repr
 
     value = parse_decimal(text)
     if value is None or value < 1:
         # as typed where that reads unambiguously on one line, else quoted
-        plain = text.isprintable() and text.strip() == text != "" and len(text) <= 40
-        raise bad_count(flag, text if plain else short_repr(text))
+        shown = text if text.isprintable() and text.strip() == text != "" and len(text) <= 40 else short_repr(text)
+        what = {"--max-new-tokens": "the number of tokens to generate",
+                "--tensor-parallel": "the number of ranks (1 runs on one device)"}[flag]
+        raise GenerateError(f"{flag} {shown} must be a positive integer: {what}")
     return value
 
 
-def bad_count(flag: str, shown: str) -> GenerateError:
-    """`shown`: the bad value as the message shows it (the flag's text, or a Python value's repr)."""
-    what = {"--max-new-tokens": "the number of tokens to generate",
-            "--tensor-parallel": "the number of ranks (1 runs on one device)"}[flag]
-    return GenerateError(f"{flag} {shown} must be a positive integer: {what}")
+def cpu_threads(config: ModelConfig, ranks: int) -> int:
+    """The threads each of `ranks` processes generating with `config` runs on this host: one per
+    `PARAMETERS_PER_THREAD` of a rank's share of the weights, at least one, at most its share
+    of the host's cores."""
+    from torchhal.core.model.checkpoint import expected_layout
+
+    parameters = sum(math.prod(shape) for shape in expected_layout(config).values())
+    return max(1, min((os.cpu_count() or 1) // ranks, parameters // ranks // PARAMETERS_PER_THREAD))
 
 
 def generate_from_checkpoint(
@@ -116,6 +131,7 @@ def generate_from_checkpoint(
     dtype_name: str | None = None,
     graphs: bool = False,
     tensor_parallel: int = 1,
+    check_finite: bool = True,
 ) -> dict[str, Any]:
     """Load, generate greedily on the current platform, and report what `torchhal generate` prints.
 
@@ -125,9 +141,11 @@ def generate_from_checkpoint(
     platform can capture graphs; elsewhere every step runs eagerly and the report says why.
     `tensor_parallel` > 1: that many rank processes (`torchhal.distributed.launch`) each hold a
     shard and generate the same request; they must agree on every token, and rank 0's
-    report is returned with the size and each rank's device under `tensor_parallel`."""
+    report is returned with the size and each rank's device under `tensor_parallel`.
+    `check_finite`: refuse weights holding NaN or infinite values (in the dtype they run in).
+    On the CPU the run uses `cpu_threads` threads unless OMP_NUM_THREADS sets the count."""
     request, tokenizer = prepare_generation(path, prompt, prompt_ids, max_new_tokens, dtype_name, graphs,
-                                            tensor_parallel)
+                                            tensor_parallel, check_finite)
     if request.tensor_parallel == 1:
         out = run_generation(request)
     else:
@@ -145,75 +163,56 @@ def prepare_generation(
     dtype_name: str | None,
     graphs: bool,
     tensor_parallel: int = 1,
+    check_finite: bool = True,
 ) -> tuple[GenerationRequest, Any | None]:
     """Every check `torchhal generate` makes before it starts anything: the request and the
     tokenizer (None for `prompt_ids`), or GenerateError naming the fix."""
     from torchhal.core.engine.requests import check_prompt
     from torchhal.core.model.checkpoint import check_checkpoint, checkpoint_dtype, config_from_hf, read_hf_config
-    from torchhal.platforms import PlatformError
+    from torchhal.core.model.parallel import check_tensor_parallel
     from torchhal.platforms.selection import current_platform
-    from torchhal.values import as_index, short_repr
 
-    root = Path(path)
-    if dtype_name is not None and dtype_name not in DTYPES:
-        raise GenerateError(f"--dtype {dtype_name!r} is not one of {', '.join(DTYPES)}")
-    counts = {}  # any integer but a bool, as the engine takes them; plain ints from here on
-    for flag, value in (("--max-new-tokens", max_new_tokens), ("--tensor-parallel", tensor_parallel)):
-        count = as_index(value)
-        if count is None or count < 1:
-            raise bad_count(flag, short_repr(value))
-        counts[flag] = count
-    max_new_tokens, tensor_parallel = counts["--max-new-tokens"], counts["--tensor-parallel"]
-    if not isinstance(graphs, bool):
-        raise GenerateError(f"--graphs {graphs!r} must be True or False")
+    for flag, value in (("--graphs", graphs), ("check_finite", check_finite)):
+        if not isinstance(value, bool):  # "no" is truthy
+            raise GenerateError(f"{flag} {value!r} must be True or False")
     if prompt is not None and prompt_ids is not None:  # the command line makes them exclusive; so does the call
         raise GenerateError("give a prompt or prompt ids, not both: --prompt TEXT or --prompt-ids 1,2,3")
-    try:
-        # A bad TORCHHAL_PLATFORM / TORCHHAL_DETECT_TIMEOUT: the same line `torchhal info` refuses with.
-        platform = current_platform()
-    except PlatformError as exc:
-        raise GenerateError(str(exc)) from None
-    hf = read_hf_config(path)  # the path as given: an empty one is refused, where Path("") would be "."
-    model_config = config_from_hf(hf, str(root / "config.json"))
+    platform = current_platform()  # a bad TORCHHAL_PLATFORM: the line `torchhal info` refuses with
+    root, hf = Path(path), read_hf_config(path)  # the path as given: an empty one is refused, where Path("") is "."
+    where = str(root / "config.json")
+    model_config = config_from_hf(hf, where)
+    dtype = checkpoint_dtype(hf, where) if dtype_name is None else checkpoint_dtype({"dtype": dtype_name}, "--dtype")
     tokenizer = None
     if prompt is not None:
         tokenizer = load_tokenizer(root)
         if tokenizer is None:
-            raise GenerateError(
-                f"{root} ships no tokenizer, or transformers is missing (pip install 'torchhal[hf]'); "
-                "give --prompt-ids instead of --prompt"
-            )
+            raise GenerateError(f"{root} ships no tokenizer, or transformers is missing (pip install "
+                                "'torchhal[hf]'); give --prompt-ids instead of --prompt")
         prompt_ids = list(tokenizer(prompt)["input_ids"])
-    if not prompt_ids:
-        raise GenerateError("empty prompt: give --prompt TEXT or --prompt-ids 1,2,3")
-    try:
-        check_prompt(prompt_ids, max_new_tokens, model_config.vocab_size, model_config.max_position)
-    except TypeError as exc:  # the ids' types: the caller's, whatever the model
+    try:  # the caller's values, read by the engine's own rules (any integer but a bool)
+        prompt_ids = check_prompt(prompt_ids, max_new_tokens, model_config.vocab_size, model_config.max_position)
+        tensor_parallel = check_tensor_parallel(model_config, tensor_parallel)
+    except (TypeError, ValueError) as exc:
         raise GenerateError(str(exc)) from None
-    except ValueError as exc:  # the vocabulary or the context: the limits are the model's
-        raise GenerateError(f"{exc} (the model's config.json)") from None
-    if tensor_parallel != 1:
-        check_tensor_parallel_request(model_config, tensor_parallel, root, platform)
-        check_checkpoint(root)  # here, in one line: in a rank it would end the launch with a traceback
-    dtype_name = dtype_name or str(checkpoint_dtype(hf, str(root / "config.json"))).removeprefix("torch.")
-    return GenerationRequest(root, list(prompt_ids), max_new_tokens, dtype_name, graphs, tensor_parallel), tokenizer
-
-
-def refuse_what_memory_cannot_hold(request: GenerationRequest, dtype: Any, platform: Platform,
-                                   group: DeviceGroup | None) -> None:
-    """Before any weight is read: a request whose KV cache alone exceeds the share of the free
-    memory the pool may take (weights not even counted) cannot run, and loading would first
-    size the pool to all that memory, allocate and fill it."""
-    from torchhal.core.model.checkpoint import config_from_hf, read_hf_config
-    from torchhal.core.model.kv_cache import KVCache
-
-    config = config_from_hf(read_hf_config(request.root), str(request.root / "config.json"))
-    ranks = group.world_size if group is not None else 1  # each rank holds its share of the KV heads
-    per_token = max(KVCache.bytes_per_token(config, dtype) // ranks, 1)
-    index = (group.device.index or 0) if group is not None else platform.current_device()
-    most = int(platform.memory_info(index).free * KV_FRACTION) // per_token
-    refuse_beyond(request, most, "the device's free memory holds at most {} tokens of KV cache, before the weights "
-                  "are loaded", "free device memory, or split the cache with --tensor-parallel N")
+    max_new_tokens = operator.index(max_new_tokens)  # as a plain int (numpy's, too)
+    if tensor_parallel > 1:
+        cpu = platform.device_type == "cpu"
+        devices = (os.cpu_count() or 1) if cpu else platform.device_count()
+        if tensor_parallel > devices:
+            shown = ", ".join(f"{var}={os.environ[var]!r}" for var in platform.visible_devices_env
+                              if var in os.environ) if not cpu else ""
+            raise GenerateError(
+                f"--tensor-parallel {tensor_parallel} needs {tensor_parallel} ranks, but the CPU platform's ranks "
+                f"share this host's {devices} core(s): choose at most {devices}" if cpu else
+                f"--tensor-parallel {tensor_parallel} needs {tensor_parallel} {platform.name} devices, but {devices} "
+                f"{'is' if devices == 1 else 'are'} visible{f' ({shown})' if shown else ''}: choose at most "
+                f"{devices}, or make more devices visible")
+        check_checkpoint(root, tensor_parallel)  # here, in one line: in a rank it would end the launch with a traceback
+    threads = None
+    if platform.device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        threads = cpu_threads(model_config, tensor_parallel)
+    return GenerationRequest(root, model_config, prompt_ids, max_new_tokens, str(dtype).removeprefix("torch."), graphs,
+                             tensor_parallel, check_finite, threads), tokenizer
 
 
 def refuse_beyond(request: GenerationRequest, room: int, has_room: str, other_fixes: str) -> None:
@@ -228,45 +227,32 @@ def refuse_beyond(request: GenerationRequest, room: int, has_room: str, other_fi
             f"{max(room - len(request.prompt_ids), 0)}, shorten the prompt, {other_fixes}")
 
 
-def check_tensor_parallel_request(model_config: ModelConfig, size: int, root: Path, platform: Platform) -> None:
-    """Refuse `--tensor-parallel size` when the model cannot be split that way or the
-    platform has fewer devices than ranks (on the CPU the ranks share the host's cores)."""
-    from torchhal.core.model.parallel import check_tensor_parallel
-
-    try:
-        check_tensor_parallel(model_config, size)
-    except ValueError as exc:
-        raise GenerateError(f"--tensor-parallel {size}: {exc} ({root / 'config.json'})") from None
-    if platform.device_type == "cpu":
-        cores = os.cpu_count() or 1
-        if size > cores:
-            raise GenerateError(f"--tensor-parallel {size} needs {size} ranks, but the CPU platform's ranks share "
-                                f"this host's {cores} core(s): choose at most {cores}")
-        return
-    devices = platform.device_count()
-    if size > devices:
-        shown = ", ".join(f"{var}={os.environ[var]!r}" for var in platform.visible_devices_env if var in os.environ)
-        raise GenerateError(f"--tensor-parallel {size} needs {size} {platform.name} devices, but {devices} "
-                            f"{'is' if devices == 1 else 'are'} visible{f' ({shown})' if shown else ''}: choose at "
-                            f"most {devices}, or make more devices visible")
-
-
 def generate_on_rank(request: GenerationRequest) -> dict[str, Any]:
     """One tensor-parallel rank (in a process `launch` started): join the group, then load
     this rank's shard and generate the request."""
-    import torch
-
     from torchhal.distributed import init_group
     from torchhal.platforms.selection import current_platform
 
     platform = current_platform()
-    if platform.device_type == "cpu":  # ranks share the host: one thread each would oversubscribe it
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // request.tensor_parallel))
     group = init_group(platform)
     try:
         return run_generation(request, platform, group)
     finally:
         group.close()
+
+
+@contextmanager
+def _threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to `count` while the run lasts (None: left as they are)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def run_generation(request: GenerationRequest, platform: Platform | None = None,
@@ -275,46 +261,53 @@ def run_generation(request: GenerationRequest, platform: Platform | None = None,
     without the text (the caller holds the tokenizer)."""
     import torch
 
-    from torchhal.core.devices import is_out_of_memory
     from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine
+    from torchhal.core.model.kv_cache import KVCache
     from torchhal.platforms.selection import current_platform
 
     root, prompt_ids, max_new_tokens = request.root, request.prompt_ids, request.max_new_tokens
     context = len(prompt_ids) + max_new_tokens
     platform = platform or current_platform()
-    decode_graphs = DecodeGraphConfig(batch_buckets=(1,), context_buckets=(context,)) if request.graphs else None
     dtype = getattr(torch, request.dtype_name)
+    # The platform's answer first: without graph support the model's program (one device or a
+    # rank's, whose all-reduces break it) does not matter.
+    no_graphs = None if platform.graph_support is not None else f"platform {platform.name!r} declares no graph support"
+    decode_graphs = DecodeGraphConfig(batch_buckets=(1,), context_buckets=(context,)) \
+        if request.graphs and no_graphs is None else None
     # Whole blocks for the context (a block's worth more covers the last partial one). One
     # request is all this command runs: its pool may take most of the memory the weights leave.
     config = EngineConfig(dtype=dtype, max_kv_slots=context + EngineConfig.kv_block_size, kv_fraction=KV_FRACTION,
-                          decode_graphs=decode_graphs)
-    # group= only with a group: one device is the engine's own call, exactly as before.
-    sharding: dict[str, Any] = {} if group is None else {"group": group}
-    refuse_what_memory_cannot_hold(request, dtype, platform, group)
-    try:
-        engine = GenerationEngine.from_checkpoint(root, config, platform=platform, **sharding)
-    except Exception as exc:
-        if not (isinstance(exc, MemoryError) or is_out_of_memory(platform, exc)):
-            raise
-        # The KV pool's sizing found no block beside the weights, or an allocation failed.
-        sizing = str(exc).split(";")[0]  # its fix names engine settings this command sets itself
-        raise GenerateError(f"no room for the weights and a KV cache on {platform.name} ({sizing[:200]}); free "
-                            "device memory, split the model with --tensor-parallel N, or pick a smaller --dtype"
-                            ) from exc
-    refuse_beyond(request, engine.kv_sizing.num_slots,
-                  "the device has room for {} tokens of KV cache beside the weights", "or free device memory")
-    report = engine.checkpoint
-    assert report is not None
-    platform.synchronize(engine.device_index)
-    start = time.perf_counter()
-    result = engine.generate([prompt_ids], max_new_tokens)[0]
-    platform.synchronize(engine.device_index)
-    seconds = time.perf_counter() - start
+                          decode_graphs=decode_graphs, check_finite_weights=request.check_finite)
+    # Before any weight is read: a KV cache that alone exceeds the pool's share of the free
+    # memory cannot run, and loading would first size the pool to all that memory and fill it.
+    ranks = group.world_size if group is not None else 1  # each rank holds its share of the KV heads
+    per_token = max(KVCache.bytes_per_token(request.config, dtype) // ranks, 1)
+    index = (group.device.index or 0) if group is not None else platform.current_device()
+    refuse_beyond(request, int(platform.memory_info(index).free * KV_FRACTION) // per_token,
+                  "the device's free memory holds at most {} tokens of KV cache, before the weights are loaded",
+                  "free device memory, or split the cache with --tensor-parallel N")
+    with _threads(request.threads):
+        try:
+            engine = GenerationEngine.from_checkpoint(root, config, platform=platform, group=group)
+        except (MemoryError, *platform.oom_error_types) as exc:  # type: ignore[misc]  # the weights, or no KV block
+            sizing = str(exc).split(";")[0]  # its fix names settings this command sets itself
+            raise GenerateError(f"no room for the weights and a KV cache on {platform.name} ({sizing[:300]}); free "
+                                "device memory, split the model with --tensor-parallel N, or pick a smaller --dtype"
+                                ) from exc
+        refuse_beyond(request, engine.kv_sizing.num_slots,
+                      "the device has room for {} tokens of KV cache beside the weights", "or free device memory")
+        report = engine.checkpoint
+        assert report is not None
+        platform.synchronize(engine.device_index)
+        start = time.perf_counter()
+        result = engine.generate([prompt_ids], max_new_tokens)[0]
+        platform.synchronize(engine.device_index)
+        seconds = time.perf_counter() - start
+        threads = torch.get_num_threads() if platform.device_type == "cpu" else None
     if result.error:
         raise GenerateError(result.error)
     output = list(result.output)
-    eos = set(engine.config.eos_tokens)
-    stopped_at_eos = len(output) < max_new_tokens and bool(output) and output[-1] in eos
+    stopped_at_eos = len(output) < max_new_tokens and bool(output) and output[-1] in set(engine.config.eos_tokens)
     return {
         "model": str(root),
         "architecture": report.architecture,
@@ -331,20 +324,18 @@ def run_generation(request: GenerationRequest, platform: Platform | None = None,
         "stop": "eos" if stopped_at_eos else "length",
         "seconds": seconds,
         "tokens_per_s": len(output) / seconds if seconds > 0 else None,
-        "decode_graphs": _graph_report(engine) if request.graphs else None,
+        "threads": threads,
+        "decode_graphs": _graph_report(engine, no_graphs) if request.graphs else None,
         "attention": {"backend": engine.attention.name, "why": engine.attention.why},
     }
 
 
-def _graph_report(engine: GenerationEngine) -> dict[str, Any]:
+def _graph_report(engine: GenerationEngine, unavailable: str | None) -> dict[str, Any]:
     runner = engine.decode_runner
-    assert runner is not None
-    capture = runner.report
-    return {
-        "replays": runner.steps,
-        "unavailable": runner.unsupported,
-        "capture_seconds": capture.seconds if capture is not None else None,
-    }
+    if runner is None:
+        return {"replays": 0, "unavailable": unavailable, "capture_seconds": None}
+    return {"replays": runner.steps, "unavailable": runner.unsupported,
+            "capture_seconds": runner.report.seconds if runner.report is not None else None}
 
 
 def format_generation(out: dict[str, Any]) -> str:
@@ -392,13 +383,15 @@ def agreed_report(reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from torchhal.core.model.checkpoint import CheckpointError
+    from torchhal.platforms import PlatformError
 
     try:
         ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
-        new_tokens = parse_positive("--max-new-tokens", args.max_new_tokens)
-        size = parse_positive("--tensor-parallel", args.tensor_parallel)
-        out = generate_from_checkpoint(args.model, args.prompt, ids, new_tokens, args.dtype, args.graphs, size)
-    except (CheckpointError, GenerateError) as exc:
+        new_tokens = parse_count("--max-new-tokens", args.max_new_tokens)
+        size = parse_count("--tensor-parallel", args.tensor_parallel)
+        out = generate_from_checkpoint(args.model, args.prompt, ids, new_tokens, args.dtype, args.graphs, size,
+                                       not args.no_check_finite)
+    except (CheckpointError, GenerateError, PlatformError) as exc:
         return refuse("generate", str(exc))
     except (LaunchError, RanksDisagree) as exc:
         print(f"torchhal generate: {exc}", file=sys.stderr)
@@ -408,7 +401,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def add_command(sub: Any) -> None:
-    gen = sub.add_parser("generate", help="greedy generation from a Hugging Face checkpoint directory")
+    gen = sub.add_parser("generate", help="greedy generation from a Hugging Face checkpoint directory",
+                         epilog="On the CPU a run uses one thread per 16M parameters of a rank's weights (at least "
+                                "one, at most its share of the cores); OMP_NUM_THREADS=N sets the count instead.")
     gen.add_argument("--model", required=True, help="checkpoint directory (config.json + *.safetensors)")
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer: pip install 'torchhal[hf]')")
@@ -420,5 +415,7 @@ def add_command(sub: Any) -> None:
     gen.add_argument("--tensor-parallel", default="1", metavar="N",
                      help="shard the model over N ranks (processes) of the current platform, one device each "
                           "(default 1)")
+    gen.add_argument("--no-check-finite", action="store_true",
+                     help="load weights holding NaN or infinite values (refused by default)")
     gen.add_argument("--json", action="store_true", help="machine-readable output")
     gen.set_defaults(func=cmd_generate)

@@ -62,16 +62,8 @@ def check_number(
             number = float(value)  # type: ignore[arg-type]
         except OverflowError:  # an int beyond any float
             pass
-    ok = math.isfinite(number)
-    if ok and minimum is not None:
-        ok = number >= minimum
-    if ok and above is not None:
-        ok = number > above
-    if ok and below is not None:
-        ok = number < below
-    if ok and maximum is not None:
-        ok = number <= maximum
-    if not ok:
+    if not (math.isfinite(number) and (minimum is None or number >= minimum) and (above is None or number > above)
+            and (below is None or number < below) and (maximum is None or number <= maximum)):
         raise ConfigValueError(owner, field, value, rule)
 
 

@@ -180,10 +180,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
         self.mlp = MLP(config)
 
-    def process_weights(self) -> None:
-        """Post-load processing, in place (graph addresses stay valid). The fused QKV and
-        gate-up need none: their HF-named parameters are views into them."""
-
 
 class RotaryEmbedding(nn.Module):
     """Holds the fp32 inverse frequencies; cos/sin are computed per token, as HF does."""
@@ -252,11 +248,9 @@ class LayerMath:
 
     def compile(self, backend: str | Callable[..., Any] = "inductor",
                 options: Mapping[str, bool | int | str] | None = None) -> None:
-        """`options`: inductor settings (`torch.compile(options=...)`), for backend "inductor" only."""
-        check_compile_backend(backend, "compile backend")
-        if options and backend != "inductor":
-            raise ValueError(f"compile options {dict(options)!r} are inductor settings, but the backend is "
-                             f"{backend!r}; pass backend='inductor' or no options")
+        """`options`: inductor settings (`torch.compile(options=...)`), for backend "inductor" only
+        (`EngineConfig.compile_layers` names a backend `check_compile_backend` accepted)."""
+        assert not options or backend == "inductor", f"compile options {dict(options)!r} are inductor settings"
         settings: dict[str, str | int | bool | Callable[..., Any]] | None = dict(options) if options else None
 
         def compiled(fn: Callable[..., Any], *token_args: int) -> Callable[..., Any]:
@@ -381,13 +375,9 @@ class LlamaDecoder(nn.Module):
     def __init__(self, config: ModelConfig,
                  tensor_parallel: RankShard | tuple[TensorParallelPlan, int] | None = None) -> None:
         super().__init__()
-        if not isinstance(config, ModelConfig):  # else an AttributeError on the first field read
-            raise TypeError(f"LlamaDecoder: config is a {type(config).__name__}, not a ModelConfig; pass "
-                            "ModelConfig(...) (a checkpoint's: load_checkpoint(path))")
+        assert isinstance(config, ModelConfig), f"LlamaDecoder: config is a {type(config).__name__}, not a ModelConfig"
         shard = RankShard.of(tensor_parallel) if tensor_parallel is not None else None
-        if shard is not None and shard.plan.config != config:
-            raise ValueError("tensor_parallel: the plan was made for another ModelConfig than this decoder's; "
-                             "make it with TensorParallelPlan(config, world_size)")
+        assert shard is None or shard.plan.config == config, "the plan was made for another ModelConfig"
         self.config = config
         self.shard: RankShard | None = shard if shard is not None and shard.world_size > 1 else None
         self.local_config = self.shard.plan.rank_config() if self.shard is not None else config
@@ -412,9 +402,7 @@ class LlamaDecoder(nn.Module):
         """The group this tensor-parallel shard runs in (`DeviceGroup.comm`); its rank and size
         must be the shard's. Call before `layer_program()` is taken (runners capture it)."""
         shard = self.shard
-        if shard is None:
-            raise ValueError("use_communicator: this decoder is not tensor-parallel (built without a plan of "
-                             "more than one rank); it needs no communicator")
+        assert shard is not None, "use_communicator: this decoder is not tensor-parallel"
         if (comm.rank, comm.world_size) != (shard.rank, shard.world_size):
             raise ValueError(
                 f"use_communicator: the communicator is rank {comm.rank} of {comm.world_size}, this shard is rank "
@@ -424,16 +412,11 @@ class LlamaDecoder(nn.Module):
         self._program = None  # the all-reduce steps hold the communicator: build them anew
 
     def _communicator(self) -> Communicator:
-        if self.comm is None:
-            assert self.shard is not None
-            raise RuntimeError(
-                f"this tensor-parallel decoder (rank {self.shard.rank} of {self.shard.world_size}) has no group: "
-                "call use_communicator(group.comm) first (GenerationEngine(..., group=group) does)"
-            )
+        assert self.comm is not None, "a tensor-parallel decoder runs once use_communicator(group.comm) gave it a group"
         return self.comm
 
     def _kv_cache(self) -> KVCache:
-        if self.kv is None:
+        if self.kv is None:  # a model run by hand, outside an engine
             raise RuntimeError(
                 "model.kv is None: assign a KVCache (model.kv = KVCache(model.local_config, num_blocks, block_size, "
                 "device, dtype)) before forward, or run the model through GenerationEngine, which allocates one"
@@ -450,8 +433,7 @@ class LlamaDecoder(nn.Module):
     def shard_for(self, tensor_parallel: RankShard | tuple[TensorParallelPlan, int]) -> LlamaDecoder:
         """A new decoder holding rank's shard of this whole (unsharded) decoder's weights, on its
         device and in its dtype; the slices are the ones `load_checkpoint` reads for that rank."""
-        if self.shard is not None:
-            raise ValueError("shard_for: this decoder is already a tensor-parallel shard; shard the whole model")
+        assert self.shard is None, "shard_for: this decoder is already a tensor-parallel shard"
         shard, weight = RankShard.of(tensor_parallel), next(self.parameters())
         with torch.device("meta"):
             part = LlamaDecoder(self.config, shard).to(weight.dtype)
@@ -491,8 +473,8 @@ class LlamaDecoder(nn.Module):
         return list(self.model.layers)  # type: ignore[arg-type]  # ModuleList items are typed Module
 
     def process_weights(self) -> None:
-        for layer in self.decoder_layers:
-            layer.process_weights()
+        """Nothing to rebuild after a load or update: the fused QKV and gate-up weights are the
+        storage their HF-named parameters view."""
 
     # -- the layer stack, as a program for runners --------------------------------
     def layer_program(self) -> list[Step]:
@@ -514,7 +496,7 @@ class LlamaDecoder(nn.Module):
         submodule replaced inside a layer is not seen: replace the layer.)
         """
         layers = tuple(self.model.layers)
-        if getattr(self, "_program", None) is None or self._program_layers != layers:  # None: pickled before
+        if self._program is None or self._program_layers != layers:
             self._program, self._program_layers = self._build_program(), layers
         assert self._program is not None
         return list(self._program)
@@ -626,7 +608,8 @@ class LlamaDecoder(nn.Module):
                     backend.decode(query, k_cache, v_cache, meta.paged, scale=scale,
                                    sliding_window=config.sliding_window, out=out[:num_tokens])
                     return
-                # A backend declaring `step_kv` reads whole prompts' K/V where the projection left them.
+                # A backend declaring `step_kv` reads whole prompts' K/V where the projection left
+                # them; others read the cache alone.
                 prefill: Callable[..., torch.Tensor] = backend.prefill
                 if backend.capability.step_kv:
                     prefill = functools.partial(backend.prefill, key=state["k"][:num_tokens],

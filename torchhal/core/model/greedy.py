@@ -17,9 +17,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     H200 at batch 1); the maximum of each chunk first, then of the chunks' maxima, spreads the
     row over the device. Ties stay first-index: the first chunk holding the maximum wins, and
     within it the first index."""
-    if logits.dim() != 2:  # a host fact: a Model.logits of another shape is named, not unpacked
-        raise ValueError(f"greedy_tokens: logits are {tuple(logits.shape)}; expected [rows, vocab] (Model.logits "
-                         "returns one row per index it is given)")
+    assert logits.dim() == 2, f"Model.logits gives [rows, vocab], not {tuple(logits.shape)}"
     rows, vocab = logits.shape
     width = ceil_div(vocab, _CHUNKS)
     if vocab <= 2 * width:  # a small vocabulary: one pass is already wide enough

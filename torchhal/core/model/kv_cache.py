@@ -25,7 +25,6 @@ from torchhal.attention import (
     build_metadata_and_positions,
 )
 from torchhal.core.model.config import ModelConfig
-from torchhal.values import short_repr
 
 __all__ = ["SCRATCH_BLOCK", "AttentionMetadata", "KVCache"]
 
@@ -35,14 +34,9 @@ class KVCache:
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype) -> None:
-        for label, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"KVCache: {label} is {value!r}; pass an int >= 1")
-        if num_blocks < 2:
-            raise ValueError(f"KVCache: num_blocks is {num_blocks}; pass >= 2 (block {SCRATCH_BLOCK} is scratch)")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # an integer cache truncates K and V
-            raise ValueError(f"KVCache: dtype is {short_repr(dtype)}; pass the floating torch.dtype the model runs in, "
-                             "e.g. torch.bfloat16")
+        # The engine's pool sizes it (EngineConfig's checked kv_block_size, dtype and slots).
+        assert num_blocks >= 2 and block_size >= 1, f"block {SCRATCH_BLOCK} is scratch: {num_blocks} block(s)"
+        assert dtype.is_floating_point, f"KVCache: dtype {dtype} (an integer cache truncates K and V)"
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.k = torch.zeros(shape, device=device, dtype=dtype)
@@ -81,18 +75,11 @@ class AttentionMetadata:
 
     def __post_init__(self) -> None:
         # Host facts only (no device sync), once per step for every layer: one position for
-        # several tokens broadcast over them (each rotated as that one: wrong hidden states
-        # and KV, no error), and a truthy non-bool decode picked the decode kernel.
-        positions, tokens = self.positions, self.paged.slot_mapping.shape[0]
-        if (not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.shape[0] != tokens
-                or positions.dtype not in _POSITION_DTYPES):
-            shown = f"{tuple(positions.shape)} {positions.dtype}" if isinstance(positions, torch.Tensor) else \
-                short_repr(positions)
-            raise ValueError(f"AttentionMetadata: positions is {shown}; it must be a 1-D integer tensor of one "
-                             f"position per token ({tokens}, as slot_mapping), e.g. from AttentionMetadata.build")
-        if type(self.decode) is not bool:
-            raise ValueError(f"AttentionMetadata: decode is {short_repr(self.decode)}; it must be True or False "
-                             "(True only when every row has one query token)")
+        # several tokens would broadcast over them (each rotated as that one: wrong hidden states
+        # and KV, no error), and a truthy non-bool decode would pick the decode kernel.
+        assert self.positions.dim() == 1 and self.positions.shape[0] == self.paged.slot_mapping.shape[0], \
+            "one position per token"
+        assert self.positions.dtype in _POSITION_DTYPES and type(self.decode) is bool
 
     @classmethod
     def build(

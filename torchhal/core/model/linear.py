@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from torchhal.platforms import LinearSupport
-from torchhal.values import short_repr
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -34,9 +33,7 @@ def routed_linear(support: LinearSupport | None) -> LinearFn:
     """`linear(x, weight, bias)`: `support.kernel` where it applies, else F.linear (always, for None)."""
     if support is None:
         return F.linear
-    if not isinstance(support, LinearSupport):  # else an AttributeError here, or at the first projection
-        raise TypeError(f"linear support {short_repr(support)} is not a LinearSupport; pass platform.linear_support "
-                        "(None: F.linear everywhere)")
+    assert isinstance(support, LinearSupport), f"linear support {support!r} is not platform.linear_support"
     kernel = support.kernel
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -54,32 +54,23 @@ class TensorParallelPlan:
     def vocab_per_rank(self) -> int:
         return ceil_div(self.config.vocab_size, self.world_size)  # ceil: the last rank's tail is padding
 
-    def _check_rank(self, rank: object) -> int:
-        """A rank of this plan, as a plain int: past it a slice is of heads or rows the model does
-        not have."""
-        number = as_index(rank)
-        if number is None or not 0 <= number < self.world_size:
-            raise ValueError(f"tensor-parallel rank {short_repr(rank)} must be an int in 0..{self.world_size - 1}")
-        return number
-
+    # A rank's slices (a rank of this plan: the loader and the engine's group give it).
     def head_range(self, rank: int) -> range:
         """The query heads `rank` computes."""
-        rank, per = self._check_rank(rank), self.heads_per_rank
-        return range(rank * per, (rank + 1) * per)
+        return range(rank * self.heads_per_rank, (rank + 1) * self.heads_per_rank)
 
     def kv_head_range(self, rank: int) -> range:
         """The KV heads `rank` holds (one replicated head when KV heads are fewer than ranks)."""
-        first = self._check_rank(rank) // self.kv_replicas * self.kv_heads_per_rank
+        first = rank // self.kv_replicas * self.kv_heads_per_rank
         return range(first, first + self.kv_heads_per_rank)
 
     def intermediate_range(self, rank: int) -> range:
-        rank, per = self._check_rank(rank), self.intermediate_per_rank
-        return range(rank * per, (rank + 1) * per)
+        return range(rank * self.intermediate_per_rank, (rank + 1) * self.intermediate_per_rank)
 
     def vocab_range(self, rank: int) -> range:
         """The vocabulary rows `rank` holds that exist (the shard's padding rows excluded)."""
-        rank, per = self._check_rank(rank), self.vocab_per_rank
-        return range(min(rank * per, self.config.vocab_size), min((rank + 1) * per, self.config.vocab_size))
+        per, vocab = self.vocab_per_rank, self.config.vocab_size
+        return range(min(rank * per, vocab), min((rank + 1) * per, vocab))
 
     def rank_config(self) -> ModelConfig:
         """The shapes one rank's decoder has: its heads, KV heads, MLP width and vocabulary shard."""
@@ -172,7 +163,9 @@ class RankShard:
         if not isinstance(self.plan, TensorParallelPlan):
             raise TypeError(f"tensor_parallel: the plan is {short_repr(self.plan)}; pass (TensorParallelPlan(config, "
                             "world_size), rank) or a RankShard ((world_size, rank) is load_checkpoint's form)")
-        object.__setattr__(self, "rank", self.plan._check_rank(self.rank))
+        rank = as_index(self.rank)
+        assert rank is not None and 0 <= rank < self.plan.world_size, f"rank {self.rank!r} of {self.plan.world_size}"
+        object.__setattr__(self, "rank", rank)
 
     @classmethod
     def of(cls, tensor_parallel: RankShard | tuple[TensorParallelPlan, int]) -> RankShard:
@@ -208,21 +201,12 @@ class RankShard:
         vocab = plan.vocab_range(self.rank)
         return ShardSlice(dim, vocab.start, vocab.stop, plan.vocab_per_rank, config.vocab_size)
 
-    def local_shape(self, name: str, full_shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The shape of this rank's shard of a tensor of `full_shape`."""
-        return self._reshape(name, full_shape, local=True)
-
     def full_shape(self, name: str, local_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The whole HF tensor's shape, of which this rank holds a shard of `local_shape`."""
-        return self._reshape(name, local_shape, local=False)
-
-    def _reshape(self, name: str, shape: tuple[int, ...], local: bool) -> tuple[int, ...]:
         part = self.slice_of(name)
         if part is None:
-            return shape
-        out = list(shape)
-        out[part.dim] = part.size if local else part.full
-        return tuple(out)
+            return local_shape
+        return local_shape[: part.dim] + (part.full,) + local_shape[part.dim + 1 :]
 
     def take(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the full tensor `full` (a view where no padding is needed)."""
