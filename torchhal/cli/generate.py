@@ -57,7 +57,7 @@ class GenerationRequest:
     prompt_ids: list[int]
     max_new_tokens: int
     dtype_name: str  # a torch dtype's name: --dtype, else the checkpoint's
-    graphs: bool
+    graphs: bool | None  # None: where the platform captures graphs
     tensor_parallel: int = 1
     check_finite: bool = True
     threads: int | None = None  # the CPU threads each rank runs on (None: torch's own count)
@@ -129,7 +129,7 @@ def generate_from_checkpoint(
     prompt_ids: list[int] | None = None,
     max_new_tokens: int = 32,
     dtype_name: str | None = None,
-    graphs: bool = False,
+    graphs: bool | None = None,
     tensor_parallel: int = 1,
     check_finite: bool = True,
 ) -> dict[str, Any]:
@@ -137,8 +137,9 @@ def generate_from_checkpoint(
 
     The request (prompt, length, dtype, tensor-parallel size) is checked against the
     checkpoint's config and the platform before a weight is read, a KV cache sized or a
-    rank started. `graphs`: full-graph decode (one graph replay per decode step) where the
-    platform can capture graphs; elsewhere every step runs eagerly and the report says why.
+    rank started. `graphs`: full-graph decode (one graph replay per decode step); None (the
+    engine's default): where the platform captures graphs; True where it cannot: every step runs
+    eagerly and the report says why.
     `tensor_parallel` > 1: that many rank processes (`torchhal.distributed.launch`) each hold a
     shard and generate the same request; they must agree on every token, and rank 0's
     report is returned with the size and each rank's device under `tensor_parallel`.
@@ -161,7 +162,7 @@ def prepare_generation(
     prompt_ids: list[int] | None,
     max_new_tokens: int,
     dtype_name: str | None,
-    graphs: bool,
+    graphs: bool | None,
     tensor_parallel: int = 1,
     check_finite: bool = True,
 ) -> tuple[GenerationRequest, Any | None]:
@@ -173,7 +174,7 @@ def prepare_generation(
     from torchhal.platforms.selection import current_platform
 
     for flag, value in (("--graphs", graphs), ("check_finite", check_finite)):
-        if not isinstance(value, bool):  # "no" is truthy
+        if not isinstance(value, bool) and (value is not None or flag != "--graphs"):  # "no" is truthy
             raise GenerateError(f"{flag} {value!r} must be True or False")
     if prompt is not None and prompt_ids is not None:  # the command line makes them exclusive; so does the call
         raise GenerateError("give a prompt or prompt ids, not both: --prompt TEXT or --prompt-ids 1,2,3")
@@ -272,8 +273,9 @@ def run_generation(request: GenerationRequest, platform: Platform | None = None,
     # The platform's answer first: without graph support the model's program (one device or a
     # rank's, whose all-reduces break it) does not matter.
     no_graphs = None if platform.graph_support is not None else f"platform {platform.name!r} declares no graph support"
+    wanted = request.graphs is not False and (request.graphs or no_graphs is None)
     decode_graphs = DecodeGraphConfig(batch_buckets=(1,), context_buckets=(context,)) \
-        if request.graphs and no_graphs is None else None
+        if wanted and no_graphs is None else None
     # Whole blocks for the context (a block's worth more covers the last partial one). One
     # request is all this command runs: its pool may take most of the memory the weights leave.
     config = EngineConfig(dtype=dtype, max_kv_slots=context + EngineConfig.kv_block_size, kv_fraction=KV_FRACTION,
@@ -325,7 +327,7 @@ def run_generation(request: GenerationRequest, platform: Platform | None = None,
         "seconds": seconds,
         "tokens_per_s": len(output) / seconds if seconds > 0 else None,
         "threads": threads,
-        "decode_graphs": _graph_report(engine, no_graphs) if request.graphs else None,
+        "decode_graphs": _graph_report(engine, no_graphs) if wanted else None,
         "attention": {"backend": engine.attention.name, "why": engine.attention.why},
     }
 
@@ -410,8 +412,9 @@ def add_command(sub: Any) -> None:
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated: 1,2,3")
     gen.add_argument("--max-new-tokens", default="32", metavar="N", help="tokens to generate (default 32)")
     gen.add_argument("--dtype", choices=DTYPES, help="override the checkpoint's dtype")
-    gen.add_argument("--graphs", action="store_true",
-                     help="full-graph decode (one graph replay per decode step) where the platform captures graphs")
+    gen.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
+                     help="full-graph decode, one graph replay per decode step (default: where the platform "
+                          "captures graphs; --no-graphs runs every step eagerly)")
     gen.add_argument("--tensor-parallel", default="1", metavar="N",
                      help="shard the model over N ranks (processes) of the current platform, one device each "
                           "(default 1)")

@@ -393,7 +393,9 @@ def build(self: GenerationEngine, config: EngineConfig, platform: Platform | Non
     self.model = prepared_model(model, config, self.group, self.device)
     self.events = EngineEvents(self.platform, self.device_index)
     self.occupation = occupation_for(self.platform, self.device, self.model)
-    self.occupation.place_weights()
+    moved = self.occupation.place_weights()
+    if moved and saved is not None:
+        saved.follow_moves(moved)
     self.events.record("sleep_mode", how=self.occupation.describe())
     self.compile_backend = speed_up(self.model, config, self.platform, self.events)
     local = self.local_config

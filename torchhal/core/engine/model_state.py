@@ -55,6 +55,21 @@ class ModelState:
             vars(math).clear()
             vars(math).update(settings)
 
+    def follow_moves(self, moved: dict[int, torch.Tensor]) -> None:
+        """Storages of the model's weights were copied elsewhere unchanged (into the engine's
+        regions; `moved`: old storage address -> the copy's bytes, uint8): a restore puts back
+        views of the copies, so the originals need not be held (which would double the weights'
+        memory until the engine is built)."""
+        def follow(data: torch.Tensor) -> torch.Tensor:
+            base = moved.get(data.untyped_storage().data_ptr())
+            if base is None:
+                return data
+            typed = base.view(data.dtype)
+            return typed.as_strided(data.shape, data.stride(), typed.storage_offset() + data.storage_offset())
+
+        self.parameters = [(parameter, follow(data), grad, grad_data)
+                           for parameter, data, grad, grad_data in self.parameters]
+
     def held_bytes(self, device: torch.device) -> int:
         """Bytes on `device` that only this record keeps alive: originals the model no longer
         holds (a cast replaced them), which the cast would otherwise have freed."""

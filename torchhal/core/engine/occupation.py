@@ -126,8 +126,10 @@ class Occupation:
         """The pool handle a runner captures its graphs into (None: the platform's own new pool)."""
         return None
 
-    def place_weights(self) -> None:
-        """At construction, after the model's move: where the weights live."""
+    def place_weights(self) -> dict[int, torch.Tensor]:
+        """At construction, after the model's move: where the weights live. Returns the storages
+        copied elsewhere: old address -> the copy's bytes."""
+        return {}
 
     def place_kv(self, make_kv: Callable[[torch.device | None], KVCache]) -> KVCache:
         """The KV cache, where it lives (`make_kv(device)`; None: the engine's device)."""
@@ -164,23 +166,27 @@ class RegionSleep(Occupation):
     def graph_pool(self, tag: str) -> Any:
         return self.regions.graph_pool(tag)
 
-    def place_weights(self) -> None:
+    def place_weights(self) -> dict[int, torch.Tensor]:
         """The weights are copied into the weights region, packed in chunks, and each storage is
         pointed at its copy; the old storages go back to the allocator."""
         self.storages = weight_storages(self.model)
+        moved: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for chunk in _chunks(self.storages):
                 base = self._allocate(WEIGHTS, sum(size for size, _ in chunk))
                 start = 0
                 for size, storage in chunk:
                     view = base[start : start + storage.nbytes]
-                    view.copy_(storage_bytes(storage.tensors[0]))
+                    old = storage_bytes(storage.tensors[0])
+                    view.copy_(old)
+                    moved[old.data_ptr()] = view
                     point_at(storage, view)
                     storage.device = view
                     start += size
         if self.platform.memory_info(self.device_index).reserved is not None:
             # What the old copies held is cached by the allocator, where a region cannot take it.
             self.platform.empty_cache(ReleasePoint.COMPONENT_RELEASE, self.device_index)
+        return moved
 
     def place_kv(self, make_kv: Callable[[torch.device | None], KVCache]) -> KVCache:
         """The KV cache in its own region: made on the meta device, then given region memory (zeros)."""
