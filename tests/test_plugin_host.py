@@ -271,7 +271,6 @@ def test_in_a_chain_of_replacements_the_top_stays_and_every_second_one_below_it(
 
 @pytest.mark.parametrize("names", [("simx", "simy"), ("sima", "simb", "simc")])
 def test_platforms_replacing_one_another_in_a_cycle_are_a_conflict_naming_each(make_registry, names):
-    # Was: all silently gone, each error sending you to the other.
     cycle = [replacing(name, names[(i + 1) % len(names)]) for i, name in enumerate(names)]
     with pytest.warns(TorchhalPluginWarning, match="they replace one another in a cycle"):
         reg = make_registry(*(plugin_module(platform) for platform in cycle))
@@ -300,16 +299,14 @@ def test_one_plugin_returning_a_platform_twice_is_told_to_return_one_instance(ma
 
 
 @pytest.mark.parametrize("bad", ["evil\n", "Evil", "1abc", "a-b", ""])
-def test_names_must_match_in_full(make_registry, bad):
-    with pytest.warns(TorchhalPluginWarning, match="name is"):
-        reg = make_registry(plugin_module(fake_platform(bad, 1)))
-    assert reg.names() == ["cpu"]
+def test_names_must_match_in_full(bad):
+    with pytest.raises(PluginContractError, match="name is .*; it must be a lowercase identifier"):
+        fake_platform(bad, 1)
 
 
 @pytest.mark.parametrize("flag", ["wrapper", "hookwrapper"])
 @pytest.mark.parametrize("hook", ["torchhal_cache_emptied", "torchhal_engine_event", "torchhal_register_platforms"])
 def test_a_hook_wrapper_is_refused_at_registration_naming_the_hook(make_registry, flag, hook):
-    # Was accepted and never run: torchhal calls each implementation, dropping a wrapper's generator.
     seen = []
 
     def wrapper(self):
@@ -362,32 +359,13 @@ def test_unknown_platform_after_a_failed_import_says_so(make_registry, monkeypat
     assert "install the plugin" not in str(err.value)
 
 
-def test_naming_a_platform_whose_plugin_failed_validation_gives_the_validation_error(make_registry, monkeypatch):
-    class BareStringEnv(CpuPlatform):
-        name, priority = "myaccel", -1
-        visible_devices_env = "MYACCEL_VISIBLE_DEVICES"  # type: ignore[assignment]  # a str, not a tuple
-
-    class Plugin:
-        @torchhal.hookimpl
-        def torchhal_register_platforms(self):
-            return [BareStringEnv()]
-
-    with pytest.warns(TorchhalPluginWarning):
-        make_registry(Plugin())
-    monkeypatch.setenv("TORCHHAL_PLATFORM", "myaccel")
-    with pytest.raises(UnknownPlatformError, match="'myaccel' is not registered: .*failed to validate: "
-                                                   ".*visible_devices_env") as err:
-        torchhal.current_platform()
-    assert "install the plugin" not in str(err.value)
-
-
 # -- records are validated where they enter -------------------------------------------------
 
 
 @pytest.mark.parametrize(
     ("fields", "error", "message"),
     [
-        ({"free": 1.5}, TypeError, r"MemoryInfo.free is 1.5 \(float\); it must be an int"),
+        ({"free": 1.5}, TypeError, r"MemoryInfo.free is 1.5; it must be an int"),
         ({"total": None}, TypeError, "MemoryInfo.total is None"),
         ({"free": "1"}, TypeError, "MemoryInfo.free is '1'"),
         ({"free": -1}, ValueError, "MemoryInfo.free is -1; it must be >= 0"),
@@ -419,9 +397,9 @@ def test_records_accept_good_values_and_store_int_subclasses_as_int():
 @pytest.mark.parametrize(
     ("fields", "error", "message"),
     [
-        ({"name": None}, TypeError, r"DeviceInfo.name is None \(NoneType\); it must be a str"),
-        ({"name": 7}, TypeError, r"DeviceInfo.name is 7 \(int\); it must be a str"),
-        ({"total_memory": 1.5}, TypeError, r"DeviceInfo.total_memory is 1.5 \(float\); it must be an int"),
+        ({"name": None}, TypeError, r"DeviceInfo.name is None; it must be a str"),
+        ({"name": 7}, TypeError, r"DeviceInfo.name is 7; it must be a str"),
+        ({"total_memory": 1.5}, TypeError, r"DeviceInfo.total_memory is 1.5; it must be an int"),
         ({"index": -1}, ValueError, "DeviceInfo.index is -1; it must be >= 0"),
         ({"capability": (9, "0")}, TypeError, r"DeviceInfo.capability is \(9, '0'\); it must be None or \(major"),
         ({"capability": [9, 0]}, TypeError, r"DeviceInfo.capability is \[9, 0\]"),
@@ -445,7 +423,8 @@ def test_memory_info_of_the_wrong_type_is_a_named_plugin_error(make_registry, mo
             return {"free": 1}
 
     make_registry(plugin_module(Sloppy()))
-    with pytest.raises(PluginContractError, match=r"platform 'sloppy' \(<in-process>\): memory_info\(\) returned dict"):
+    says = r"platform 'sloppy': memory_info\(\) returned \{'free': 1\}; it must return a MemoryInfo"
+    with pytest.raises(PluginContractError, match=says):
         torchhal.current_platform().memory_info(0)
 
 
@@ -495,10 +474,10 @@ def test_info_names_an_entry_point_that_registers_nothing():
 @pytest.mark.parametrize(
     ("mode", "says"),
     [
-        ("memory-str", "memory_info(0): PluginContractError: platform 'hostile' (torchhal-hostile): "
-                       "memory_info() returned str 'lots'"),
-        ("memory-none", "memory_info() returned NoneType None"),
-        ("memory-float", "MemoryInfo.free is 1610612736.0 (float)"),
+        ("memory-str", "memory_info(0): PluginContractError: platform 'hostile': memory_info() returned 'lots'; it "
+                       "must return a MemoryInfo"),
+        ("memory-none", "memory_info() returned None"),
+        ("memory-float", "MemoryInfo.free is 1610612736.0; it must be an int"),
         ("memory-negative", "MemoryInfo.free is -1; it must be >= 0"),
         ("memory-raises", "memory_info(0): RuntimeError: hostile memory query crashed"),
         ("memory-exit", "memory_info(0): called sys.exit(6)"),
@@ -541,8 +520,8 @@ def test_platform_env_for_a_plugin_whose_import_failed_gives_the_import_error():
 
 @pytest.mark.parametrize("group", ["torchhal.platforms", "torch_hal", "TorchHAL"])
 def test_an_entry_point_in_a_near_miss_group_is_a_notice_naming_the_right_group(tmp_path, group):
-    """A plugin registered under a group torchhal does not read was silently absent: `info`
-    listed nothing and conformance said to install a plugin that is installed."""
+    """A plugin registered under a group torchhal does not read would be silently absent: `info`
+    would list nothing and conformance would say to install a plugin that is installed."""
     from .conftest import run_cli
 
     info = tmp_path / "torchhal_mybad-1.0.dist-info"

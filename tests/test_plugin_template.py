@@ -226,7 +226,7 @@ def test_a_write_that_fails_part_way_leaves_nothing_behind(tmp_path, monkeypatch
 
 
 def test_a_write_interrupted_part_way_leaves_nothing_behind(tmp_path, monkeypatch):
-    # Ctrl-C between two files left a half distribution, which the rerun refused as a non-empty directory.
+    # Ctrl-C between two files leaves no half distribution for the rerun to refuse as a non-empty directory.
     from pathlib import Path
 
     real, writes = Path.write_text, []
@@ -246,8 +246,7 @@ def test_a_write_interrupted_part_way_leaves_nothing_behind(tmp_path, monkeypatc
 
 
 def test_a_file_cut_short_by_a_full_disk_is_removed_with_the_rest(tmp_path, monkeypatch):
-    # The half-written file was not counted as made: its folder could not be removed, and the
-    # refusal was that cleanup's "Directory not empty" instead of the full disk.
+    # The half-written file counts as made: its folder is removed too, and the refusal names the full disk.
     from pathlib import Path
 
     real = Path.write_text

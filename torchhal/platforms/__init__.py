@@ -6,7 +6,6 @@ conformance suite also uses the testing seam `torchhal.platforms.testing`.
 """
 
 from torchhal.platforms.errors import (
-    AmbiguousPlatformError,
     IpcHandleError,
     PlatformError,
     PlatformUnavailableError,
@@ -26,11 +25,9 @@ from torchhal.platforms.manager import (
 from torchhal.platforms.platform import FACTS as PLATFORM_FACTS
 from torchhal.platforms.platform import Platform, check_platform_argument
 from torchhal.platforms.plugin import (
-    DEPRECATED_MEMBERS,
     SPI_ATTRIBUTES,
     SPI_METHODS,
     SPI_VERSION,
-    Deprecation,
     PlatformPlugin,
 )
 from torchhal.platforms.records import (
@@ -63,7 +60,6 @@ from torchhal.platforms.selection import (
 
 __all__ = [
     "DEFAULT_PLUGINS",
-    "DEPRECATED_MEMBERS",
     "DETECT_TIMEOUT_ENV",
     "ENTRY_POINT_GROUP",
     "PLATFORM_ENV",
@@ -71,11 +67,9 @@ __all__ = [
     "SPI_METHODS",
     "SPI_VERSION",
     "TIE_RULE",
-    "AmbiguousPlatformError",
     "AttentionSupport",
     "CompileSupport",
     "Availability",
-    "Deprecation",
     "DeviceInfo",
     "DistributedSupport",
     "GraphSupport",

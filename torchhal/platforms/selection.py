@@ -8,9 +8,10 @@ and from which call site, is remembered for `torchhal info`.
 from __future__ import annotations
 
 import os
+import sys
 import threading
-import traceback
 from dataclasses import dataclass
+from types import FrameType
 
 from torchhal.platforms.errors import (
     PlatformUnavailableError,
@@ -21,6 +22,8 @@ from torchhal.platforms.manager import ALLOW_LIST_ENV, PlatformRegistry, build_r
 from torchhal.platforms.platform import Platform, notify_observers
 
 PLATFORM_ENV = "TORCHHAL_PLATFORM"
+#: torchhal's own files: the call site that resolved the platform is the first frame outside them.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 #: The stages at which an installed plugin fails to load: a platform it would provide is
 #: explained by that failure, not by "install the plugin".
 LOAD_STAGES = ("import", "register", "validate", "version")
@@ -70,7 +73,8 @@ def current_platform() -> Platform:
 
 
 def how_resolved() -> tuple[str | None, str | None]:
-    """(why the current platform was chosen, the call site that resolved it)."""
+    """(why the current platform was chosen, the call site outside torchhal that resolved it: None when
+    torchhal itself did, as `torchhal info` does)."""
     return _how, _resolved_at
 
 
@@ -95,7 +99,7 @@ def list_platforms() -> list[PlatformStatus]:
                 name,
                 availability.available,
                 availability.reason,
-                entry.plugin.priority,
+                entry.priority,
                 entry.source,
                 entry.distribution,
                 entry.version,
@@ -163,10 +167,16 @@ def _select_current() -> Platform:
         else:
             platform, how = _by_priority(reg)
         _current, _how = platform, how
-        caller = traceback.extract_stack(limit=3)[0]
-        _resolved_at = f"{caller.filename}:{caller.lineno} in {caller.name}"
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith((_PACKAGE_DIR, "<")):
+            frame = frame.f_back
+        _resolved_at = None if frame is None else _site(frame)
     notify_observers(reg.pm, "torchhal_platform_activated", platform=platform, how=how)
     return platform
+
+
+def _site(frame: FrameType) -> str:
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 #: How a tie of the highest priority is broken (stated by `torchhal info`).
@@ -178,7 +188,7 @@ def _by_priority(reg: PlatformRegistry) -> tuple[Platform, str]:
     for name in reg.names():
         if reg.availability(name):
             entry = reg.platforms[name]
-            found.append((entry.plugin.priority, entry.builtin, name))
+            found.append((entry.priority, entry.builtin, name))
     if not found:
         reasons = "; ".join(f"{n}: {reg.availability(n).reason}" for n in reg.names())
         raise PlatformUnavailableError(f"no platform is available ({reasons or 'none registered'})")
