@@ -57,32 +57,43 @@ class PlatformPlugin(abc.ABC):
     """Unique platform name, a lowercase identifier (`myaccel`). `TORCHHAL_PLATFORM=name` and
     `torchhal conformance --platform name` select it."""
     device_type: ClassVar[str]
-    """The torch device type string tensors of this platform carry (`torch.device(device_type,
-    index)`). Several platforms may share one (ROCm uses `cuda`; a CPU-backed simulator uses `cpu`)."""
+    """The torch device type string tensors of this platform carry (`torch.device(device_type, index)`).
+
+    Several platforms may share one (ROCm uses `cuda`; a CPU-backed simulator uses `cpu`)."""
     priority: ClassVar[int] = 50
-    """Which available platform wins when none is named: higher wins. See
-    [Priority ranges](#priority-ranges)."""
+    """Which available platform wins when none is named: higher wins; the CPU is 0.
+
+    Simulators go below 0, the built-in accelerators are at 90 and 100 (the SPI reference's
+    "Priority ranges")."""
     replaces: ClassVar[str | None] = None
     """Name of a platform registered by another distribution that this one replaces (a vendor's
-    own build of a built-in). Only a plugin that is itself registered replaces: one dropped as a
-    conflict, or replaced in turn, replaces nothing (C replaces B and B replaces `cpu`: B is dropped
-    and `cpu` stays). Platforms that replace one another in a cycle are all dropped, each with a
-    `conflict` naming them all. Naming the replaced platform (`TORCHHAL_PLATFORM`, `--platform`)
-    is then an error naming the platform that replaced it."""
+    own build of a built-in), or None.
+
+    Only a plugin that is itself registered replaces: one dropped as a conflict, or replaced in
+    turn, replaces nothing (C replaces B and B replaces `cpu`: B is dropped and `cpu` stays).
+    Platforms that replace one another in a cycle are all dropped, each with a `conflict` naming
+    them all. Naming the replaced platform (`TORCHHAL_PLATFORM`, `--platform`) is then an error
+    naming the platform that replaced it."""
     dist_backend: ClassVar[str]
-    """The `torch.distributed` backend for this platform's devices (`nccl`, `gloo`, `hccl` …). A
-    name torch lacks must be registered by the extension the plugin imports
+    """The `torch.distributed` backend for this platform's devices (`nccl`, `gloo`, `hccl` …).
+
+    A name torch lacks must be registered by the extension the plugin imports
     (`torch.distributed.Backend.register_backend`); the `distributed` conformance group initialises it."""
     visible_devices_env: ClassVar[tuple[str, ...]] = ()
     """Environment variables that restrict which devices the runtime sees (`CUDA_VISIBLE_DEVICES`
-    …). Shown by `torchhal info` and in the conformance report header. A tuple, not a list."""
+    …), a tuple.
+
+    Shown by `torchhal info` and in the conformance report header."""
     ipc_peer_redirect: ClassVar[bool] = False
-    """The IPC open maps a handle through the consumer's own device where peer access exists (see
-    `IpcSupport.peer_redirect`). `Platform.set_ipc_peer_redirect(False)` turns it off for one process."""
+    """True if your IPC open maps handles through the consumer's own device where peer access exists.
+
+    See `IpcSupport.peer_redirect`; `Platform.set_ipc_peer_redirect(False)` turns it off for one process."""
     spi_version: ClassVar[tuple[int, int]] = (SPI_VERSION[0], 0)
-    """The SPI version the plugin was written for, `(major, minor)`. The host refuses another major,
-    naming both versions; an older minor works, a newer minor works with a notice. Left out, a
-    plugin uses only what every release of the current major provides."""
+    """The SPI version the plugin was written for, `(major, minor)`.
+
+    The host refuses another major, naming both versions; an older minor works, a newer minor
+    works with a notice. Left out, a plugin uses only what every release of the current major
+    provides."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

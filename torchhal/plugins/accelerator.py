@@ -53,15 +53,23 @@ def module_installed(name: str) -> bool:
 
 
 class AcceleratorPlatform(PlatformPlugin):
-    #: Vendor extension imported before `torch.<device_type>` exists (torch_npu …).
+    """Every SPI method through the CUDA-style names of `torch.<device_type>`, detection included."""
+
     extension_module: ClassVar[str | None] = None
-    #: Said with a "no" when the runtime is absent or fails to load (what to install).
+    """The vendor extension imported before `torch.<device_type>` exists (`torch_npu`), or None when
+    torch itself has the device module; checked with `find_spec` before it is imported."""
     runtime_hint: ClassVar[str] = ""
-    #: Name of the graph class on the device module, or None if the platform has none.
+    """What to install, said with a "no" when the runtime is absent or fails to load."""
     graph_class_name: ClassVar[str | None] = None
-    #: UntypedStorage methods that export / import a device storage across processes.
+    """The graph class on the device module (`"NPUGraph"`), or None: no graphs. Graphs also need the
+    module's `graph_pool_handle`, `is_current_stream_capturing` and `stream`: a class without them
+    is warned about (`TorchhalPluginWarning`) and gives no graph support."""
     ipc_share_method: ClassVar[str | None] = None
+    """The `UntypedStorage` method exporting a device storage across processes (`"_share_cuda_"`),
+    or None: no IPC."""
     ipc_open_method: ClassVar[str | None] = None
+    """The `torch.UntypedStorage` static method opening an exported storage (`"_new_shared_cuda"`),
+    looked up after the device module is loaded (the extension may add it)."""
 
     # -- detection -----------------------------------------------------------------
     def is_available(self) -> Availability:
