@@ -58,7 +58,8 @@ def spi_doc(cls: type, member: str) -> str:
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
     for node, after in zip(body, body[1:], strict=False):
         if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == member:
-            return inspect.cleandoc(after.value.value) if isinstance(after, ast.Expr) else ""
+            text = after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) else ""
+            return inspect.cleandoc(text) if isinstance(text, str) else ""
     return ""
 
 
