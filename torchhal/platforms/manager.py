@@ -35,7 +35,7 @@ import pluggy
 
 from torchhal.platforms import hookspecs
 from torchhal.platforms.errors import PlatformError, TorchhalPluginWarning, describe_error, isolated, watched
-from torchhal.platforms.platform import call_plugin
+from torchhal.platforms.platform import call_plugin, plugins_implementing
 from torchhal.platforms.plugin import SPI_VERSION, PlatformPlugin
 from torchhal.platforms.records import Availability, PluginFailure
 from torchhal.values import short_repr
@@ -286,7 +286,7 @@ class PlatformRegistry:
     def collect_platforms(self) -> None:
         """Call each plugin's registration hook through pluggy, isolated; keep one platform a name."""
         candidates: list[RegisteredPlatform] = []
-        for impl in self.pm.hook.torchhal_register_platforms.get_hookimpls():
+        for impl in plugins_implementing(self.pm, REGISTER_HOOK):
             source = impl.plugin_name
             dist, version, builtin = self._provenance.get(source, ("<unknown distribution>", "?", False))
             with self.watch(source, f"its {REGISTER_HOOK}()", dist):

@@ -50,9 +50,14 @@ def call_plugin(pm: pluggy.PluginManager, hook_name: str, plugin: object,
     return isolated(pm.subset_hook_caller(hook_name, others), **kwargs)
 
 
+def plugins_implementing(pm: pluggy.PluginManager, hook_name: str) -> list[pluggy.HookImpl]:
+    """One implementation of `hook_name` a plugin (a plugin may implement a hook twice: `call_plugin` calls both)."""
+    return list({impl.plugin_name: impl for impl in getattr(pm.hook, hook_name).get_hookimpls()}.values())
+
+
 def notify_observers(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> None:
     """Call every observer of `hook_name`, each isolated: one that raises or exits is warned about."""
-    for impl in getattr(pm.hook, hook_name).get_hookimpls():
+    for impl in plugins_implementing(pm, hook_name):
         _, error = call_plugin(pm, hook_name, impl.plugin, **kwargs)
         if error is not None:
             warnings.warn(

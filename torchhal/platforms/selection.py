@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from types import FrameType
 
 from torchhal.platforms.errors import (
+    PlatformError,
     PlatformUnavailableError,
     PluginConflictError,
     UnknownPlatformError,
@@ -90,22 +91,9 @@ def get_platform(name: str) -> Platform:
 
 def list_platforms() -> list[PlatformStatus]:
     reg = registry()
-    out = []
-    for name in reg.names():
-        entry = reg.platforms[name]
-        availability = reg.availability(name)
-        out.append(
-            PlatformStatus(
-                name,
-                availability.available,
-                availability.reason,
-                entry.priority,
-                entry.source,
-                entry.distribution,
-                entry.version,
-            )
-        )
-    return out
+    return [PlatformStatus(name, (availability := reg.availability(name)).available, availability.reason,
+                           entry.priority, entry.source, entry.distribution, entry.version)
+            for name, entry in sorted(reg.platforms.items())]
 
 
 def _platform(reg: PlatformRegistry, name: str) -> Platform:
@@ -119,39 +107,39 @@ def _platform(reg: PlatformRegistry, name: str) -> Platform:
 
 
 def _require_known(reg: PlatformRegistry, name: str) -> None:
+    """Refuse a name no registered platform has, saying why it is missing: replaced, in a conflict,
+    its plugin failed to load or was excluded (then not "install it"), or unknown."""
     if name in reg.platforms:
         return
     known = f"registered platforms: {', '.join(reg.names()) or 'none'}"
-    replaced = reg.replacement_note(name)
+    replaced, conflict = reg.replacement_note(name), reg.conflict_for(name)
+    loading = [f for f in reg.failures if f.stage in LOAD_STAGES]
+    failed = [f for f in loading
+              if name in (f.plugin, f.plugin.rsplit(".", 1)[-1], *f.involves) or f"(platform {name!r})" in f.error]
+    error: PlatformError
     if replaced is not None:
-        raise UnknownPlatformError(f"{replaced} ({known})")
-    conflict = reg.conflict_for(name)
-    if conflict is not None:
-        raise PluginConflictError(conflict.error)
-    # A plugin that was installed but not loaded: say why, not "install it".
-    failed = [f for f in reg.failures if f.stage in LOAD_STAGES
-              and (name in (f.plugin, f.plugin.rsplit(".", 1)[-1], *f.involves) or f"(platform {name!r})" in f.error)]
-    if failed:
-        raise UnknownPlatformError(
-            f"platform {name!r} is not registered: " + "; ".join(str(f) for f in failed) + f". {known}"
-        )
-    if name in reg.excluded:
+        error = UnknownPlatformError(f"{replaced} ({known})")
+    elif conflict is not None:
+        error = PluginConflictError(conflict.error)
+    elif failed:
+        error = UnknownPlatformError(f"platform {name!r} is not registered: " + "; ".join(map(str, failed))
+                                     + f". {known}")
+    elif name in reg.excluded:
         allowed = ",".join(sorted(reg.allow or ())) or "(empty)"
-        raise UnknownPlatformError(
-            f"platform {name!r} is not registered: entry point {name!r} of distribution "
-            f"{reg.excluded[name]} is installed but excluded by {ALLOW_LIST_ENV}={allowed}; "
-            f"add {name!r} to {ALLOW_LIST_ENV}, or unset it. {known}"
-        )
-    hints = []
-    loading = [str(f) for f in reg.failures if f.stage in LOAD_STAGES]
-    if loading:
-        hints.append("plugins that failed to load, which may provide it: " + "; ".join(loading))
-    if reg.excluded:
-        hints.append(f"entry points excluded by {ALLOW_LIST_ENV}: {', '.join(sorted(reg.excluded))}")
-    raise UnknownPlatformError(
-        f"unknown platform {name!r}; {known}. Set {PLATFORM_ENV} to one of them, or install the "
-        f"plugin that provides {name!r}" + "".join(f". Note: {hint}" for hint in hints)
-    )
+        error = UnknownPlatformError(
+            f"platform {name!r} is not registered: entry point {name!r} of distribution {reg.excluded[name]} is "
+            f"installed but excluded by {ALLOW_LIST_ENV}={allowed}; add {name!r} to {ALLOW_LIST_ENV}, or unset it. "
+            f"{known}")
+    else:
+        hints = []
+        if loading:
+            hints.append("plugins that failed to load, which may provide it: " + "; ".join(map(str, loading)))
+        if reg.excluded:
+            hints.append(f"entry points excluded by {ALLOW_LIST_ENV}: {', '.join(sorted(reg.excluded))}")
+        error = UnknownPlatformError(f"unknown platform {name!r}; {known}. Set {PLATFORM_ENV} to one of them, or "
+                                     f"install the plugin that provides {name!r}"
+                                     + "".join(f". Note: {hint}" for hint in hints))
+    raise error
 
 
 def _select_current() -> Platform:
