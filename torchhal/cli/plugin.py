@@ -1,4 +1,4 @@
-"""`torchhal plugin new NAME`: write a platform plugin distribution to start from."""
+"""`torchhal plugin new NAME`: a platform plugin distribution to start from; `torchhal plugin spi`: the SPI."""
 
 from __future__ import annotations
 
