@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from .conftest import run_cli
 
 
@@ -179,3 +181,28 @@ print(config.warned)
     ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.strip() == "[]", ran.stdout
+
+
+@pytest.mark.parametrize("argv", [["--help"], [], ["bogus"], ["info", "--help"], ["info", "--bogus"],
+                                  ["plugin", "new", "--help"], ["conformance", "--help"]])
+def test_help_and_usage_errors_import_no_torch(argv):
+    """Importing torch took seconds before `torchhal --help` printed its usage."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom torchhal.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as exc:\n"
+            "    code = exc.code\nprint('torch imported' if 'torch' in sys.modules else f'no torch, exit {code}')\n")
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    said = out.stdout.strip().splitlines()[-1]
+    assert said == f"no torch, exit {0 if '--help' in argv else 2}", out.stdout + out.stderr
+
+
+def test_the_help_lines_of_the_commands_are_their_own():
+    """`torchhal --help` lists each command without importing it: the listed line is the command's own."""
+    import argparse
+
+    from torchhal.cli import COMMANDS, build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert {choice.dest: choice.help for choice in sub._choices_actions} == {
+        name: help_line for name, (_, help_line) in COMMANDS.items()}

@@ -153,8 +153,8 @@ def test_naming_a_replaced_platform_names_the_one_that_replaced_it(tmp_path, mak
 
 @pytest.mark.filterwarnings("ignore::torchhal.platforms.TorchhalPluginWarning")
 @pytest.mark.parametrize("name, says", [
-    (None, "DeviceInfo.name is None (NoneType); it must be a str"),
-    (7, "DeviceInfo.name is 7 (int); it must be a str"),
+    (None, "DeviceInfo.name is None; it must be a str"),
+    (7, "DeviceInfo.name is 7; it must be a str"),
 ])
 def test_info_reports_a_device_info_name_that_is_not_a_str(make_registry, cli, name, says):
     from torchhal.platforms import DeviceInfo

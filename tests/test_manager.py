@@ -3,7 +3,7 @@ import warnings
 import pytest
 
 import torchhal
-from torchhal.platforms import PluginConflictError, TorchhalPluginWarning, hookimpl, manager
+from torchhal.platforms import PluginConflictError, PluginContractError, TorchhalPluginWarning, hookimpl, manager
 from torchhal.plugins.cpu import CpuPlatform
 
 from .test_selection import fake_platform, plugin_module
@@ -51,16 +51,18 @@ def test_is_available_returning_a_bool_is_a_detect_error(make_registry):
     assert ("sloppy", "detect") in failures_by_stage(reg)
 
 
-def test_wrong_result_types_are_rejected_by_name(make_registry):
-    class BadName(CpuPlatform):
-        name = "Bad Name"
-
+def test_a_result_that_is_not_a_platform_plugin_is_rejected_by_name(make_registry):
     with pytest.warns(TorchhalPluginWarning):
-        reg = make_registry(plugin_module("not a plugin", BadName()))
-    messages = [e.error for e in reg.failures if e.stage == "validate"]
-    assert any("returned str 'not a plugin'" in m for m in messages)
-    assert any("BadName.name is 'Bad Name'" in m for m in messages)
-    assert reg.names() == ["cpu"]
+        reg = make_registry(plugin_module("not a plugin", fake_platform("good", 1)))
+    [failure] = [e for e in reg.failures if e.stage == "validate"]
+    assert failure.error == ("torchhal_register_platforms returned str 'not a plugin'; return instances of "
+                             "torchhal.PlatformPlugin")
+    assert reg.names() == ["cpu", "good"]  # its other platform registers
+
+
+def test_a_bad_platform_name_is_refused_where_the_class_is_defined():
+    with pytest.raises(PluginContractError, match=r"^BadName: name is 'Bad Name'; it must be a lowercase identifier"):
+        type("BadName", (CpuPlatform,), {"name": "Bad Name"})
 
 
 def test_registration_hook_that_raises_is_isolated(make_registry):

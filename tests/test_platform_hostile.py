@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import torchhal
-from torchhal.platforms import PlatformPlugin, PluginContractError, TorchhalPluginWarning, manager
+from torchhal.platforms import PlatformPlugin, PluginContractError, TorchhalPluginWarning, UnknownPlatformError, manager
 from torchhal.platforms.testing import patched_plugin
+from torchhal.plugins.cpu import CpuPlatform
 
 from .test_manager import failures_by_stage
 from .test_selection import fake_platform, plugin_module
@@ -21,21 +22,88 @@ def plugin_with(name: str, **attributes):
     return platform
 
 
+class EvilStr(str):
+    """A platform name whose hash and equality are the plugin's own code."""
+
+    def __hash__(self):
+        raise RuntimeError("hash of a hostile name")
+
+    def __eq__(self, other):
+        raise RuntimeError("equality of a hostile name")
+
+
 @pytest.mark.parametrize("attribute, value, message", [
-    ("replaces", ["cpu"], r"\.replaces is \['cpu'\]; it must be None or one platform name"),
-    ("replaces", "Not A Name", r"\.replaces is 'Not A Name'"),
-    ("visible_devices_env", None, r"\.visible_devices_env is None; it must be a tuple of environment variable"),
-    ("visible_devices_env", "MY_VISIBLE_DEVICES", r"\.visible_devices_env is 'MY_VISIBLE_DEVICES'"),
-    ("visible_devices_env", ("OK", 3), r"\.visible_devices_env is \('OK', 3\)"),
+    ("name", EvilStr("evil"), r"name is 'evil'; it must be a lowercase identifier"),
+    ("name", "Not A Name", r"name is 'Not A Name'; it must be a lowercase identifier"),
+    ("name", property(lambda self: "vendor"), r"name is <property .*>; it must be a lowercase identifier"),
+    ("priority", True, r"\(platform 'vendor'\): priority is True; it must be an int"),
+    ("device_type", "", r"device_type is ''; it must be a str"),
+    ("dist_backend", None, r"dist_backend is None; it must be a str"),
+    ("replaces", ["cpu"], r"replaces is \['cpu'\]; it must be None or one platform name"),
+    ("replaces", "Not A Name", r"replaces is 'Not A Name'"),
+    ("visible_devices_env", None, r"visible_devices_env is None; it must be a tuple of environment variable"),
+    ("visible_devices_env", "MY_VISIBLE_DEVICES", r"visible_devices_env is 'MY_VISIBLE_DEVICES'"),
+    ("visible_devices_env", ("OK", 3), r"visible_devices_env is \('OK', 3\)"),
+    ("ipc_peer_redirect", 1, r"ipc_peer_redirect is 1; it must be True or False"),
 ])
-def test_a_bad_class_attribute_drops_that_plugin_and_every_other_platform_still_resolves(
-        make_registry, attribute, value, message):
-    with pytest.warns(TorchhalPluginWarning):
-        reg = make_registry(plugin_module(plugin_with("vendor", **{attribute: value})))
-    failure = failures_by_stage(reg)[("test-plugin-0", "validate")]
-    assert re.search(message, failure.error), failure.error
-    assert reg.names() == ["cpu"]
-    assert torchhal.current_platform().name == "cpu"
+def test_a_bad_class_attribute_is_refused_where_the_class_is_defined(attribute, value, message):
+    with pytest.raises(PluginContractError, match=message):
+        type("Vendor", (CpuPlatform,), {"name": "vendor", attribute: value})
+
+
+def test_a_platform_class_without_a_required_attribute_is_refused_but_a_shared_base_is_not():
+    class SharedBase(PlatformPlugin):  # no name: a base of platforms, checked on what it sets
+        dist_backend = "gloo"
+
+    says = r"Half \(platform 'half'\): device_type is not set; it must be a str"
+    with pytest.raises(PluginContractError, match=says):
+        type("Half", (SharedBase,), {"name": "half"})
+
+
+HOSTILE_MODULE = """
+from torchhal.platforms import hookimpl
+from torchhal.plugins.cpu import CpuPlatform
+
+class {cls}(CpuPlatform):
+    name = {name}
+    {attribute} = {value}
+
+@hookimpl
+def torchhal_register_platforms():
+    return [{cls}()]
+"""
+
+
+@pytest.mark.parametrize("attribute, value, says", [
+    ("visible_devices_env", "'MYACCEL_VISIBLE_DEVICES'", "visible_devices_env is 'MYACCEL_VISIBLE_DEVICES'"),
+    ("priority", "'high'", "priority is 'high'"),
+])
+def test_a_plugin_with_a_bad_class_attribute_fails_to_import_and_naming_its_platform_says_why(
+        make_registry, tmp_path, monkeypatch, attribute, value, says):
+    (tmp_path / "badattr.py").write_text(HOSTILE_MODULE.format(cls="BareStringEnv", name="'myaccel'",
+                                                               attribute=attribute, value=value))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(TorchhalPluginWarning, match=says):
+        reg = make_registry(builtins=("torchhal.plugins.cpu", "badattr"))
+    assert [(f.plugin, f.stage) for f in reg.failures] == [("badattr", "import")]
+    assert torchhal.current_platform().name == "cpu"  # the other platforms resolve
+    torchhal.use_registry(reg)
+    monkeypatch.setenv("TORCHHAL_PLATFORM", "myaccel")
+    failed = rf"PluginContractError: BareStringEnv \(platform 'myaccel'\): {says}"
+    with pytest.raises(UnknownPlatformError, match=f"'myaccel' is not registered: .*failed to import: {failed}") as err:
+        torchhal.current_platform()
+    assert "install the plugin" not in str(err.value)
+
+
+def test_a_hostile_name_never_reaches_the_host(make_registry, tmp_path, monkeypatch):
+    """A name whose __hash__ raises took `torchhal info` and current_platform() down: refused at import."""
+    (tmp_path / "evilname.py").write_text(
+        "class EvilStr(str):\n    def __hash__(self):\n        raise RuntimeError('no hash')\n"
+        + HOSTILE_MODULE.format(cls="Evil", name="EvilStr('evil')", attribute="priority", value="1"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(TorchhalPluginWarning, match="name is 'evil'; it must be a lowercase identifier"):
+        reg = make_registry(builtins=("torchhal.plugins.cpu", "evilname"))
+    assert reg.names() == ["cpu"] and torchhal.current_platform().name == "cpu"
 
 
 def test_a_list_of_visible_devices_variables_is_taken_as_a_tuple(make_registry):

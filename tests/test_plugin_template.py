@@ -226,7 +226,7 @@ def test_a_write_that_fails_part_way_leaves_nothing_behind(tmp_path, monkeypatch
 
 
 def test_a_write_interrupted_part_way_leaves_nothing_behind(tmp_path, monkeypatch):
-    # Ctrl-C between two files left a half distribution, which the rerun refused as a non-empty directory.
+    # Ctrl-C between two files leaves no half distribution for the rerun to refuse as a non-empty directory.
     from pathlib import Path
 
     real, writes = Path.write_text, []
@@ -246,8 +246,7 @@ def test_a_write_interrupted_part_way_leaves_nothing_behind(tmp_path, monkeypatc
 
 
 def test_a_file_cut_short_by_a_full_disk_is_removed_with_the_rest(tmp_path, monkeypatch):
-    # The half-written file was not counted as made: its folder could not be removed, and the
-    # refusal was that cleanup's "Directory not empty" instead of the full disk.
+    # The half-written file counts as made: its folder is removed too, and the refusal names the full disk.
     from pathlib import Path
 
     real = Path.write_text
@@ -262,3 +261,74 @@ def test_a_file_cut_short_by_a_full_disk_is_removed_with_the_rest(tmp_path, monk
     with pytest.raises(TemplateError, match=r"could not write .*No space left on device; nothing was left behind"):
         write_plugin("myaccel", tmp_path / "plug")
     assert not (tmp_path / "plug").exists()
+
+
+def comments_above(source: str, line: str) -> str:
+    """The comment lines right above `line` in `source`, joined into one line of text."""
+    lines = source.splitlines()
+    index = next(i for i, text in enumerate(lines) if text.strip() == line)
+    comments = []
+    while lines[index - 1].strip().startswith("#"):
+        index -= 1
+        comments.insert(0, lines[index].strip().removeprefix("# "))
+    return " ".join(comments)
+
+
+@pytest.mark.parametrize("base", ["plugin", "accelerator"])
+def test_each_members_guidance_is_the_first_paragraph_of_its_docstring(base):
+    """The SPI is written once: the template's guidance is read from PlatformPlugin (and
+    AcceleratorPlatform), not restated."""
+    import inspect
+
+    from torchhal.cli.plugin_template import TO_FILL, guidance, plugin_module_source, spi_doc
+
+    source = plugin_module_source("myaccel", base)
+    owner = {name: PlatformPlugin for name in SPI_ATTRIBUTES}
+    owner.update({name: AcceleratorPlatform for name in vars(AcceleratorPlatform)["__annotations__"]}
+                 if base == "accelerator" else {})
+    for name, cls in owner.items():
+        line = next(text.strip() for text in source.splitlines() if text.strip().startswith(f"{name} = "))
+        first = " ".join(spi_doc(cls, name).split("\n\n")[0].split())
+        assert first and comments_above(source, line) == ("TODO: " if name in TO_FILL else "") + first, name
+    if base == "plugin":
+        for name in SPI_METHODS:
+            doc = " ".join(inspect.getdoc(getattr(PlatformPlugin, name)).split("\n\n")[0].split())
+            assert doc == guidance(PlatformPlugin, name) and " ".join(doc.split()) in " ".join(
+                line.strip().removeprefix("# ") for line in source.splitlines()), name
+
+
+def test_the_next_step_of_a_template_conformant_as_written_is_no_todo(tmp_path):
+    out = run_cli("plugin", "new", "mysim", "--base", "cpu", "--dir", str(tmp_path / "cpu"))
+    assert out.returncode == 0, out.stderr
+    assert "TODO" not in (tmp_path / "cpu" / "torchhal_mysim" / "__init__.py").read_text()
+    assert "fill in the TODOs" not in out.stdout and "next: pip install -e" in out.stdout
+    out = run_cli("plugin", "new", "myaccel", "--dir", str(tmp_path / "plugin"))
+    assert "next: fill in the TODOs, pip install -e" in out.stdout
+
+
+def test_a_ci_runner_sent_to_a_wheel_of_this_machine_is_not_told_it_is_a_directory(monkeypatch, tmp_path):
+    from torchhal.cli import plugin_template
+
+    wheel = "torchhal @ file:///build/torchhal-0.1.0-py3-none-any.whl"
+    monkeypatch.setattr(plugin_template, "torchhal_requirement", lambda: wheel)
+    ci = (write_plugin("myaccel", tmp_path / "out") / ".github" / "workflows" / "conformance.yml").read_text()
+    assert "directory" not in ci
+    assert ("TODO: this torchhal was installed from file:///build/torchhal-0.1.0-py3-none-any.whl, a path on this "
+            "machine that a runner does not have") in ci
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_the_files_point_at_a_reference_the_installation_has(tmp_path, base):
+    """The wheel has no docs/ folder: the generated files send a vendor to `torchhal plugin spi`."""
+    target = write_plugin("myaccel", tmp_path / base, base)
+    written = "".join(path.read_text() for path in target.rglob("*") if path.is_file())
+    assert "docs/" not in written and "torchhal plugin spi" in (target / "README.md").read_text()
+
+
+def test_plugin_spi_prints_the_reference_the_docstrings_render():
+    from torchhal.cli.plugin_template import spi_reference
+
+    out = run_cli("plugin", "spi")
+    assert out.returncode == 0, out.stderr
+    reference = spi_reference()
+    assert out.stdout == (f"## Class attributes\n\n{reference['attributes']}\n\n## Methods\n\n{reference['methods']}\n")

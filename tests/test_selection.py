@@ -51,7 +51,6 @@ def test_highest_priority_available_wins_and_unavailable_is_skipped(make_registr
 
 
 def test_equal_priority_resolves_by_the_tie_rule_and_says_so(make_registry):
-    # Was an AmbiguousPlatformError for every engine; now deterministic (TIE_RULE).
     make_registry(plugin_module(fake_platform("beta", 10), fake_platform("alpha", 10)))
     assert torchhal.current_platform().name == "alpha"
     assert f"tied with beta: broken by the tie rule ({torchhal.TIE_RULE})" in torchhal.how_resolved()[0]

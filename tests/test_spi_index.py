@@ -3,6 +3,7 @@ validation, "so a plugin receives a valid `index`". Every index-taking call refu
 naming it, before the plugin (or an observer) sees anything; only set_device did before."""
 
 import enum
+import re
 
 import pytest
 import torch
@@ -147,8 +148,12 @@ def test_the_device_count_is_asked_once_not_per_call(platform):
     assert plugin.counted == 2 and plugin.seen[-1] == ("synchronize", 1)
 
 
-def test_a_device_count_that_is_not_an_int_is_a_contract_error_naming_the_platform(platform):
+@pytest.mark.parametrize("count", ["1", -1, 1.0, None])
+def test_a_device_count_that_is_not_an_int_is_a_contract_error_naming_the_platform(platform, count):
     plugin = torchhal.platforms.testing.plugin_under_test(platform)
-    plugin.count = "1"
-    with pytest.raises(PluginContractError, match=r"platform 'onedev': device_count\(\) returned '1'; it must return"):
+    plugin.count = count
+    says = rf"platform 'onedev': device_count\(\) returned {re.escape(repr(count))}; it must return an int >= 0"
+    with pytest.raises(PluginContractError, match=says):
         platform.memory_info(0)
+    with pytest.raises(PluginContractError, match=says):
+        platform.device_count()

@@ -121,3 +121,35 @@ def test_the_public_base_classes_and_their_declarations_are_documented():
     assert own, "AcceleratorPlatform declares nothing of its own?"
     missing = [name for name in own if f"`{name}" not in section]
     assert missing == [], f"document these AcceleratorPlatform members in spi-reference.md 'Base classes': {missing}"
+
+
+def rendered(doc: str) -> dict[str, str]:
+    """The sections of `doc` between its `<!-- rendered: NAME -->` markers."""
+    return dict(re.findall(r"<!-- rendered: (\w+) -->\n(.*?)\n<!-- end rendered: \1 -->", doc, flags=re.S))
+
+
+def render(doc: str) -> str:
+    """`doc` with every rendered section as the docstrings render it now."""
+    from torchhal.cli.plugin_template import spi_reference
+
+    sections = spi_reference()
+    return re.sub(r"(<!-- rendered: (\w+) -->\n).*?(\n<!-- end rendered: \2 -->)",
+                  lambda m: m.group(1) + sections[m.group(2)] + m.group(3), doc, flags=re.S)
+
+
+def test_the_attributes_and_methods_are_what_the_spi_docstrings_render():
+    """The SPI is written once, in PlatformPlugin's docstrings: this file holds what they render."""
+    from torchhal.cli.plugin_template import spi_reference
+
+    assert set(rendered(text())) == set(spi_reference()) == {"attributes", "methods"}
+    assert text() == render(text()), "the SPI docstrings changed: run `python -m tests.test_spi_reference`"
+
+
+def test_every_method_with_a_default_says_what_it_is_in_its_docstring():
+    required = set(PlatformPlugin.__abstractmethods__)
+    assert [name for name in SPI_METHODS if name not in required and "Default:" not in inspect.getdoc(
+        getattr(PlatformPlugin, name))] == []
+
+
+if __name__ == "__main__":  # rewrite the rendered sections from the docstrings
+    REFERENCE.write_text(render(text()))

@@ -1,5 +1,4 @@
-"""The versioned SPI: the host refuses another major, accepts older minors, and warns
-on deprecated members (a planted table entry shows the mechanism end to end)."""
+"""The versioned SPI: the host refuses another major and accepts every minor of its own."""
 
 import warnings
 
@@ -8,12 +7,11 @@ import pytest
 import torchhal
 from torchhal.platforms import (
     SPI_VERSION,
-    Deprecation,
     PlatformPlugin,
+    PluginContractError,
     TorchhalPluginWarning,
     UnknownPlatformError,
     manager,
-    plugin,
 )
 from torchhal.plugins.cpu import CpuPlatform
 
@@ -76,46 +74,11 @@ def test_a_plugin_for_another_major_is_refused_naming_both_versions(make_registr
         torchhal.current_platform()
 
 
-@pytest.mark.parametrize("bad", [(1,), "1.0", (1, "0"), (True, 0), (1, -1)])
-def test_a_malformed_spi_version_is_a_validate_error(make_registry, bad):
-    with pytest.warns(TorchhalPluginWarning, match="spi_version is .*it must be \\(major, minor\\)"):
-        reg = make_registry(plugin_module(versioned("malformed", bad)))
-    assert reg.names() == ["cpu"]
-
-
-PLANTED = Deprecation("old_free_bytes", since=(1, 0), removed_in=(2, 0), replacement="memory_info(index).free")
-
-
-def test_a_plugin_defining_a_deprecated_member_is_warned_with_its_replacement(make_registry, monkeypatch):
-    monkeypatch.setitem(plugin.DEPRECATED_MEMBERS, PLANTED.member, PLANTED)
-    old = versioned("oldstyle", SPI_VERSION, old_free_bytes=lambda self, index: 0)
-    with pytest.warns(TorchhalPluginWarning) as caught:
-        reg = make_registry(plugin_module(old))
-    [message] = [str(w.message) for w in caught]
-    assert message == (
-        "plugin 'test-plugin-0' (<in-process>): VOldstyle defines 'old_free_bytes', deprecated since SPI 1.0 "
-        "and removed in SPI 2.0; use memory_info(index).free instead"
-    )
-    assert reg.notices == [message] and "oldstyle" in reg.names()  # still works
-
-
-def test_a_plugin_not_defining_it_is_not_warned(make_registry, monkeypatch):
-    monkeypatch.setitem(plugin.DEPRECATED_MEMBERS, PLANTED.member, PLANTED)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        reg = make_registry(plugin_module(versioned("modern", SPI_VERSION)))
-    assert reg.notices == []
-
-
-def test_calling_a_deprecated_default_warns(monkeypatch):
-    monkeypatch.setitem(plugin.DEPRECATED_MEMBERS, PLANTED.member, PLANTED)
-
-    def old_free_bytes(self, index):
-        return self.memory_info(index).free
-
-    monkeypatch.setattr(PlatformPlugin, "old_free_bytes", plugin.deprecated_member(old_free_bytes), raising=False)
-    with pytest.warns(TorchhalPluginWarning, match="CpuPlatform calls 'old_free_bytes', deprecated since SPI 1.0"):
-        assert CpuPlatform().old_free_bytes(0) > 0  # type: ignore[attr-defined]
+@pytest.mark.parametrize("bad", [(1,), "1.0", (1, "0"), (True, 0), (1, -1), [1, 0]])
+def test_a_malformed_spi_version_is_refused_where_the_class_is_defined(bad):
+    with pytest.raises(PluginContractError, match=r"VMalformed \(platform 'malformed'\): spi_version is .*; it must "
+                                                  r"be \(major, minor\)"):
+        versioned("malformed", bad)
 
 
 def test_info_names_a_future_major_plugin():

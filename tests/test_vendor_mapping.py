@@ -34,6 +34,7 @@ def vendor(request, monkeypatch):
         install_extension(monkeypatch, ext, attr, module)
     else:
         monkeypatch.setattr(torch, attr, module, raising=False)
+        monkeypatch.setattr(torch.version, "xpu", "20250101", raising=False)  # an XPU build
     return types.SimpleNamespace(plugin=cls(), module=module, graph_class=graph_class, backend=backend, env=env)
 
 
@@ -144,11 +145,12 @@ def test_npu_detection_survives_a_broken_torch_npu(error, monkeypatch):
     assert not result and str(error) in result.reason
 
 
-def test_xpu_detection_without_torch_xpu_or_ipex(monkeypatch):
-    monkeypatch.delattr(torch, "xpu", raising=False)
-    monkeypatch.setitem(__import__("sys").modules, "intel_extension_for_pytorch", None)
+def test_xpu_on_a_torch_build_without_xpu_names_the_build_not_the_visible_devices_variable(monkeypatch):
+    monkeypatch.setattr(torch.version, "xpu", None, raising=False)  # a CPU or CUDA build: torch.xpu is there
+    monkeypatch.setattr(torch, "xpu", make_device_module("xpu", count=0), raising=False)
     result = XpuPlatform().is_available()
-    assert not result and "intel_extension_for_pytorch" in result.reason
+    assert not result and "ZE_AFFINITY_MASK" not in result.reason
+    assert result.reason == f"this torch build ({torch.__version__}) has no XPU support: install torch's XPU build"
 
 
 def test_detection_is_idempotent_and_touches_no_device(vendor):

@@ -7,20 +7,16 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torchhal
 from torchhal.cli.output import emit, refuse
-from torchhal.platforms import (
-    SPI_VERSION,
-    PlatformError,
-    current_platform,
-    how_resolved,
-    list_platforms,
-    registry,
-)
+
+if TYPE_CHECKING:
+    from torchhal.platforms import Platform, PlatformRegistry
 
 GiB = 1 << 30
+#: Devices `info` lists; a larger count (a plugin may answer anything) is said, not listed.
+MAX_LISTED_DEVICES = 64
 
 
 def _environment(platform_env: tuple[str, ...] = ()) -> dict[str, str]:
@@ -28,52 +24,43 @@ def _environment(platform_env: tuple[str, ...] = ()) -> dict[str, str]:
     return {k: os.environ[k] for k in names if k in os.environ}
 
 
-def _plugin_query(reg: Any, platform: Any, label: str, call: Callable[..., Any], *args: Any) -> tuple[Any, bool]:
-    """(result, True), or (None, False) with a "query" failure recorded: a plugin never ends `info`."""
+def _asker(reg: PlatformRegistry, platform: Platform) -> Callable[..., tuple[Any, bool]]:
+    """`ask(label, call, *args)`: (result, True), or (None, False) with a "query" failure recorded.
+    A plugin never ends `info`, and one that hangs is named by the registry's watch."""
     from torchhal.platforms.errors import describe_error, isolated
     from torchhal.platforms.records import PluginFailure
 
-    result, error = isolated(call, *args)
-    if error is None:
-        return result, True
-    failure = PluginFailure(platform.name, "query", f"{label}: {describe_error(error)}", platform.distribution)
-    reg.record_failure(failure)
-    return None, False
+    source = reg.platforms[platform.name].source
+
+    def ask(label: str, call: Callable[..., Any], *args: Any) -> tuple[Any, bool]:
+        with reg.watch(source, label):
+            result, error = isolated(call, *args)
+        if error is None:
+            return result, True
+        reg.record_failure(PluginFailure(platform.name, "query", f"{label}: {describe_error(error)}",
+                                         platform.distribution))
+        return None, False
+
+    return ask
 
 
-def _device_rows(reg: Any, platform: Any) -> list[dict[str, Any]]:
-    from torchhal.platforms.records import DeviceInfo
-
-    def count() -> int:
-        n = platform.device_count()
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise TypeError(f"returned {n!r}; it must be an int >= 0")
-        return n
-
-    def device_info(index: int) -> dict[str, Any]:
-        d = platform.device_info(index)
-        if not isinstance(d, DeviceInfo):
-            raise TypeError(f"returned {type(d).__name__} {d!r}; it must return a torchhal.DeviceInfo")
-        return asdict(d)
-
-    def memory_info(index: int) -> dict[str, Any]:
-        return asdict(platform.memory_info(index))
-
-    n, ok = _plugin_query(reg, platform, "device_count()", count)
-    devices = []
-    for index in range(n if ok else 0):
-        d, d_ok = _plugin_query(reg, platform, f"device_info({index})", device_info, index)
-        m, m_ok = _plugin_query(reg, platform, f"memory_info({index})", memory_info, index)
-        devices.append({"index": index, "device": d if d_ok else None, "memory": m if m_ok else None})
-    return devices
+def _devices(ask: Callable[..., tuple[Any, bool]], platform: Platform) -> tuple[int | None, list[dict[str, Any]]]:
+    """The device count the plugin answers, and a row for each of the first MAX_LISTED_DEVICES."""
+    count, _ = ask("device_count()", platform.device_count)
+    rows = []
+    for index in range(min(count or 0, MAX_LISTED_DEVICES)):
+        device, _ = ask(f"device_info({index})", lambda i=index: asdict(platform.device_info(i)))
+        memory, _ = ask(f"memory_info({index})", lambda i=index: asdict(platform.memory_info(i)))
+        rows.append({"index": index, "device": device, "memory": memory})
+    return count, rows
 
 
-def _attention_rows(platform: Any) -> list[dict[str, Any]]:
+def _attention_rows(platform: Platform) -> list[dict[str, Any]]:
     """The attention backends in the order selection tries them: the platform's, then the reference.
     An engine takes the first whose capability runs its model (`Platform.choose_attention`)."""
-    rows = []
     support = platform.attention_support
     declared = len(support.backends) if support is not None else 0
+    rows = []
     for index, backend in enumerate(platform.attention_backends):
         cap = backend.capability
         rows.append({"name": cap.name, "dtypes": [str(d).removeprefix("torch.") for d in cap.dtypes],
@@ -86,31 +73,35 @@ def _attention_rows(platform: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def _graphs_row(platform: Any) -> str | None:
-    """The graph class's name, or None where the platform declares no graphs: a declared
-    record is named whatever its class, never shown as "unsupported"."""
-    support = platform.graph_support
-    if support is None:
-        return None
-    return getattr(support.graph_class, "__name__", None) or repr(support.graph_class)
+def _capabilities(ask: Callable[..., tuple[Any, bool]], platform: Platform) -> dict[str, Any]:
+    """Each declared capability as plain data; None where asking the plugin failed."""
+    def graphs() -> str | None:  # the class's name: a declared record is never shown as "unsupported"
+        support = platform.graph_support
+        return None if support is None else getattr(support.graph_class, "__name__", None) or repr(support.graph_class)
 
+    def ipc() -> dict[str, Any] | None:
+        support = platform.ipc_support
+        return None if support is None else {"peer_redirect": support.peer_redirect, "note": support.note}
 
-def _linear_row(platform: Any) -> dict[str, Any]:
-    """The platform's linear kernel for few-row inputs, or a row saying F.linear serves every linear."""
-    support = platform.linear_support
-    if support is None:
-        return {"name": None}
-    return {"name": support.name, "max_rows": support.max_rows,
-            "dtypes": [str(d).removeprefix("torch.") for d in support.dtypes],
-            "graph_capture": support.graph_capture, "note": support.note}
+    def linear() -> dict[str, Any]:
+        support = platform.linear_support
+        return {"name": None} if support is None else {
+            "name": support.name, "max_rows": support.max_rows, "graph_capture": support.graph_capture,
+            "dtypes": [str(d).removeprefix("torch.") for d in support.dtypes], "note": support.note}
 
+    def compiled() -> dict[str, Any]:
+        support = platform.compile_support
+        return {"inductor_options": dict(support.inductor_options) if support else {},
+                "note": support.note if support else ""}
 
-def _compile_row(platform: Any) -> dict[str, Any]:
-    """The inductor options the platform asks for compiled layers ({} : inductor's defaults)."""
-    support = platform.compile_support
-    if support is None:
-        return {"inductor_options": {}, "note": ""}
-    return {"inductor_options": dict(support.inductor_options), "note": support.note}
+    def distributed() -> dict[str, Any]:
+        support = platform.distributed_support
+        return {"backend": platform.dist_backend, "graph_capturable": support.graph_capturable, "note": support.note,
+                "communicator": "vendor" if support.communicator is not None else "default"}
+
+    queries = {"graphs": graphs, "ipc": ipc, "attention": lambda: _attention_rows(platform), "linear": linear,
+               "compile": compiled, "distributed": distributed}
+    return {name: ask(f"{name.replace('graphs', 'graph')}_support()", query)[0] for name, query in queries.items()}
 
 
 def collect_info() -> dict[str, Any]:
@@ -122,63 +113,44 @@ def collect_info() -> dict[str, Any]:
     """
     import torch
 
-    reg = registry()
-    info: dict[str, Any] = {
-        "torchhal": torchhal.__version__,
-        "torch": torch.__version__,
-        "spi_version": ".".join(map(str, SPI_VERSION)),
-        "platforms": [asdict(s) for s in list_platforms()],
-        "current": None,
-        "error": None,
-    }
+    import torchhal
+    from torchhal.platforms import PLATFORM_ENV, SPI_VERSION, PlatformError, current_platform, how_resolved
+
+    reg = torchhal.registry()
+    platforms = [asdict(s) for s in torchhal.list_platforms()]
+    info: dict[str, Any] = {"torchhal": torchhal.__version__, "torch": torch.__version__,
+                            "spi_version": ".".join(map(str, SPI_VERSION)), "platforms": platforms,
+                            "current": None, "error": None}
     try:
         platform = current_platform()
     except PlatformError as exc:
         info["error"] = str(exc)
-        platform = None
-    if platform is not None:
-        how, where = how_resolved()
-        runtime, _ = _plugin_query(reg, platform, "runtime_version()", platform.runtime_version)
-        graphs, graphs_ok = _plugin_query(reg, platform, "graph_support()", lambda: _graphs_row(platform))
-        ipc, ipc_ok = _plugin_query(reg, platform, "ipc_support()", lambda: platform.ipc_support)
-        attention, attention_ok = _plugin_query(reg, platform, "attention_support()", lambda: _attention_rows(platform))
-        linear, linear_ok = _plugin_query(reg, platform, "linear_support()", lambda: _linear_row(platform))
-        compiled, compile_ok = _plugin_query(reg, platform, "compile_support()", lambda: _compile_row(platform))
-        distributed, distributed_ok = _plugin_query(reg, platform, "distributed_support()",
-                                                    lambda: platform.distributed_support)
+    else:
+        ask = _asker(reg, platform)
+        count, devices = _devices(ask, platform)
+        others = [p["name"] for p in platforms if p["available"] and p["name"] != platform.name]
         info["current"] = {
             "name": platform.name,
-            "how": how,
-            "resolved_at": where,
+            "how": how_resolved()[0],
+            "choose": f"{PLATFORM_ENV}=<name> selects another" + (f": {', '.join(others)}" if others else
+                                                                    " (none other is available here)"),
             "distribution": platform.distribution,
             "version": platform.version,
-            "runtime": runtime,
+            "runtime": ask("runtime_version()", platform.runtime_version)[0],
             "dist_backend": platform.dist_backend,
             "environment": _environment(platform.visible_devices_env),
-            "devices": _device_rows(reg, platform),
-            "capabilities": {
-                "graphs": graphs if graphs_ok else None,
-                "ipc": (
-                    {"peer_redirect": getattr(ipc, "peer_redirect", None), "note": getattr(ipc, "note", "")}
-                    if ipc_ok and ipc
-                    else None
-                ),
-                "attention": attention if attention_ok else None,
-                "linear": linear if linear_ok else None,
-                "compile": compiled if compile_ok else None,
-                "distributed": (
-                    {"backend": platform.dist_backend,
-                     "communicator": "vendor" if distributed.communicator is not None else "default",
-                     "graph_capturable": distributed.graph_capturable, "note": distributed.note}
-                    if distributed_ok and distributed is not None
-                    else None
-                ),
-            },
+            "device_count": count,
+            "devices": devices,
+            "capabilities": _capabilities(ask, platform),
         }
     # Read last: detection and the queries above can add errors.
     info["plugin_errors"] = [{**asdict(f), "failed_to": f.failed_to} for f in reg.failures]
     info["plugin_notices"] = list(reg.notices)
     return info
+
+
+def _failed(call: str) -> str:
+    return f"({call} failed: see plugin errors)"
 
 
 def format_info(info: dict[str, Any]) -> str:
@@ -202,27 +174,32 @@ def format_info(info: dict[str, Any]) -> str:
     cur = info["current"]
     if cur is None:
         return "\n".join(lines)
-    lines += ["", f"Current platform: {cur['name']}  ({cur['how']})",
-              f"  resolved at: {cur['resolved_at']}",
+    lines += ["", f"Current platform: {cur['name']}  ({cur['how']})", f"  {cur['choose']}",
               f"  runtime: {cur['runtime']}  dist backend: {cur['dist_backend']}"]
     lines += [f"  {k}={v}" for k, v in cur["environment"].items()]
     for d in cur["devices"]:
         dev, mem = d["device"], d["memory"]
-        line = f"  device {d['index']}: " + (dev["name"] if dev else "(device_info failed: see plugin errors)")
+        line = f"  device {d['index']}: " + (dev["name"] if dev else _failed("device_info"))
         if mem is None:
-            line += "  memory: (memory_info failed: see plugin errors)"
+            line += "  memory: " + _failed("memory_info")
         else:
             line += f"  free {mem['free'] / GiB:.1f} / {mem['total'] / GiB:.1f} GiB"
             if mem["reserved"] is not None:
                 line += f"  reserved {mem['reserved'] / GiB:.2f} GiB"
         lines.append(line)
+    count = cur["device_count"]
+    if count is None:
+        lines.append("  devices: " + _failed("device_count()"))
+    elif count > len(cur["devices"]):
+        lines.append(f"  ... {count - len(cur['devices'])} more device(s) of {count}, not listed "
+                     f"(info lists the first {MAX_LISTED_DEVICES})")
     caps = cur["capabilities"]
     lines.append(f"  graphs: {caps['graphs'] or 'unsupported'}")
     ipc = caps["ipc"]
     lines.append("  ipc: " + (f"{ipc['note']} (peer redirect: {ipc['peer_redirect']})" if ipc else "unsupported"))
     distributed = caps["distributed"]
     if distributed is None:
-        lines.append("  distributed: (distributed_support() failed: see plugin errors)")
+        lines.append("  distributed: " + _failed("distributed_support()"))
     else:
         communicator = ("the vendor's" if distributed["communicator"] == "vendor"
                         else "torchhal's default (torch.distributed)")
@@ -231,7 +208,7 @@ def format_info(info: dict[str, Any]) -> str:
                      + (f"; {distributed['note']}" if distributed["note"] else ""))
     attention = caps["attention"]
     if attention is None:
-        lines.append("  attention: (attention_support() failed: see plugin errors)")
+        lines.append("  attention: " + _failed("attention_support()"))
     for rank, row in enumerate(attention or []):
         label = "attention:" if rank == 0 else "           "
         why = "platform backend" if rank < len(attention) - 1 else "portable reference, used when none above runs"
@@ -242,7 +219,7 @@ def format_info(info: dict[str, Any]) -> str:
                      + (f": {row['platform_note']}" if row["platform_note"] else ""))
     linear = caps["linear"]
     if linear is None:
-        lines.append("  linear: (linear_support() failed: see plugin errors)")
+        lines.append("  linear: " + _failed("linear_support()"))
     elif linear["name"] is None:
         lines.append("  linear: F.linear (the platform supplies no linear kernel)")
     else:
@@ -250,7 +227,7 @@ def format_info(info: dict[str, Any]) -> str:
                      f"({'/'.join(linear['dtypes'])}{', graph capture' if linear['graph_capture'] else ''})")
     compiled = caps["compile"]
     if compiled is None:
-        lines.append("  compile: (compile_support() failed: see plugin errors)")
+        lines.append("  compile: " + _failed("compile_support()"))
     elif not compiled["inductor_options"]:
         lines.append("  compile: inductor's defaults (the platform asks for no options)")
     else:
@@ -261,6 +238,8 @@ def format_info(info: dict[str, Any]) -> str:
 
 def cmd_info(args: argparse.Namespace) -> int:
     """Exit 0 when a platform resolves (plugin errors are shown, not fatal), else 2."""
+    from torchhal.platforms import PlatformError
+
     try:
         info = collect_info()
     except PlatformError as exc:  # a bad torchhal setting, e.g. TORCHHAL_DETECT_TIMEOUT

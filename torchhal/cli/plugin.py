@@ -1,4 +1,4 @@
-"""`torchhal plugin new NAME`: write a platform plugin distribution to start from."""
+"""`torchhal plugin new NAME`: a platform plugin distribution to start from; `torchhal plugin spi`: the SPI."""
 
 from __future__ import annotations
 
@@ -16,9 +16,19 @@ def cmd_plugin_new(args: argparse.Namespace) -> int:
         target = write_plugin(args.name, args.dir, args.base)
     except (TemplateError, OSError) as exc:
         return refuse("plugin new", str(exc))
+    todo = "fill in the TODOs, " if "TODO" in (target / f"torchhal_{args.name}" / "__init__.py").read_text() else ""
     emit(f"wrote the {args.name} plugin distribution to {target}\n"
-         f"next: fill in the TODOs, pip install -e {target}, torchhal conformance --platform {args.name}")
+         f"next: {todo}pip install -e {target}, torchhal conformance --platform {args.name}")
     return 0
+
+
+def cmd_plugin_spi(args: argparse.Namespace) -> int:
+    from torchhal.cli.plugin_template import spi_reference
+
+    reference = spi_reference()
+    emit(f"## Class attributes\n\n{reference['attributes']}\n\n## Methods\n\n{reference['methods']}")
+    return 0
+
 
 def add_command(sub: Any) -> None:
     plugin = sub.add_parser("plugin", help="tools for plugin authors")
@@ -30,3 +40,5 @@ def add_command(sub: Any) -> None:
                      help="plugin: every SPI member to fill in (default); accelerator: a declaration for a "
                      "device module mirroring torch.cuda; cpu: a simulated or host-backed device")
     new.set_defaults(func=cmd_plugin_new)
+    spi = plugin_sub.add_parser("spi", help="print every PlatformPlugin member's contract (the SPI reference)")
+    spi.set_defaults(func=cmd_plugin_spi)

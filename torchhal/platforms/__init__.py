@@ -6,7 +6,6 @@ conformance suite also uses the testing seam `torchhal.platforms.testing`.
 """
 
 from torchhal.platforms.errors import (
-    AmbiguousPlatformError,
     IpcHandleError,
     PlatformError,
     PlatformUnavailableError,
@@ -26,11 +25,9 @@ from torchhal.platforms.manager import (
 from torchhal.platforms.platform import FACTS as PLATFORM_FACTS
 from torchhal.platforms.platform import Platform, check_platform_argument
 from torchhal.platforms.plugin import (
-    DEPRECATED_MEMBERS,
     SPI_ATTRIBUTES,
     SPI_METHODS,
     SPI_VERSION,
-    Deprecation,
     PlatformPlugin,
 )
 from torchhal.platforms.records import (
@@ -45,9 +42,11 @@ from torchhal.platforms.records import (
     IpcSupport,
     LinearSupport,
     MemoryInfo,
+    MemoryRegions,
     PeakMemory,
     PluginFailure,
     ReleasePoint,
+    VirtualMemorySupport,
 )
 from torchhal.platforms.selection import (
     PLATFORM_ENV,
@@ -60,11 +59,9 @@ from torchhal.platforms.selection import (
     registry,
     use_registry,
 )
-from torchhal.platforms.virtual_memory import MemoryRegions, VirtualMemorySupport
 
 __all__ = [
     "DEFAULT_PLUGINS",
-    "DEPRECATED_MEMBERS",
     "DETECT_TIMEOUT_ENV",
     "ENTRY_POINT_GROUP",
     "PLATFORM_ENV",
@@ -72,11 +69,9 @@ __all__ = [
     "SPI_METHODS",
     "SPI_VERSION",
     "TIE_RULE",
-    "AmbiguousPlatformError",
     "AttentionSupport",
     "CompileSupport",
     "Availability",
-    "Deprecation",
     "DeviceInfo",
     "DistributedSupport",
     "GraphSupport",

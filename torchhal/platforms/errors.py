@@ -1,11 +1,14 @@
-"""Errors raised by the platform layer, and how a plugin's own errors are caught and named.
+"""Errors raised by the platform layer, and how the host calls a plugin's code.
 
 Each message says what, with what value, and what to do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 _T = TypeVar("_T")
@@ -23,16 +26,12 @@ class PlatformUnavailableError(PlatformError):
     """A known platform that cannot run on this machine."""
 
 
-class AmbiguousPlatformError(PlatformError):
-    """Kept for compatibility: no longer raised, a priority tie now resolves by a fixed rule."""
-
-
 class PluginConflictError(PlatformError):
     """Two distributions registered the same platform name."""
 
 
 class PluginContractError(PlatformError, TypeError):
-    """A plugin returned a value of the wrong type from an SPI call."""
+    """A plugin declared or returned a value of the wrong type (a class attribute, an SPI answer)."""
 
 
 class IpcHandleError(PlatformError, ValueError):
@@ -40,7 +39,7 @@ class IpcHandleError(PlatformError, ValueError):
 
 
 class TorchhalPluginWarning(UserWarning):
-    """A plugin failed to import, register, validate or detect, or an observer raised."""
+    """A plugin failed to import, register, validate or detect, an observer raised, or the host waits on a plugin."""
 
 
 def describe_error(exc: BaseException) -> str:
@@ -61,3 +60,23 @@ def isolated(call: Callable[..., _T], *args: Any, **kwargs: Any) -> tuple[_T | N
         raise
     except BaseException as exc:  # noqa: BLE001 - isolation is the point
         return None, exc
+
+
+@contextmanager
+def watched(seconds: float | None, message: str) -> Iterator[None]:
+    """Warn `message` (a TorchhalPluginWarning) once the block has run `seconds` (None: never).
+
+    The block goes on: a plugin's import or call cannot be stopped from outside, but the
+    user learns which plugin the host waits on, and how to skip it, instead of a silent hang.
+    """
+    done = threading.Event()
+    if seconds is not None:
+        def speak() -> None:
+            if not done.wait(seconds):
+                warnings.warn(message, TorchhalPluginWarning, stacklevel=1)
+
+        threading.Thread(target=speak, name="torchhal-watch", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()

@@ -1,13 +1,18 @@
-"""The pluggy plugin manager: built-ins and entry points through one path.
+"""The plugin host, on pluggy: built-ins and entry points through one path.
 
-Built-in platforms are plugins like any other: `DEFAULT_PLUGINS` names their
-modules as strings (platforms/ imports no plugin module), and third-party
-distributions add theirs through the `torchhal` entry-point group. A plugin
-that fails at any stage is recorded as a `PluginFailure`, warned about, and
-isolated: the other platforms keep working.
+Built-in platforms are plugins like any other: `DEFAULT_PLUGINS` names their modules as
+strings (platforms/ imports no plugin module), and third-party distributions add theirs
+through the `torchhal` entry-point group, which pluggy loads (`load_setuptools_entrypoints`,
+one entry point at a time, so each failure is that plugin's own record) with the names
+`TORCHHAL_PLUGINS` leaves out blocked (`set_blocked`). pluggy checks every hook against its
+spec (`check_pending`) and dispatches the registration hook. A plugin that fails at any
+stage is recorded as a `PluginFailure`, warned about, and isolated: the other platforms
+keep working. While the host waits on a plugin's code (its import, its registration hook,
+a query), a watch names the plugin after `TORCHHAL_DETECT_TIMEOUT` seconds and says how to
+skip it; a detection that long is abandoned.
 
-This module sits above the hook specs and the SPI and below selection; it
-never makes a `Platform` (selection does) and calls no observer.
+This module sits above the hook specs and the SPI and below selection; it never makes a
+`Platform` (selection does) and calls no observer.
 """
 
 from __future__ import annotations
@@ -16,28 +21,30 @@ import difflib
 import importlib
 import importlib.metadata as metadata
 import os
-import re
 import sys
 import threading
 import time
 import warnings
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from types import FrameType, ModuleType
-from typing import Any
 
 import pluggy
 
 from torchhal.platforms import hookspecs
-from torchhal.platforms.errors import PlatformError, TorchhalPluginWarning, describe_error, isolated
-from torchhal.platforms.plugin import SPI_VERSION, PlatformPlugin, deprecated_overrides
+from torchhal.platforms.errors import PlatformError, TorchhalPluginWarning, describe_error, isolated, watched
+from torchhal.platforms.platform import call_plugin, plugins_implementing
+from torchhal.platforms.plugin import SPI_VERSION, PlatformPlugin
 from torchhal.platforms.records import Availability, PluginFailure
+from torchhal.values import short_repr
 
 ENTRY_POINT_GROUP = "torchhal"
 ALLOW_LIST_ENV = "TORCHHAL_PLUGINS"
 DETECT_TIMEOUT_ENV = "TORCHHAL_DETECT_TIMEOUT"
-#: Seconds one plugin's `is_available()` may take before it counts as "no".
+#: Seconds one plugin's `is_available()` may take before it counts as "no", and the host's
+#: wait on any other plugin call before it names the plugin.
 DEFAULT_DETECT_TIMEOUT = 10.0
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "torchhal.plugins.cpu",
@@ -47,18 +54,21 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "torchhal.plugins.npu",
     "torchhal.plugins.musa",
 )
-_NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]*")  # used with fullmatch: no trailing newline
+REGISTER_HOOK = "torchhal_register_platforms"
 #: Seconds between looks at where a detection probe is (a call back into torchhal is found in two).
 _PROBE_LOOK_S = 0.05
 #: The modules whose locks a detection holds: a probe waiting in them never returns.
 _REGISTRY_MODULES = (__name__, "torchhal.platforms.selection")
+#: Groups a vendor may write for torchhal's, squashed (lower case, letters and digits only).
+_NEAR_MISS_GROUPS = frozenset({"torchhal", "torchhalplatforms", "torchhalplatform", "torchhalplugins",
+                               "torchhalplugin"})
 
 
 class DetectionReentryError(PlatformError):
     """A plugin's is_available() called torchhal's platform API and waits for the detection it is part of."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: a field's __eq__ would run plugin code
 class RegisteredPlatform:
     """One registered platform plugin and where it came from."""
 
@@ -67,13 +77,46 @@ class RegisteredPlatform:
     distribution: str
     version: str
     builtin: bool = False  # registered by a module of DEFAULT_PLUGINS
+    #: Its class's `name`, `priority` and `replaces`, checked when the class was defined.
+    name: str = field(init=False)
+    priority: int = field(init=False)
+    replaces: str | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        for attribute in ("name", "priority", "replaces"):
+            object.__setattr__(self, attribute, getattr(type(self.plugin), attribute))
 
 
-def _describe_plugin(plugin: object) -> str:
-    if isinstance(plugin, ModuleType):
-        empty = " (a namespace package: no __init__.py)" if getattr(plugin, "__file__", None) is None else ""
-        return f"module {plugin.__name__!r}{empty}"
-    return repr(plugin)
+class PluginManager(pluggy.PluginManager):
+    """pluggy's manager with torchhal's hook specs; it refuses hook wrappers and notes the plugin
+    an entry point loaded (so a failure after the import is a `register` failure, not `import`).
+
+    torchhal calls each plugin's implementations apart (`call_plugin`), so a wrapper would wrap
+    only its own plugin's call: it is refused before pluggy's own check, whose message for a plain
+    function marked as a wrapper says to make it a generator."""
+
+    def __init__(self) -> None:
+        super().__init__(hookspecs.PROJECT_NAME)
+        self.add_hookspecs(hookspecs)
+        self.loaded: object = None
+
+    def register(self, plugin: object, name: str | None = None) -> str | None:
+        self.loaded = plugin
+        return super().register(plugin, name)
+
+    def parse_hookimpl_opts(self, plugin: object, name: str) -> pluggy.HookimplOpts | None:
+        opts = super().parse_hookimpl_opts(plugin, name)
+        for flag in ("wrapper", "hookwrapper"):
+            if opts is not None and opts.get(flag):
+                raise pluggy.PluginValidationError(plugin, (
+                    f"implements {opts.get('specname') or name!r} ({flag}=True) as a hook wrapper, which torchhal "
+                    "never runs: it calls each plugin's implementations apart; declare it with a plain "
+                    "@torchhal.hookimpl (an observer is called after the event, with its arguments)"))
+        return opts
+
+
+def new_plugin_manager() -> PluginManager:
+    return PluginManager()
 
 
 def detect_timeout_from_env() -> float | None:
@@ -93,13 +136,6 @@ def detect_timeout_from_env() -> float | None:
     return seconds if seconds > 0 else None
 
 
-def _torchhal_version() -> str:
-    try:
-        return metadata.version("torchhal")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
-
-
 def allow_list_from_env() -> frozenset[str] | None:
     """None: all entry points; empty set: none; else only these names."""
     raw = os.environ.get(ALLOW_LIST_ENV)
@@ -108,252 +144,243 @@ def allow_list_from_env() -> frozenset[str] | None:
     return frozenset(part.strip() for part in raw.split(",") if part.strip())
 
 
+def _torchhal_version() -> str:
+    try:
+        return metadata.version("torchhal")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
 class PlatformRegistry:
     """Registered platforms by name, the plugin failures met on the way, and detection."""
 
-    def __init__(self, pm: pluggy.PluginManager, detect_timeout: float | None = DEFAULT_DETECT_TIMEOUT) -> None:
+    def __init__(self, pm: PluginManager, detect_timeout: float | None = DEFAULT_DETECT_TIMEOUT) -> None:
         self.pm = pm
         self.platforms: dict[str, RegisteredPlatform] = {}
         self.failures: list[PluginFailure] = []
-        #: Warnings about plugins that still work (deprecated members, a newer SPI minor).
+        #: Warnings about plugins that still work (a newer SPI minor, an entry point in a near-miss group).
         self.notices: list[str] = []
         #: Entry points that TORCHHAL_PLUGINS left out: name -> distribution.
         self.excluded: dict[str, str] = {}
         self.allow: frozenset[str] | None = None
         self.detect_timeout = detect_timeout
-        self._availability: dict[str, Availability] = {}
-        self._provenance: dict[str, tuple[str, str]] = {}  # pluggy name -> (dist, version)
-        self._builtins: set[str] = set()  # pluggy names of the built-in modules
-        self._builtin_names: set[str] = set()  # their last parts ("cpu"): always loaded, whatever TORCHHAL_PLUGINS says
         #: Platforms dropped by a `replaces` declaration: replaced name -> the platform that replaced it.
         self.replaced: dict[str, RegisteredPlatform] = {}
+        self._availability: dict[str, Availability] = {}
+        self._provenance: dict[str, tuple[str, str, bool]] = {}  # pluggy name -> (distribution, version, built-in)
+        #: The built-ins' last parts ("cpu"): they load whatever TORCHHAL_PLUGINS says.
+        self._builtin_names: set[str] = set()
+        self._entry_points: list[str] = []
         self._lock = threading.Lock()
 
-    # -- loading ---------------------------------------------------------------
-    def _record_failure(self, failure: PluginFailure) -> None:
+    # -- failures, notices, watches ------------------------------------------------
+    def record_failure(self, failure: PluginFailure) -> None:
+        """Record and warn about a plugin failure (a query in `info` records its own the same way)."""
         self.failures.append(failure)
         warnings.warn(str(failure), TorchhalPluginWarning, stacklevel=3)
 
-    def record_failure(self, failure: PluginFailure) -> None:
-        """Record and warn about a plugin failure met outside loading (e.g. a query in `info`)."""
-        self._record_failure(failure)
+    def _fail(self, plugin: str, stage: str, error: str, distribution: str | None = None,
+              involves: tuple[str, ...] = ()) -> None:
+        self.record_failure(PluginFailure(plugin, stage, error, distribution, involves))
 
     def _notice(self, message: str) -> None:
         self.notices.append(message)
         warnings.warn(message, TorchhalPluginWarning, stacklevel=3)
 
-    def add_plugin(self, plugin: object, name: str, distribution: str, version: str) -> bool:
-        """Register one pluggy plugin (module or object); reject unknown hooks, no hooks and wrappers."""
-        declared = _declared_wrappers(plugin)
-        if declared:  # before pluggy, whose message for a plain function says to make it a generator
-            self._record_failure(PluginFailure(name, "register", _wrapper_problem(declared), distribution))
-            return False
-        _, error = isolated(lambda: self.pm.register(plugin, name=name))
-        if error is not None:  # pluggy raises ValueError / PluginValidationError
-            self._record_failure(PluginFailure(name, "register", describe_error(error), distribution))
-            return False
-        problem = _hook_problem(plugin, self.pm.get_hookcallers(plugin) or [])
-        if problem is not None:
-            self.pm.unregister(plugin)
-            self._record_failure(PluginFailure(name, "register", problem, distribution))
-            return False
-        self._provenance[name] = (distribution, version)
-        return True
+    def watch(self, source: str, what: str, distribution: str | None = None) -> AbstractContextManager[None]:
+        """Name plugin `source` and how to skip it, should `what` (its call the host waits on) not
+        return within the detection limit."""
+        if self.detect_timeout is None:
+            return nullcontext()
+        distribution = distribution or self._provenance.get(source, ("?",))[0]
+        if distribution == "torchhal":
+            skip = "it is one of torchhal's built-in plugins, which always load: report it"
+        else:
+            others = ",".join(name for name in self._entry_points if name != source)
+            skip = f"to skip it, set {ALLOW_LIST_ENV} to the entry points to load without it: {ALLOW_LIST_ENV}={others}"
+        return watched(self.detect_timeout, f"torchhal is waiting on plugin {source!r} ({distribution}): {what} has "
+                                            f"not returned after {self.detect_timeout:g} s ({DETECT_TIMEOUT_ENV}) and "
+                                            f"may hang; {skip}")
+
+    # -- loading ---------------------------------------------------------------
+    def add_plugin(self, plugin: object, name: str, distribution: str, version: str, builtin: bool = False) -> bool:
+        """Register one pluggy plugin (a module or object) and check it; False (recorded) if it fails."""
+        _, error = isolated(self.pm.register, plugin, name)
+        return self._checked(plugin, name, distribution, version, builtin, error)
+
+    def _checked(self, plugin: object, name: str, distribution: str, version: str, builtin: bool,
+                 error: BaseException | None) -> bool:
+        """Keep a plugin pluggy registered (`error` None) whose hooks all have specs and which implements one."""
+        if isinstance(error, pluggy.PluginValidationError):
+            problem = str(error)
+        elif error is not None:
+            problem = describe_error(error)
+        elif isolated(self.pm.check_pending)[1] is not None:
+            known = [n for n in dir(hookspecs) if n.startswith("torchhal_")]
+            unknown = [caller.name for caller in self.pm.get_hookcallers(plugin) or [] if not caller.has_spec()]
+            problem = "unknown hook " + ", ".join(f"{hook!r}" + "".join(
+                f" (did you mean {close!r}?)" for close in difflib.get_close_matches(hook, known, n=1))
+                for hook in unknown)
+        elif not self.pm.get_hookcallers(plugin):
+            empty = (" (a namespace package: no __init__.py)"
+                     if isinstance(plugin, ModuleType) and getattr(plugin, "__file__", None) is None else "")
+            what = f"module {plugin.__name__!r}{empty}" if isinstance(plugin, ModuleType) else short_repr(plugin)
+            problem = (f"{what} implements no torchhal hook, so it registers nothing; point the entry point at the "
+                       f"module that defines {REGISTER_HOOK} (decorated with torchhal.hookimpl)")
+        elif isolated(hash, plugin)[1] is not None:  # pluggy keeps plugins in sets (subset_hook_caller)
+            problem = ("the plugin object is not hashable; pluggy keeps plugins in sets: register a module or an "
+                       "object without a __hash__ of its own")
+        else:
+            self._provenance[name] = (distribution, version, builtin)
+            return True
+        if self.pm.has_plugin(name):
+            self.pm.unregister(name=name)
+        self._fail(name, "register", problem, distribution)
+        return False
 
     def load_builtins(self, modules: Iterable[str]) -> None:
         version = _torchhal_version()
         for module_name in modules:
             self._builtin_names.add(module_name.rsplit(".", 1)[-1])
-            module, error = isolated(importlib.import_module, module_name)
+            with self.watch(module_name, "its import", "torchhal"):
+                module, error = isolated(importlib.import_module, module_name)
             if error is not None:
-                self._record_failure(PluginFailure(module_name, "import", describe_error(error), "torchhal"))
-                continue
-            if self.add_plugin(module, module_name, "torchhal", version):
-                self._builtins.add(module_name)
+                self._fail(module_name, "import", describe_error(error), "torchhal")
+            else:
+                self.add_plugin(module, module_name, "torchhal", version, builtin=True)
 
     def load_entry_points(self, allow: frozenset[str] | None) -> None:
-        seen: set[str] = set()
+        """Load every entry point of group `torchhal` through pluggy, one at a time; those `allow`
+        leaves out are blocked."""
         self.allow = allow
+        first: dict[str, str] = {}  # entry-point name -> the distribution pluggy loads it from
+        points = []
         for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-            dist = ep.dist.name if ep.dist is not None else "<unknown distribution>"
+            dist, version = (ep.dist.name, ep.dist.version) if ep.dist is not None else ("<unknown distribution>", "?")
+            if ep.name in first:
+                self._fail(ep.name, "conflict", f"distributions {first[ep.name]} and {dist} both declare entry point "
+                           f"{ep.name!r}; only {first[ep.name]}'s loads. Uninstall one of them", dist, (ep.name,))
+                continue
+            first[ep.name] = dist
+            points.append((ep.name, dist, version))
             if allow is not None and ep.name not in allow:
+                self.pm.set_blocked(ep.name)
                 self.excluded[ep.name] = dist
-                continue
-            seen.add(ep.name)
-            version = ep.dist.version if ep.dist is not None else "?"
-            plugin, error = isolated(ep.load)
-            if error is not None:
-                self._record_failure(PluginFailure(ep.name, "import", describe_error(error), dist))
-                continue
-            self.add_plugin(plugin, ep.name, dist, version)
+        self._entry_points = [name for name, _, _ in points]
+        for name, dist, version in points:
+            self.pm.loaded = None
+            with self.watch(name, "its import", dist):
+                _, error = isolated(self.pm.load_setuptools_entrypoints, ENTRY_POINT_GROUP, name)
+            if error is not None and self.pm.loaded is None:
+                self._fail(name, "import", describe_error(error), dist)
+            elif self.pm.loaded is not None:
+                self._checked(self.pm.loaded, name, dist, version, False, error)
         for dist, ep in _near_miss_entry_points():
             self._notice(f"distribution {dist!r} declares entry point {ep.name!r} in group {ep.group!r}, which "
                          f"torchhal does not read: plugins register under group {ENTRY_POINT_GROUP!r} "
                          f"([project.entry-points.{ENTRY_POINT_GROUP}] in pyproject.toml)")
-        for missing in sorted((allow or frozenset()) - seen - self._builtin_names):
-            self._record_failure(
-                PluginFailure(
-                    missing,
-                    "import",
-                    f"named in {ALLOW_LIST_ENV} but no installed distribution has an entry "
-                    f"point {missing!r} in group {ENTRY_POINT_GROUP!r}",
-                )
-            )
+        for missing in sorted((allow or frozenset()) - set(first) - self._builtin_names):
+            self._fail(missing, "import", f"named in {ALLOW_LIST_ENV} but no installed distribution has an entry "
+                                          f"point {missing!r} in group {ENTRY_POINT_GROUP!r}")
 
     def collect_platforms(self) -> None:
-        """Call each plugin's registration hook in isolation and validate results."""
-        candidates: dict[str, list[RegisteredPlatform]] = {}
-        for impl in self.pm.hook.torchhal_register_platforms.get_hookimpls():
-            dist, version = self._provenance.get(impl.plugin_name, ("<unknown distribution>", "?"))
-            result, error = isolated(impl.function)
+        """Call each plugin's registration hook through pluggy, isolated; keep one platform a name."""
+        candidates: list[RegisteredPlatform] = []
+        for impl in plugins_implementing(self.pm, REGISTER_HOOK):
+            source = impl.plugin_name
+            dist, version, builtin = self._provenance.get(source, ("<unknown distribution>", "?", False))
+            with self.watch(source, f"its {REGISTER_HOOK}()", dist):
+                results, error = call_plugin(self.pm, REGISTER_HOOK, impl.plugin)
+            if error is None:  # reading what it returned runs its code too (isinstance, repr)
+                found, error = isolated(self._platforms_of, results, source, dist, version, builtin)
+                candidates += found or []
             if error is not None:
-                self._record_failure(PluginFailure(impl.plugin_name, "register", describe_error(error), dist))
-                continue
-            for item in result if isinstance(result, (list, tuple)) else [result]:
-                problem, error = isolated(_validate_platform_object, item)
-                if error is not None:  # e.g. a `name` property that raises
-                    problem = f"reading its class attributes raised {describe_error(error)}"
-                if problem:
-                    # The platform it would have been, so naming it explains why it is missing.
-                    name = getattr(item, "name", None) if error is None else None
-                    self._record_failure(PluginFailure(impl.plugin_name, "validate", problem, dist,
-                                                       (name,) if isinstance(name, str) else ()))
-                    continue
-                assert isinstance(item, PlatformPlugin)
-                if not self._spi_compatible(item, impl.plugin_name, dist):
-                    continue
-                builtin = impl.plugin_name in self._builtins
-                candidates.setdefault(item.name, []).append(
-                    RegisteredPlatform(item, impl.plugin_name, dist, version, builtin)
-                )
-        self._resolve_conflicts(candidates)
+                self._fail(source, "register", describe_error(error), dist)
+        self._resolve(candidates)
 
-    def _spi_compatible(self, item: PlatformPlugin, source: str, dist: str) -> bool:
-        """Refuse another SPI major; note a newer minor and deprecated members."""
-        cls = type(item).__name__
-        major, minor = item.spi_version
-        ours = ".".join(map(str, SPI_VERSION))
-        if major != SPI_VERSION[0]:
-            self._record_failure(
-                PluginFailure(
-                    source,
-                    "version",
-                    f"{cls} (platform {item.name!r}) targets torchhal SPI {major}.{minor}, but this "
-                    f"torchhal implements SPI {ours}; install a {item.name!r} plugin release built "
-                    f"for SPI {SPI_VERSION[0]}.x, or a torchhal release implementing SPI {major}.x",
-                    dist,
-                )
-            )
-            return False
-        if minor > SPI_VERSION[1]:
-            self._notice(
-                f"plugin {source!r} ({dist}): {cls} targets SPI {major}.{minor}, newer than this "
-                f"torchhal's SPI {ours}; members added after {ours} are not called. Upgrade torchhal"
-            )
-        for entry in deprecated_overrides(item):
-            self._notice(f"plugin {source!r} ({dist}): " + entry.message(cls, "defines"))
-        return True
+    def _platforms_of(self, results: list[object], source: str, dist: str, version: str,
+                      builtin: bool) -> list[RegisteredPlatform]:
+        """The platforms a plugin's hook returned that this host can run: PlatformPlugins of its SPI major."""
+        found = []
+        for returned in results:  # pluggy: one result per implementation
+            for item in returned if isinstance(returned, (list, tuple)) else [returned]:
+                if not isinstance(item, PlatformPlugin):
+                    returned_text = f"{type(item).__name__} {short_repr(item)}"
+                    self._fail(source, "validate", f"{REGISTER_HOOK} returned {returned_text}; return instances of "
+                                                   "torchhal.PlatformPlugin", dist)
+                    continue
+                cls = type(item)
+                (major, minor), ours = cls.spi_version, ".".join(map(str, SPI_VERSION))
+                if major != SPI_VERSION[0]:
+                    self._fail(source, "version", (
+                        f"{cls.__name__} (platform {cls.name!r}) targets torchhal SPI {major}.{minor}, but this "
+                        f"torchhal implements SPI {ours}; install a {cls.name!r} plugin release built for SPI "
+                        f"{SPI_VERSION[0]}.x, or a torchhal release implementing SPI {major}.x"), dist, (cls.name,))
+                    continue
+                if minor > SPI_VERSION[1]:
+                    self._notice(f"plugin {source!r} ({dist}): {cls.__name__} targets SPI {major}.{minor}, newer "
+                                 f"than this torchhal's SPI {ours}; members added after {ours} are not called. "
+                                 "Upgrade torchhal")
+                found.append(RegisteredPlatform(item, source, dist, version, builtin))
+        return found
 
-    def _resolve_conflicts(self, candidates: dict[str, list[RegisteredPlatform]]) -> None:
-        self._drop_repeats(candidates)
-        replacers: dict[str, list[RegisteredPlatform]] = {}
-        for regs in candidates.values():
-            for reg in regs:
-                if reg.plugin.replaces:
-                    replacers.setdefault(reg.plugin.replaces, []).append(reg)
-        for target, regs in replacers.items():
-            if len(regs) == 1:
-                continue
-            # Two replacements of one platform: neither wins, the replaced one stays.
-            who = " and ".join(f"{r.source} (distribution {r.distribution})" for r in regs)
-            for reg in regs:
-                self._record_failure(
-                    PluginFailure(
-                        reg.source,
-                        "conflict",
-                        f"{who} each declare `replaces = {target!r}`; both are dropped and {target!r} is "
-                        "kept. Uninstall one of them",
-                        reg.distribution,
-                        (target, *dict.fromkeys(x for r in regs for x in (r.plugin.name, r.source))),
-                    )
-                )
-                candidates[reg.plugin.name].remove(reg)
-        for name, regs in candidates.items():
-            if not regs:
-                continue
-            own = [r for r in regs if r.plugin.replaces == name]  # replaces a platform of its own name
-            if own:
-                regs = own
-            builtin = next((r for r in regs if r.builtin), None)
-            if builtin is not None and len(regs) > 1:
-                # A built-in is displaced only through `replaces`: impostors are dropped.
-                for impostor in regs:
-                    if impostor is not builtin:
-                        self._record_failure(
-                            PluginFailure(
-                                impostor.source,
-                                "conflict",
-                                f"registers platform name {name!r}, which is torchhal's built-in "
-                                f"{name!r} platform; the built-in is kept and this one dropped. "
-                                f"Rename it, or declare `replaces = {name!r}` to replace the built-in",
-                                impostor.distribution,
-                                (name, impostor.source),
-                            )
-                        )
-                regs = [builtin]
+    # -- one platform a name --------------------------------------------------------
+    def _resolve(self, candidates: list[RegisteredPlatform]) -> None:
+        """Keep one platform per name, recording each conflict: a name one plugin returned twice, rival
+        replacements of one platform, rival owners of one name (a replacement of its own name wins,
+        then a built-in); then apply the replacements."""
+        def drop(regs: list[RegisteredPlatform]) -> None:
+            candidates[:] = [reg for reg in candidates if all(reg is not gone for gone in regs)]
+
+        repeats = Counter((reg.source, reg.name) for reg in candidates)
+        for (source, name), count in repeats.items():
+            if count > 1:
+                twice = [reg for reg in candidates if (reg.source, reg.name) == (source, name)]
+                self._fail(source, "conflict", f"plugin {source!r} returned platform {name!r} {count} times from "
+                           f"{REGISTER_HOOK}; return one instance (one platform serves all its devices: each call "
+                           "takes the device index)", twice[0].distribution, (name, source))
+                drop(twice)
+        for target in {reg.replaces for reg in candidates if reg.replaces}:
+            rivals = [reg for reg in candidates if reg.replaces == target]
+            if len(rivals) > 1:  # neither wins, the replaced one stays
+                who = " and ".join(f"{r.source} (distribution {r.distribution})" for r in rivals)
+                involves = (target, *dict.fromkeys(x for r in rivals for x in (r.name, r.source)))
+                for reg in rivals:
+                    self._fail(reg.source, "conflict", f"{who} each declare `replaces = {target!r}`; both are dropped "
+                               f"and {target!r} is kept. Uninstall one of them", reg.distribution, involves)
+                drop(rivals)
+        for name in dict.fromkeys(reg.name for reg in candidates):
+            regs = [reg for reg in candidates if reg.name == name]
+            regs = [reg for reg in regs if reg.replaces == name] or regs
+            builtin = next((reg for reg in regs if reg.builtin), None)
+            for impostor in regs if builtin is not None else []:  # a built-in is displaced only through `replaces`
+                if impostor is not builtin:
+                    self._fail(impostor.source, "conflict", f"registers platform name {name!r}, which is torchhal's "
+                               f"built-in {name!r} platform; the built-in is kept and this one dropped. Rename it, or "
+                               f"declare `replaces = {name!r}` to replace the built-in", impostor.distribution,
+                               (name, impostor.source))
+            regs = [builtin] if builtin is not None else regs
             if len(regs) > 1:
                 who = " and ".join(f"{r.source} (distribution {r.distribution})" for r in regs)
-                self._record_failure(
-                    PluginFailure(
-                        name,
-                        "conflict",
-                        f"platform name {name!r} is registered by {who}; uninstall one, or "
-                        f"have one declare `replaces = {name!r}`",
-                        regs[-1].distribution,
-                        (name, *dict.fromkeys(r.source for r in regs)),
-                    )
-                )
-                continue
-            self.platforms[name] = regs[0]
-        # Replacements last: only a replacer that kept its own name may drop what it replaces.
-        self._apply_replacements()
-
-    def _drop_repeats(self, candidates: dict[str, list[RegisteredPlatform]]) -> None:
-        """Drop a platform name one plugin returned more than once: a mistake of that plugin, not a
-        conflict between distributions (no other plugin is involved, nothing to uninstall)."""
-        for name, regs in candidates.items():
-            counts = Counter(reg.source for reg in regs)
-            for source, count in counts.items():
-                if count > 1:
-                    distribution = next(reg.distribution for reg in regs if reg.source == source)
-                    self._record_failure(
-                        PluginFailure(
-                            source,
-                            "conflict",
-                            f"plugin {source!r} returned platform {name!r} {count} times from "
-                            "torchhal_register_platforms; return one instance (one platform serves all its devices: "
-                            "each call takes the device index)",
-                            distribution,
-                            (name, source),
-                        )
-                    )
-            candidates[name] = [reg for reg in regs if counts[reg.source] == 1]
+                self._fail(name, "conflict", f"platform name {name!r} is registered by {who}; uninstall one, or have "
+                           f"one declare `replaces = {name!r}`", regs[-1].distribution,
+                           (name, *dict.fromkeys(r.source for r in regs)))
+            else:
+                self.platforms[name] = regs[0]
+        self._apply_replacements()  # last: only a replacer that kept its own name may drop what it replaces
 
     def _apply_replacements(self) -> None:
         """Drop the platforms that registered platforms replace. A replaced platform replaces
         nothing: in a chain (C replaces B, B replaces A) C drops B and A stays. Platforms that
         replace one another in a cycle are all dropped, as a conflict naming each."""
-        replacer_of = {
-            reg.plugin.replaces: reg
-            for name, reg in self.platforms.items()
-            if reg.plugin.replaces not in (None, name) and reg.plugin.replaces in self.platforms
-        }  # one replacer a target at most: rival replacers were dropped
+        replacer_of = {reg.replaces: reg for name, reg in self.platforms.items()
+                       if reg.replaces not in (None, name) and reg.replaces in self.platforms}
         replaced: dict[str, RegisteredPlatform] = {}
         cycles: list[list[str]] = []
         for name in self.platforms:
             chain = [name]  # name, the platform replacing it, the one replacing that …
-            while chain[-1] in replacer_of and replacer_of[chain[-1]].plugin.name not in chain:
-                chain.append(replacer_of[chain[-1]].plugin.name)
+            while chain[-1] in replacer_of and replacer_of[chain[-1]].name not in chain:
+                chain.append(replacer_of[chain[-1]].name)
             if chain[-1] in replacer_of:  # back at `name`: a cycle
                 if name == min(chain):
                     cycles.append(chain)
@@ -361,20 +388,13 @@ class PlatformRegistry:
                 replaced[name] = replacer_of[name]
         for cycle in cycles:
             regs = [self.platforms.pop(name) for name in cycle]
-            who = " and ".join(f"platform {reg.plugin.name!r} (plugin {reg.source!r}, distribution "
-                               f"{reg.distribution}) declares `replaces = {reg.plugin.replaces!r}`" for reg in regs)
+            who = " and ".join(f"platform {reg.name!r} (plugin {reg.source!r}, distribution {reg.distribution}) "
+                               f"declares `replaces = {reg.replaces!r}`" for reg in regs)
             involves = tuple(dict.fromkeys((*cycle, *(reg.source for reg in regs))))
             for reg in regs:
-                self._record_failure(
-                    PluginFailure(
-                        reg.source,
-                        "conflict",
-                        f"{who}: they replace one another in a cycle, so none applies and all are dropped. "
-                        "Uninstall one of them, or remove its `replaces`",
-                        reg.distribution,
-                        involves,
-                    )
-                )
+                self._fail(reg.source, "conflict", f"{who}: they replace one another in a cycle, so none applies "
+                           "and all are dropped. Uninstall one of them, or remove its `replaces`", reg.distribution,
+                           involves)
         for name, reg in replaced.items():
             del self.platforms[name]
             self.replaced[name] = reg
@@ -385,8 +405,8 @@ class PlatformRegistry:
         reg = self.replaced.get(name)
         if reg is None:
             return None
-        return (f"platform {name!r} was replaced by platform {reg.plugin.name!r} (plugin {reg.source!r}, "
-                f"distribution {reg.distribution}), which declares `replaces = {name!r}`; name {reg.plugin.name!r} "
+        return (f"platform {name!r} was replaced by platform {reg.name!r} (plugin {reg.source!r}, "
+                f"distribution {reg.distribution}), which declares `replaces = {name!r}`; name {reg.name!r} "
                 f"instead, or uninstall {reg.distribution} to get {name!r} back")
 
     # -- queries ---------------------------------------------------------------
@@ -410,18 +430,14 @@ class PlatformRegistry:
             reg = self.platforms[name]
             result, error = self.detect(reg.plugin)
             if error is None and not isinstance(result, Availability):
-                error = TypeError(
-                    f"is_available() returned {type(result).__name__}; "
-                    "return Availability.yes() or Availability.no(reason)"
-                )
-            if isinstance(error, TimeoutError):
-                self._record_failure(PluginFailure(name, "detect", str(error), reg.distribution))
-                result = Availability.no(f"detection timed out: {error}")
-            elif error is not None:
+                error = TypeError(f"is_available() returned {type(result).__name__}; "
+                                  "return Availability.yes() or Availability.no(reason)")
+            if error is not None:
                 # torchhal's own finding is said as it is; what the plugin raised, with its type
-                said = str(error) if isinstance(error, DetectionReentryError) else describe_error(error)
-                self._record_failure(PluginFailure(name, "detect", said, reg.distribution))
-                result = Availability.no(f"detection failed: {said}")
+                said = str(error) if isinstance(error, (TimeoutError, DetectionReentryError)) else describe_error(error)
+                self._fail(name, "detect", said, reg.distribution)
+                result = Availability.no(f"detection {'timed out' if isinstance(error, TimeoutError) else 'failed'}: "
+                                         f"{said}")
             assert isinstance(result, Availability)
             self._availability[name] = result
             return result
@@ -436,7 +452,7 @@ class PlatformRegistry:
         keeps running in the background and does not hold the process open at exit.
         """
         outcome: list[tuple[object, BaseException | None]] = []
-        thread = threading.Thread(target=_probe, args=(plugin, outcome), name=f"torchhal-detect-{plugin.name}",
+        thread = threading.Thread(target=_probe, args=(plugin, outcome), name=f"torchhal-detect-{type(plugin).name}",
                                   daemon=True)
         thread.start()
         deadline = None if self.detect_timeout is None else time.monotonic() + self.detect_timeout
@@ -491,30 +507,6 @@ def _call_back(thread: threading.Thread) -> FrameType | None:
     return found
 
 
-def _hook_problem(plugin: object, callers: list[pluggy.HookCaller]) -> str | None:
-    """Why a registered plugin's hook implementations cannot work, or None: no torchhal hook at
-    all, or a hook name no spec has. (A wrapper is refused before registration: torchhal calls
-    each implementation itself, isolated, so a wrapper's generator would be made and dropped.)"""
-    if not callers:
-        return (f"{_describe_plugin(plugin)} implements no torchhal hook, so it registers nothing; point the "
-                "entry point at the module that defines torchhal_register_platforms (decorated with "
-                "torchhal.hookimpl)")
-    unknown = [caller.name for caller in callers if not caller.has_spec()]
-    if unknown:
-        known = [n for n in dir(hookspecs) if n.startswith("torchhal_")]
-        hints = []
-        for hook_name in unknown:
-            close = difflib.get_close_matches(hook_name, known, n=1)
-            hints.append(f"{hook_name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        return "unknown hook " + ", ".join(hints)
-    return None
-
-
-#: Groups a vendor may write for torchhal's, squashed (lower case, letters and digits only).
-_NEAR_MISS_GROUPS = frozenset({"torchhal", "torchhalplatforms", "torchhalplatform", "torchhalplugins",
-                               "torchhalplugin"})
-
-
 def _near_miss_entry_points() -> list[tuple[str, metadata.EntryPoint]]:
     """(distribution, entry point) in a group that reads like torchhal's but is not it
     ("torchhal.platforms", "torch_hal", "TorchHAL"): their plugins would be silently absent.
@@ -525,67 +517,6 @@ def _near_miss_entry_points() -> list[tuple[str, metadata.EntryPoint]]:
     return [(dist.metadata["Name"] or "<unknown distribution>", ep)
             for dist in metadata.distributions() for ep in dist.entry_points
             if ep.group != ENTRY_POINT_GROUP and squashed(ep.group) in _NEAR_MISS_GROUPS]
-
-
-def _wrapper_problem(wrappers: list[str]) -> str:
-    return (f"implements {', '.join(wrappers)} as a hook wrapper, which torchhal never runs: it calls each hook "
-            "implementation itself; declare it with a plain @torchhal.hookimpl (an observer is called after "
-            "the event, with its arguments)")
-
-
-def _declared_wrappers(plugin: object) -> list[str]:
-    """The plugin's hooks marked wrapper=True or hookwrapper=True ("'hook' (wrapper=True)"),
-    read from the marks `torchhal.hookimpl` leaves, as pluggy reads them (every attribute, the
-    hook named by `specname` where given), before pluggy registers the plugin."""
-    found = []
-    for attribute in dir(plugin):
-        try:
-            options = getattr(getattr(plugin, attribute), f"{hookspecs.PROJECT_NAME}_impl", None)
-        except Exception:  # a property that raises: pluggy's registration reports it
-            continue
-        if isinstance(options, dict):
-            hook = options.get("specname") or attribute
-            found += [f"{hook!r} ({flag}=True)" for flag in ("wrapper", "hookwrapper") if options.get(flag)]
-    return found
-
-
-def _validate_platform_object(item: Any) -> str | None:
-    if not isinstance(item, PlatformPlugin):
-        return (
-            f"torchhal_register_platforms returned {type(item).__name__!s} {item!r}; "
-            "return instances of torchhal.PlatformPlugin"
-        )
-    cls = type(item).__name__
-    name = getattr(item, "name", None)
-    if not isinstance(name, str) or not _NAME_PATTERN.fullmatch(name):
-        return f"{cls}.name is {name!r}; use a lowercase identifier such as 'myaccel'"
-    for attr, kind in (("device_type", str), ("dist_backend", str), ("priority", int)):
-        value = getattr(item, attr, None)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            return f"{cls}.{attr} is {value!r}; it must be a {kind.__name__}"
-    replaces = getattr(item, "replaces", None)
-    if replaces is not None and not (isinstance(replaces, str) and _NAME_PATTERN.fullmatch(replaces)):
-        return f"{cls}.replaces is {replaces!r}; it must be None or one platform name, e.g. 'cuda'"
-    variables = getattr(item, "visible_devices_env", None)
-    # A list of names is normalised to a tuple (the conformance suite flags it); None or a bare
-    # str would break the host (a str is split into letters).
-    if not (isinstance(variables, (tuple, list)) and all(isinstance(var, str) and var for var in variables)):
-        return (f"{cls}.visible_devices_env is {variables!r}; it must be a tuple of environment variable names, "
-                "e.g. ('MYACCEL_VISIBLE_DEVICES',), or () for none")
-    version = getattr(item, "spi_version", None)
-    if not (
-        isinstance(version, tuple)
-        and len(version) == 2
-        and all(isinstance(part, int) and not isinstance(part, bool) and part >= 0 for part in version)
-    ):
-        return f"{cls}.spi_version is {version!r}; it must be (major, minor), e.g. {SPI_VERSION!r}"
-    return None
-
-
-def new_plugin_manager() -> pluggy.PluginManager:
-    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
-    pm.add_hookspecs(hookspecs)
-    return pm
 
 
 def build_registry(
@@ -604,4 +535,3 @@ def build_registry(
         registry.add_plugin(plugin, name, "<in-process>", "0")
     registry.collect_platforms()
     return registry
-

@@ -1,17 +1,18 @@
 """Platform: the API engine code calls, wrapping one `PlatformPlugin` privately.
 
-The SPI is written once, in `PlatformPlugin`. `Platform` adds only behaviour:
-the default device index, index validation, release points, observers and
-tracing. An SPI call the API exposes unchanged (a pass-through) is the
-plugin's own bound method, set on the instance when the platform is made, so
-calling it costs exactly the plugin's call. A fact that cannot change for the
-process (`graph_support`, `ipc_support`, `attention_support`, `linear_support`, `compile_support`,
-`virtual_memory_support`,
-`oom_error_types`) is asked of the plugin once and kept as a value. There is no pluggy on the hot path: observer
-hooks fire only where the engine changes memory or asks to trace.
+The SPI is written once, in `PlatformPlugin`. `Platform` adds only behaviour: the default
+device index, index validation, release points, observers and tracing, and the one check
+of what the plugin answers (`Platform._answer`: a record of the SPI's type, a device count).
+An SPI call the API exposes unchanged (a pass-through) is the plugin's own bound method, set
+on the instance when the platform is made, so calling it costs exactly the plugin's call. A
+fact that cannot change for the process (`graph_support`, `ipc_support`, `attention_support`,
+`linear_support`, `compile_support`, `virtual_memory_support`, `distributed_support`,
+`oom_error_types`) is asked of the
+plugin once, checked and kept as a value. Observer hooks fire only where the engine changes
+memory or asks to trace.
 
-The observer call (`notify_observers`) lives here, below the registry, so
-neither the API nor the registry needs the other.
+How a hook reaches one plugin (`call_plugin`) lives here, below the registry, so neither the
+API nor the registry needs the other.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from torchhal.platforms.errors import PluginContractError, TorchhalPluginWarning, describe_error, isolated
 from torchhal.platforms.plugin import PlatformPlugin
 from torchhal.platforms.records import DeviceInfo, MemoryInfo, PeakMemory, ReleasePoint
-from torchhal.values import as_index
+from torchhal.values import as_index, short_repr
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -41,10 +42,24 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
+def call_plugin(pm: pluggy.PluginManager, hook_name: str, plugin: object,
+                **kwargs: Any) -> tuple[Any, BaseException | None]:
+    """Call `plugin`'s implementation of `hook_name` through pluggy, isolated: (its results, None) or
+    (None, what it raised). pluggy's own call stops at the first implementation that raises; a host
+    calls each plugin apart, so one plugin's failure is its own."""
+    others = [impl.plugin for impl in getattr(pm.hook, hook_name).get_hookimpls() if impl.plugin is not plugin]
+    return isolated(pm.subset_hook_caller(hook_name, others), **kwargs)
+
+
+def plugins_implementing(pm: pluggy.PluginManager, hook_name: str) -> list[pluggy.HookImpl]:
+    """One implementation of `hook_name` a plugin (a plugin may implement a hook twice: `call_plugin` calls both)."""
+    return list({impl.plugin_name: impl for impl in getattr(pm.hook, hook_name).get_hookimpls()}.values())
+
+
 def notify_observers(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> None:
     """Call every observer of `hook_name`, each isolated: one that raises or exits is warned about."""
-    for impl in getattr(pm.hook, hook_name).get_hookimpls():
-        _, error = isolated(impl.function, **{arg: kwargs[arg] for arg in impl.argnames})
+    for impl in plugins_implementing(pm, hook_name):
+        _, error = call_plugin(pm, hook_name, impl.plugin, **kwargs)
         if error is not None:
             warnings.warn(
                 f"observer {impl.plugin_name!r} failed in {hook_name}: {describe_error(error)}",
@@ -74,39 +89,33 @@ class _PassThrough(Generic[_P, _R]):
         return getattr(obj._plugin, self.name)  # only reached before binding
 
 
-def _answer_contract(spi_method: Callable[..., Any]) -> tuple[Callable[[object], bool], str] | None:
+def _answer_contract(spi_method: Callable[..., Any]) -> tuple[Callable[[object], bool], str]:
     """What an SPI query's return annotation lets its answer be, as (a test, a phrase naming it):
-    one record (`GraphSupport | None`: or None), or a tuple of exception classes; None for an
-    answer of any other kind, which is not checked."""
+    one record (`GraphSupport | None`: or None), a tuple of exception classes, or a count."""
     hint = typing.get_type_hints(spi_method)["return"]
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     optional = type(None) in options
-    records = [option for option in options if option is not type(None)]
-    if len(records) == 1 and isinstance(records[0], type) and dataclasses.is_dataclass(records[0]):
-        record = records[0]
-        article = "an" if record.__name__[0] in "AEIOU" else "a"
-        return (lambda value: isinstance(value, record) or (value is None and optional),
-                f"{article} {record.__name__}{' or None' if optional else ''}")
-    if typing.get_origin(hint) is tuple:  # tuple[type[BaseException], ...]
-        item, _ = typing.get_args(hint)
+    (kind,) = [option for option in options if option is not type(None)]
+    if kind is int:
+        return lambda value: as_index(value) is not None and value >= 0, "an int >= 0"  # type: ignore[operator]
+    if typing.get_origin(kind) is tuple:  # tuple[type[BaseException], ...]
+        item, _ = typing.get_args(kind)
         (base,) = typing.get_args(item)
         return (lambda value: isinstance(value, tuple) and all(
             isinstance(kind, type) and issubclass(kind, base) for kind in value),
             f"a tuple of {base.__name__} subclasses, e.g. (torch.OutOfMemoryError,)")
-    return None
+    assert isinstance(kind, type) and dataclasses.is_dataclass(kind), hint
+    article = "an" if kind.__name__[0] in "AEIOU" else "a"
+    return (lambda value: isinstance(value, kind) or (value is None and optional),
+            f"{article} {kind.__name__}{' or None' if optional else ''}")
 
 
 class _Fact(Generic[_R]):
-    """An SPI query whose answer is fixed for the process: asked once, then a plain value.
-    Where the SPI's annotation says what the answer is (a record, or None where declared; a
-    tuple of exception classes), a plugin that returns anything else gets a
-    `PluginContractError` at the first read, not an attribute error wherever the engine first
-    touches the value."""
+    """An SPI query whose answer is fixed for the process: asked once, checked, then a plain value."""
 
     def __init__(self, spi_method: Callable[[PlatformPlugin], _R]) -> None:
         self.name = spi_method.__name__
         self.__doc__ = spi_method.__doc__
-        self.contract = _answer_contract(spi_method)
 
     @overload
     def __get__(self, obj: None, owner: type | None = None) -> _Fact[_R]: ...
@@ -115,10 +124,7 @@ class _Fact(Generic[_R]):
     def __get__(self, obj: Platform | None, owner: type | None = None) -> Any:
         if obj is None:
             return self
-        value = getattr(obj._plugin, self.name)()
-        if self.contract is not None and not self.contract[0](value):
-            raise PluginContractError(
-                f"platform {obj.name!r}: {self.name}() returned {value!r}; it must return {self.contract[1]}")
+        value = obj._answer(self.name, getattr(obj._plugin, self.name)())
         obj.__dict__[self.name] = value  # later reads are an instance-dict hit
         return value
 
@@ -127,7 +133,6 @@ class Platform:
     """One platform, as engine code sees it. Obtain with `torchhal.current_platform()`."""
 
     # -- pass-throughs: the plugin's bound methods (see `_bind`) ---------------------
-    device_count = _PassThrough(PlatformPlugin.device_count)
     current_device = _PassThrough(PlatformPlugin.current_device)
     runtime_version = _PassThrough(PlatformPlugin.runtime_version)
     is_out_of_memory = _PassThrough(PlatformPlugin.is_out_of_memory)
@@ -149,12 +154,13 @@ class Platform:
     def __init__(
         self, plugin: PlatformPlugin, pm: pluggy.PluginManager, distribution: str, version: str
     ) -> None:
+        cls = type(plugin)  # the class attributes, checked when the class was defined
         self._plugin = plugin  # private: engines use this API; tests use platforms.testing
-        self.name: str = plugin.name
-        self.device_type: str = plugin.device_type
-        self.priority: int = plugin.priority
-        self.dist_backend: str = plugin.dist_backend
-        self.visible_devices_env: tuple[str, ...] = tuple(plugin.visible_devices_env)
+        self.name: str = cls.name
+        self.device_type: str = cls.device_type
+        self.priority: int = cls.priority
+        self.dist_backend: str = cls.dist_backend
+        self.visible_devices_env: tuple[str, ...] = tuple(cls.visible_devices_env)
         self.distribution = distribution
         self.version = version
         self._pm = pm
@@ -173,6 +179,14 @@ class Platform:
             self.__dict__["is_out_of_memory"] = self._is_out_of_memory
         for name in FACTS:
             self.__dict__.pop(name, None)
+
+    def _answer(self, call: str, value: _R) -> _R:
+        """`value`, the plugin's answer to `call`, once it is what the SPI's annotation says it is."""
+        test, must = _CONTRACTS[call]
+        if not test(value):
+            raise PluginContractError(
+                f"platform {self.name!r}: {call}() returned {short_repr(value)}; it must return {must}")
+        return value
 
     def _is_out_of_memory(self, error: BaseException) -> bool:
         return isinstance(error, self.oom_error_types)
@@ -201,19 +215,17 @@ class Platform:
     def synchronize(self, index: int | None = None) -> None:
         self._plugin.synchronize(self._index(index))
 
+    def device_count(self) -> int:
+        return self._answer("device_count", self._plugin.device_count())
+
     def device_info(self, index: int | None = None) -> DeviceInfo:
-        return self._plugin.device_info(self._index(index))
+        return self._answer("device_info", self._plugin.device_info(self._index(index)))
 
     # -- memory ----------------------------------------------------------------------
     def memory_info(self, index: int | None = None) -> MemoryInfo:
         """Observe one device's memory. Never empties the cache, never synchronizes."""
         info = self._plugin.memory_info(self._index(index))
-        if type(info) is not MemoryInfo and not isinstance(info, MemoryInfo):  # exact type first: cheap
-            raise PluginContractError(
-                f"platform {self.name!r} ({self.distribution}): memory_info() returned "
-                f"{type(info).__name__} {info!r}; it must return a torchhal.MemoryInfo"
-            )
-        return info
+        return info if type(info) is MemoryInfo else self._answer("memory_info", info)  # exact type first: cheap
 
     def empty_cache(self, reason: ReleasePoint, index: int | None = None) -> int | None:
         """Empty the allocator cache at a named release point; fires `torchhal_cache_emptied`."""
@@ -354,9 +366,6 @@ class Platform:
     def _check_index(self, index: object) -> int:
         """`index` as a plain int once the plugin's device_count() says it exists, else a named error."""
         count = self.device_count()
-        if not isinstance(count, int) or isinstance(count, bool):
-            raise PluginContractError(f"platform {self.name!r}: device_count() returned {count!r}; it must return an "
-                                      "int >= 0")
         if not isinstance(index, int) or isinstance(index, bool):
             raise TypeError(f"device index {index!r} ({type(index).__name__}) for platform {self.name!r} is not an "
                             f"int; use 0..{max(count - 1, 0)}")
@@ -381,3 +390,6 @@ def check_platform_argument(platform: object, where: str = "") -> None:
 
 _PASS_THROUGHS: tuple[str, ...] = tuple(n for n, v in vars(Platform).items() if isinstance(v, _PassThrough))
 FACTS: tuple[str, ...] = tuple(n for n, v in vars(Platform).items() if isinstance(v, _Fact))
+#: What `Platform` checks of the plugin's answers, where it receives them: call -> (test, what it must be).
+_CONTRACTS = {name: _answer_contract(getattr(PlatformPlugin, name))
+              for name in (*FACTS, "device_count", "device_info", "memory_info")}

@@ -1,22 +1,76 @@
 """Typed, frozen records that cross the plugin boundary.
 
-Hook results and SPI return values are records, never loose tuples or dicts, so
-the manager can validate them and engine code can rely on their fields.
+Hook results and SPI return values are records, never loose tuples or dicts. Each record
+checks its fields where it is made, in one rule table per record (`_check`), so a plugin's
+bad value is named at its source: a hole in a declared capability is never met later as
+"'NoneType' object is not callable". A new record lists its rules the same way.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+from torchhal.values import short_repr
 
 if TYPE_CHECKING:  # the protocol lives with the reference backend, which imports nothing from here
     from torchhal.attention import AttentionBackend
     from torchhal.platforms.communicator import Communicator
+
+#: One rule: (field label, its value, whether the value passes, what it must be, the error raised).
+#: Rules are judged in order: a rule on a value's range may assume the type rule before it passed.
+Rule = tuple[str, Any, bool, str, type[Exception]]
+
+
+def _check(record: object, rules: Iterable[Rule]) -> None:
+    """Raise for the first rule `record` breaks, naming the field, its value and the fix."""
+    for label, value, ok, must, error in rules:
+        if not ok:
+            raise error(f"{type(record).__name__}.{label} is {short_repr(value)}; {must}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _counts(record: object, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> Iterable[Rule]:
+    """Byte counts and device indices: plain ints >= 0 (None allowed for `optional`)."""
+    for name in (*required, *optional):
+        value = getattr(record, name)
+        if value is None and name in optional:
+            continue
+        allowed = "an int" + (" or None" if name in optional else "")
+        must = f"it must be {allowed} (bytes, or a device index): convert with int(...)"
+        yield name, value, _is_int(value), must, TypeError
+        yield name, value, _is_int(value) and value >= 0, "it must be >= 0", ValueError
+
+
+def _plain_ints(record: object, names: tuple[str, ...]) -> None:
+    """Store int subclasses (IntEnum …) as plain ints: the checks passed, the value is an integer."""
+    for name in names:
+        value = getattr(record, name)
+        if value is not None and type(value) is not int:
+            object.__setattr__(record, name, int(value))
+
+
+def _flag(record: object, name: str) -> Rule:
+    value = getattr(record, name)
+    return name, value, isinstance(value, bool), "it must be True or False", TypeError
+
+
+def _note(record: object, name: str = "note") -> Rule:
+    value = getattr(record, name)
+    return name, value, isinstance(value, str), "it must be a str (one line for reports)", TypeError
+
+
+def _function(record: object, name: str, does: str) -> Rule:
+    value = getattr(record, name)
+    return name, value, callable(value), f"it must be {does}", TypeError
 
 
 class ReleasePoint(str, enum.Enum):
@@ -67,20 +121,18 @@ class MemoryInfo:
     estimated: bool = False
 
     def __post_init__(self) -> None:
-        # Validated where the record is made, so a plugin's bad value is caught at its
-        # source. The common case is six plain checks (this runs on every memory query).
+        # Made on every memory query: the common case is these plain checks, the rules only name a failure.
         reserved, allocated = self.reserved, self.allocated
         if not (
-            type(self.device) is int
-            and type(self.free) is int
-            and type(self.total) is int
-            and self.free >= 0
-            and self.total >= 0
+            type(self.device) is int and type(self.free) is int and type(self.total) is int
+            and self.device >= 0 and self.free >= 0 and self.total >= 0
             and (reserved is None or (type(reserved) is int and reserved >= 0))
             and (allocated is None or (type(allocated) is int and allocated >= 0))
             and type(self.estimated) is bool
         ):
-            _reject_fields(self, ("device", "free", "total"), ("reserved", "allocated"))
+            _check(self, (*_counts(self, ("device", "free", "total"), ("reserved", "allocated")),
+                          _flag(self, "estimated")))
+            _plain_ints(self, ("device", "free", "total", "reserved", "allocated"))
 
     @property
     def used(self) -> int:
@@ -99,43 +151,8 @@ class PeakMemory:
     allocated: int | None
 
     def __post_init__(self) -> None:
-        reserved, allocated = self.reserved, self.allocated
-        if not (
-            type(self.device) is int
-            and (reserved is None or (type(reserved) is int and reserved >= 0))
-            and (allocated is None or (type(allocated) is int and allocated >= 0))
-        ):
-            _reject_fields(self, ("device",), ("reserved", "allocated"))
-
-
-def _check_fields(record: object, checks: tuple[tuple[str, Callable[[Any], bool], str], ...]) -> None:
-    """Raise a TypeError naming the first field whose value fails its test: (field, test, what it must be)."""
-    for name, test, must in checks:
-        value = getattr(record, name)
-        if not test(value):
-            raise TypeError(f"{type(record).__name__}.{name} is {value!r}; it must be {must}")
-
-
-def _reject_fields(record: object, required: tuple[str, ...], optional: tuple[str, ...]) -> None:
-    """Raise naming the first bad field; int subclasses (IntEnum …) are stored as plain ints."""
-    cls = type(record).__name__
-    for name in (*required, *optional):
-        value = getattr(record, name)
-        if value is None and name in optional:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool):
-            allowed = "an int" + (" or None" if name in optional else "")
-            raise TypeError(
-                f"{cls}.{name} is {value!r} ({type(value).__name__}); it must be {allowed} "
-                "(bytes, or the device index): convert with int(...)"
-            )
-        if value < 0:
-            raise ValueError(f"{cls}.{name} is {value}; it must be >= 0")
-        if type(value) is not int:  # an int subclass (IntEnum): store a plain int
-            object.__setattr__(record, name, int(value))
-    estimated = getattr(record, "estimated", False)
-    if not isinstance(estimated, bool):
-        raise TypeError(f"{cls}.estimated is {estimated!r}; it must be True or False")
+        _check(self, _counts(self, ("device",), ("reserved", "allocated")))
+        _plain_ints(self, ("device", "reserved", "allocated"))
 
 
 @dataclass(frozen=True)
@@ -149,25 +166,19 @@ class DeviceInfo:
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # Checked where it is made, like MemoryInfo: a bad field is named at the plugin, not a
-        # TypeError wherever a report first formats it.
-        if not (type(self.index) is int and type(self.total_memory) is int and self.index >= 0
-                and self.total_memory >= 0):
-            _reject_fields(self, ("index", "total_memory"), ())
-        if not isinstance(self.name, str):
-            raise TypeError(f"DeviceInfo.name is {self.name!r} ({type(self.name).__name__}); it must be a str: "
-                            "the product name, e.g. str(props.name)")
-        capability = self.capability
-        if capability is not None and not (
-            isinstance(capability, tuple) and len(capability) == 2
-            and all(isinstance(part, int) and not isinstance(part, bool) for part in capability)
-        ):
-            raise TypeError(f"DeviceInfo.capability is {capability!r}; it must be None or (major, minor) ints, "
-                            "e.g. (9, 0)")
-        extra = self.extra
-        if not (isinstance(extra, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items())):
-            raise TypeError(f"DeviceInfo.extra is {extra!r}; it must be a dict of str to str, e.g. "
-                            "{'driver': '550.54'}")
+        capability, extra = self.capability, self.extra
+        _check(self, (
+            *_counts(self, ("index", "total_memory")),
+            ("name", self.name, isinstance(self.name, str), "it must be a str: the product name, e.g. str(props.name)",
+             TypeError),
+            ("capability", capability, capability is None or (
+                isinstance(capability, tuple) and len(capability) == 2 and all(map(_is_int, capability))),
+             "it must be None or (major, minor) ints, e.g. (9, 0)", TypeError),
+            ("extra", extra, isinstance(extra, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in extra.items()),
+             "it must be a dict of str to str, e.g. {'driver': '550.54'}", TypeError),
+        ))
+        _plain_ints(self, ("index", "total_memory"))
 
 
 @dataclass(frozen=True)
@@ -187,15 +198,82 @@ class GraphSupport:
     is_capturing: Callable[[], bool]
 
     def __post_init__(self) -> None:
-        # Declaring graphs makes engines and the conformance suite use them: a hole here
-        # would surface as "'NoneType' object is not callable" inside the first capture.
-        _check_fields(self, (
-            ("graph_class", lambda cls: isinstance(cls, type), "a class whose instances are graphs, e.g. "
-             "torch.cuda.CUDAGraph (no graphs: return None from graph_support())"),
-            ("new_pool", callable, "a function returning a memory-pool handle, e.g. torch.cuda.graph_pool_handle"),
-            ("capture", callable, "a function capture(graph, pool, stream) returning a context manager"),
-            ("is_capturing", callable, "a function returning True while the current stream captures, e.g. "
-                                       "torch.cuda.is_current_stream_capturing"),
+        _check(self, (
+            ("graph_class", self.graph_class, isinstance(self.graph_class, type), "it must be a class whose "
+             "instances are graphs, e.g. torch.cuda.CUDAGraph (no graphs: return None from graph_support())",
+             TypeError),
+            _function(self, "new_pool", "a function returning a memory-pool handle, e.g. torch.cuda.graph_pool_handle"),
+            _function(self, "capture", "a function capture(graph, pool, stream) returning a context manager"),
+            _function(self, "is_capturing", "a function returning True while the current stream captures, e.g. "
+                                            "torch.cuda.is_current_stream_capturing"),
+        ))
+
+
+class MemoryRegions(Protocol):
+    """One device's tagged regions, owned by one engine (two engines never share a tag).
+
+    Contract (the conformance clause `virtual_memory` checks each point on the device):
+    - `allocate` returns a uint8 device tensor of `nbytes` in the tag's region; its memory
+      lives as long as a tensor views it.
+    - `release(tag, backup=...)` gives the tag's physical memory back to the device: the
+      device's free memory (`Platform.memory_info`) rises by the bytes returned. With
+      `backup`, the contents are copied to host memory first (allocated once per tag and
+      reused by later releases). Nothing may touch the region until `restore`.
+    - `restore(tag)` maps physical memory again under the same addresses: a backed-up
+      region holds its old contents bit for bit, another holds undefined bytes.
+    - `host_copy(tensor)` is the backup of a tensor in a region released with a backup.
+    - `graph_pool(tag)` is a pool handle for `GraphSupport.capture` whose memory lives in
+      the tag's region, or None when graph memory cannot live in a region.
+    """
+
+    def allocate(self, tag: str, nbytes: int) -> torch.Tensor: ...
+
+    def release(self, tag: str, *, backup: bool) -> int: ...
+
+    def restore(self, tag: str) -> int: ...
+
+    def graph_pool(self, tag: str) -> Any | None: ...
+
+    def region_bytes(self, tag: str) -> int: ...
+
+    def released(self, tag: str) -> bool: ...
+
+    def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The backup's bytes of `tensor` (a uint8 view into a region released with a backup):
+        host memory that `restore` copies back, so what is written there while released
+        comes back."""
+
+
+@dataclass(frozen=True)
+class VirtualMemorySupport:
+    """How a platform releases and restores device memory under the same addresses (contract 10):
+    an engine's sleep gives its weights', KV cache's and graphs' memory back, and its wake maps
+    it again under the same addresses, so captured graphs replay as they are.
+
+    new_regions:  `new_regions(device_index)` -> a `MemoryRegions` for one device, owned by its
+                  caller (two engines never share a tag).
+    graph_memory: graph memory can live in a region (`MemoryRegions.graph_pool` answers a pool
+                  handle): graphs keep their addresses and give their memory back while
+                  released. False: graphs survive a release but their memory stays.
+    not_released: what a release leaves on the device or breaks, in words for reports (the
+                  device context, a communicator's buffers, ...).
+    note:         one line for reports (which API maps the memory).
+    """
+
+    new_regions: Callable[[int], MemoryRegions]
+    graph_memory: bool
+    not_released: tuple[str, ...] = ()
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        words = self.not_released
+        _check(self, (
+            _function(self, "new_regions", "a function new_regions(device_index) returning the device's "
+                                           "MemoryRegions"),
+            _flag(self, "graph_memory"),
+            ("not_released", words, isinstance(words, tuple) and all(isinstance(w, str) for w in words),
+             "it must be a tuple of str", TypeError),
+            _note(self),
         ))
 
 
@@ -205,7 +283,8 @@ class IpcHandle:
 
     `storage` holds the backend's opaque storage handle fields (ints, bytes, str
     only); `storage_nbytes` is the size of that storage. The view fields describe
-    the tensor inside it and are validated before any byte is read.
+    the tensor inside it and are validated (`torchhal.platforms.ipc.validate_handle`)
+    before any byte is read.
     """
 
     platform: str
@@ -216,6 +295,10 @@ class IpcHandle:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     offset_bytes: int = 0
+
+
+#: The bytes the transport reserves for one exported event handle.
+MAX_EVENT_HANDLE_NBYTES = 256
 
 
 @dataclass(frozen=True)
@@ -238,15 +321,16 @@ class IpcEvents:
     handle_nbytes: int
 
     def __post_init__(self) -> None:
-        _check_fields(self, (
-            ("new", callable, "a function of a device index returning an interprocess event"),
-            ("export", callable, "a function of an event returning its handle as bytes"),
-            ("open", callable, "a function (handle bytes, producer device, consumer device) returning an event"),
-            ("handle_nbytes", lambda n: isinstance(n, int) and not isinstance(n, bool),
-             "an int: the length of an exported handle (64 for CUDA and HIP)"),
+        size = self.handle_nbytes
+        _check(self, (
+            _function(self, "new", "a function of a device index returning an interprocess event"),
+            _function(self, "export", "a function of an event returning its handle as bytes"),
+            _function(self, "open", "a function (handle bytes, producer device, consumer device) returning an event"),
+            ("handle_nbytes", size, _is_int(size), "it must be an int: the length of an exported handle (64 for CUDA "
+             "and HIP)", TypeError),
+            ("handle_nbytes", size, _is_int(size) and 0 < size <= MAX_EVENT_HANDLE_NBYTES,
+             f"it must be in 1..{MAX_EVENT_HANDLE_NBYTES}", ValueError),
         ))
-        if not 0 < self.handle_nbytes <= 256:  # the transport reserves 256 bytes a slot
-            raise ValueError(f"IpcEvents.handle_nbytes is {self.handle_nbytes}; it must be in 1..256")
 
 
 @dataclass(frozen=True)
@@ -268,13 +352,13 @@ class IpcSupport:
     events: IpcEvents | None = None
 
     def __post_init__(self) -> None:
-        _check_fields(self, (
-            ("share", callable, "a function of a tensor returning an IpcHandle"),
-            ("open", callable, "a function (IpcHandle, consumer device) returning a tensor"),
-            ("peer_redirect", lambda flag: isinstance(flag, bool), "True or False"),
-            ("note", lambda note: isinstance(note, str), "a str (one line for reports)"),
-            ("events", lambda events: events is None or isinstance(events, IpcEvents),
-             "None or an IpcEvents"),
+        _check(self, (
+            _function(self, "share", "a function of a tensor returning an IpcHandle"),
+            _function(self, "open", "a function (IpcHandle, consumer device) returning a tensor"),
+            _flag(self, "peer_redirect"),
+            _note(self),
+            ("events", self.events, self.events is None or isinstance(self.events, IpcEvents),
+             "it must be None or an IpcEvents", TypeError),
         ))
 
 
@@ -294,17 +378,15 @@ class AttentionSupport:
     def __post_init__(self) -> None:
         from torchhal.attention import AttentionCapability
 
-        if not isinstance(self.backends, tuple):
-            raise TypeError(f"AttentionSupport.backends is {self.backends!r}; it must be a tuple of backends, "
-                            "in order of preference")
-        for index, backend in enumerate(self.backends):
+        backends = self.backends
+        _check(self, (("backends", backends, isinstance(backends, tuple),
+                       "it must be a tuple of backends, in order of preference", TypeError), _note(self)))
+        for index, backend in enumerate(backends):
             missing = [name for name in ("write_kv", "decode", "prefill") if not callable(getattr(backend, name, None))]
-            if not isinstance(getattr(backend, "capability", None), AttentionCapability) or missing:
-                raise TypeError(f"AttentionSupport.backends[{index}] is {backend!r}; a backend needs a `capability` "
-                                f"(an AttentionCapability) and the methods write_kv, decode and prefill"
-                                + (f" (missing: {', '.join(missing)})" if missing else ""))
-        if not isinstance(self.note, str):
-            raise TypeError(f"AttentionSupport.note is {self.note!r}; it must be a str")
+            _check(self, [(f"backends[{index}]", backend,
+                           isinstance(getattr(backend, "capability", None), AttentionCapability) and not missing,
+                           "a backend needs a `capability` (an AttentionCapability) and the methods write_kv, decode "
+                           "and prefill" + (f" (missing: {', '.join(missing)})" if missing else ""), TypeError)])
 
 
 @dataclass(frozen=True)
@@ -327,26 +409,20 @@ class LinearSupport:
     note: str = ""
 
     def __post_init__(self) -> None:
-        # A wrong type is a TypeError, a value out of range a ValueError; each names the field.
-        def bad(field: str, must: str, error: type[Exception] = TypeError) -> Exception:
-            return error(f"LinearSupport.{field} is {getattr(self, field)!r}; it must be {must}")
-
-        if not isinstance(self.name, str) or not self.name:
-            raise bad("name", "a non-empty str naming the kernel (e.g. 'triton-gemv')")
-        if not callable(self.kernel):
-            raise bad("kernel", "a callable kernel(x, weight, bias) -> tensor")
-        if not isinstance(self.max_rows, int) or isinstance(self.max_rows, bool):
-            raise bad("max_rows", "an int: the most rows an input routed to the kernel has")
-        if self.max_rows < 1:
-            raise bad("max_rows", ">= 1 (the most rows an input routed to the kernel has)", ValueError)
-        if not isinstance(self.dtypes, tuple) or not all(isinstance(d, torch.dtype) for d in self.dtypes):
-            raise bad("dtypes", "a tuple of torch dtypes, e.g. (torch.float16, torch.bfloat16)")
-        if not self.dtypes:
-            raise bad("dtypes", "non-empty: the dtypes the kernel takes", ValueError)
-        if not isinstance(self.graph_capture, bool):
-            raise bad("graph_capture", "True or False")
-        if not isinstance(self.note, str):
-            raise bad("note", "a str (one line for reports)")
+        rows, dtypes = self.max_rows, self.dtypes
+        most_rows = "the most rows an input routed to the kernel has"
+        _check(self, (
+            ("name", self.name, isinstance(self.name, str) and bool(self.name),
+             "it must be a non-empty str naming the kernel (e.g. 'triton-gemv')", TypeError),
+            _function(self, "kernel", "a callable kernel(x, weight, bias) -> tensor"),
+            ("max_rows", rows, _is_int(rows), f"it must be an int: {most_rows}", TypeError),
+            ("max_rows", rows, _is_int(rows) and rows >= 1, f"it must be >= 1 ({most_rows})", ValueError),
+            ("dtypes", dtypes, isinstance(dtypes, tuple) and all(isinstance(d, torch.dtype) for d in dtypes),
+             "it must be a tuple of torch dtypes, e.g. (torch.float16, torch.bfloat16)", TypeError),
+            ("dtypes", dtypes, bool(dtypes), "it must be non-empty: the dtypes the kernel takes", ValueError),
+            _flag(self, "graph_capture"),
+            _note(self),
+        ))
 
 
 @dataclass(frozen=True)
@@ -367,19 +443,13 @@ class CompileSupport:
 
     def __post_init__(self) -> None:
         options = self.inductor_options
-        if not isinstance(options, dict) or not options:
-            raise TypeError(f"CompileSupport.inductor_options is {options!r}; it must be a non-empty dict of "
-                            "inductor config names to values, e.g. {'triton.enable_pdl': True} "
-                            "(no options: return None from compile_support())")
-        for key, value in options.items():
-            if not isinstance(key, str) or not key:
-                raise TypeError(f"CompileSupport.inductor_options has key {key!r}; keys are inductor config names "
-                                "(str), e.g. 'triton.enable_pdl'")
-            if not isinstance(value, (bool, int, str)):
-                raise TypeError(f"CompileSupport.inductor_options[{key!r}] is {value!r}; values are bool, int "
-                                "or str")
-        if not isinstance(self.note, str):
-            raise TypeError(f"CompileSupport.note is {self.note!r}; it must be a str (one line for reports)")
+        _check(self, (
+            ("inductor_options", options, isinstance(options, dict) and bool(options) and all(
+                isinstance(key, str) and key and isinstance(value, (bool, int, str)) for key, value in options.items()),
+             "it must be a non-empty dict: keys are inductor config names (a non-empty str), values are bool, int "
+             "or str, e.g. {'triton.enable_pdl': True} (no options: return None from compile_support())", TypeError),
+            _note(self),
+        ))
 
 
 @dataclass(frozen=True)
@@ -401,14 +471,13 @@ class DistributedSupport:
 
     def __post_init__(self) -> None:
         # Read by every group and engine: a truthy non-bool would put collectives in graphs.
-        if self.communicator is not None and not callable(self.communicator):
-            raise TypeError(f"DistributedSupport.communicator is {self.communicator!r}; it must be a function "
-                            "given the default communicator and returning the one engines use, or None")
-        if not isinstance(self.graph_capturable, bool):
-            raise TypeError(f"DistributedSupport.graph_capturable is {self.graph_capturable!r}; it must be True or "
-                            "False")
-        if not isinstance(self.note, str):
-            raise TypeError(f"DistributedSupport.note is {self.note!r}; it must be a str (one line for reports)")
+        _check(self, (
+            ("communicator", self.communicator, self.communicator is None or callable(self.communicator),
+             "it must be a function given the default communicator and returning the one engines use, or None",
+             TypeError),
+            _flag(self, "graph_capturable"),
+            _note(self),
+        ))
 
 
 @dataclass(frozen=True)

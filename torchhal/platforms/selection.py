@@ -8,11 +8,13 @@ and from which call site, is remembered for `torchhal info`.
 from __future__ import annotations
 
 import os
+import sys
 import threading
-import traceback
 from dataclasses import dataclass
+from types import FrameType
 
 from torchhal.platforms.errors import (
+    PlatformError,
     PlatformUnavailableError,
     PluginConflictError,
     UnknownPlatformError,
@@ -21,6 +23,8 @@ from torchhal.platforms.manager import ALLOW_LIST_ENV, PlatformRegistry, build_r
 from torchhal.platforms.platform import Platform, notify_observers
 
 PLATFORM_ENV = "TORCHHAL_PLATFORM"
+#: torchhal's own files: the call site that resolved the platform is the first frame outside them.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 #: The stages at which an installed plugin fails to load: a platform it would provide is
 #: explained by that failure, not by "install the plugin".
 LOAD_STAGES = ("import", "register", "validate", "version")
@@ -70,7 +74,8 @@ def current_platform() -> Platform:
 
 
 def how_resolved() -> tuple[str | None, str | None]:
-    """(why the current platform was chosen, the call site that resolved it)."""
+    """(why the current platform was chosen, the call site outside torchhal that resolved it: None when
+    torchhal itself did, as `torchhal info` does)."""
     return _how, _resolved_at
 
 
@@ -86,22 +91,9 @@ def get_platform(name: str) -> Platform:
 
 def list_platforms() -> list[PlatformStatus]:
     reg = registry()
-    out = []
-    for name in reg.names():
-        entry = reg.platforms[name]
-        availability = reg.availability(name)
-        out.append(
-            PlatformStatus(
-                name,
-                availability.available,
-                availability.reason,
-                entry.plugin.priority,
-                entry.source,
-                entry.distribution,
-                entry.version,
-            )
-        )
-    return out
+    return [PlatformStatus(name, (availability := reg.availability(name)).available, availability.reason,
+                           entry.priority, entry.source, entry.distribution, entry.version)
+            for name, entry in sorted(reg.platforms.items())]
 
 
 def _platform(reg: PlatformRegistry, name: str) -> Platform:
@@ -115,39 +107,39 @@ def _platform(reg: PlatformRegistry, name: str) -> Platform:
 
 
 def _require_known(reg: PlatformRegistry, name: str) -> None:
+    """Refuse a name no registered platform has, saying why it is missing: replaced, in a conflict,
+    its plugin failed to load or was excluded (then not "install it"), or unknown."""
     if name in reg.platforms:
         return
     known = f"registered platforms: {', '.join(reg.names()) or 'none'}"
-    replaced = reg.replacement_note(name)
+    replaced, conflict = reg.replacement_note(name), reg.conflict_for(name)
+    loading = [f for f in reg.failures if f.stage in LOAD_STAGES]
+    failed = [f for f in loading
+              if name in (f.plugin, f.plugin.rsplit(".", 1)[-1], *f.involves) or f"(platform {name!r})" in f.error]
+    error: PlatformError
     if replaced is not None:
-        raise UnknownPlatformError(f"{replaced} ({known})")
-    conflict = reg.conflict_for(name)
-    if conflict is not None:
-        raise PluginConflictError(conflict.error)
-    # A plugin that was installed but not loaded: say why, not "install it".
-    failed = [f for f in reg.failures if f.stage in LOAD_STAGES
-              and (name in (f.plugin, f.plugin.rsplit(".", 1)[-1], *f.involves) or f"(platform {name!r})" in f.error)]
-    if failed:
-        raise UnknownPlatformError(
-            f"platform {name!r} is not registered: " + "; ".join(str(f) for f in failed) + f". {known}"
-        )
-    if name in reg.excluded:
+        error = UnknownPlatformError(f"{replaced} ({known})")
+    elif conflict is not None:
+        error = PluginConflictError(conflict.error)
+    elif failed:
+        error = UnknownPlatformError(f"platform {name!r} is not registered: " + "; ".join(map(str, failed))
+                                     + f". {known}")
+    elif name in reg.excluded:
         allowed = ",".join(sorted(reg.allow or ())) or "(empty)"
-        raise UnknownPlatformError(
-            f"platform {name!r} is not registered: entry point {name!r} of distribution "
-            f"{reg.excluded[name]} is installed but excluded by {ALLOW_LIST_ENV}={allowed}; "
-            f"add {name!r} to {ALLOW_LIST_ENV}, or unset it. {known}"
-        )
-    hints = []
-    loading = [str(f) for f in reg.failures if f.stage in LOAD_STAGES]
-    if loading:
-        hints.append("plugins that failed to load, which may provide it: " + "; ".join(loading))
-    if reg.excluded:
-        hints.append(f"entry points excluded by {ALLOW_LIST_ENV}: {', '.join(sorted(reg.excluded))}")
-    raise UnknownPlatformError(
-        f"unknown platform {name!r}; {known}. Set {PLATFORM_ENV} to one of them, or install the "
-        f"plugin that provides {name!r}" + "".join(f". Note: {hint}" for hint in hints)
-    )
+        error = UnknownPlatformError(
+            f"platform {name!r} is not registered: entry point {name!r} of distribution {reg.excluded[name]} is "
+            f"installed but excluded by {ALLOW_LIST_ENV}={allowed}; add {name!r} to {ALLOW_LIST_ENV}, or unset it. "
+            f"{known}")
+    else:
+        hints = []
+        if loading:
+            hints.append("plugins that failed to load, which may provide it: " + "; ".join(map(str, loading)))
+        if reg.excluded:
+            hints.append(f"entry points excluded by {ALLOW_LIST_ENV}: {', '.join(sorted(reg.excluded))}")
+        error = UnknownPlatformError(f"unknown platform {name!r}; {known}. Set {PLATFORM_ENV} to one of them, or "
+                                     f"install the plugin that provides {name!r}"
+                                     + "".join(f". Note: {hint}" for hint in hints))
+    raise error
 
 
 def _select_current() -> Platform:
@@ -163,10 +155,16 @@ def _select_current() -> Platform:
         else:
             platform, how = _by_priority(reg)
         _current, _how = platform, how
-        caller = traceback.extract_stack(limit=3)[0]
-        _resolved_at = f"{caller.filename}:{caller.lineno} in {caller.name}"
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith((_PACKAGE_DIR, "<")):
+            frame = frame.f_back
+        _resolved_at = None if frame is None else _site(frame)
     notify_observers(reg.pm, "torchhal_platform_activated", platform=platform, how=how)
     return platform
+
+
+def _site(frame: FrameType) -> str:
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 #: How a tie of the highest priority is broken (stated by `torchhal info`).
@@ -178,7 +176,7 @@ def _by_priority(reg: PlatformRegistry) -> tuple[Platform, str]:
     for name in reg.names():
         if reg.availability(name):
             entry = reg.platforms[name]
-            found.append((entry.plugin.priority, entry.builtin, name))
+            found.append((entry.priority, entry.builtin, name))
     if not found:
         reasons = "; ".join(f"{n}: {reg.availability(n).reason}" for n in reg.names())
         raise PlatformUnavailableError(f"no platform is available ({reasons or 'none registered'})")

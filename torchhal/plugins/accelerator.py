@@ -53,15 +53,23 @@ def module_installed(name: str) -> bool:
 
 
 class AcceleratorPlatform(PlatformPlugin):
-    #: Vendor extension imported before `torch.<device_type>` exists (torch_npu …).
+    """Every SPI method through the CUDA-style names of `torch.<device_type>`, detection included."""
+
     extension_module: ClassVar[str | None] = None
-    #: Said with a "no" when the runtime is absent or fails to load (what to install).
+    """The vendor extension imported before `torch.<device_type>` exists (`torch_npu`), or None when
+    torch itself has the device module; checked with `find_spec` before it is imported."""
     runtime_hint: ClassVar[str] = ""
-    #: Name of the graph class on the device module, or None if the platform has none.
+    """What to install, said with a "no" when the runtime is absent or fails to load."""
     graph_class_name: ClassVar[str | None] = None
-    #: UntypedStorage methods that export / import a device storage across processes.
+    """The graph class on the device module (`"NPUGraph"`), or None: no graphs. Graphs also need the
+    module's `graph_pool_handle`, `is_current_stream_capturing` and `stream`: a class without them
+    is warned about (`TorchhalPluginWarning`) and gives no graph support."""
     ipc_share_method: ClassVar[str | None] = None
+    """The `UntypedStorage` method exporting a device storage across processes (`"_share_cuda_"`),
+    or None: no IPC."""
     ipc_open_method: ClassVar[str | None] = None
+    """The `torch.UntypedStorage` static method opening an exported storage (`"_new_shared_cuda"`),
+    looked up after the device module is loaded (the extension may add it)."""
 
     # -- detection -----------------------------------------------------------------
     def is_available(self) -> Availability:
@@ -251,36 +259,13 @@ class AcceleratorPlatform(PlatformPlugin):
         return producer
 
     def ipc_open(self, handle: IpcHandle, device: int) -> torch.Tensor:
-        if not isinstance(handle, IpcHandle):
-            raise IpcHandleError(f"expected an IpcHandle, got {type(handle).__name__}")
-        if handle.platform != self.name:
-            raise IpcHandleError(f"handle is from platform {handle.platform!r}; this is {self.name!r}")
-        fields = handle.storage
-        types = (int, bytes, int, bytes, int, bytes, bool)
-        if not isinstance(fields, tuple) or len(fields) != len(types) or not all(
-            isinstance(v, t) and not (t is int and isinstance(v, bool)) for v, t in zip(fields, types, strict=True)
-        ):
-            raise IpcHandleError(f"{self.name} IPC storage fields are malformed: {fields!r:.200}")
-        producer, raw, offset, rc_handle, rc_offset, event_handle, event_sync = fields
-        assert isinstance(producer, int) and isinstance(offset, int) and isinstance(rc_offset, int)
-        assert isinstance(raw, bytes) and isinstance(rc_handle, bytes) and isinstance(event_handle, bytes)
-        if not isinstance(device, int) or isinstance(device, bool) or not (
-            0 <= producer < self.device_count() and 0 <= device < self.device_count()
-        ):
-            raise IpcHandleError(
-                f"IPC device {producer} (producer) or {device!r} (consumer) is not a visible "
-                f"{self.name} device (0..{self.device_count() - 1})"
-            )
-        # Every field below reaches native code: bound it first.
-        if not 0 < len(raw) <= _IPC_BLOB_MAX or len(event_handle) > _IPC_BLOB_MAX:
-            raise IpcHandleError(
-                f"{self.name} IPC memory/event handle of {len(raw)}/{len(event_handle)} bytes is not a handle"
-            )
-        if not 0 <= offset < MAX_BYTES:
-            raise IpcHandleError(f"{self.name} IPC allocation offset {offset} is out of range")
-        _check_refcount_file(rc_handle, rc_offset)
-        dtype = validate_handle(handle)
-        target = self.ipc_target_device(producer, device)
+        dtype = validate_handle(handle)  # the view fields, and that it is an IpcHandle at all
+        problem = self._storage_problem(handle, device)
+        if problem is not None:
+            raise IpcHandleError(problem)
+        producer, raw, offset, rc_handle, rc_offset, event_handle, event_sync = handle.storage
+        _check_refcount_file(rc_handle, rc_offset)  # type: ignore[arg-type]
+        target = self.ipc_target_device(producer, device)  # type: ignore[arg-type]
         module = self.device_module()
         try:
             with module.device(target):
@@ -291,6 +276,31 @@ class AcceleratorPlatform(PlatformPlugin):
             return tensor_from_storage(storage, handle, dtype)
         except Exception as exc:  # the driver refused the handle: still the one documented error type
             raise IpcHandleError(f"{self.name} IPC open failed: {type(exc).__name__}: {exc}") from exc
+
+    def _storage_problem(self, handle: IpcHandle, device: object) -> str | None:
+        """Why `handle`'s storage fields cannot be opened on `device`, or None. Every field reaches
+        native code: each is bounded first."""
+        fields = handle.storage
+        types = (int, bytes, int, bytes, int, bytes, bool)
+        if handle.platform != self.name:
+            return f"handle is from platform {handle.platform!r}; this is {self.name!r}"
+        if not isinstance(fields, tuple) or len(fields) != len(types) or not all(
+            isinstance(v, t) and not (t is int and isinstance(v, bool)) for v, t in zip(fields, types, strict=True)
+        ):
+            return f"{self.name} IPC storage fields are malformed: {fields!r:.200}"
+        producer, raw, offset, rc_handle, rc_offset, event_handle, _ = fields
+        assert isinstance(producer, int) and isinstance(offset, int) and isinstance(rc_offset, int)
+        assert isinstance(raw, bytes) and isinstance(rc_handle, bytes) and isinstance(event_handle, bytes)
+        count = self.device_count()
+        visible = isinstance(device, int) and not isinstance(device, bool) and 0 <= device < count
+        if not (visible and 0 <= producer < count):
+            return (f"IPC device {producer} (producer) or {device!r} (consumer) is not a visible {self.name} device "
+                    f"(0..{count - 1})")
+        if not 0 < len(raw) <= _IPC_BLOB_MAX or len(event_handle) > _IPC_BLOB_MAX:
+            return f"{self.name} IPC memory/event handle of {len(raw)}/{len(event_handle)} bytes is not a handle"
+        if not 0 <= offset < MAX_BYTES:
+            return f"{self.name} IPC allocation offset {offset} is out of range"
+        return None
 
 
 _IPC_BLOB_MAX = 256  # driver IPC memory/event handles are tens of bytes
@@ -304,15 +314,20 @@ _REFCOUNT_CELLS = 10_000  # torch's CUDA IPC ref-counter file holds this many in
 def _check_refcount_file(name: bytes, offset: int) -> None:
     """The ref-counter handle is a shared-memory file name the native open maps and writes:
     only torch's own names, of a regular file of this user (no symlink), with the cell inside."""
+    problem = None
     if not _REFCOUNT_NAME.fullmatch(name) or not 0 <= offset < _REFCOUNT_CELLS:
-        raise IpcHandleError(f"IPC ref-counter {name[:128]!r} at cell {offset} is not a torch ref-counter handle")
-    path = "/dev/shm" + name.decode("ascii")
-    try:
-        info = os.lstat(path)
-    except OSError as exc:
-        raise IpcHandleError(f"IPC ref-counter {path!r} is gone: its producer freed it or exited") from exc
-    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_size < 8 * (offset + 1):
-        raise IpcHandleError(f"IPC ref-counter {path!r} is not a regular file of this user holding cell {offset}")
+        problem = f"IPC ref-counter {name[:128]!r} at cell {offset} is not a torch ref-counter handle"
+    else:
+        path = "/dev/shm" + name.decode("ascii")
+        try:
+            info = os.lstat(path)
+        except OSError:
+            problem = f"IPC ref-counter {path!r} is gone: its producer freed it or exited"
+        else:
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_size < 8 * (offset + 1):
+                problem = f"IPC ref-counter {path!r} is not a regular file of this user holding cell {offset}"
+    if problem is not None:
+        raise IpcHandleError(problem)
 
 
 def _declared_complete(platform: str, declared: str, owner: ModuleType, needed: tuple[str, ...],

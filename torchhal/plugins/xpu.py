@@ -1,25 +1,22 @@
-"""Intel XPU: upstream torch.xpu; intel_extension_for_pytorch only for torch builds without it.
+"""Intel XPU: torch.xpu of an XPU build of torch (torch's own XPU wheels).
 
 XPU has no cross-process tensor sharing up to torch 2.14: IPC is declared unsupported.
 
-Attention: torch.xpu has no paged-attention entry point, and IPEX's
-(`intel_extension_for_pytorch.llm.modules.PagedAttention`) is not mapped: IPEX is retired,
-its last release (2.9.10+xpu) is built for torch 2.9, and no release pairs with the torch
-torchhal is tested on (2.13). XPU declares no backend; engines run the portable reference.
+Attention: torch.xpu has no paged-attention entry point, and intel_extension_for_pytorch's
+(`llm.modules.PagedAttention`) is not mapped: IPEX is retired, its last release (2.9.10+xpu)
+is built for torch 2.9, and no release pairs with the torch torchhal is tested on (2.13).
+XPU declares no backend; engines run the portable reference.
 """
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 
 import torch
 
 from torchhal.platforms import DistributedSupport, PlatformPlugin, hookimpl
-from torchhal.plugins.accelerator import AcceleratorPlatform, module_installed
+from torchhal.plugins.accelerator import AcceleratorPlatform
 from torchhal.plugins.vendor_attention import ReferenceAttentionOnly
-
-IPEX = "intel_extension_for_pytorch"
 
 
 class XpuPlatform(ReferenceAttentionOnly, AcceleratorPlatform):
@@ -31,7 +28,7 @@ class XpuPlatform(ReferenceAttentionOnly, AcceleratorPlatform):
     runtime_hint = "check the Level Zero driver"
     graph_class_name = "XPUGraph"  # present only in torch builds that have XPU graphs
     reference_attention_because = (
-        f"torch.xpu has no paged-attention entry point; {IPEX}'s PagedAttention is not mapped "
+        "torch.xpu has no paged-attention entry point; intel_extension_for_pytorch's PagedAttention is not mapped "
         "(IPEX is retired: its last release, 2.9.10+xpu, is built for torch 2.9)"
     )
 
@@ -41,20 +38,15 @@ class XpuPlatform(ReferenceAttentionOnly, AcceleratorPlatform):
         return DistributedSupport(note="oneCCL through torch's ProcessGroupXCCL; collectives not graph-captured")
 
     def runtime_missing(self) -> str | None:
-        if not hasattr(torch, "xpu") and not module_installed(IPEX):
-            return f"torch {torch.__version__} has no torch.xpu and {IPEX} is not installed"
+        if not getattr(torch.version, "xpu", None):  # every torch has torch.xpu; only an XPU build runs it
+            return f"this torch build ({torch.__version__}) has no XPU support: install torch's XPU build"
         return None
-
-    def device_module(self) -> ModuleType:
-        if not hasattr(torch, "xpu"):
-            importlib.import_module(IPEX)
-        return super().device_module()
 
     def probe_device_count(self, module: ModuleType) -> int:
         return int(module.device_count()) if module.is_available() else 0
 
     def runtime_version(self) -> str | None:
-        return f"torch.xpu (torch {torch.__version__})"
+        return f"torch.xpu (torch {torch.__version__}, XPU {torch.version.xpu})"
 
 
 @hookimpl

@@ -14,8 +14,14 @@ from torchhal.platforms import Availability, MemoryInfo, hookimpl
 from torchhal.plugins.cpu import CpuPlatform
 
 MODE = os.environ.get("TORCHHAL_HOSTILE_MODE", "ok")
+HANG_S = 600  # "forever" for a test, which ends the process once the host names this plugin
 if MODE == "exit-import":
     sys.exit(3)
+if MODE == "hang-import":
+    time.sleep(HANG_S)
+if MODE == "dir-raises":
+    def __dir__() -> list[str]:  # pluggy lists a plugin's attributes to find its hooks
+        raise RuntimeError("hostile __dir__")
 
 
 class HostilePlatform(CpuPlatform):
@@ -32,6 +38,10 @@ class HostilePlatform(CpuPlatform):
     def device_count(self) -> int:
         if MODE == "count-raises":
             raise RuntimeError("hostile driver lost its devices")
+        if MODE == "count-huge":
+            return 10**12
+        if MODE == "hang-count":
+            time.sleep(HANG_S)
         return 1
 
     def memory_info(self, index: int) -> MemoryInfo:
@@ -47,6 +57,8 @@ class HostilePlatform(CpuPlatform):
             raise RuntimeError("hostile memory query crashed")
         if MODE == "memory-exit":
             sys.exit(6)
+        if MODE == "hang-memory":
+            time.sleep(HANG_S)
         return super().memory_info(index)
 
 
@@ -63,6 +75,8 @@ class FutureSpi(HostilePlatform):
 def torchhal_register_platforms() -> list[CpuPlatform]:
     if MODE == "exit-register":
         sys.exit(4)
+    if MODE == "hang-register":
+        time.sleep(HANG_S)
     if MODE == "impostor-cpu":
         return [ImpostorCpu()]
     if MODE == "future-spi":
