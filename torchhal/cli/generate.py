@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchhal.cli.output import emit, refuse
-from torchhal.distributed import LaunchError, launch
 
 if TYPE_CHECKING:
     from torchhal.core.engine import GenerationEngine
@@ -150,6 +149,8 @@ def generate_from_checkpoint(
     if request.tensor_parallel == 1:
         out = run_generation(request)
     else:
+        from torchhal.distributed import launch  # imports torch: not for `torchhal --help`
+
         out = agreed_report(launch(generate_on_rank, request.tensor_parallel, (request,)))
     if tokenizer is not None:
         out["text"] = tokenizer.decode(out["output_ids"])
@@ -385,6 +386,7 @@ def agreed_report(reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from torchhal.core.model.checkpoint import CheckpointError
+    from torchhal.distributed import LaunchError
     from torchhal.platforms import PlatformError
 
     try:
