@@ -57,7 +57,8 @@ class _Storage:
 
     nbytes: int
     tensors: list[torch.Tensor]
-    offsets: list[int]  # each tensor's offset into the storage, in its elements
+    views: list[tuple[tuple[int, ...], tuple[int, ...], int]]  # each tensor's shape, stride and offset
+    weights: bool = False  # a parameter views it: an update writes it (else a buffer the model derives)
     device: torch.Tensor | None = None  # uint8, the storage's bytes on the device (regions)
     host: torch.Tensor | None = None  # uint8, the level-1 backup (made once, reused)
 
@@ -71,7 +72,8 @@ def weight_storages(model: Model) -> list[_Storage]:
         storage = tensor.untyped_storage()
         group = groups.setdefault(storage.data_ptr(), _Storage(storage.nbytes(), [], []))
         group.tensors.append(tensor)
-        group.offsets.append(int(tensor.storage_offset()))
+        group.views.append((tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset())))
+        group.weights |= isinstance(tensor, torch.nn.Parameter)
     return list(groups.values())
 
 
@@ -82,9 +84,9 @@ def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def point_at(storage: _Storage, base: torch.Tensor) -> None:
     """Every tensor of `storage` views `base` (uint8, the storage's bytes) as it viewed its own."""
-    for tensor, offset in zip(storage.tensors, storage.offsets, strict=True):
+    for tensor, (shape, stride, offset) in zip(storage.tensors, storage.views, strict=True):
         typed = base.view(tensor.dtype)
-        tensor.data = typed.as_strided(tensor.shape, tensor.stride(), typed.storage_offset() + offset)
+        tensor.data = typed.as_strided(shape, stride, typed.storage_offset() + offset)
 
 
 def zeros_placeholder(storage: _Storage) -> None:
@@ -102,6 +104,7 @@ class Occupation:
         self.storages: list[_Storage] = []
         self.asleep: tuple[str, ...] = ()
         self.level: int | None = None
+        self.derived: list[torch.Tensor] = []  # level 2: host copies of the buffers the model derives
 
     def describe(self) -> str:
         raise NotImplementedError
@@ -208,6 +211,9 @@ class RegionSleep(Occupation):
             return self.regions.allocate(tag, nbytes)
 
     def sleep(self, level: int, runners: Sequence[Releasable]) -> int:
+        # Level 2: buffers the model derives (the rotary frequencies) are kept, as no update brings them back.
+        derived = [s.device for s in self.storages if not s.weights and s.device is not None] if level == 2 else []
+        self.derived = [buffer.to("cpu", copy=True) for buffer in derived]
         released = self.regions.release(WEIGHTS, backup=level == 1)
         for storage in self.storages:
             assert storage.device is not None
@@ -225,6 +231,9 @@ class RegionSleep(Occupation):
         for tag in tags:
             if tag == WEIGHTS:
                 self.regions.restore(WEIGHTS)  # the backup comes back with it; level 2: zeros
+                for storage, kept in zip([s for s in self.storages if not s.weights], self.derived, strict=False):
+                    assert storage.device is not None
+                    storage.device.copy_(kept)
                 self._point_at_device()
             else:
                 try:
@@ -268,15 +277,14 @@ class HostOffload(Occupation):
         for storage in self.storages:
             storage.device = storage_bytes(storage.tensors[0])
         try:
-            if level == 1:
-                self.backup(self.storages)
+            self.backup(self.storages if level == 1 else [s for s in self.storages if not s.weights])
         except BaseException:
             self._drop_device_refs()
             raise
         for runner in runners:
             runner.release()
         for storage in self.storages:
-            if level == 1:
+            if level == 1 or not storage.weights:
                 assert storage.host is not None
                 point_at(storage, storage.host)
             else:
@@ -296,11 +304,11 @@ class HostOffload(Occupation):
         for tag in tags:
             if tag == WEIGHTS:
                 made = [torch.empty(s.nbytes, dtype=torch.uint8, device=self.device) for s in self.storages]
-                if self.level == 1:
-                    for storage, base in zip(self.storages, made, strict=True):
+                for storage, base in zip(self.storages, made, strict=True):
+                    if self.level == 1 or not storage.weights:
                         assert storage.host is not None
                         base.copy_(storage.host, non_blocking=True)
-                    self.platform.synchronize(self.device_index)
+                self.platform.synchronize(self.device_index)
                 for storage, base in zip(self.storages, made, strict=True):
                     point_at(storage, base)
                 model.process_weights()
