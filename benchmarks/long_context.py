@@ -1,13 +1,14 @@
 """torchhal vs transformers' static-cache compiled `generate` at long context, on the same weights.
 
     python benchmarks/long_context.py [--out DIR] [--side peer|torchhal|both] [--peer-json FILE]
-        [--cells 32x1,3968x8,...] [--tiny] [--budget-s 500]
+        [--against FILE] [--cells 32x1,3968x8,...] [--tiny] [--budget-s 500]
 
 The model is Llama-3.1-8B-shaped (hidden 4096, 32 layers, 32 query / 8 KV heads, head dim
 128, vocab 128256, Llama 3 rope scaling, max_position_embeddings 32768) with seeded random
 weights built on the device and written with `save_pretrained`; transformers loads it in a
 child process (`from_pretrained`) and torchhal through its public API
-(`GenerationEngine.from_checkpoint`). Each cell is a prompt length and a batch; both sides
+(`GenerationEngine.from_checkpoint`) with `EngineConfig`'s defaults: what a user gets without
+tuning. Each cell is a prompt length and a batch; both sides
 generate greedily from the same random prompts and report, as the median of `--reps` runs
 after one warm-up (which holds transformers' compile and torchhal's graph capture):
 
@@ -24,7 +25,8 @@ read its weights + KV at 80% of 4.8 TB/s; batch-1 short-context decode >= 0.75 o
 
 The two sides run in separate processes one after the other (never sharing the device), and
 `--side` runs one of them so a lease too short for both can run them in two calls; `--peer-json`
-then merges the other side's figures. `--tiny` runs a tiny model on whatever device there is
+then merges the other side's figures; `--against` judges this run's torchhal figures against an
+earlier run's, cell by cell (within 3%). `--tiny` runs a tiny model on whatever device there is
 (the CPU: float32, no compile, no graphs), so the script is checked end to end before a GPU.
 """
 
@@ -48,7 +50,7 @@ import torch  # noqa: E402
 from _harness import engine_tokens, median_run, random_llama, write_json  # noqa: E402
 
 import torchhal  # noqa: E402
-from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine, PrefillGraphConfig  # noqa: E402
+from torchhal.core.engine import EngineConfig, GenerationEngine  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12  # H200
 LLAMA31_8B: dict[str, Any] = dict(
@@ -140,32 +142,17 @@ def transformers_side(directory: str, dtype: torch.dtype, prompts: dict[str, lis
     return timed_cells(generate, prompts, new_tokens, reps, platform.synchronize, deadline)
 
 
-def engine_config(prompts: dict[str, list[list[int]]], new_tokens: dict[int, int], dtype: torch.dtype,
-                  on_gpu: bool, max_batch_tokens: int = 32768) -> EngineConfig:
-    """The engine as a user would configure it for these cells: full-graph decode over their
-    batches and contexts, graphs for short prefills, compiled layers on a GPU, chunked prefill."""
-    longest = max(len(p[0]) + new_tokens[len(p[0])] for p in prompts.values())
-    widest = max(len(p) for p in prompts.values())
-    contexts = tuple(sorted({c for c in (256, 4096, 16384, 32768) if c >= 256} | {longest}))
-    return EngineConfig(
-        dtype=dtype,
-        max_kv_slots=widest * longest + 1024,
-        max_batch_tokens=max_batch_tokens,
-        max_running=widest,
-        decode_graphs=DecodeGraphConfig(batch_buckets=tuple(sorted({len(p) for p in prompts.values()})),
-                                        context_buckets=tuple(c for c in contexts if c <= max(longest, 256)) or
-                                        (longest,), emulate=not on_gpu),
-        compile_layers="inductor" if on_gpu else None,
-        # Short prompts' prefill steps on graphs (32x32 is 1024 tokens); longer ones are device bound.
-        prefill_graphs=PrefillGraphConfig(token_buckets=(32, 64, 128, 256, 512, 1024), emulate=not on_gpu),
-    )
+def engine_config(dtype: torch.dtype) -> EngineConfig:
+    """The engine as a user gets it: `EngineConfig`'s defaults (a batch-token budget that takes a
+    whole long prompt in one step, the platform's compiled layers, full-graph decode, the KV pool
+    sized from the free memory), with the checkpoint's dtype."""
+    return EngineConfig(dtype=dtype)
 
 
 def torchhal_side(directory: str, dtype: torch.dtype, prompts: dict[str, list[list[int]]],
-                  new_tokens: dict[int, int], reps: int, deadline: float, on_gpu: bool,
-                  max_batch_tokens: int) -> dict[str, Any]:
-    """The engine as `engine_config` configures it, timed over the cells."""
-    config = engine_config(prompts, new_tokens, dtype, on_gpu, max_batch_tokens)
+                  new_tokens: dict[int, int], reps: int, deadline: float) -> dict[str, Any]:
+    """The engine with its defaults (`engine_config`), timed over the cells."""
+    config = engine_config(dtype)
     started = time.perf_counter()
     engine = GenerationEngine.from_checkpoint(directory, config)
     setup_s = time.perf_counter() - started
@@ -181,14 +168,31 @@ def torchhal_side(directory: str, dtype: torch.dtype, prompts: dict[str, list[li
 
         dense_calls = {"kernel_calls": dict(cuda_flash.KERNEL_CALLS), "after_run": cuda_flash.describe()}
     rows["_engine"] = {"whole_prompt_attention": dense_calls, "setup_s": setup_s,
-                       "kv_slots": engine.kv_sizing.num_slots,
+                       "kv_slots": engine.kv_sizing.num_slots, "max_batch_tokens": engine.max_batch_tokens,
+                       "compile_backend": str(engine.compile_backend),
                        "attention": {"name": getattr(attention, "name", None), "why": getattr(attention, "why", None),
                                      # the platform's line: which kernel whole prompts take, and why
                                      "platform_note": getattr(engine.platform.attention_support, "note", None)},
                        "decode_graphs": None if engine.decode_runner is None else {
                            "unsupported": engine.decode_runner.unsupported,
+                           "buckets": [engine.decode_runner.batch_buckets, engine.decode_runner.context_buckets],
                            "capture_s": engine.decode_runner.report.seconds if engine.decode_runner.report else None}}
     return rows
+
+
+def against(ours: dict[str, Any], earlier: dict[str, Any], name: str) -> dict[str, Any]:
+    """This run's torchhal figures per cell as ratios of an earlier run's, and whether each cell is
+    within 3% (tokens/s, prefill seconds)."""
+    theirs = earlier.get("torchhal", {})
+    cells = {}
+    for cell, row in ours.items():
+        old = theirs.get(cell)
+        if cell.startswith("_") or not isinstance(row, dict) or "tok_s" not in row or not old or "tok_s" not in old:
+            continue
+        tok, prefill = row["tok_s"] / old["tok_s"], row["prefill_s"] / old["prefill_s"]
+        cells[cell] = {"tok_s_ratio": tok, "prefill_s_ratio": prefill, "within_3_percent": abs(tok - 1) <= 0.03}
+    return {"file": name, "cells": cells, "all_within_3_percent": bool(cells) and all(
+        c["within_3_percent"] for c in cells.values())}
 
 
 def child(job_path: str, answer_path: str) -> None:
@@ -199,8 +203,7 @@ def child(job_path: str, answer_path: str) -> None:
     if job["side"] == "peer":
         rows = transformers_side(job["directory"], dtype, job["prompts"], new_tokens, job["reps"], deadline)
     else:
-        rows = torchhal_side(job["directory"], dtype, job["prompts"], new_tokens, job["reps"], deadline,
-                             job["on_gpu"], job["max_batch_tokens"])
+        rows = torchhal_side(job["directory"], dtype, job["prompts"], new_tokens, job["reps"], deadline)
     Path(answer_path).write_text(json.dumps(rows))
 
 
@@ -292,8 +295,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--reps", type=int, default=3, help="timed runs per figure after one warm-up")
     parser.add_argument("--budget-s", type=float, default=500.0, help="per side: skip the cells left after this")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on whatever device there is")
-    parser.add_argument("--max-batch-tokens", type=int, default=32768,
-                        help="torchhal's EngineConfig.max_batch_tokens (tokens a step prefills at most)")
+    parser.add_argument("--against", help="an earlier run's JSON: this run's torchhal figures as ratios of its")
     parser.add_argument("--child-job", help=argparse.SUPPRESS)
     parser.add_argument("--child-answer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -318,7 +320,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prompts = prompts_for(cells, shape["vocab_size"])
     results: dict[str, Any] = {"platform": platform.name, "device": str(device), "dtype": str(dtype),
                                "shape": shape, "cells": list(prompts), "reps": args.reps,
-                               "max_batch_tokens": args.max_batch_tokens,
                                "kv_bytes_per_token": kv_bytes_per_token(shape, dtype)}
     if on_gpu:
         src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
@@ -329,8 +330,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["weight_bytes_per_step"] = save_model(shape, dtype, device, directory)
         platform.empty_cache(torchhal.ReleasePoint.USER)
         job = {"directory": directory, "dtype": str(dtype).removeprefix("torch."), "prompts": prompts,
-               "new_tokens": new_tokens, "reps": args.reps, "budget_s": args.budget_s, "on_gpu": on_gpu,
-               "max_batch_tokens": args.max_batch_tokens}
+               "new_tokens": new_tokens, "reps": args.reps, "budget_s": args.budget_s}
         for side, key in (("peer", "transformers_static"), ("torchhal", "torchhal")):
             if args.side in (side, "both"):
                 print(f"== {key}", flush=True)
@@ -339,8 +339,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         earlier = json.loads(Path(args.peer_json).read_text())["results"]
         for key in ("transformers_static", "torchhal"):
             results.setdefault(key, earlier.get(key, {}))
-        if args.side == "peer":  # the step budget is the torchhal side's setting: keep the one it ran with
-            results["max_batch_tokens"] = earlier["max_batch_tokens"]
+    if args.against and "torchhal" in results:
+        results["against"] = against(results["torchhal"], json.loads(Path(args.against).read_text())["results"],
+                                     args.against)
     if "transformers_static" in results and "torchhal" in results:
         results.update(judge(results))
     for key in ("transformers_static", "torchhal"):  # the tokens were for the comparison only

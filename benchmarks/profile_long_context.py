@@ -913,7 +913,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         gc.collect()
         platform.empty_cache(torchhal.ReleasePoint.USER)
         started = time.perf_counter()
-        config = engine_config(prompts, PROMPTS, dtype, on_gpu, args.max_batch_tokens)
+        config = replace(engine_config(dtype), max_batch_tokens=args.max_batch_tokens)
         engine = GenerationEngine.from_checkpoint(directory, config)
         results["engine_setup_s"] = time.perf_counter() - started
         report = getattr(engine.runner, "report", None)  # the prefill graphs' capture (None: eager runner)
