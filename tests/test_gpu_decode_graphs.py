@@ -96,16 +96,22 @@ def test_decode_capture_does_not_empty_the_cache_and_reports_pool_memory():
     assert report is not None and report.seconds > 0 and report.pool_bytes is not None
 
 
-def test_sleep_wake_recaptures_decode_graphs_and_the_scratch_block_stays_out_of_the_allocator():
+def test_sleep_wake_keeps_the_decode_graphs_and_the_scratch_block_stays_out_of_the_allocator():
     engine = GenerationEngine(with_graphs((4, 16), (64,)))
     decode = decode_runner(engine)
     before = run(engine)
-    steps = decode.steps
-    engine.release_memory_occupation()
-    assert not decode.graphs_enabled
-    engine.resume_memory_occupation()
-    assert decode.graphs_enabled
-    assert run(engine) == before and decode.steps > steps
+    steps, captures = decode.steps, decode.captures
+    for level in (1, 2):
+        saved = {name: p.detach().clone() for name, p in engine.model.named_parameters()}
+        free_awake = torch.cuda.mem_get_info()[0]
+        engine.release_memory_occupation(level=level)
+        assert decode.graphs_enabled and torch.cuda.mem_get_info()[0] > free_awake
+        engine.resume_memory_occupation(tags=("weights",))
+        if level == 2:
+            engine.update_weights_from_tensors(saved)
+        engine.resume_memory_occupation(tags=("kv_cache",))
+        assert run(engine) == before and decode.steps > steps
+    assert decode.captures == captures  # the graphs replayed after every wake, none captured again
     every = engine.blocks.allocate(engine.blocks.available)
     assert every is not None and SCRATCH_BLOCK not in every
     assert engine.model.kv is not None and engine.model.kv.num_blocks == engine.blocks.num_blocks + 1
