@@ -141,7 +141,9 @@ def sleep_cycles(engine: GenerationEngine, level: int, cycles: int, reference: l
             sleep_s, _ = timed(engine.release_memory_occupation, sync)
         asleep = in_use(platform, index)
         row: dict[str, Any] = {"level": level, "sleep_s": sleep_s, "in_use_awake_bytes": awake,
-                               "in_use_asleep_bytes": asleep}
+                               "in_use_asleep_bytes": asleep,
+                               # what stays: the allocator's reserve (graph buffers, workspaces) beside the context
+                               "allocator_reserved_asleep_bytes": platform.memory_info(index).reserved}
         if new_api:
             row["wake_weights_s"], _ = timed(lambda: engine.resume_memory_occupation(tags=("weights",)), sync)
             if level == 2:  # the weights come back through an update (the trainer's), here the same values
@@ -161,23 +163,26 @@ SAVED_WEIGHTS: dict[str, torch.Tensor] = {}
 
 
 def rl_loop(engine: GenerationEngine, iterations: int, reference: list[list[int]]) -> dict[str, Any]:
+    """Sleep (level 2) -> the trainer fills >= 90% of the free memory and gives it back -> wake the
+    weights -> the trainer's update -> wake the KV cache -> generate, `iterations` times."""
     platform, index = engine.platform, engine.device_index
-    reserved, rows = [], []
+    in_use, rows = [], []
     for _ in range(iterations):
         engine.release_memory_occupation(level=2)
         free = platform.memory_info(index).free
         trainer = torch.empty(int(free * 0.9), dtype=torch.uint8, device=engine.device)
         trainer.fill_(1)
         del trainer
-        engine.resume_memory_occupation(tags=("weights",))
-        engine.update_weights_from_tensors(SAVED_WEIGHTS)
+        platform.empty_cache(torchhal.ReleasePoint.USER, index)  # the trainer hands its memory back
+        wake_s, _ = timed(lambda: engine.resume_memory_occupation(tags=("weights",)), lambda: None)
+        update_s, _ = timed(lambda: engine.update_weights_from_tensors(SAVED_WEIGHTS), lambda: None)
         engine.resume_memory_occupation(tags=("kv_cache",))
         ok = tokens(engine) == reference
         info = platform.memory_info(index)
-        reserved.append(info.reserved if info.reserved is not None else info.total - info.free)
-        rows.append({"tokens_equal": ok, "reserved_bytes": reserved[-1]})
-    awake = max(reserved)
-    return {"iterations": rows, "reserved_spread_fraction": (max(reserved) - min(reserved)) / awake,
+        in_use.append(int(info.total - info.free))
+        rows.append({"tokens_equal": ok, "in_use_bytes": in_use[-1], "reserved_bytes": info.reserved,
+                     "trainer_bytes": int(free * 0.9), "wake_weights_s": wake_s, "update_s": update_s})
+    return {"iterations": rows, "in_use_spread_fraction": (max(in_use) - min(in_use)) / max(in_use),
             "all_tokens_equal": all(r["tokens_equal"] for r in rows)}
 
 
@@ -196,6 +201,8 @@ def main() -> None:
     index = platform.current_device()
     device = platform.device(index)
     on_gpu = platform.graph_support is not None and not args.tiny
+    torch.empty(1, device=device)  # the context, before anything of the engine
+    context = in_use(platform, index)
     config, dtype = (TINY, torch.float32) if args.tiny else (LLAMA31_8B, torch.bfloat16)
     model = build_model(config, dtype, device)
     nbytes = weight_bytes(model)
@@ -212,6 +219,7 @@ def main() -> None:
     sync = lambda: platform.synchronize(index)  # noqa: E731
     results: dict[str, Any] = {
         "platform": platform.name, "device": str(device), "dtype": str(dtype), "weight_bytes": nbytes,
+        "in_use_before_the_engine_bytes": context,
         "engine_build_s": build_s, "kv_pool_bytes": engine.kv_sizing.num_blocks * engine.kv_sizing.bytes_per_block,
         "decode_graph_buckets": None if engine.decode_runner is None else
         [list(engine.decode_runner.batch_buckets), list(engine.decode_runner.context_buckets)],
@@ -223,6 +231,9 @@ def main() -> None:
     if new_api:
         results["level2"] = sleep_cycles(engine, 2, args.cycles, reference)
         results["rl_loop"] = rl_loop(engine, args.rl_iterations, reference)
+        rl = results["rl_loop"]
+        print("rl loop", {"iterations": len(rl["iterations"]), "all_tokens_equal": rl["all_tokens_equal"],
+                          "in_use_spread_fraction": round(rl["in_use_spread_fraction"], 5)})
     engine.close()
     del engine, model
     gc.collect()

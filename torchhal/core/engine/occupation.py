@@ -230,7 +230,7 @@ class RegionSleep(Occupation):
              make_kv: Callable[[torch.device | None], KVCache]) -> None:
         for tag in tags:
             if tag == WEIGHTS:
-                self.regions.restore(WEIGHTS)  # the backup comes back with it; level 2: zeros
+                self._restore(WEIGHTS)  # the backup comes back with it; level 2: zeros
                 for storage, kept in zip([s for s in self.storages if not s.weights], self.derived, strict=False):
                     assert storage.device is not None
                     storage.device.copy_(kept)
@@ -238,12 +238,23 @@ class RegionSleep(Occupation):
             else:
                 try:
                     for region in (KV_CACHE, *GRAPH_TAGS):
-                        self.regions.restore(region)
+                        self._restore(region)
                 except BaseException:
                     for region in (KV_CACHE, *GRAPH_TAGS):
                         self.regions.release(region, backup=False)
                     raise
             self.asleep = tuple(t for t in self.asleep if t != tag)
+
+    def _restore(self, tag: str) -> None:
+        """Restore a region; out of memory, once more after emptying the cache (what a trainer
+        freed may still be cached by the allocator, where a region cannot take it)."""
+        try:
+            self.regions.restore(tag)
+        except Exception as exc:
+            if not self.platform.is_out_of_memory(exc):
+                raise
+            self.platform.empty_cache(ReleasePoint.OOM, self.device_index)
+            self.regions.restore(tag)
 
     def _point_at_device(self) -> None:
         for storage in self.storages:
