@@ -18,6 +18,11 @@ TESTS = Path(__file__).parent
 PLUGIN_DIST = TESTS / "plugin_dist"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Tests import the conformance suite's modules, whose marker its plugin registers in its own runs.
+    config.addinivalue_line("markers", "conformance(group): a torchhal conformance test of one capability group")
+
+
 @pytest.fixture(autouse=True)
 def clean_platform_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for key in list(os.environ):

@@ -64,12 +64,25 @@ def skip_without_the_backend(platform: Platform) -> None:
                     "(distributed::test_the_declared_dist_backend_is_available says why)")
 
 
-def world_size(platform) -> int:
-    if platform.device_count() >= 2:
-        return min(platform.device_count(), 8)
-    if platform.device_type == "cpu":
-        return 2  # ranks share the host
-    pytest.skip("not applicable: device collectives need two devices (one rank per device)")
+def world_size(platform: Platform) -> int:
+    """The clauses' ranks: one per device, at least two and at most eight. Where that is more ranks
+    than devices, the platform's own `device_for_rank` decides whether they can share its devices,
+    as it decides for `init_group`: a refusal makes the clauses not applicable."""
+    count = platform.device_count()
+    world = max(2, min(count, 8))
+    if world <= count:
+        return world
+    with pytest.MonkeyPatch.context() as env:
+        # The suite's ranks share this process's environment: no launcher has given each rank a
+        # device of its own through a visible-devices variable, so the platform is asked without one.
+        for var in platform.visible_devices_env:
+            env.delenv(var, raising=False)
+        try:
+            for rank in range(world):
+                platform.device_for_rank(rank, world)
+        except ValueError as exc:
+            pytest.skip(f"not applicable: {world} ranks on {count} device(s), which device_for_rank refuses: {exc}")
+    return world
 
 
 def run_ranks(platform, target, world: int, *args: Any, timeout: float = 300) -> list[dict[str, Any]]:
@@ -88,7 +101,7 @@ def run_ranks(platform, target, world: int, *args: Any, timeout: float = 300) ->
 
 
 @pytest.fixture(scope="module")
-def ranks(platform, tmp_path_factory) -> tuple[int, list[dict[str, Any]]]:
+def ranks(platform, device_index, tmp_path_factory) -> tuple[int, list[dict[str, Any]]]:
     from ._workers import distributed_clauses
 
     skip_without_the_backend(platform)
@@ -206,7 +219,7 @@ DEAD_PEER_PROBES = {"one_element": 1, "decode_row": 4096}
 
 
 @pytest.mark.parametrize("probe", list(DEAD_PEER_PROBES))
-def test_a_rank_that_dies_stops_the_others_within_a_bound(platform, tmp_path, measure, probe):
+def test_a_rank_that_dies_stops_the_others_within_a_bound(platform, device_index, tmp_path, measure, probe):
     """A peer that exits never leaves a rank hanging or computing on a wrong sum: the rank's
     collective raises CollectiveError, or (a backend whose collectives run asynchronously on
     the device, as NCCL's under torch's default error handling) the backend ends the rank's

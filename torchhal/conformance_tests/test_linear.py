@@ -13,8 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchhal.platforms import LinearSupport, Platform
-
 pytestmark = pytest.mark.conformance("linear")
 
 #: name: (N outputs, K inputs).
@@ -33,12 +31,6 @@ SHAPES = {
 #: reference), relative to sum_k |x_k w_nk| + |b_n|: summing in float32 in any order stays far
 #: inside it; summing in the 16-bit dtype, or leaving terms out, does not.
 ACCUMULATION = 2.0**-14
-
-
-def declared(platform: Platform) -> LinearSupport:
-    support = platform.linear_support
-    assert isinstance(support, LinearSupport), f"linear_support() returned {support!r}, not a LinearSupport"
-    return support
 
 
 def row_counts(max_rows: int) -> list[int]:
@@ -79,7 +71,7 @@ def check_numbers(label: str, got: torch.Tensor, x: torch.Tensor, w: torch.Tenso
 @pytest.mark.parametrize("shape", SHAPES)
 def test_linear_matches_f_linear(platform, device_index, shape):
     """Every row count, both with and without a bias, in every declared dtype; the inputs untouched."""
-    support = declared(platform)
+    support = platform.linear_support  # the group runs only where it is declared
     device = platform.device(device_index)
     n, k = SHAPES[shape]
     for dtype in support.dtypes:
@@ -99,7 +91,7 @@ def test_linear_matches_f_linear(platform, device_index, shape):
 
 def test_linear_is_deterministic(platform, device_index):
     """The same call three times gives the same bits (no split-K with racing partial sums)."""
-    support = declared(platform)
+    support = platform.linear_support  # the group runs only where it is declared
     device = platform.device(device_index)
     for shape in ("down_like", "n24_k4101"):
         n, k = SHAPES[shape]
@@ -117,7 +109,7 @@ def test_linear_is_deterministic(platform, device_index):
 
 def test_linear_replays_from_a_graph(platform, device_index):
     """Capture one call; write new inputs in place; replay; the output follows them."""
-    support = declared(platform)
+    support = platform.linear_support  # the group runs only where it is declared
     graphs = platform.graph_support
     if not support.graph_capture:
         pytest.skip(f"undeclared: {support.name} does not declare graph_capture")
