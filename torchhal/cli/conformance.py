@@ -27,8 +27,8 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     from torchhal import conformance_tests
     from torchhal.conformance_tests import plugin as suite_plugin
 
-    # Bad inputs are one line in the command's own words now, before pytest starts (which would
-    # check them again at configure, as it does for plain pytest). The report paths are probed
+    # Bad inputs are refused in one line in the command's own words, before pytest starts (its
+    # configure checks them for plain pytest, in pytest's words). The report paths are probed
     # last: probing makes their missing folders, which a refusal must not leave.
     try:
         if args.expect:

@@ -100,13 +100,13 @@ class SuiteState:
     profile: str
     expectations: dict[str, dict[str, str]]
     records: dict[str, Record] = field(default_factory=dict)
+    #: pytest node id -> conformance test id ("group::test_name") of each test of the profile collected,
+    #: before any selection (-k, -m, --deselect).
+    test_ids: dict[str, str] = field(default_factory=dict)
     header: dict[str, Any] = field(default_factory=dict)
     #: (verdict class, verdict line), set when the run finishes.
     outcome: tuple[str, str] | None = None
     json_error: str | None = None
-    #: Conformance tests of the profile collected, and their groups, before any selection (-k, -m, --deselect).
-    in_profile: int = 0
-    groups_collected: set[str] = field(default_factory=set)
     #: Set when a selection left out tests of the profile: such a run makes no conformance claim.
     selection: Selection | None = None
 
@@ -273,40 +273,33 @@ def group_of(test_id: str) -> str:
 @pytest.hookimpl(tryfirst=True)  # before -k, -m and --deselect: counts the whole profile
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     state = suite_state()
-    seen, in_profile, dropped = set(), [], set()
-    for item in items:
-        test_id = conformance_id(item)
-        if test_id is None:
-            continue
-        seen.add(test_id)
-        if group_of(test_id) not in PROFILES[state.profile]:
-            dropped.add(item)
-            continue
-        in_profile.append(test_id)
-        if expected := state.expectations.get(test_id):
-            item.add_marker(pytest.mark.xfail(reason=f"{expected['category']}: {expected['reason']}", strict=True))
+    ids = {item: test_id for item in items if (test_id := conformance_id(item)) is not None}
+    dropped = {item for item, test_id in ids.items() if group_of(test_id) not in PROFILES[state.profile]}
     if dropped:
         config.hook.pytest_deselected(items=[item for item in items if item in dropped])
         items[:] = [item for item in items if item not in dropped]
-    state.in_profile = len(in_profile)
-    state.groups_collected = {group_of(test_id) for test_id in in_profile}
-    if seen:
-        for unknown in sorted(set(state.expectations) - seen):
+    state.test_ids = {item.nodeid: test_id for item, test_id in ids.items() if item not in dropped}
+    for item in items:
+        if expected := state.expectations.get(state.test_ids.get(item.nodeid, "")):
+            item.add_marker(pytest.mark.xfail(reason=f"{expected['category']}: {expected['reason']}", strict=True))
+    if ids:
+        for unknown in sorted(set(state.expectations) - set(ids.values())):
             warnings.warn(f"expectation file entry {unknown!r} matches no conformance test", stacklevel=1)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Record a selection: a run of part of the profile is reported as such, never as the verdict."""
     state = suite_state()
-    if not state.in_profile:
+    if not state.test_ids:
         return  # nothing to select from (NO TESTS RAN says so)
-    ran = sum(conformance_id(item) is not None for item in session.items)
+    ran = sum(item.nodeid in state.test_ids for item in session.items)
     # pytest given some of the suite's files collects only their groups: a selection too.
-    missing = [g for g in PROFILES[state.profile] if g not in state.groups_collected]
-    if ran < state.in_profile or missing:
+    collected = {group_of(test_id) for test_id in state.test_ids.values()}
+    missing = [group for group in PROFILES[state.profile] if group not in collected]
+    if ran < len(state.test_ids) or missing:
         config = session.config
         state.selection = Selection(
-            selected=ran, in_profile=state.in_profile,
+            selected=ran, in_profile=len(state.test_ids),
             keyword=config.getoption("keyword", default="") or None,
             markers=config.getoption("markexpr", default="") or None,
             deselect=[str(d) for d in config.getoption("deselect", default=None) or []],
@@ -398,19 +391,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 # -- reporting -----------------------------------------------------------------------
 
 
-def pytest_itemcollected(item: pytest.Item) -> None:
-    test_id = conformance_id(item)
-    if test_id:
-        item.user_properties.append(("_conformance_id", test_id))
-
-
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    properties: dict[str, Any] = dict(report.user_properties)
-    test_id = properties.get("_conformance_id")
+    state = suite_state()
+    test_id = state.test_ids.get(report.nodeid)
     if test_id is None:
         return
-    record = suite_state().records.setdefault(test_id, Record(test_id, group_of(test_id)))
+    record = state.records.setdefault(test_id, Record(test_id, group_of(test_id)))
     record.duration_s += report.duration
+    properties: dict[str, Any] = dict(report.user_properties)  # the `measure` fixture's values
     record.measured.update(properties.get("measured", {}))
     if report.skipped:
         if hasattr(report, "wasxfail"):

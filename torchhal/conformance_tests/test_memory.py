@@ -10,7 +10,7 @@ import torch
 
 from torchhal.platforms import ReleasePoint
 
-from ._helpers import MiB, fill_cache, receive, spawn_context, spies, wait_exit
+from ._helpers import MiB, fill_cache, memory_taken, spies
 
 pytestmark = pytest.mark.conformance("memory")
 
@@ -78,30 +78,14 @@ def test_memory_info_does_not_synchronize(platform, device_index, measure):
 
 
 def test_memory_info_creates_no_context_on_another_device(platform, device_index, measure):
+    from ._workers import query_memory_and_hold
+
     if platform.device_count() < 2:
         pytest.skip("not applicable: one device, so no other device to protect")
     other = 1 if device_index == 0 else 0
-    platform.memory_info(other)  # our own context on `other`, before the baseline
-    ctx = spawn_context()
-    q, release = ctx.Queue(), ctx.Event()
-    baseline = platform.memory_info(other).free
-    proc = ctx.Process(target=_query_worker(), args=(platform.name, device_index, q, release))
-    proc.start()
-    try:
-        receive(q, "memory_info worker")
-        during = platform.memory_info(other).free
-    finally:
-        release.set()
-        wait_exit(proc)
-    lost_mib = (baseline - during) / MiB
+    _, lost_mib = memory_taken(platform, other, query_memory_and_hold, platform.name, device_index)
     measure["other_device_mib_used_by_worker"] = lost_mib
     assert lost_mib < 64, f"a process using device {device_index} took {lost_mib:.0f} MiB on device {other}"
-
-
-def _query_worker():
-    from ._workers import query_memory_and_hold
-
-    return query_memory_and_hold
 
 
 def test_empty_cache_releases_down_to_allocated(platform, device_index, measure):

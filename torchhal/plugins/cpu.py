@@ -2,18 +2,18 @@
 
 Memory comes from the OS, capped by the process's memory cgroup (a container's
 limit, see `host_memory`); there is no caching allocator, so `empty_cache` is
-a no-op that reports nothing released. IPC uses torch's shared-memory CPU
+a no-op that reports nothing released. Device, stream and event calls go to
+`torch.cpu` through the SPI's defaults. IPC uses torch's shared-memory CPU
 storages (file-descriptor-free 'filename' handles, which are plain data).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import re
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, TypeGuard
 
@@ -54,13 +54,6 @@ class CpuPlatform(PlatformPlugin):
 
     def current_device(self) -> int:
         return 0
-
-    def set_device(self, index: int) -> None:
-        if index != 0:
-            raise ValueError(f"the CPU platform has one device, 0; got {index}")
-
-    def synchronize(self, index: int) -> None:
-        return None
 
     def device_for_rank(self, local_rank: int, local_world_size: int) -> int:
         return 0  # every rank's tensors live in host memory: the one CPU device
@@ -107,17 +100,7 @@ class CpuPlatform(PlatformPlugin):
         return False  # one device: there is no peer
 
     def new_stream(self, index: int) -> Any:
-        return torch.cpu.Stream()
-
-    def current_stream(self, index: int) -> Any:
-        return torch.cpu.current_stream()
-
-    @contextlib.contextmanager
-    def use_stream(self, stream: Any) -> Iterator[None]:
-        yield  # the CPU runs everything in order
-
-    def new_event(self) -> Any:
-        return _CpuEvent()
+        return torch.cpu.Stream()  # torch.cpu.Stream takes no device
 
     def ipc_support(self) -> IpcSupport | None:
         # handles name this platform, which may be a vendor's subclass of this one
@@ -127,22 +110,6 @@ class CpuPlatform(PlatformPlugin):
             peer_redirect=False,
             note="host shared memory (torch file_system strategy handles)",
         )
-
-
-class _CpuEvent:
-    """Event for in-order host execution: recording and waiting are no-ops."""
-
-    def record(self, stream: Any = None) -> None:
-        return None
-
-    def wait(self, stream: Any = None) -> None:
-        return None
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
 
 
 def _share(platform: str, tensor: torch.Tensor) -> IpcHandle:
