@@ -117,6 +117,23 @@ def spies(platform: Platform, names: tuple[str, ...] = ("empty_cache", "synchron
             calls.extend(tag for tag, spy in watched.items() for _ in range(spy.call_count))
 
 
+def capture(platform: Platform, index: int, fn: Callable[[], Any], pool: Any = None) -> tuple[Any, Any]:
+    """(a new graph, what `fn()` returned as it was captured): `fn` warmed up on a side stream
+    (compiling, or starting a communicator, outside the graph), then recorded on it into the
+    graph, with `pool` (a new one by default)."""
+    support = platform.graph_support
+    assert support is not None, "the group runs only where graph support is declared"
+    graph, stream = support.graph_class(), platform.new_stream(index)
+    stream.wait_stream(platform.current_stream(index))
+    with platform.use_stream(stream):
+        fn()
+    platform.current_stream(index).wait_stream(stream)
+    with support.capture(graph, support.new_pool() if pool is None else pool, stream):
+        out = fn()
+    platform.current_stream(index).wait_stream(stream)
+    return graph, out
+
+
 def fill_cache(platform: Platform, index: int, nbytes: int = 256 * MiB) -> None:
     """Allocate and free a block so the caching allocator (if any) holds it."""
     import torch

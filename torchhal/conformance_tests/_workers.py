@@ -17,6 +17,8 @@ import torch
 import torchhal
 from torchhal.platforms.testing import patched_plugin, plugin_under_test
 
+from ._helpers import capture
+
 
 def worker(work: Callable[..., tuple[Any, Any]]) -> Callable[..., None]:
     """`work(platform, device, *inputs)` as a spawned process (`_helpers.Spawned`), called as
@@ -235,19 +237,9 @@ def _captured_all_gather(platform: torchhal.Platform, comm: Any, rank: int, inde
 
 def _replayed(platform: torchhal.Platform, index: int, static: torch.Tensor,
               collective: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> list[Any]:
-    """`collective` (reading `static`) warmed up, then recorded in a device graph and replayed
+    """`collective` (reading `static`) captured in a device graph (`_helpers.capture`), replayed
     once per input copied into `static`; what the captured call returned, after each replay."""
-    support = platform.graph_support
-    assert support is not None
-    stream = platform.new_stream(index)
-    stream.wait_stream(platform.current_stream(index))
-    with platform.use_stream(stream):
-        collective()  # warm up (the backend's communicator) outside the graph
-    platform.current_stream(index).wait_stream(stream)
-    graph = support.graph_class()
-    with support.capture(graph, support.new_pool(), stream):
-        result = collective()  # a tensor the replays write (the graph's pool, or static itself)
-    platform.current_stream(index).wait_stream(stream)
+    graph, result = capture(platform, index, collective)  # a tensor the replays write (the graph's pool, or static)
     replays = []
     for value in inputs:
         static.copy_(value.to(static.device))

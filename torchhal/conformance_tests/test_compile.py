@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ._helpers import capture
+
 pytestmark = pytest.mark.conformance("compile")
 
 HIDDEN, INTERMEDIATE = 256, 512
@@ -72,21 +74,12 @@ def test_compile_options_are_result_neutral(platform, device_index):
 def test_compile_options_replay_from_a_graph(platform, device_index):
     """Capture the tuned function; write new inputs in place; replay: the plain function's bits."""
     support = platform.compile_support  # the group runs only where it is declared
-    graphs = platform.graph_support
-    if graphs is None:
+    if platform.graph_support is None:
         pytest.skip("undeclared: the platform declares no graph support")
     device, dtype = platform.device(device_index), DTYPE
     plain, tuned = compiled(None), compiled(dict(support.inductor_options))
     inputs = operands(1, dtype, device, seed=11)
-    stream = platform.new_stream(device_index)
-    stream.wait_stream(platform.current_stream(device_index))
-    with platform.use_stream(stream):
-        tuned(*inputs)  # compile and warm up outside the graph
-    platform.current_stream(device_index).wait_stream(stream)
-    graph = graphs.graph_class()
-    with graphs.capture(graph, graphs.new_pool(), stream):
-        out = tuned(*inputs)
-    platform.current_stream(device_index).wait_stream(stream)
+    graph, out = capture(platform, device_index, lambda: tuned(*inputs))
     for step in range(3):
         for static, fresh in zip(inputs, operands(1, dtype, device, seed=100 + step), strict=True):
             static.copy_(fresh)

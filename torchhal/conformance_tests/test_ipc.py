@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -14,6 +16,22 @@ from ._helpers import Spawned, memory_taken
 pytestmark = pytest.mark.conformance("ipc")
 
 PLAIN = (int, bytes, str, bool)
+
+
+def not_refused(calls: dict[str, Callable[[], object]]) -> list[str]:
+    """Each call that does not raise IpcHandleError, and what it did instead: an error that is not
+    IpcHandleError is a crash, not a clear refusal."""
+    problems = []
+    for label, call in calls.items():
+        try:
+            call()
+        except IpcHandleError:
+            continue
+        except Exception as exc:
+            problems.append(f"{label}: raised {type(exc).__name__}: {exc} instead of IpcHandleError")
+            continue
+        problems.append(f"{label}: accepted")
+    return problems
 
 
 def consumer_device(platform, device_index):
@@ -83,17 +101,9 @@ def test_malformed_handles_are_rejected(platform, device_index):
         "misaligned offset": dataclasses.replace(good, offset_bytes=1),
         "stride/shape mismatch": dataclasses.replace(good, stride=(1,)),
     }
-    accepted = []
-    for label, handle in bad_handles.items():
-        try:
-            platform.ipc_support.open(handle, device_index)
-        except IpcHandleError:
-            continue
-        except Exception as exc:  # a crash-like error is not a clear rejection
-            accepted.append(f"{label}: raised {type(exc).__name__}: {exc} instead of IpcHandleError")
-            continue
-        accepted.append(f"{label}: accepted")
-    assert accepted == []
+    open_handle = platform.ipc_support.open
+    assert not_refused({label: functools.partial(open_handle, handle, device_index)
+                        for label, handle in bad_handles.items()}) == []
 
 
 def test_producer_exit_does_not_crash_the_consumer(platform, device_index):
@@ -123,22 +133,10 @@ def test_interprocess_event_handles_are_plain_bytes_and_checked(platform, device
     event.record(platform.current_stream(device_index))
     handle = events.export(event)
     assert isinstance(handle, bytes) and len(handle) == events.handle_nbytes
-    bad = {
-        "short": handle[:-1],
-        "long": handle + b"\0",
-        "not bytes": handle.hex(),
-        "device past the last": handle,
-    }
-    refused = []
-    for label, value in bad.items():
-        consumer = platform.device_count() if label == "device past the last" else device_index
-        try:
-            events.open(value, device_index, consumer)
-        except IpcHandleError:
-            refused.append(label)
-        except Exception as exc:  # a crash-like error is not a clear rejection
-            refused.append(f"{label}: raised {type(exc).__name__} instead of IpcHandleError")
-    assert refused == list(bad)
+    bad = {"short": handle[:-1], "long": handle + b"\0", "not bytes": handle.hex()}
+    opens = {label: functools.partial(events.open, value, device_index, device_index) for label, value in bad.items()}
+    opens["device past the last"] = functools.partial(events.open, handle, device_index, platform.device_count())
+    assert not_refused(opens) == []
     event.synchronize()
 
 

@@ -10,8 +10,12 @@ in every declared dtype. The reference is float64 on the host, so it needs nothi
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+
+from ._helpers import capture
 
 pytestmark = pytest.mark.conformance("linear")
 
@@ -110,24 +114,15 @@ def test_linear_is_deterministic(platform, device_index):
 def test_linear_replays_from_a_graph(platform, device_index):
     """Capture one call; write new inputs in place; replay; the output follows them."""
     support = platform.linear_support  # the group runs only where it is declared
-    graphs = platform.graph_support
     if not support.graph_capture:
         pytest.skip(f"undeclared: {support.name} does not declare graph_capture")
-    if graphs is None:
+    if platform.graph_support is None:
         pytest.skip("undeclared: the platform declares no graph support")
     device = platform.device(device_index)
     n, k = SHAPES["n100_k300"]
     for dtype in support.dtypes:
         x, w, b = operands(n, k, support.max_rows, dtype, True, device, seed=3)
-        stream = platform.new_stream(device_index)
-        stream.wait_stream(platform.current_stream(device_index))
-        with platform.use_stream(stream):
-            support.kernel(x, w, b)  # compile and warm up outside the graph
-        platform.current_stream(device_index).wait_stream(stream)
-        graph = graphs.graph_class()
-        with graphs.capture(graph, graphs.new_pool(), stream):
-            out = support.kernel(x, w, b)
-        platform.current_stream(device_index).wait_stream(stream)
+        graph, out = capture(platform, device_index, functools.partial(support.kernel, x, w, b))
         for step in range(3):
             fresh_x, fresh_w, fresh_b = operands(n, k, support.max_rows, dtype, True, device, seed=100 + step)
             assert fresh_b is not None and b is not None
