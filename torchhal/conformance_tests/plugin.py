@@ -1,9 +1,12 @@
-"""pytest plugin that turns the conformance tests into a vendor report (PYTEST_DONT_REWRITE).
+"""pytest plugin that turns the conformance tests into a vendor report.
 
 `torchhal conformance` loads it; plain pytest loads it with `-p torchhal.conformance_tests.plugin`.
 It checks the command's inputs before any test runs, selects the profile's groups, gates
 undeclared capabilities, applies the vendor's expectation file, and ends with a table per
 group and a verdict, which the JSON and JUnit reports carry too.
+
+PYTEST_DONT_REWRITE: the CLI imports this module (to check its inputs) before pytest loads it,
+too late for pytest to rewrite its asserts, which it would warn about on every run.
 """
 
 from __future__ import annotations
