@@ -11,7 +11,7 @@ import pytest
 import torchhal
 from torchhal.conformance_tests import EXIT_CODES, NOT_REQUIRED_PREFIXES
 
-from .conftest import run_cli
+from .conftest import run_cli, suite_summary
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 #: What plain pytest is given to run the suite (docs/conformance.md), without the cache a run would leave.
@@ -21,16 +21,10 @@ PLUGIN = ("-p", "torchhal.conformance_tests.plugin", "-p", "no:cacheprovider")
 def run_suite(tmp_path, *args, env=None):
     report = tmp_path / "report.json"
     out = run_cli("conformance", *args, "--json", str(report), with_test_dist=True, env=env)
-    assert report.exists(), summary(out)
+    assert report.exists(), suite_summary(out)
     data = json.loads(report.read_text())
     failed = sorted(t["id"] for t in data["tests"] if t["outcome"] in ("failed", "error", "xpassed"))
     return out, data, failed
-
-
-def summary(out):
-    """The suite's own summary of a run (every failed and skipped clause, and the verdict), and stderr's tail."""
-    start = out.stdout.find("torchhal conformance =")
-    return (out.stdout[start:] if start >= 0 else out.stdout[-3000:]) + out.stderr[-2000:]
 
 
 def clauses_not_passed(data):
@@ -126,7 +120,7 @@ def test_plugin_failures_lead_the_report_and_fail_an_automatic_run(tmp_path):
     report = tmp_path / "report.json"
     out = run_cli("conformance", "-k", "contract", "--json", str(report), with_test_dist=True,
                   env={"TORCHHAL_TESTPLUGIN_MODE": "import"})
-    assert out.returncode == EXIT_CODES["PLUGIN FAILURES"], summary(out)
+    assert out.returncode == EXIT_CODES["PLUGIN FAILURES"], suite_summary(out)
     section = out.stdout[out.stdout.index("torchhal conformance ="):]
     assert section.index("PLUGIN FAILURES") < section.index("group"), section  # before the table
     assert "plugin 'testaccel' (distribution torchhal-testplugin) failed to import" in section
@@ -144,7 +138,7 @@ def test_ci_command_on_a_cpu_host_is_conformant_with_exit_0(tmp_path):
     data = json.loads(report.read_text())
     assert out.returncode == 0, clauses_not_passed(data)
     assert "VERDICT: CONFORMANT (core)" in out.stdout and "PLUGIN FAILURES" not in out.stdout
-    assert "Warning" not in out.stdout + out.stderr, summary(out)  # e.g. that pytest cannot rewrite the plugin
+    assert "Warning" not in out.stdout + out.stderr, suite_summary(out)  # e.g. that pytest cannot rewrite the plugin
     assert data["conformant"] is True and data["plugin_failures"] == [] and data["exit_code"] == 0
     assert data["selection"] is None  # the whole profile ran
 
@@ -202,7 +196,7 @@ def test_plain_pytest_given_some_of_the_suites_files_is_a_selection(tmp_path):
 
 def test_no_tests_ran_has_its_own_exit_code(tmp_path):
     out = run_cli("conformance", "--platform", "cpu", "-k", "no_such_test_anywhere")
-    assert out.returncode == EXIT_CODES["NO TESTS RAN"], summary(out)
+    assert out.returncode == EXIT_CODES["NO TESTS RAN"], suite_summary(out)
     assert "VERDICT: NO TESTS RAN" in out.stdout
 
 
@@ -222,7 +216,7 @@ def test_a_probe_hanging_past_the_detect_timeout_fails_the_contract_test_within_
     # The probe sleeps 30 s; unlimited, the contract tests alone would take 120 s.
     out = subprocess.run([sys.executable, "-m", "torchhal.cli", "conformance", "--platform", "hostile",
                           "-k", "is_available"], capture_output=True, text=True, env=env, timeout=60)
-    assert out.returncode == EXIT_CODES["NOT CONFORMANT"], summary(out)
+    assert out.returncode == EXIT_CODES["NOT CONFORMANT"], suite_summary(out)
     assert ("FAILED contract::test_is_available_never_raises_and_is_idempotent: is_available() did not return "
             "within 1 s (TORCHHAL_DETECT_TIMEOUT)") in out.stdout
     assert "PASSED" in out.stdout.split("test_is_available_creates_no_device_context")[1].splitlines()[0]
@@ -254,7 +248,7 @@ def test_a_device_count_calling_sys_exit_is_a_failed_test_not_the_exit_code(tmp_
         "def torchhal_register_platforms():\n"
         "    return [ExitCount()]\n"))
     out = run_cli("conformance", "-k", "device", env=env)
-    assert out.returncode == EXIT_CODES["NOT CONFORMANT"], summary(out)
+    assert out.returncode == EXIT_CODES["NOT CONFORMANT"], suite_summary(out)
     for test in ("test_count_current_and_set", "test_synchronize_waits_for_queued_work"):
         assert f"ERROR device::{test}: device_count() failed: called sys.exit(11)" in out.stdout
 
@@ -283,7 +277,7 @@ def test_a_name_conflict_between_other_plugins_is_reported_not_held_against_the_
     env = _plugin_dist(tmp_path, "vendoracme", _cpu_based("VendorAcme", "vendoracme"))
     _plugin_dist(tmp_path, "secondcpu", _cpu_based("SecondCpu", "cpu"))
     out, data, test = _name_test(tmp_path, "vendoracme", env)
-    assert test["outcome"] == "passed" and out.returncode == 0, summary(out)
+    assert test["outcome"] == "passed" and out.returncode == 0, suite_summary(out)
     conflict = ("plugin 'secondcpu' (distribution torchhal-secondcpu) failed to register a unique name: registers "
                 "platform name 'cpu', which is torchhal's built-in 'cpu' platform")
     [other] = test["measured"]["other_conflicts"]
@@ -298,7 +292,7 @@ def test_a_name_conflict_over_the_named_platform_fails_naming_the_plugins_and_th
     env = _plugin_dist(tmp_path, "vendoracme", _cpu_based("VendorAcme", "vendoracme"))
     _plugin_dist(tmp_path, "secondcpu", _cpu_based("SecondCpu", "cpu"))
     out, data, test = _name_test(tmp_path, "cpu", env)
-    assert test["outcome"] == "failed" and out.returncode == EXIT_CODES["NOT CONFORMANT"], summary(out)
+    assert test["outcome"] == "failed" and out.returncode == EXIT_CODES["NOT CONFORMANT"], suite_summary(out)
     assert test["message"].startswith(
         "1 platform-name conflict(s) involving platform 'cpu': plugin 'secondcpu' (distribution torchhal-secondcpu) "
         "failed to register a unique name: registers platform name 'cpu'"), test["message"]
@@ -311,7 +305,7 @@ def test_a_name_conflict_of_another_platform_the_named_plugin_registers_fails_it
     env = _plugin_dist(tmp_path, "vendoracme", _cpu_based("VendorAcme", "vendoracme", "shared"))
     _plugin_dist(tmp_path, "othershared", _cpu_based("OtherShared", "shared"))
     out, data, test = _name_test(tmp_path, "vendoracme", env)
-    assert test["outcome"] == "failed", summary(out)
+    assert test["outcome"] == "failed", suite_summary(out)
     assert test["message"].startswith("1 platform-name conflict(s) involving platform 'vendoracme': plugin 'shared'"), \
         test["message"]
     assert "platform name 'shared' is registered by" in test["message"] and "vendoracme (distribution" in \
@@ -360,7 +354,7 @@ BAD_EXPECT_FILES = [
 
 
 def assert_one_clear_line(out, expected):
-    assert out.returncode == EXIT_CODES["USAGE ERROR"], summary(out)
+    assert out.returncode == EXIT_CODES["USAGE ERROR"], suite_summary(out)
     assert expected in out.stderr
     assert "Traceback" not in out.stdout + out.stderr and "INTERNALERROR" not in out.stdout + out.stderr
     assert "PASSED" not in out.stdout and "VERDICT" not in out.stdout  # nothing ran
@@ -399,7 +393,7 @@ def test_one_file_for_both_reports_is_one_clear_line_before_any_test(tmp_path):
 def test_a_platform_name_with_spaces_around_it_is_tested_as_selection_reads_it():
     # Selection strips TORCHHAL_PLATFORM; the suite did not, and failed every test of a conformant plugin.
     out = run_cli("conformance", "-k", "contract", env={"TORCHHAL_PLATFORM": " cpu "})
-    assert out.returncode == EXIT_CODES["CONFORMANT"], summary(out)
+    assert out.returncode == EXIT_CODES["CONFORMANT"], suite_summary(out)
 
 
 def test_plain_pytest_reports_a_bad_expectation_file_as_a_usage_error(tmp_path):
@@ -455,7 +449,7 @@ def junit_verdict(path: Path) -> tuple[dict[str, str], object, dict[str, str]]:
 def test_junit_output(tmp_path):
     junit = tmp_path / "junit.xml"
     out = run_cli("conformance", "--platform", "cpu", "-k", "contract", "--junit", str(junit))
-    assert out.returncode == 0, summary(out)
+    assert out.returncode == 0, suite_summary(out)
     properties, verdict, counts = junit_verdict(junit)
     assert verdict.get("name") == "verdict" and verdict.find("failure") is None and counts["failures"] == "0"
     assert properties["torchhal_verdict_class"] == "CONFORMANT" and properties["torchhal_exit_code"] == "0"
@@ -467,7 +461,7 @@ def test_an_incomplete_run_fails_the_junit_report(tmp_path):
     """An INCOMPLETE run (exit 3) wrote failures="0" errors="0" skipped="13": green on a CI dashboard."""
     junit = tmp_path / "junit.xml"
     out = run_cli("conformance", "--platform", "testaccel", "--junit", str(junit), with_test_dist=True)
-    assert out.returncode == EXIT_CODES["INCOMPLETE"], summary(out)
+    assert out.returncode == EXIT_CODES["INCOMPLETE"], suite_summary(out)
     properties, verdict, counts = junit_verdict(junit)
     failure = verdict.find("failure")
     assert failure is not None and failure.get("message", "").startswith("INCOMPLETE (core): "), failure
@@ -485,7 +479,7 @@ def test_the_suite_runs_as_a_plain_pytest_plugin(tmp_path):
         capture_output=True, text=True, cwd=tmp_path, timeout=300,
     )
     assert out.returncode == 0, clauses_not_passed(json.loads((tmp_path / "r.json").read_text()))
-    assert re.search(r"VERDICT: CONFORMANT \(core, \d+ of \d+ tests selected\)", out.stdout), summary(out)
+    assert re.search(r"VERDICT: CONFORMANT \(core, \d+ of \d+ tests selected\)", out.stdout), suite_summary(out)
     assert "torchhal conformance suite" in out.stdout  # the report header
 
 
