@@ -18,6 +18,11 @@ TESTS = Path(__file__).parent
 PLUGIN_DIST = TESTS / "plugin_dist"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Tests import the conformance suite's modules, whose marker its plugin registers in its own runs.
+    config.addinivalue_line("markers", "conformance(group): a torchhal conformance test of one capability group")
+
+
 @pytest.fixture(autouse=True)
 def clean_platform_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for key in list(os.environ):
@@ -120,3 +125,10 @@ def conformance_group_results(
     assert report.exists(), out.stdout[-3000:] + out.stderr[-3000:]
     tests = json.loads(report.read_text())["tests"]
     return out, {t["id"].removeprefix(f"{group}::test_"): t for t in tests if t["group"] == group}
+
+
+def suite_summary(out: subprocess.CompletedProcess[str]) -> str:
+    """The conformance run's own summary (every failed and skipped clause with its message, and the
+    verdict) and stderr's tail: what an assertion on the run prints, so no clause's name is cut off."""
+    start = out.stdout.find("torchhal conformance =")
+    return (out.stdout[start:] if start >= 0 else out.stdout[-3000:]) + out.stderr[-2000:]

@@ -70,14 +70,48 @@ def test_conformance_refuses_a_target_it_cannot_test(tmp_path, monkeypatch, cli,
 
 def test_plain_pytest_refuses_an_unknown_platform_before_any_test(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "--pyargs", "torchhal.conformance_tests", "--torchhal-platform", "nosuch",
-         "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", "-p", "torchhal.conformance_tests.plugin", "--pyargs",
+         "torchhal.conformance_tests", "--torchhal-platform", "nosuch", "-p", "no:cacheprovider"],
         capture_output=True, text=True, cwd=tmp_path, timeout=300,
         env={k: v for k, v in os.environ.items() if not k.startswith("TORCHHAL_")},
     )
     assert out.returncode == 4, out.stdout[-2000:]  # pytest's own usage-error code
     assert "--torchhal-platform 'nosuch' is not a registered platform" in out.stderr
     assert "VERDICT" not in out.stdout and "Traceback" not in out.stdout + out.stderr
+
+
+def _alias_bomb(field: str) -> str:
+    """About 600 bytes of YAML whose second entry's `field` is nine lists of nine ... nine deep (9**9 strings)."""
+    anchors, previous = "a0: &a0 [" + ",".join(["lol"] * 9) + "]", "a0"
+    for level in range(1, 9):
+        anchors += f", a{level}: &a{level} [" + ",".join([f"*{previous}"] * 9) + "]"
+        previous = f"a{level}"
+    first = f'"memory::test_memory_info_cost": {{reason: slow, category: temporary, {anchors}}}\n'
+    second = {"reason": f"reason: *{previous}, category: temporary", "category": f"reason: x, category: *{previous}"}
+    return first + f'"memory::test_memory_info_fields": {{{second[field]}}}\n'
+
+
+@pytest.mark.parametrize("name, content, says", [
+    ("bomb-reason.yaml", _alias_bomb("reason"), "entry 'memory::test_memory_info_fields' needs a 'reason' (text)"),
+    ("bomb-category.yaml", _alias_bomb("category"), "has category of type list; use one of temporary"),
+    ("deep.yaml", "a: " + "[" * 3000 + "]" * 3000 + "\n", "not valid YAML: nested too deeply to read"),
+    ("deep.toml", "a = " + "[" * 3000 + "]" * 3000 + "\n", "not valid TOML: nested too deeply to read"),
+], ids=["alias-bomb-reason", "alias-bomb-category", "nested-yaml", "nested-toml"])
+def test_conformance_refuses_a_hostile_expectation_file_at_once(tmp_path, name, content, says):
+    """The alias bomb hung `conformance` (str() expanded the reason); the nesting was an uncaught
+    RecursionError, exit 1. A subprocess, so a hang fails the test instead of stopping the run."""
+    path = tmp_path / name
+    path.write_text(content)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHHAL_")}
+    out = subprocess.run([sys.executable, "-m", "torchhal.cli", "conformance", "--expect", str(path)],
+                         capture_output=True, text=True, env=env, timeout=120)
+    refused(Ran(out.returncode, out.stdout, out.stderr), "conformance", f"--expect {path}: ", says)
+
+
+def test_conformance_without_pytest_says_what_to_install(monkeypatch, cli):
+    monkeypatch.setitem(sys.modules, "pytest", None)  # `import pytest` raises ImportError, as where it is missing
+    line = refused(cli("conformance", "--platform", "cpu"), "conformance")
+    assert line == "the conformance suite runs on pytest, which is not installed: pip install 'torchhal[conformance]'"
 
 
 def _failing_to_register() -> object:

@@ -14,7 +14,7 @@ from torchhal.core.model import ModelConfig
 from torchhal.core.model.decoder import LayerMath
 from torchhal.platforms import CompileSupport
 
-from .conftest import conformance_group_results, entry_point_distribution, run_cli
+from .conftest import conformance_group_results, entry_point_distribution, run_cli, suite_summary
 
 CASES = ("compile_options_are_result_neutral", "compile_options_replay_from_a_graph")
 
@@ -27,11 +27,11 @@ def plugin_path(tmp_path_factory):
 
 def test_result_neutral_options_pass(tmp_path, plugin_path):
     out, results = conformance_group_results(tmp_path, plugin_path, "compile_correct", "compile")
-    assert results["compile_options_are_result_neutral"]["outcome"] == "passed", out.stdout[-3000:]
+    assert results["compile_options_are_result_neutral"]["outcome"] == "passed", suite_summary(out)
     # The CPU platform has no graphs: the replay is reported as undeclared, never as passed.
     replay = results["compile_options_replay_from_a_graph"]
     assert replay["outcome"] == "skipped" and replay["skip_reason"].startswith("undeclared:")
-    assert out.returncode == 0
+    assert out.returncode == 0, suite_summary(out)
 
 
 @pytest.mark.parametrize("platform, says", [
@@ -41,9 +41,9 @@ def test_result_neutral_options_pass(tmp_path, plugin_path):
 def test_options_that_change_numbers_or_do_not_exist_fail(tmp_path, plugin_path, platform, says):
     out, results = conformance_group_results(tmp_path, plugin_path, platform, "compile")
     result = results["compile_options_are_result_neutral"]
-    assert result["outcome"] == "failed", out.stdout[-3000:]
+    assert result["outcome"] == "failed", suite_summary(out)
     assert says in result["message"], result["message"]
-    assert out.returncode == 1
+    assert out.returncode == 1, suite_summary(out)
 
 
 def test_an_undeclared_platform_skips_the_group(tmp_path, plugin_path):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from .conftest import conformance_group_results, entry_point_distribution, run_cli
+from .conftest import conformance_group_results, entry_point_distribution, run_cli, suite_summary
 
 CLAUSES = {
     "the_declared_dist_backend_is_available",
@@ -43,8 +43,8 @@ def test_a_correct_platform_passes_every_clause(tmp_path, plugin_path, platform)
     """A vendor communicator wrapping the default, and platforms of two and four devices mapped
     right (four ranks: every clause's values, bfloat16's included, hold for more than two)."""
     out, results = distributed_results(tmp_path, plugin_path, platform)
-    assert outcome(results, "failed") == [] and outcome(results, "error") == [], out.stdout[-3000:]
-    assert out.returncode == 0
+    assert outcome(results, "failed") == [] and outcome(results, "error") == [], suite_summary(out)
+    assert out.returncode == 0, suite_summary(out)
     assert set(outcome(results, "passed")) == CLAUSES
     for clause in CAPTURE_CLAUSES:
         assert results[clause]["skip_reason"].startswith("undeclared:")
@@ -75,14 +75,14 @@ def test_a_backend_that_ends_the_process_on_a_dead_peer_passes_the_clause(tmp_pa
         clause = results[probe]
         assert clause["outcome"] == "passed", clause["message"]
         assert clause["measured"]["outcome"] == "the backend ended the process (exit code 6)"
-    assert out.returncode == 0, out.stdout[-3000:]
+    assert out.returncode == 0, suite_summary(out)
 
 
 def test_a_communicator_whose_collectives_capture_passes_every_clause_and_both_replays(tmp_path, plugin_path):
     out, results = distributed_results(tmp_path, plugin_path, "dist_captures_correctly")
-    assert outcome(results, "failed") == [] and outcome(results, "error") == [], out.stdout[-3000:]
+    assert outcome(results, "failed") == [] and outcome(results, "error") == [], suite_summary(out)
     assert set(outcome(results, "passed")) == CLAUSES | set(CAPTURE_CLAUSES)
-    assert out.returncode == 0
+    assert out.returncode == 0, suite_summary(out)
 
 
 @pytest.mark.parametrize("platform, clause, words", [
@@ -106,10 +106,10 @@ def test_a_communicator_whose_collectives_capture_passes_every_clause_and_both_r
 def test_a_broken_platform_fails_exactly_the_clause_its_bug_touches(tmp_path, plugin_path, platform, clause, words):
     out, results = distributed_results(tmp_path, plugin_path, platform)
     clauses = sorted([clause] if isinstance(clause, str) else clause)
-    assert outcome(results, "failed") == clauses, out.stdout[-3000:]
+    assert outcome(results, "failed") == clauses, suite_summary(out)
     for name in clauses:
         assert words in results[name]["message"], results[name]["message"]
-    assert out.returncode == 1
+    assert out.returncode == 1, suite_summary(out)
 
 
 def test_the_dead_peer_clause_judges_the_plugins_own_path_under_detail_debug(tmp_path, plugin_path):
@@ -117,7 +117,7 @@ def test_the_dead_peer_clause_judges_the_plugins_own_path_under_detail_debug(tmp
     collective, and that check would raise on the dead peer before the plugin's path ran."""
     out, results = conformance_group_results(tmp_path, plugin_path, "dist_small_sums_miss_peer_loss", "distributed",
                                              env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
-    assert outcome(results, "failed") == [f"{DEAD_PEER}[decode_row]"], out.stdout[-3000:]
+    assert outcome(results, "failed") == [f"{DEAD_PEER}[decode_row]"], suite_summary(out)
 
 
 def test_a_declared_backend_torch_lacks_names_it_and_the_fix_and_blocks_the_verdict(tmp_path, plugin_path):
@@ -132,7 +132,7 @@ def test_a_declared_backend_torch_lacks_names_it_and_the_fix_and_blocks_the_verd
     for name in skipped.keys() - {"visible_devices_renumber_what_ranks_see"}:
         assert skipped[name].startswith("could not run: torch.distributed backend 'acmeccl'"), skipped[name]
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["verdict_class"] == "NOT CONFORMANT" and out.returncode == 1
+    assert report["verdict_class"] == "NOT CONFORMANT" and out.returncode == 1, suite_summary(out)
 
 
 def test_ranks_that_disagree_point_at_the_platforms_communicator_and_its_conformance_clause():

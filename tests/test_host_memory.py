@@ -77,13 +77,40 @@ def test_no_readable_limit_leaves_the_os_figures(tmp_path, broken):
     assert hm.cgroup_limit(root, proc) is None
 
 
-def test_the_cpu_platform_reports_the_container_limit_not_the_hosts(monkeypatch):
+def test_the_levels_are_found_once_and_each_query_reads_their_usage(tmp_path):
+    """The CPU plugin's memory_info read /proc/self/cgroup, every level's memory.max and memory.stat
+    on every call (176-185 us idle, up to 1.6 ms on a loaded host)."""
+    root, proc = tmp_path / "cgroup", tmp_path / "cgroup.txt"
+    write(proc, "0::/kubepods/pod1\n")
+    v2_level(root / "kubepods", "max", 40 * GiB)
+    v2_level(root / "kubepods/pod1", str(8 * GiB), 5 * GiB)
+    memory = hm.HostMemory(root, proc)
+    assert [level.limit for level in memory.levels] == [8 * GiB] and memory.total == min(8 * GiB, memory.total)
+    # Which files apply is not asked again: the process's cgroup and the limits may go.
+    proc.unlink()
+    for limit in root.rglob("memory.max"):
+        limit.unlink()
+    write(root / "kubepods/pod1/memory.current", f"{7 * GiB}\n")  # what changes is read on every query
+    assert memory()[0] == min(1 * GiB, int(psutil.virtual_memory().available))
+    write(root / "kubepods/pod1/memory.stat", f"inactive_file {2 * GiB}\n")
+    assert memory()[0] == min(3 * GiB, int(psutil.virtual_memory().available))
+
+
+def test_the_cpu_platform_reports_the_container_limit_not_the_hosts(tmp_path):
+    root, proc = tmp_path / "cgroup", tmp_path / "cgroup.txt"
+    write(proc, "0::/job\n")
+    v2_level(root / "job", str(GiB), GiB - 256 * 2**20)
+    def cpu_platform() -> CpuPlatform:
+        plugin = CpuPlatform()
+        plugin._host_memory = hm.HostMemory(root, proc)  # the tree this test laid out
+        return plugin
+
     host = psutil.virtual_memory()
-    monkeypatch.setattr(hm, "cgroup_limit", lambda *args: (256 * 2**20, GiB))
-    info = CpuPlatform().memory_info(0)
+    plugin = cpu_platform()
+    info = plugin.memory_info(0)
     assert (info.free, info.total) == (min(256 * 2**20, int(host.available)), min(GiB, int(host.total)))
-    assert CpuPlatform().device_info(0).total_memory == info.total
+    assert plugin.device_info(0).total_memory == info.total
     # A limit above the host's memory does not raise the host's figures.
-    monkeypatch.setattr(hm, "cgroup_limit", lambda *args: (10 * host.total, 10 * host.total))
-    info = CpuPlatform().memory_info(0)
+    v2_level(root / "job", str(10 * host.total), GiB)
+    info = cpu_platform().memory_info(0)
     assert info.total == host.total and info.free <= host.total

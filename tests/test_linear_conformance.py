@@ -9,7 +9,7 @@ import pytest
 
 from torchhal.conformance_tests.test_linear import SHAPES
 
-from .conftest import conformance_group_results, entry_point_distribution
+from .conftest import conformance_group_results, entry_point_distribution, suite_summary
 
 MATCHES = {f"linear_matches_f_linear[{name}]": shape for name, shape in SHAPES.items()}
 
@@ -26,8 +26,8 @@ def failed(results):
 
 def test_a_correct_kernel_passes_every_case(tmp_path, plugin_path):
     out, results = conformance_group_results(tmp_path, plugin_path, "linear_correct", "linear")
-    assert failed(results) == [], out.stdout[-3000:]
-    assert out.returncode == 0
+    assert failed(results) == [], suite_summary(out)
+    assert out.returncode == 0, suite_summary(out)
     passed = {name for name, t in results.items() if t["outcome"] == "passed"}
     assert set(MATCHES) | {"linear_is_deterministic"} <= passed  # every shape ran; none was skipped
     # The CPU platform has no graphs: that test is reported as undeclared, never as passed.
@@ -49,8 +49,8 @@ def test_a_correct_kernel_passes_every_case(tmp_path, plugin_path):
 ])
 def test_a_broken_kernel_fails_exactly_the_cases_its_bug_touches(tmp_path, plugin_path, platform, broken_cases):
     out, results = conformance_group_results(tmp_path, plugin_path, platform, "linear")
-    assert failed(results) == sorted(broken_cases), out.stdout[-3000:]
-    assert out.returncode == 1
+    assert failed(results) == sorted(broken_cases), suite_summary(out)
+    assert out.returncode == 1, suite_summary(out)
     for name in broken_cases:
         message = results[name]["message"]
         assert ("differs from F.linear" if name in MATCHES else "gave other bits") in message, message
@@ -58,7 +58,7 @@ def test_a_broken_kernel_fails_exactly_the_cases_its_bug_touches(tmp_path, plugi
 
 def test_a_platform_without_a_kernel_skips_the_clause_as_undeclared(tmp_path, plugin_path):
     out, results = conformance_group_results(tmp_path, plugin_path, "cpu", "linear")
-    assert out.returncode == 0 and results
+    assert out.returncode == 0 and results, suite_summary(out)
     assert all(t["outcome"] == "skipped" and t["skip_reason"].startswith("undeclared:") for t in results.values())
 
 

@@ -8,58 +8,46 @@ import sys
 from typing import Any
 
 from torchhal.cli.output import GuardedStdout, refuse
+from torchhal.conformance_tests import EXIT_CODES
 
 #: The suite's own pytest configuration (shipped beside it): the run never reads the
 #: caller's pytest.ini / pyproject.toml / conftest, wherever it is started from.
 SUITE_CONFIG = "pytest.ini"
+SUITE_PLUGIN = "torchhal.conformance_tests.plugin"
 
 
 def cmd_conformance(args: argparse.Namespace) -> int:
     """Run the suite; the exit code is the verdict's (torchhal.conformance_tests.EXIT_CODES)."""
-    import importlib.metadata as metadata
-
-    import pytest
+    try:
+        import pytest
+    except ImportError:  # the suite runs on pytest, an optional dependency of torchhal
+        return refuse("conformance", "the conformance suite runs on pytest, which is not installed: "
+                      "pip install 'torchhal[conformance]'")
 
     from torchhal import conformance_tests
-    from torchhal.conformance_tests import EXIT_CODES
     from torchhal.conformance_tests import plugin as suite_plugin
-    from torchhal.conformance_tests.plugin import (
-        ConformanceUsageError,
-        check_report_path,
-        check_target,
-        load_expectations,
-    )
 
-    # Bad inputs are one line now, not a pytest INTERNALERROR or a traceback after the verdict.
-    # The report paths are probed last: probing makes their missing folders, which a refusal must not leave.
+    # Bad inputs are refused in one line in the command's own words, before pytest starts (its
+    # configure checks them for plain pytest, in pytest's words). The report paths are probed
+    # last: probing makes their missing folders, which a refusal must not leave.
     try:
         if args.expect:
-            load_expectations(args.expect)
+            suite_plugin.load_expectations(args.expect)
         check_distinct_files(("--expect", args.expect), ("--json", args.json), ("--junit", args.junit))
-        check_target(args.platform or "", args.device, "--platform", "--device")
-        if args.json:
-            check_report_path(args.json, "--json")
-        if args.junit:
-            check_report_path(args.junit, "--junit")
-    except ConformanceUsageError as exc:
-        refuse("conformance", str(exc))
-        return EXIT_CODES["USAGE ERROR"]
+        suite_plugin.check_target(args.platform or "", args.device, "--platform", "--device")
+        for option, path in (("--json", args.json), ("--junit", args.junit)):
+            if path:
+                suite_plugin.check_report_path(path, option)
+    except pytest.UsageError as exc:
+        return refuse("conformance", str(exc))
 
     package_dir = os.path.dirname(conformance_tests.__file__)
     argv = [package_dir, "-c", os.path.join(package_dir, SUITE_CONFIG), "--rootdir", package_dir, "-v",
-            "--torchhal-profile", args.profile, "--torchhal-device", str(args.device)]
-    if not any(ep.value == "torchhal.conformance_tests.plugin" for ep in metadata.entry_points(group="pytest11")):
-        argv += ["-p", "torchhal.conformance_tests.plugin"]  # running from a source tree
-    if args.platform:
-        argv += ["--torchhal-platform", args.platform]
-    if args.expect:
-        argv += ["--torchhal-expect", args.expect]
-    if args.json:
-        argv += ["--torchhal-json", args.json]
-    if args.junit:
-        argv += ["--junitxml", args.junit]
-    if args.k:
-        argv += ["-k", args.k]
+            "-p", SUITE_PLUGIN, "--torchhal-profile", args.profile, "--torchhal-device", str(args.device)]
+    for option, value in (("--torchhal-platform", args.platform), ("--torchhal-expect", args.expect),
+                          ("--torchhal-json", args.json), ("--junitxml", args.junit), ("-k", args.k)):
+        if value:
+            argv += [option, value]
     # A reader that went away (`| head`) or a full disk must not end the run with a traceback: the
     # suite finishes the tests needed for a --json/--junit report, else stops after the current one.
     stdout = GuardedStdout(sys.stdout)
@@ -85,7 +73,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 def check_distinct_files(*named: tuple[str, str | None]) -> None:
     """Refuse two options naming one file: a report written over the expectation file (or
     over the other report) would destroy it. `named`: (option, path or None) pairs."""
-    from torchhal.conformance_tests.plugin import ConformanceUsageError
+    import pytest
 
     seen: dict[str, tuple[str, str]] = {}  # real path -> the first option naming it, as written there
     for option, path in named:
@@ -96,12 +84,12 @@ def check_distinct_files(*named: tuple[str, str | None]) -> None:
             first, written = seen[real]
             what = ("the report would overwrite the expectations: give the report its own file" if first == "--expect"
                     else "one report would overwrite the other: give each its own file")
-            raise ConformanceUsageError(f"{first} and {option} both name {written}; {what}")
+            raise pytest.UsageError(f"{first} and {option} both name {written}; {what}")
         seen[real] = (option, path)
 
 
 class _StopWhenUnread:
-    """pytest plugin: end the session after the current test once stdout is gone (nothing else to write)."""
+    """pytest plugin: end the run after the current test once stdout is gone (nothing else to write)."""
 
     def __init__(self, stdout: GuardedStdout) -> None:
         self.stdout = stdout

@@ -1,7 +1,9 @@
 """The torchhal conformance suite: run by vendors, on their own hardware.
 
     torchhal conformance [--platform NAME] [--profile core|full] ...
-    pytest --pyargs torchhal.conformance_tests --torchhal-platform NAME
+    pytest -p torchhal.conformance_tests.plugin --pyargs torchhal.conformance_tests --torchhal-platform NAME
+
+Both need the `conformance` extra (`pip install 'torchhal[conformance]'`: pytest, PyYAML).
 
 Each test belongs to one capability group; see docs/conformance.md.
 """

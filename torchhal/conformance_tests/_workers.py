@@ -7,6 +7,7 @@ only, so a worker may exit before its results are read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -16,97 +17,75 @@ import torch
 import torchhal
 from torchhal.platforms.testing import patched_plugin, plugin_under_test
 
-
-def _platform(name: str) -> torchhal.Platform:
-    return torchhal.get_platform(name)
+from ._helpers import capture
 
 
-def open_handles(name: str, device: int, handles: list[Any], queue: Any) -> None:
-    """Open each handle on `device`; report values, device and a checksum of each."""
-    try:
-        platform = _platform(name)
-        platform.set_device(device)
-        out = []
-        for handle in handles:
-            tensor = platform.ipc_support.open(handle, device)  # type: ignore[union-attr]
-            out.append(
-                {
-                    "device_type": tensor.device.type,
-                    "device_index": tensor.device.index or 0,
-                    "values": tensor.detach().to("cpu", torch.float64).flatten().tolist(),
-                }
-            )
-        queue.put(("ok", out))
-    except BaseException as exc:  # report, never hang the parent
-        queue.put(("error", f"{type(exc).__name__}: {exc}"))
+def worker(work: Callable[..., tuple[Any, Any]]) -> Callable[..., None]:
+    """`work(platform, device, *inputs)` as a spawned process (`_helpers.Spawned`), called as
+    `(platform name, device, *inputs, queue, release)`: on the named platform with `device`
+    current, it reports ('ok', the value `work` returns first) or ('error', what it raised), never
+    hanging its parent, and holds what `work` returns second until released."""
+
+    @functools.wraps(work)
+    def run(name: str, device: int, *args: Any) -> None:
+        *inputs, queue, release = args
+        try:
+            platform = torchhal.get_platform(name)
+            platform.set_device(device)
+            value, keep_alive = work(platform, device, *inputs)
+            queue.put(("ok", value))
+            release.wait(120)
+            del keep_alive
+        except BaseException as exc:  # report, never hang the parent
+            queue.put(("error", f"{type(exc).__name__}: {exc}"))
+
+    return run
 
 
-def _report_and_hold(name: str, device: int, queue: Any, release: Any, work: Any) -> None:
-    """Run `work(platform)` on `device`, report its value, and stay alive until released.
-
-    `work` returns (value to report, objects to keep alive while holding).
-    """
-    try:
-        platform = _platform(name)
-        platform.set_device(device)
-        value, keep_alive = work(platform)
-        queue.put(("ok", value))
-        release.wait(120)
-        del keep_alive
-    except BaseException as exc:
-        queue.put(("error", f"{type(exc).__name__}: {exc}"))
+@worker
+def open_handles(platform: torchhal.Platform, device: int, handles: list[Any]) -> tuple[Any, Any]:
+    """Open each handle on `device`; report each tensor's device and values."""
+    tensors = [platform.ipc_support.open(handle, device) for handle in handles]  # type: ignore[union-attr]
+    return [{"device_type": t.device.type, "device_index": t.device.index or 0,
+             "values": t.detach().to("cpu", torch.float64).flatten().tolist()} for t in tensors], None
 
 
-def wait_event_then_read(
-    name: str, producer: int, device: int, handle: Any, event_handle: bytes, queue: Any
-) -> None:
+@worker
+def wait_event_then_read(platform: torchhal.Platform, device: int, producer: int, handle: Any,
+                         event_handle: bytes) -> tuple[Any, Any]:
     """Open the producer's memory and event on `device`; the current stream waits on the
     event, then sums the memory; report the sum."""
-    try:
-        platform = _platform(name)
-        platform.set_device(device)
-        ipc = platform.ipc_support
-        assert ipc is not None and ipc.events is not None
-        tensor = ipc.open(handle, device)
-        event = ipc.events.open(event_handle, producer, device)
-        event.wait(platform.current_stream(tensor.device.index or 0))
-        queue.put(("ok", float(tensor.sum().to("cpu"))))
-    except BaseException as exc:  # report, never hang the parent
-        queue.put(("error", f"{type(exc).__name__}: {exc}"))
+    ipc = platform.ipc_support
+    assert ipc is not None and ipc.events is not None
+    tensor = ipc.open(handle, device)
+    event = ipc.events.open(event_handle, producer, device)
+    event.wait(platform.current_stream(tensor.device.index or 0))
+    return float(tensor.sum().to("cpu")), None
 
 
-def open_and_hold(name: str, device: int, handle: Any, queue: Any, release: Any) -> None:
-    """Open a handle on `device`, do a little work there, and hold it until told to exit."""
-
-    def work(platform: torchhal.Platform) -> tuple[float, Any]:
-        tensor = platform.ipc_support.open(handle, device)  # type: ignore[union-attr]
-        return float(tensor.sum().item()), tensor
-
-    _report_and_hold(name, device, queue, release, work)
+@worker
+def open_and_hold(platform: torchhal.Platform, device: int, handle: Any) -> tuple[Any, Any]:
+    """Open a handle on `device` and do a little work there; hold the tensor."""
+    tensor = platform.ipc_support.open(handle, device)  # type: ignore[union-attr]
+    return float(tensor.sum().item()), tensor
 
 
-def query_memory_and_hold(name: str, device: int, queue: Any, release: Any) -> None:
-    """Use one device: allocate, query memory_info(device) repeatedly, then hold."""
-
-    def work(platform: torchhal.Platform) -> tuple[float, Any]:
-        block = torch.ones(1 << 20, device=platform.device(device))
-        for _ in range(10):
-            platform.memory_info(device)
-        platform.synchronize(device)
-        return float(block[0].item()), block
-
-    _report_and_hold(name, device, queue, release, work)
+@worker
+def query_memory_and_hold(platform: torchhal.Platform, device: int) -> tuple[Any, Any]:
+    """Use one device: allocate, query memory_info(device) repeatedly; hold the block."""
+    block = torch.ones(1 << 20, device=platform.device(device))
+    for _ in range(10):
+        platform.memory_info(device)
+    platform.synchronize(device)
+    return float(block[0].item()), block
 
 
-def share_then_exit(name: str, device: int, queue: Any, release: Any) -> None:
-    """Producer that shares a tensor, waits until the consumer has it, then exits."""
-
-    def work(platform: torchhal.Platform) -> tuple[Any, Any]:
-        tensor = torch.arange(1024, dtype=torch.float32, device=platform.device(device))
-        platform.synchronize(device)
-        return platform.ipc_support.share(tensor), tensor  # type: ignore[union-attr]
-
-    _report_and_hold(name, device, queue, release, work)
+@worker
+def share_then_exit(platform: torchhal.Platform, device: int) -> tuple[Any, Any]:
+    """Producer: share a tensor and hold it until the consumer has it; exiting is the parent's test."""
+    tensor = torch.arange(1024, dtype=torch.float32, device=platform.device(device))
+    platform.synchronize(device)
+    return platform.ipc_support.share(tensor), tensor  # type: ignore[union-attr]
 
 
 #: dtypes every communicator reduces and gathers (the clause's values are exact in each).
@@ -144,7 +123,7 @@ def _join(name: str, rank: int, world: int, store_path: str, group_name: str, ti
     # The clauses judge the plugin's communicator itself: not with init_group's cross-rank check
     # (TORCH_DISTRIBUTED_DEBUG=DETAIL) in front of it, which would answer a dead peer for it.
     dist.set_debug_level(dist.DebugLevel.OFF)
-    return init_group(_platform(name), rank=rank, world_size=world, local_rank=rank,
+    return init_group(torchhal.get_platform(name), rank=rank, world_size=world, local_rank=rank,
                       store=dist.FileStore(store_path, world), name=group_name, timeout=timedelta(seconds=timeout_s))
 
 
@@ -258,19 +237,9 @@ def _captured_all_gather(platform: torchhal.Platform, comm: Any, rank: int, inde
 
 def _replayed(platform: torchhal.Platform, index: int, static: torch.Tensor,
               collective: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> list[Any]:
-    """`collective` (reading `static`) warmed up, then recorded in a device graph and replayed
+    """`collective` (reading `static`) captured in a device graph (`_helpers.capture`), replayed
     once per input copied into `static`; what the captured call returned, after each replay."""
-    support = platform.graph_support
-    assert support is not None
-    stream = platform.new_stream(index)
-    stream.wait_stream(platform.current_stream(index))
-    with platform.use_stream(stream):
-        collective()  # warm up (the backend's communicator) outside the graph
-    platform.current_stream(index).wait_stream(stream)
-    graph = support.graph_class()
-    with support.capture(graph, support.new_pool(), stream):
-        result = collective()  # a tensor the replays write (the graph's pool, or static itself)
-    platform.current_stream(index).wait_stream(stream)
+    graph, result = capture(platform, index, collective)  # a tensor the replays write (the graph's pool, or static)
     replays = []
     for value in inputs:
         static.copy_(value.to(static.device))
@@ -280,8 +249,7 @@ def _replayed(platform: torchhal.Platform, index: int, static: torch.Tensor,
     return replays
 
 
-def distributed_peer_dies(name: str, rank: int, world: int, store_path: str, queue: Any,
-                          elements: int = 1) -> None:
+def distributed_peer_dies(name: str, rank: int, world: int, store_path: str, elements: int, queue: Any) -> None:
     """Rank 1 exits mid-group. Rank 0 says it is about to call, then makes two float32 sums of
     `elements` and reads the result back as an engine reads its tokens (waiting through
     `DeviceGroup.wait_for`, bounded by the group's timeout), and reports how that ended, and
@@ -328,7 +296,7 @@ def distributed_peer_dies(name: str, rank: int, world: int, store_path: str, que
 
 def device_identity(name: str, index: int) -> str | None:
     """The physical identity (UUID) the device module reports for `index`, or None."""
-    module = plugin_under_test(_platform(name)).device_module()
+    module = plugin_under_test(torchhal.get_platform(name)).device_module()
     properties = getattr(module, "get_device_properties", None)
     uuid = getattr(properties(index), "uuid", None) if callable(properties) else None
     return None if uuid is None else str(uuid)
@@ -338,7 +306,7 @@ def rank_device_identity(name: str, rank: int, world: int, env: dict[str, str], 
     """Under `env` (a visible-devices list), the identity of the device rank `rank` maps to."""
     try:
         os.environ.update(env)
-        index = _platform(name).device_for_rank(rank, world)
+        index = torchhal.get_platform(name).device_for_rank(rank, world)
         queue.put(("ok", {"rank": rank, "index": index, "identity": device_identity(name, index)}))
     except BaseException as exc:
         queue.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))

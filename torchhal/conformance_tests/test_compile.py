@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchhal.platforms import CompileSupport, Platform
+from ._helpers import capture
 
 pytestmark = pytest.mark.conformance("compile")
 
@@ -25,12 +25,6 @@ ROWS = (1, 7, 64)
 #: Engines compile decoders in 16-bit floats; there an option that changes how intermediates
 #: are rounded shows.
 DTYPE = torch.bfloat16
-
-
-def declared(platform: Platform) -> CompileSupport:
-    support = platform.compile_support
-    assert isinstance(support, CompileSupport), f"compile_support() returned {support!r}, not a CompileSupport"
-    return support
 
 
 def layer(x: torch.Tensor, norm_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -66,7 +60,7 @@ def compare(label: str, got: torch.Tensor, want: torch.Tensor) -> None:
 
 def test_compile_options_are_result_neutral(platform, device_index):
     """Each row count: compiled with the options equals compiled without, bit for bit."""
-    support = declared(platform)
+    support = platform.compile_support  # the group runs only where it is declared
     device, dtype = platform.device(device_index), DTYPE
     plain, tuned = compiled(None), compiled(dict(support.inductor_options))
     for rows in ROWS:
@@ -79,22 +73,13 @@ def test_compile_options_are_result_neutral(platform, device_index):
 
 def test_compile_options_replay_from_a_graph(platform, device_index):
     """Capture the tuned function; write new inputs in place; replay: the plain function's bits."""
-    support = declared(platform)
-    graphs = platform.graph_support
-    if graphs is None:
+    support = platform.compile_support  # the group runs only where it is declared
+    if platform.graph_support is None:
         pytest.skip("undeclared: the platform declares no graph support")
     device, dtype = platform.device(device_index), DTYPE
     plain, tuned = compiled(None), compiled(dict(support.inductor_options))
     inputs = operands(1, dtype, device, seed=11)
-    stream = platform.new_stream(device_index)
-    stream.wait_stream(platform.current_stream(device_index))
-    with platform.use_stream(stream):
-        tuned(*inputs)  # compile and warm up outside the graph
-    platform.current_stream(device_index).wait_stream(stream)
-    graph = graphs.graph_class()
-    with graphs.capture(graph, graphs.new_pool(), stream):
-        out = tuned(*inputs)
-    platform.current_stream(device_index).wait_stream(stream)
+    graph, out = capture(platform, device_index, lambda: tuned(*inputs))
     for step in range(3):
         for static, fresh in zip(inputs, operands(1, dtype, device, seed=100 + step), strict=True):
             static.copy_(fresh)

@@ -15,9 +15,6 @@ from torchhal.platforms import (
     SPI_ATTRIBUTES,
     SPI_METHODS,
     Availability,
-    GraphSupport,
-    IpcEvents,
-    IpcSupport,
     PlatformPlugin,
     PluginContractError,
     PluginFailure,
@@ -38,7 +35,6 @@ def test_plugin_registers(registered):
         if f.plugin in (registered.plugin.name, registered.source) and f.stage != "detect"  # detection has its own test
     ]
     assert failures == [], "; ".join(map(str, failures))
-    assert isinstance(registered.plugin, PlatformPlugin)
 
 
 def test_spi_methods_present_with_signatures(registered):
@@ -132,7 +128,8 @@ def test_platform_names_are_unique(suite: SuiteState, request: pytest.FixtureReq
 
 def test_capability_records_have_the_right_types(platform):
     # Every fact the SPI types (graph, IPC, attention, linear, compile, distributed support, OOM
-    # types): a wrong answer would otherwise pass core and fail the first engine that reads it.
+    # types), read as engines read it: the platform refuses an answer of the wrong type, which
+    # would otherwise pass core and fail the first engine that reads it.
     refused = []
     for fact in PLATFORM_FACTS:
         try:
@@ -140,16 +137,4 @@ def test_capability_records_have_the_right_types(platform):
         except PluginContractError as exc:
             refused.append(str(exc))
     assert not refused, "; ".join(refused)
-    graphs, ipc = platform.graph_support, platform.ipc_support
-    assert graphs is None or isinstance(graphs, GraphSupport), (
-        f"graph_support() returned {graphs!r}, not a GraphSupport"
-    )
-    assert ipc is None or isinstance(ipc, IpcSupport), f"ipc_support() returned {ipc!r}, not an IpcSupport"
-    events = ipc.events if ipc is not None else None
-    assert events is None or (
-        isinstance(events, IpcEvents) and type(events.handle_nbytes) is int and 0 < events.handle_nbytes <= 256
-    ), f"IpcSupport.events is {events!r}; use None or an IpcEvents with handle_nbytes in 1..256"
-    types = platform.oom_error_types
-    assert types and all(isinstance(t, type) and issubclass(t, BaseException) for t in types), (
-        f"oom_error_types() returned {types!r}; return a non-empty tuple of exception classes"
-    )
+    assert platform.oom_error_types, "oom_error_types() returned (); name the exception types an OOM raises"

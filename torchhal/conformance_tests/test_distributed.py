@@ -1,16 +1,18 @@
 """distributed: the platform's ranks through `torchhal.distributed.init_group` (contract 7).
 
-Two ranks (one per device where the platform has more, up to 8) run every clause in one
-spawn and report each clause's outcome; each test below judges one clause, so a broken
+The ranks (one per device, at least two and at most eight: `world_size`) run every clause
+in one spawn and report each clause's outcome; each test below judges one clause, so a broken
 communicator fails exactly the clause its bug touches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import queue as queue_module
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -64,31 +66,54 @@ def skip_without_the_backend(platform: Platform) -> None:
                     "(distributed::test_the_declared_dist_backend_is_available says why)")
 
 
-def world_size(platform) -> int:
-    if platform.device_count() >= 2:
-        return min(platform.device_count(), 8)
-    if platform.device_type == "cpu":
-        return 2  # ranks share the host
-    pytest.skip("not applicable: device collectives need two devices (one rank per device)")
+def world_size(platform: Platform) -> int:
+    """The clauses' ranks: one per device, at least two and at most eight. Where that is more ranks
+    than devices, the platform's own `device_for_rank` decides whether they can share its devices,
+    as it decides for `init_group`: a refusal makes the clauses not applicable. Callers take
+    `device_index` first, so the runtime has started and its device count is this process's."""
+    count = platform.device_count()
+    world = max(2, min(count, 8))
+    if world <= count:
+        return world
+    with pytest.MonkeyPatch.context() as env:
+        # The suite's ranks share this process's environment: no launcher has given each rank a
+        # device of its own through a visible-devices variable, so the platform is asked without one.
+        for var in platform.visible_devices_env:
+            env.delenv(var, raising=False)
+        try:
+            for rank in range(world):
+                platform.device_for_rank(rank, world)
+        except ValueError as exc:
+            pytest.skip(f"not applicable: {world} ranks on {count} device(s), which device_for_rank refuses: {exc}")
+    return world
 
 
-def run_ranks(platform, target, world: int, *args: Any, timeout: float = 300) -> list[dict[str, Any]]:
+@contextlib.contextmanager
+def spawned_ranks(platform, target, world: int, *args: Any, grace_s: float = 30) -> Iterator[tuple[Any, list[Any]]]:
+    """`target(platform name, rank, world, *args, queue)` for each rank, each in a spawned process;
+    yields (queue, processes); a rank still running `grace_s` after the block is killed."""
     ctx = spawn_context()
     queue = ctx.Queue()
     procs = [ctx.Process(target=target, args=(platform.name, r, world, *args, queue)) for r in range(world)]
     for proc in procs:
         proc.start()
     try:
-        results = [receive(queue, "distributed rank", timeout) for _ in procs]
+        yield queue, procs
     finally:
         for proc in procs:
-            if wait_exit(proc, 30) is None:
+            if wait_exit(proc, grace_s) is None:
                 proc.kill()
+                wait_exit(proc, 30)
+
+
+def run_ranks(platform, target, world: int, *args: Any, timeout: float = 300) -> list[dict[str, Any]]:
+    with spawned_ranks(platform, target, world, *args) as (queue, procs):
+        results = [receive(queue, "distributed rank", timeout) for _ in procs]
     return sorted(results, key=lambda r: r["rank"])
 
 
 @pytest.fixture(scope="module")
-def ranks(platform, tmp_path_factory) -> tuple[int, list[dict[str, Any]]]:
+def ranks(platform, device_index, tmp_path_factory) -> tuple[int, list[dict[str, Any]]]:
     from ._workers import distributed_clauses
 
     skip_without_the_backend(platform)
@@ -206,7 +231,7 @@ DEAD_PEER_PROBES = {"one_element": 1, "decode_row": 4096}
 
 
 @pytest.mark.parametrize("probe", list(DEAD_PEER_PROBES))
-def test_a_rank_that_dies_stops_the_others_within_a_bound(platform, tmp_path, measure, probe):
+def test_a_rank_that_dies_stops_the_others_within_a_bound(platform, device_index, tmp_path, measure, probe):
     """A peer that exits never leaves a rank hanging or computing on a wrong sum: the rank's
     collective raises CollectiveError, or (a backend whose collectives run asynchronously on
     the device, as NCCL's under torch's default error handling) the backend ends the rank's
@@ -215,23 +240,10 @@ def test_a_rank_that_dies_stops_the_others_within_a_bound(platform, tmp_path, me
 
     skip_without_the_backend(platform)
     world_size(platform)  # skips where two ranks cannot run
-    world = 2
-    ctx = spawn_context()
-    queue = ctx.Queue()
-    store = str(tmp_path / "store")
-    procs = [ctx.Process(target=distributed_peer_dies,
-                         args=(platform.name, r, world, store, queue, DEAD_PEER_PROBES[probe]))
-             for r in range(world)]
-    for proc in procs:
-        proc.start()
-    try:
+    with spawned_ranks(platform, distributed_peer_dies, 2, str(tmp_path / "store"), DEAD_PEER_PROBES[probe],
+                       grace_s=0) as (queue, procs):
         receive(queue, "surviving rank (joining the group)", timeout=180)  # it is about to call
         survivor, exitcode = _report_or_exit(queue, procs[0], DEAD_PEER_BOUND_S)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            wait_exit(proc, 30)
     if survivor is None and exitcode is None:
         pytest.fail(f"the surviving rank neither raised CollectiveError nor ended within {DEAD_PEER_BOUND_S:.0f} s "
                     "of its collective (group timeout 10 s): a dead peer hangs the ranks left")

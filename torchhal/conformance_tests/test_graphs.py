@@ -5,31 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ._helpers import fill_cache, spies
+from ._helpers import capture, fill_cache, spies
 
 pytestmark = pytest.mark.conformance("graphs")
 
 
-def _capture(platform, device_index, graph, pool, fn):
-    support = platform.graph_support
-    stream = platform.new_stream(device_index)
-    stream.wait_stream(platform.current_stream(device_index))
-    with platform.use_stream(stream):
-        fn()  # warm up outside the graph, on the capture stream
-    platform.current_stream(device_index).wait_stream(stream)
-    with support.capture(graph, pool, stream):
-        out = fn()
-    platform.current_stream(device_index).wait_stream(stream)
-    return out
-
-
 def test_capture_and_replay_with_new_inputs(platform, device_index):
-    support = platform.graph_support
     device = platform.device(device_index)
     static_in = torch.randn(256, 256, device=device)
     weight = torch.randn(256, 256, device=device)
-    graph = support.graph_class()
-    static_out = _capture(platform, device_index, graph, support.new_pool(), lambda: torch.relu(static_in @ weight) + 1)
+    graph, static_out = capture(platform, device_index, lambda: torch.relu(static_in @ weight) + 1)
     for _ in range(3):
         fresh = torch.randn(256, 256, device=device)
         static_in.copy_(fresh)
@@ -39,13 +24,11 @@ def test_capture_and_replay_with_new_inputs(platform, device_index):
 
 
 def test_two_graphs_share_one_pool(platform, device_index):
-    support = platform.graph_support
     device = platform.device(device_index)
-    pool = support.new_pool()
+    pool = platform.graph_support.new_pool()
     x = torch.randn(1024, device=device)
-    g1, g2 = support.graph_class(), support.graph_class()
-    out1 = _capture(platform, device_index, g1, pool, lambda: x * 2)
-    out2 = _capture(platform, device_index, g2, pool, lambda: x + 3)
+    g1, out1 = capture(platform, device_index, lambda: x * 2, pool)
+    g2, out2 = capture(platform, device_index, lambda: x + 3, pool)
     x.copy_(torch.arange(1024, dtype=torch.float32, device=device))
     g1.replay()
     g2.replay()
@@ -55,13 +38,11 @@ def test_two_graphs_share_one_pool(platform, device_index):
 
 
 def test_capture_keeps_the_cache(platform, device_index, measure):
-    support = platform.graph_support
-    device = platform.device(device_index)
     fill_cache(platform, device_index)
     before = platform.memory_info(device_index).reserved
-    x = torch.randn(1024, device=device)
+    x = torch.randn(1024, device=platform.device(device_index))
     with spies(platform, ("empty_cache",)) as calls:
-        _capture(platform, device_index, support.graph_class(), support.new_pool(), lambda: x * 2)
+        capture(platform, device_index, lambda: x * 2)
     after = platform.memory_info(device_index).reserved
     measure.update(reserved_before=before, reserved_after=after)
     assert calls == [], f"capture called {calls}"
@@ -79,6 +60,6 @@ def test_capturing_flag(platform, device_index):
         return x * 2
 
     assert support.is_capturing() is False
-    _capture(platform, device_index, support.graph_class(), support.new_pool(), work)
+    capture(platform, device_index, work)
     assert seen == [False, True]
     assert support.is_capturing() is False

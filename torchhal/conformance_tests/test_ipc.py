@@ -3,17 +3,35 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from torchhal.platforms import IpcHandleError
 
-from ._helpers import MiB, receive, spawn_context, wait_exit
+from ._helpers import Spawned, memory_taken
 
 pytestmark = pytest.mark.conformance("ipc")
 
 PLAIN = (int, bytes, str, bool)
+
+
+def not_refused(calls: dict[str, Callable[[], object]]) -> list[str]:
+    """Each call that does not raise IpcHandleError, and what it did instead: an error that is not
+    IpcHandleError is a crash, not a clear refusal."""
+    problems = []
+    for label, call in calls.items():
+        try:
+            call()
+        except IpcHandleError:
+            continue
+        except Exception as exc:
+            problems.append(f"{label}: raised {type(exc).__name__}: {exc} instead of IpcHandleError")
+            continue
+        problems.append(f"{label}: accepted")
+    return problems
 
 
 def consumer_device(platform, device_index):
@@ -44,14 +62,10 @@ def test_round_trip_across_processes(platform, device_index, measure):
     handles = [platform.ipc_support.share(t) for t in tensors]
     platform.synchronize(device_index)
     consumer = consumer_device(platform, device_index)
-    ctx = spawn_context()
-    q = ctx.Queue()
     from ._workers import open_handles
 
-    proc = ctx.Process(target=open_handles, args=(platform.name, consumer, handles, q))
-    proc.start()
-    results = receive(q, "IPC consumer")
-    wait_exit(proc)
+    with Spawned(open_handles, platform.name, consumer, handles) as spawned:
+        results = spawned.answer("IPC consumer")
     measure["consumer_device"] = consumer
     for tensor, got in zip(tensors, results, strict=True):
         assert got["device_type"] == platform.device_type
@@ -64,25 +78,14 @@ def test_no_context_on_the_producer_device(platform, device_index, measure):
         pytest.skip("not applicable: one device, so producer and consumer share it")
     if not platform.ipc_support.peer_redirect:
         pytest.skip("undeclared: the platform does not declare peer-redirected opens")
+    from ._workers import open_and_hold
+
     tensor = torch.ones(1 << 20, device=platform.device(device_index))
     handle = platform.ipc_support.share(tensor)
     platform.synchronize(device_index)
-    baseline = platform.memory_info(device_index).free
-    ctx = spawn_context()
-    q, release = ctx.Queue(), ctx.Event()
-    from ._workers import open_and_hold
-
     consumer = consumer_device(platform, device_index)
-    proc = ctx.Process(target=open_and_hold, args=(platform.name, consumer, handle, q, release))
-    proc.start()
-    try:
-        total = receive(q, "IPC consumer")
-        during = platform.memory_info(device_index).free
-    finally:
-        release.set()
-        wait_exit(proc)
+    total, lost_mib = memory_taken(platform, device_index, open_and_hold, platform.name, consumer, handle)
     assert total == float(1 << 20)
-    lost_mib = (baseline - during) / MiB
     measure["producer_device_mib_used_by_consumer"] = lost_mib
     assert lost_mib < 64, f"the consumer created {lost_mib:.0f} MiB on the producer's device"
 
@@ -98,32 +101,19 @@ def test_malformed_handles_are_rejected(platform, device_index):
         "misaligned offset": dataclasses.replace(good, offset_bytes=1),
         "stride/shape mismatch": dataclasses.replace(good, stride=(1,)),
     }
-    accepted = []
-    for label, handle in bad_handles.items():
-        try:
-            platform.ipc_support.open(handle, device_index)
-        except IpcHandleError:
-            continue
-        except Exception as exc:  # a crash-like error is not a clear rejection
-            accepted.append(f"{label}: raised {type(exc).__name__}: {exc} instead of IpcHandleError")
-            continue
-        accepted.append(f"{label}: accepted")
-    assert accepted == []
+    open_handle = platform.ipc_support.open
+    assert not_refused({label: functools.partial(open_handle, handle, device_index)
+                        for label, handle in bad_handles.items()}) == []
 
 
 def test_producer_exit_does_not_crash_the_consumer(platform, device_index):
-    ctx = spawn_context()
-    q, release = ctx.Queue(), ctx.Event()
     from ._workers import share_then_exit
 
-    producer = ctx.Process(target=share_then_exit, args=(platform.name, device_index, q, release))
-    producer.start()
-    handle = receive(q, "IPC producer")
-    opened = platform.ipc_support.open(handle, device_index)
-    copy = opened.clone()
-    platform.synchronize(device_index)
-    release.set()
-    assert wait_exit(producer) == 0
+    with Spawned(share_then_exit, platform.name, device_index) as producer:
+        opened = platform.ipc_support.open(producer.answer("IPC producer"), device_index)
+        copy = opened.clone()
+        platform.synchronize(device_index)
+        assert producer.finish() == 0
     # The consumer keeps working: its own copy is intact and new device work runs.
     assert float(copy.sum().to("cpu")) == float(sum(range(1024)))
     assert float((torch.ones(16, device=platform.device(device_index)) * 2).sum().to("cpu")) == 32.0
@@ -143,22 +133,10 @@ def test_interprocess_event_handles_are_plain_bytes_and_checked(platform, device
     event.record(platform.current_stream(device_index))
     handle = events.export(event)
     assert isinstance(handle, bytes) and len(handle) == events.handle_nbytes
-    bad = {
-        "short": handle[:-1],
-        "long": handle + b"\0",
-        "not bytes": handle.hex(),
-        "device past the last": handle,
-    }
-    refused = []
-    for label, value in bad.items():
-        consumer = platform.device_count() if label == "device past the last" else device_index
-        try:
-            events.open(value, device_index, consumer)
-        except IpcHandleError:
-            refused.append(label)
-        except Exception as exc:  # a crash-like error is not a clear rejection
-            refused.append(f"{label}: raised {type(exc).__name__} instead of IpcHandleError")
-    assert refused == list(bad)
+    bad = {"short": handle[:-1], "long": handle + b"\0", "not bytes": handle.hex()}
+    opens = {label: functools.partial(events.open, value, device_index, device_index) for label, value in bad.items()}
+    opens["device past the last"] = functools.partial(events.open, handle, device_index, platform.device_count())
+    assert not_refused(opens) == []
     event.synchronize()
 
 
@@ -171,15 +149,9 @@ def test_a_consumer_stream_waits_on_the_producer_event_across_processes(platform
     event = events.new(device_index)
     event.record(platform.current_stream(device_index))
     consumer = consumer_device(platform, device_index)
-    ctx = spawn_context()
-    q = ctx.Queue()
     from ._workers import wait_event_then_read
 
-    proc = ctx.Process(
-        target=wait_event_then_read, args=(platform.name, device_index, consumer, handle, events.export(event), q)
-    )
-    proc.start()
-    total = receive(q, "IPC event consumer")
-    wait_exit(proc)
+    with Spawned(wait_event_then_read, platform.name, consumer, device_index, handle, events.export(event)) as spawned:
+        total = spawned.answer("IPC event consumer")
     measure["consumer_device"] = consumer
     assert total == 3.0 * (1 << 20)

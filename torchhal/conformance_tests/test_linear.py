@@ -10,10 +10,12 @@ in every declared dtype. The reference is float64 on the host, so it needs nothi
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from torchhal.platforms import LinearSupport, Platform
+from ._helpers import capture
 
 pytestmark = pytest.mark.conformance("linear")
 
@@ -33,12 +35,6 @@ SHAPES = {
 #: reference), relative to sum_k |x_k w_nk| + |b_n|: summing in float32 in any order stays far
 #: inside it; summing in the 16-bit dtype, or leaving terms out, does not.
 ACCUMULATION = 2.0**-14
-
-
-def declared(platform: Platform) -> LinearSupport:
-    support = platform.linear_support
-    assert isinstance(support, LinearSupport), f"linear_support() returned {support!r}, not a LinearSupport"
-    return support
 
 
 def row_counts(max_rows: int) -> list[int]:
@@ -79,7 +75,7 @@ def check_numbers(label: str, got: torch.Tensor, x: torch.Tensor, w: torch.Tenso
 @pytest.mark.parametrize("shape", SHAPES)
 def test_linear_matches_f_linear(platform, device_index, shape):
     """Every row count, both with and without a bias, in every declared dtype; the inputs untouched."""
-    support = declared(platform)
+    support = platform.linear_support  # the group runs only where it is declared
     device = platform.device(device_index)
     n, k = SHAPES[shape]
     for dtype in support.dtypes:
@@ -99,7 +95,7 @@ def test_linear_matches_f_linear(platform, device_index, shape):
 
 def test_linear_is_deterministic(platform, device_index):
     """The same call three times gives the same bits (no split-K with racing partial sums)."""
-    support = declared(platform)
+    support = platform.linear_support  # the group runs only where it is declared
     device = platform.device(device_index)
     for shape in ("down_like", "n24_k4101"):
         n, k = SHAPES[shape]
@@ -117,25 +113,16 @@ def test_linear_is_deterministic(platform, device_index):
 
 def test_linear_replays_from_a_graph(platform, device_index):
     """Capture one call; write new inputs in place; replay; the output follows them."""
-    support = declared(platform)
-    graphs = platform.graph_support
+    support = platform.linear_support  # the group runs only where it is declared
     if not support.graph_capture:
         pytest.skip(f"undeclared: {support.name} does not declare graph_capture")
-    if graphs is None:
+    if platform.graph_support is None:
         pytest.skip("undeclared: the platform declares no graph support")
     device = platform.device(device_index)
     n, k = SHAPES["n100_k300"]
     for dtype in support.dtypes:
         x, w, b = operands(n, k, support.max_rows, dtype, True, device, seed=3)
-        stream = platform.new_stream(device_index)
-        stream.wait_stream(platform.current_stream(device_index))
-        with platform.use_stream(stream):
-            support.kernel(x, w, b)  # compile and warm up outside the graph
-        platform.current_stream(device_index).wait_stream(stream)
-        graph = graphs.graph_class()
-        with graphs.capture(graph, graphs.new_pool(), stream):
-            out = support.kernel(x, w, b)
-        platform.current_stream(device_index).wait_stream(stream)
+        graph, out = capture(platform, device_index, functools.partial(support.kernel, x, w, b))
         for step in range(3):
             fresh_x, fresh_w, fresh_b = operands(n, k, support.max_rows, dtype, True, device, seed=100 + step)
             assert fresh_b is not None and b is not None

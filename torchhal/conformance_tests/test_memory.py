@@ -2,36 +2,27 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
 import torch
 
-from torchhal.platforms import MemoryInfo, ReleasePoint
+from torchhal.platforms import ReleasePoint
 
-from ._helpers import MiB, fill_cache, receive, spawn_context, spies, wait_exit
+from ._helpers import MiB, fill_cache, memory_taken, spies
 
 pytestmark = pytest.mark.conformance("memory")
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def test_memory_info_fields(platform, device_index):
+    # The platform refuses an answer that is not a MemoryInfo, and the record a field that is not
+    # an int of bytes, where it is made: what is left to check is how the fields relate.
     mem = platform.memory_info(device_index)
-    assert isinstance(mem, MemoryInfo), f"memory_info returned {type(mem).__name__}, not MemoryInfo"
-    wrong = [
-        f"{name}={getattr(mem, name)!r} ({type(getattr(mem, name)).__name__})"
-        for name in ("device", "free", "total", "reserved", "allocated")
-        if not _is_int(getattr(mem, name)) and not (name in ("reserved", "allocated") and getattr(mem, name) is None)
-    ]
-    assert wrong == [], f"MemoryInfo fields must be int bytes (reserved/allocated may be None): {', '.join(wrong)}"
-    assert isinstance(mem.estimated, bool), f"MemoryInfo.estimated={mem.estimated!r} must be a bool"
-    assert mem.device == device_index
-    assert 0 <= mem.free <= mem.total and mem.total > 0
+    assert mem.device == device_index, f"memory_info({device_index}) describes device {mem.device}"
+    assert 0 <= mem.free <= mem.total and mem.total > 0, f"free {mem.free} and total {mem.total} do not fit"
     if mem.reserved is not None and mem.allocated is not None:
-        assert 0 <= mem.allocated <= mem.reserved
+        assert mem.allocated <= mem.reserved, f"allocated {mem.allocated} is above reserved {mem.reserved}"
 
 
 def test_allocating_and_freeing_moves_the_counters(platform, device_index, measure):
@@ -87,30 +78,14 @@ def test_memory_info_does_not_synchronize(platform, device_index, measure):
 
 
 def test_memory_info_creates_no_context_on_another_device(platform, device_index, measure):
+    from ._workers import query_memory_and_hold
+
     if platform.device_count() < 2:
         pytest.skip("not applicable: one device, so no other device to protect")
     other = 1 if device_index == 0 else 0
-    platform.memory_info(other)  # our own context on `other`, before the baseline
-    ctx = spawn_context()
-    q, release = ctx.Queue(), ctx.Event()
-    baseline = platform.memory_info(other).free
-    proc = ctx.Process(target=_query_worker(), args=(platform.name, device_index, q, release))
-    proc.start()
-    try:
-        receive(q, "memory_info worker")
-        during = platform.memory_info(other).free
-    finally:
-        release.set()
-        wait_exit(proc)
-    lost_mib = (baseline - during) / MiB
+    _, lost_mib = memory_taken(platform, other, query_memory_and_hold, platform.name, device_index)
     measure["other_device_mib_used_by_worker"] = lost_mib
     assert lost_mib < 64, f"a process using device {device_index} took {lost_mib:.0f} MiB on device {other}"
-
-
-def _query_worker():
-    from ._workers import query_memory_and_hold
-
-    return query_memory_and_hold
 
 
 def test_empty_cache_releases_down_to_allocated(platform, device_index, measure):
@@ -141,12 +116,31 @@ def test_empty_cache_releases_down_to_allocated(platform, device_index, measure)
         assert released == before.reserved - after.reserved
 
 
+#: memory_info is meant for hot paths: its cheapest call may cost this many floors, the floor being a
+#: fixed piece of host work (about 9 us on a 2-core server, where the limit is then about a millisecond).
+COST_LIMIT_FLOORS = 100
+COST_ROUNDS = 300
+
+
+def floor_work() -> None:
+    sum(range(1000))
+
+
 def test_memory_info_cost(platform, device_index, measure):
-    calls = 2000
-    platform.memory_info(device_index)
-    start = time.perf_counter()
-    for _ in range(calls):
-        platform.memory_info(device_index)
-    per_call_us = (time.perf_counter() - start) / calls * 1e6
-    measure["memory_info_us_per_call"] = per_call_us
-    assert per_call_us < 1000, "memory_info is meant for hot paths: keep it well under a millisecond"
+    """The query and the floor are timed in turn, in this process, and each is judged by its
+    cheapest call: a busy machine preempts some calls, which the cheapest leaves out, and slows
+    both alike, so the verdict does not depend on how busy the machine is."""
+    calls = {"query": lambda: platform.memory_info(device_index), "floor": floor_work}
+    cheapest = dict.fromkeys(calls, math.inf)
+    for _ in range(COST_ROUNDS):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            cheapest[name] = min(cheapest[name], time.perf_counter() - start)
+    floors = cheapest["query"] / cheapest["floor"]
+    measure.update(memory_info_us_per_call=cheapest["query"] * 1e6, floor_us=cheapest["floor"] * 1e6, floors=floors)
+    assert floors <= COST_LIMIT_FLOORS, (
+        f"memory_info took {cheapest['query'] * 1e6:.0f} us at its cheapest, {floors:.0f} times a fixed piece of "
+        f"host work timed alongside it ({cheapest['floor'] * 1e6:.1f} us); it is meant for hot paths: keep it "
+        f"under {COST_LIMIT_FLOORS} times"
+    )

@@ -2,21 +2,21 @@
 
 Memory comes from the OS, capped by the process's memory cgroup (a container's
 limit, see `host_memory`); there is no caching allocator, so `empty_cache` is
-a no-op that reports nothing released. IPC uses torch's shared-memory CPU
+a no-op that reports nothing released. Device, stream and event calls go to
+`torch.cpu` through the SPI's defaults. IPC uses torch's shared-memory CPU
 storages (file-descriptor-free 'filename' handles, which are plain data).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import re
 import stat
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -33,7 +33,7 @@ from torchhal.platforms import (
     hookimpl,
 )
 from torchhal.platforms.ipc import describe, tensor_from_storage, validate_handle
-from torchhal.plugins.host_memory import host_memory
+from torchhal.plugins.host_memory import HostMemory
 
 _SHM_DIR = "/dev/shm"
 
@@ -57,32 +57,24 @@ class CpuPlatform(PlatformPlugin):
     def current_device(self) -> int:
         return 0
 
-    def set_device(self, index: int) -> None:
-        if index != 0:
-            raise ValueError(f"the CPU platform has one device, 0; got {index}")
-
-    def synchronize(self, index: int) -> None:
-        return None
-
     def device_for_rank(self, local_rank: int, local_world_size: int) -> int:
         return 0  # every rank's tensors live in host memory: the one CPU device
 
     def device_info(self, index: int) -> DeviceInfo:
         import platform as host
 
-        return DeviceInfo(
-            index=index,
-            name=host.processor() or host.machine(),
-            total_memory=host_memory()[1],
-            capability=None,
-            extra={"cores": str(os.cpu_count() or 0)},
-        )
+        return DeviceInfo(index=index, name=host.processor() or host.machine(), total_memory=self._host_memory.total,
+                          extra={"cores": str(os.cpu_count() or 0)})
 
     def runtime_version(self) -> str | None:
         return f"torch {torch.__version__}"
 
+    @functools.cached_property
+    def _host_memory(self) -> HostMemory:
+        return HostMemory()  # the cgroup levels found at the first query; each query reads only their usage
+
     def memory_info(self, index: int) -> MemoryInfo:
-        free, total = host_memory()
+        free, total = self._host_memory()
         return MemoryInfo(device=index, free=free, total=total)
 
     def empty_cache(self, index: int) -> int | None:
@@ -110,17 +102,7 @@ class CpuPlatform(PlatformPlugin):
         return False  # one device: there is no peer
 
     def new_stream(self, index: int) -> Any:
-        return torch.cpu.Stream()
-
-    def current_stream(self, index: int) -> Any:
-        return torch.cpu.current_stream()
-
-    @contextlib.contextmanager
-    def use_stream(self, stream: Any) -> Iterator[None]:
-        yield  # the CPU runs everything in order
-
-    def new_event(self) -> Any:
-        return _CpuEvent()
+        return torch.cpu.Stream()  # torch.cpu.Stream takes no device
 
     def virtual_memory_support(self) -> VirtualMemorySupport | None:
         """The reference: anonymous host pages given back with madvise(MADV_DONTNEED) (Linux)."""
@@ -141,38 +123,13 @@ class CpuPlatform(PlatformPlugin):
         )
 
 
-class _CpuEvent:
-    """Event for in-order host execution: recording and waiting are no-ops."""
-
-    def record(self, stream: Any = None) -> None:
-        return None
-
-    def wait(self, stream: Any = None) -> None:
-        return None
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-
 def _share(platform: str, tensor: torch.Tensor) -> IpcHandle:
     if tensor.device.type != "cpu":
         raise ValueError(f"the {platform} platform shares CPU tensors; got one on {tensor.device}")
-    storage = tensor.untyped_storage()
-    manager, name, size = storage._share_filename_cpu_()
+    manager, name, size = tensor.untyped_storage()._share_filename_cpu_()
     dtype, shape, stride, offset = describe(tensor)
-    return IpcHandle(
-        platform=platform,
-        device=0,
-        storage=(bytes(manager), bytes(name)),
-        storage_nbytes=int(size),
-        dtype=dtype,
-        shape=shape,
-        stride=stride,
-        offset_bytes=offset,
-    )
+    return IpcHandle(platform=platform, device=0, storage=(bytes(manager), bytes(name)), storage_nbytes=int(size),
+                     dtype=dtype, shape=shape, stride=stride, offset_bytes=offset)
 
 
 #: torch's process-wide shared-memory names and its shared-memory manager's socket.
@@ -182,46 +139,26 @@ _UNIX_PATH_MAX = 107  # sockaddr_un.sun_path, less the terminating NUL
 _REFCOUNT_BYTES = 64  # torch's shared storages carry a refcount header after the data
 
 
-def _checked_object(path: str, kind: str, is_type: Callable[[int], bool]) -> os.stat_result:
-    """Stat without following a symlink: this user's own object of the expected type."""
+def _is_torch_storage(storage: object) -> TypeGuard[tuple[bytes, bytes]]:
+    """(manager socket path, shared-memory name) as torch's own file_system strategy names them."""
+    if not (isinstance(storage, tuple) and len(storage) == 2 and all(isinstance(x, bytes) for x in storage)):
+        return False
+    manager, name = storage
+    return len(manager) <= _UNIX_PATH_MAX and bool(_MANAGER_SOCKET.fullmatch(manager) and _SHM_NAME.fullmatch(name))
+
+
+def _owned(path: str, kind: str, is_type: Callable[[int], bool]) -> os.stat_result:
+    """Stat without following a symlink: this user's own object of the expected type, with one link."""
     try:
         info = os.lstat(path)
-    except FileNotFoundError:
-        raise IpcHandleError(f"shared {kind} {path!r} no longer exists: its producer freed it or exited") from None
     except OSError as exc:
-        raise IpcHandleError(f"shared {kind} {path!r} cannot be inspected: {exc}") from exc
-    if not is_type(info.st_mode) or info.st_uid != os.geteuid():
-        raise IpcHandleError(f"{path!r} is not a {kind} of this user (a symlink or another user's object)")
+        gone = isinstance(exc, FileNotFoundError)
+        raise IpcHandleError(f"shared {kind} {path!r} " + ("no longer exists: its producer freed it or exited"
+                                                           if gone else f"cannot be inspected: {exc}")) from None
+    if not is_type(info.st_mode) or info.st_uid != os.geteuid() or info.st_nlink != 1:
+        raise IpcHandleError(f"{path!r} is not a {kind} of this user with one link (a symlink, a hard link or "
+                             "another user's object)")
     return info
-
-
-def _shm_size(name: bytes) -> int:
-    """Size of the shared-memory object, read from the OS (not from the handle), after
-    checking its name, type and owner: only torch's own shared-memory files qualify."""
-    if not _SHM_NAME.fullmatch(name):
-        raise IpcHandleError(f"shared-memory name {name!r} is not a plain /torch_<pid>_<n>_<n> name")
-    path = _SHM_DIR + name.decode("ascii")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise IpcHandleError(f"shared memory {path!r} no longer exists: its producer freed it or exited") from None
-    except OSError as exc:
-        raise IpcHandleError(f"shared memory {path!r} cannot be opened safely: {exc}") from exc
-    try:
-        info = os.fstat(fd)
-    finally:
-        os.close(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_nlink != 1:
-        raise IpcHandleError(f"shared memory {path!r} is not a regular file of this user with one link")
-    return max(info.st_size - _REFCOUNT_BYTES, 0)
-
-
-def _check_manager(manager: bytes) -> None:
-    """The manager handle is a socket path the native open connects to: only torch's own
-    manager sockets (pattern, length, a socket owned by this user) are accepted."""
-    if len(manager) > _UNIX_PATH_MAX or not _MANAGER_SOCKET.fullmatch(manager):
-        raise IpcHandleError(f"shared-memory manager {manager[:128]!r} is not a torch manager socket path")
-    _checked_object(manager.decode("ascii"), "manager socket", stat.S_ISSOCK)
 
 
 def _open(platform: str, handle: IpcHandle, device: int) -> torch.Tensor:
@@ -232,13 +169,14 @@ def _open(platform: str, handle: IpcHandle, device: int) -> torch.Tensor:
             f"{platform} IPC opens {platform} handles of device 0 on device 0; got {handle.platform!r} device "
             f"{handle.device!r} onto {device!r}"
         )
-    if (not isinstance(handle.storage, tuple) or len(handle.storage) != 2
-            or not all(isinstance(x, bytes) for x in handle.storage)):
-        raise IpcHandleError(f"CPU IPC handle storage must be (manager, name) bytes; got {handle.storage!r:.200}")
+    if not _is_torch_storage(handle.storage):
+        raise IpcHandleError(f"CPU IPC handle storage {handle.storage!r:.200} is not torch's (manager socket path, "
+                             "/torch_<pid>_<n>_<n> shared-memory name) pair of bytes")
     manager, name = handle.storage
-    assert isinstance(manager, bytes) and isinstance(name, bytes)
-    dtype = validate_handle(handle, storage_nbytes=_shm_size(name))
-    _check_manager(manager)
+    # Sizes come from the OS, not from the handle: only this user's own torch objects qualify.
+    shm = _owned(_SHM_DIR + name.decode("ascii"), "memory", stat.S_ISREG)
+    dtype = validate_handle(handle, storage_nbytes=max(shm.st_size - _REFCOUNT_BYTES, 0))
+    _owned(manager.decode("ascii"), "manager socket", stat.S_ISSOCK)
     try:
         # Maps at most the file's real size (checked above), so nothing grows /dev/shm.
         storage = torch.UntypedStorage._new_shared_filename_cpu(manager, name, handle.storage_nbytes)
