@@ -206,7 +206,8 @@ def main() -> None:
     config, dtype = (TINY, torch.float32) if args.tiny else (LLAMA31_8B, torch.bfloat16)
     model = build_model(config, dtype, device)
     nbytes = weight_bytes(model)
-    SAVED_WEIGHTS.update({name: p.detach().clone().cpu() for name, p in model.named_parameters()})
+    # The trainer's weights, on the device (a co-located trainer sends device tensors).
+    SAVED_WEIGHTS.update({name: p.detach().clone() for name, p in model.named_parameters()})
     graphs = (DecodeGraphConfig(emulate=not on_gpu) if args.buckets == "default" else
               DecodeGraphConfig(batch_buckets=tuple(int(b) for b in args.buckets.split(",")), emulate=not on_gpu))
     extra: dict[str, Any] = {}

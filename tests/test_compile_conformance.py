@@ -9,9 +9,8 @@ import json
 
 import pytest
 
-from torchhal.core.engine.engine import platform_compile_options
-from torchhal.core.model import ModelConfig
-from torchhal.core.model.decoder import LayerMath
+from torchhal.core.engine import EngineConfig
+from torchhal.core.engine.construction import compile_choice
 from torchhal.platforms import CompileSupport
 
 from .conftest import conformance_group_results, entry_point_distribution, run_cli, suite_summary
@@ -63,27 +62,37 @@ def test_a_malformed_record_names_the_bad_option(options, says):
         CompileSupport(inductor_options=options)
 
 
+class Compiles:
+    """A model whose `compile_layers` takes the platform's options."""
+
+    def compile_layers(self, backend, options=None):
+        pass
+
+
+class TakesNoOptions:
+    def compile_layers(self, backend):
+        pass
+
+
 def test_the_engine_passes_options_only_to_inductor_and_a_model_that_takes_them():
     support = CompileSupport({"triton.enable_pdl": True}, note="pdl")
-
-    def takes(backend, options=None):
-        pass
-
-    def old_style(backend):
-        pass
-
-    assert platform_compile_options(takes, "inductor", support) == ({"triton.enable_pdl": True}, "pdl")
-    assert platform_compile_options(takes, "inductor", None)[0] is None
-    options, why = platform_compile_options(takes, "aot_eager", support)
-    assert options is None and "'aot_eager'" in why
-    options, why = platform_compile_options(old_style, "inductor", support)
+    inductor, aot = EngineConfig(compile_layers="inductor"), EngineConfig(compile_layers="aot_eager")
+    assert compile_choice(inductor, Compiles(), support) == ("inductor", {"triton.enable_pdl": True}, "pdl")
+    assert compile_choice(inductor, Compiles(), None)[1] is None
+    backend, options, why = compile_choice(aot, Compiles(), support)
+    assert (backend, options) == ("aot_eager", None) and "'aot_eager'" in why
+    backend, options, why = compile_choice(inductor, TakesNoOptions(), support)
     assert options is None and "takes no options" in why
 
 
-def test_a_non_inductor_backend_refuses_options():
-    math = LayerMath(ModelConfig())
-    with pytest.raises(ValueError, match="are inductor settings, but the backend is 'aot_eager'"):
-        math.compile("aot_eager", {"triton.enable_pdl": True})
+def test_by_default_the_engine_compiles_with_inductor_where_the_platform_declares_compile_support():
+    support = CompileSupport({"triton.enable_pdl": True}, note="pdl")
+    assert compile_choice(EngineConfig(), Compiles(), support)[:2] == ("inductor", {"triton.enable_pdl": True})
+    backend, _, why = compile_choice(EngineConfig(), Compiles(), None)  # the CPU platform: no compile
+    assert backend is None and "declares no compile support" in why
+    backend, _, why = compile_choice(EngineConfig(), object(), support)
+    assert backend is None and "has no compile_layers" in why
+    assert compile_choice(EngineConfig(compile_layers=None), Compiles(), support)[0] is None  # the way off
 
 
 def test_info_shows_the_options_or_inductors_defaults(plugin_path):

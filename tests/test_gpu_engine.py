@@ -151,7 +151,7 @@ def test_weight_update_while_asleep_survives_wake_with_graphs():
 
 
 def test_a_failed_step_with_graphs_rolls_back_and_continues_unchanged(monkeypatch):
-    config = EngineConfig(max_kv_slots=4096)
+    config = EngineConfig(max_kv_slots=4096, decode_graphs=None)  # every step on the prefill graphs' runner
     reference = GenerationEngine(config).generate(PROMPTS, 8)
     engine = GenerationEngine(config, runner_factory=graph_factory())
     rids = [engine.add_request(p, 8) for p in PROMPTS]

@@ -9,7 +9,8 @@ Each test belongs to one capability group; see docs/conformance.md.
 """
 
 SUITE_VERSION = "1.0.0"
-GROUPS = ("contract", "device", "memory", "graphs", "ipc", "distributed", "attention", "linear", "compile")
+GROUPS = ("contract", "device", "memory", "graphs", "ipc", "distributed", "attention", "linear", "compile",
+          "virtual_memory")
 PROFILES = {
     "core": ("contract", "device", "memory"),
     "full": GROUPS,

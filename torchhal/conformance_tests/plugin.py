@@ -55,6 +55,8 @@ DECLARED = {
     "attention": ("attention_support", "the platform declares no attention backend (the reference serves it)"),
     "linear": ("linear_support", "the platform declares no linear kernel (F.linear serves it)"),
     "compile": ("compile_support", "the platform asks for no inductor options"),
+    "virtual_memory": ("virtual_memory_support", "the platform declares no virtual memory (engines sleep by host "
+                                                 "offload)"),
 }
 VERDICT_TESTCASE = "torchhal_conformance::verdict"
 

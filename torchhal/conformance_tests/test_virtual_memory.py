@@ -2,7 +2,8 @@
 (contract 10).
 
 A release gives the region's physical memory back (the device's free memory, as the
-non-emptying `memory_info` sees it, rises by what the release returns); a restore maps memory
+non-emptying `memory_info` sees it, rises by what the release returns: at least half of it, the
+best of eight cycles, so another process allocating meanwhile does not decide the verdict); a restore maps memory
 again under the same addresses; a backup comes back bit for bit, and what is written into it
 while released comes back too; a graph whose memory lives in a region, captured before a
 release, replays correctly after the restore; a hundred cycles leak nothing.
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ pytestmark = pytest.mark.conformance("virtual_memory")
 
 MiB = 1 << 20
 SIZE = 64 * MiB  # far above any allocation granularity, small for any device
+RELEASED = 256 * MiB  # what the free-memory clause releases: well above what the OS's counters drift by
 TAG = "conformance"
 
 
@@ -32,7 +35,14 @@ def regions(platform: Any, device_index: int) -> Iterator[Any]:
 
 
 def _free(platform: Any, device_index: int) -> int:
-    return int(platform.memory_info(device_index).free)
+    """The device's free memory; where the device's memory is the host's (the platform reports no
+    allocator of its own: `reserved` is None), what this process does not hold of it. A host's
+    free memory moves with every process on it, and a virtual machine's can lag the pages given
+    back by seconds; the memory a process stops holding it gives back at once."""
+    info = platform.memory_info(device_index)
+    if info.reserved is None:
+        return int(info.total) - psutil.Process().memory_info().rss
+    return int(info.free)
 
 
 def _filled(platform: Any, device_index: int, tensor: torch.Tensor) -> torch.Tensor:
@@ -44,10 +54,10 @@ def _filled(platform: Any, device_index: int, tensor: torch.Tensor) -> torch.Ten
 
 
 def _best_rise(platform: Any, device_index: int, release: Callable[[], int], restore: Callable[[], int],
-               tries: int = 3) -> tuple[int, int]:
+               tries: int = 8) -> tuple[int, int]:
     """The bytes a release returns and the largest rise of free memory it was seen to cause, over
     `tries` release/restore cycles: another process allocating meanwhile lowers one reading, not
-    every one."""
+    every one (a host's free memory moves with every process on it)."""
     released, rises = 0, []
     for _ in range(tries):
         before = _free(platform, device_index)
@@ -58,7 +68,7 @@ def _best_rise(platform: Any, device_index: int, release: Callable[[], int], res
 
 
 def test_a_release_gives_the_memory_back_under_kept_addresses(platform, device_index, regions, measure):
-    tensor = _filled(platform, device_index, regions.allocate(TAG, SIZE))
+    tensor = _filled(platform, device_index, regions.allocate(TAG, RELEASED))
     address = tensor.data_ptr()
 
     def restore_and_touch() -> int:  # pages not written since the restore may not be memory yet
@@ -69,11 +79,11 @@ def test_a_release_gives_the_memory_back_under_kept_addresses(platform, device_i
     released, rise = _best_rise(platform, device_index, lambda: regions.release(TAG, backup=False),
                                 restore_and_touch)
     measure.update(released_bytes=released, free_memory_rise_bytes=rise)
-    assert released >= SIZE, f"release returned {released} bytes for a region of {SIZE}"
-    assert rise >= 0.9 * released, (
-        f"releasing {released} bytes raised the device's free memory by {rise} bytes (best of 3): the physical "
+    assert released >= RELEASED, f"release returned {released} bytes for a region of {RELEASED}"
+    assert rise >= released // 2, (  # a release gives back about all of it, a non-release none
+        f"releasing {released} bytes raised the device's free memory by {rise} bytes (best of 8): the physical "
         "memory did not go back to the device")
-    assert tensor.data_ptr() == address and regions.region_bytes(TAG) >= SIZE, "the region moved on restore"
+    assert tensor.data_ptr() == address and regions.region_bytes(TAG) >= RELEASED, "the region moved on restore"
     tensor.fill_(7)  # usable where it was
     platform.synchronize(device_index)
     assert bool((tensor == 7).all())
@@ -81,7 +91,7 @@ def test_a_release_gives_the_memory_back_under_kept_addresses(platform, device_i
 
 def test_a_backup_comes_back_bit_for_bit_and_takes_what_was_written_while_released(platform, device_index, regions):
     tensor = _filled(platform, device_index, regions.allocate(TAG, SIZE))
-    address, expected = tensor.data_ptr(), tensor.cpu()
+    address, expected = tensor.data_ptr(), tensor.to("cpu", copy=True)  # a copy on the host too
     regions.release(TAG, backup=True)
     assert regions.released(TAG)
     backup = regions.host_copy(tensor[: 1 << 20])
@@ -112,7 +122,7 @@ def test_a_graph_on_region_memory_replays_after_the_restore(platform, device_ind
     with support.capture(graph, pool if pool is not None else support.new_pool(), stream):
         out = torch.relu(data @ data) + 1
     platform.synchronize(device_index)
-    expected = (torch.relu(data @ data) + 1).cpu()
+    expected = (torch.relu(data @ data) + 1).to("cpu", copy=True)
     graph_bytes = regions.region_bytes("conformance_graphs")
     regions.release(TAG, backup=True)
     released, rise = 0, 0
@@ -121,7 +131,7 @@ def test_a_graph_on_region_memory_replays_after_the_restore(platform, device_ind
         released = regions.release("conformance_graphs", backup=False)
         rise = _free(platform, device_index) - before
         assert released >= graph_bytes > 0, f"the graph's region held {graph_bytes} bytes, {released} were released"
-        assert rise >= 0.9 * released, f"releasing the graph's {released} bytes raised free memory by {rise}"
+        assert rise >= released // 2, f"releasing the graph's {released} bytes raised free memory by {rise}"
         regions.restore("conformance_graphs")
     regions.restore(TAG)
     measure.update(graph_region_bytes=graph_bytes, graph_free_memory_rise_bytes=rise)
@@ -133,7 +143,7 @@ def test_a_graph_on_region_memory_replays_after_the_restore(platform, device_ind
 
 def test_a_hundred_cycles_leak_nothing(platform, device_index, regions, measure):
     tensor = _filled(platform, device_index, regions.allocate(TAG, SIZE))
-    expected, held = tensor[:: 4096].cpu(), regions.region_bytes(TAG)
+    expected, held = tensor[:: 4096].to("cpu", copy=True), regions.region_bytes(TAG)
     before = _free(platform, device_index)
     for cycle in range(100):
         regions.release(TAG, backup=cycle % 2 == 0)  # the backup is made once and reused

@@ -110,7 +110,7 @@ class CpuPlatform(PlatformPlugin):
             return None
         from torchhal.plugins.virtual_memory import HostDriver, Regions
 
-        return VirtualMemorySupport(lambda index: Regions(HostDriver(), self.pin_memory), graph_memory=False,
+        return VirtualMemorySupport(lambda index: Regions(HostDriver(), _host_bytes), graph_memory=False,
                                     note="host pages: mmap, madvise(MADV_DONTNEED)")
 
     def ipc_support(self) -> IpcSupport | None:
@@ -183,6 +183,10 @@ def _open(platform: str, handle: IpcHandle, device: int) -> torch.Tensor:
         return tensor_from_storage(storage, handle, dtype)
     except Exception as exc:  # e.g. the object vanished between the check and the open
         raise IpcHandleError(f"CPU IPC open of {name!r} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _host_bytes(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 @hookimpl

@@ -163,7 +163,8 @@ class CudaPlatform(AcceleratorPlatform):
 
         def new_regions(index: int) -> Regions:
             driver = VmmDriver("libcuda.so.1", "cu", torch.device("cuda", index), lambda: torch.cuda.synchronize(index))
-            return Regions(driver, self.pin_memory, graph_pools=cuda_graph_pool)
+            return Regions(driver, lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
+                           graph_pools=cuda_graph_pool)
 
         return VirtualMemorySupport(
             new_regions, graph_memory=True,

@@ -77,13 +77,14 @@ class _Region:
 
 
 class Regions:
-    """`MemoryRegions` of one device. `pin` page-locks the host backups (the platform's
-    `pin_memory`); `graph_pools(regions, tag)` makes a graph pool whose segments come from
-    `allocate_segment`: (its handle for capture, the pool); None: graph memory cannot live in a region."""
+    """`MemoryRegions` of one device. `host_buffer(nbytes)` makes a backup's host memory
+    (page-locked, for copies at the link's speed); `graph_pools(regions, tag)` makes a graph
+    pool whose segments come from `allocate_segment`: (its handle for capture, the pool); None:
+    graph memory cannot live in a region."""
 
-    def __init__(self, driver: Driver, pin: Callable[[torch.Tensor], torch.Tensor],
+    def __init__(self, driver: Driver, host_buffer: Callable[[int], torch.Tensor],
                  graph_pools: Callable[[Regions, str], tuple[Any, Any]] | None = None) -> None:
-        self.driver, self.pin, self._graph_pools = driver, pin, graph_pools
+        self.driver, self.host_buffer, self._graph_pools = driver, host_buffer, graph_pools
         self._regions: dict[str, _Region] = {}
         self._pools: dict[str, Any] = {}
 
@@ -140,7 +141,7 @@ class Regions:
         if backup:
             for allocation in allocations:
                 if allocation.backup is None:
-                    allocation.backup = self.pin(torch.empty(allocation.mapping.size, dtype=torch.uint8))
+                    allocation.backup = self.host_buffer(allocation.mapping.size)
                 allocation.backup.copy_(self._view(allocation), non_blocking=True)
             self.driver.synchronize()
         released = 0
@@ -159,22 +160,22 @@ class Regions:
             return 0
         allocations = region.live()
         try:
-            for allocation in allocations:
+            for allocation in allocations:  # each copy runs on the device while the next is mapped
                 self._map(allocation.mapping)
+                if allocation.backed_up:
+                    assert allocation.backup is not None
+                    self._view(allocation).copy_(allocation.backup, non_blocking=True)
+                elif not self.driver.zero_filled:
+                    self._view(allocation).zero_()
+            self.driver.synchronize()
         except BaseException:  # out of memory part-way: the region stays released, whole
+            self.driver.synchronize()  # no copy may still write what is unmapped
             for allocation in allocations:
                 mapping = allocation.mapping
                 if mapping.handle is not None:
                     self.driver.unmap(mapping.va, mapping.size, mapping.handle)
                     mapping.handle = None
             raise
-        for allocation in allocations:
-            if allocation.backed_up:
-                assert allocation.backup is not None
-                self._view(allocation).copy_(allocation.backup, non_blocking=True)
-            elif not self.driver.zero_filled:
-                self._view(allocation).zero_()
-        self.driver.synchronize()
         region.released = False
         return sum(a.mapping.size for a in allocations)
 
