@@ -60,9 +60,9 @@ def test_one_row_decode_runs_the_gemv_with_graph_and_eager_tokens_equal():
     assert event["kernel"] == "triton-gemv", event
     graphs = engine.decode_runner
     assert graphs is not None and graphs.graphs_enabled
-    engine.decode_runner = None
+    engine.executor.decode = None
     eager = run(engine)
-    engine.decode_runner = graphs
+    engine.executor.decode = graphs
     assert run(engine) == eager
     assert graphs.steps >= 10
     torch._dynamo.reset()
