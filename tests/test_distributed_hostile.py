@@ -236,7 +236,7 @@ class LockedWorker:
     (rank_number, (torch.ones(2, 2), (n for n in range(3))),
      "args cannot be sent .* \\(TypeError: cannot pickle 'generator' object"),
     # a bound method carries its object: here the target is what cannot be sent, not the empty args
-    (LockedWorker().run, (), "target <bound method LockedWorker.run of .*> cannot be sent .* \\(TypeError: cannot "
+    (LockedWorker().run, (), "target <bound method LockedWorker.run of .* cannot be sent .* \\(TypeError: cannot "
                              "pickle '_thread.lock' object"),
     # an object's own __reduce__ may raise anything, not only pickling's errors
     (rank_number, (RefusesCopies(),), "args cannot be sent .* \\(RuntimeError: this handle is bound to its process"),
