@@ -319,8 +319,8 @@ def _make_group(platform: Platform, placement: RankPlacement, index: int, store:
         if outcome is not None and not isinstance(outcome, RuntimeError):  # not torch's: raised as it was
             raise outcome
         if outcome is None:
-            reason = f"{where} did not answer (a listener that accepts and never answers: another program on " \
-                     "that port, or a stopped rank 0)"
+            reason = f"no answer from {where} (a peer that never came, or a listener that accepts and never " \
+                     "answers: another program on that port, a stopped rank 0)"
         elif "address already in use" in str(outcome).lower():
             reason = f"{where} is taken by another process: a second process with RANK=0, or another program"
         else:
