@@ -374,27 +374,35 @@ def test_more_than_one_rank_without_a_rendezvous_names_the_variables(monkeypatch
         init_group(_cpu(), rank=0, world_size=2)
 
 
-def test_a_registered_vendor_backend_is_the_one_new_backend_uses(monkeypatch):
-    """A backend registered the way torch_npu registers hccl (and the extended signature)."""
+def test_a_registered_vendor_backend_is_the_one_a_group_is_made_on(monkeypatch):
+    """A backend registered the way torch_npu registers hccl (and the extended signature): torch's
+    group construction calls its creator with the group's rank, size and timeout."""
     import torch.distributed as dist
 
-    from torchhal.distributed.group import RankPlacement, _new_backend
+    from torchhal.distributed import init_group
 
+    for attr in ("_plugins", "backend_type_map", "backend_capability"):
+        monkeypatch.setattr(dist.Backend, attr, dict(getattr(dist.Backend, attr)))
+    monkeypatch.setattr(dist.Backend, "backend_list", list(dist.Backend.backend_list))
     made: list[tuple[Any, ...]] = []
-    monkeypatch.setattr(dist.Backend, "_plugins", dict(dist.Backend._plugins))
-    dist.Backend.register_backend("fakeccl", lambda store, rank, size, timeout: made.append(
-        ("plain", store, rank, size, timeout)) or "fake backend", devices=["cpu"])
-    dist.Backend.register_backend("fakeext", lambda opts, pg_options: made.append(
-        ("extended", opts.group_rank, opts.group_size, opts.timeout, opts.group_id)) or "ext backend",
-        extended_api=True, devices=["cpu"])
-    store = dist.HashStore()
-    placement = RankPlacement(1, 2, 1, 2)
-    assert _new_backend("fakeccl", store, placement, timedelta(seconds=7), "g") == "fake backend"
-    assert made[-1] == ("plain", store, 1, 2, timedelta(seconds=7))
-    assert _new_backend("fakeext", store, placement, timedelta(seconds=7), "g") == "ext backend"
-    assert made[-1] == ("extended", 1, 2, timedelta(seconds=7), "g")
-    with pytest.raises(ValueError, match="backend 'nosuchccl' is not available"):
-        _new_backend("nosuchccl", store, placement, timedelta(seconds=7), "g")
+
+    def plain(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+        made.append(("plain", rank, size, timeout))
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    def extended(opts: Any, pg_options: Any) -> Any:
+        made.append(("extended", opts.group_rank, opts.group_size, opts.timeout))
+        return dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+
+    cpu = _cpu()
+    for name, creator, extended_api in (("fakeccl", plain, False), ("fakeext", extended, True)):
+        monkeypatch.setattr(dist.Backend, name.upper(), name, raising=False)
+        dist.Backend.register_backend(name, creator, extended_api=extended_api, devices=["cpu"])
+        monkeypatch.setattr(cpu, "dist_backend", name)
+        group = init_group(cpu, rank=0, world_size=1, name=name, timeout=timedelta(seconds=7))
+        assert group.comm.all_reduce(torch.ones(1)).item() == 1.0
+        group.close()
+    assert made == [("plain", 0, 1, timedelta(seconds=7)), ("extended", 0, 1, timedelta(seconds=7))]
 
 
 def test_a_single_rank_group_needs_no_rendezvous_and_its_collectives_are_identities(monkeypatch):

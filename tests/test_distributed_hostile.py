@@ -1,18 +1,19 @@
 """Hostile input to torchhal.distributed: a bad argument to `launch` or `init_group` is refused
-in one line naming it, before anything starts (no rank spawned, no device set, no default
-group name taken), and what used to hang (launch under torchrun, a group made again under a
-closed one's name) works.
+in one line naming it, before anything starts (no rank started, no device set, no default
+group name taken); what cannot be refused up front (a port that never answers, a script the
+ranks cannot run, two processes claiming one rank, ranks that disagree on a collective) fails
+within the group's timeout, naming the cause, and no process outlives `launch`.
 
-Most tests refuse before spawning, and ranks of a group are threads of this process over a
-HashStore; only a few tests start processes (and the scripts run as __main__ start them)."""
+Most tests refuse before starting anything; a group of one rank runs on threads of this
+process; the two-rank scenarios run once each under `launch` (module-scoped fixtures)."""
 
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.context
-import multiprocessing.util
+import http.server
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,18 +27,21 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.utils.distributed import get_free_port as free_port
 
 import torchhal
 import torchhal.distributed.group as group_module
-from torchhal.distributed import RankPlacement, WrappedCommunicator, init_group, launch
+from tests.test_launch import assert_gone
+from torchhal.distributed import CollectiveError, LaunchError, RankPlacement, init_group, launch
 from torchhal.platforms import DistributedSupport, Platform
 from torchhal.platforms.testing import patched_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+launch_module = sys.modules["torchhal.distributed.launch"]  # the package's `launch` is the function
 
 
-# -- targets (run in spawned ranks) ----------------------------------------------------------
+# -- targets (run in the ranks) --------------------------------------------------------------
 def group_sum_and_torchelastic_variables(timeout_s: float) -> tuple[float, list[str]]:
     group = init_group(timeout=timedelta(seconds=timeout_s))
     try:
@@ -72,14 +76,23 @@ def rank_number() -> int:
     return int(os.environ["RANK"])
 
 
+def start_a_sleeper_then(pid_dir: str, then: str) -> int:
+    """Start a process of this rank's own, write its pid, then return or hang."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    Path(pid_dir, f"{os.environ['RANK']}.sleeper").write_text(str(sleeper.pid))
+    if then == "hang":
+        time.sleep(120)
+    return sleeper.pid
+
+
 # -- fixtures --------------------------------------------------------------------------------
 @pytest.fixture
 def no_spawn(monkeypatch: pytest.MonkeyPatch) -> None:
     """A refusal must come before any rank starts: starting one fails the test."""
-    def refuse(self: Any) -> None:
-        raise AssertionError(f"{self.name} was spawned before the bad argument was refused")
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a rank was started before the bad argument was refused")
 
-    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", refuse)
+    monkeypatch.setattr(launch_module, "get_subprocess_handler", refuse)
 
 
 @pytest.fixture
@@ -95,6 +108,23 @@ def cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[Platform]:
 
     with patched_plugin(platform, set_device=touched):
         yield platform
+
+
+def bounded(call: Callable[[], Any], seconds: float = 60) -> Any:
+    """`call()`'s result or the exception it raised, on a thread of its own; "hung" when it has
+    not returned within `seconds` (far past any timeout the tests give)."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return outcome[0] if outcome else "hung"
 
 
 def on_threads(world: int, body: Callable[[int], Any]) -> list[Any]:
@@ -120,17 +150,7 @@ def run_script(directory: Path, code: str) -> subprocess.CompletedProcess[str]:
     (directory / "script.py").write_text(code)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "script.py"], cwd=directory, env=env, capture_output=True, text=True,
-                          timeout=120)
-
-
-def main_module(monkeypatch: pytest.MonkeyPatch, source: str, file: Path, spec: str | None = None) -> types.ModuleType:
-    """This process's __main__ replaced by `source`, run as the script `file` (or as module `spec`, python -m)."""
-    main = types.ModuleType("__main__")
-    main.__file__ = str(file)
-    main.__spec__ = None if spec is None else types.SimpleNamespace(name=spec)  # type: ignore[assignment]
-    exec(source, main.__dict__)
-    monkeypatch.setitem(sys.modules, "__main__", main)
-    return main
+                          timeout=180)
 
 
 # -- launch: refused before any rank starts --------------------------------------------------
@@ -165,12 +185,19 @@ def test_launch_refuses_env_a_rank_could_not_set_naming_the_variable(no_spawn, e
     assert str(caught.value).startswith(named)
 
 
+@pytest.mark.parametrize("value", ["bogus", "\u0131nfo"])  # dotless i: Python's upper() makes INFO of it, torch's not
+def test_launch_refuses_a_torch_distributed_debug_torch_does_not_take(no_spawn: None, value: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"env['TORCH_DISTRIBUTED_DEBUG'] = {value!r}: torch takes OFF, "
+                                                   "INFO or DETAIL")):
+        launch(rank_number, 2, env={"TORCH_DISTRIBUTED_DEBUG": value})
+
+
 @pytest.mark.parametrize("args, shown", [
     (5, "5 (int)"), ("ab", "'ab' (str)"), (b"ab", "b'ab' (bytes)"), (None, "None (NoneType)"),
     ({"a": 1}, "{'a': 1} (dict)"),
 ])
 def test_launch_refuses_args_that_are_not_a_tuple_or_list(no_spawn: None, args: Any, shown: str) -> None:
-    # 5 was a bare TypeError from the spawning loop; "ab" ran target('a', 'b').
+    # "ab" would run target('a', 'b').
     with pytest.raises(ValueError) as caught:
         launch(rank_number, 2, args)
     message = str(caught.value)
@@ -180,6 +207,13 @@ def test_launch_refuses_args_that_are_not_a_tuple_or_list(no_spawn: None, args: 
 
 def module_level_lambda() -> Callable[[], int]:
     return lambda: 1
+
+
+def nested_function() -> Callable[[], int]:
+    def nested() -> int:
+        return 1
+
+    return nested
 
 
 class RefusesCopies:
@@ -202,22 +236,17 @@ class LockedWorker:
     (rank_number, (torch.ones(2, 2), (n for n in range(3))),
      "args cannot be sent .* \\(TypeError: cannot pickle 'generator' object"),
     # a bound method carries its object: here the target is what cannot be sent, not the empty args
-    (LockedWorker().run, (), "target <bound method LockedWorker.run of .*> cannot be sent .* \\(TypeError: cannot "
+    (LockedWorker().run, (), "target <bound method LockedWorker.run of .* cannot be sent .* \\(TypeError: cannot "
                              "pickle '_thread.lock' object"),
     # an object's own __reduce__ may raise anything, not only pickling's errors
     (rank_number, (RefusesCopies(),), "args cannot be sent .* \\(RuntimeError: this handle is bound to its process"),
-], ids=["lambda", "lock", "generator", "bound-method", "own-reduce"])
-def test_launch_refuses_what_cannot_be_pickled_before_a_rank_exists(monkeypatch: pytest.MonkeyPatch, target: Any,
-                                                                   args: Any, error: str) -> None:
-    # Each failed with a pickling traceback that did not say which input was the cause.
-    spawn = multiprocessing.util.spawnv_passfds
-
-    def no_rank(path: bytes, args: list[Any], passfds: Any) -> int:  # the resource tracker may start
-        if any("spawn_main" in str(arg) for arg in args):
-            raise AssertionError("a rank process was created")
-        return spawn(path, args, passfds)
-
-    monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", no_rank)
+    # a function no rank can import by name: nested in another, or a lambda
+    (nested_function(), (), "target <function nested_function.<locals>.nested .*> cannot be sent .* "
+                            "\\(AttributeError: Can't pickle local object 'nested_function.<locals>.nested'"),
+    (module_level_lambda(), (), "target <function module_level_lambda.<locals>.<lambda> .*> cannot be sent"),
+], ids=["lambda", "lock", "generator", "bound-method", "own-reduce", "nested-target", "lambda-target"])
+def test_launch_refuses_what_cannot_be_pickled_before_a_rank_exists(no_spawn: None, target: Any, args: Any,
+                                                                   error: str) -> None:
     with pytest.raises(ValueError) as caught:
         launch(target, 2, args)
     message = str(caught.value)
@@ -226,14 +255,7 @@ def test_launch_refuses_what_cannot_be_pickled_before_a_rank_exists(monkeypatch:
                             "local functions, locks, open files or generators") and "\n" not in message
 
 
-def test_launch_refuses_a_target_no_rank_can_import(no_spawn):
-    def nested() -> int:
-        return 1
-
-    for target, named in [(nested, "nested"), (lambda: 1, "<lambda>")]:
-        with pytest.raises(ValueError, match=f"<locals>.{named} .*cannot be imported by name.*define it at the top "
-                                             "level of a module$"):
-            launch(target, 2)
+def test_launch_refuses_a_target_that_is_not_callable(no_spawn: None) -> None:
     with pytest.raises(ValueError, match="target = 'rank_number' must be a callable"):
         launch("rank_number", 2)  # type: ignore[arg-type]
 
@@ -262,52 +284,40 @@ def test_launch_from_stdin_names_why_instead_of_a_bare_exit_code():
     assert last.startswith("ValueError: target 'rank_fn' is defined in __main__"), ran.stderr[-2000:]
 
 
-def test_launch_from_stdin_refuses_even_a_module_target_before_any_rank_starts():
-    # Every rank re-ran __main__ from '<stdin>' and died before its log was opened: launch said only
-    # "rank 0 exited with code 1 before returning a result".
+# -- launch: what only a rank can find, named ------------------------------------------------
+def test_a_module_target_launches_from_a_program_read_from_stdin():
     script = ("from torchhal.distributed import launch\n"
               "from tests.test_distributed_hostile import rank_number\n"
-              "launch(rank_number, 2)\n")
-    ran = subprocess.run([sys.executable, "-"], input=script, cwd=ROOT, capture_output=True, text=True, timeout=60)
+              "print(launch(rank_number, 2, timeout=120))\n")
+    ran = subprocess.run([sys.executable, "-"], input=script, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert ran.returncode == 0 and ran.stdout.strip() == "[0, 1]", ran.stderr[-2000:]
+
+
+def test_launch_from_a_script_without_a_main_guard_names_the_cause(tmp_path: Path) -> None:
+    # Each rank runs the script again to import the target, and so calls launch again.
+    ran = run_script(tmp_path, "from torchhal.distributed import launch\n\n\ndef rank_fn() -> int:\n    return 1\n\n\n"
+                               "print(launch(rank_fn, 2, timeout=120))\n")
     assert ran.returncode != 0
-    last = ran.stderr.strip().splitlines()[-1]
-    assert last == ("ValueError: this program's __main__ has __file__ = '<stdin>', which is not a file, and every "
-                    "rank (a spawned process) runs __main__ again from it before it imports the target: run the "
-                    "program from a script file (python script.py) or as python -c, not from standard input"), \
-        ran.stderr[-2000:]
-    assert "spawn_main" not in ran.stderr, "a rank was started"
+    assert re.search(r"LaunchError: rank [01] failed running .*script\.py again as __mp_main__ .*: ValueError: "
+                     r"launch\(\) was called while a rank ran the launching script again as __mp_main__ .*: call "
+                     r"launch under `if __name__ == \"__main__\":`, which the ranks skip; stopped every rank",
+                     ran.stderr), ran.stderr[-3000:]
 
 
-def test_launch_refuses_a_target_defined_in_the_scripts_main_block(tmp_path: Path) -> None:
-    # The ranks import the script as __mp_main__, where the block does not run: each one failed
-    # with "Can't get attribute 'rank_fn' on <module '__mp_main__'>".
-    ran = run_script(tmp_path, """\
-import multiprocessing.context
-import multiprocessing.util
-
-from torchhal.distributed import launch
-
-
-def refuse(self):
-    raise SystemExit(f"{self.name} was spawned before the target was refused")
-
-
-if __name__ == "__main__":
-    def rank_fn() -> int:
-        return 1
-
-    multiprocessing.context.SpawnProcess.start = refuse
-    launch(rank_fn, 2)
-""")
+def test_a_target_defined_in_the_scripts_main_block_is_named_by_the_ranks(tmp_path: Path) -> None:
+    # The ranks import the script as __mp_main__, where the block does not run.
+    ran = run_script(tmp_path, 'from torchhal.distributed import launch\n\nif __name__ == "__main__":\n'
+                               '    def rank_fn() -> int:\n        return 1\n\n    launch(rank_fn, 2, timeout=120)\n')
     assert ran.returncode != 0
-    last = ran.stderr.strip().splitlines()[-1]
-    assert last == (f"ValueError: target 'rank_fn' is defined inside the `if __name__ == \"__main__\":` block of "
-                    f"{tmp_path / 'script.py'}, which the ranks do not run (they import the script as __mp_main__): "
-                    "define it at the top level of the script, outside that block"), ran.stderr[-2000:]
+    assert re.search(r"LaunchError: rank [01] could not import the target \(a function at the top level of a module "
+                     r"or of the script, outside its `if __name__ == \"__main__\":` block, which the ranks do not "
+                     r"run\): AttributeError: Can't get attribute 'rank_fn' on <module '__mp_main__'", ran.stderr), \
+        ran.stderr[-3000:]
 
 
 def test_a_target_at_the_top_level_of_a_script_run_as_main_still_launches(tmp_path: Path) -> None:
     ran = run_script(tmp_path, """\
+import http.server
 import os
 
 from torchhal.distributed import launch
@@ -331,62 +341,22 @@ if __name__ == "__main__":
     assert ran.stdout.strip() == "[10, 11] ['in a block']"
 
 
-MAIN_ONLY = 'if __name__ == "__main__":\n'
+# -- launch: no process outlives it ----------------------------------------------------------
+def test_a_process_a_rank_started_does_not_outlive_launch(tmp_path: Path) -> None:
+    [sleeper] = launch(start_a_sleeper_then, 1, (str(tmp_path), "return"), timeout=120)
+    assert_gone([sleeper], within=10.0, zombie_is_gone=True)
 
 
-@pytest.mark.parametrize("source", [
-    MAIN_ONLY + "    def rank_fn():\n        return 1\n",
-    MAIN_ONLY + "    for _ in range(1):\n        try:\n            def rank_fn():\n                return 1\n"
-                "        finally:\n            pass\n",
-    'if "__main__" == __name__:\n    def rank_fn():\n        return 1\n',
-    'if __name__ != "__main__":\n    pass\nelse:\n    def rank_fn():\n        return 1\n',
-    'try:\n    if __name__ == "__main__":\n        async def rank_fn():\n            return 1\nexcept Exception:\n'
-    '    pass\n',
-    MAIN_ONLY + "    class Ranks:\n        @staticmethod\n        def rank_fn():\n            return 1\n"
-                "    rank_fn = Ranks.rank_fn\n",
-], ids=["in the block", "nested in the block", "reversed", "else of !=", "inside try", "a method"])
-def test_launch_refuses_a_target_the_scripts_main_block_defines(no_spawn: None, monkeypatch: pytest.MonkeyPatch,
-                                                               tmp_path: Path, source: str) -> None:
-    (tmp_path / "script.py").write_text(source)
-    main = main_module(monkeypatch, source, tmp_path / "script.py")
-    with pytest.raises(ValueError, match=r"^target '(Ranks\.)?rank_fn' is defined inside the `if __name__ == "
-                                         r"\"__main__\":` block of .*script\.py, .*: define it at the top level of "
-                                         "the script, outside that block$"):
-        launch(main.rank_fn, 2)
+def test_a_process_a_hung_rank_started_does_not_outlive_launch(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError, match="did not finish within 10 s"):
+        launch(start_a_sleeper_then, 1, (str(tmp_path), "hang"), timeout=10, grace=1.0)
+    assert_gone([int((tmp_path / "0.sleeper").read_text())], within=10.0, zombie_is_gone=True)
 
 
-@pytest.mark.parametrize("source", [
-    "def rank_fn():\n    return 1\n",
-    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    pass\nelse:\n    def rank_fn():\n        return 1\n",
-    "try:\n    def rank_fn():\n        return 1\nexcept ImportError:\n    pass\n",
-    'def rank_fn():\n    return 1\nif __name__ == "__main__":\n    def rank_fn():\n        return 2\n',
-], ids=["top level", "else of TYPE_CHECKING", "inside try", "also at the top level"])
-def test_launch_takes_a_target_the_ranks_define_when_importing_the_script(
-        no_spawn: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, source: str) -> None:
-    (tmp_path / "script.py").write_text(source)
-    main = main_module(monkeypatch, source, tmp_path / "script.py")
-    with pytest.raises(AssertionError, match="was spawned"):  # past every check
-        launch(main.rank_fn, 1)
-
-
-@pytest.mark.parametrize("file_state", ["absent", "not python"])
-def test_launch_does_not_refuse_a_main_block_target_when_the_script_cannot_be_read(
-        no_spawn: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, file_state: str) -> None:
-    """No source to read (a module run by name whose file is gone, a compiled script): launch
-    cannot tell, so the ranks decide."""
-    file = tmp_path / "script.py"
-    if file_state == "not python":
-        file.write_bytes(b"\x00\x01compiled")
-    source = MAIN_ONLY + "    def rank_fn():\n        return 1\n"
-    main = main_module(monkeypatch, source, file, "tool" if file_state == "absent" else None)
-    with pytest.raises(AssertionError, match="was spawned"):
-        launch(main.rank_fn, 1)
-
-
-# -- launch: ranks that used to hang or overflow ----------------------------------------------
+# -- launch: ranks under torchrun, long deadlines, results -----------------------------------
 def test_ranks_launched_from_a_torchrun_worker_do_not_look_for_torchruns_store(monkeypatch):
-    # What torchrun puts in its workers' environment: ranks inheriting it waited for an agent
-    # store on launch's port and timed out.
+    # What torchrun puts in its workers' environment: a rank keeping it would wait for an agent
+    # store on launch's port.
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer")
     results = launch(group_sum_and_torchelastic_variables, 2, (5.0,), timeout=60, grace=1.0)
@@ -396,6 +366,12 @@ def test_ranks_launched_from_a_torchrun_worker_do_not_look_for_torchruns_store(m
 
 def test_a_long_finite_timeout_and_grace_are_waited_in_steps():
     assert launch(rank_number, 1, timeout=1e300, grace=1e300) == [0]
+
+
+def test_launch_returns_each_ranks_tensor() -> None:
+    """Results travel by value, so a tensor comes back after its rank has exited."""
+    results = launch(rank_tensor, 2, timeout=120)
+    assert [r.tolist() for r in results] == [[0.0, 1.0, 2.0], [10.0, 11.0, 12.0]]
 
 
 # -- init_group: refused before anything is touched -----------------------------------------
@@ -472,7 +448,7 @@ def test_a_sub_group_inside_a_larger_torchrun_job_keeps_the_workers_device(monke
 def test_a_default_named_group_smaller_than_the_job_it_meets_in_is_refused_naming_the_fix(cpu, monkeypatch,
                                                                                          rendezvous):
     """Data parallel x tensor parallel: two 2-rank groups of a 4-process job, both default-named
-    'group0' on the job's rendezvous, used to pair up in the order their ranks arrived, across
+    'group0' on the job's rendezvous, would pair up in the order their ranks arrive, across
     replicas, and sum the wrong ranks' tensors."""
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
@@ -495,8 +471,8 @@ def test_a_default_named_group_smaller_than_the_job_it_meets_in_is_refused_namin
 
 
 def test_groups_made_one_after_another_under_launch_all_form() -> None:
-    """Rank 0's env:// store used to go with the group that made it: rank 1, already in the next
-    group's rendezvous on rank 0's server, lost it there ("did not form ... Connection closed")."""
+    """Rank 0's env:// store is kept for the process's life: rank 1, already in the next group's
+    rendezvous on rank 0's server, would lose it with the group that made it."""
     assert launch(groups_one_after_another, 2, (3,), timeout=90) == [[3.0] * 3] * 2
 
 
@@ -555,8 +531,6 @@ def test_a_refused_or_failed_init_group_takes_no_default_name(monkeypatch):
         with pytest.raises((ValueError, TypeError)):
             call()
     # One that passes the checks and fails in the rendezvous: rank 1 finds no store on the port.
-    from torchhal.distributed.launch import free_port
-
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     with pytest.raises(Exception, match="127.0.0.1"):
@@ -568,11 +542,9 @@ def test_a_refused_or_failed_init_group_takes_no_default_name(monkeypatch):
 
 
 def test_a_store_whose_server_went_is_dropped_so_the_next_init_group_reaches_the_new_one(monkeypatch):
-    """env:// stores are kept for the process's life; when rank 0's went (rank 0 restarted on the
-    same address and port), the kept connection failed every later init_group of this process
-    ("Broken pipe"), so the advice to call init_group again could never work."""
-    from torchhal.distributed.launch import free_port
-
+    """env:// stores are kept for the process's life; when rank 0's goes (rank 0 restarted on the
+    same address and port), the kept connection is dropped with the group it failed, so the advice
+    to call init_group again works."""
     for var in (*RANK_VARIABLES, "TORCHELASTIC_USE_AGENT_STORE"):
         monkeypatch.delenv(var, raising=False)
     port = free_port()
@@ -581,70 +553,111 @@ def test_a_store_whose_server_went_is_dropped_so_the_next_init_group_reaches_the
     monkeypatch.setattr(group_module, "_env_stores", {})
     quick = timedelta(seconds=1)
     server = dist.TCPStore("127.0.0.1", port, 2, True, timeout=quick, wait_for_workers=False)
-    key = ("127.0.0.1", str(port), 1, 2)
-    with pytest.raises(Exception, match="did not form"):  # rank 0 never joins: only the store is reached
+    key = (os.getpid(), "127.0.0.1", str(port), 1, 2)
+    with pytest.raises(CollectiveError, match="did not form"):  # rank 0 never joins: only the store is reached
         init_group(torchhal.get_platform("cpu"), rank=1, world_size=2, timeout=quick)
     assert key in group_module._env_stores
     del server  # rank 0 goes, and comes back on the same port
     restarted = dist.TCPStore("127.0.0.1", port, 2, True, timeout=quick, wait_for_workers=False)
-    with pytest.raises(Exception, match="did not form"):
+    with pytest.raises(CollectiveError, match="did not form"):
         init_group(torchhal.get_platform("cpu"), rank=1, world_size=2, timeout=quick)
     assert key not in group_module._env_stores, "the dead connection was kept"
-    with pytest.raises(Exception, match="did not form"):
+    with pytest.raises(CollectiveError, match="did not form"):
         init_group(torchhal.get_platform("cpu"), rank=1, world_size=2, timeout=quick)
     group_module._env_stores[key].set("reached", "1")
     assert restarted.get("reached") == b"1"
 
 
-# -- init_group: a name used again on the same store -----------------------------------------
-@pytest.mark.parametrize("first_closed", [True, False], ids=["after close", "while open"])
-def test_a_group_made_again_under_its_name_on_the_same_store_works(first_closed):
-    store = dist.HashStore()
-    cpu = torchhal.get_platform("cpu")
+# -- init_group: a store that never answers --------------------------------------------------
+@pytest.fixture
+def deaf_port(request: pytest.FixtureRequest) -> Iterator[int]:
+    """A port whose listener accepts connections and never answers a store: a silent one, or an
+    HTTP server (a mistyped port), which waits for a request line the store never sends."""
+    if request.param == "http":
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        yield server.server_address[1]
+        server.shutdown()
+        server.server_close()
+        return
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    yield listener.getsockname()[1]
+    listener.close()
 
-    def rank_main(rank: int) -> list[float]:
-        def make() -> Any:
-            return init_group(cpu, rank=rank, world_size=2, local_rank=rank, store=store, name="tp",
-                              timeout=timedelta(seconds=5))
 
-        first = make()
-        sums = [first.comm.all_reduce(torch.tensor([rank + 1.0])).item()]
-        if first_closed:
-            first.close()
-        if rank == 1:
-            time.sleep(0.5)  # rank 0 makes its group first and must wait for this rank's new address
-        again = make()
-        sums.append(again.comm.all_reduce(torch.tensor([rank + 10.0])).item())
-        if not first_closed:
-            sums.append(first.comm.all_reduce(torch.tensor([rank + 100.0])).item())  # the first still works
-            first.close()
-        again.close()
-        return sums
+def env_rendezvous(monkeypatch: pytest.MonkeyPatch, port: int) -> None:
+    for var in (*RANK_VARIABLES, "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(group_module, "_env_stores", {})
 
-    expected = [3.0, 21.0] if first_closed else [3.0, 21.0, 201.0]
-    assert on_threads(2, rank_main) == [expected, expected]
+
+@pytest.mark.parametrize("deaf_port", ["silent", "http"], indirect=True)
+def test_a_rank_whose_store_never_answers_raises_within_the_groups_timeout_naming_the_address(
+        monkeypatch: pytest.MonkeyPatch, deaf_port: int) -> None:
+    """torch's store waits for an answer without bound; the group's timeout bounds it."""
+    env_rendezvous(monkeypatch, deaf_port)
+    error = bounded(lambda: init_group(torchhal.get_platform("cpu"), rank=1, world_size=2, local_rank=1, name="deaf",
+                                       timeout=timedelta(seconds=2)))
+    assert isinstance(error, CollectiveError), error
+    assert str(error).startswith("init_group: group 'deaf' did not form at rank 1 of 2 within 2 s: "), error
+    assert f"127.0.0.1:{deaf_port}" in str(error), error
+
+
+@pytest.mark.parametrize("deaf_port", ["silent"], indirect=True)
+def test_a_rank_0_whose_port_another_process_holds_is_told_so(monkeypatch: pytest.MonkeyPatch,
+                                                              deaf_port: int) -> None:
+    """Another process listens on MASTER_PORT: a second process with RANK=0, or another program."""
+    env_rendezvous(monkeypatch, deaf_port)
+    error = bounded(lambda: init_group(torchhal.get_platform("cpu"), rank=0, world_size=2, local_rank=0, name="taken",
+                                       timeout=timedelta(seconds=2)))
+    assert isinstance(error, CollectiveError), error
+    assert (f"rank 0's store at 127.0.0.1:{deaf_port} (MASTER_ADDR:MASTER_PORT) is taken by another process: a "
+            "second process with RANK=0, or another program") in str(error), error
+
+
+def test_a_rank_whose_rank_0_is_stopped_raises_within_the_groups_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import datetime, time, torch.distributed as dist; "
+         f"store = dist.TCPStore('127.0.0.1', {port}, 2, True, timeout=datetime.timedelta(seconds=60), "
+         "wait_for_workers=False); print('up', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None and server.stdout.readline() == "up\n"
+        os.kill(server.pid, signal.SIGSTOP)  # rank 0, stopped (a debugger, a job control mistake)
+        env_rendezvous(monkeypatch, port)
+        error = bounded(lambda: init_group(torchhal.get_platform("cpu"), rank=1, world_size=2, local_rank=1,
+                                           name="stopped", timeout=timedelta(seconds=2)))
+    finally:
+        server.kill()
+        server.wait()
+    assert isinstance(error, CollectiveError), error
+    assert str(error).startswith("init_group: group 'stopped' did not form at rank 1 of 2 within 2 s"), error
+    assert f"127.0.0.1:{port}" in str(error), error
 
 
 # -- init_group: default names under threads -------------------------------------------------
 def test_a_default_named_init_group_while_another_thread_is_in_one_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both read the same counter and built "group0" (sharing its store keys). Default names
-    follow call order, which threads do not have: the second is refused, the first works,
-    and the next default-named call gets the next name."""
+    """Default names follow call order, which threads do not have: the second is refused, the
+    first works, and the next default-named call gets the next name."""
     for var in (*RANK_VARIABLES, "TORCHELASTIC_USE_AGENT_STORE"):
         monkeypatch.delenv(var, raising=False)
     cpu = torchhal.get_platform("cpu")
     inside, release = threading.Event(), threading.Event()
-    real_attempt = group_module._attempt
-    store_names: list[str] = []
+    real_form = group_module._form
+    formed: list[str] = []
 
-    def slow_attempt(store: dist.Store, name: str, *args: Any) -> Any:
-        store_names.append(name)
+    def slow_form(backend: str, placement: Any, connect: Any, name: str, *args: Any) -> Any:
+        formed.append(name)
         if not inside.is_set():  # the first caller waits here, inside init_group, for the second's
             inside.set()
             release.wait(30)
-        return real_attempt(store, name, *args)
+        return real_form(backend, placement, connect, name, *args)
 
-    monkeypatch.setattr(group_module, "_attempt", slow_attempt)
+    monkeypatch.setattr(group_module, "_form", slow_form)
     made: list[Any] = []
     first = threading.Thread(target=lambda: made.append(init_group(cpu)), daemon=True)
     first.start()
@@ -665,7 +678,16 @@ def test_a_default_named_init_group_while_another_thread_is_in_one_is_refused(mo
     after = init_group(cpu)
     after.close()
     assert int(after.name.removeprefix("group")) == int(group.name.removeprefix("group")) + 1
-    assert store_names == [group.name, after.name]  # the refused call reached no store
+    assert formed == [group.name, after.name]  # the refused call formed nothing
+
+
+def inner_group_hook(cpu: Platform) -> DistributedSupport:
+    """A plugin's communicator hook that makes a default-named helper group of its own."""
+    def communicator(default: Any) -> Any:
+        init_group(cpu)
+        return default
+
+    return DistributedSupport(communicator=communicator)
 
 
 def test_a_default_named_init_group_inside_one_on_the_same_thread_is_refused_as_such(monkeypatch):
@@ -673,39 +695,31 @@ def test_a_default_named_init_group_inside_one_on_the_same_thread_is_refused_as_
     for var in (*RANK_VARIABLES, "TORCHELASTIC_USE_AGENT_STORE"):
         monkeypatch.delenv(var, raising=False)
     cpu = torchhal.get_platform("cpu")
-    real_attempt = group_module._attempt
-
-    def nested(*args: Any) -> Any:
+    with patched_plugin(cpu, distributed_support=lambda: inner_group_hook(cpu)), \
+            pytest.raises(ValueError, match="^name = None: init_group was called from inside a default-named "
+                                            "init_group on the same thread, which would take the outer group's name; "
+                                            "pass name= to the inner one$"):
         init_group(cpu)
-        return real_attempt(*args)
-
-    monkeypatch.setattr(group_module, "_attempt", nested)
-    with pytest.raises(ValueError, match="^name = None: init_group was called from inside a default-named init_group "
-                                         "on the same thread, which would take the outer group's name; pass name= to "
-                                         "the inner one$"):
-        init_group(cpu)
-    monkeypatch.setattr(group_module, "_attempt", real_attempt)
     group = init_group(cpu)  # the refusal left the naming free
     group.close()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_child_forked_inside_a_default_named_init_group_unwinds_with_its_own_error(monkeypatch):
-    # The child's init_group releases the lock it took, not the fresh one the fork gave it
-    # (releasing that raised "release unlocked lock" over the child's own error).
+    # The child's init_group frees no naming of its parent's.
     for var in (*RANK_VARIABLES, "TORCHELASTIC_USE_AGENT_STORE"):
         monkeypatch.delenv(var, raising=False)
-    real_attempt = group_module._attempt
+    cpu = torchhal.get_platform("cpu")
 
-    def forks(*args: Any) -> Any:
+    def forks(default: Any) -> Any:
         if os.fork() == 0:
             raise KeyError("the child's own error")  # the child unwinds through init_group
-        return real_attempt(*args)
+        return default
 
-    monkeypatch.setattr(group_module, "_attempt", forks)
     parent = os.getpid()
     try:
-        group = init_group(torchhal.get_platform("cpu"))
+        with patched_plugin(cpu, distributed_support=lambda: DistributedSupport(communicator=forks)):
+            group = init_group(cpu)
     except KeyError:
         os._exit(0 if os.getpid() != parent else 9)  # the child, its own error: as it should be
     except BaseException:
@@ -715,16 +729,23 @@ def test_a_child_forked_inside_a_default_named_init_group_unwinds_with_its_own_e
     group.close()
     _, status = os.wait()
     assert os.waitstatus_to_exitcode(status) == 0
+    assert os.getpid() not in group_module._naming
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_a_forked_child_can_make_a_default_named_group_while_the_parent_is_inside_one():
-    # The child inherited the lock held, with no thread left to release it: refused forever.
-    with group_module._default_naming:  # as if another thread were inside init_group
-        child = os.fork()
-        if child == 0:
-            os._exit(0 if group_module._default_naming.acquire(blocking=False) else 1)
-        _, status = os.waitpid(child, 0)
+def test_a_forked_child_can_make_a_default_named_group_while_the_parent_is_inside_one(monkeypatch):
+    for var in (*RANK_VARIABLES, "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(var, raising=False)
+    # as if another thread of this process were inside init_group
+    monkeypatch.setitem(group_module._naming, os.getpid(), (threading.get_ident() + 1, object()))
+    child = os.fork()
+    if child == 0:
+        try:
+            init_group(torchhal.get_platform("cpu")).close()
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
 
 
@@ -805,8 +826,8 @@ def test_a_ranks_own_bad_tensor_is_refused_before_any_peer_waits(tensor: Any, er
 ])
 def test_a_dtype_gloo_cannot_take_is_refused_naming_it_and_the_group_still_works(
         method: str, arguments: tuple[Any, ...], dtype: torch.dtype, call: str) -> None:
-    """Given alike by every rank, it used to fail in the backend once the ranks had met, as a
-    CollectiveError blaming a dead or diverged peer and saying the group could not be reused."""
+    """Given alike by every rank, it would fail in the backend once the ranks had met, as a
+    CollectiveError blaming a dead or diverged peer and saying the group cannot be reused."""
     store = dist.HashStore()
 
     def body(rank: int) -> list[Any]:
@@ -827,7 +848,7 @@ def test_a_dtype_gloo_cannot_take_is_refused_naming_it_and_the_group_still_works
 @pytest.mark.parametrize("tensor", [torch.ones(1).expand(4), torch.arange(5.0).unfold(0, 3, 1)],
                          ids=["expand", "unfold"])
 def test_a_tensor_whose_elements_share_memory_is_refused_where_a_result_is_written(tensor: torch.Tensor) -> None:
-    """The collective used to run with every peer, then fail writing back on this rank alone."""
+    """Refused before the collective, which would run with every peer, then fail writing back on this rank alone."""
     from torchhal.platforms.communicator import TorchCommunicator
 
     comm = TorchCommunicator(object(), 0, 2, torch.device("cpu"), name="lonely")  # no peer ever joins
@@ -845,7 +866,7 @@ def test_a_tensor_whose_elements_share_memory_is_refused_where_a_result_is_writt
 
 
 def test_ranks_and_dims_take_numpy_integers_and_refuse_bools() -> None:
-    """np.int64(0) used to be "not a rank of this group"; dim=True was taken as dim 1."""
+    """np.int64(0) is a rank of this group; dim=True is no dimension (not dim 1)."""
     import numpy as np
 
     from torchhal.platforms.communicator import TorchCommunicator
@@ -874,457 +895,193 @@ def test_ranks_and_dims_take_numpy_integers_and_refuse_bools() -> None:
     assert on_threads(2, body) == [[[1.0, 1.0], [[0.0, 1.0]]], [[1.0, 1.0], [[0.0, 1.0]], [5.0]]]
 
 
-def test_launch_returns_each_ranks_tensor() -> None:
-    """Results travel by value: a connection's own pickler would send a tensor through shared
-    memory that the launcher cannot open once its rank has exited ("exited before returning")."""
-    results = launch(rank_tensor, 2, timeout=120)
-    assert [r.tolist() for r in results] == [[0.0, 1.0, 2.0], [10.0, 11.0, 12.0]]
+# -- two ranks: groups made again, retried, claimed twice ------------------------------------
+def error_of(call: Callable[[], Any]) -> str:
+    try:
+        call()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
 
 
-def pair_sum(store: dist.Store, name: str, timeout_s: float = 10) -> Callable[[int], float]:
-    """One rank's body for `on_threads`: join the 2-rank group `name` on `store` and sum a one."""
-    cpu = torchhal.get_platform("cpu")
-
-    def body(rank: int) -> float:
-        group = init_group(cpu, rank=rank, world_size=2, local_rank=rank, store=store, name=name,
-                           timeout=timedelta(seconds=timeout_s))
-        try:
-            return group.comm.all_reduce(torch.ones(1)).item()
-        finally:
-            group.close()
-
-    return body
+def one_sum(name: str, timeout_s: float = 10, **kwargs: Any) -> float:
+    group = init_group(name=name, timeout=timedelta(seconds=timeout_s), **kwargs)
+    try:
+        return group.comm.all_reduce(torch.ones(1)).item()
+    finally:
+        group.close()
 
 
-@pytest.mark.parametrize("alone", [0, 1])
-def test_a_group_that_did_not_form_forms_when_every_rank_retries_under_its_name(alone: int) -> None:
-    """A rank that timed out alone (its peer late) is told so, naming the group, the rank and the
-    timeout; its attempt costs the ranks' next one nothing. The join counted on the store by the
-    failed attempt used to shift every later attempt under the name: the ranks never met again."""
-    from torchhal.distributed import CollectiveError
+def two_rank_scenarios(store_dir: str) -> dict[str, Any]:
+    """A rank of `launch` (2 ranks): each scenario in turn, with a barrier between them."""
+    rank = int(os.environ["RANK"])
+    out: dict[str, Any] = {}
+    sync = init_group(name="sync", timeout=timedelta(seconds=60))
 
-    store = dist.HashStore()
-    waited_for = "rank 0 opened no new attempt to form group 'tp'" if alone else "Wait timeout"
-    with pytest.raises(CollectiveError, match=rf"group 'tp' did not form at rank {alone} of 2 within 1 s: "
-                                              rf"{waited_for}.* calling init_group again on every rank makes a "
-                                              "new attempt$"):
-        init_group(torchhal.get_platform("cpu"), rank=alone, world_size=2, local_rank=alone, store=store, name="tp",
-                   timeout=timedelta(seconds=1))
-    body = pair_sum(store, "tp", timeout_s=5)
-    assert on_threads(2, body) == [2.0, 2.0]
-    assert on_threads(2, body) == [2.0, 2.0]  # and again
+    def barrier() -> None:
+        sync.host.all_reduce(torch.zeros(1))
 
+    def group_sum(group: Any, value: float) -> float:
+        return group.comm.all_reduce(torch.tensor([value])).item()
 
-def test_a_late_rank_joins_rank_0s_next_attempt_not_the_one_it_gave_up_on() -> None:
-    """Rank 0 timed out alone; rank 1 comes first to the retry. It used to take rank 0's failed
-    attempt (rank 0's keys still on the store) and wait there, while rank 0 made a new one."""
-    store = dist.HashStore()
-    with pytest.raises(torchhal.distributed.CollectiveError):
-        init_group(torchhal.get_platform("cpu"), rank=0, world_size=2, store=store, name="tp",
-                   timeout=timedelta(seconds=1))
-    body = pair_sum(store, "tp", timeout_s=5)
+    # A group made again under its name: after the first is closed, and while it is open.
+    first = init_group(name="again", timeout=timedelta(seconds=10))
+    sums = [group_sum(first, rank + 1.0)]
+    first.close()
+    again = init_group(name="again", timeout=timedelta(seconds=10))
+    third = init_group(name="again", timeout=timedelta(seconds=10))
+    sums += [group_sum(again, rank + 10.0), group_sum(third, rank + 100.0), group_sum(again, rank + 1000.0)]
+    third.close()
+    again.close()
+    out["made_again"] = sums
 
-    def rank_1_first(rank: int) -> float:
-        if rank == 0:
+    # The device and host communicators of a CPU group pair their own calls only: each rank makes
+    # both sums from two threads, in opposite orders on the two ranks.
+    both = init_group(name="both", timeout=timedelta(seconds=10))
+    values = {"comm": torch.full((4,), float(rank + 1)), "host": torch.full((4,), 100.0 * (rank + 1))}
+    order = ("comm", "host") if rank == 0 else ("host", "comm")
+    comms = {"comm": both.comm, "host": both.host}
+    thread = threading.Thread(target=comms[order[0]].all_reduce, args=(values[order[0]],))
+    thread.start()
+    time.sleep(0.3)  # the first call is issued before the second, on each rank
+    comms[order[1]].all_reduce(values[order[1]])
+    thread.join(20)
+    out["both"] = [values["comm"][0].item(), values["host"][0].item()]
+    both.close()
+
+    # One rank makes a group alone and times out; then every rank makes it again, and again.
+    for case, alone in (("lonely", 1), ("late", 0)):
+        if rank == alone:
+            out[f"{case}_alone"] = error_of(lambda case=case: one_sum(case, 1))
+        barrier()
+        if rank == alone:  # the other rank comes first to the retry
             time.sleep(0.3)
-        return body(rank)
+        out[f"{case}_retried"] = [one_sum(case, 10), one_sum(case, 10)]
+        barrier()
 
-    assert on_threads(2, rank_1_first) == [2.0, 2.0]
+    # Two processes as rank 0 on one store: the second is told at once, the first when it times out.
+    store = dist.FileStore(str(Path(store_dir) / "claims"), -1)
+    time.sleep(0.3 * rank)
+    out["claimed_twice"] = error_of(lambda: init_group(rank=0, world_size=2, local_rank=0, store=store, name="tp",
+                                                       timeout=timedelta(seconds=2)))
+    barrier()
 
+    # Two processes as rank 0 over env://: rank 1's process cannot host rank 0's store on its port.
+    if rank == 1:
+        out["env_rank_0_twice"] = error_of(lambda: init_group(rank=0, world_size=2, local_rank=0, name="env0",
+                                                              timeout=timedelta(seconds=2)))
+    barrier()
+    sync.close()
+    return out
 
-def forming_twice(rank: int) -> str:
-    return (f"init_group: two processes are forming group 'tp' as rank {rank} at once: two processes with "
-            f"RANK={rank} (or the same rank=), or two groups made under the name 'tp'. Give each process its own rank "
-            "and each group its own name; if the other process died making the group, retry")
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return launch(two_rank_scenarios, 2, (str(tmp_path_factory.mktemp("claims")),), timeout=240)
 
-def test_two_processes_of_one_rank_are_told_so() -> None:
-    """Two rank 0s (the same RANK twice, or two groups made under one name at once) used to wait
-    out the timeout, each told only that the group did not form; each is now told why."""
-    store = dist.HashStore()
-    cpu = torchhal.get_platform("cpu")
 
-    def body(rank_0: int) -> str:
-        time.sleep(0.2 * rank_0)  # the second comes while the first is forming the group
-        try:
-            init_group(cpu, rank=0, world_size=2, store=store, name="tp", timeout=timedelta(seconds=1))
-        except ValueError as exc:
-            return str(exc)
-        return "formed"
+def test_a_group_made_again_under_its_name_is_a_new_group_that_works(two_ranks) -> None:
+    assert [r["made_again"] for r in two_ranks] == [[3.0, 21.0, 201.0, 2001.0]] * 2
 
-    assert on_threads(2, body) == [forming_twice(0), forming_twice(0)]
 
-
-def test_a_second_process_joining_as_another_ranks_number_is_told_so_and_the_group_forms() -> None:
-    """Rank 1 twice: the first to join forms the group with rank 0; the second is refused at once
-    (it used to count a join of its own and wait out the timeout alone)."""
-    store = dist.HashStore()
-    body = pair_sum(store, "tp")
-    results = on_threads(3, lambda thread: body(min(thread, 1)))
-    assert results[0] == 2.0
-    assert sorted(results[1:], key=str) == [2.0, f"ValueError: {forming_twice(1)[:200]}"]
-
-
-# -- ranks that disagree on a collective (TORCH_DISTRIBUTED_DEBUG=DETAIL) -----------------------
-@pytest.fixture
-def detail_debug() -> Iterator[None]:
-    """TORCH_DISTRIBUTED_DEBUG=DETAIL for this test (torch reads the variable once, at import)."""
-    before = dist.get_debug_level()
-    dist.set_debug_level(dist.DebugLevel.DETAIL)
-    try:
-        yield
-    finally:
-        dist.set_debug_level(before)
-
-
-def detail_pair(store: dist.Store, rank: int, body: Callable[[Any], Any], platform: str = "cpu",
-                timeout_s: float = 10) -> Any:
-    group = init_group(torchhal.get_platform(platform), rank=rank, world_size=2, local_rank=rank, store=store,
-                       name="checked", timeout=timedelta(seconds=timeout_s))
-    try:
-        return body(group)
-    finally:
-        group.close()
-
-
-def disagreement(rank: int, call: str, calls: str, group: str = "checked") -> str:
-    """The error each rank raises, as `on_threads` reports it (type, then 200 characters)."""
-    return (f"CollectiveError: {call}: the ranks of group {group!r} disagree on this collective ({calls}). Every "
-            "rank must make the same collectives in the same order, with the same shapes, dtypes and arguments; "
-            f"this rank ({rank}) ran nothing of it")
-
-
-MISMATCHES = {
-    # [2, 3] against [3, 2]: the same bytes, so unchecked, gloo sums them as if they matched.
-    "shape": (lambda g: g.comm.all_reduce(torch.ones((2, 3) if g.rank == 0 else (3, 2))),
-              ("all_reduce(op='sum') float32 [2, 3]", "all_reduce(op='sum') float32 [3, 2]")),
-    "reduction": (lambda g: g.comm.all_reduce(torch.ones(4), "sum" if g.rank == 0 else "max"),
-                  ("all_reduce(op='sum') float32 [4]", "all_reduce(op='max') float32 [4]")),
-    "root": (lambda g: g.comm.broadcast(torch.ones(4), g.rank),
-             ("broadcast(src=0) float32 [4]", "broadcast(src=1) float32 [4]")),
-    "call": (lambda g: g.comm.all_reduce(torch.ones(4)) if g.rank == 0 else g.comm.broadcast(torch.ones(4), 0),
-             ("all_reduce(op='sum') float32 [4]", "broadcast(src=0) float32 [4]")),
-    "gather": (lambda g: g.comm.all_gather(torch.ones(g.rank + 1, 3), sizes=(g.rank + 1, 2)),
-               ("all_gather(dim=0, sizes=[1, 2]) float32 [*, 3]", "all_gather(dim=0, sizes=[2, 2]) float32 [*, 3]")),
-    "host": (lambda g: g.host.all_reduce(torch.ones(2), ("sum", "min")[g.rank]),
-             ("all_reduce(op='sum') float32 [2]", "all_reduce(op='min') float32 [2]")),
-}
-# (Mismatched byte counts abort an unchecked gloo process: those cases run under launch, below.)
-
-
-@pytest.mark.parametrize("case", list(MISMATCHES))
-def test_under_detail_debug_ranks_that_disagree_on_a_collective_are_each_told_both_calls(detail_debug, case):
-    store = dist.HashStore()
-    body, (zero, one) = MISMATCHES[case]
-    group = "checked/host" if case == "host" else "checked"
-    calls = f"rank 0: {zero}; rank 1: {one}"
-    assert on_threads(2, lambda rank: detail_pair(store, rank, body)) == [
-        disagreement(0, zero, calls, group)[:217], disagreement(1, one, calls, group)[:217]]
-
-
-def test_under_detail_debug_a_collective_facing_one_of_the_host_communicator_names_it(detail_debug: None) -> None:
-    """The device and host communicators are checked over groups of their own (threads may call
-    both), so rank 0's device sum facing rank 1's host sum cannot be paired: each times out, and
-    the error names what the other rank last began, on which communicator, and how many calls in."""
-    store = dist.HashStore()
-
-    def body(group: Any) -> str:
-        try:
-            group.comm.all_reduce(torch.ones(3))  # both agree on this first one
-            if group.rank == 0:
-                group.comm.all_reduce(torch.ones(4))
-            else:
-                group.host.all_reduce(torch.ones(2))
-            return "summed"
-        except torchhal.distributed.CollectiveError as exc:
-            return str(exc)
-
-    zero, one = on_threads(2, lambda rank: detail_pair(store, rank, body, timeout_s=2))
-    assert zero.startswith("all_reduce(op='sum') float32 [4]: checking this call (this rank's call 2 on 'checked') "
-                           "with the other ranks of group 'checked' failed"), zero
-    assert ("The other ranks' last calls: rank 1's call 1 on 'checked' was all_reduce(op='sum') float32 [3]; "
-            "rank 1's call 1 on 'checked/host' was all_reduce(op='sum') float32 [2]") in zero, zero
-    assert ("The other ranks' last calls: rank 0's call 2 on 'checked' was all_reduce(op='sum') float32 [4]; "
-            "rank 0 began no call on 'checked/host'") in one, one
-
-
-def test_under_detail_debug_a_send_and_a_recv_of_other_shapes_are_both_told(detail_debug: None) -> None:
-    store = dist.HashStore()
-
-    def body(group: Any) -> Any:
-        if group.rank == 0:
-            return group.comm.send(torch.ones(4), 1)
-        return group.comm.recv(torch.zeros(5), 0).tolist()
-
-    calls = "rank 0: send to rank 1 float32 [4]; rank 1: recv from rank 0 float32 [5]"
-    assert on_threads(2, lambda rank: detail_pair(store, rank, body)) == [
-        disagreement(0, "send to rank 1 float32 [4]", calls)[:217],
-        disagreement(1, "recv from rank 0 float32 [5]", calls)[:217]]
-
-
-class OwnPathForLargeSums(WrappedCommunicator):
-    """A plugin's communicator with a path of its own for sums of 16 bytes or more (as a
-    peer-memory all-reduce has): here it returns at once, leaving a peer on the other path waiting."""
-
-    def all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> torch.Tensor:
-        return tensor if tensor.numel() * tensor.element_size() >= 16 else self.inner.all_reduce(tensor, op)
-
-
-def test_under_detail_debug_a_plugins_communicator_is_checked_too(detail_debug: None) -> None:
-    """Ranks that disagree on a sum's size would take different roads through the plugin's
-    communicator (unchecked: rank 1 returns, rank 0 waits out the timeout); the check runs first."""
-    cpu = torchhal.get_platform("cpu")
-    support = DistributedSupport(communicator=OwnPathForLargeSums)
-    with patched_plugin(cpu, distributed_support=lambda: support):
-        store = dist.HashStore()
-        results = on_threads(2, lambda rank: detail_pair(store, rank, lambda g: g.comm.all_reduce(
-            torch.ones(3 + rank)).tolist()))
-    calls = "rank 0: all_reduce(op='sum') float32 [3]; rank 1: all_reduce(op='sum') float32 [4]"
-    assert results == [disagreement(0, "all_reduce(op='sum') float32 [3]", calls)[:217],
-                       disagreement(1, "all_reduce(op='sum') float32 [4]", calls)[:217]]
-
-
-def test_under_detail_debug_calls_that_differ_past_the_shared_text_still_differ(detail_debug: None) -> None:
-    """A rank shares its call's digest with as much text as fits: shapes of 100 dimensions that
-    differ only in the last two (the same bytes: unchecked, gloo sums them) are told apart."""
-    store = dist.HashStore()
-    shapes = ([1] * 98 + [2, 3], [1] * 98 + [3, 2])
-
-    def body(group: Any) -> str:
-        try:
-            group.comm.all_reduce(torch.ones(shapes[group.rank]))
-            return "summed"
-        except torchhal.distributed.CollectiveError as exc:
-            return "disagree" if "disagree on this collective" in str(exc) else str(exc)
-
-    assert on_threads(2, lambda rank: detail_pair(store, rank, body)) == ["disagree"] * 2
-
-
-def test_under_detail_debug_matching_calls_too_long_to_show_whole_still_agree(detail_debug: None) -> None:
-    store = dist.HashStore()
-    shape = [1] * 90 + [2]
-
-    def body(group: Any) -> list[float]:
-        if group.rank == 0:
-            group.comm.send(torch.full(shape, 3.0), 1)
-            return group.comm.all_reduce(torch.ones(shape)).flatten().tolist()
-        received = group.comm.recv(torch.zeros(shape), 0)
-        return (group.comm.all_reduce(torch.ones(shape)) + received).flatten().tolist()
-
-    assert on_threads(2, lambda rank: detail_pair(store, rank, body)) == [[2.0, 2.0], [5.0, 5.0]]
-
-
-def test_under_detail_debug_a_dimension_written_two_ways_is_one_call(detail_debug: None) -> None:
-    store = dist.HashStore()
-    results = on_threads(2, lambda rank: detail_pair(store, rank, lambda g: g.comm.all_gather(
-        torch.full((2, g.rank + 1), float(g.rank)), dim=(-1, 1)[g.rank], sizes=(1, 2)).tolist()))
-    assert results == [[[0.0, 1.0, 1.0], [0.0, 1.0, 1.0]]] * 2
-
-
-def test_under_detail_debug_a_ranks_own_extent_that_is_not_its_size_is_shown_to_all(detail_debug: None) -> None:
-    """Refused on that rank alone, its peer would wait in the gather until the timeout."""
-    store = dist.HashStore()
-    results = on_threads(2, lambda rank: detail_pair(
-        store, rank, lambda g: g.comm.all_gather(torch.ones(3 if g.rank == 0 else 2, 4), sizes=(1, 2))))
-    zero = "all_gather(dim=0, sizes=[1, 2]) float32 [*, 4] of 3 along dim 0, not sizes[0]"
-    calls = f"rank 0: {zero}; rank 1: all_gather(dim=0, sizes=[1, 2]) float32 [*, 4]"
-    assert results[0] == disagreement(0, zero, calls)[:217], results
-
-
-@pytest.mark.parametrize("call", ["all_reduce", "send"])
-def test_under_detail_debug_a_ranks_tensor_on_another_device_is_shown_to_all(detail_debug: None, call: str) -> None:
-    """Refused by that rank's own communicator after the check, its peer would wait on it (for
-    ever at a peer-memory barrier); the description carries it, so both ranks are told."""
-    store = dist.HashStore()
-
-    def body(group: Any) -> Any:
-        tensor = torch.ones(4, device="meta" if group.rank == 0 else "cpu")
-        if call == "all_reduce":
-            return group.comm.all_reduce(tensor)
-        return group.comm.send(tensor, 1) if group.rank == 0 else group.comm.recv(tensor, 0)
-
-    results = on_threads(2, lambda rank: detail_pair(store, rank, body))
-    assert all(isinstance(r, str) and "float32 [4] on meta, not rank 0's cpu" in r and "disagree" in r
-               for r in results), results
-
-
-def test_under_detail_debug_a_ranks_tensor_whose_elements_share_memory_is_shown_to_all(detail_debug: None) -> None:
-    """Refused by that rank's own communicator after the check, its peer would wait on it."""
-    store = dist.HashStore()
-    results = on_threads(2, lambda rank: detail_pair(store, rank, lambda g: g.comm.all_reduce(
-        torch.ones(1).expand(4) if g.rank == 0 else torch.ones(4))))
-    calls = ("rank 0: all_reduce(op='sum') float32 [4] whose elements share memory; "
-             "rank 1: all_reduce(op='sum') float32 [4]")
-    assert results == [disagreement(0, "all_reduce(op='sum') float32 [4] whose elements share memory", calls)[:217],
-                       disagreement(1, "all_reduce(op='sum') float32 [4]", calls)[:217]]
-
-
-def test_under_detail_debug_a_bool_dim_is_refused_not_taken_as_one(detail_debug: None) -> None:
-    store = dist.HashStore()
-    results = on_threads(2, lambda rank: detail_pair(store, rank, lambda g: g.comm.all_gather(torch.ones(2, 3),
-                                                                                          dim=True)))
-    assert results == ["ValueError: all_gather(dim=True): give a dimension of the tensor (an int; it has 2)"] * 2
-
-
-def test_under_detail_debug_a_numpy_integer_dim_is_the_same_call(detail_debug: None) -> None:
-    import numpy as np
-
-    store = dist.HashStore()
-    dims = (np.int64(-1), 1)
-    results = on_threads(2, lambda rank: detail_pair(store, rank, lambda g: g.comm.all_gather(
-        torch.full((2, 1), float(g.rank)), dim=dims[g.rank]).tolist()))
-    assert results == [[[0.0, 1.0], [0.0, 1.0]]] * 2
-
-
-def test_under_detail_debug_a_failed_check_names_the_callers_call_not_its_own_gather(detail_debug: None) -> None:
-    store = dist.HashStore()
-
-    def body(group: Any) -> None:
-        group.close()
-        group.comm.all_reduce(torch.ones(4))
-
-    for result in on_threads(2, lambda rank: detail_pair(store, rank, body)):
-        assert result.startswith("CollectiveError: all_reduce(op='sum') float32 [4]: checking this call (this rank's "
-                                 "call 1 on 'checked') with the other ranks of group 'checked' failed: all_gather: "
-                                 "group 'checked/check/device' is closed"), result
-
-
-def test_under_detail_debug_the_device_and_host_checks_run_on_groups_of_their_own(detail_debug: None) -> None:
-    """Threads may call group.comm and group.host at once (each on a backend of its own on a
-    GPU): checks sharing one gloo group would meet in another order on each rank."""
-    store = dist.HashStore()
-    backends = on_threads(2, lambda rank: detail_pair(store, rank, lambda g: [
-        id(c.backend) for c in (g.comm.checker, g.host.checker, g.host.inner)]))
-    assert all(len(set(ids)) == 3 for ids in backends), backends
-
-
-def test_under_detail_debug_checks_of_both_communicators_from_two_threads_do_not_cross() -> None:
-    """The check's design on its own (CheckedCommunicator over gloo pairs, device and host on
-    backends of their own as on a GPU): one thread sums on the device, another maxes on the host."""
-    from torchhal.distributed.checked import CheckedCommunicator
-
-    stores = {part: dist.HashStore() for part in ("device", "host", "check-device", "check-host")}
-
-    def body(rank: int) -> list[Any]:
-        pair = {part: gloo_pair(rank, store) for part, store in stores.items()}
-        device = CheckedCommunicator(pair["device"], pair["check-device"], "d")
-        host = CheckedCommunicator(pair["host"], pair["check-host"], "h")
-        done: list[Any] = []
-        maxes = threading.Thread(target=lambda: done.append(
-            [host.all_reduce(torch.tensor([float(rank), 2.0]), "max").tolist() for _ in range(100)][-1]))
-        maxes.start()
-        sums = [device.all_reduce(torch.ones(4)).tolist() for _ in range(100)][-1]
-        maxes.join(60)
-        return [sums, done]
-
-    assert on_threads(2, body) == [[[2.0] * 4, [[1.0, 2.0]]]] * 2
-
-
-def detail_on_rank_zero_only() -> str:
-    """A rank of `launch`: DETAIL on rank 0 alone (as a variable exported on one host would be)."""
-    level = dist.DebugLevel.DETAIL if os.environ["RANK"] == "0" else dist.DebugLevel.OFF
-    dist.set_debug_level(level)
-    try:
-        init_group(timeout=timedelta(seconds=20)).close()
-        return "formed"
-    except ValueError as exc:
-        return str(exc)
-
-
-def test_ranks_that_differ_on_detail_debug_are_refused_naming_which() -> None:
-    """The check is a collective of its own: a rank without it would never join it."""
-    results = launch(detail_on_rank_zero_only, 2, timeout=120)
-    assert results == ["init_group: TORCH_DISTRIBUTED_DEBUG=DETAIL is set on rank(s) [0] of group 'group0' and not "
-                       "on rank(s) [1]: set it on every rank or on none (its check of each collective is a collective "
-                       "every rank takes part in)"] * 2
-
-
-@pytest.mark.parametrize("value", ["bogus", "\u0131nfo"])  # dotless i: Python's upper() makes INFO of it, torch's not
-def test_launch_refuses_a_torch_distributed_debug_torch_does_not_take(no_spawn: None, value: str) -> None:
-    with pytest.raises(ValueError, match=re.escape(f"env['TORCH_DISTRIBUTED_DEBUG'] = {value!r}: torch takes OFF, "
-                                                   "INFO or DETAIL")):
-        launch(rank_number, 2, env={"TORCH_DISTRIBUTED_DEBUG": value})
-
-
-def reduce_mismatched(kind: str) -> str:
-    """A rank of `launch`: ranks 0 and 1 all-reduce tensors of other lengths or dtypes."""
-    group = init_group(timeout=timedelta(seconds=10))
-    tensor = (torch.ones(4 + group.rank, device=group.device) if kind == "length"
-              else torch.ones(4, dtype=(torch.float32, torch.float64)[group.rank], device=group.device))
-    try:
-        group.comm.all_reduce(tensor)
-        return "summed"
-    except torchhal.distributed.CollectiveError as exc:
-        return str(exc)
-    finally:
-        group.close()
-
-
-@pytest.mark.parametrize("kind", ["length", "dtype"])
-def test_under_detail_debug_ranks_reducing_other_sizes_are_told_so(kind: str) -> None:
-    """Other byte counts: unchecked, gloo aborts each rank's process (SIGABRT), so ranks of
-    their own, through launch, with the variable set as a user would set it (each rank starts
-    with it, and torch reads it as it is imported)."""
-    results = launch(reduce_mismatched, 2, (kind,), timeout=120, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
-    assert all("disagree on this collective" in r for r in results), results
-
-
-def test_under_detail_debug_matching_collectives_still_give_their_results(detail_debug: None) -> None:
-    store = dist.HashStore()
-
-    def body(group: Any) -> list[Any]:
-        rank = group.rank
-        summed = group.comm.all_reduce(torch.tensor([rank + 1.0])).tolist()
-        gathered = group.comm.all_gather(torch.full((rank + 1,), float(rank)), sizes=(n for n in (1, 2))).tolist()
-        sent = group.comm.broadcast(torch.tensor([7.0 if rank == 0 else 0.0]), 0).tolist()
-        host = group.host.all_reduce(torch.tensor([10.0 * rank])).tolist()
-        if rank == 0:
-            group.comm.send(torch.tensor([5.0, 6.0]), 1)
-            received = None
-        else:
-            received = group.comm.recv(torch.zeros(2), 0).tolist()
-        return [summed, gathered, sent, host, received]
-
-    zero, one = on_threads(2, lambda rank: detail_pair(store, rank, body))
-    assert zero == [[3.0], [0.0, 1.0, 1.0], [7.0], [10.0], None]
-    assert one == [[3.0], [0.0, 1.0, 1.0], [7.0], [10.0], [5.0, 6.0]]
-
-
-def test_without_detail_debug_the_group_is_not_checked() -> None:
-    """The check costs a host round trip a collective: only the debugging setting pays it."""
-    from torchhal.distributed.checked import CheckedCommunicator
-
-    assert dist.get_debug_level() != dist.DebugLevel.DETAIL
-    store = dist.HashStore()
-    kinds = on_threads(2, lambda rank: detail_pair(store, rank, lambda g: (type(g.comm), type(g.host))))
-    assert all(CheckedCommunicator not in kind for kind in kinds), kinds
-
-
-def test_the_device_and_host_communicators_of_a_cpu_group_do_not_pair_each_others_calls() -> None:
+def test_the_device_and_host_communicators_of_a_cpu_group_do_not_pair_each_others_calls(two_ranks) -> None:
     """Threads may call `comm` and `host` at once (one feeding requests over `host` while the
-    engine steps). Here each rank makes both sums, in opposite orders on the two ranks: on the
-    CPU both used to be one gloo backend, which pairs calls by their order on it, so rank 0's
-    device sum met rank 1's host sum and both came back wrong (201 and 102), without an error."""
-    store = dist.HashStore()
-    cpu = torchhal.get_platform("cpu")
+    engine steps): one gloo backend for both would pair rank 0's device sum with rank 1's host
+    sum, and both would come back wrong (201 and 102), without an error."""
+    assert [r["both"] for r in two_ranks] == [[3.0, 300.0]] * 2
 
-    def body(rank: int) -> list[float]:
-        group = init_group(cpu, rank=rank, world_size=2, local_rank=rank, store=store, name="both",
-                           timeout=timedelta(seconds=10))
-        try:
-            sums = {"comm": torch.full((4,), float(rank + 1)), "host": torch.full((4,), 100.0 * (rank + 1))}
-            first, second = ("comm", "host") if rank == 0 else ("host", "comm")
-            comm = {"comm": group.comm, "host": group.host}
-            thread = threading.Thread(target=comm[first].all_reduce, args=(sums[first],))
-            thread.start()
-            time.sleep(0.3)  # the first call is issued before the second, on each rank
-            comm[second].all_reduce(sums[second])
-            thread.join(20)
-            return [sums["comm"][0].item(), sums["host"][0].item()]
-        finally:
-            group.close()
 
-    assert on_threads(2, body) == [[3.0, 300.0], [3.0, 300.0]]
+@pytest.mark.parametrize("case, alone", [("lonely", 1), ("late", 0)])
+def test_a_group_that_did_not_form_forms_when_every_rank_makes_it_again(two_ranks, case: str, alone: int) -> None:
+    """A rank that timed out alone (its peer late) is told so, naming the group, the rank and the
+    timeout; the generation it failed in is not joined again, so every rank's next call meets."""
+    assert two_ranks[alone][f"{case}_alone"].startswith(
+        f"CollectiveError: init_group: group {case!r} did not form at rank {alone} of 2 within 1 s: ")
+    assert two_ranks[alone][f"{case}_alone"].endswith("calling init_group again on every rank makes a new attempt")
+    assert [r[f"{case}_retried"] for r in two_ranks] == [[2.0, 2.0]] * 2
+
+
+def claimed_twice(rank: int) -> str:
+    return (f"ValueError: init_group: two processes are forming group 'tp' as rank {rank} at once: two processes "
+            f"with RANK={rank} (or the same rank=), or two groups made under the name 'tp'. Give each process its own "
+            "rank and each group its own name; if the other process died making the group, retry")
+
+
+def test_two_processes_of_one_rank_are_told_so(two_ranks) -> None:
+    assert [r["claimed_twice"] for r in two_ranks] == [claimed_twice(0)] * 2
+
+
+def test_a_second_rank_0_over_env_is_told_its_port_is_taken(two_ranks) -> None:
+    error = two_ranks[1]["env_rank_0_twice"]
+    assert error.startswith("CollectiveError: init_group: group 'env0' did not form at rank 0 of 2 within 2 s: "
+                            "rank 0's store at 127.0.0.1:"), error
+    assert "is taken by another process: a second process with RANK=0, or another program" in error, error
+
+
+# -- ranks that disagree on a collective: torch's TORCH_DISTRIBUTED_DEBUG=DETAIL ----------------
+DISAGREEMENTS: dict[str, Callable[[Any, int], Any]] = {
+    # [2, 3] against [3, 2]: the same bytes, so unchecked, gloo sums them as if they matched.
+    "shape": lambda g, rank: g.comm.all_reduce(torch.ones((2, 3) if rank == 0 else (3, 2))),
+    # Other byte counts and dtypes: unchecked, gloo aborts each rank's process (SIGABRT).
+    "length": lambda g, rank: g.comm.all_reduce(torch.ones(4 + rank)),
+    "dtype": lambda g, rank: g.comm.all_reduce(torch.ones(4, dtype=(torch.float32, torch.float64)[rank])),
+    "call": lambda g, rank: g.comm.all_reduce(torch.ones(4)) if rank == 0 else g.comm.broadcast(torch.ones(4), 0),
+    "host": lambda g, rank: g.host.all_gather(torch.ones(2 + rank)),
+}
+
+
+def detail_scenarios() -> dict[str, Any]:
+    """A rank of `launch` under TORCH_DISTRIBUTED_DEBUG=DETAIL: each disagreement on a group of its
+    own, then collectives that match, then a group whose ranks differ on the setting."""
+    rank = int(os.environ["RANK"])
+    out: dict[str, Any] = {"level": str(dist.get_debug_level())}
+    for case, body in DISAGREEMENTS.items():
+        group = init_group(name=case, timeout=timedelta(seconds=10))
+        out[case] = error_of(lambda group=group, body=body: body(group, rank))
+        group.close()
+    group = init_group(name="matching", timeout=timedelta(seconds=10))
+    out["matching"] = [group.comm.all_reduce(torch.tensor([rank + 1.0])).tolist(),
+                       group.comm.all_gather(torch.full((rank + 1,), float(rank)), sizes=(1, 2)).tolist(),
+                       group.comm.broadcast(torch.tensor([7.0 if rank == 0 else 0.0]), 0).tolist(),
+                       group.host.all_reduce(torch.tensor([10.0 * rank]), "max").tolist()]
+    if rank == 0:
+        group.comm.send(torch.tensor([5.0, 6.0]), 1)
+    else:
+        out["matching"].append(group.comm.recv(torch.zeros(2), 0).tolist())
+    group.close()
+    dist.set_debug_level(dist.DebugLevel.DETAIL if rank == 0 else dist.DebugLevel.OFF)
+    out["mixed"] = error_of(lambda: one_sum("mixed", 3))
+    return out
+
+
+@pytest.fixture(scope="module")
+def detail_ranks() -> list[dict[str, Any]]:
+    """Set as a user sets it: each rank starts with it, and torch reads it as it is imported."""
+    return launch(detail_scenarios, 2, timeout=240, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+
+
+@pytest.mark.parametrize("case", list(DISAGREEMENTS))
+def test_under_detail_debug_ranks_that_disagree_on_a_collective_are_each_told_both_calls(detail_ranks,
+                                                                                         case: str) -> None:
+    assert all(r["level"] == "DebugLevel.DETAIL" for r in detail_ranks)
+    for rank, report in enumerate(detail_ranks):
+        error = report[case]
+        assert error.startswith("CollectiveError: ") and "Detected mismatch between collectives on ranks" in error, \
+            (rank, error)
+        assert f"Rank {rank} is running collective" in error and f"Rank {1 - rank} is running collective" in error, \
+            (rank, error)
+
+
+def test_under_detail_debug_matching_collectives_still_give_their_results(detail_ranks) -> None:
+    assert detail_ranks[0]["matching"] == [[3.0], [0.0, 1.0, 1.0], [7.0], [10.0]]
+    assert detail_ranks[1]["matching"] == [[3.0], [0.0, 1.0, 1.0], [7.0], [10.0], [5.0, 6.0]]
+
+
+def test_ranks_that_differ_on_detail_debug_fail_within_the_groups_timeout(detail_ranks) -> None:
+    """torch's check is a collective of its own: a rank without it never joins it."""
+    for report in detail_ranks:
+        assert report["mixed"].startswith("CollectiveError: init_group: group 'mixed' did not form"), report["mixed"]
+        assert "TORCH_DISTRIBUTED_DEBUG alike" in report["mixed"], report["mixed"]
 
 
 def test_a_world_size_past_any_group_is_refused_before_the_store_is_touched(monkeypatch) -> None:

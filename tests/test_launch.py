@@ -143,9 +143,8 @@ def test_extra_variables_reach_every_rank_and_the_parent_keeps_its_own(monkeypat
 
 
 def test_a_rank_starts_with_its_variables_for_its_imports_too(monkeypatch):
-    """They used to be set once the rank had imported the target's module (and torch): its
-    top-level code saw the launcher's environment, and torch's import-time settings
-    (OMP_NUM_THREADS, TORCH_DISTRIBUTED_DEBUG) were read without them."""
+    """Set from the rank's first line: its target module's top-level code sees them, and so do
+    torch's import-time settings (OMP_NUM_THREADS, TORCH_DISTRIBUTED_DEBUG)."""
     for name in ("RANK", "WORLD_SIZE", "TORCHHAL_LAUNCH_TEST"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer")  # torchrun's, dropped from every rank
@@ -189,7 +188,7 @@ def test_the_exception_summary_is_the_first_line_and_stderr_is_quoted_after_it(t
 
 def test_a_hung_rank_is_stopped_at_the_deadline(tmp_path):
     # The deadline leaves room for both ranks to start on a loaded 2-core machine (they
-    # record their pids once started; 4 s was sometimes too short for spawn and imports).
+    # record their pids once started, after the interpreter and the imports).
     start = time.monotonic()
     with pytest.raises(LaunchError) as caught:
         launch(fail_on_rank_one, 2, (str(tmp_path), "hang"), timeout=12.0, grace=1.0)
@@ -296,7 +295,7 @@ def test_more_ranks_than_the_host_can_run_are_refused_before_any_process_starts(
     launch_module = sys.modules["torchhal.distributed.launch"]  # the package's `launch` is the function
     monkeypatch.setattr(launch_module.os, "cpu_count", lambda: 2)
     started = []
-    monkeypatch.setattr(launch_module.multiprocessing, "get_context", lambda method: started.append(method))
+    monkeypatch.setattr(launch_module, "get_subprocess_handler", lambda *args: started.append(args))
     limit = 2 * launch_module.MAX_RANKS_PER_CORE
     with pytest.raises(ValueError, match=rf"world_size = {limit + 1}: launch starts one process per rank on this host.*"
                                          rf"at most {limit}"):

@@ -1,5 +1,5 @@
 """SIGTERM to a launcher: the ranks are stopped and their log directory removed before the
-launcher dies of it, as Ctrl-C does (the default action used to end it at once, leaving both)."""
+launcher dies of it, as Ctrl-C does (the default action would end it at once, leaving both)."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def stubborn_rank(pid_dir: str) -> None:
 
 def test_a_second_sigterm_during_the_cleanup_does_not_cut_it_short(tmp_path: Path) -> None:
     """The launcher waits `grace` for ranks that ignore SIGTERM, then kills them; a second
-    SIGTERM in that wait used to end the launcher there, leaving the ranks running."""
+    SIGTERM in that wait must not end the launcher there, leaving the ranks running."""
     parent, temp, started = start_launcher(tmp_path, "tests.test_launch_signals", "stubborn_rank", "", 3.0)
     try:
         parent.send_signal(signal.SIGTERM)

@@ -229,8 +229,8 @@ def test_wait_for_returns_once_the_work_is_done_and_raises_past_the_timeout() ->
         group.close()
 
 
-def test_release_on_close_takes_bound_methods_only() -> None:
-    from torchhal.distributed import CollectiveError, init_group
+def test_a_release_that_raises_leaves_the_group_open_and_close_again_finishes() -> None:
+    from torchhal.distributed import init_group
 
     class Holder:
         calls = 0
@@ -241,8 +241,6 @@ def test_release_on_close_takes_bound_methods_only() -> None:
                 raise ValueError("cannot drop its graphs yet")
 
     group = init_group(rank=0, world_size=1, local_rank=0)
-    with pytest.raises(TypeError, match="must be a bound method"):
-        group.release_on_close(lambda: None)
     holder = Holder()
     group.release_on_close(holder.release)
     # A release that raises leaves the group open and registered: close() again finishes the job.
@@ -250,9 +248,7 @@ def test_release_on_close_takes_bound_methods_only() -> None:
         group.close()
     assert float(group.comm.all_reduce(torch.ones(1))) == 1.0
     group.close()
-    assert holder.calls == 2
-    with pytest.raises(CollectiveError, match="is closed"):
-        group.release_on_close(Holder().release)
+    assert holder.calls == 2 and group.closed
 
 
 def test_closing_a_group_of_one_rank_ends_its_engine_as_at_any_size() -> None:

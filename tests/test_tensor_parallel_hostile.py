@@ -247,7 +247,7 @@ def test_ranks_whose_models_agree_find_no_problem() -> None:
 
 
 def test_a_numpy_size_and_rank_make_the_plain_plan() -> None:
-    """numpy's integers were refused here while the group and the engine take them."""
+    """numpy's integers are taken here as the group and the engine take them."""
     plan = TensorParallelPlan(CONFIG, numpy.int64(2))
     assert plan == TensorParallelPlan(CONFIG, 2) and type(plan.world_size) is int
     shard = RankShard(plan, numpy.int32(1))

@@ -1,33 +1,31 @@
-"""Run one function on N ranks of the current platform, as N fresh processes.
+"""Run one function on N ranks of this host, as N fresh processes.
 
-`launch(target, world_size, args)` spawns (never forks) one process per rank with
-torchrun's variables set (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, and
-MASTER_ADDR=127.0.0.1 with a free MASTER_PORT for the rendezvous) and torchrun's agent
-variables (TORCHELASTIC_*, inherited when launch itself runs under torchrun) removed, so a
-target that calls `torchhal.distributed.init_group()` runs the same here as under `torchrun`.
-It returns each rank's result (picklable) in rank order.
+`launch(target, world_size, args)` starts one process per rank with torchrun's variables set
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, and MASTER_ADDR=127.0.0.1 with a free
+MASTER_PORT for the rendezvous) and torchrun's agent variables (TORCHELASTIC_*) removed, so a
+target that calls `torchhal.distributed.init_group()` runs the same here as under torchrun.
+Each rank runs this program's `__main__` again as `__mp_main__`, as multiprocessing's spawn
+does, imports the target by name and calls it; the results come back in rank order.
 
-The point is failure: a rank that raises, exits or is killed, or ranks still running at
-the deadline, make the launcher stop every rank (terminate, then kill after `grace`) and
-raise one `LaunchError` naming the rank, its exception or exit code, and the last lines
-of its stderr; for ranks still running at the deadline, their main threads' Python stacks
-(faulthandler, on SIGUSR1), so a hang says where it is. Ctrl-C or SIGTERM in the parent
-stops the ranks the same way. No rank outlives the call; a rank whose parent dies exits on its own.
+The point is failure: a rank that raises, exits or is killed, or ranks still running at the
+deadline, make the launcher stop every rank with every process it started (each rank is a
+session of its own: SIGTERM to it, then SIGKILL after `grace`) and raise one `LaunchError`
+naming the rank, its exception or exit code, and the last lines of its stderr; for ranks still
+running at the deadline, their main threads' Python stacks (faulthandler, on SIGUSR1). Ctrl-C
+or SIGTERM in the launcher stops the ranks the same way; a rank whose launcher dies ends its
+session. Across hosts, start the ranks with torchrun.
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import faulthandler
 import math
-import multiprocessing
+import multiprocessing.spawn
 import numbers
 import os
 import pickle
-import reprlib
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -35,17 +33,16 @@ import time
 import traceback
 import types
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
-from torchhal.values import as_index
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler, get_subprocess_handler
+from torch.distributed.elastic.utils.distributed import get_free_port
+
+from torchhal.values import as_index, short_repr
 
 #: Ranks launch starts per core of this host, at most: each is a process that imports torch
-#: (hundreds of MB), so more only thrash, and a mistyped world size would spawn without end.
+#: (hundreds of MB), so more only thrash, and a mistyped world size would start without end.
 MAX_RANKS_PER_CORE = 8
 #: Seconds a rank gets to exit after SIGTERM before it is killed.
 DEFAULT_GRACE = 3.0
@@ -53,25 +50,22 @@ DEFAULT_GRACE = 3.0
 STDERR_TAIL_LINES = 15
 #: Lines quoted of a late rank's stack, innermost call first.
 STACK_LINES = 40
-#: What a rank late at the deadline is sent, to write its main thread's Python stack to a
-#: stack file of its own (faulthandler answers from inside native code too: a collective, a driver call).
-#: None where the system has no such signal.
-STACK_SIGNAL: signal.Signals | None = getattr(signal, "SIGUSR1", None)
-#: How long the launcher waits for the stacks before it stops the ranks.
-_STACK_WAIT_SECONDS = 2.0
-_PARENT_POLL_SECONDS = 1.0
-#: The longest single wait: poll() takes at most 2**31 - 1 ms, so longer waits are made in steps.
-_LONGEST_WAIT_SECONDS = 86400.0
+#: What a rank late at the deadline is sent, to write its main thread's Python stack to a file
+#: of its own (faulthandler answers from inside native code too: a collective, a driver call).
+STACK_SIGNAL = signal.SIGUSR1
+#: How long the launcher waits for the stacks, and between looks at the ranks.
+_STACK_WAIT_SECONDS, _POLL_SECONDS = 2.0, 0.02
 #: What launch sets in every rank: the rendezvous torchrun would give it.
 _RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-#: How a refused value is shown: short, on one line.
-_SHOWN = reprlib.Repr()
-_SHOWN.maxstring = _SHOWN.maxother = 80
-#: torchrun's agent variables, dropped from every rank: launch's ranks are not torchrun's workers
+#: torchrun's agent variables, dropped in every rank: launch's ranks are not torchrun's workers
 #: (TORCHELASTIC_USE_AGENT_STORE=True would send them looking for torchrun's store on launch's port).
 _TORCHRUN_PREFIX = "TORCHELASTIC_"
-#: Held while this process's environment is a rank's, for that rank's spawn: one launch at a time.
-_spawning = threading.Lock()
+#: How each rank starts: it reads its job from the launch's directory.
+_RANK_COMMAND = "from torchhal.distributed.launch import _rank_main; _rank_main()"
+#: How a rank's preparation names the main it runs again (multiprocessing.spawn.prepare's keys).
+_MAINS = frozenset({"init_main_from_name", "init_main_from_path"})
+#: True in a rank while it runs the launcher's __main__ again: a launch there is unguarded.
+_running_main_again = False
 
 
 class LaunchError(RuntimeError):
@@ -82,19 +76,6 @@ class LaunchError(RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.exitcode = exitcode
-
-
-@dataclass(frozen=True)
-class _Outcome:
-    ok: bool
-    value: Any  # the result; when not ok, what went wrong ("raised ValueError: ...")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def launch(
@@ -108,8 +89,9 @@ def launch(
 ) -> list[Any]:
     """`target(*args)` on `world_size` ranks of this host; the results in rank order.
 
-    `target` must be importable by name (a module-level function): ranks are spawned. So are
-    `args`: a tuple or list of picklable values.
+    `target` must be importable by name (a function at the top level of a module or of the
+    script, outside its `if __name__ == "__main__":` block); `args` a tuple or list of
+    picklable values; the result picklable (it comes back by value: a tensor as a copy).
     `timeout`: seconds for the whole run (None: no deadline; collectives still time out
     through `init_group(timeout=...)`). `env`: more variables for every rank, other than
     those launch sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
@@ -117,86 +99,186 @@ def launch(
 
     SIGTERM while launch runs in the main thread, with SIGTERM's default action in place, first
     stops the ranks and removes their log directory, then ends the process by SIGTERM's default
-    action all the same (its exit status says SIGTERM; the caller's own cleanup is skipped, as
-    it would have been). A SIGTERM handler of the caller's own is left in place."""
-    ranks = as_index(world_size)
-    if ranks is None or ranks < 1:
-        raise ValueError(f"world_size = {world_size!r} must be a positive integer")
-    cores = os.cpu_count() or 1
-    if ranks > MAX_RANKS_PER_CORE * cores:
-        raise ValueError(f"world_size = {ranks}: launch starts one process per rank on this host, and "
-                         f"{ranks} is more than {MAX_RANKS_PER_CORE} per core of its {cores} "
-                         f"(at most {MAX_RANKS_PER_CORE * cores}); check the value, or start ranks on several "
-                         "hosts with torchrun")
-    world_size = ranks
-    if timeout is not None and not (_is_seconds(timeout) and timeout > 0):
-        raise ValueError(f"timeout = {timeout!r} must be a positive number of seconds (a finite int or float), "
-                         "or None for no deadline")
-    if not (_is_seconds(grace) and grace >= 0):
-        raise ValueError(f"grace = {grace!r} must be a number of seconds (a finite int or float), 0 or more")
-    _check_env(env)
-    _check_importable(target)
-    _check_main_reruns()
-    _check_args(args)
-    context = multiprocessing.get_context("spawn")
-    rank_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
-                "LOCAL_WORLD_SIZE": str(world_size), **(env or {})}
-    deadline = None if timeout is None else time.monotonic() + timeout
+    action all the same. A SIGTERM handler of the caller's own is left in place."""
+    problem = _refusal(target, world_size, args, timeout, grace, env)
+    if problem is not None:
+        raise ValueError(problem)
+    ranks, deadline = int(world_size), None if timeout is None else time.monotonic() + timeout
     with _cleanup_on_sigterm(), tempfile.TemporaryDirectory(prefix="torchhal-launch-") as logs:
-        processes: list[BaseProcess] = []
-        receivers: list[Connection] = []
         try:
-            for rank in range(world_size):
-                receiver, sender = context.Pipe(duplex=False)
-                variables = {**rank_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-                process = context.Process(
-                    target=_rank_main, name=f"torchhal-rank{rank}",
-                    args=(target, tuple(args), sender, str(_stderr_path(logs, rank)), os.getpid()),
-                )
-                try:
-                    with _environment_of_rank(variables):
-                        process.start()
-                except Exception as exc:
-                    receiver.close()
-                    sender.close()
-                    # the first rank's start pickled the same inputs; and not every failure is pickling's
-                    if rank or not _fails_to_pickle(target, args):
-                        raise
-                    # Spawn pickles the process object before it creates the child: no rank runs.
-                    raise ValueError(f"{_unsendable(target)} cannot be sent to the ranks, spawned processes that "
-                                     f"receive their inputs pickled ({type(exc).__name__}: {_shown_text(exc)}): pass "
-                                     "picklable values (data, module-level functions and classes), not lambdas, "
-                                     "local functions, locks, open files or generators") from exc
-                sender.close()  # the child holds the only sending end: its exit closes the pipe
-                processes.append(process)
-                receivers.append(receiver)
-            return _collect(processes, receivers, logs, deadline, timeout)
+            payload = pickle.dumps((target, tuple(args)))
+        except Exception as exc:  # noqa: BLE001 - an object's own __reduce__ may raise anything
+            raise ValueError(f"{_unsendable(target)} cannot be sent to the ranks, spawned processes that receive "
+                             f"their inputs pickled ({type(exc).__name__}: {' '.join(str(exc).split())}): pass "
+                             "picklable values (data, module-level functions and classes), not lambdas, local "
+                             "functions, locks, open files or generators") from exc
+        Path(logs, "job").write_bytes(pickle.dumps((_main_preparation(), payload)))
+        common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(get_free_port()), "WORLD_SIZE": str(ranks),
+                  "LOCAL_WORLD_SIZE": str(ranks), **(env or {})}
+        started: list[SubprocessHandler] = []
+        try:
+            for rank in range(ranks):
+                # torch's elastic launcher's process: a session of its own, stderr to a file from its first line.
+                started.append(get_subprocess_handler(
+                    sys.executable, ("-c", _RANK_COMMAND, logs, rank),
+                    {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}, "", str(_path(logs, rank, "stderr")),
+                    rank))
+            failure = _watch(started, logs, deadline, timeout)
         finally:
-            _stop(processes, grace)
-            for receiver in receivers:
-                receiver.close()
+            _stop(started, grace)
+        if failure is not None:
+            raise LaunchError(*failure)
+        return [pickle.loads(_path(logs, rank, "outcome").read_bytes())[1] for rank in range(ranks)]
 
 
-@contextlib.contextmanager
-def _environment_of_rank(variables: Mapping[str, str]) -> Iterator[None]:
-    """This process's environment as a rank's (its `variables` set, torchrun's agent variables
-    dropped) while a rank is spawned, restored after: a spawned process starts with its parent's
-    environment, so the rank's own is there from its first line, for its imports (torch reads
-    OMP_NUM_THREADS and TORCH_DISTRIBUTED_DEBUG as it is imported) and its modules' top-level code."""
-    with _spawning:
-        dropped = [name for name in os.environ if name.startswith(_TORCHRUN_PREFIX)]
-        saved = {name: os.environ.get(name) for name in [*variables, *dropped]}
-        try:
-            for name in dropped:
-                del os.environ[name]
-            os.environ.update(variables)
-            yield
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+def _refusal(target: object, world_size: object, args: object, timeout: object, grace: object,
+             env: object) -> str | None:
+    """What is wrong with a launch call, if anything."""
+    ranks, cores = as_index(world_size), os.cpu_count() or 1
+    if _running_main_again:
+        return ("launch() was called while a rank ran the launching script again as __mp_main__ (every rank runs it "
+                "to import the target): call launch under `if __name__ == \"__main__\":`, which the ranks skip")
+    if ranks is None or ranks < 1:
+        return f"world_size = {world_size!r} must be a positive integer"
+    if ranks > MAX_RANKS_PER_CORE * cores:
+        return (f"world_size = {ranks}: launch starts one process per rank on this host, and {ranks} is more than "
+                f"{MAX_RANKS_PER_CORE} per core of its {cores} (at most {MAX_RANKS_PER_CORE * cores}); check the "
+                "value, or start ranks on several hosts with torchrun")
+    if timeout is not None and not (_is_seconds(timeout) and timeout > 0):  # type: ignore[operator]
+        return f"timeout = {timeout!r} must be a positive number of seconds (a finite int or float), or None for " \
+               "no deadline"
+    if not (_is_seconds(grace) and grace >= 0):  # type: ignore[operator]
+        return f"grace = {grace!r} must be a number of seconds (a finite int or float), 0 or more"
+    if env is not None and not isinstance(env, Mapping):
+        return f"env = {env!r} must be a mapping of variable names to values (a dict of str), or None"
+    for name, value in (env or {}).items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            return f"env[{name!r}] = {value!r}: variable names and values must be str"
+        if not name or "=" in name or "\0" in name or "\0" in value:
+            return f"env[{name!r}] = {value!r}: a variable name must be non-empty, without '=' or NUL, and a value " \
+                   "without NUL"
+        if name == "TORCH_DISTRIBUTED_DEBUG" and not (value.isascii() and value.upper() in ("OFF", "INFO", "DETAIL")):
+            return f"env[{name!r}] = {value!r}: torch takes OFF, INFO or DETAIL"  # torch's import would fail on it
+        if name in _RANK_VARIABLES or name.startswith(_TORCHRUN_PREFIX):
+            return f"env[{name!r}]: launch sets {', '.join(_RANK_VARIABLES)} for every rank and drops " \
+                   f"{_TORCHRUN_PREFIX}*; leave {name} out of env"
+    if not isinstance(args, (tuple, list)):  # a str would be spread into characters
+        return f"args = {_shown(args)} ({type(args).__name__}) must be a tuple or list of the target's arguments: " \
+               f"pass args=({_shown(args)},) for a single argument, args=() for none"
+    if not callable(target):
+        return f"target = {target!r} must be a callable (a module-level function)"
+    if getattr(target, "__module__", None) == "__main__" and _MAINS.isdisjoint(_main_preparation()):
+        return (f"target {getattr(target, '__qualname__', target)!r} is defined in __main__ of a session the ranks "
+                "cannot import (python -c, stdin, interactive): define it in a module or a script file")
+    return None
+
+
+def _is_seconds(value: object) -> bool:
+    """A finite real number that is not a bool (True seconds is a mistake, not 1 s)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _unsendable(target: Callable[..., Any]) -> str:
+    """Which of launch's inputs failed to pickle: the target (a bound method or callable object
+    carries its state), else the args."""
+    try:
+        pickle.dumps(target)
+    except Exception:  # noqa: BLE001 - any failure names the target
+        return f"target {_shown(target)}"
+    return "args"
+
+
+def _shown(value: object) -> str:
+    return " ".join(short_repr(value).split())  # one line: a tensor's repr has several
+
+
+def _main_preparation() -> dict[str, Any]:
+    """What multiprocessing's spawn hands its child to run this program's __main__ again, as
+    `multiprocessing.spawn.prepare` reads it: the main by module name (not a package's
+    __main__), or from a script file; none where no rank can run it (`python -c`, standard
+    input, an interactive session), so that a target in a module still launches from there."""
+    main = sys.modules["__main__"]
+    data: dict[str, Any] = {"sys_path": sys.path, "sys_argv": sys.argv, "dir": os.getcwd()}
+    name, path = getattr(getattr(main, "__spec__", None), "name", None), getattr(main, "__file__", None)
+    if name is not None and name != "__main__" and not name.endswith(".__main__"):
+        data["init_main_from_name"] = name
+    elif name is None and isinstance(path, str) and os.path.isfile(path) and Path(path).stem != "ipython":
+        data["init_main_from_path"] = os.path.abspath(path)
+    return data
+
+
+def _path(logs: str, rank: int, kind: str) -> Path:
+    return Path(logs) / f"rank{rank}.{kind}"
+
+
+def _watch(started: list[SubprocessHandler], logs: str, deadline: float | None,
+           timeout: float | None) -> tuple[str, int | None, int | None] | None:
+    """Wait until every rank has sent its outcome, or one failed, or the deadline passed; what
+    LaunchError then says (message, rank, exit code), None when every rank returned."""
+    pending = set(range(len(started)))
+    while pending:
+        for rank in sorted(pending):
+            code = started[rank].proc.poll()  # before the outcome: a rank writes it, then exits
+            if _path(logs, rank, "outcome").exists():
+                ok, value = pickle.loads(_path(logs, rank, "outcome").read_bytes())
+                if not ok:
+                    return f"rank {rank} {value}; stopped every rank{_tail(logs, rank)}", rank, None
+                pending.discard(rank)
+            elif code is not None:
+                killer = {sig.value: sig.name for sig in signal.Signals}.get(-code, f"signal {-code}")
+                died = f"was killed by {killer}" if code < 0 else f"exited with code {code}"
+                return f"rank {rank} {died} before returning a result; stopped every rank{_tail(logs, rank)}", \
+                    rank, code
+        if pending and deadline is not None and time.monotonic() > deadline:
+            late = sorted(pending)
+            return (f"rank(s) {', '.join(map(str, late))} of {len(started)} did not finish within {timeout:g} s; "
+                    f"stopped every rank{_stacks(started, logs, late)}"), None, None
+        time.sleep(_POLL_SECONDS if pending else 0)
+    return None
+
+
+def _stacks(started: list[SubprocessHandler], logs: str, late: list[int]) -> str:
+    """Each late rank's main-thread Python stack, quoted (else its stderr's last lines):
+    faulthandler writes it to the rank's stack file on STACK_SIGNAL. A rank without a stack
+    file is still starting: the signal would kill it unheard."""
+    asked = [rank for rank in late if _path(logs, rank, "stack").exists()]
+    for rank in asked:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(started[rank].proc.pid, STACK_SIGNAL)
+    end = time.monotonic() + _STACK_WAIT_SECONDS
+    while time.monotonic() < end and not all(_path(logs, rank, "stack").stat().st_size for rank in asked):
+        time.sleep(0.05)
+    time.sleep(0.05)  # a dump is written at once, from the signal handler: let the last one end
+    quoted = []
+    for rank in late:
+        frames = _path(logs, rank, "stack").read_text(errors="replace").splitlines()[1:] if rank in asked else []
+        stack = "".join(f"\n  {line.strip()}" for line in frames[:STACK_LINES])
+        quoted.append(f"\nrank {rank}'s Python stack at the deadline (innermost call first):{stack}" if stack
+                      else _tail(logs, rank))
+    return "".join(quoted)
+
+
+def _stop(started: list[SubprocessHandler], grace: float) -> None:
+    """SIGTERM to every rank's session (a rank that returned may leave processes there), SIGKILL
+    to those that outlive `grace`; every rank reaped."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for handler in started:
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # a session already empty
+                os.killpg(handler.proc.pid, sig)
+        end = time.monotonic() + grace
+        while sig == signal.SIGTERM and time.monotonic() < end and any(h.proc.poll() is None for h in started):
+            time.sleep(_POLL_SECONDS)
+    for handler in started:
+        handler.proc.wait()
+
+
+def _tail(logs: str, rank: int) -> str:
+    """The last lines of a rank's stderr, quoted; '' when it wrote none."""
+    with contextlib.suppress(OSError):
+        lines = _path(logs, rank, "stderr").read_text(errors="replace").rstrip().splitlines()[-STDERR_TAIL_LINES:]
+        if lines:
+            return f"\nlast lines of rank {rank}'s stderr:" + "".join(f"\n  {line}" for line in lines)
+    return ""
 
 
 class _Terminated(BaseException):
@@ -216,8 +298,8 @@ def _cleanup_on_sigterm() -> Iterator[None]:
     it again with the default action, so the process still dies of it. Only where SIGTERM has
     its default action (a handler of the caller's own decides for itself) and on the main
     thread (the only one Python lets set a handler)."""
-    on_main_thread = threading.current_thread() is threading.main_thread()
-    if not on_main_thread or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
         return
     try:
@@ -231,313 +313,47 @@ def _cleanup_on_sigterm() -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _is_seconds(value: object) -> bool:
-    """A finite real number that is not a bool (True seconds is a mistake, not 1 s)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check_env(env: Mapping[str, str] | None) -> None:
-    """Every variable a rank could set: str names and values, none that launch sets or drops."""
-    if env is None:
-        return
-    if not isinstance(env, Mapping):
-        raise ValueError(f"env = {env!r} must be a mapping of variable names to values (a dict of str), or None")
-    for name, value in env.items():
-        if not isinstance(name, str) or not isinstance(value, str):
-            raise ValueError(f"env[{name!r}] = {value!r}: variable names and values must be str")
-        if not name or "=" in name or "\0" in name or "\0" in value:
-            raise ValueError(f"env[{name!r}] = {value!r}: a variable name must be non-empty, without '=' or NUL, "
-                             "and a value without NUL")
-        if name == "TORCH_DISTRIBUTED_DEBUG" and not (value.isascii() and value.upper() in ("OFF", "INFO", "DETAIL")):
-            # a rank would fail reading it before its stderr is kept, leaving the error no cause
-            raise ValueError(f"env[{name!r}] = {value!r}: torch takes OFF, INFO or DETAIL")
-        if name in _RANK_VARIABLES or name.startswith(_TORCHRUN_PREFIX):
-            raise ValueError(f"env[{name!r}]: launch sets {', '.join(_RANK_VARIABLES)} for every rank and drops "
-                             f"{_TORCHRUN_PREFIX}*; leave {name} out of env")
-
-
-def _check_args(args: object) -> None:
-    """A tuple or list: a str would be spread into characters, and a single value is no list of
-    arguments. Whether each value can be sent is found when the first rank is spawned."""
-    if not isinstance(args, (tuple, list)):
-        shown = _shown(args)
-        raise ValueError(f"args = {shown} ({type(args).__name__}) must be a tuple or list of the target's "
-                         f"arguments: pass args=({shown},) for a single argument, args=() for none")
-
-
-def _fails_to_pickle(target: Callable[..., Any], args: object) -> bool:
-    """Whether the inputs a rank receives fail to pickle, however their pickling raises (an
-    object's own __reduce__ may raise anything)."""
+def _rank_main() -> None:
+    """One rank (`python -c _RANK_COMMAND LOGS RANK`, its variables set since it started): run
+    the launcher's __main__ again, import the target, call it, and write its outcome where the
+    launcher looks; a traceback goes to this rank's stderr, which the launcher quotes."""
+    global _running_main_again
+    logs, rank = sys.argv[1], int(sys.argv[2])
+    for name in [name for name in os.environ if name.startswith(_TORCHRUN_PREFIX)]:
+        del os.environ[name]  # a launcher under torchrun passes its agent's on
+    # Its own file (other threads may write to stderr meanwhile), held open for the process's life
+    # as faulthandler writes to it from a signal handler; named once it answers the signal.
+    stack = open(_path(logs, rank, "stack.part"), "w")
+    faulthandler.register(STACK_SIGNAL, file=stack, all_threads=False)
+    os.replace(_path(logs, rank, "stack.part"), _path(logs, rank, "stack"))
+    threading.Thread(target=_end_with_launcher, args=(os.getppid(),), daemon=True).start()
+    preparation, payload = pickle.loads(Path(logs, "job").read_bytes())
+    stage = f"failed running {preparation.get('init_main_from_path') or preparation.get('init_main_from_name')} " \
+            "again as __mp_main__ (each rank does, to import the target): "
     try:
-        ForkingPickler.dumps((target, args))
-    except Exception:  # noqa: BLE001 - any failure is the inputs'
-        return True
-    return False
-
-
-def _unsendable(target: Callable[..., Any]) -> str:
-    """Which of launch's inputs failed to pickle: the target (a bound method or callable object
-    carries its state), else the args."""
+        _running_main_again = True
+        multiprocessing.spawn.prepare(preparation)
+        _running_main_again = False
+        stage = "could not import the target (a function at the top level of a module or of the script, outside " \
+                "its `if __name__ == \"__main__\":` block, which the ranks do not run): "
+        target, args = pickle.loads(payload)
+        stage = "raised "
+        outcome: tuple[bool, Any] = (True, target(*args))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the launcher, named
+        traceback.print_exc()
+        outcome = (False, stage + "".join(traceback.format_exception_only(type(exc), exc)).strip())
     try:
-        ForkingPickler.dumps(target)
-    except Exception:  # noqa: BLE001 - any failure names the target
-        return f"target {_shown(target)}"
-    return "args"
-
-
-def _shown(value: object) -> str:
-    return _shown_text(_SHOWN.repr(value))
-
-
-def _shown_text(text: object) -> str:
-    return " ".join(str(text).split())
-
-
-def _check_importable(target: Callable[..., Any]) -> None:
-    """Ranks are spawned, so they import `target` by its module and name, as pickle does: a
-    function nested in another, a lambda, or one defined where no rank can import it (`python -c`,
-    stdin, an interactive session, a script's `if __name__ == "__main__":` block) would fail
-    there with no cause to show."""
-    if not callable(target):
-        raise ValueError(f"target = {target!r} must be a callable (a module-level function)")
-    module_name = getattr(target, "__module__", None)
-    if isinstance(target, types.FunctionType):
-        found: Any = sys.modules.get(module_name or "")
-        for part in target.__qualname__.split("."):
-            found = getattr(found, part, None)
-        if found is not target:
-            raise ValueError(f"target {target.__qualname__} (in {module_name}) cannot be imported by name, and "
-                             "ranks are spawned processes that import it: define it at the top level of a module")
-    if module_name == "__main__" and not _main_is_importable():
-        raise ValueError(f"target {getattr(target, '__qualname__', target)!r} is defined in __main__ of a "
-                         "session the ranks cannot import (python -c, stdin, interactive): define it in a "
-                         "module or a script file")
-    if module_name == "__main__":
-        qualname = getattr(target, "__qualname__", None)
-        path = getattr(sys.modules["__main__"], "__file__", None)
-        if isinstance(qualname, str) and isinstance(path, str) and _only_in_main_block(path, qualname.split(".")[0]):
-            raise ValueError(f"target {qualname!r} is defined inside the `if __name__ == \"__main__\":` block of "
-                             f"{path}, which the ranks do not run (they import the script as __mp_main__): define "
-                             "it at the top level of the script, outside that block")
-
-
-def _check_main_reruns() -> None:
-    """A spawned process runs this process's __main__ again from its `__file__` before it
-    imports the target, whatever module that is in: a `__file__` that names no file (python -
-    sets '<stdin>') fails every rank there, before its output is redirected to its log."""
-    main = sys.modules["__main__"]
-    path = getattr(main, "__file__", None)
-    if (getattr(getattr(main, "__spec__", None), "name", None) is None and isinstance(path, str)
-            and not os.path.isfile(path) and Path(path).stem != "ipython"):
-        raise ValueError(f"this program's __main__ has __file__ = {path!r}, which is not a file, and every rank "
-                         "(a spawned process) runs __main__ again from it before it imports the target: run the "
-                         "program from a script file (python script.py) or as python -c, not from standard input")
-
-
-def _main_is_importable() -> bool:
-    """Whether a spawned process can run this process's __main__ again, as multiprocessing.spawn
-    does: by module name (not a package's __main__), or from a script file (not ipython's)."""
-    main = sys.modules["__main__"]
-    module_name = getattr(getattr(main, "__spec__", None), "name", None)
-    if module_name is not None:
-        return not (module_name == "__main__" or module_name.endswith(".__main__"))
-    path = getattr(main, "__file__", None)
-    return isinstance(path, str) and os.path.isfile(path) and Path(path).stem != "ipython"
-
-
-def _only_in_main_block(path: str, name: str) -> bool:
-    """Whether every def or class named `name` at the top level of the script at `path` (in
-    blocks, not in other defs) is inside an `if __name__ == "__main__":` block. False when the
-    source cannot be read or has no such def: the ranks are then left to find it."""
-    try:
-        tree = ast.parse(Path(path).read_bytes(), path)
-    except (OSError, SyntaxError, ValueError):
-        return False
-    guarded: list[bool] = []
-
-    def visit(node: ast.AST, in_main_block: bool) -> None:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            if node.name == name:
-                guarded.append(in_main_block)
-            return  # what a def's body defines is not at the top level
-        if isinstance(node, ast.If) and (is_main := _tests_main(node.test)) is not None:
-            for statement in node.body:
-                visit(statement, in_main_block or is_main)
-            for statement in node.orelse:
-                visit(statement, in_main_block or not is_main)
-            return
-        for child in ast.iter_child_nodes(node):
-            visit(child, in_main_block)
-
-    visit(tree, False)
-    return bool(guarded) and all(guarded)
-
-
-def _tests_main(test: ast.expr) -> bool | None:
-    """True for `__name__ == "__main__"` (either way round), False for `!=`, None for any other test."""
-    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.NotEq))):
-        return None
-    sides = [test.left, test.comparators[0]]
-    if not (any(isinstance(side, ast.Name) and side.id == "__name__" for side in sides)
-            and any(isinstance(side, ast.Constant) and side.value == "__main__" for side in sides)):
-        return None
-    return isinstance(test.ops[0], ast.Eq)
-
-
-def _collect(processes: list[BaseProcess], receivers: list[Connection], logs: str,
-             deadline: float | None, timeout: float | None) -> list[Any]:
-    results: dict[int, Any] = {}
-    pending = {rank: receivers[rank] for rank in range(len(processes))}
-    while pending:
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and remaining <= 0:
-            late = sorted(pending)
-            stacks = _stacks(processes, logs, late)
-            where = "".join(f"\nrank {rank}'s Python stack at the deadline (innermost call first):\n{stacks[rank]}"
-                            if rank in stacks else _tails(logs, [rank]) for rank in late)
-            raise LaunchError(
-                f"rank(s) {', '.join(map(str, late))} of {len(processes)} did not finish within {timeout:g} s; "
-                f"stopped every rank{where}"
-            )
-        ready = wait([*pending.values(), *(processes[rank].sentinel for rank in pending)],
-                     None if remaining is None else min(remaining, _LONGEST_WAIT_SECONDS))
-        for rank in sorted(pending):
-            receiver, process = pending[rank], processes[rank]
-            if receiver in ready or process.sentinel in ready:
-                outcome = _receive(receiver)
-                if outcome is None:  # the pipe closed with nothing in it: the rank died
-                    process.join()
-                    raise LaunchError(f"rank {rank} {_describe_exit(process.exitcode)} before returning a "
-                                      f"result; stopped every rank{_tails(logs, [rank])}",
-                                      rank, process.exitcode)
-                if not outcome.ok:
-                    raise LaunchError(f"rank {rank} {outcome.value}; stopped every rank"
-                                      f"{_tails(logs, [rank])}", rank)
-                results[rank] = outcome.value
-                del pending[rank]
-    return [results[rank] for rank in range(len(processes))]
-
-
-def _stacks(processes: list[BaseProcess], logs: str, ranks: list[int]) -> dict[int, str]:
-    """Each late rank's main-thread Python stack (where it hangs is the first thing its error
-    needs), quoted: faulthandler writes it to a file of the rank's own on STACK_SIGNAL. Ranks
-    that write none (still starting, or a target that took the signal for itself) are left out."""
-    if STACK_SIGNAL is None:
-        return {}
-    asked = []
-    for rank in ranks:
-        process = processes[rank]
-        # No stack file yet: the rank is still starting, and the signal would kill it unheard.
-        if process.pid is None or not process.is_alive() or not _stack_path(_stderr_path(logs, rank)).exists():
-            continue
-        try:
-            os.kill(process.pid, STACK_SIGNAL)
-        except ProcessLookupError:
-            continue
-        asked.append(rank)
-    end = time.monotonic() + _STACK_WAIT_SECONDS
-    while time.monotonic() < end and not all(_stack_path(_stderr_path(logs, rank)).stat().st_size for rank in asked):
-        time.sleep(0.05)
-    time.sleep(0.05)  # a dump is written at once, from the signal handler: let the last one end
-    found = {}
-    for rank in asked:
-        frames = _stack_path(_stderr_path(logs, rank)).read_text(errors="replace").splitlines()[1 : STACK_LINES + 1]
-        if frames:
-            found[rank] = "\n".join(f"  {line.strip()}" for line in frames)
-    return found
-
-
-def _receive(receiver: Connection) -> _Outcome | None:
-    try:
-        if not receiver.poll():
-            return None
-        data = receiver.recv_bytes()
-    except (EOFError, OSError):
-        return None
-    try:
-        outcome: _Outcome = pickle.loads(data)
-    except Exception as exc:  # noqa: BLE001 - the rank finished; its result is what failed
-        return _Outcome(False, f"returned a result the launcher cannot unpickle ({exc!r})")
-    return outcome
-
-
-def _stop(processes: list[BaseProcess], grace: float) -> None:
-    """Terminate every rank still running, kill those that outlive `grace`; reap them all."""
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    end = time.monotonic() + grace
-    for process in processes:
-        while process.is_alive() and (left := end - time.monotonic()) > 0:
-            process.join(min(left, _LONGEST_WAIT_SECONDS))
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            process.join()
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is not None and code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def _stderr_path(logs: str, rank: int) -> Path:
-    return Path(logs) / f"rank{rank}.stderr"
-
-
-def _stack_path(stderr_path: Path) -> Path:
-    """Where the rank whose stderr is `stderr_path` writes its stack when asked."""
-    return stderr_path.with_suffix(".stack")
-
-
-def _tails(logs: str, ranks: list[int]) -> str:
-    parts = []
-    for rank in ranks:
-        try:
-            lines = _stderr_path(logs, rank).read_text(errors="replace").rstrip().splitlines()
-        except OSError:
-            lines = []
-        if lines:
-            quoted = "\n".join(f"  {line}" for line in lines[-STDERR_TAIL_LINES:])
-            parts.append(f"\nlast lines of rank {rank}'s stderr:\n{quoted}")
-    return "".join(parts)
-
-
-def _rank_main(target: Callable[..., Any], args: tuple[Any, ...], sender: Connection, stderr_path: str,
-               parent_pid: int) -> None:
-    """One rank (its variables set since it started): its stderr (fd 2, so native output too)
-    kept for the parent's error, the outcome sent back."""
-    log = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.dup2(log, 2)
-    os.close(log)
-    if STACK_SIGNAL is not None:  # the launcher asks a rank late at its deadline where it is
-        # A file of its own: the rank's other threads may be writing to stderr meanwhile. Held
-        # open for the process's life, as faulthandler writes to it from a signal handler.
-        stack = os.open(_stack_path(Path(stderr_path)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        faulthandler.register(STACK_SIGNAL, file=stack, all_threads=False)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops the ranks
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
-    try:
-        outcome = _Outcome(True, target(*args))
-    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent, named
-        traceback.print_exc()  # into the rank's stderr, which the parent quotes
-        outcome = _Outcome(False, "raised " + "".join(traceback.format_exception_only(type(exc), exc)).strip())
-    # Plain pickle, by value: a connection's own pickler would send tensors through shared memory
-    # that the launcher can no longer open once this rank has exited.
-    try:
-        data = pickle.dumps(outcome)
+        data = pickle.dumps(outcome)  # plain pickle: by value, a tensor included
     except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
-        data = pickle.dumps(_Outcome(False, f"returned a result that cannot be sent to the launcher ({exc!r})"))
-    sender.send_bytes(data)
-    sender.close()
+        data = pickle.dumps((False, f"returned a result that cannot be sent to the launcher ({exc!r})"))
+    _path(logs, rank, "outcome.part").write_bytes(data)
+    os.replace(_path(logs, rank, "outcome.part"), _path(logs, rank, "outcome"))
+    sys.exit(0 if outcome[0] else 1)
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """A rank whose launcher died (SIGKILL, a crash) exits instead of running on as an orphan."""
-    while os.getppid() == parent_pid:
-        time.sleep(_PARENT_POLL_SECONDS)
-    os._exit(1)
+def _end_with_launcher(launcher: int) -> None:
+    """A rank whose launcher died (SIGKILL, a crash) ends its session, itself included, instead
+    of running on as an orphan."""
+    while os.getppid() == launcher:
+        time.sleep(1.0)
+    os.killpg(0, signal.SIGKILL)

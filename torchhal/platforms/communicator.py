@@ -1,7 +1,7 @@
 """The collectives engine code uses, behind one protocol: `Communicator`.
 
 `TorchCommunicator` is the default: torch.distributed's backend for the platform
-(`Platform.dist_backend`), called on a process group of its own (never the default
+(`Platform.dist_backend`), called on a process group of its own (never torch's default
 group, so two engines can share a process). A vendor supplies its own communicator
 (a custom all-reduce, say) through `DistributedSupport.communicator`, usually by
 wrapping the default one and replacing the calls it does better.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,6 @@ from torchhal.values import as_index
 #: Reductions every communicator supports, by name.
 ReduceOpName = Literal["sum", "max", "min"]
 REDUCE_OPS: tuple[str, ...] = ("sum", "max", "min")
-_Result = TypeVar("_Result")
 
 
 class CollectiveError(RuntimeError):
@@ -106,9 +105,8 @@ _GLOO_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfl
 
 
 class TorchCommunicator:
-    """`Communicator` on a torch.distributed backend object (`ProcessGroupGloo`,
-    `ProcessGroupNCCL`, a vendor's registered backend), called directly: the group is
-    never registered with torch.distributed's world, so the default group is untouched.
+    """`Communicator` on a torch.distributed process group or backend (`init_group`'s groups,
+    a `ProcessGroupGloo` of a test's own), called directly: its calls are the group's alone.
 
     `store` is a key-value store of this group's alone (every rank sees the same one), for a
     communicator that wraps this one and must agree with its peers on resources of its own
@@ -125,57 +123,48 @@ class TorchCommunicator:
         self.graph_capturable = graph_capturable
         self.name = name
         self.timeout = timeout
-        self._gloo = isinstance(backend, dist.ProcessGroupGloo)
+        self._gloo = callable(getattr(backend, "name", None)) and backend.name() == "gloo"
 
     def __repr__(self) -> str:
         return (f"<TorchCommunicator {type(self.backend).__name__} rank {self.rank}/{self.world_size} "
                 f"on {self.device}>")
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> torch.Tensor:
+        call = f"all_reduce(op={op!r})"
         if op not in _TORCH_OPS:
-            raise ValueError(f"all_reduce(op={op!r}): choose one of {', '.join(REDUCE_OPS)}")
-        self._check_tensor(tensor, f"all_reduce(op={op!r})", written=True)
-        self._check_dtype(tensor, f"all_reduce(op={op!r})", complex_as_reals=op == "sum")
-        self._check_open(f"all_reduce(op={op!r})")
+            raise ValueError(f"{call}: choose one of {', '.join(REDUCE_OPS)}")
+        self.check(tensor, call, written=True, complex_as_reals=op == "sum")
         if self.world_size == 1:
             return tensor
         options = dist.AllreduceOptions()
         options.reduceOp = _TORCH_OPS[op]
         with _in_place(tensor) as work:
-            self._complete(f"all_reduce(op={op!r})", lambda: self.backend.allreduce([work], options))
+            self._complete(call, lambda: self.backend.allreduce([work], options))
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0, sizes: Sequence[int] | None = None) -> torch.Tensor:
-        self._check_tensor(tensor, "all_gather")
-        self._check_dtype(tensor, "all_gather", complex_as_reals=False)
-        index = as_index(dim)
+        self.check(tensor, "all_gather", complex_as_reals=False)
+        index, extents = as_index(dim), None if sizes is None else list(sizes)  # a generator is read once, here
+        problem = None
         if index is None or not -tensor.dim() <= index < tensor.dim():
-            raise ValueError(f"all_gather(dim={dim!r}): give a dimension of the tensor (an int; it has "
-                             f"{tensor.dim()})")
+            problem = f"all_gather(dim={dim!r}): give a dimension of the tensor (an int; it has {tensor.dim()})"
+        elif extents is not None and (len(extents) != self.world_size or extents[self.rank] != tensor.shape[index]
+                                      or any(as_index(n) is None or n < 0 for n in extents)):
+            problem = (f"all_gather(sizes={extents}): give one non-negative int per rank ({self.world_size}), this "
+                       f"rank's ({self.rank}) equal to its tensor's extent {tensor.shape[index]} along dim "
+                       f"{index % tensor.dim()}")
+        if problem is not None:
+            raise ValueError(problem)
+        assert index is not None
         dim = index % tensor.dim()
-        extents: list[int] | None = None
-        if sizes is not None:
-            extents = list(sizes)  # once: a generator is read here only
-            if (len(extents) != self.world_size
-                    or any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in extents)
-                    or extents[self.rank] != tensor.shape[dim]):
-                raise ValueError(
-                    f"all_gather(sizes={extents}): give one non-negative int per rank ({self.world_size}), "
-                    f"this rank's ({self.rank}) equal to its tensor's extent {tensor.shape[dim]} along dim {dim}"
-                )
-        self._check_open("all_gather")
         if self.world_size == 1:
             return tensor
-        if extents is not None:
-            widest = max(extents)
-            padded = tensor
-            if tensor.shape[dim] < widest:
-                pad_shape = list(tensor.shape)
-                pad_shape[dim] = widest - tensor.shape[dim]
-                padded = torch.cat((tensor, tensor.new_zeros(pad_shape)), dim)
-            pieces = self._gather_equal(padded.contiguous())
-            return torch.cat([piece.narrow(dim, 0, size) for piece, size in zip(pieces, extents, strict=True)], dim)
-        return torch.cat(self._gather_equal(tensor.contiguous()), dim)
+        if extents is None:
+            return torch.cat(self._gather_equal(tensor.contiguous()), dim)
+        padded = list(tensor.shape)
+        padded[dim] = max(extents) - tensor.shape[dim]
+        pieces = self._gather_equal(torch.cat((tensor, tensor.new_zeros(padded)), dim).contiguous())
+        return torch.cat([piece.narrow(dim, 0, size) for piece, size in zip(pieces, extents, strict=True)], dim)
 
     def _gather_equal(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         pieces = [torch.empty_like(tensor) for _ in range(self.world_size)]
@@ -183,10 +172,8 @@ class TorchCommunicator:
         return pieces
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        src = self._check_peer(src, "broadcast(src=...)")
-        self._check_tensor(tensor, f"broadcast(src={src})", written=True)
-        self._check_dtype(tensor, f"broadcast(src={src})", complex_as_reals=True)
-        self._check_open(f"broadcast(src={src})")
+        src = self._peer(src, "broadcast(src=...)")
+        self.check(tensor, f"broadcast(src={src})", written=True, complex_as_reals=True)
         if self.world_size == 1:
             return tensor
         options = dist.BroadcastOptions()
@@ -197,67 +184,65 @@ class TorchCommunicator:
         return tensor
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
-        dst = self._check_peer(dst, "send(dst=...)", other=True)
-        self._check_tensor(tensor, f"send(dst={dst})")
+        dst = self._peer(dst, "send(dst=...)", other=True)
+        self.check(tensor, f"send(dst={dst})")
         self._complete(f"send(dst={dst})", lambda: self.backend.send([tensor.contiguous()], dst, 0))
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        src = self._check_peer(src, "recv(src=...)", other=True)
-        self._check_tensor(tensor, f"recv(src={src})", written=True)
+        src = self._peer(src, "recv(src=...)", other=True)
+        self.check(tensor, f"recv(src={src})", written=True)
         with _in_place(tensor) as work:
             self._complete(f"recv(src={src})", lambda: self.backend.recv([work], src, 0))
         return tensor
 
-    def _check_tensor(self, tensor: object, call: str, *, written: bool = False) -> None:
-        """Refuse what is this rank's own mistake before its peers are waited on. `written`: the
-        call writes its result into the tensor."""
+    def check(self, tensor: object, call: str, *, written: bool = False, complex_as_reals: bool | None = None) -> None:
+        """Refuse what is this rank's own mistake before its peers are waited on, and any call on
+        a closed group (a group of one rank's too). `written`: the call writes its result into
+        the tensor. `complex_as_reals`: the call is a collective, which on gloo takes only the
+        dtypes of gloo's type switch, and complex ones as pairs of reals when this is True (send
+        and recv, None, move bytes of any dtype)."""
+        problem = None
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{call}: expected a torch.Tensor, got {type(tensor).__name__}")
-        if not is_on(tensor.device, self.device):
-            raise ValueError(f"{call}: the tensor is on {tensor.device}, this group's rank {self.rank} on "
-                             f"{self.device}; move it there first (tensor.to(group.device))")
-        if written and overlaps_itself(tensor):
-            raise ValueError(f"{call}: elements of the tensor share memory (shape {list(tensor.shape)}, strides "
-                             f"{list(tensor.stride())}: an expand()ed or unfold()ed view, say), so the result cannot "
-                             "be written into it; pass a tensor of its own (tensor.clone())")
-
-    def _check_dtype(self, tensor: torch.Tensor, call: str, *, complex_as_reals: bool) -> None:
-        """Refuse a dtype the backend cannot take in a collective before any peer waits: the backend
-        fails the call only once the peers have met, in words that blame a peer. Only gloo's limits
-        are known here. `complex_as_reals`: whether the call takes complex tensors (as pairs of reals)."""
-        if self._gloo and tensor.dtype not in _GLOO_DTYPES and not (complex_as_reals and tensor.dtype.is_complex):
+            problem = f"expected a torch.Tensor, got {type(tensor).__name__}"
+        elif not is_on(tensor.device, self.device):
+            problem = (f"the tensor is on {tensor.device}, this group's rank {self.rank} on {self.device}; move it "
+                       "there first (tensor.to(group.device))")
+        elif written and overlaps_itself(tensor):
+            problem = (f"elements of the tensor share memory (shape {list(tensor.shape)}, strides "
+                       f"{list(tensor.stride())}: an expand()ed or unfold()ed view, say), so the result cannot be "
+                       "written into it; pass a tensor of its own (tensor.clone())")
+        elif (self._gloo and complex_as_reals is not None and tensor.dtype not in _GLOO_DTYPES
+              and not (complex_as_reals and tensor.dtype.is_complex)):
+            # gloo fails the call only once the peers have met, in words that blame a peer.
             taken = ", ".join(sorted(str(dtype).removeprefix("torch.") for dtype in _GLOO_DTYPES))
-            raise ValueError(f"{call}: gloo cannot take {str(tensor.dtype).removeprefix('torch.')} tensors here; it "
-                             f"takes {taken}{' and complex' if complex_as_reals else ''}: convert the tensor first "
-                             "(tensor.to(...))")
-
-    def _check_open(self, call: str) -> None:
-        """Refuse a call on a closed group, a group of one included (it needs no backend to answer)."""
-        if self.backend is None:
-            raise CollectiveError(f"{call}: group {self.name or '?'!r} is closed (DeviceGroup.close); "
-                                  "make a new group with init_group")
+            problem = (f"gloo cannot take {str(tensor.dtype).removeprefix('torch.')} tensors here; it takes "
+                       f"{taken}{' and complex' if complex_as_reals else ''}: convert the tensor first "
+                       "(tensor.to(...))")
+        elif self.backend is None:
+            raise CollectiveError(f"{call}: group {self.name or '?'!r} is closed (DeviceGroup.close); make a new "
+                                  "group with init_group")
+        if problem is not None:
+            raise (ValueError if isinstance(tensor, torch.Tensor) else TypeError)(f"{call}: {problem}")
 
     def _complete(self, call: str, issue: Callable[[], Any]) -> None:
         """Issue a backend call and wait for it; a backend failure becomes one CollectiveError."""
-        self._check_open(call)
         try:
             issue().wait()
         except RuntimeError as exc:  # torch's DistBackendError / DistError are RuntimeErrors
             timeout = f"{self.timeout.total_seconds():g} s" if self.timeout is not None else "the backend's"
-            reason = " ".join(str(exc).split())[:300]
             raise CollectiveError(
                 f"{call} failed in group {self.name or '?'!r} at rank {self.rank} of {self.world_size} "
-                f"(timeout {timeout}): {reason}. Check that every rank is alive and makes the same "
-                "calls in the same order (a dead, hung or diverged peer); the group cannot be reused"
+                f"(timeout {timeout}): {' '.join(str(exc).split())[:1200]}. Check that every rank is alive and "
+                "makes the same calls in the same order (a dead, hung or diverged peer); the group cannot be reused"
             ) from exc
 
-    def _check_peer(self, peer: object, call: str, other: bool = False) -> int:
-        """`peer` as a rank of this group (an int; numpy's integers too)."""
+    def _peer(self, peer: object, call: str, other: bool = False) -> int:
+        """`peer` as a rank of this group (an int; numpy's integers too); `other`: not this rank."""
         rank = as_index(peer)
-        if rank is None or not 0 <= rank < self.world_size:
-            raise ValueError(f"{call} {peer!r} is not a rank of this group (an int, 0..{self.world_size - 1})")
-        if other and rank == self.rank:
-            raise ValueError(f"{call} {peer!r} is this rank itself; point-to-point needs another rank")
+        if rank is None or not 0 <= rank < self.world_size or (other and rank == self.rank):
+            raise ValueError(f"{call} {peer!r} is " + ("this rank itself; point-to-point needs another rank"
+                                                       if rank == self.rank and rank is not None and other else
+                                                       f"not a rank of this group (an int, 0..{self.world_size - 1})"))
         return rank
 
 

@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import os
 import socket
-import uuid
 import warnings
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -119,24 +117,13 @@ class PeerMemoryCommunicator(WrappedCommunicator):
 
     def __init__(self, inner: TorchCommunicator, capacity: int = PEER_MEMORY_BYTES) -> None:
         import torch.distributed._symmetric_memory as symmetric_memory
-        from torch._C._distributed_c10d import _register_process_group, _SymmetricMemory
+        from torch._C._distributed_c10d import _SymmetricMemory
 
         assert inner.store is not None  # peer_memory_communicator checked
         super().__init__(inner)
         self.capacity = capacity
-        # Symmetric memory finds its group by name in torch's registry: this group's NCCL backend
-        # is registered there under a name of its own (torchhal never registers it as a torch
-        # group otherwise, so torch's default group is untouched).
-        if inner.rank == 0:
-            inner.store.set("peer_memory/name", f"torchhal-{uuid.uuid4().hex}")
-        self.group_name = inner.store.get("peer_memory/name").decode()
-        registry_name: Any = self.group_name  # torch's stubs type it as their GroupName (a str)
-        registered = dist.ProcessGroup(dist.PrefixStore("peer_memory/group", inner.store), inner.rank,
-                                       inner.world_size)
-        registered._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
-        registered._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, inner.backend)
-        registered._set_group_name(registry_name)
-        _register_process_group(registry_name, registered)
+        # Symmetric memory finds the group by the name init_group registered it under with torch.
+        self.group_name: str = inner.backend.group_name
         _SymmetricMemory.set_group_info(self.group_name, inner.rank, inner.world_size,
                                         dist.PrefixStore("peer_memory/exchange", inner.store))
         self.buffer = symmetric_memory.empty(capacity, dtype=torch.uint8, device=inner.device)
@@ -157,8 +144,7 @@ class PeerMemoryCommunicator(WrappedCommunicator):
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> torch.Tensor:
         if not self.takes(tensor, op):
             return self.inner.all_reduce(tensor, op)
-        self.inner._check_tensor(tensor, f"all_reduce(op={op!r})", written=True)  # the refusals NCCL's path makes
-        self.inner._check_open(f"all_reduce(op={op!r})")
+        self.inner.check(tensor, f"all_reduce(op={op!r})", written=True)  # the refusals NCCL's path makes
         # The kernel reads and writes a dense, 16-byte aligned run: a view or an unaligned
         # offset goes through a fresh copy (the allocator aligns it), written back after.
         aligned = tensor.is_contiguous() and tensor.data_ptr() % ALIGNMENT == 0  # the address, storage's start included
