@@ -267,6 +267,7 @@ def distributed_peer_dies(name: str, rank: int, world: int, store_path: str, ele
             os._exit(0)
         time.sleep(0.5)
         queue.put(("ok", {"rank": rank, "calling": True}))
+        time.sleep(0.2)  # the queue's feeder thread sends it before a platform ending the process can lose it
         start = time.monotonic()
         error = None
         try:
