@@ -178,7 +178,8 @@ def failure(group: Any, job: dict[str, Any]) -> dict[str, Any]:
 
 
 def disagreement(group: Any, job: dict[str, Any]) -> dict[str, Any]:
-    """Ranks that disagree: a weight batch one rank refuses (a NaN only in its slice), configs
+    """Ranks that disagree: a weight batch one rank refuses (a NaN only in its slice), a norm
+    given other values on one rank, engine calls with other arguments on one rank, configs
     that differ, then a closed group: every rank must refuse alike, nothing applied or read."""
     import dataclasses
 
@@ -200,6 +201,25 @@ def disagreement(group: Any, job: dict[str, Any]) -> dict[str, Any]:
         out["update"] = str(exc)
     out["version"] = engine.weight_version
     out["after"] = [list(r.output) for r in engine.generate(prompts, new)]
+
+    # A replicated weight (a norm, held whole by every rank) given other values on rank 1.
+    norm = dict(iter_checkpoint_tensors(job["path"]))["model.norm.weight"] * (1.0 + group.rank)
+    try:
+        engine.update_weights_from_tensors({"model.norm.weight": norm})
+        out["replicated"] = "applied"
+    except ValueError as exc:
+        out["replicated"] = str(exc)
+    out["replicated_version"] = engine.weight_version
+    # Calls that differ between ranks: refused on every rank before a step, nothing queued.
+    for call, run in (("generate", lambda: engine.generate([prompts[0][: 2 + group.rank]], new)),
+                      ("add_request", lambda: engine.add_request(prompts[0], new + group.rank))):
+        try:
+            run()
+            out[call] = "ran"
+        except ValueError as exc:
+            out[call] = str(exc)
+    out["pending_after_calls"] = engine.pending()
+    out["after_calls"] = [list(r.output) for r in engine.generate(prompts, new)]
 
     differing = dataclasses.replace(config, max_kv_slots=256 if group.rank == 0 else 512)
     try:

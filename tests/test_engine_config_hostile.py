@@ -398,7 +398,8 @@ def test_a_rank_whose_update_fails_in_any_way_tells_its_peers() -> None:
         yield "lm_head.weight", torch.zeros(64, 32)
         raise OSError("the weight stream broke")
 
-    updater = WeightUpdater(ReferenceDecoder(SMALL), agree=lambda refused: verdicts.append(refused) or [])
+    updater = WeightUpdater(ReferenceDecoder(SMALL),
+                            agree=lambda refused, replicated: verdicts.append(refused) or ([], []))
     with pytest.raises(OSError, match="stream broke"):
         updater.apply(batch())
     assert verdicts == [True], "the peers would wait in the agreement until the group's timeout"

@@ -284,10 +284,10 @@ class Peers:
     def __init__(self, *failing: list[int]) -> None:
         self.failing, self.asked = list(failing), []
 
-    def __call__(self, failed: bool) -> list[int]:
+    def __call__(self, failed: bool, replicated: int) -> tuple[list[int], list[int]]:
         self.asked.append(failed)
         peers = self.failing[len(self.asked) - 1] if len(self.asked) <= len(self.failing) else []
-        return ([0] if failed else []) + peers
+        return ([0] if failed else []) + peers, []
 
 
 def test_a_write_that_fails_on_a_peer_refuses_generation_on_every_rank():

@@ -82,8 +82,9 @@ def test_a_group_of_the_wrong_type_is_refused_before_any_weight_is_read(tmp_path
 def test_ranks_that_disagree_refuse_together(tmp_path: Path) -> None:
     """TP=2 (gqa: intermediate 96, so rank 1 holds down_proj's columns 48..95): a NaN in
     column 95 is in rank 1's slice only; every rank must refuse the batch and keep its
-    tokens. Then configs that differ (max_kv_slots), then a closed group: refused before a
-    weight is read."""
+    tokens. Then the final norm (held whole) given other values on rank 1, and generate /
+    add_request called with other arguments on rank 1: refused on every rank. Then configs
+    that differ (max_kv_slots), then a closed group: refused before a weight is read."""
     path = save("gqa", tmp_path / "model")
     prompts = PROMPTS[:2]
     job = dict(kind="disagreement", name="disagreement", path=str(path), prompts=prompts, new_tokens=NEW_TOKENS,
@@ -95,6 +96,13 @@ def test_ranks_that_disagree_refuse_together(tmp_path: Path) -> None:
         assert expected in out["update"], f"rank {rank}: {out['update']}"
         assert out["version"] == 0
         assert out["after"] == out["before"], f"rank {rank}: the refused update changed the model"
+        assert "rank(s) [1] of the group were given other values than rank 0 for the weights every rank holds " \
+               "whole (model.norm.weight)" in out["replicated"], f"rank {rank}: {out['replicated']}"
+        assert out["replicated_version"] == 0
+        for call in ("generate", "add_request"):
+            assert f"{call}() was called with other arguments on rank(s) [1] than on rank 0" in out[call], out[call]
+        assert out["pending_after_calls"] is None, out["pending_after_calls"]
+        assert out["after_calls"] == out["before"], f"rank {rank}: a refused call changed what the ranks serve"
         assert "EngineConfig differs between the group's ranks in max_kv_slots (this rank: " \
                f"{256 if rank == 0 else 512})" in out["config"], out["config"]
         assert out["closed"].startswith("CollectiveError") and "closed" in out["closed"], out["closed"]

@@ -23,7 +23,13 @@ from torchhal.core.engine.execution import StepExecutor
 from torchhal.core.engine.kv_pool import BlockAllocator, KVPoolSizing, size_kv_pool
 from torchhal.core.engine.model_state import ModelState
 from torchhal.core.engine.occupation import occupation_for
-from torchhal.core.engine.ranks import agree_on_config, agree_on_verdict, check_group, refuse_with_peers
+from torchhal.core.engine.ranks import (
+    agree_on_config,
+    agree_on_update,
+    agree_on_verdict,
+    check_group,
+    refuse_with_peers,
+)
 from torchhal.core.engine.records import PLATFORM_COMPILE, DecodeGraphConfig, EngineConfig, usable_buckets
 from torchhal.core.engine.requests import RequestBook
 from torchhal.core.engine.runners import EagerRunner, ModelRunner
@@ -421,7 +427,7 @@ def build(self: GenerationEngine, config: EngineConfig, platform: Platform | Non
     self.weights = WeightUpdater(
         self.model, check_finite=config.check_finite_weights,
         shard=getattr(self.model, "shard", None) if self.group is not None else None,
-        agree=functools.partial(agree_on_verdict, self.group) if self.group is not None else None)
+        agree=functools.partial(agree_on_update, self.group) if self.group is not None else None)
     self.paused = None
     self._idle = IdleClock(self.events, config.idle_empty_after_s)
     self.broken = None  # tensor parallel: why a failed step ended this engine

@@ -175,6 +175,25 @@ def agree_on_verdict(group: DeviceGroup, refused: bool) -> list[int]:
     return [rank for rank, flag in enumerate(flags.tolist()) if flag]
 
 
+def agree_on_update(group: DeviceGroup, refused: bool, replicated: int = 0) -> tuple[list[int], list[int]]:
+    """A weight update's verdicts: (the ranks that refused, the ranks whose `replicated` digest
+    differs from rank 0's); every rank gets the same lists. `replicated` digests the values a rank
+    was given for the weights every rank holds whole (the norms): ranks given different values
+    would each serve a model of their own."""
+    rows = group.host.all_gather(torch.tensor([[int(refused), replicated]], dtype=torch.int64)).tolist()
+    return ([rank for rank, (flag, _) in enumerate(rows) if flag],
+            [rank for rank, (_, digest) in enumerate(rows) if digest != rows[0][1]])
+
+
+def value_digest(named: list[tuple[str, torch.Tensor]]) -> int:
+    """One int64 digest of names and values (their bytes), equal in every process given the same."""
+    hasher = hashlib.blake2b(digest_size=7)
+    for name, value in named:
+        hasher.update(name.encode())
+        hasher.update(value.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(hasher.digest(), "little")
+
+
 def agree_on_call(group: DeviceGroup | None, call: str, *arguments: object) -> None:
     """Every rank makes the same engine call with the same arguments (SPMD): ranks whose
     `generate` prompts differed would meet in collectives of other sizes, which gloo answers by

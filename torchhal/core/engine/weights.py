@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
+from torchhal.core.engine.ranks import value_digest
 from torchhal.core.engine.records import WeightUpdateIncomplete, WeightUpdateRejected
 from torchhal.core.model import Model
 from torchhal.core.model.parallel import RankShard
@@ -25,11 +26,12 @@ class WeightUpdater:
     tensors, checked against the whole shapes, and this rank writes its slice of each."""
 
     def __init__(self, model: Model, check_finite: bool = False, shard: RankShard | None = None,
-                 agree: Callable[[bool], list[int]] | None = None) -> None:
-        """`agree(failed)` (tensor parallel): every rank's verdict, the ranks whose verdict was a
-        failure. Asked once before writing, so that a batch one rank refuses (a NaN in its slice)
-        no rank applies, and once after, so that a write that fails on one rank leaves every
-        rank refusing generation until the batch is rewritten."""
+                 agree: Callable[[bool, int], tuple[list[int], list[int]]] | None = None) -> None:
+        """`agree(failed, replicated)` (tensor parallel, `ranks.agree_on_update`): the ranks whose
+        verdict was a failure, and those whose digest of the replicated weights' values differs
+        from rank 0's. Asked once before writing, so that a batch one rank refuses (a NaN in its
+        slice, other values for a norm) no rank applies, and once after, so that a write that
+        fails on one rank leaves every rank refusing generation until the batch is rewritten."""
         self.model = model
         self.check_finite = check_finite
         self.shard = shard
@@ -44,16 +46,23 @@ class WeightUpdater:
     def apply(self, named_tensors: NamedTensors) -> int:
         """Replace the named weights all together and rebuild derived weights; returns the count."""
         try:
-            names, staged = self._checked_and_staged(named_tensors)
+            names, staged, replicated = self._checked_and_staged(named_tensors)
         except BaseException:  # a refusal, anything staging raised, Ctrl-C: the peers must not wait for this rank
             if self.agree is not None:
-                self.agree(True)  # the peers refuse with this rank
+                self.agree(True, 0)  # the peers refuse with this rank
             raise
-        refused_by = self.agree(False) if self.agree is not None else []
+        refused_by, apart = self.agree(False, value_digest(replicated)) if self.agree is not None else ([], [])
         if refused_by:
             raise WeightUpdateRejected(
                 f"weight update rejected, nothing applied: rank(s) {refused_by} of the group refused it (their error "
                 "names why); every rank refuses a batch any rank refuses"
+            )
+        if apart:
+            shown = ", ".join(name for name, _ in replicated[:3]) + (", ..." if len(replicated) > 3 else "")
+            raise WeightUpdateRejected(
+                f"weight update rejected, nothing applied: rank(s) {apart} of the group were given other values than "
+                f"rank 0 for the weights every rank holds whole ({shown or 'none in this batch'}); under tensor "
+                "parallel every rank updates with the same tensors"
             )
         written = len(staged)  # a tied weight given under both names is one
         failure: BaseException | None = None
@@ -68,7 +77,7 @@ class WeightUpdater:
         # Tensor parallel: a write that failed on any rank leaves the ranks' weights different, so
         # every rank refuses generation until the batch is rewritten (else the peers would step
         # alone and wait out the group's timeout in the first collective).
-        failed_on = self.agree(failure is not None) if self.agree is not None else []
+        failed_on = self.agree(failure is not None, 0)[0] if self.agree is not None else []
         if failure is not None or failed_on:
             self.incomplete.update(names)
             if failure is not None and not isinstance(failure, Exception):  # Ctrl-C stays Ctrl-C
@@ -85,9 +94,10 @@ class WeightUpdater:
 
     def _checked_and_staged(
         self, named_tensors: NamedTensors,
-    ) -> tuple[list[str], list[tuple[torch.Tensor, torch.Tensor]]]:
+    ) -> tuple[list[str], list[tuple[torch.Tensor, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
         """Every check, and each value in its parameter's dtype and place: (every name of the
-        parameters written, (param, value))."""
+        parameters written, (param, value), (name, value) of the weights every tensor-parallel
+        rank holds whole)."""
         items = self._items(named_tensors)
         if not items:
             raise WeightUpdateRejected("weight update rejected, nothing applied: the update names no weights (an "
@@ -98,6 +108,7 @@ class WeightUpdater:
         if problems:
             raise WeightUpdateRejected("weight update rejected, nothing applied: " + "; ".join(problems))
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        replicated: list[tuple[str, torch.Tensor]] = []
         written = _WrittenFirst()
         for name, tensor in _once_per_parameter(items, params):
             try:
@@ -116,10 +127,12 @@ class WeightUpdater:
                 value = value.clone()  # its source is a weight this batch writes first (a swap)
             written.add(params[name])
             staged.append((params[name], value))
+            if self.shard is not None and self.shard.slice_of(name) is None:
+                replicated.append((name, value))
         # Every name of each written parameter: a tied weight written under one name is
         # rewritten under both, so an update naming either clears a failed write's refusal.
         staged_params = {id(param) for param, _ in staged}
-        return [name for name, param in params.items() if id(param) in staged_params], staged
+        return [name for name, param in params.items() if id(param) in staged_params], staged, replicated
 
     def mark_unset(self, why: str) -> None:
         """Every weight holds no values now (a level-2 sleep): generation is refused, saying
