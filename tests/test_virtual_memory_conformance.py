@@ -3,6 +3,8 @@ that breaks each contract (tests/vm_broken.py); the regions' own behaviour on th
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -96,3 +98,19 @@ def test_an_allocation_goes_back_when_no_tensor_views_it():
 def test_the_cpu_platform_declares_its_reference():
     support = torchhal.current_platform().virtual_memory_support
     assert support is not None and not support.graph_memory and "madvise" in support.note
+
+
+def test_info_says_whether_sleep_keeps_the_graphs(plugin_path):
+    from .conftest import run_cli
+
+    declared = run_cli("info", "--json")
+    assert declared.returncode == 0, declared.stderr
+    row = json.loads(declared.stdout)["current"]["capabilities"]["virtual_memory"]
+    assert row == {"declared": True, "graph_memory": False, "not_released": [],
+                   "note": "host pages: mmap, madvise(MADV_DONTNEED)"}
+    assert "  virtual memory: host pages: mmap, madvise(MADV_DONTNEED) (not graph memory; sleep keeps the graphs)" in (
+        run_cli("info").stdout)
+    plain = run_cli("info", env={"PYTHONPATH": plugin_path, "TORCHHAL_PLATFORM": "vm_none"})
+    assert "Current platform: vm_none" in plain.stdout, plain.stdout
+    assert "  virtual memory: none (an engine sleeps by host offload and captures its graphs again on wake)" in (
+        plain.stdout)

@@ -58,9 +58,20 @@ def platform_with(name: str, make: type[Regions], driver: type[HostDriver] = Hos
     return cls()
 
 
+class VmNone(CpuPlatform):
+    """Declares no virtual memory: an engine on it sleeps by host offload."""
+
+    name = "vm_none"
+    priority = -1
+
+    def virtual_memory_support(self) -> VirtualMemorySupport | None:
+        return None
+
+
 @hookimpl
 def torchhal_register_platforms() -> list[CpuPlatform]:
     return [
+        VmNone(),
         platform_with("vm_moves", Moving),
         platform_with("vm_backup_lost", LosingBackups),
         platform_with("vm_not_released", Regions, KeepingPages),

@@ -99,8 +99,14 @@ def _capabilities(ask: Callable[..., tuple[Any, bool]], platform: Platform) -> d
         return {"backend": platform.dist_backend, "graph_capturable": support.graph_capturable, "note": support.note,
                 "communicator": "vendor" if support.communicator is not None else "default"}
 
+    def virtual_memory() -> dict[str, Any]:
+        support = platform.virtual_memory_support
+        return {"declared": False} if support is None else {
+            "declared": True, "graph_memory": support.graph_memory, "not_released": list(support.not_released),
+            "note": support.note}
+
     queries = {"graphs": graphs, "ipc": ipc, "attention": lambda: _attention_rows(platform), "linear": linear,
-               "compile": compiled, "distributed": distributed}
+               "compile": compiled, "distributed": distributed, "virtual_memory": virtual_memory}
     return {name: ask(f"{name.replace('graphs', 'graph')}_support()", query)[0] for name, query in queries.items()}
 
 
@@ -233,6 +239,14 @@ def format_info(info: dict[str, Any]) -> str:
     else:
         options = ", ".join(f"{k}={v!r}" for k, v in compiled["inductor_options"].items())
         lines.append(f"  compile: inductor options {options}" + (f" ({compiled['note']})" if compiled["note"] else ""))
+    regions = caps["virtual_memory"]
+    if regions is None:
+        lines.append("  virtual memory: " + _failed("virtual_memory_support()"))
+    elif not regions["declared"]:
+        lines.append("  virtual memory: none (an engine sleeps by host offload and captures its graphs again on wake)")
+    else:
+        graphs_too = "graph memory too" if regions["graph_memory"] else "not graph memory"
+        lines.append(f"  virtual memory: {regions['note'] or 'declared'} ({graphs_too}; sleep keeps the graphs)")
     return "\n".join(lines)
 
 
