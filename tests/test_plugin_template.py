@@ -14,6 +14,7 @@ from torchhal.cli.plugin_template import (
     TemplateError,
     runner_requirement,
     torchhal_requirement,
+    with_suite,
     write_plugin,
 )
 from torchhal.platforms import ENTRY_POINT_GROUP, SPI_ATTRIBUTES, SPI_METHODS, Availability, PlatformPlugin
@@ -42,12 +43,14 @@ def test_the_distribution_has_its_entry_point_readme_and_ci_job(generated):
     assert "torchhal conformance --platform myaccel" in (target / "README.md").read_text()
     ci = (target / ".github" / "workflows" / "conformance.yml").read_text()
     assert "torchhal conformance --platform myaccel" in ci
-    # torchhal is not on the package index: README and CI install it from its source before the plugin.
-    requirement = torchhal_requirement()
+    # torchhal is not on the package index: README and CI install it from its source before the
+    # plugin, with the suite's extra (pytest), which the conformance run needs.
+    requirement = with_suite(torchhal_requirement())
+    assert requirement.startswith("torchhal[conformance] @ ")
     readme = (target / "README.md").read_text()
     assert f'pip install "{requirement}"' in readme
     assert readme.index(requirement) < readme.index("pip install -e .")
-    install = ci.index(f'python -m pip install "{runner_requirement(requirement)[0]}"')
+    install = ci.index(f'python -m pip install "{with_suite(runner_requirement(torchhal_requirement())[0])}"')
     assert install < ci.index("python -m pip install .\n") < ci.index("torchhal conformance --platform")
 
 
@@ -61,9 +64,9 @@ def test_a_ci_runner_is_not_sent_to_a_directory_of_this_machine(monkeypatch, tmp
         monkeypatch.setattr(plugin_template, "torchhal_requirement", lambda installed=installed: installed)
         target = write_plugin("myaccel", tmp_path / installed.split(":")[1].strip("/").replace("/", "_"))
         ci = (target / ".github" / "workflows" / "conformance.yml").read_text()
-        assert f'python -m pip install "{runner}"' in ci
+        assert f'python -m pip install "{with_suite(runner)}"' in ci
         assert ("TODO: this torchhal was installed from file:///src/torchhal" in ci) == (runner != installed)
-        assert f'pip install "{installed}"' in (target / "README.md").read_text()
+        assert f'pip install "{with_suite(installed)}"' in (target / "README.md").read_text()
 
 
 @pytest.mark.parametrize("base", BASES)

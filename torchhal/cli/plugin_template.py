@@ -283,6 +283,13 @@ def torchhal_requirement() -> str:
     return PLACEHOLDER_REQUIREMENT
 
 
+def with_suite(requirement: str) -> str:
+    """`requirement` with the `conformance` extra: the suite runs on pytest, which torchhal
+    itself does not need."""
+    assert requirement.startswith("torchhal @ "), requirement
+    return requirement.replace("torchhal @ ", "torchhal[conformance] @ ", 1)
+
+
 def runner_requirement(requirement: str) -> tuple[str, str]:
     """(requirement, TODO comment or "") for the CI job: a local path (a source directory, a wheel)
     is on this machine only, so a runner gets the placeholder and a TODO saying why."""
@@ -323,8 +330,8 @@ def _readme(name: str, package: str, requirement: str, base: str) -> str:
 A torchhal platform plugin for {name}, started from `torchhal plugin new {name}`.
 
 1. torchhal is not on the package index: install it first, from where this plugin was
-   made from (`pip install "{requirement}"`), or from your own torchhal checkout
-   (`pip install -e /path/to/torchhal`). Then `pip install -e .` here finds it installed.
+   made from (`pip install "{with_suite(requirement)}"`), or from your own torchhal checkout
+   (`pip install -e '/path/to/torchhal[conformance]'`). Then `pip install -e .` here finds it installed.
 2. {step}: `{REFERENCE}` documents each member, its types, units and
    defaults. Check that `torchhal info` lists `{name}` as available.
 3. `torchhal conformance --platform {name} --profile full --json conformance.json`
@@ -360,7 +367,7 @@ jobs:
   conformance:
     {runner}
       # torchhal is not on the package index: install it from its source first.{todo}
-      - run: python -m pip install "{requirement}"
+      - run: python -m pip install "{with_suite(requirement)}"
       - run: python -m pip install .
       - run: torchhal info
       - run: torchhal conformance --platform {name} --profile full --json conformance.json --junit junit.xml
