@@ -4,9 +4,6 @@ in the wrong order are refused or repaired, never run on state left behind."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -15,6 +12,8 @@ from torchhal.attention import ReferenceBackend
 from torchhal.core.graphs import GraphRunner
 from torchhal.core.graphs.decode import DecodeGraphRunner
 from torchhal.core.model import AttentionMetadata, KVCache, ModelConfig, ReferenceDecoder
+
+from .sim_graphs import sim_graphs_platform
 
 BLOCK = 4
 CPU = torch.device("cpu")
@@ -44,38 +43,9 @@ def test_a_released_decode_runner_refuses_windows_until_resumed():
     assert runner.reason(1, 1) is None and runner.decode([("a", 5, [1], 1, 1)]) == expected
 
 
-class SimGraph:
-    """A graph that replays nothing: enough to see what a capture that fails leaves behind."""
-
-    def replay(self) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def sim_capture(graph: SimGraph, pool: object, stream: object) -> Iterator[None]:
-    yield
-
-
 @pytest.fixture
 def graphs_platform(make_registry):
-    from torchhal.platforms import GraphSupport, hookimpl
-    from torchhal.plugins.cpu import CpuPlatform
-
-    class SimGraphsPlatform(CpuPlatform):
-        name = "simgraphs"
-        priority = -1
-
-        def graph_support(self) -> GraphSupport:
-            return GraphSupport(graph_class=SimGraph, new_pool=object, capture=sim_capture,
-                                is_capturing=lambda: False)
-
-    class Registration:
-        @hookimpl
-        def torchhal_register_platforms(self) -> list[CpuPlatform]:
-            return [SimGraphsPlatform()]
-
-    make_registry(Registration())
-    return torchhal.get_platform("simgraphs")
+    return sim_graphs_platform(make_registry)
 
 
 class FailingEmbedding(ReferenceDecoder):

@@ -4,17 +4,13 @@ reference: host pages given back with madvise)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import pytest
 import torch
 
-import torchhal
 from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine, WeightUpdateIncomplete
 from torchhal.core.model import ModelConfig
-from torchhal.platforms import GraphSupport, hookimpl
-from torchhal.plugins.cpu import CpuPlatform
+
+from .sim_graphs import SimGraphsPlatform, SimGraphsWithoutRegions, sim_graphs_platform
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
 CONFIG = EngineConfig(model=ModelConfig(num_layers=2), max_kv_slots=512)
@@ -101,40 +97,9 @@ def test_waking_what_is_awake_is_refused():
         engine.resume_memory_occupation()
 
 
-class SimGraph:
-    """A graph that records nothing: enough to count captures."""
-
-    def replay(self) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def sim_capture(graph: SimGraph, pool: object, stream: object) -> Iterator[None]:
-    yield
-
-
 def graphs_platform(make_registry, regions: bool):
     """The CPU platform with graph support, with or without its virtual memory."""
-
-    class SimGraphs(CpuPlatform):
-        name = "simgraphs"
-        priority = -1
-
-        def graph_support(self) -> GraphSupport:
-            return GraphSupport(graph_class=SimGraph, new_pool=object, capture=sim_capture,
-                                is_capturing=lambda: False)
-
-        if not regions:
-            def virtual_memory_support(self) -> None:
-                return None
-
-    class Registration:
-        @hookimpl
-        def torchhal_register_platforms(self) -> list[CpuPlatform]:
-            return [SimGraphs()]
-
-    make_registry(Registration())
-    return torchhal.get_platform("simgraphs")
+    return sim_graphs_platform(make_registry, SimGraphsPlatform if regions else SimGraphsWithoutRegions)
 
 
 @pytest.mark.parametrize("regions", [True, False], ids=["regions", "host offload"])
