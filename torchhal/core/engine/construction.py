@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -30,22 +30,78 @@ from torchhal.core.engine.ranks import (
     check_group,
     refuse_with_peers,
 )
-from torchhal.core.engine.records import PLATFORM_COMPILE, DecodeGraphConfig, EngineConfig, usable_buckets
+from torchhal.core.engine.records import PLATFORM_COMPILE, DecodeGraphConfig, EngineConfig, PauseMode, usable_buckets
 from torchhal.core.engine.requests import RequestBook
 from torchhal.core.engine.runners import EagerRunner, ModelRunner
 from torchhal.core.engine.scheduler import Scheduler
 from torchhal.core.engine.weights import WeightUpdater
 from torchhal.core.graphs.decode import BlockTable, DecodeGraphRunner
 from torchhal.core.graphs.runner import GraphRunner
-from torchhal.core.model import Model, ModelConfig
+from torchhal.core.model import KVCache, Model, ModelConfig
 from torchhal.core.model.linear import use_platform_linear
 from torchhal.core.model.protocol import missing_model_members
 from torchhal.platforms import CompileSupport, Platform, check_platform_argument, current_platform
 from torchhal.values import short_repr
 
 if TYPE_CHECKING:
-    from torchhal.core.engine.engine import GenerationEngine
+    from torchhal.attention import AttentionChoice
+    from torchhal.core.engine.occupation import Occupation
+    from torchhal.core.model.checkpoint import LoadReport
     from torchhal.distributed import DeviceGroup
+
+
+class EngineParts:
+    """What an engine is made of, set by `build` in the order each needs the one before; the
+    engine (`GenerationEngine`) is the lifecycle over them."""
+
+    config: EngineConfig
+    group: DeviceGroup | None  # None for one device (a group of one rank is no group)
+    platform: Platform
+    device_index: int
+    device: torch.device
+    model: Model
+    events: EngineEvents
+    occupation: Occupation
+    compile_backend: str | Callable[..., Any] | None
+    kv_sizing: KVPoolSizing
+    max_running_requests: int  # config.max_running, or fewer when the pool has fewer blocks
+    longest_request: int  # the most tokens a request holds: max_position, or the pool's slots
+    attention: AttentionChoice
+    requests: RequestBook
+    max_batch_tokens: int
+    scheduler: Scheduler
+    weights: WeightUpdater
+    executor: StepExecutor
+    paused: PauseMode | None
+    broken: str | None  # tensor parallel: why a failed step ended this engine
+    checkpoint: LoadReport | None  # the load report, set by from_checkpoint
+    _idle: IdleClock
+    _eos: frozenset[int]
+
+
+    def _new_kv_cache(self, device: torch.device | None = None) -> KVCache:
+        # One block more than the allocator hands out: the scratch block.
+        return KVCache(self.local_config, self.kv_sizing.num_blocks + 1, self.config.kv_block_size,
+                       device or self.device, self.config.dtype)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def local_config(self) -> ModelConfig:
+        """The shapes this process computes: a tensor-parallel rank's heads and KV heads (the KV
+        cache and attention are sized from them); `model_config` for a model on one device."""
+        local: ModelConfig = getattr(self.model, "local_config", self.model.config)
+        return local
+
+    def _break(self, error: BaseException) -> None:
+        """A step failed under tensor parallel (the engine ends itself)."""
+        raise NotImplementedError
+
+
+#: An engine (a subclass of `EngineParts`), as `runner_factory` and `from_checkpoint` see it.
+Engine = TypeVar("Engine", bound=EngineParts)
 
 
 def check_engine_arguments(config: object, model: object, runner_factory: object) -> None:
@@ -183,8 +239,7 @@ def free_bytes_everywhere(platform: Platform, index: int, group: DeviceGroup | N
     return info.free + held
 
 
-def make_runner(engine: GenerationEngine, runner_factory: Callable[[GenerationEngine], ModelRunner] | None
-                ) -> ModelRunner:
+def make_runner(engine: Engine, runner_factory: Callable[[Engine], ModelRunner] | None) -> ModelRunner:
     """The runner of every step full-graph decode does not take: the caller's, breakable graphs
     for `config.prefill_graphs` (captured here, after the KV cache exists), or eager."""
     if runner_factory is not None:
@@ -200,7 +255,7 @@ def make_runner(engine: GenerationEngine, runner_factory: Callable[[GenerationEn
     return runner
 
 
-def make_decode_runner(engine: GenerationEngine, settings: DecodeGraphConfig) -> DecodeGraphRunner:
+def make_decode_runner(engine: EngineParts, settings: DecodeGraphConfig) -> DecodeGraphRunner:
     """Built after the KV cache exists: capture needs it (and the scratch block in it). Buckets
     no step can use are left out (a context bucket never passes the longest request, a batch
     bucket the most running requests), so none sizes buffers beyond what a step can fill."""
@@ -230,7 +285,7 @@ def device_waiter(group: DeviceGroup | None) -> Callable[[Any, str], None]:
     return wait
 
 
-def _breaks(engine: GenerationEngine) -> Callable[[BaseException], None]:
+def _breaks(engine: EngineParts) -> Callable[[BaseException], None]:
     """`engine._break`, through a weak reference: the executor the engine holds must not hold it
     (a dropped engine would then live until a garbage collection, its model still claimed)."""
     ref = weakref.ref(engine)
@@ -334,9 +389,9 @@ def dropped_on_failure(engine: object) -> Iterator[None]:
         raise
 
 
-def engine_from_checkpoint(cls: type[GenerationEngine], path: str | Path, config: EngineConfig | None,
-                           platform: Platform | None, runner_factory: Callable[[GenerationEngine], ModelRunner] | None,
-                           group: DeviceGroup | None) -> GenerationEngine:
+def engine_from_checkpoint(cls: Callable[..., Engine], path: str | Path, config: EngineConfig | None,
+                           platform: Platform | None, runner_factory: Callable[[Engine], ModelRunner] | None,
+                           group: DeviceGroup | None) -> Engine:
     """`GenerationEngine.from_checkpoint` (its docstring says what it does)."""
     from torchhal.core.model.checkpoint import (
         checkpoint_dtype,
@@ -384,9 +439,9 @@ def engine_from_checkpoint(cls: type[GenerationEngine], path: str | Path, config
     return engine
 
 
-def build(self: GenerationEngine, config: EngineConfig, platform: Platform | None, model: Model | None,
-      runner_factory: Callable[[GenerationEngine], ModelRunner] | None, group: DeviceGroup | None,
-      saved: ModelState | None) -> None:
+def build(self: Engine, config: EngineConfig, platform: Platform | None, model: Model | None,
+          runner_factory: Callable[[Engine], ModelRunner] | None, group: DeviceGroup | None,
+          saved: ModelState | None) -> None:
     """The engine's parts, in the order each needs the one before: the model on its device, its
     weights and KV cache where the platform's sleep wants them, the kernels, the KV pool sized
     from the free memory, the attention backend, the book, the scheduler and the executor."""

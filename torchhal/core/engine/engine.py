@@ -30,6 +30,7 @@ import torch
 
 from torchhal.core.devices import is_out_of_memory
 from torchhal.core.engine.construction import (
+    EngineParts,
     build,
     check_engine_arguments,
     check_eos_tokens,
@@ -63,49 +64,15 @@ from torchhal.core.engine.runners import ModelRunner
 from torchhal.core.engine.serial import Serialized, serialized
 from torchhal.core.engine.weights import NamedTensors
 from torchhal.core.graphs.decode import DecodeGraphRunner
-from torchhal.core.model import KVCache, Model, ModelConfig
+from torchhal.core.model import Model
 from torchhal.platforms import Platform, ReleasePoint, check_platform_argument
 from torchhal.values import check_bool, short_repr
 
 if TYPE_CHECKING:
-    from torchhal.attention import AttentionChoice
-    from torchhal.core.engine.events import EngineEvents, IdleClock
-    from torchhal.core.engine.execution import StepExecutor
-    from torchhal.core.engine.kv_pool import KVPoolSizing
-    from torchhal.core.engine.occupation import Occupation
-    from torchhal.core.engine.requests import RequestBook
-    from torchhal.core.engine.scheduler import Scheduler
-    from torchhal.core.engine.weights import WeightUpdater
-    from torchhal.core.model.checkpoint import LoadReport
     from torchhal.distributed import DeviceGroup
 
 
-class GenerationEngine(Serialized):
-    # The parts, made by `construction.build` in the order each needs the one before.
-    config: EngineConfig
-    group: DeviceGroup | None  # None for one device (a group of one rank is no group)
-    platform: Platform
-    device_index: int
-    device: torch.device
-    model: Model
-    events: EngineEvents
-    occupation: Occupation
-    compile_backend: str | Callable[..., Any] | None
-    kv_sizing: KVPoolSizing
-    max_running_requests: int  # config.max_running, or fewer when the pool has fewer blocks
-    longest_request: int  # the most tokens a request holds: max_position, or the pool's slots
-    attention: AttentionChoice
-    requests: RequestBook
-    max_batch_tokens: int
-    scheduler: Scheduler
-    weights: WeightUpdater
-    executor: StepExecutor
-    paused: PauseMode | None
-    broken: str | None  # tensor parallel: why a failed step ended this engine
-    checkpoint: LoadReport | None  # the load report, set by from_checkpoint
-    _idle: IdleClock
-    _eos: frozenset[int]
-
+class GenerationEngine(Serialized, EngineParts):
     def __init__(
         self,
         config: EngineConfig = EngineConfig(),
@@ -134,23 +101,7 @@ class GenerationEngine(Serialized):
         if group is not None:  # a group of one rank too: closing it ends the engine at any world size
             group.release_on_close(self._group_closing)
 
-    def _new_kv_cache(self, device: torch.device | None = None) -> KVCache:
-        # One block more than the allocator hands out: the scratch block.
-        return KVCache(self.local_config, self.kv_sizing.num_blocks + 1, self.config.kv_block_size,
-                       device or self.device, self.config.dtype)
-
     # -- views of the parts ---------------------------------------------------------------
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.model.config
-
-    @property
-    def local_config(self) -> ModelConfig:
-        """The shapes this process computes: a tensor-parallel rank's heads and KV heads (the KV
-        cache and attention are sized from them); `model_config` for a model on one device."""
-        local: ModelConfig = getattr(self.model, "local_config", self.model.config)
-        return local
-
     @property
     def runner(self) -> ModelRunner:
         return self.executor.runner
