@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 import torchhal.cli.generate as generate_module
+import torchhal.distributed
 from tests.hf_models import save_hf_model
 from tests.test_generate_command import one_line_refusal
 
@@ -44,7 +45,7 @@ def no_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse_to_launch(*args: Any, **kwargs: Any) -> list[Any]:
         raise AssertionError("a rank was started for a request that should have been refused")
 
-    monkeypatch.setattr(generate_module, "launch", refuse_to_launch)
+    monkeypatch.setattr(torchhal.distributed, "launch", refuse_to_launch)
 
 
 def fake_launch_from_one_device(edit_rank_one: Any = None):
@@ -121,7 +122,7 @@ def test_agreeing_ranks_print_the_one_device_report_plus_the_size(gqa, generate,
     one = generate(*args)
     assert one.returncode == 0, one.stderr
     assert "tensor parallel" not in one.stdout  # N = 1 prints what it always printed
-    monkeypatch.setattr(generate_module, "launch", fake_launch_from_one_device())
+    monkeypatch.setattr(torchhal.distributed, "launch", fake_launch_from_one_device())
     two = generate(*args, "--tensor-parallel", "2")
     assert two.returncode == 0, two.stderr
     one_lines, two_lines = one.stdout.splitlines(), two.stdout.splitlines()
@@ -137,7 +138,7 @@ def test_ranks_that_disagree_are_an_error_not_a_pick(gqa, generate, monkeypatch)
         report["output_ids"] = report["output_ids"][:2] + [(report["output_ids"][2] + 1) % 128] + \
             report["output_ids"][3:]
 
-    monkeypatch.setattr(generate_module, "launch", fake_launch_from_one_device(change_third_token))
+    monkeypatch.setattr(torchhal.distributed, "launch", fake_launch_from_one_device(change_third_token))
     ran = generate("--model", str(gqa), "--prompt-ids", "5,17,3", "--max-new-tokens", "6", "--tensor-parallel", "2")
     assert ran.returncode == 1 and ran.stdout == "", ran
     assert "tensor-parallel ranks disagree: rank 1 generated" in ran.stderr
@@ -157,7 +158,7 @@ def test_the_ranks_run_with_the_commands_finite_check_and_thread_count(gqa, gene
         requests.append(args[0])
         return [generate_module.run_generation(args[0]) for _ in range(world_size)]
 
-    monkeypatch.setattr(generate_module, "launch", fake)
+    monkeypatch.setattr(torchhal.distributed, "launch", fake)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     args = ("--model", str(gqa), "--prompt-ids", "5,17,3", "--max-new-tokens", "2", "--tensor-parallel", "2")
     assert generate(*args).returncode == generate(*args, "--no-check-finite").returncode == 0
@@ -166,10 +167,10 @@ def test_the_ranks_run_with_the_commands_finite_check_and_thread_count(gqa, gene
 
 def test_a_failed_rank_is_reported_with_the_launchers_error(gqa, generate, monkeypatch):
     def failing(*args: Any, **kwargs: Any) -> list[Any]:
-        raise generate_module.LaunchError("rank 1 exited with code 3 before returning a result; stopped every rank",
+        raise torchhal.distributed.LaunchError("rank 1 exited with code 3 before returning a result; stopped every rank",
                                           rank=1, exitcode=3)
 
-    monkeypatch.setattr(generate_module, "launch", failing)
+    monkeypatch.setattr(torchhal.distributed, "launch", failing)
     ran = generate("--model", str(gqa), "--prompt-ids", "5,17,3", "--tensor-parallel", "2")
     assert ran.returncode == 1 and ran.stdout == ""
     assert ran.stderr == "torchhal generate: rank 1 exited with code 3 before returning a result; stopped every rank\n"
