@@ -41,7 +41,8 @@ def test_cpu_full_profile_is_conformant_with_a_json_report(tmp_path):
     assert data["conformant"] is True and data["verdict"] == "CONFORMANT (full)", clauses_not_passed(data)
     assert "VERDICT: CONFORMANT (full)" in out.stdout
     groups = {t["group"] for t in data["tests"]}
-    assert groups == {"contract", "device", "memory", "graphs", "ipc", "distributed", "attention", "linear", "compile"}
+    assert groups == {"contract", "device", "memory", "graphs", "ipc", "distributed", "attention", "linear", "compile",
+                      "virtual_memory"}
     # A skip is never a pass: CPU declares no graphs, and they are reported as skipped.
     graphs = [t for t in data["tests"] if t["group"] == "graphs"]
     assert graphs and all(t["outcome"] == "skipped" and t["skip_reason"].startswith("undeclared:") for t in graphs)
