@@ -215,8 +215,12 @@ def _params(entry: dict[str, Any], on_instance: bool) -> list[list[Any]] | None:
         methods = entry.get("methods") or {}
         for ctor in ("__init__", "__new__"):
             params = methods.get(ctor)
-            if params and [p[1] for p in params[1:]] != ["VAR_POSITIONAL", "VAR_KEYWORD"]:
-                return params[1:]  # drop self / cls
+            if not params:
+                continue
+            named = params if params[0][1] == "VAR_POSITIONAL" else params[1:]  # drop self / cls where there is one
+            if {kind for _, kind, _ in named} <= {"VAR_POSITIONAL", "VAR_KEYWORD"}:
+                continue  # (*args, **kwargs): a C constructor's signature says nothing of its parameters
+            return named
         return None
     params = entry.get("params")
     if params is None or entry.get("kind") != "function":

@@ -404,10 +404,9 @@ def extract_torch() -> dict[str, Any]:
             "torch.UntypedStorage": live_namespace(
                 torch.UntypedStorage, lambda n: "share" in n and not n.startswith("__")
             ),
-            "torch": {
-                "OutOfMemoryError": live_entry(torch.OutOfMemoryError),
-                "__version__": live_entry(torch.__version__),
-            },
+            # the core names plugins call beside their device module (a ROCm build has them too)
+            "torch": {name: live_entry(getattr(torch, name))
+                      for name in ("OutOfMemoryError", "__version__", "device", "empty", "uint8")},
         },
     }
 
