@@ -6,7 +6,7 @@ every KV block comes back exactly once, and `GenerationEngine.check_consistent()
 The interrupt is raised by a profile function at the n-th place the engine's bookkeeping
 modules could see a signal (a Python function starting, a C function such as
 `deque.popleft` returning: where CPython runs signal handlers), for n spread over a whole
-run. Requests queued with `add_request` stand for
+run: a sample by default, a denser sweep under `python -m pytest -m slow`. Requests queued with `add_request` stand for
 other callers' (another thread's `generate`): nothing discards them after the interrupt, so
 a reservation, admission, retraction or token left half-done shows as a request that never
 finishes, a wrong token, or a block lost or owned twice."""
@@ -21,14 +21,31 @@ from typing import Any
 import pytest
 import torch
 
-from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine, kv_pool, requests, scheduler
+from torchhal.core.engine import (
+    DecodeGraphConfig,
+    EngineConfig,
+    GenerationEngine,
+    execution,
+    kv_pool,
+    requests,
+    scheduler,
+    serial,
+)
 from torchhal.core.engine import engine as engine_module
 
 PROMPTS = [[1 + i, 2 + 3 * i, (7 * i) % 50 + 3, 40 + i, 9, 17 + i][: 2 + i % 5] for i in range(6)]
 NEW_TOKENS = 5
 GRAPHS = DecodeGraphConfig(batch_buckets=(1, 2, 4, 8), context_buckets=(16, 32), emulate=True)
-BOOKKEEPING = {m.__file__ for m in (engine_module, scheduler, requests, kv_pool)}
+BOOKKEEPING = {m.__file__ for m in (engine_module, execution, serial, scheduler, requests, kv_pool)}
 MAX_STEPS = 200  # an uninterrupted run takes about 20
+#: How many of a run's signal checks a test interrupts: a sample spread over the whole run by
+#: default, a denser sweep under `-m slow` (minutes on two cores).
+SWEEPS = [pytest.param(1, id="sampled"), pytest.param(4, id="dense", marks=pytest.mark.slow)]
+
+
+def spread(total: int, count: int) -> range:
+    """About `count` of the checks 1..total-1, evenly spaced."""
+    return range(1, total, max(1, total // count))
 
 
 def engine(decode: str) -> GenerationEngine:
@@ -90,14 +107,15 @@ def expected() -> list[tuple[int, ...]]:
     return outputs
 
 
+@pytest.mark.parametrize("density", SWEEPS)
 @pytest.mark.parametrize("decode", ["eager", "graphs"])
-def test_a_step_interrupted_at_any_signal_check_loses_no_request_token_or_block(expected, decode):
+def test_a_step_interrupted_at_any_signal_check_loses_no_request_token_or_block(expected, decode, density):
     counter = InterruptAt(0)
     outputs, _ = run(engine(decode), counter)  # at=0 never fires: it counts the run's checks
     assert outputs == expected
     total = counter.checks
     tried = 0
-    for at in range(1, total, max(1, total // 150)):
+    for at in spread(total, 40 * density):
         e = engine(decode)
         outputs, interrupted = run(e, InterruptAt(at))
         assert interrupted, f"check {at} of {total} was not reached"
@@ -105,11 +123,12 @@ def test_a_step_interrupted_at_any_signal_check_loses_no_request_token_or_block(
         assert e.pending() is None and e.blocks.available == e.blocks.num_blocks, f"check {at}"
         e.check_consistent()
         tried += 1
-    assert tried >= 100
+    assert tried >= 30 * density
 
 
+@pytest.mark.parametrize("density", SWEEPS)
 @pytest.mark.parametrize("decode", ["eager", "graphs"])
-def test_generate_interrupted_at_any_signal_check_leaves_the_engine_as_new(expected, decode):
+def test_generate_interrupted_at_any_signal_check_leaves_the_engine_as_new(expected, decode, density):
     # The single-caller case (a notebook cell interrupted): the call's own requests are
     # withdrawn, and the same engine then gives every prompt its tokens.
     counter = InterruptAt(0)
@@ -118,7 +137,7 @@ def test_generate_interrupted_at_any_signal_check_leaves_the_engine_as_new(expec
         engine(decode).generate(PROMPTS, NEW_TOKENS)
     finally:
         sys.setprofile(None)
-    for at in range(1, counter.checks, max(1, counter.checks // 60)):
+    for at in spread(counter.checks, 15 * density):
         e = engine(decode)
         sys.setprofile(InterruptAt(at))
         try:
@@ -132,9 +151,10 @@ def test_generate_interrupted_at_any_signal_check_leaves_the_engine_as_new(expec
         assert [r.output for r in e.generate(PROMPTS, NEW_TOKENS)] == expected, f"check {at}"
 
 
+@pytest.mark.parametrize("density", SWEEPS)
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
 @pytest.mark.parametrize("decode", ["eager", "graphs"])
-def test_pause_interrupted_at_any_signal_check_loses_nothing(expected, decode, mode):
+def test_pause_interrupted_at_any_signal_check_loses_nothing(expected, decode, mode, density):
     # Pausing drains a window or tokens on their way first, then aborts or retracts: a
     # request half-aborted or half-retracted was stuck. Whatever the pause got to, every
     # request not aborted still ends with its tokens.
@@ -156,7 +176,7 @@ def test_pause_interrupted_at_any_signal_check_loses_nothing(expected, decode, m
     counter = InterruptAt(0)
     paused_run(counter)
     assert counter.checks > 10
-    for at in range(1, counter.checks + 1):
+    for at in spread(counter.checks + 1, 12 * density):
         e, rids = paused_run(InterruptAt(at))
         if e.paused is not None:
             e.continue_generation()
