@@ -167,8 +167,8 @@ def test_the_ranks_run_with_the_commands_finite_check_and_thread_count(gqa, gene
 
 def test_a_failed_rank_is_reported_with_the_launchers_error(gqa, generate, monkeypatch):
     def failing(*args: Any, **kwargs: Any) -> list[Any]:
-        raise torchhal.distributed.LaunchError("rank 1 exited with code 3 before returning a result; stopped every rank",
-                                          rank=1, exitcode=3)
+        raise torchhal.distributed.LaunchError(
+            "rank 1 exited with code 3 before returning a result; stopped every rank", rank=1, exitcode=3)
 
     monkeypatch.setattr(torchhal.distributed, "launch", failing)
     ran = generate("--model", str(gqa), "--prompt-ids", "5,17,3", "--tensor-parallel", "2")
