@@ -6,7 +6,8 @@
 The engine is the Llama-3.1-8B shape in bf16 (seeded random weights drawn on the device),
 full-graph decode, compiled layers where the platform compiles by default, the KV pool sized as
 the engine sizes it by default. Per sleep level and cycle it reports the sleep time, the device
-memory in use asleep (`memory_info`: total - free), the wake time per tag, the time to the first
+memory in use asleep (`memory_info`: total - free; `engine_*_bytes` less what is not the
+engine's: the context and the trainer's device copy of the weights), the wake time per tag, the time to the first
 token after wake, how many graphs were captured on wake, and whether the tokens after wake equal
 those before sleep. Beside it, in the same process and on the same weights' bytes:
 
@@ -127,7 +128,9 @@ def peer(nbytes: int, device: torch.device, sync: Any, cycles: int) -> dict[str,
     return {"cycles": rows}
 
 
-def sleep_cycles(engine: GenerationEngine, level: int, cycles: int, reference: list[list[int]]) -> list[dict[str, Any]]:
+def sleep_cycles(engine: GenerationEngine, level: int, cycles: int, reference: list[list[int]],
+                 outside: int) -> list[dict[str, Any]]:
+    """`outside`: the device bytes in use that are not the engine's (the context, the trainer's copy)."""
     platform, index = engine.platform, engine.device_index
     sync = lambda: platform.synchronize(index)  # noqa: E731
     new_api = "level" in inspect.signature(engine.release_memory_occupation).parameters
@@ -142,6 +145,7 @@ def sleep_cycles(engine: GenerationEngine, level: int, cycles: int, reference: l
         asleep = in_use(platform, index)
         row: dict[str, Any] = {"level": level, "sleep_s": sleep_s, "in_use_awake_bytes": awake,
                                "in_use_asleep_bytes": asleep,
+                               "engine_awake_bytes": awake - outside, "engine_asleep_bytes": asleep - outside,
                                # what stays: the allocator's reserve (graph buffers, workspaces) beside the context
                                "allocator_reserved_asleep_bytes": platform.memory_info(index).reserved}
         if new_api:
@@ -208,6 +212,7 @@ def main() -> None:
     nbytes = weight_bytes(model)
     # The trainer's weights, on the device (a co-located trainer sends device tensors).
     SAVED_WEIGHTS.update({name: p.detach().clone() for name, p in model.named_parameters()})
+    outside = context + sum(t.numel() * t.element_size() for t in SAVED_WEIGHTS.values())  # not the engine's
     graphs = (DecodeGraphConfig(emulate=not on_gpu) if args.buckets == "default" else
               DecodeGraphConfig(batch_buckets=tuple(int(b) for b in args.buckets.split(",")), emulate=not on_gpu))
     extra: dict[str, Any] = {}
@@ -220,7 +225,7 @@ def main() -> None:
     sync = lambda: platform.synchronize(index)  # noqa: E731
     results: dict[str, Any] = {
         "platform": platform.name, "device": str(device), "dtype": str(dtype), "weight_bytes": nbytes,
-        "in_use_before_the_engine_bytes": context,
+        "in_use_before_the_engine_bytes": context, "trainer_copy_bytes": outside - context,
         "engine_build_s": build_s, "kv_pool_bytes": engine.kv_sizing.num_blocks * engine.kv_sizing.bytes_per_block,
         "decode_graph_buckets": None if engine.decode_runner is None else
         [list(engine.decode_runner.batch_buckets), list(engine.decode_runner.context_buckets)],
@@ -228,9 +233,9 @@ def main() -> None:
         "compile": engine.config.compile_layers is not None,
     }
     new_api = "level" in inspect.signature(engine.release_memory_occupation).parameters
-    results["level1"] = sleep_cycles(engine, 1, args.cycles, reference)
+    results["level1"] = sleep_cycles(engine, 1, args.cycles, reference, outside)
     if new_api:
-        results["level2"] = sleep_cycles(engine, 2, args.cycles, reference)
+        results["level2"] = sleep_cycles(engine, 2, args.cycles, reference, outside)
         results["rl_loop"] = rl_loop(engine, args.rl_iterations, reference)
         rl = results["rl_loop"]
         print("rl loop", {"iterations": len(rl["iterations"]), "all_tokens_equal": rl["all_tokens_equal"],

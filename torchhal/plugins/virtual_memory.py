@@ -160,8 +160,11 @@ class Regions:
             return 0
         allocations = region.live()
         try:
-            for allocation in allocations:  # each copy runs on the device while the next is mapped
+            # Every map before the first copy: a map while a copy is in flight stalls the copy
+            # (on an H200, 16 GB restored 10% slower interleaved; the maps take 3 ms in all).
+            for allocation in allocations:
                 self._map(allocation.mapping)
+            for allocation in allocations:
                 if allocation.backed_up:
                     assert allocation.backup is not None
                     self._view(allocation).copy_(allocation.backup, non_blocking=True)
