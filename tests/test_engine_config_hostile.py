@@ -94,7 +94,7 @@ def test_from_checkpoint_refuses_two_runners_before_reading_weights(tmp_path: Pa
         "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
         "num_attention_heads": 2, "intermediate_size": 48, "max_position_embeddings": 256,
     }))
-    config = EngineConfig(max_kv_slots=512, prefill_graphs=PrefillGraphConfig())
+    config = EngineConfig(max_kv_slots=512, prefill_graphs=PrefillGraphConfig(token_buckets=(16, 64)))
     with pytest.raises(ValueError, match="prefill_graphs and runner_factory both choose"):
         GenerationEngine.from_checkpoint(tmp_path, config, runner_factory=lambda engine: None)  # type: ignore
 
@@ -110,7 +110,8 @@ def test_other_config_refusals_leave_the_model_untouched() -> None:
                          model=model)
     assert_untouched(model, before)
     with pytest.raises(ValueError, match="prefill_graphs and runner_factory both choose"):
-        GenerationEngine(EngineConfig(max_kv_slots=512, dtype=torch.bfloat16, prefill_graphs=PrefillGraphConfig()),
+        GenerationEngine(EngineConfig(max_kv_slots=512, dtype=torch.bfloat16,
+                                      prefill_graphs=PrefillGraphConfig(token_buckets=(16, 64))),
                          model=model, runner_factory=lambda engine: None)  # type: ignore[arg-type,return-value]
     assert_untouched(model, before)
 

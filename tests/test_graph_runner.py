@@ -205,3 +205,22 @@ def test_bad_token_buckets_are_refused_with_an_example(buckets):
 def test_prefill_graphs_must_be_a_prefill_graph_config():
     with pytest.raises(TypeError, match="prefill_graphs = .* must be a PrefillGraphConfig or None"):
         EngineConfig(prefill_graphs=(16, 32))  # type: ignore[arg-type]
+
+
+def test_prefill_graphs_are_on_by_default_and_a_runner_factory_replaces_them():
+    """The default config runs short prefills on graphs where the platform captures them (here:
+    eagerly, said why); a runner_factory with the default config is the caller's runner, not a
+    refusal, while explicit prefill settings beside a runner_factory still are."""
+    assert EngineConfig().prefill_graphs == PrefillGraphConfig(token_buckets=(16, 32, 64, 128, 256))
+    engine = GenerationEngine(EngineConfig(max_kv_slots=1024))
+    assert isinstance(engine.runner, GraphRunner)
+    [event] = [e for e in engine.trace if e["kind"] == "prefill_graphs"]
+    assert event["eager_reason"] == "platform 'cpu' declares no graph support"
+    made = []
+
+    def factory(engine):
+        made.append(runner_factory()(engine))
+        return made[-1]
+
+    custom = GenerationEngine(EngineConfig(max_kv_slots=1024), runner_factory=factory)
+    assert custom.runner is made[0] and not any(e["kind"] == "prefill_graphs" for e in custom.trace)

@@ -136,7 +136,8 @@ def generate_from_checkpoint(
 
     The request (prompt, length, dtype, tensor-parallel size) is checked against the
     checkpoint's config and the platform before a weight is read, a KV cache sized or a
-    rank started. `graphs`: full-graph decode (one graph replay per decode step); None (the
+    rank started. `graphs`: full-graph decode (one graph replay per decode step) and the
+    engine's prefill graphs (prompts of up to 256 tokens); None (the
     engine's default): where the platform captures graphs; True where it cannot: every step runs
     eagerly and the report says why.
     `tensor_parallel` > 1: that many rank processes (`torchhal.distributed.launch`) each hold a
@@ -280,7 +281,8 @@ def run_generation(request: GenerationRequest, platform: Platform | None = None,
     # Whole blocks for the context (a block's worth more covers the last partial one). One
     # request is all this command runs: its pool may take most of the memory the weights leave.
     config = EngineConfig(dtype=dtype, max_kv_slots=context + EngineConfig.kv_block_size, kv_fraction=KV_FRACTION,
-                          decode_graphs=decode_graphs, check_finite_weights=request.check_finite)
+                          decode_graphs=decode_graphs, check_finite_weights=request.check_finite,
+                          prefill_graphs=EngineConfig.prefill_graphs if decode_graphs is not None else None)
     # Before any weight is read: a KV cache that alone exceeds the pool's share of the free
     # memory cannot run, and loading would first size the pool to all that memory and fill it.
     ranks = group.world_size if group is not None else 1  # each rank holds its share of the KV heads

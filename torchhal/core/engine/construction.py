@@ -9,6 +9,7 @@ import inspect
 import os
 import threading
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -30,7 +31,14 @@ from torchhal.core.engine.ranks import (
     check_group,
     refuse_with_peers,
 )
-from torchhal.core.engine.records import PLATFORM_COMPILE, DecodeGraphConfig, EngineConfig, PauseMode, usable_buckets
+from torchhal.core.engine.records import (
+    PLATFORM_COMPILE,
+    DecodeGraphConfig,
+    EngineConfig,
+    PauseMode,
+    PrefillGraphConfig,
+    usable_buckets,
+)
 from torchhal.core.engine.requests import RequestBook
 from torchhal.core.engine.runners import EagerRunner, ModelRunner
 from torchhal.core.engine.scheduler import Scheduler
@@ -50,7 +58,7 @@ if TYPE_CHECKING:
     from torchhal.distributed import DeviceGroup
 
 
-class EngineParts:
+class EngineParts(ABC):
     """What an engine is made of, set by `build` in the order each needs the one before; the
     engine (`GenerationEngine`) is the lifecycle over them."""
 
@@ -95,9 +103,9 @@ class EngineParts:
         local: ModelConfig = getattr(self.model, "local_config", self.model.config)
         return local
 
+    @abstractmethod
     def _break(self, error: BaseException) -> None:
         """A step failed under tensor parallel (the engine ends itself)."""
-        raise NotImplementedError
 
 
 #: An engine (a subclass of `EngineParts`), as `runner_factory` and `from_checkpoint` see it.
@@ -112,9 +120,9 @@ def check_engine_arguments(config: object, model: object, runner_factory: object
     if runner_factory is not None and not callable(runner_factory):
         raise TypeError(f"runner_factory = {short_repr(runner_factory)} must be a function given the engine and "
                         "returning its ModelRunner, or None for the engine's own runner")
-    if runner_factory is not None and config.prefill_graphs is not None:
+    if runner_factory is not None and config.prefill_graphs not in (None, PrefillGraphConfig()):
         raise ValueError("EngineConfig.prefill_graphs and runner_factory both choose the engine's runner; pass one "
-                         "(prefill_graphs builds a GraphRunner with its token buckets)")
+                         "(prefill_graphs configures the engine's own GraphRunner, which runner_factory replaces)")
     if model is not None and missing_model_members(model):
         raise TypeError(f"model {type(model).__name__} lacks {', '.join(missing_model_members(model))} of the "
                         "torchhal.core.model.Model protocol")
