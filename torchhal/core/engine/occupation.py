@@ -24,6 +24,7 @@ capture failing) leaves the engine as it was before the call, so the call can be
 from __future__ import annotations
 
 import itertools
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -95,7 +96,7 @@ def zeros_placeholder(storage: _Storage) -> None:
         tensor.data = torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
 
 
-class Occupation:
+class Occupation(ABC):
     """What is asleep (`asleep`: the tags still to wake, in `TAGS` order) and at which level."""
 
     def __init__(self, platform: Platform, device: torch.device, model: Model) -> None:
@@ -106,8 +107,8 @@ class Occupation:
         self.level: int | None = None
         self.derived: list[torch.Tensor] = []  # level 2: host copies of the buffers the model derives
 
-    def describe(self) -> str:
-        raise NotImplementedError
+    @abstractmethod
+    def describe(self) -> str: ...
 
     def wake_order(self, tags: object) -> list[str]:
         """`resume_memory_occupation`'s tags (None: all) checked, in the order they wake."""
@@ -138,14 +139,14 @@ class Occupation:
         """The KV cache, where it lives (`make_kv(device)`; None: the engine's device)."""
         return make_kv(None)
 
+    @abstractmethod
     def sleep(self, level: int, runners: Sequence[Releasable]) -> int:
         """Level 1 or 2 (see the module's docstring); the bytes given back (0: the cache's to empty)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def wake(self, tags: Sequence[str], runners: Sequence[Releasable],
              make_kv: Callable[[torch.device | None], KVCache]) -> None:
         """Wake `tags`, in `TAGS` order (the weights before the KV cache)."""
-        raise NotImplementedError
 
     def close(self, runners: Sequence[Releasable]) -> None:
         """The graphs and the KV cache go now; the weights stay the model's."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Concatenate, ParamSpec, TypeVar
@@ -35,7 +36,7 @@ def serialized(method: Callable[Concatenate[_S, _P], _R]) -> Callable[Concatenat
     return locked
 
 
-class Serialized:
+class Serialized(ABC):
     """The lock, the stepping flag and recovery; subclasses say what is inconsistent and how
     to recover."""
 
@@ -47,11 +48,11 @@ class Serialized:
         self._resumed = threading.Condition(self._lock)  # notified when a pause ends
         self._stepping = False  # a step is running (on the thread holding the lock)
 
-    def _inconsistencies(self) -> list[str]:
-        raise NotImplementedError
+    @abstractmethod
+    def _inconsistencies(self) -> list[str]: ...
 
-    def _recover(self, error: BaseException) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _recover(self, error: BaseException) -> None: ...
 
     @contextmanager
     def exclusive(self, call: str) -> Iterator[None]:
