@@ -266,6 +266,10 @@ def test_a_custom_strategy_plugs_in_and_gets_the_same_decisions(observed):
 def test_an_unknown_strategy_name_is_refused_clearly(observed):
     with pytest.raises(ValueError, match="'vae': unknown strategy 'offlaod'; use one of resident, offload, layerwise"):
         ResidencyManager(make_components(), {"vae": "offlaod"})
+    # the class, not an instance of it
+    with pytest.raises(ValueError, match="'vae': unknown strategy <class .*LayerwiseStrategy'>; .* or a "
+                                         "ResidencyStrategy instance"):
+        ResidencyManager(make_components(), {"vae": LayerwiseStrategy})
 
 
 def test_close_gives_everything_back_and_leaves_plain_modules(observed):

@@ -189,8 +189,6 @@ class ManagedPipeline:
         """Give the device back (see ResidencyManager.close) and restore exactly what each
         component instance had of its own before (entry methods, `_hf_hook`). A second
         close does nothing and returns None."""
-        if self._closed:
-            return None
         released = self.manager.close()
         for module, attribute, before in self._wrapped:
             if before is _ABSENT:

@@ -121,8 +121,7 @@ class _AsGiven:
     def restore(self) -> None:
         """Back on their devices with the values they hold now (detach kept them)."""
         for param, device in self.params:
-            if param.device != device:
-                param.data = param.data.to(device)
+            param.data = param.data.to(device)
         for sub, key, device in self.buffers:
             buf = sub._buffers[key]
             if buf is not None and buf.device != device:
@@ -551,10 +550,9 @@ class ResidencyManager:
         with _reported(failing, "the OOM release point's empty"):
             self._empty(where="oom", reason=ReleasePoint.OOM)
 
-    def _empty(self, where: str, reason: ReleasePoint = ReleasePoint.COMPONENT_RELEASE) -> int | None:
+    def _empty(self, where: str, reason: ReleasePoint = ReleasePoint.COMPONENT_RELEASE) -> None:
         released = self.platform.empty_cache(reason, self.device_index)
         self.event("empty_cache", None, reason=reason.value, where=where, bytes_released=released)
-        return released
 
     def _note_moved(self, state: ComponentState, nbytes: int) -> None:
         """`nbytes` of the component reached the device."""

@@ -481,8 +481,6 @@ def strategy_for(name: str, placement: ResidencyStrategy | Strategy | str) -> Re
     """The strategy object for one component: an instance as given, or a new built-in by name."""
     if isinstance(placement, ResidencyStrategy):
         return placement
-    if isinstance(placement, type) and issubclass(placement, ResidencyStrategy):
-        return placement()
     builtin = next((cls for key, cls in _BUILTIN.items() if placement == key), None)  # a name or the enum
     if builtin is None:
         raise ValueError(f"component {name!r}: unknown strategy {placement!r}; use one of "

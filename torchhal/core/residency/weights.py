@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from torchhal.platforms import Platform
+from torchhal.values import ceil_div
 
 #: Allocation granule of PyTorch's device caching allocators (CUDA, ROCm and the vendor forks
 #: of it round a large segment up to 2 MiB). A head of whole granules is not rounded; on an
@@ -49,13 +50,12 @@ def pack_layout(numels: list[int], element_size: int) -> PackedLayout:
     head_bytes = sum(sizes) // GRANULE * GRANULE
     offsets: list[int | None] = [None] * len(sizes)
     end = 0  # bytes of the head in use
-    if head_bytes:
-        for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-            start = -(-end // ALIGNMENT) * ALIGNMENT
-            if start + sizes[index] <= head_bytes:
-                offsets[index] = start // element_size
-                end = start + sizes[index]
-    head_bytes = -(-end // GRANULE) * GRANULE
+    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        start = ceil_div(end, ALIGNMENT) * ALIGNMENT
+        if start + sizes[index] <= head_bytes:
+            offsets[index] = start // element_size
+            end = start + sizes[index]
+    head_bytes = ceil_div(end, GRANULE) * GRANULE
     if not head_bytes:  # nothing placed (or only empty parameters): no head at all
         offsets = [None] * len(sizes)
     return PackedLayout(head_bytes // element_size, tuple(offsets))
