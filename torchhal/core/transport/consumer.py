@@ -25,13 +25,7 @@ import torch
 
 from torchhal.core.devices import check_device_index, is_out_of_memory
 from torchhal.core.transport._shm import Control, SharedFile, pid_alive
-from torchhal.core.transport.messages import (
-    TensorMessage,
-    TransportError,
-    check_count,
-    control_name,
-    handle_fingerprint,
-)
+from torchhal.core.transport.messages import TensorMessage, TransportError, check_count, handle_fingerprint
 from torchhal.platforms import IpcHandle, IpcHandleError, Platform, check_platform_argument, current_platform
 from torchhal.platforms.ipc import DTYPES, handle_from_data
 from torchhal.values import check_bool
@@ -135,8 +129,7 @@ class Consumer:
         # Acknowledged after the wait was queued: the producer re-records this slot's event
         # only after every consumer acknowledged, and a queued wait keeps the record it saw.
         control.ack(msg.slot, self.rank, msg.generation)
-        if self._pending:  # copies of earlier messages
-            self.flush_acks(wait=False)
+        self.flush_acks(wait=False)  # copies of earlier messages
         return tensor
 
     def _ack_when_done(self, stream: Any, control: Control, slot: int, generation: int) -> None:
@@ -207,14 +200,14 @@ class Consumer:
             raise TransportError(f"message asks to wait on slot {msg.slot}'s event, but producer {msg.pool_id} "
                                  "stored none")
         ipc = self.platform.ipc_support
-        events = ipc.events if ipc is not None else None
+        assert ipc is not None and entry.handle is not None  # the pool was opened first, through it
+        events = ipc.events
         if events is None:
             raise TransportError(f"message asks to wait on an event but platform {self.platform.name!r} cannot open "
                                  "interprocess events; producer and consumer must run the same platform")
         if len(handle) != events.handle_nbytes:
             raise TransportError(f"event handle of {len(handle)} bytes is not a {self.platform.name} event handle "
                                  f"({events.handle_nbytes} bytes)")
-        assert entry.handle is not None  # the pool was opened first
         opened = events.open(handle, entry.handle.device, self.device_index)
         with self._lock:
             entry.events[msg.slot] = opened  # one per slot: bounded by the producer's slots
@@ -231,12 +224,13 @@ class Consumer:
                 self._open.move_to_end(msg.pool_id)
             else:  # first sight: the control block named by the pool id, and of its pid
                 self._prune()
-                entry = self._open[msg.pool_id] = _OpenProducer(Control.open(control_name(msg.pool_id), pid))
+                entry = self._open[msg.pool_id] = _OpenProducer(Control.open(msg.control, pid))
         control = entry.control
         if not control.alive:
             self._forget(msg.pool_id)
             raise TransportError(f"producer pool {msg.pool_id} was closed")
-        if not 0 <= msg.slot < control.slots or not 0 <= self.rank < control.consumers:
+        # Neither is negative: the decoder checked the slot, __init__ the rank.
+        if msg.slot >= control.slots or self.rank >= control.consumers:
             raise TransportError(f"slot {msg.slot} or consumer rank {self.rank} is outside the producer's "
                                  f"{control.slots} slots x {control.consumers} consumers")
         return entry

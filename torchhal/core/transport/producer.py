@@ -26,10 +26,10 @@ import torch
 
 from torchhal.core.devices import check_device_index
 from torchhal.core.transport._shm import Control, SharedFile, new_pool_id, reclaim_orphans
-from torchhal.core.transport.messages import check_count, handle_record, host_name
+from torchhal.core.transport.messages import TensorMessage, check_count, handle_record, host_name
 from torchhal.platforms import IpcEvents, IpcHandle, Platform, check_platform_argument, current_platform
-from torchhal.platforms.ipc import MAX_BYTES, MAX_DIMS, contiguous_stride, dtype_name
-from torchhal.values import check_bool
+from torchhal.platforms.ipc import MAX_BYTES, MAX_DIMS, dtype_name
+from torchhal.values import ceil_div, check_bool
 
 MiB = 1 << 20
 POOL_FLOOR_BYTES = 128 * MiB
@@ -85,7 +85,6 @@ def _unlink_files(control: Control, host_blocks: dict[int, SharedFile], owner_pi
         return
     for block in host_blocks.values():
         block.discard()
-    host_blocks.clear()
     control.close(unlink=True)
 
 
@@ -133,7 +132,7 @@ class Producer:
 
     # slices -------------------------------------------------------------------------------
     def _rounded(self, nbytes: int) -> int:
-        return -(-max(nbytes, 1) // self.config.alignment) * self.config.alignment
+        return ceil_div(max(nbytes, 1), self.config.alignment) * self.config.alignment
 
     def _allocate(self, nbytes: int) -> int | None:
         """The offset of a best-fit slice of the free ranges (sorted by offset), or None."""
@@ -237,11 +236,10 @@ class Producer:
                 if offset is not None:
                     self._release_range(offset, nbytes)
                 raise
-        # `source` is contiguous; its stride is sent only where it differs from the one derived
-        # from the shape (size-1 dimensions may).
-        stride = tuple(source.stride())
-        return (kind, self.pool_id, slot, generation, offset, nbytes, dtype, shape,
-                None if stride == contiguous_stride(shape) else stride, event)
+        # `source` is contiguous, but size-1 dimensions may give it a stride other than the one
+        # derived from the shape: `to_wire` sends it only then.
+        return TensorMessage(kind, self.pool_id, slot, generation, offset, nbytes, dtype, shape,
+                             tuple(source.stride()), event).to_wire()
 
     def _fill(self, slot: int, generation: int, offset: int | None, source: torch.Tensor,
               nbytes: int) -> tuple[str, int, bool]:
