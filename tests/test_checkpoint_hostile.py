@@ -442,7 +442,7 @@ def test_accepted_edge_values_give_finite_non_zero_logits(good):
 def test_huge_config_with_a_tiny_checkpoint_is_refused_before_allocation(good, monkeypatch, key, value):
     built: list[int] = []
     monkeypatch.setattr(checkpoint, "LlamaDecoder", lambda *a: built.append(1))
-    monkeypatch.setattr(checkpoint, "_allocate", lambda *a: built.append(1))
+    monkeypatch.setattr(LlamaDecoder, "materialize", lambda *a: built.append(1))
     (good / "config.json").write_text(json.dumps(dict(CONFIG, **{key: value})))
     tracemalloc.start()
     start = time.monotonic()
@@ -613,7 +613,7 @@ def test_a_checkpoint_larger_than_the_free_memory_is_refused_before_a_weight_is_
 
     real = psutil.virtual_memory
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real()._replace(available=4_000))
-    monkeypatch.setattr(checkpoint, "_allocate", lambda *a: pytest.fail("allocated"))
+    monkeypatch.setattr(LlamaDecoder, "materialize", lambda *a: pytest.fail("allocated"))
     monkeypatch.setattr(checkpoint, "_read_tensor", lambda *a: pytest.fail("a weight was read"))
     needed = sum(tensor.numel() for tensor in tensors_of(CONFIG).values()) * 4
     message = refused(good, "the weights need")

@@ -10,7 +10,7 @@ import torch
 
 from tests.hf_models import FAMILIES, PROMPTS, Generate, direct_greedy, hf_greedy, make_hf_model, save_hf_model
 from torchhal.core.engine import DecodeGraphConfig, EngineConfig, GenerationEngine
-from torchhal.core.model import LlamaDecoder, checkpoint
+from torchhal.core.model import LlamaDecoder
 from torchhal.core.model.checkpoint import (
     CheckpointError,
     checkpoint_files,
@@ -208,7 +208,7 @@ def test_bad_tensors_are_all_named_and_nothing_is_loaded(saved, tmp_path, monkey
 
     bad = copy_checkpoint(saved["qwen3"][0], tmp_path / "bad", edit=edit)
     allocated = []
-    monkeypatch.setattr(checkpoint, "_allocate", lambda *a: allocated.append(1))
+    monkeypatch.setattr(LlamaDecoder, "materialize", lambda *a: allocated.append(1))
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(bad)
     message = str(info.value)

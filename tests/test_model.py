@@ -45,7 +45,7 @@ def test_metadata_for_a_mixed_batch():
     assert mixed.paged.slot_mapping.tolist() == [3 * BLOCK + 2, 5 * BLOCK, 5 * BLOCK + 1, 5 * BLOCK + 2]
     assert mixed.positions.tolist() == [2, 0, 1, 2]
     assert mixed.paged.query_start.tolist() == [0, 1, 4] and mixed.paged.seq_lens.tolist() == [3, 3]
-    assert not mixed.decode and mixed.num_tokens == 4
+    assert not mixed.decode and mixed.positions.numel() == 4
     assert meta([[3], [5, 6]], [3, 5], [1, 1]).decode  # one query per row: the backend's decode
 
 

@@ -361,8 +361,7 @@ def _index_weight_map(root: Path, scope: _Scope) -> dict[str, str]:
     return weight_map
 
 
-def _files_and_map(path: str | Path) -> tuple[list[Path], dict[str, str] | None, _Scope]:
-    root = _checkpoint_path(path)
+def _files_and_map(root: Path) -> tuple[list[Path], dict[str, str] | None, _Scope]:
     if os.path.isfile(root):  # one file: it must resolve inside its own directory, like a directory's files
         return [root], None, _Scope.of_directory(root.parent)
     scope = _Scope.of_directory(_checkpoint_directory(root))
@@ -382,7 +381,7 @@ def _files_and_map(path: str | Path) -> tuple[list[Path], dict[str, str] | None,
 def checkpoint_files(path: str | Path) -> list[Path]:
     """The safetensors files of a checkpoint: a single file, the shards an index names, or all in a
     directory; each checked to be a regular file resolving inside the checkpoint (see `_Scope`)."""
-    files, _, scope = _files_and_map(path)
+    files, _, scope = _files_and_map(_checkpoint_path(path))
     for file in files:
         _open_regular(file, scope).close()
     return files
@@ -523,11 +522,6 @@ def _free_bytes(device: torch.device) -> int | None:
     return platform.memory_info(device.index).free
 
 
-def _allocate(model: LlamaDecoder, device: torch.device) -> LlamaDecoder:
-    """The one device allocation (`LlamaDecoder.materialize`)."""
-    return model.materialize(device)
-
-
 def _read_tensor(handle: Any, name: str, part: ShardSlice | None) -> torch.Tensor:
     """Tensor `name` of an open file (a view of its host mapping); with `part`, only that slice
     (a tensor-parallel rank's), so a rank never reads more of the tensor than its slice."""
@@ -584,7 +578,7 @@ def load_checkpoint(
             f"{root}: the weights need {needed:,} bytes ({needed / 2**30:.2f} GiB) in {dtype} on {target}, which has "
             f"{free:,} bytes ({free / 2**30:.2f} GiB) free; refused unread: free memory there, load it in a smaller "
             "dtype, or split it over ranks (tensor_parallel)")
-    model = _allocate(model, target)
+    model = model.materialize(target)  # the one device allocation
     params, tied = dict(model.named_parameters()), config.tie_word_embeddings
     finite: list[tuple[Path, str, torch.Tensor]] = []  # each tensor's verdict, read back once at the end
     bytes_read = tensors = 0

@@ -125,7 +125,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.head_dim = {self.head_dim} must be a positive even int (rotary pairs)")
         if self.num_kv_heads == 0:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
-        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+        if self.num_heads % self.num_kv_heads:  # num_kv_heads >= 1 here: 0 became num_heads
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads} (GQA groups)"
             )

@@ -32,7 +32,7 @@ from torchhal.core.graphs.program import (
     check_step_inputs,
     run_for_rows,
 )
-from torchhal.core.model.config import Llama3RopeScaling, ModelConfig
+from torchhal.core.model.config import ModelConfig
 from torchhal.core.model.kv_cache import AttentionMetadata, KVCache
 from torchhal.core.model.linear import LinearFn, routed_linear, takes_kernel
 from torchhal.core.model.parallel import RankShard, TensorParallelPlan
@@ -41,8 +41,6 @@ from torchhal.values import short_repr
 if TYPE_CHECKING:
     from torchhal.distributed import Communicator
     from torchhal.platforms import LinearSupport
-
-__all__ = ["AttentionMetadata", "KVCache", "Llama3RopeScaling", "LlamaDecoder", "ModelConfig"]
 
 #: State key of an output projection not yet added to the residual (see `LayerMath.into_residual`).
 PENDING = "pending"
@@ -400,14 +398,13 @@ class LlamaDecoder(nn.Module):
 
     def use_communicator(self, comm: Communicator) -> None:
         """The group this tensor-parallel shard runs in (`DeviceGroup.comm`); its rank and size
-        must be the shard's. Call before `layer_program()` is taken (runners capture it)."""
+        must be the shard's (the engine refuses a shard of another rank or size: `shard_problem`).
+        Call before `layer_program()` is taken (runners capture it)."""
         shard = self.shard
         assert shard is not None, "use_communicator: this decoder is not tensor-parallel"
-        if (comm.rank, comm.world_size) != (shard.rank, shard.world_size):
-            raise ValueError(
-                f"use_communicator: the communicator is rank {comm.rank} of {comm.world_size}, this shard is rank "
-                f"{shard.rank} of {shard.world_size}; load the shard for the group's rank and size"
-            )
+        assert (comm.rank, comm.world_size) == (shard.rank, shard.world_size), \
+            f"the communicator is rank {comm.rank} of {comm.world_size}, this shard is rank {shard.rank} of " \
+            f"{shard.world_size}"
         self.comm = comm
         self._program = None  # the all-reduce steps hold the communicator: build them anew
 

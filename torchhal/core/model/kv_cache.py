@@ -103,7 +103,3 @@ class AttentionMetadata:
             backend=backend or _REFERENCE,
             decode=bool(query_lens) and all(q == 1 for q in query_lens),
         )
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.positions.numel())

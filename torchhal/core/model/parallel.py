@@ -15,7 +15,7 @@ anything starts, naming the fix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -74,12 +74,9 @@ class TensorParallelPlan:
 
     def rank_config(self) -> ModelConfig:
         """The shapes one rank's decoder has: its heads, KV heads, MLP width and vocabulary shard."""
-        from dataclasses import replace
-
         return replace(
             self.config, num_heads=self.heads_per_rank, num_kv_heads=self.kv_heads_per_rank,
             intermediate_size=self.intermediate_per_rank, vocab_size=self.vocab_per_rank,
-            head_dim=self.config.head_dim,
         )
 
 
@@ -94,7 +91,18 @@ def check_tensor_parallel(config: ModelConfig, world_size: object) -> int:
     if size is None or size < 1:
         raise ValueError(f"tensor-parallel size {short_repr(world_size)} must be a positive int (it is a "
                          f"{type(world_size).__name__}; pass an integer such as 2)")
-    world_size = size
+    problems = _split_problems(config, size)
+    if problems:
+        sizes = [n for n in range(1, config.num_heads + 1) if not _split_problems(config, n)]
+        raise ValueError(
+            f"cannot split this model over {size} ranks: {'; '.join(problems)}; "
+            f"choose a tensor-parallel size from {sizes}"
+        )
+    return size
+
+
+def _split_problems(config: ModelConfig, world_size: int) -> list[str]:
+    """Why `config` cannot be split over `world_size` ranks (empty: it can)."""
     problems = []
     heads, kv = config.num_heads, config.num_kv_heads
     if heads % world_size:
@@ -106,19 +114,7 @@ def check_tensor_parallel(config: ModelConfig, world_size: object) -> int:
                         f"(replication needs {world_size} to be a multiple of {kv})")
     if config.intermediate_size % world_size:
         problems.append(f"intermediate_size = {config.intermediate_size} is not divisible by {world_size}")
-    if problems:
-        sizes = [n for n in range(1, heads + 1) if _splits(config, n)]
-        raise ValueError(
-            f"cannot split this model over {world_size} ranks: {'; '.join(problems)}; "
-            f"choose a tensor-parallel size from {sizes}"
-        )
-    return size
-
-
-def _splits(config: ModelConfig, world_size: int) -> bool:
-    kv = config.num_kv_heads
-    return (config.num_heads % world_size == 0 and config.intermediate_size % world_size == 0
-            and (kv % world_size == 0 if kv >= world_size else world_size % kv == 0))
+    return problems
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,6 @@ from torch import nn
 
 from torchhal.core.model.config import ModelConfig
 from torchhal.core.model.decoder import FusedSlice, LlamaDecoder
-from torchhal.core.model.kv_cache import AttentionMetadata, KVCache
-
-__all__ = ["AttentionMetadata", "KVCache", "ModelConfig", "ReferenceDecoder"]
 
 
 def host_memory_bytes() -> int | None:
