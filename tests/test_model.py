@@ -281,3 +281,18 @@ def test_repeated_rows_and_swapped_layers():
     other = fresh_model(ModelConfig(num_layers=2, seed=9))
     model.model.layers[1] = other.model.layers[1]
     assert not torch.allclose(model(tokens, step), every_row)
+
+
+def test_compiled_layers_of_more_model_shapes_than_dynamo_caches_for_one_function():
+    """Dynamo keeps at most 8 compiled graphs on a code object and, under fullgraph=True, fails
+    the ninth: every model compiles its layer methods over code of its own, so a process that
+    builds engines for nine model shapes runs them all compiled."""
+    from torchhal.core.engine import EngineConfig, GenerationEngine
+
+    for width in range(1, 10):
+        config = ModelConfig(vocab_size=64, hidden_size=16 * width, num_layers=1, num_heads=2, num_kv_heads=1,
+                             intermediate_size=32)
+        engine = GenerationEngine(EngineConfig(max_kv_slots=64, compile_layers="eager", decode_graphs=None,
+                                               prefill_graphs=None), model=ReferenceDecoder(config))
+        assert len(engine.generate([[1, 2, 3]], 2)[0].output) == 2
+        engine.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -252,7 +253,7 @@ class LayerMath:
         settings: dict[str, str | int | bool | Callable[..., Any]] | None = dict(options) if options else None
 
         def compiled(fn: Callable[..., Any], *token_args: int) -> Callable[..., Any]:
-            return _token_dim_dynamic(torch.compile(fn, backend=backend, fullgraph=True, options=settings),
+            return _token_dim_dynamic(torch.compile(_own_code(fn), backend=backend, fullgraph=True, options=settings),
                                       token_args)
 
         # The positions of the arguments with a token dimension.
@@ -330,6 +331,17 @@ def check_compile_backend(backend: object, label: str) -> None:
     if backend not in torch._dynamo.list_backends(exclude_tags=()):  # any registered one; the usual ones named
         raise ValueError(f"{label} = {short_repr(backend)} is not a torch.compile backend of this torch; use one of "
                          f"{', '.join(torch._dynamo.list_backends())} (e.g. 'inductor'), or a backend callable")
+
+
+def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` (bound) over a copy of its function's code object. Dynamo keeps the graphs it
+    compiled on the code object, at most `recompile_limit` (8) of them, and under
+    `fullgraph=True` a ninth is an error: without a copy per model, a process whose ninth model
+    shape compiles these methods would fail, and every model's graphs would stay cached."""
+    fn = method.__func__  # type: ignore[attr-defined]
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    return types.MethodType(copy, method.__self__)  # type: ignore[attr-defined]
 
 
 def _token_dim_dynamic(compiled: Callable[..., Any], token_args: tuple[int, ...]) -> Callable[..., Any]:
