@@ -160,7 +160,7 @@ class GenerationEngine(Serialized, EngineParts):
     @serialized
     def add_request(self, prompt: list[int], max_new_tokens: int) -> int:
         """Queue a prompt; raises TypeError/ValueError naming a bad token or length (nothing queued)."""
-        self._same_call_on_every_rank("add_request", prompt, max_new_tokens)
+        agree_on_call(self.group, self.broken, "add_request", prompt, max_new_tokens)
         return self.requests.add(prompt, max_new_tokens)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[GenerationResult]:
@@ -173,7 +173,7 @@ class GenerationEngine(Serialized, EngineParts):
         # Read before the lock: a lazy iterable (a tokenizer, another thread's queue) would
         # otherwise hold every other caller's steps, or wait for a thread waiting for the lock.
         listed = listed_prompts(prompts)
-        self._same_call_on_every_rank("generate", listed, max_new_tokens)
+        agree_on_call(self.group, self.broken, "generate", listed, max_new_tokens)
         max_new_tokens = check_max_new_tokens(max_new_tokens)
         rids: list[int] = []
         try:  # from the first prompt queued: interrupted anywhere (Ctrl-C, say), nothing of the call stays
@@ -284,11 +284,6 @@ class GenerationEngine(Serialized, EngineParts):
                        "parallel the ranks may now disagree, so this engine runs no more steps: make a new group "
                        "and engines")
         self.events.record("tensor_parallel_broken", error=type(error).__name__)
-
-    def _same_call_on_every_rank(self, call: str, *arguments: object) -> None:
-        if self.broken is not None:  # a broken engine's group may be unusable: refuse before its collective
-            raise RuntimeError(self.broken)
-        agree_on_call(self.group, call, *arguments)
 
     def _check_can_run(self) -> None:
         if self.broken is not None:

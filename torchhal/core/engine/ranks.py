@@ -194,11 +194,14 @@ def value_digest(named: list[tuple[str, torch.Tensor]]) -> int:
     return int.from_bytes(hasher.digest(), "little")
 
 
-def agree_on_call(group: DeviceGroup | None, call: str, *arguments: object) -> None:
+def agree_on_call(group: DeviceGroup | None, broken: str | None, call: str, *arguments: object) -> None:
     """Every rank makes the same engine call with the same arguments (SPMD): ranks whose
     `generate` prompts differed would meet in collectives of other sizes, which gloo answers by
     aborting the process. A difference is a ValueError on every rank, naming the ranks that
-    differ from rank 0 (one small collective on the host communicator per call)."""
+    differ from rank 0 (one small collective on the host communicator per call). An engine
+    that is `broken` (why) is refused first: its group may be unusable."""
+    if broken is not None:
+        raise RuntimeError(broken)
     if group is None:
         return
     mine = _digests([call, *arguments])
