@@ -49,7 +49,7 @@ picks them; the first two by default, the others were this file's earlier levers
   where cuBLAS runs it (the engine now), alternating over three rounds, graphs re-captured for
   each: prefill alone at 3968x1, 3968x8 and 16000x1, end to end at 32x32 and 3968x8;
 - `step_budget`: the scheduler's token budget a step at `--budget-before` (16384 by default,
-  the benchmark's until the twentieth session) against the engine's own `--max-batch-tokens`
+  half a 16k prompt pair) against the engine's own `--max-batch-tokens`
   (32768 by default, as `long_context.py`'s), alternating over three rounds
   on one engine: prefill alone at 3968x8, 3968x32 and 16000x8 (two 16k prompts a step instead
   of one), end to end at 16000x8;

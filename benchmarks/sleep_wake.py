@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import math
 import statistics
 import sys
@@ -133,29 +132,22 @@ def sleep_cycles(engine: GenerationEngine, level: int, cycles: int, reference: l
     """`outside`: the device bytes in use that are not the engine's (the context, the trainer's copy)."""
     platform, index = engine.platform, engine.device_index
     sync = lambda: platform.synchronize(index)  # noqa: E731
-    new_api = "level" in inspect.signature(engine.release_memory_occupation).parameters
     rows = []
     for _ in range(cycles):
         awake = in_use(platform, index)
         captured = captures(engine)
-        if new_api:
-            sleep_s, _ = timed(lambda: engine.release_memory_occupation(level=level), sync)
-        else:
-            sleep_s, _ = timed(engine.release_memory_occupation, sync)
+        sleep_s, _ = timed(lambda: engine.release_memory_occupation(level=level), sync)
         asleep = in_use(platform, index)
         row: dict[str, Any] = {"level": level, "sleep_s": sleep_s, "in_use_awake_bytes": awake,
                                "in_use_asleep_bytes": asleep,
                                "engine_awake_bytes": awake - outside, "engine_asleep_bytes": asleep - outside,
                                # what stays: the allocator's reserve (graph buffers, workspaces) beside the context
                                "allocator_reserved_asleep_bytes": platform.memory_info(index).reserved}
-        if new_api:
-            row["wake_weights_s"], _ = timed(lambda: engine.resume_memory_occupation(tags=("weights",)), sync)
-            if level == 2:  # the weights come back through an update (the trainer's), here the same values
-                row["update_s"], _ = timed(lambda: engine.update_weights_from_tensors(SAVED_WEIGHTS), sync)
-            row["wake_kv_cache_s"], _ = timed(lambda: engine.resume_memory_occupation(tags=("kv_cache",)), sync)
-            row["wake_s"] = row["wake_weights_s"] + row["wake_kv_cache_s"]
-        else:
-            row["wake_s"], _ = timed(engine.resume_memory_occupation, sync)
+        row["wake_weights_s"], _ = timed(lambda: engine.resume_memory_occupation(tags=("weights",)), sync)
+        if level == 2:  # the weights come back through an update (the trainer's), here the same values
+            row["update_s"], _ = timed(lambda: engine.update_weights_from_tensors(SAVED_WEIGHTS), sync)
+        row["wake_kv_cache_s"], _ = timed(lambda: engine.resume_memory_occupation(tags=("kv_cache",)), sync)
+        row["wake_s"] = row["wake_weights_s"] + row["wake_kv_cache_s"]
         row["first_token_s"], _ = timed(lambda: engine.generate([PROMPTS[0]], 1), sync)
         row["graphs_captured_on_wake"] = captures(engine) - captured
         row["tokens_equal"] = tokens(engine) == reference
@@ -229,17 +221,15 @@ def main() -> None:
         "engine_build_s": build_s, "kv_pool_bytes": engine.kv_sizing.num_blocks * engine.kv_sizing.bytes_per_block,
         "decode_graph_buckets": None if engine.decode_runner is None else
         [list(engine.decode_runner.batch_buckets), list(engine.decode_runner.context_buckets)],
-        "sleep_mode": getattr(getattr(engine, "occupation", None), "describe", lambda: "host offload")(),
+        "sleep_mode": engine.occupation.describe(),
         "compile": engine.config.compile_layers is not None,
     }
-    new_api = "level" in inspect.signature(engine.release_memory_occupation).parameters
     results["level1"] = sleep_cycles(engine, 1, args.cycles, reference, outside)
-    if new_api:
-        results["level2"] = sleep_cycles(engine, 2, args.cycles, reference, outside)
-        results["rl_loop"] = rl_loop(engine, args.rl_iterations, reference)
-        rl = results["rl_loop"]
-        print("rl loop", {"iterations": len(rl["iterations"]), "all_tokens_equal": rl["all_tokens_equal"],
-                          "in_use_spread_fraction": round(rl["in_use_spread_fraction"], 5)})
+    results["level2"] = sleep_cycles(engine, 2, args.cycles, reference, outside)
+    results["rl_loop"] = rl_loop(engine, args.rl_iterations, reference)
+    rl = results["rl_loop"]
+    print("rl loop", {"iterations": len(rl["iterations"]), "all_tokens_equal": rl["all_tokens_equal"],
+                      "in_use_spread_fraction": round(rl["in_use_spread_fraction"], 5)})
     engine.close()
     del engine, model
     gc.collect()
