@@ -1,7 +1,7 @@
 """Sleep and wake of an 8B-shaped engine, against torch_memory_saver and the copy floor.
 
     python benchmarks/sleep_wake.py [--out DIR] [--cycles 2] [--rl-iterations 20] [--tiny]
-        [--buckets default|1,8] [--compile | --no-compile]
+        [--buckets default|1,8] [--compile | --no-compile] [--idle-before-wake 1.0]
 
 The engine is the Llama-3.1-8B shape in bf16 (seeded random weights drawn on the device),
 full-graph decode, compiled layers where the platform compiles by default, the KV pool sized as
@@ -9,7 +9,11 @@ the engine sizes it by default. Per sleep level and cycle it reports the sleep t
 memory in use asleep (`memory_info`: total - free; `engine_*_bytes` less what is not the
 engine's: the context and the trainer's device copy of the weights), the wake time per tag, the time to the first
 token after wake, how many graphs were captured on wake, and whether the tokens after wake equal
-those before sleep. Beside it, in the same process and on the same weights' bytes:
+those before sleep. Between sleep and wake the device idles `--idle-before-wake` seconds, where
+an RL loop's trainer steps: the driver clears the physical memory a release gave back on a copy
+engine (on an H200 about 2 ms a GB, after the call has returned), and a copy issued meanwhile
+shares that engine. One more level-1 cycle wakes at once after the sleep
+(`level1_back_to_back`) and shows what that costs. Beside it, in the same process and on the same weights' bytes:
 
 - the floor: a device -> pinned host and a pinned host -> device copy of the weights' bytes;
 - the peer: `torch_memory_saver` (pip package, `hook_mode="torch"`) on a tensor of the
@@ -128,8 +132,9 @@ def peer(nbytes: int, device: torch.device, sync: Any, cycles: int) -> dict[str,
 
 
 def sleep_cycles(engine: GenerationEngine, level: int, cycles: int, reference: list[list[int]],
-                 outside: int) -> list[dict[str, Any]]:
-    """`outside`: the device bytes in use that are not the engine's (the context, the trainer's copy)."""
+                 outside: int, idle_s: float) -> list[dict[str, Any]]:
+    """`outside`: the device bytes in use that are not the engine's (the context, the trainer's copy);
+    `idle_s`: the device's idle time between sleep and wake (the trainer's step)."""
     platform, index = engine.platform, engine.device_index
     sync = lambda: platform.synchronize(index)  # noqa: E731
     rows = []
@@ -142,7 +147,9 @@ def sleep_cycles(engine: GenerationEngine, level: int, cycles: int, reference: l
                                "in_use_asleep_bytes": asleep,
                                "engine_awake_bytes": awake - outside, "engine_asleep_bytes": asleep - outside,
                                # what stays: the allocator's reserve (graph buffers, workspaces) beside the context
-                               "allocator_reserved_asleep_bytes": platform.memory_info(index).reserved}
+                               "allocator_reserved_asleep_bytes": platform.memory_info(index).reserved,
+                               "idle_before_wake_s": idle_s}
+        time.sleep(idle_s)
         row["wake_weights_s"], _ = timed(lambda: engine.resume_memory_occupation(tags=("weights",)), sync)
         if level == 2:  # the weights come back through an update (the trainer's), here the same values
             row["update_s"], _ = timed(lambda: engine.update_weights_from_tensors(SAVED_WEIGHTS), sync)
@@ -189,6 +196,8 @@ def main() -> None:
     parser.add_argument("--rl-iterations", type=int, default=20)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--buckets", default="default", help="decode-graph batch buckets: default or e.g. 1,8")
+    parser.add_argument("--idle-before-wake", type=float, default=1.0,
+                        help="seconds the device idles between sleep and wake, as under a trainer's step")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="compiled layers (default: the engine's default)")
     args = parser.parse_args()
@@ -224,8 +233,9 @@ def main() -> None:
         "sleep_mode": engine.occupation.describe(),
         "compile": engine.config.compile_layers is not None,
     }
-    results["level1"] = sleep_cycles(engine, 1, args.cycles, reference, outside)
-    results["level2"] = sleep_cycles(engine, 2, args.cycles, reference, outside)
+    results["level1"] = sleep_cycles(engine, 1, args.cycles, reference, outside, args.idle_before_wake)
+    results["level1_back_to_back"] = sleep_cycles(engine, 1, 1, reference, outside, 0.0)
+    results["level2"] = sleep_cycles(engine, 2, args.cycles, reference, outside, args.idle_before_wake)
     results["rl_loop"] = rl_loop(engine, args.rl_iterations, reference)
     rl = results["rl_loop"]
     print("rl loop", {"iterations": len(rl["iterations"]), "all_tokens_equal": rl["all_tokens_equal"],
@@ -238,7 +248,7 @@ def main() -> None:
     if on_gpu:
         results["torch_memory_saver"] = peer(nbytes, device, sync, args.cycles)
     write_json("sleep_wake" + ("_tiny" if args.tiny else ""), results, args.out)
-    for level in ("level1", "level2"):
+    for level in ("level1", "level1_back_to_back", "level2"):
         for row in results.get(level, []):
             print(level, {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
     print("floor", results["floor"])
