@@ -11,14 +11,22 @@ bf16 prefill tiles need about 128 KiB of shared memory by the kernel's own count
 MI300 CU has 64 KiB of LDS) and it has never run on AMD hardware. ROCm declares no
 backend, so engines run the portable reference, until the kernels are verified (and
 tuned) on an AMD GPU. The CUDA plugin's Triton GEMV (`linear_support`) is withheld for the
-same reason: its launch configurations were measured on an H200 only.
+same reason: its launch configurations were measured on an H200 only, and so are the
+virtual-memory regions (sleep falls back to host offload).
 """
 
 from __future__ import annotations
 
 import torch
 
-from torchhal.platforms import CompileSupport, DistributedSupport, LinearSupport, PlatformPlugin, hookimpl
+from torchhal.platforms import (
+    CompileSupport,
+    DistributedSupport,
+    LinearSupport,
+    PlatformPlugin,
+    VirtualMemorySupport,
+    hookimpl,
+)
 from torchhal.plugins.cuda import CudaPlatform
 from torchhal.plugins.vendor_attention import ReferenceAttentionOnly
 
@@ -30,6 +38,11 @@ class RocmPlatform(ReferenceAttentionOnly, CudaPlatform):
         "the CUDA plugin's Triton kernels are tuned for NVIDIA GPUs and not verified on AMD hardware; "
         "ROCm has no vendor paged-attention entry point in torch"
     )
+
+    def virtual_memory_support(self) -> VirtualMemorySupport | None:
+        # Not CUDA's (it opens libcuda): the driver maps HIP's hipMem* calls too, but they have not
+        # run on AMD hardware, and a declared capability is what the engine sleeps on by default.
+        return None
 
     def linear_support(self) -> LinearSupport | None:
         return None  # the CUDA plugin's Triton GEMV is not verified on AMD hardware: F.linear
