@@ -107,12 +107,6 @@ def _name_problem(name: str) -> str | None:
     return None
 
 
-def check_name(name: str) -> None:
-    problem = _name_problem(name)
-    if problem is not None:
-        raise TemplateError(problem)
-
-
 def builtin_platform_names() -> list[str]:
     """The names torchhal's own plugins register, read from them (no detection, no entry points)."""
     registry = PlatformRegistry(new_plugin_manager())
