@@ -27,8 +27,7 @@ DTYPES: dict[str, torch.dtype] = {
         "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16",
         "int8", "uint8", "bool", "complex64", "complex128",
         "float8_e4m3fn", "float8_e5m2",
-    )
-    if hasattr(torch, name)
+    )  # every one is in torch >= 2.5
 }
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 MAX_BYTES = 1 << 48  # 256 TiB: larger claims are corrupt, not real
