@@ -262,14 +262,15 @@ def test_plugin_new_refuses_a_name_pip_cannot_take(tmp_path, cli, name, suggesti
     assert not target.exists()
 
 
-def test_every_built_in_name_is_refused():
-    from torchhal.cli.plugin_template import TemplateError, builtin_platform_names, check_name
+def test_every_built_in_name_is_refused(tmp_path):
+    from torchhal.cli.plugin_template import TemplateError, builtin_platform_names, write_plugin
 
     names = builtin_platform_names()
     assert {"cpu", "cuda", "rocm", "xpu", "npu", "musa"} <= set(names), names
     for name in names:
         with pytest.raises(TemplateError, match="built-in"):
-            check_name(name)
+            write_plugin(name, tmp_path / name)
+        assert not (tmp_path / name).exists()
 
 
 # -- python -m torchhal ------------------------------------------------------------------

@@ -82,7 +82,7 @@ def test_duplicate_names_conflict_naming_both_distributions():
         def torchhal_register_platforms(self):
             return [fake_platform("twin", 10)]
 
-    reg = manager.PlatformRegistry(manager.new_plugin_manager())
+    reg = manager.PlatformRegistry(manager.PluginManager())
     reg.add_plugin(Dist1(), "vendor-a-plugin", "vendor-a", "1.0")
     reg.add_plugin(plugin_module(fake_platform("twin", 10)), "vendor-b-plugin", "vendor-b", "2.0")
     with pytest.warns(TorchhalPluginWarning):
@@ -99,7 +99,7 @@ def test_duplicate_names_conflict_naming_both_distributions():
 def test_replaces_resolves_a_conflict():
     replacement = fake_platform("cpu", 0)
     type(replacement).replaces = "cpu"
-    reg = manager.PlatformRegistry(manager.new_plugin_manager())
+    reg = manager.PlatformRegistry(manager.PluginManager())
     reg.load_builtins(["torchhal.plugins.cpu"])
     reg.add_plugin(plugin_module(replacement), "better-cpu", "better-cpu-dist", "1.0")
     with warnings.catch_warnings():

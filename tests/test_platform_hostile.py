@@ -113,7 +113,7 @@ def test_a_list_of_visible_devices_variables_is_taken_as_a_tuple(make_registry):
 
 
 def test_two_plugins_replacing_one_platform_are_both_dropped_and_it_stays():
-    reg = manager.PlatformRegistry(manager.new_plugin_manager())
+    reg = manager.PlatformRegistry(manager.PluginManager())
     reg.load_builtins(["torchhal.plugins.cpu"])
     reg.add_plugin(plugin_module(plugin_with("cpu", replaces="cpu")), "vendor-a-plugin", "vendor-a", "1.0")
     reg.add_plugin(plugin_module(plugin_with("fastcpu", replaces="cpu")), "vendor-b-plugin", "vendor-b", "2.0")
@@ -128,7 +128,7 @@ def test_two_plugins_replacing_one_platform_are_both_dropped_and_it_stays():
 
 
 def test_one_replacement_still_displaces_the_platform():
-    reg = manager.PlatformRegistry(manager.new_plugin_manager())
+    reg = manager.PlatformRegistry(manager.PluginManager())
     reg.load_builtins(["torchhal.plugins.cpu"])
     reg.add_plugin(plugin_module(plugin_with("fastcpu", replaces="cpu")), "vendor-b-plugin", "vendor-b", "2.0")
     reg.collect_platforms()
@@ -140,7 +140,7 @@ def test_one_replacement_still_displaces_the_platform():
     (("torchhal.plugins.cpu", "torchhal.plugins.cuda"), "cuda", "torchhal's built-in 'cuda' platform"),
 ], ids=["name-conflict", "builtin-name"])
 def test_a_replacer_that_is_itself_dropped_replaces_nothing(builtins, rival, dropped_as):
-    reg = manager.PlatformRegistry(manager.new_plugin_manager())
+    reg = manager.PlatformRegistry(manager.PluginManager())
     reg.load_builtins(builtins)
     reg.add_plugin(plugin_module(plugin_with(rival, replaces="cpu")), "vendor-a-plugin", "vendor-a", "1.0")
     if rival == "fastcpu":

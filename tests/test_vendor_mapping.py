@@ -334,7 +334,7 @@ def test_the_ipc_redirect_switch_opens_on_the_producer_device(monkeypatch):
         torch.UntypedStorage, "_new_shared_musa",
         staticmethod(lambda device, *fields: opened.append(device) or torch.UntypedStorage(4096)), raising=False,
     )
-    platform = Platform(MusaPlatform(), manager.new_plugin_manager(), "test", "0")
+    platform = Platform(MusaPlatform(), manager.PluginManager(), "test", "0")
     handle = platform.ipc_support.share(fake_device_tensor("musa", "_share_musa_"))
     assert platform.ipc_support.peer_redirect
     platform.ipc_support.open(handle, 0)

@@ -19,7 +19,7 @@ GiB = 1 << 30
 MAX_LISTED_DEVICES = 64
 
 
-def _environment(platform_env: tuple[str, ...] = ()) -> dict[str, str]:
+def _environment(platform_env: tuple[str, ...]) -> dict[str, str]:
     names = sorted({k for k in os.environ if k.startswith("TORCHHAL_")} | set(platform_env))
     return {k: os.environ[k] for k in names if k in os.environ}
 

@@ -24,7 +24,7 @@ import textwrap
 from functools import cache
 from pathlib import Path
 
-from torchhal.platforms.manager import DEFAULT_PLUGINS, PlatformRegistry, new_plugin_manager
+from torchhal.platforms.manager import DEFAULT_PLUGINS, PlatformRegistry, PluginManager
 from torchhal.platforms.plugin import NAME_PATTERN, SPI_ATTRIBUTES, SPI_METHODS, SPI_VERSION, PlatformPlugin
 
 BASES = ("plugin", "accelerator", "cpu")
@@ -107,15 +107,9 @@ def _name_problem(name: str) -> str | None:
     return None
 
 
-def check_name(name: str) -> None:
-    problem = _name_problem(name)
-    if problem is not None:
-        raise TemplateError(problem)
-
-
 def builtin_platform_names() -> list[str]:
     """The names torchhal's own plugins register, read from them (no detection, no entry points)."""
-    registry = PlatformRegistry(new_plugin_manager())
+    registry = PlatformRegistry(PluginManager())
     registry.load_builtins(DEFAULT_PLUGINS)
     registry.collect_platforms()
     return registry.names()

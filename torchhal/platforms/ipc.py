@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Sequence
+import os
+import re
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -25,12 +27,32 @@ DTYPES: dict[str, torch.dtype] = {
         "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16",
         "int8", "uint8", "bool", "complex64", "complex128",
         "float8_e4m3fn", "float8_e5m2",
-    )
-    if hasattr(torch, name)
+    )  # every one is in torch >= 2.5
 }
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 MAX_BYTES = 1 << 48  # 256 TiB: larger claims are corrupt, not real
 MAX_DIMS = 32
+
+
+#: Where POSIX shared memory lives, and torch's process-wide names there (at::NewProcessWideShmHandle:
+#: CPU filename storages and CUDA IPC ref-counters share the generator). The driver's own
+#: "cuda.shm.<uid>.<pid hex>.<n>" files (IPC events) are not torch's: refused.
+SHM_DIR = "/dev/shm"
+TORCH_SHM_NAME = re.compile(rb"/torch_\d{1,10}_\d{1,10}_\d{1,20}")
+
+
+def owned_file(path: str, kind: str, is_type: Callable[[int], bool]) -> os.stat_result:
+    """Stat without following a symlink: this user's own object of the expected type, with one link."""
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        gone = isinstance(exc, FileNotFoundError)
+        raise IpcHandleError(f"shared {kind} {path!r} " + ("no longer exists: its producer freed it or exited"
+                                                           if gone else f"cannot be inspected: {exc}")) from None
+    if not is_type(info.st_mode) or info.st_uid != os.geteuid() or info.st_nlink != 1:
+        raise IpcHandleError(f"{path!r} is not a {kind} of this user with one link (a symlink, a hard link or "
+                             "another user's object)")
+    return info
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -103,7 +125,7 @@ def validate_handle(handle: IpcHandle, storage_nbytes: int | None = None) -> tor
     independently of the handle: a handle claiming more than that is refused (mapping
     the claim would read past, or grow, the real object).
     """
-    assert isinstance(handle, IpcHandle)  # each plugin's open checks what it is given
+    assert isinstance(handle, IpcHandle)  # the transport decodes every handle it opens into one
     dtype = check_view(handle.dtype, handle.shape, handle.stride, handle.offset_bytes, handle.storage_nbytes).dtype
     if storage_nbytes is not None and handle.storage_nbytes > storage_nbytes:
         raise IpcHandleError(

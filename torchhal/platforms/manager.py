@@ -115,10 +115,6 @@ class PluginManager(pluggy.PluginManager):
         return opts
 
 
-def new_plugin_manager() -> PluginManager:
-    return PluginManager()
-
-
 def detect_timeout_from_env() -> float | None:
     """Seconds from TORCHHAL_DETECT_TIMEOUT (default 10); None (no limit) for 0 or less."""
     raw = os.environ.get(DETECT_TIMEOUT_ENV, "").strip()
@@ -527,7 +523,7 @@ def build_registry(
     extra: Iterable[tuple[object, str]] = (),
 ) -> PlatformRegistry:
     """Make a fresh registry. Tests pass `extra=[(plugin_obj, name)]` and no globals leak."""
-    registry = PlatformRegistry(new_plugin_manager(), detect_timeout_from_env())
+    registry = PlatformRegistry(PluginManager(), detect_timeout_from_env())
     registry.load_builtins(builtins)
     if entry_points:
         registry.load_entry_points(allow_list_from_env() if allow == "env" else allow)  # type: ignore[arg-type]

@@ -362,18 +362,11 @@ class PlatformPlugin(abc.ABC):
         return DistributedSupport()
 
 
-def _spi_methods(cls: type) -> tuple[str, ...]:
-    return tuple(name for name, value in vars(cls).items() if not name.startswith("_") and callable(value))
-
-
-def _spi_attributes(cls: type) -> tuple[str, ...]:
-    return tuple(name for name in vars(cls).get("__annotations__", {}) if not name.startswith("_"))
-
-
 #: The SPI methods, in documentation order: read from `PlatformPlugin` itself, never listed by hand.
-SPI_METHODS: tuple[str, ...] = _spi_methods(PlatformPlugin)
+SPI_METHODS: tuple[str, ...] = tuple(name for name, value in vars(PlatformPlugin).items()
+                                     if not name.startswith("_") and callable(value))
 #: The SPI class attributes, in documentation order, read from `PlatformPlugin`'s annotations.
-SPI_ATTRIBUTES: tuple[str, ...] = _spi_attributes(PlatformPlugin)
+SPI_ATTRIBUTES: tuple[str, ...] = tuple(name for name in PlatformPlugin.__annotations__ if not name.startswith("_"))
 #: The class attributes a platform (a class with a `name`) must have: PlatformPlugin gives them no value.
 REQUIRED_ATTRIBUTES: tuple[str, ...] = tuple(name for name in SPI_ATTRIBUTES if not hasattr(PlatformPlugin, name))
 

@@ -16,7 +16,6 @@ import gc
 import importlib
 import importlib.util
 import os
-import re
 import stat
 import warnings
 from collections.abc import Iterator
@@ -37,7 +36,15 @@ from torchhal.platforms import (
     PlatformPlugin,
     TorchhalPluginWarning,
 )
-from torchhal.platforms.ipc import MAX_BYTES, describe, tensor_from_storage, validate_handle
+from torchhal.platforms.ipc import (
+    MAX_BYTES,
+    SHM_DIR,
+    TORCH_SHM_NAME,
+    describe,
+    owned_file,
+    tensor_from_storage,
+    validate_handle,
+)
 
 #: What a probe catches: a vendor runtime that is absent, half-installed
 #: (torch_npu without CANN raises RuntimeError/OSError) or refuses this torch.
@@ -110,12 +117,7 @@ class AcceleratorPlatform(PlatformPlugin):
             return module
         if self.extension_module:
             importlib.import_module(self.extension_module)
-        module = getattr(torch, self.device_type, None)
-        if not isinstance(module, ModuleType):
-            raise RuntimeError(
-                f"torch.{self.device_type} is missing after importing "
-                f"{self.extension_module or 'torch'}; install the {self.name} runtime"
-            )
+        module = getattr(torch, self.device_type)  # an AttributeError: a runtime that failed to load (PROBE_ERRORS)
         self.__dict__["_device_module"] = module
         # The argument-free queries are the module's own functions: bind them (unless a
         # subclass overrides them), so a Platform pass-through costs the runtime's call.
@@ -228,8 +230,6 @@ class AcceleratorPlatform(PlatformPlugin):
         return None
 
     def ipc_share(self, tensor: torch.Tensor) -> IpcHandle:
-        if tensor.device.type != self.device_type:
-            raise ValueError(f"{self.name} IPC shares {self.device_type} tensors; got one on {tensor.device}")
         storage = tensor.untyped_storage()
         device, handle, size, offset, rc_handle, rc_offset, event_handle, event_sync = getattr(
             storage, self.ipc_share_method or ""
@@ -259,7 +259,7 @@ class AcceleratorPlatform(PlatformPlugin):
         return producer
 
     def ipc_open(self, handle: IpcHandle, device: int) -> torch.Tensor:
-        dtype = validate_handle(handle)  # the view fields, and that it is an IpcHandle at all
+        dtype = validate_handle(handle)  # the view fields
         problem = self._storage_problem(handle, device)
         if problem is not None:
             raise IpcHandleError(problem)
@@ -304,10 +304,6 @@ class AcceleratorPlatform(PlatformPlugin):
 
 
 _IPC_BLOB_MAX = 256  # driver IPC memory/event handles are tens of bytes
-# torch names every ref-counter file "/torch_<pid>_<random>_<counter>" (at::NewProcessWideShmHandle,
-# the generator its CUDA IPC ref-counters and CPU filename storages share). The driver's own
-# "cuda.shm.<uid>.<pid hex>.<n>" files in /dev/shm (IPC events) are not ref-counters: refused.
-_REFCOUNT_NAME = re.compile(rb"/torch_\d{1,10}_\d{1,10}_\d{1,20}")
 _REFCOUNT_CELLS = 10_000  # torch's CUDA IPC ref-counter file holds this many int64 cells
 
 
@@ -315,17 +311,10 @@ def _check_refcount_file(name: bytes, offset: int) -> None:
     """The ref-counter handle is a shared-memory file name the native open maps and writes:
     only torch's own names, of a regular file of this user (no symlink), with the cell inside."""
     problem = None
-    if not _REFCOUNT_NAME.fullmatch(name) or not 0 <= offset < _REFCOUNT_CELLS:
+    if not TORCH_SHM_NAME.fullmatch(name) or not 0 <= offset < _REFCOUNT_CELLS:
         problem = f"IPC ref-counter {name[:128]!r} at cell {offset} is not a torch ref-counter handle"
-    else:
-        path = "/dev/shm" + name.decode("ascii")
-        try:
-            info = os.lstat(path)
-        except OSError:
-            problem = f"IPC ref-counter {path!r} is gone: its producer freed it or exited"
-        else:
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_size < 8 * (offset + 1):
-                problem = f"IPC ref-counter {path!r} is not a regular file of this user holding cell {offset}"
+    elif owned_file(SHM_DIR + name.decode("ascii"), "ref-counter", stat.S_ISREG).st_size < 8 * (offset + 1):
+        problem = f"IPC ref-counter {name.decode('ascii')!r} does not hold cell {offset}"
     if problem is not None:
         raise IpcHandleError(problem)
 

@@ -14,7 +14,6 @@ import os
 import re
 import stat
 import sys
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any, TypeGuard
 
@@ -32,10 +31,8 @@ from torchhal.platforms import (
     VirtualMemorySupport,
     hookimpl,
 )
-from torchhal.platforms.ipc import describe, tensor_from_storage, validate_handle
+from torchhal.platforms.ipc import SHM_DIR, TORCH_SHM_NAME, describe, owned_file, tensor_from_storage, validate_handle
 from torchhal.plugins.host_memory import HostMemory
-
-_SHM_DIR = "/dev/shm"
 
 
 class CpuPlatform(PlatformPlugin):
@@ -124,16 +121,13 @@ class CpuPlatform(PlatformPlugin):
 
 
 def _share(platform: str, tensor: torch.Tensor) -> IpcHandle:
-    if tensor.device.type != "cpu":
-        raise ValueError(f"the {platform} platform shares CPU tensors; got one on {tensor.device}")
     manager, name, size = tensor.untyped_storage()._share_filename_cpu_()
     dtype, shape, stride, offset = describe(tensor)
     return IpcHandle(platform=platform, device=0, storage=(bytes(manager), bytes(name)), storage_nbytes=int(size),
                      dtype=dtype, shape=shape, stride=stride, offset_bytes=offset)
 
 
-#: torch's process-wide shared-memory names and its shared-memory manager's socket.
-_SHM_NAME = re.compile(rb"/torch_\d{1,10}_\d{1,10}_\d{1,20}")
+#: torch's shared-memory manager's socket.
 _MANAGER_SOCKET = re.compile(rb"(/[A-Za-z0-9._-]{1,64}){0,8}/torch-shm-dir-[A-Za-z0-9]{6}/manager\.sock")
 _UNIX_PATH_MAX = 107  # sockaddr_un.sun_path, less the terminating NUL
 _REFCOUNT_BYTES = 64  # torch's shared storages carry a refcount header after the data
@@ -144,26 +138,11 @@ def _is_torch_storage(storage: object) -> TypeGuard[tuple[bytes, bytes]]:
     if not (isinstance(storage, tuple) and len(storage) == 2 and all(isinstance(x, bytes) for x in storage)):
         return False
     manager, name = storage
-    return len(manager) <= _UNIX_PATH_MAX and bool(_MANAGER_SOCKET.fullmatch(manager) and _SHM_NAME.fullmatch(name))
-
-
-def _owned(path: str, kind: str, is_type: Callable[[int], bool]) -> os.stat_result:
-    """Stat without following a symlink: this user's own object of the expected type, with one link."""
-    try:
-        info = os.lstat(path)
-    except OSError as exc:
-        gone = isinstance(exc, FileNotFoundError)
-        raise IpcHandleError(f"shared {kind} {path!r} " + ("no longer exists: its producer freed it or exited"
-                                                           if gone else f"cannot be inspected: {exc}")) from None
-    if not is_type(info.st_mode) or info.st_uid != os.geteuid() or info.st_nlink != 1:
-        raise IpcHandleError(f"{path!r} is not a {kind} of this user with one link (a symlink, a hard link or "
-                             "another user's object)")
-    return info
+    return len(manager) <= _UNIX_PATH_MAX and bool(_MANAGER_SOCKET.fullmatch(manager)
+                                                   and TORCH_SHM_NAME.fullmatch(name))
 
 
 def _open(platform: str, handle: IpcHandle, device: int) -> torch.Tensor:
-    if not isinstance(handle, IpcHandle):
-        raise IpcHandleError(f"expected an IpcHandle, got {type(handle).__name__}")
     if handle.platform != platform or handle.device != 0 or device != 0:
         raise IpcHandleError(
             f"{platform} IPC opens {platform} handles of device 0 on device 0; got {handle.platform!r} device "
@@ -174,9 +153,9 @@ def _open(platform: str, handle: IpcHandle, device: int) -> torch.Tensor:
                              "/torch_<pid>_<n>_<n> shared-memory name) pair of bytes")
     manager, name = handle.storage
     # Sizes come from the OS, not from the handle: only this user's own torch objects qualify.
-    shm = _owned(_SHM_DIR + name.decode("ascii"), "memory", stat.S_ISREG)
+    shm = owned_file(SHM_DIR + name.decode("ascii"), "memory", stat.S_ISREG)
     dtype = validate_handle(handle, storage_nbytes=max(shm.st_size - _REFCOUNT_BYTES, 0))
-    _owned(manager.decode("ascii"), "manager socket", stat.S_ISSOCK)
+    owned_file(manager.decode("ascii"), "manager socket", stat.S_ISSOCK)
     try:
         # Maps at most the file's real size (checked above), so nothing grows /dev/shm.
         storage = torch.UntypedStorage._new_shared_filename_cpu(manager, name, handle.storage_nbytes)
