@@ -46,6 +46,7 @@ from torchhal.core.engine.ranks import (
     agree_on_call,
     agree_on_config,
     check_group,
+    refuse_broken,
     shard_problem,
 )
 from torchhal.core.engine.records import (
@@ -286,8 +287,7 @@ class GenerationEngine(Serialized, EngineParts):
         self.events.record("tensor_parallel_broken", error=type(error).__name__)
 
     def _check_can_run(self) -> None:
-        if self.broken is not None:
-            raise RuntimeError(self.broken)
+        refuse_broken(self.broken)
         if self.asleep:
             raise RuntimeError(f"the engine is asleep ({', '.join(self.asleep_tags)}); call "
                                "resume_memory_occupation() first")
@@ -366,7 +366,8 @@ class GenerationEngine(Serialized, EngineParts):
         self.drain()  # every token launched with the old weights lands first
         count = self.weights.apply(named_tensors)
         self.events.record("weights_updated", count=count, version=self.weight_version)
-        return WeightUpdateResult(count, self.weight_version, self.flush_cache_after_weight_update(flush_cache))
+        flushed = self.flush_cache(empty_cache=True, reason=ReleasePoint.WEIGHT_UPDATE) if flush_cache else None
+        return WeightUpdateResult(count, self.weight_version, flushed)
 
     @serialized
     def update_weights_from_disk(self, path: str, flush_cache: bool = False) -> WeightUpdateResult:
@@ -380,14 +381,6 @@ class GenerationEngine(Serialized, EngineParts):
                             "safetensors file as a str or Path")
         check_bool("update_weights_from_disk(flush_cache)", flush_cache)
         return self.update_weights_from_tensors(iter_checkpoint_tensors(path), flush_cache)
-
-    @serialized
-    def flush_cache_after_weight_update(self, requested: bool) -> FlushResult | None:
-        """The one place every weight-update path flushes, when the caller asked."""
-        check_bool("flush_cache_after_weight_update(requested)", requested)
-        if not requested:
-            return None
-        return self.flush_cache(empty_cache=True, reason=ReleasePoint.WEIGHT_UPDATE)
 
     @serialized
     def release_memory_occupation(self, level: int = 1) -> int | None:
@@ -414,8 +407,7 @@ class GenerationEngine(Serialized, EngineParts):
         KV cache, so an RL loop can wake the weights, take the trainer's update, and only then
         wake the KV cache. A failed wake leaves what it was waking asleep, and can be retried."""
         order = self.occupation.wake_order(tags)
-        if self.broken is not None:  # waking may capture graphs: on a failed or closed group, for nothing
-            raise RuntimeError(self.broken)
+        refuse_broken(self.broken)  # waking may capture graphs: on a failed or closed group, for nothing
         level = self.occupation.level
         self.occupation.wake(order, self._graph_holders(), self._new_kv_cache)
         if WEIGHTS in order and level == 2:
