@@ -380,8 +380,7 @@ class DecodeGraphRunner:
     def buckets_for(self, batch_size: int, max_length: int) -> tuple[int, int]:
         batch = pick_bucket(self.batch_buckets, batch_size)
         context = pick_bucket(self.context_buckets, max_length)
-        if batch is None or context is None:
-            raise ValueError(str(self.reason(batch_size, max_length)))
+        assert batch is not None and context is not None, self.reason(batch_size, max_length)  # can_run said so
         return batch, context
 
     # -- a decode window ------------------------------------------------------------------------
@@ -452,20 +451,15 @@ class DecodeGraphRunner:
         tokens, positions = self.rows.step_inputs[0, :batch], self.rows.step_inputs[1, :batch]
         meta = AttentionMetadata(self.step_metadata(batch, context), positions, self.backend, decode=True)
         state: StackState = {"hidden": model.embed_tokens(tokens), "positions": positions}
-        run_eager(self._program(), state, batch, meta)
+        run_eager(model.layer_program(), state, batch, meta)
         self.advance_inputs(batch, greedy_tokens(model.logits(state["hidden"], self._row_index[:batch])))
-
-    def _program(self) -> list[Step]:
-        program: list[Step] = self.model.layer_program()  # type: ignore[operator]
-        return program
 
     # -- capture ---------------------------------------------------------------------------------
     def capture(self) -> DecodeCaptureReport:
         """Capture every (batch, context) bucket into one pool. Run it while no request
         holds a row: warm-up and capture write only the scratch block (every row is padding)."""
         support = self.platform.graph_support
-        if support is None or self.unsupported is not None:
-            raise RuntimeError(f"cannot capture decode graphs: {self.unsupported or 'no graph support'}")
+        assert support is not None and self.unsupported is None, "__init__ and resume capture only what can be"
         before = self.platform.memory_info(self.device_index).reserved
         started = time.perf_counter()
         pool = self.pool if self.pool is not None else support.new_pool()
