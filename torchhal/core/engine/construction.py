@@ -207,15 +207,6 @@ def speed_up(model: Model, config: EngineConfig, platform: Platform,
     return backend
 
 
-def kv_pool_for(platform: Platform, index: int, local: ModelConfig, config: EngineConfig, free: int) -> KVPoolSizing:
-    """The KV pool's blocks: `kv_fraction` of `free`, capped by `max_kv_slots` (None: by
-    `max_running` requests of the model's longest)."""
-    cap, setting = (config.max_kv_slots, "max_kv_slots") if config.max_kv_slots is not None else (
-        config.max_running * local.max_position, "max_running")
-    return size_kv_pool(platform, index, local, config.dtype, config.kv_fraction, cap, config.kv_block_size,
-                        free_bytes=free, cap=setting)
-
-
 def activation_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     """About the transient memory one token of a prefill step holds at once in a layer: the
     projections' outputs (q, k, v, the fused gate-up and its product) and the residual stream."""
@@ -469,7 +460,7 @@ def build(self: Engine, config: EngineConfig, platform: Platform | None, model: 
     self.compile_backend = speed_up(self.model, config, self.platform, self.events)
     local = self.local_config
     free = free_bytes_everywhere(self.platform, self.device_index, self.group, saved)
-    self.kv_sizing = kv_pool_for(self.platform, self.device_index, local, config, free)
+    self.kv_sizing = size_kv_pool(local, config, free)
     # A running request holds a block; no request holds more tokens than max_position or the pool's slots.
     self.max_running_requests = min(config.max_running, self.kv_sizing.num_blocks)
     self.longest_request = min(self.model_config.max_position, self.kv_sizing.num_slots)

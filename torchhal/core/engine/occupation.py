@@ -235,7 +235,9 @@ class RegionSleep(Occupation):
                 for storage, kept in zip([s for s in self.storages if not s.weights], self.derived, strict=False):
                     assert storage.device is not None
                     storage.device.copy_(kept)
-                self._point_at_device()
+                for storage in self.storages:
+                    assert storage.device is not None
+                    point_at(storage, storage.device)
             else:
                 try:
                     for region in (KV_CACHE, *GRAPH_TAGS):
@@ -256,11 +258,6 @@ class RegionSleep(Occupation):
                 raise
             self.platform.empty_cache(ReleasePoint.OOM, self.device_index)
             self.regions.restore(tag)
-
-    def _point_at_device(self) -> None:
-        for storage in self.storages:
-            assert storage.device is not None
-            point_at(storage, storage.device)
 
     def close(self, runners: Sequence[Releasable]) -> None:
         super().close(runners)
