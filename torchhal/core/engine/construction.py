@@ -313,24 +313,27 @@ _CLAIMS = threading.Lock()
 @contextlib.contextmanager
 def claimed(model: Model | None, engine: object) -> Iterator[None]:
     """`model` refused if an open engine (or one being built) serves it, else claimed by `engine`
-    until the block fails. An engine that closes or is dropped gives the model up."""
-    if model is None:
-        yield
-        return
-    with _CLAIMS:
-        owner = vars(model).get(_OWNER)
-        serving = owner() if owner is not None else None
-        if serving is not None and not serving.closed:
-            doing = ("already serves another GenerationEngine, which set its KV cache" if serving.built else
-                     "is being given to another GenerationEngine right now (on another thread, or by a call made "
-                     "while that engine is built)")
-            raise ValueError(f"model {type(model).__name__} {doing}; give each engine its own model (load the "
-                             "checkpoint again, or copy.deepcopy(model)), or close() the first engine")
-        vars(model)[_OWNER] = weakref.ref(engine)
+    until the block fails. An engine that closes or is dropped gives the model up. If the block
+    raises, `engine` (half built) also forgets everything it holds: the exception's traceback
+    keeps the object alive, so its graphs and KV pool would otherwise stay allocated until the
+    traceback goes."""
+    if model is not None:
+        with _CLAIMS:
+            owner = vars(model).get(_OWNER)
+            serving = owner() if owner is not None else None
+            if serving is not None and not serving.closed:
+                doing = ("already serves another GenerationEngine, which set its KV cache" if serving.built else
+                         "is being given to another GenerationEngine right now (on another thread, or by a call "
+                         "made while that engine is built)")
+                raise ValueError(f"model {type(model).__name__} {doing}; give each engine its own model (load the "
+                                 "checkpoint again, or copy.deepcopy(model)), or close() the first engine")
+            vars(model)[_OWNER] = weakref.ref(engine)
     try:
         yield
     except BaseException:
-        release_claim(model, engine)
+        if model is not None:
+            release_claim(model, engine)
+        vars(engine).clear()
         raise
 
 
@@ -374,18 +377,6 @@ def shard_for_group(model: Model, group: DeviceGroup) -> Model:
         model = model.shard_for((TensorParallelPlan(model.config, group.world_size), group.rank))
     model.use_communicator(group.comm)
     return model
-
-
-@contextlib.contextmanager
-def dropped_on_failure(engine: object) -> Iterator[None]:
-    """If the block raises, `engine` (half built) forgets everything it holds: the exception's
-    traceback keeps the object alive, so its graphs and KV pool would otherwise stay allocated
-    until the traceback goes."""
-    try:
-        yield
-    except BaseException:
-        vars(engine).clear()
-        raise
 
 
 def engine_from_checkpoint(cls: Callable[..., Engine], path: str | Path, config: EngineConfig | None,

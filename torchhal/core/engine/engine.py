@@ -35,7 +35,6 @@ from torchhal.core.engine.construction import (
     check_engine_arguments,
     check_eos_tokens,
     claimed,
-    dropped_on_failure,
     engine_from_checkpoint,
     release_claim,
 )
@@ -96,7 +95,7 @@ class GenerationEngine(Serialized, EngineParts):
         self.closed, self.built = False, False
         # Past this point the caller's model is moved, cast and given a cache; if anything
         # fails, it is put back as it was and this half-built engine drops what it built.
-        with claimed(model, self), dropped_on_failure(self), restored_on_failure(model) as saved:
+        with claimed(model, self), restored_on_failure(model) as saved:
             build(self, config, platform, model, runner_factory, group, saved)
         self.built = True
         if group is not None:  # a group of one rank too: closing it ends the engine at any world size
