@@ -99,12 +99,10 @@ class WeightUpdater:
         parameters written, (param, value), (name, value) of the weights every tensor-parallel
         rank holds whole)."""
         items = self._items(named_tensors)
-        if not items:
-            raise WeightUpdateRejected("weight update rejected, nothing applied: the update names no weights (an "
-                                       "empty dict or iterable); weight_version is unchanged")
         # Tied weights are one parameter under two names (lm_head.weight and the embedding's).
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        problems = self._problems(items, params, self.shard)
+        problems = self._problems(items, params, self.shard) if items else [
+            "the update names no weights (an empty dict or iterable); weight_version is unchanged"]
         if problems:
             raise WeightUpdateRejected("weight update rejected, nothing applied: " + "; ".join(problems))
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
