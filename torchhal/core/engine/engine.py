@@ -270,7 +270,8 @@ class GenerationEngine(Serialized, EngineParts):
     def _group_closing(self) -> None:
         """The group is closing (`DeviceGroup.close`): drop the graphs that captured its
         collectives, which NCCL cannot outlive, and run no more steps."""
-        self.executor.release()
+        for runner in self._graph_holders():
+            runner.release()
         if self.broken is None:
             self.broken = ("this engine's group was closed (DeviceGroup.close), so it runs no more steps: make a "
                            "new group and engine")
