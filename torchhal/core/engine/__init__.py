@@ -7,8 +7,6 @@
 """
 
 from torchhal.core.engine.engine import GenerationEngine
-from torchhal.core.engine.execution import InFlight, StepExecutor
-from torchhal.core.engine.occupation import Occupation
 from torchhal.core.engine.records import (
     ContinueReport,
     DecodeGraphConfig,
@@ -23,10 +21,7 @@ from torchhal.core.engine.records import (
     WeightUpdateRejected,
     WeightUpdateResult,
 )
-from torchhal.core.engine.requests import RequestBook
 from torchhal.core.engine.runners import EagerRunner, ModelRunner
-from torchhal.core.engine.scheduler import Scheduler, StepPlan
-from torchhal.core.engine.weights import WeightUpdater
 
 __all__ = [
     "ContinueReport",
@@ -36,19 +31,12 @@ __all__ = [
     "FlushResult",
     "GenerationEngine",
     "GenerationResult",
-    "InFlight",
-    "Occupation",
     "ModelRunner",
     "PauseMode",
     "PrefillGraphConfig",
     "Request",
-    "RequestBook",
     "RequestState",
-    "Scheduler",
-    "StepExecutor",
-    "StepPlan",
     "WeightUpdateIncomplete",
     "WeightUpdateRejected",
     "WeightUpdateResult",
-    "WeightUpdater",
 ]

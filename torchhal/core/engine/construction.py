@@ -207,15 +207,6 @@ def speed_up(model: Model, config: EngineConfig, platform: Platform,
     return backend
 
 
-def kv_pool_for(platform: Platform, index: int, local: ModelConfig, config: EngineConfig, free: int) -> KVPoolSizing:
-    """The KV pool's blocks: `kv_fraction` of `free`, capped by `max_kv_slots` (None: by
-    `max_running` requests of the model's longest)."""
-    cap, setting = (config.max_kv_slots, "max_kv_slots") if config.max_kv_slots is not None else (
-        config.max_running * local.max_position, "max_running")
-    return size_kv_pool(platform, index, local, config.dtype, config.kv_fraction, cap, config.kv_block_size,
-                        free_bytes=free, cap=setting)
-
-
 def activation_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     """About the transient memory one token of a prefill step holds at once in a layer: the
     projections' outputs (q, k, v, the fused gate-up and its product) and the residual stream."""
@@ -322,24 +313,27 @@ _CLAIMS = threading.Lock()
 @contextlib.contextmanager
 def claimed(model: Model | None, engine: object) -> Iterator[None]:
     """`model` refused if an open engine (or one being built) serves it, else claimed by `engine`
-    until the block fails. An engine that closes or is dropped gives the model up."""
-    if model is None:
-        yield
-        return
-    with _CLAIMS:
-        owner = vars(model).get(_OWNER)
-        serving = owner() if owner is not None else None
-        if serving is not None and not serving.closed:
-            doing = ("already serves another GenerationEngine, which set its KV cache" if serving.built else
-                     "is being given to another GenerationEngine right now (on another thread, or by a call made "
-                     "while that engine is built)")
-            raise ValueError(f"model {type(model).__name__} {doing}; give each engine its own model (load the "
-                             "checkpoint again, or copy.deepcopy(model)), or close() the first engine")
-        vars(model)[_OWNER] = weakref.ref(engine)
+    until the block fails. An engine that closes or is dropped gives the model up. If the block
+    raises, `engine` (half built) also forgets everything it holds: the exception's traceback
+    keeps the object alive, so its graphs and KV pool would otherwise stay allocated until the
+    traceback goes."""
+    if model is not None:
+        with _CLAIMS:
+            owner = vars(model).get(_OWNER)
+            serving = owner() if owner is not None else None
+            if serving is not None and not serving.closed:
+                doing = ("already serves another GenerationEngine, which set its KV cache" if serving.built else
+                         "is being given to another GenerationEngine right now (on another thread, or by a call "
+                         "made while that engine is built)")
+                raise ValueError(f"model {type(model).__name__} {doing}; give each engine its own model (load the "
+                                 "checkpoint again, or copy.deepcopy(model)), or close() the first engine")
+            vars(model)[_OWNER] = weakref.ref(engine)
     try:
         yield
     except BaseException:
-        release_claim(model, engine)
+        if model is not None:
+            release_claim(model, engine)
+        vars(engine).clear()
         raise
 
 
@@ -383,18 +377,6 @@ def shard_for_group(model: Model, group: DeviceGroup) -> Model:
         model = model.shard_for((TensorParallelPlan(model.config, group.world_size), group.rank))
     model.use_communicator(group.comm)
     return model
-
-
-@contextlib.contextmanager
-def dropped_on_failure(engine: object) -> Iterator[None]:
-    """If the block raises, `engine` (half built) forgets everything it holds: the exception's
-    traceback keeps the object alive, so its graphs and KV pool would otherwise stay allocated
-    until the traceback goes."""
-    try:
-        yield
-    except BaseException:
-        vars(engine).clear()
-        raise
 
 
 def engine_from_checkpoint(cls: Callable[..., Engine], path: str | Path, config: EngineConfig | None,
@@ -469,7 +451,7 @@ def build(self: Engine, config: EngineConfig, platform: Platform | None, model: 
     self.compile_backend = speed_up(self.model, config, self.platform, self.events)
     local = self.local_config
     free = free_bytes_everywhere(self.platform, self.device_index, self.group, saved)
-    self.kv_sizing = kv_pool_for(self.platform, self.device_index, local, config, free)
+    self.kv_sizing = size_kv_pool(local, config, free)
     # A running request holds a block; no request holds more tokens than max_position or the pool's slots.
     self.max_running_requests = min(config.max_running, self.kv_sizing.num_blocks)
     self.longest_request = min(self.model_config.max_position, self.kv_sizing.num_slots)

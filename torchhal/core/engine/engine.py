@@ -35,7 +35,6 @@ from torchhal.core.engine.construction import (
     check_engine_arguments,
     check_eos_tokens,
     claimed,
-    dropped_on_failure,
     engine_from_checkpoint,
     release_claim,
 )
@@ -46,6 +45,7 @@ from torchhal.core.engine.ranks import (
     agree_on_call,
     agree_on_config,
     check_group,
+    refuse_broken,
     shard_problem,
 )
 from torchhal.core.engine.records import (
@@ -95,7 +95,7 @@ class GenerationEngine(Serialized, EngineParts):
         self.closed, self.built = False, False
         # Past this point the caller's model is moved, cast and given a cache; if anything
         # fails, it is put back as it was and this half-built engine drops what it built.
-        with claimed(model, self), dropped_on_failure(self), restored_on_failure(model) as saved:
+        with claimed(model, self), restored_on_failure(model) as saved:
             build(self, config, platform, model, runner_factory, group, saved)
         self.built = True
         if group is not None:  # a group of one rank too: closing it ends the engine at any world size
@@ -270,7 +270,8 @@ class GenerationEngine(Serialized, EngineParts):
     def _group_closing(self) -> None:
         """The group is closing (`DeviceGroup.close`): drop the graphs that captured its
         collectives, which NCCL cannot outlive, and run no more steps."""
-        self.executor.release()
+        for runner in self._graph_holders():
+            runner.release()
         if self.broken is None:
             self.broken = ("this engine's group was closed (DeviceGroup.close), so it runs no more steps: make a "
                            "new group and engine")
@@ -286,8 +287,7 @@ class GenerationEngine(Serialized, EngineParts):
         self.events.record("tensor_parallel_broken", error=type(error).__name__)
 
     def _check_can_run(self) -> None:
-        if self.broken is not None:
-            raise RuntimeError(self.broken)
+        refuse_broken(self.broken)
         if self.asleep:
             raise RuntimeError(f"the engine is asleep ({', '.join(self.asleep_tags)}); call "
                                "resume_memory_occupation() first")
@@ -366,7 +366,8 @@ class GenerationEngine(Serialized, EngineParts):
         self.drain()  # every token launched with the old weights lands first
         count = self.weights.apply(named_tensors)
         self.events.record("weights_updated", count=count, version=self.weight_version)
-        return WeightUpdateResult(count, self.weight_version, self.flush_cache_after_weight_update(flush_cache))
+        flushed = self.flush_cache(empty_cache=True, reason=ReleasePoint.WEIGHT_UPDATE) if flush_cache else None
+        return WeightUpdateResult(count, self.weight_version, flushed)
 
     @serialized
     def update_weights_from_disk(self, path: str, flush_cache: bool = False) -> WeightUpdateResult:
@@ -380,14 +381,6 @@ class GenerationEngine(Serialized, EngineParts):
                             "safetensors file as a str or Path")
         check_bool("update_weights_from_disk(flush_cache)", flush_cache)
         return self.update_weights_from_tensors(iter_checkpoint_tensors(path), flush_cache)
-
-    @serialized
-    def flush_cache_after_weight_update(self, requested: bool) -> FlushResult | None:
-        """The one place every weight-update path flushes, when the caller asked."""
-        check_bool("flush_cache_after_weight_update(requested)", requested)
-        if not requested:
-            return None
-        return self.flush_cache(empty_cache=True, reason=ReleasePoint.WEIGHT_UPDATE)
 
     @serialized
     def release_memory_occupation(self, level: int = 1) -> int | None:
@@ -414,8 +407,7 @@ class GenerationEngine(Serialized, EngineParts):
         KV cache, so an RL loop can wake the weights, take the trainer's update, and only then
         wake the KV cache. A failed wake leaves what it was waking asleep, and can be retried."""
         order = self.occupation.wake_order(tags)
-        if self.broken is not None:  # waking may capture graphs: on a failed or closed group, for nothing
-            raise RuntimeError(self.broken)
+        refuse_broken(self.broken)  # waking may capture graphs: on a failed or closed group, for nothing
         level = self.occupation.level
         self.occupation.wake(order, self._graph_holders(), self._new_kv_cache)
         if WEIGHTS in order and level == 2:

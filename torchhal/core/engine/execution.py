@@ -265,16 +265,6 @@ class StepExecutor:
             self.decode.forget(rid)
 
     # -- graphs across sleep and close ----------------------------------------------------------
-    def release(self) -> None:
-        self.runner.release()
-        if self.decode is not None:
-            self.decode.release()
-
-    def resume(self) -> None:
-        self.runner.resume()
-        if self.decode is not None:
-            self.decode.resume()
-
     def reset_rows(self) -> None:
         """No request holds a row (the KV pool was cleared; graphs are kept)."""
         self.rows.reset()

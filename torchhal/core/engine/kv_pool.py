@@ -13,11 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
-from torchhal.core.engine.records import Request
+from torchhal.core.engine.records import EngineConfig, Request
 from torchhal.core.model import SCRATCH_BLOCK, KVCache, ModelConfig
-from torchhal.platforms import Platform
 from torchhal.values import ceil_div
 
 
@@ -47,17 +44,14 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return ceil_div(tokens, block_size)
 
 
-def size_kv_pool(
-    platform: Platform, device: int, config: ModelConfig, dtype: torch.dtype, fraction: float, max_slots: int,
-    block_size: int, free_bytes: int | None = None, cap: str = "max_kv_slots",
-) -> KVPoolSizing:
-    """Blocks that fit in `fraction` of the device's free memory (an observation only),
-    at most `max_slots` tokens' worth (the setting `cap` says so); the scratch block comes out
-    of the same budget. `free_bytes`: the free memory to size from (tensor parallel: the least
-    of any rank's)."""
-    assert 0 < fraction <= 1
-    free = platform.memory_info(device).free if free_bytes is None else free_bytes
-    per_block = KVCache.bytes_per_block(config, dtype, block_size)
+def size_kv_pool(model: ModelConfig, config: EngineConfig, free: int) -> KVPoolSizing:
+    """Blocks that fit in `kv_fraction` of `free` bytes (an observation only; tensor parallel:
+    the least free of any rank's), at most `max_kv_slots` tokens' worth (None: `max_running`
+    requests of the model's longest); the scratch block comes out of the same budget."""
+    fraction, block_size, dtype = config.kv_fraction, config.kv_block_size, config.dtype
+    max_slots, cap = (config.max_kv_slots, "max_kv_slots") if config.max_kv_slots is not None else (
+        config.max_running * model.max_position, "max_running")
+    per_block = KVCache.bytes_per_block(model, dtype, block_size)
     fitting = int(free * fraction) // per_block - 1
     blocks = min(fitting, max_slots // block_size)
     if blocks < 1:
@@ -109,13 +103,8 @@ class BlockAllocator:
 
     def grow(self, requests: Sequence[Request], tokens: Sequence[int]) -> bool:
         """Reserve `tokens[i]` more tokens for request i, all or none (False: too few blocks)."""
-        needs = []
-        total = 0
-        for request, count in zip(requests, tokens, strict=True):
-            need = blocks_for(request.kv_tokens + count, self.block_size) - len(request.blocks)
-            needs.append(need)
-            total += need
-        taken = self.allocate(total)
+        needs = [self.blocks_needed(request, count) for request, count in zip(requests, tokens, strict=True)]
+        taken = self.allocate(sum(needs))
         if taken is None:
             return False
         start = 0

@@ -27,7 +27,7 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -42,6 +42,7 @@ TAGS = (WEIGHTS, KV_CACHE)
 GRAPH_TAGS = ("decode_graphs", "prefill_graphs")
 _CHUNK_BYTES = 1 << 30  # weights are packed into region allocations of about this size
 _ALIGN = 256  # each storage starts on this many bytes in a chunk (any dtype's view is aligned)
+_T = TypeVar("_T")
 
 
 class Releasable(Protocol):
@@ -202,14 +203,19 @@ class RegionSleep(Occupation):
         return kv
 
     def _allocate(self, tag: str, nbytes: int) -> torch.Tensor:
+        # The caching allocator may hold what the weights' old storages freed.
+        return self._emptying_on_oom(lambda: self.regions.allocate(tag, nbytes))
+
+    def _emptying_on_oom(self, attempt: Callable[[], _T]) -> _T:
+        """`attempt()`; out of memory, once more after emptying the cache (what was freed may
+        still be cached by the allocator, where a region cannot take it)."""
         try:
-            return self.regions.allocate(tag, nbytes)
+            return attempt()
         except Exception as exc:
             if not self.platform.is_out_of_memory(exc):
                 raise
-            # The caching allocator may hold what the weights' old storages freed.
             self.platform.empty_cache(ReleasePoint.OOM, self.device_index)
-            return self.regions.allocate(tag, nbytes)
+            return attempt()
 
     def sleep(self, level: int, runners: Sequence[Releasable]) -> int:
         # Level 2: buffers the model derives (the rotary frequencies) are kept, as no update brings them back.
@@ -222,8 +228,7 @@ class RegionSleep(Occupation):
                 point_at(storage, self.regions.host_copy(storage.device))
             else:
                 zeros_placeholder(storage)
-        for tag in (KV_CACHE, *GRAPH_TAGS):
-            released += self.regions.release(tag, backup=False)
+        released += self._release_kv_and_graphs()
         self.asleep, self.level = TAGS, level
         return released
 
@@ -235,37 +240,28 @@ class RegionSleep(Occupation):
                 for storage, kept in zip([s for s in self.storages if not s.weights], self.derived, strict=False):
                     assert storage.device is not None
                     storage.device.copy_(kept)
-                self._point_at_device()
+                for storage in self.storages:
+                    assert storage.device is not None
+                    point_at(storage, storage.device)
             else:
                 try:
                     for region in (KV_CACHE, *GRAPH_TAGS):
                         self._restore(region)
                 except BaseException:
-                    for region in (KV_CACHE, *GRAPH_TAGS):
-                        self.regions.release(region, backup=False)
+                    self._release_kv_and_graphs()
                     raise
             self.asleep = tuple(t for t in self.asleep if t != tag)
 
     def _restore(self, tag: str) -> None:
-        """Restore a region; out of memory, once more after emptying the cache (what a trainer
-        freed may still be cached by the allocator, where a region cannot take it)."""
-        try:
-            self.regions.restore(tag)
-        except Exception as exc:
-            if not self.platform.is_out_of_memory(exc):
-                raise
-            self.platform.empty_cache(ReleasePoint.OOM, self.device_index)
-            self.regions.restore(tag)
+        # What a trainer freed may still be cached by the allocator.
+        self._emptying_on_oom(lambda: self.regions.restore(tag))
 
-    def _point_at_device(self) -> None:
-        for storage in self.storages:
-            assert storage.device is not None
-            point_at(storage, storage.device)
+    def _release_kv_and_graphs(self) -> int:
+        return sum(self.regions.release(tag, backup=False) for tag in (KV_CACHE, *GRAPH_TAGS))
 
     def close(self, runners: Sequence[Releasable]) -> None:
         super().close(runners)
-        for tag in (KV_CACHE, *GRAPH_TAGS):
-            self.regions.release(tag, backup=False)
+        self._release_kv_and_graphs()
 
 
 class HostOffload(Occupation):

@@ -136,16 +136,16 @@ def agree_on_config(config: EngineConfig, group: DeviceGroup | None, problem: st
     rank, is a ValueError on every rank (one collective on the host communicator; a closed
     group refuses here). A rank raising alone would leave the others waiting in their next
     collective until the group's timeout."""
-    if group is None or group.world_size == 1:
-        if problem is not None:
-            raise ValueError(problem)
-        return
     names = agreed_fields(config)
     mine = config_digests(config)
-    flagged = torch.tensor([[int(problem is not None)]], dtype=torch.int64)
-    everyone = group.host.all_gather(torch.cat([mine, flagged], dim=1))
+    everyone = None
+    if group is not None and group.world_size > 1:
+        flagged = torch.tensor([[int(problem is not None)]], dtype=torch.int64)
+        everyone = group.host.all_gather(torch.cat([mine, flagged], dim=1))
     if problem is not None:
         raise ValueError(problem)
+    if everyone is None:
+        return
     refused = [rank for rank, flag in enumerate(everyone[:, -1].tolist()) if flag]
     if refused:
         raise ValueError(f"rank(s) {refused} of the group refused their engine arguments (their error says why); "
@@ -200,8 +200,7 @@ def agree_on_call(group: DeviceGroup | None, broken: str | None, call: str, *arg
     aborting the process. A difference is a ValueError on every rank, naming the ranks that
     differ from rank 0 (one small collective on the host communicator per call). An engine
     that is `broken` (why) is refused first: its group may be unusable."""
-    if broken is not None:
-        raise RuntimeError(broken)
+    refuse_broken(broken)
     if group is None:
         return
     mine = _digests([call, *arguments])
@@ -210,3 +209,9 @@ def agree_on_call(group: DeviceGroup | None, broken: str | None, call: str, *arg
     if apart:
         raise ValueError(f"{call}() was called with other arguments on rank(s) {apart} than on rank 0 of the group; "
                          "under tensor parallel every rank makes the same engine calls with the same arguments")
+
+
+def refuse_broken(broken: str | None) -> None:
+    """An engine a failed step or a closed group ended (`broken`: why) runs nothing more."""
+    if broken is not None:
+        raise RuntimeError(broken)

@@ -256,16 +256,12 @@ class EngineConfig:
         if self.max_kv_slots is not None and self.max_kv_slots < self.kv_block_size:
             raise ValueError(f"EngineConfig.max_kv_slots = {self.max_kv_slots} holds no block of kv_block_size = "
                              f"{self.kv_block_size} tokens; raise max_kv_slots or lower kv_block_size")
-        if self.decode_graphs is not None and not isinstance(self.decode_graphs, DecodeGraphConfig):
-            raise TypeError(
-                f"EngineConfig.decode_graphs = {self.decode_graphs!r} must be a DecodeGraphConfig or None; "
-                "e.g. decode_graphs=DecodeGraphConfig() to turn full-graph decode on"
-            )
-        if self.prefill_graphs is not None and not isinstance(self.prefill_graphs, PrefillGraphConfig):
-            raise TypeError(
-                f"EngineConfig.prefill_graphs = {self.prefill_graphs!r} must be a PrefillGraphConfig or None; "
-                "e.g. prefill_graphs=PrefillGraphConfig() to run short prefills as graphs"
-            )
+        for name, kind, use in (("decode_graphs", DecodeGraphConfig, "to turn full-graph decode on"),
+                                ("prefill_graphs", PrefillGraphConfig, "to run short prefills as graphs")):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                raise TypeError(f"EngineConfig.{name} = {value!r} must be a {kind.__name__} or None; "
+                                f"e.g. {name}={kind.__name__}() {use}")
         if self.compile_layers is not None and self.compile_layers != PLATFORM_COMPILE:
             check_compile_backend(self.compile_layers, "EngineConfig.compile_layers")
         if self.idle_empty_after_s is not None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from torchhal.attention import AttentionBackend
-from torchhal.core.engine.records import Request, RequestState
+from torchhal.core.engine.records import Request
 from torchhal.core.engine.requests import RequestBook
 from torchhal.core.model import AttentionMetadata
 
@@ -80,14 +80,9 @@ class Scheduler:
 
     def rollback(self, plan: StepPlan) -> None:
         """Give back exactly what `plan()` reserved, in reverse order (the free list ends as it was)."""
-        book = self.book
-        blocks = book.blocks
-        admitted = plan.prefills[len(plan.prefills) - plan.admitted :]
-        for request in reversed(admitted):
-            blocks.release(request)
-            request.state = RequestState.WAITING
-            book.running.remove(request)
-            book.waiting.appendleft(request)
+        blocks = self.book.blocks
+        for request in reversed(plan.prefills[len(plan.prefills) - plan.admitted :]):
+            self.book.retract(request)  # waits at the front again, as before it was admitted
         continued = plan.prefills[: len(plan.prefills) - plan.admitted]
         for request, chunk in zip(reversed(continued), reversed(plan.chunks[: len(continued)]), strict=True):
             blocks.shrink(request, chunk)

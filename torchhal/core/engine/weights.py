@@ -99,18 +99,20 @@ class WeightUpdater:
         parameters written, (param, value), (name, value) of the weights every tensor-parallel
         rank holds whole)."""
         items = self._items(named_tensors)
-        if not items:
-            raise WeightUpdateRejected("weight update rejected, nothing applied: the update names no weights (an "
-                                       "empty dict or iterable); weight_version is unchanged")
         # Tied weights are one parameter under two names (lm_head.weight and the embedding's).
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        problems = self._problems(items, params, self.shard)
+        problems = self._problems(items, params, self.shard) if items else [
+            "the update names no weights (an empty dict or iterable); weight_version is unchanged"]
         if problems:
             raise WeightUpdateRejected("weight update rejected, nothing applied: " + "; ".join(problems))
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         replicated: list[tuple[str, torch.Tensor]] = []
         written = _WrittenFirst()
-        for name, tensor in _once_per_parameter(items, params):
+        staged_params: set[int] = set()
+        for name, tensor in items:
+            if id(params[name]) in staged_params:
+                continue  # a tied weight's second name: `_problems` refused it holding other values
+            staged_params.add(id(params[name]))
             try:
                 value = self._stage(tensor if self.shard is None else self.shard.take(name, tensor), params[name])
             except Exception as exc:
@@ -131,7 +133,6 @@ class WeightUpdater:
                 replicated.append((name, value))
         # Every name of each written parameter: a tied weight written under one name is
         # rewritten under both, so an update naming either clears a failed write's refusal.
-        staged_params = {id(param) for param, _ in staged}
         return [name for name, param in params.items() if id(param) in staged_params], staged, replicated
 
     def mark_unset(self, why: str) -> None:
@@ -231,19 +232,6 @@ class WeightUpdater:
         if value.dtype != param.dtype or value.shape != param.shape or value.layout != torch.strided:
             raise TypeError(f"staged as {value.dtype} {tuple(value.shape)} {value.layout}")
         return value
-
-
-def _once_per_parameter(items: list[tuple[str, torch.Tensor]],
-                        params: dict[str, torch.nn.Parameter]) -> list[tuple[str, torch.Tensor]]:
-    """The batch with a tied weight's second name left out (it writes the same parameter);
-    `_problems` has already refused a batch that gives the two names different values."""
-    seen: set[int] = set()
-    kept = []
-    for name, tensor in items:
-        if id(params[name]) not in seen:
-            seen.add(id(params[name]))
-            kept.append((name, tensor))
-    return kept
 
 
 def _same_values(tensor: torch.Tensor, other: torch.Tensor) -> bool:

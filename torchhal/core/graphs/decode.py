@@ -92,7 +92,6 @@ class BlockTable:
         self.step_inputs = self.inputs[:4]  # token, position, slot, live (1) or padded (0)
         self.future = self.inputs[4:]  # future[j]: the slot of window step j + 1 (scratch past a row's new tokens)
         self._row_of: dict[Hashable, int] = {}
-        self._key: list[Hashable | None] = [None] * max_rows
         self._length = [0] * max_rows
         self._written = [0] * max_rows  # blocks of the row on the device
         self._first = [SCRATCH_BLOCK] * max_rows
@@ -103,8 +102,7 @@ class BlockTable:
 
     def reset(self) -> None:
         """No request holds a row; every row's inputs are padding (token 0, position 0, scratch)."""
-        for key in list(self._row_of):
-            self.forget(key)
+        self._row_of.clear()
         self.reset_inputs()
 
     def reset_inputs(self) -> None:
@@ -121,9 +119,7 @@ class BlockTable:
 
     def forget(self, key: Hashable) -> None:
         """Drop a request's row (finished, aborted or retracted); unknown keys are ignored."""
-        row = self._row_of.pop(key, None)
-        if row is not None:
-            self._key[row] = None
+        self._row_of.pop(key, None)
 
     def prepare(
         self, batch: Sequence[DecodeRow], padded_rows: int, steps: int = 1, keep_tokens: bool = False
@@ -231,7 +227,7 @@ class BlockTable:
         free_rows = iter(sorted(set(range(len(batch))) - set(self._row_of.values())))
         for key, _, blocks, _, _ in fresh:
             row = next(free_rows)
-            self._row_of[key], self._key[row] = row, key
+            self._row_of[key] = row
             self._write_row(row, blocks)
 
     def _continues(self, row: int, blocks: Sequence[int], length: int, new: int) -> bool:
@@ -248,10 +244,9 @@ class BlockTable:
         src = torch.tensor(movers, dtype=torch.long, device=self.table.device)
         dst = torch.tensor(holes, dtype=torch.long, device=self.table.device)
         self.table.index_copy_(0, dst, self.table.index_select(0, src))
+        key_of = {row: key for key, row in self._row_of.items()}
         for old, new in zip(movers, holes, strict=True):
-            key = self._key[old]
-            assert key is not None
-            self._row_of[key], self._key[new], self._key[old] = new, key, None
+            self._row_of[key_of[old]] = new
             self._length[new], self._written[new], self._first[new] = self._length[old], self._written[old], \
                 self._first[old]
         self.rows_moved += len(movers)
@@ -380,8 +375,7 @@ class DecodeGraphRunner:
     def buckets_for(self, batch_size: int, max_length: int) -> tuple[int, int]:
         batch = pick_bucket(self.batch_buckets, batch_size)
         context = pick_bucket(self.context_buckets, max_length)
-        if batch is None or context is None:
-            raise ValueError(str(self.reason(batch_size, max_length)))
+        assert batch is not None and context is not None, self.reason(batch_size, max_length)  # can_run said so
         return batch, context
 
     # -- a decode window ------------------------------------------------------------------------
@@ -452,20 +446,15 @@ class DecodeGraphRunner:
         tokens, positions = self.rows.step_inputs[0, :batch], self.rows.step_inputs[1, :batch]
         meta = AttentionMetadata(self.step_metadata(batch, context), positions, self.backend, decode=True)
         state: StackState = {"hidden": model.embed_tokens(tokens), "positions": positions}
-        run_eager(self._program(), state, batch, meta)
+        run_eager(model.layer_program(), state, batch, meta)
         self.advance_inputs(batch, greedy_tokens(model.logits(state["hidden"], self._row_index[:batch])))
-
-    def _program(self) -> list[Step]:
-        program: list[Step] = self.model.layer_program()  # type: ignore[operator]
-        return program
 
     # -- capture ---------------------------------------------------------------------------------
     def capture(self) -> DecodeCaptureReport:
         """Capture every (batch, context) bucket into one pool. Run it while no request
         holds a row: warm-up and capture write only the scratch block (every row is padding)."""
         support = self.platform.graph_support
-        if support is None or self.unsupported is not None:
-            raise RuntimeError(f"cannot capture decode graphs: {self.unsupported or 'no graph support'}")
+        assert support is not None and self.unsupported is None, "__init__ and resume capture only what can be"
         before = self.platform.memory_info(self.device_index).reserved
         started = time.perf_counter()
         pool = self.pool if self.pool is not None else support.new_pool()

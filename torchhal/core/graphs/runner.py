@@ -69,16 +69,13 @@ def resolve_layer_stack(model: Model | nn.Module) -> ResolvedStack | str:
     program, embed = getattr(model, "layer_program", None), getattr(model, "embed_tokens", None)
     if callable(program) and callable(embed):
         return ResolvedStack(program, embed, "explicit layer_program()")
-    for path in ("model.layers", "language_model.model.layers"):
-        owner: Any = model
-        for part in path.split("."):
-            owner = getattr(owner, part, None)
-        if isinstance(owner, nn.ModuleList) and len(owner) > 0:
-            layers = owner
-            parent = path.rsplit(".", 1)[0]
-            base: Any = model
-            for part in parent.split("."):
-                base = getattr(base, part)
+    for parent in ("model", "language_model.model"):
+        base: Any = model
+        for part in parent.split("."):
+            base = getattr(base, part, None)
+        layers = getattr(base, "layers", None)
+        if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+            path = f"{parent}.layers"
             embed = getattr(base, "embed_tokens", None)
             if embed is None:
                 return f"guessed {path} but {parent}.embed_tokens is missing"
