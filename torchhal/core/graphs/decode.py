@@ -454,7 +454,8 @@ class DecodeGraphRunner:
         """Capture every (batch, context) bucket into one pool. Run it while no request
         holds a row: warm-up and capture write only the scratch block (every row is padding)."""
         support = self.platform.graph_support
-        assert support is not None and self.unsupported is None, "__init__ and resume capture only what can be"
+        # __init__ and resume capture only what can be captured.
+        assert support is not None and self.unsupported is None, self.unsupported or "no graph support"
         before = self.platform.memory_info(self.device_index).reserved
         started = time.perf_counter()
         pool = self.pool if self.pool is not None else support.new_pool()
