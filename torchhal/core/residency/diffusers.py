@@ -53,9 +53,8 @@ def guess_block_lists(module: nn.Module, name: str = "component") -> tuple[str, 
     claimed: set[int] = set()
     for path in BLOCK_LIST_CANDIDATES:
         stack = attribute_path(module, path)
-        if isinstance(stack, nn.ModuleList) and len(stack) and id(stack) not in claimed:
-            if any(id(m) in claimed for m in stack.modules()):
-                continue  # inside a list already chosen
+        # (its own modules include the list itself: one already chosen, or inside one, is skipped)
+        if isinstance(stack, nn.ModuleList) and len(stack) and not any(id(m) in claimed for m in stack.modules()):
             found.append(path)
             claimed.update(id(m) for m in stack.modules())
     if not found:

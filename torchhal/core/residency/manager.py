@@ -336,11 +336,7 @@ class ResidencyManager:
         state = self.components[component]
         state.dtype = use.dtype
         cast_buffers(state, use.dtype)
-        moved = state.strategy.load(self, state, None)
-        if moved:
-            self._note_moved(state, moved)
-            self.event("prepare", component, nbytes=moved)
-        elif state.strategy.wait(self, state):
+        if not self._load(state, None, "prepare") and state.strategy.wait(self, state):
             self.event("wait", component)
         self._active, self._cursor, self._kept = use, position, None
         self._furthest = max(self._furthest, position)
@@ -416,10 +412,7 @@ class ResidencyManager:
             if name in preferred:
                 # in the dtype this request used it in: the best guess for the next one
                 state.dtype = next(u.dtype for u in uses if u.component == name)
-                moved = state.strategy.load(self, state, self.side_stream)
-                if moved:
-                    self._note_moved(state, moved)
-                    self.event("prefetch", name, why="preferred ready after request", nbytes=moved)
+                self._load(state, self.side_stream, "prefetch", why="preferred ready after request")
             elif name in kept:
                 self.event("keep", name, why="keep_ready_after_warmup")
             else:
@@ -512,11 +505,7 @@ class ResidencyManager:
                 continue
             if use.allow_prefetch and state.strategy.prefetchable:
                 state.dtype = use.dtype
-                moved = state.strategy.load(self, state, self.side_stream)
-                if moved:
-                    self._note_moved(state, moved)
-                    self.event("prefetch", use.component, nbytes=moved)
-                    self._prefetched = True
+                self._prefetched = bool(self._load(state, self.side_stream, "prefetch"))
             return  # only the next memory-intensive use, once per request
 
     def _keep_after_warmup(self, use: ComponentUse) -> bool:
@@ -554,10 +543,15 @@ class ResidencyManager:
         released = self.platform.empty_cache(reason, self.device_index)
         self.event("empty_cache", None, reason=reason.value, where=where, bytes_released=released)
 
-    def _note_moved(self, state: ComponentState, nbytes: int) -> None:
-        """`nbytes` of the component reached the device."""
-        self._loaded_bytes[state.name] += nbytes
-        self.platform.notify_component_moved(state.name, "host", str(self.device), nbytes)
+    def _load(self, state: ComponentState, stream: Any | None, kind: str, **fields: Any) -> int:
+        """The strategy's load (`stream`: a prefetch on the side stream); bytes that reached the
+        device are counted, told to the platform and recorded as a `kind` event."""
+        moved = state.strategy.load(self, state, stream)
+        if moved:
+            self._loaded_bytes[state.name] += moved
+            self.platform.notify_component_moved(state.name, "host", str(self.device), moved)
+            self.event(kind, state.name, **fields, nbytes=moved)
+        return moved
 
 
 __all__ = ["PlacementSpec", "ResidencyManager", "check_placements"]

@@ -167,9 +167,6 @@ class ResidentStrategy(ResidencyStrategy):
     def __init__(self) -> None:
         self.registered: dict[int, torch.dtype] = {}
 
-    def copied_bytes(self) -> int | None:
-        return 0  # placed once at registration, never copied per request
-
     def attach(self, manager: StrategyHost, component: ComponentState) -> None:
         self.registered = _floating_dtypes(component.module)
         component.module.to(manager.device)

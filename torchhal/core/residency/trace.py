@@ -29,13 +29,9 @@ class ResidencyTrace:
         self.record, self.log = record, log
         self.events: list[dict[str, Any]] = []
 
-    @property
-    def enabled(self) -> bool:
-        return self.record or self.log is not None or self.platform.traces_events
-
     def event(self, kind: str, component: str | None, **fields: Any) -> None:
         """Record one action with the device memory at that moment (memory_info: observes only)."""
-        if not self.enabled:
+        if not (self.record or self.log is not None or self.platform.traces_events):
             return
         event: dict[str, Any] = {"kind": kind, "t": time.monotonic(), "component": component, **fields}
         memory = self.platform.memory_info(self.device_index)

@@ -141,8 +141,7 @@ class WeightBlock:
         granules, which the allocator does not round and can carve for other work once
         released, and own tensors for those that do not fit; each filled by its own copy.
         """
-        if self.device_tensors:
-            return
+        assert not self.device_tensors  # the strategies load a released block only
         dtype = dtype or self.dtype
         compute = self.platform.current_stream(self.device.index)
         # Allocated (or last used) in compute order, so waiting on compute makes it safe to overwrite.
