@@ -283,12 +283,12 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json", has_lm_head: 
             o_proj_bias=bias and not qwen2, qk_norm=architecture == "Qwen3ForCausalLM", tie_word_embeddings=tied,
             rope_scaling=scaling, sliding_window=window,
         )
-    except ValueError as exc:  # a value out of its range (naming the field), or values that disagree
-        if not isinstance(exc, ConfigValueError):
-            raise CheckpointError(f"{where}: {exc}") from None
-        prefix = f"{rope_key}." if exc.field in _ROPE_FIELDS else ""
-        raise CheckpointError(f"{where}: {prefix}{_HF_KEYS.get(exc.field, exc.field)} = {short_repr(exc.value)} "
-                              f"must be {exc.rule}") from None
+    except ValueError as exc:  # a value out of its range (named by its config.json key), or values that disagree
+        problem = str(exc)
+        if isinstance(exc, ConfigValueError):
+            prefix = f"{rope_key}." if exc.field in _ROPE_FIELDS else ""
+            problem = f"{prefix}{_HF_KEYS.get(exc.field, exc.field)} = {short_repr(exc.value)} must be {exc.rule}"
+        raise CheckpointError(f"{where}: {problem}") from None
 
 
 def eos_token_ids(hf: dict[str, Any], where: str = "config.json") -> tuple[int, ...]:
@@ -320,7 +320,7 @@ def checkpoint_eos_token_ids(path: str | Path, hf: dict[str, Any]) -> tuple[int,
     `generation_config.json` where the checkpoint has one naming any, else `config.json`'s (`hf`).
     Chat checkpoints often differ between the two (Qwen2.5-Instruct's config.json names
     <|endoftext|>, its generation config adds <|im_end|>, the token a reply ends with)."""
-    root = _checkpoint_path(path)
+    root = Path(path)  # read_hf_config(path) gave `hf`: a checked checkpoint directory
     generation_path = root / GENERATION_CONFIG_FILE
     if os.path.lexists(generation_path):
         generation = _read_json(generation_path, _Scope.of_directory(root), MAX_CONFIG_BYTES)

@@ -424,14 +424,6 @@ class LlamaDecoder(nn.Module):
         assert self.comm is not None, "a tensor-parallel decoder runs once use_communicator(group.comm) gave it a group"
         return self.comm
 
-    def _kv_cache(self) -> KVCache:
-        if self.kv is None:  # a model run by hand, outside an engine
-            raise RuntimeError(
-                "model.kv is None: assign a KVCache (model.kv = KVCache(model.local_config, num_blocks, block_size, "
-                "device, dtype)) before forward, or run the model through GenerationEngine, which allocates one"
-            )
-        return self.kv
-
     def materialize(self, device: torch.device) -> LlamaDecoder:
         """Uninitialised storage on `device` for a meta-built decoder: the one device allocation.
         (`Module.to_empty` would do it through `empty_like`, whose meta path imports the compiler stack.)"""
@@ -605,7 +597,8 @@ class LlamaDecoder(nn.Module):
         def run(state: StackState, num_tokens: int, meta: AttentionMetadata) -> None:
             """Write this step's K/V into the paged cache, then attend in place through the
             chosen backend: no gather of the context, no copy of KV heads for GQA."""
-            kv = self._kv_cache()
+            kv = self.kv
+            assert kv is not None, "a step runs with the cache its engine allocated (forward refuses without one)"
             k_cache, v_cache = kv.k[index], kv.v[index]
             backend = meta.backend
             backend.write_kv(k_cache, v_cache, state["k"][:num_tokens], state["v"][:num_tokens],
@@ -669,7 +662,11 @@ class LlamaDecoder(nn.Module):
         """[T] ids -> [T, H] hidden states after the final norm (this step's KV written), or
         those of `rows` ([R] int64 token indices) only, computing no more of the last layer
         than they need."""
-        self._kv_cache()  # refuse before any layer runs
+        if self.kv is None:  # a model run by hand, outside an engine: refused before any layer runs
+            raise RuntimeError(
+                "model.kv is None: assign a KVCache (model.kv = KVCache(model.local_config, num_blocks, block_size, "
+                "device, dtype)) before forward, or run the model through GenerationEngine, which allocates one"
+            )
         check_step_inputs("LlamaDecoder.forward", input_ids, meta)
         state: StackState = {"hidden": self.embed_tokens(input_ids), "positions": meta.positions}
         return run_for_rows(self.layer_program(), state, input_ids.numel(), meta, rows)

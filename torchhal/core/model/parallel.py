@@ -156,22 +156,24 @@ class RankShard:
     rank: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.plan, TensorParallelPlan):
-            raise TypeError(f"tensor_parallel: the plan is {short_repr(self.plan)}; pass (TensorParallelPlan(config, "
-                            "world_size), rank) or a RankShard ((world_size, rank) is load_checkpoint's form)")
         rank = as_index(self.rank)
+        assert isinstance(self.plan, TensorParallelPlan), f"the plan is {self.plan!r}"
         assert rank is not None and 0 <= rank < self.plan.world_size, f"rank {self.rank!r} of {self.plan.world_size}"
         object.__setattr__(self, "rank", rank)
 
     @classmethod
     def of(cls, tensor_parallel: RankShard | tuple[TensorParallelPlan, int]) -> RankShard:
-        """A `RankShard` as given, or made from `(plan, rank)`."""
+        """A `RankShard` as given, or made from `(plan, rank)`: the one check of the decoder's
+        `tensor_parallel` argument."""
         if isinstance(tensor_parallel, RankShard):
             return tensor_parallel
-        if not (isinstance(tensor_parallel, tuple) and len(tensor_parallel) == 2):
-            raise TypeError(f"tensor_parallel = {short_repr(tensor_parallel)}; pass (TensorParallelPlan(config, "
-                            "world_size), rank) or a RankShard")
-        return cls(*tensor_parallel)
+        pair = isinstance(tensor_parallel, tuple) and len(tensor_parallel) == 2
+        if pair and isinstance(tensor_parallel[0], TensorParallelPlan):
+            return cls(*tensor_parallel)
+        given = f": the plan is {short_repr(tensor_parallel[0])}" if pair else f" = {short_repr(tensor_parallel)}"
+        form = " ((world_size, rank) is load_checkpoint's form)" if pair else ""
+        raise TypeError(f"tensor_parallel{given}; pass (TensorParallelPlan(config, world_size), rank) or a "
+                        f"RankShard{form}")
 
     @property
     def world_size(self) -> int:
