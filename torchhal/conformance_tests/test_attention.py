@@ -30,6 +30,8 @@ from torchhal.attention import (
 )
 from torchhal.platforms import AttentionSupport, Platform
 
+from ._helpers import capture
+
 pytestmark = pytest.mark.conformance("attention")
 
 #: (atol, rtol) per dtype: a float32-accumulating kernel against the float32 reference.
@@ -267,8 +269,6 @@ def test_decode_replays_from_a_graph(platform, device_index):
 
 
 def replay_and_compare(platform: Platform, device_index: int, backend: AttentionBackend) -> None:
-    graphs = platform.graph_support
-    assert graphs is not None
     capability = backend.capability
     dtype = torch.bfloat16 if torch.bfloat16 in capability.dtypes else capability.dtypes[0]
     layout = paged_layout(DECODE_CASES["mixed_lengths_gqa4"], dtype, capability,
@@ -282,15 +282,7 @@ def replay_and_compare(platform: Platform, device_index: int, backend: Attention
     def step() -> torch.Tensor:
         return backend.decode(query, k_cache, v_cache, meta, scale=layout.scale, out=out)
 
-    stream = platform.new_stream(device_index)
-    stream.wait_stream(platform.current_stream(device_index))
-    with platform.use_stream(stream):
-        step()  # compile and warm up outside the graph
-    platform.current_stream(device_index).wait_stream(stream)
-    graph = graphs.graph_class()
-    with graphs.capture(graph, graphs.new_pool(), stream):
-        step()
-    platform.current_stream(device_index).wait_stream(stream)
+    graph, _ = capture(platform, device_index, step)
     for _ in range(3):
         query.copy_(torch.randn_like(query))
         k_cache.normal_()
