@@ -28,7 +28,7 @@ from torchhal.attention import (
     build_metadata,
     write_kv,
 )
-from torchhal.platforms import AttentionSupport, Platform
+from torchhal.platforms import Platform
 
 from ._helpers import capture
 
@@ -114,7 +114,8 @@ def paged_layout(case: Case, dtype: torch.dtype, capability: AttentionCapability
 
 def declared_backends(platform: Platform) -> tuple[AttentionBackend, ...]:
     support = platform.attention_support
-    assert isinstance(support, AttentionSupport), f"attention_support() returned {support!r}, not an AttentionSupport"
+    # Platform refuses an answer that is not an AttentionSupport; the group runs only where one is declared.
+    assert support is not None
     return support.backends
 
 
