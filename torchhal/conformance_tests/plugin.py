@@ -317,11 +317,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def tested_name() -> str:
     """The platform under test: named (option or TORCHHAL_PLATFORM), else the current one."""
-    name = suite_state().platform_name
-    if name:
-        return name
     try:
-        return torchhal.current_platform().name
+        return suite_state().platform_name or torchhal.current_platform().name
     except PlatformError as exc:
         pytest.fail(f"no current platform: {exc}")
 
@@ -354,7 +351,8 @@ def device_index(platform: Platform, suite: SuiteState) -> int:
     count, error = isolated(platform.device_count)  # a sys.exit() here would end the run
     if error is not None:
         pytest.fail(f"device_count() failed: {describe_error(error)}")
-    if not isinstance(count, int) or not 0 <= suite.device < count:
+    assert count is not None, "Platform checked device_count()'s answer: an int"
+    if suite.device >= count:  # check_target refused a negative index
         pytest.fail(f"device_count() returned {count!r}, which has no device {suite.device}; it must be the "
                     "number of devices this process sees")
     platform.set_device(suite.device)
@@ -423,8 +421,6 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def failure_message(report: pytest.TestReport) -> str | None:
     """The assertion's or exception's own message, not pytest's `file:line: AssertionError`."""
-    if not report.longrepr:
-        return None
     crash = getattr(report.longrepr, "reprcrash", None)
     text = crash.message if crash is not None and crash.message else str(report.longrepr)
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
@@ -449,12 +445,10 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def header_facts(state: SuiteState) -> dict[str, Any]:
-    name = state.platform_name
-    if not name:
-        try:
-            name = torchhal.current_platform().name
-        except PlatformError as exc:
-            name = f"<none: {exc}>"
+    try:
+        name = state.platform_name or torchhal.current_platform().name
+    except PlatformError as exc:
+        name = f"<none: {exc}>"
     facts: dict[str, Any] = {
         "suite_version": SUITE_VERSION, "profile": state.profile, "platform": name, "torch": torch.__version__,
         # Every version string the torch build reports (git, CUDA/HIP/XPU runtime …), named by torch itself.
@@ -616,5 +610,4 @@ def write_report(state: SuiteState, path: str) -> None:
         "plugin_failures": [{**asdict(f), "message": str(f)} for f in torchhal.registry().failures],
         "tests": [vars(r) for r in state.records.values()],
     }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(report, indent=2, default=str))

@@ -18,9 +18,10 @@ import psutil
 import pytest
 import torch
 
+from ._helpers import MiB, capture
+
 pytestmark = pytest.mark.conformance("virtual_memory")
 
-MiB = 1 << 20
 SIZE = 64 * MiB  # far above any allocation granularity, small for any device
 RELEASED = 256 * MiB  # what the free-memory clause releases: well above what the OS's counters drift by
 TAG = "conformance"
@@ -104,23 +105,15 @@ def test_a_backup_comes_back_bit_for_bit_and_takes_what_was_written_while_releas
 
 
 def test_a_graph_on_region_memory_replays_after_the_restore(platform, device_index, regions, measure):
-    support, virtual = platform.graph_support, platform.virtual_memory_support
-    if support is None:
+    if platform.graph_support is None:
         pytest.skip("not applicable: the platform declares no graph support")
     device = platform.device(device_index)
     data = regions.allocate(TAG, SIZE).view(torch.float32)[: 256 * 256].view(256, 256)
     data.copy_(torch.randn(256, 256, device=device))
     pool = regions.graph_pool("conformance_graphs")
-    if pool is None and virtual.graph_memory:
+    if pool is None and platform.virtual_memory_support.graph_memory:
         pytest.fail("graph_memory is True but graph_pool() answered None")
-    graph = support.graph_class()
-    stream = platform.new_stream(device_index)
-    stream.wait_stream(platform.current_stream(device_index))
-    with platform.use_stream(stream):
-        torch.relu(data @ data)  # warm up outside the graph
-    platform.current_stream(device_index).wait_stream(stream)
-    with support.capture(graph, pool if pool is not None else support.new_pool(), stream):
-        out = torch.relu(data @ data) + 1
+    graph, out = capture(platform, device_index, lambda: torch.relu(data @ data) + 1, pool)
     platform.synchronize(device_index)
     expected = (torch.relu(data @ data) + 1).to("cpu", copy=True)
     graph_bytes = regions.region_bytes("conformance_graphs")
