@@ -123,13 +123,13 @@ class Regions:
     def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """The backup's bytes of `tensor` (a uint8 view into a region released with a backup)."""
         address, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-        found = next(((region, allocation) for region in self._regions.values() for allocation in region.live()
-                      if 0 <= address - allocation.mapping.va < allocation.mapping.size), None)
-        assert found is not None, f"no region holds the tensor at {address:#x}"  # engines ask of their weights
-        region, allocation = found
-        assert region.released and allocation.backed_up and allocation.backup is not None
-        start = address - allocation.mapping.va
-        return allocation.backup[start : start + nbytes]
+        for region in self._regions.values():
+            for allocation in region.live():
+                start = address - allocation.mapping.va
+                if 0 <= start < allocation.mapping.size:
+                    assert region.released and allocation.backed_up and allocation.backup is not None
+                    return allocation.backup[start : start + nbytes]
+        raise ValueError(f"no region holds the tensor at {address:#x}")
 
     def release(self, tag: str, *, backup: bool) -> int:
         region = self._region(tag)

@@ -136,16 +136,16 @@ def agree_on_config(config: EngineConfig, group: DeviceGroup | None, problem: st
     rank, is a ValueError on every rank (one collective on the host communicator; a closed
     group refuses here). A rank raising alone would leave the others waiting in their next
     collective until the group's timeout."""
+    if group is None or group.world_size == 1:
+        if problem is not None:
+            raise ValueError(problem)
+        return
     names = agreed_fields(config)
     mine = config_digests(config)
-    everyone = None
-    if group is not None and group.world_size > 1:
-        flagged = torch.tensor([[int(problem is not None)]], dtype=torch.int64)
-        everyone = group.host.all_gather(torch.cat([mine, flagged], dim=1))
+    flagged = torch.tensor([[int(problem is not None)]], dtype=torch.int64)
+    everyone = group.host.all_gather(torch.cat([mine, flagged], dim=1))
     if problem is not None:
         raise ValueError(problem)
-    if everyone is None:
-        return
     refused = [rank for rank, flag in enumerate(everyone[:, -1].tolist()) if flag]
     if refused:
         raise ValueError(f"rank(s) {refused} of the group refused their engine arguments (their error says why); "

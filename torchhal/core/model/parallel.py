@@ -167,13 +167,13 @@ class RankShard:
         `tensor_parallel` argument."""
         if isinstance(tensor_parallel, RankShard):
             return tensor_parallel
-        pair = isinstance(tensor_parallel, tuple) and len(tensor_parallel) == 2
-        if pair and isinstance(tensor_parallel[0], TensorParallelPlan):
-            return cls(*tensor_parallel)
-        given = f": the plan is {short_repr(tensor_parallel[0])}" if pair else f" = {short_repr(tensor_parallel)}"
-        form = " ((world_size, rank) is load_checkpoint's form)" if pair else ""
-        raise TypeError(f"tensor_parallel{given}; pass (TensorParallelPlan(config, world_size), rank) or a "
-                        f"RankShard{form}")
+        if not (isinstance(tensor_parallel, tuple) and len(tensor_parallel) == 2):
+            raise TypeError(f"tensor_parallel = {short_repr(tensor_parallel)}; pass (TensorParallelPlan(config, "
+                            "world_size), rank) or a RankShard")
+        if not isinstance(tensor_parallel[0], TensorParallelPlan):
+            raise TypeError(f"tensor_parallel: the plan is {short_repr(tensor_parallel[0])}; pass (TensorParallelPlan("
+                            "config, world_size), rank) or a RankShard ((world_size, rank) is load_checkpoint's form)")
+        return cls(*tensor_parallel)
 
     @property
     def world_size(self) -> int:
