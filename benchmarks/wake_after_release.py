@@ -16,12 +16,11 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import torch  # noqa: E402
 from _harness import write_json  # noqa: E402
+from sleep_wake import copy_floor, timed  # noqa: E402
 
 import torchhal  # noqa: E402
 
@@ -46,24 +45,15 @@ def main() -> None:
     for tensor in held:
         tensor.random_(0, 255)
 
-    def timed(fn: Any) -> float:
-        platform.synchronize(index)
-        started = time.perf_counter()
-        fn()
-        platform.synchronize(index)
-        return time.perf_counter() - started
-
+    sync = lambda: platform.synchronize(index)  # noqa: E731
     restore: dict[str, list[float]] = {f"{gap:g}": [] for gap in GAPS_S}
     for _ in range(args.cycles):
         for gap in GAPS_S:
             regions.release("weights", backup=True)
             time.sleep(gap)
-            restore[f"{gap:g}"].append(timed(lambda: regions.restore("weights")))
+            restore[f"{gap:g}"].append(timed(lambda: regions.restore("weights"), sync)[0])
     nbytes = chunk * args.gib
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=platform.graph_support is not None)
-    warm = torch.empty(nbytes, dtype=torch.uint8, device=platform.device(index))
-    warm.copy_(host)
-    floor = statistics.median(timed(lambda: warm.copy_(host, non_blocking=True)) for _ in range(3))
+    floor = copy_floor(nbytes, platform.device(index), sync)["host_to_device_s"]
     results = {"platform": platform.name, "bytes": nbytes, "allocations": args.gib,
                "host_to_device_floor_s": floor,
                "restore_s_by_gap_s": restore,

@@ -132,7 +132,6 @@ def test_the_allocation_property_has_the_runtimes_layout():
     assert ctypes.sizeof(virtual_memory._AccessDesc) == 12
 
 
-
 def test_rocm_declares_no_regions_though_it_runs_torch_cuda(monkeypatch):
     """A ROCm build answers torch.cuda, but CUDA's regions open libcuda: on AMD hardware the engine
     would fail at construction. ROCm sleeps by host offload until HIP's calls run on AMD hardware."""
