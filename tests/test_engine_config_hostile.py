@@ -686,7 +686,7 @@ def test_a_compile_backend_torch_does_not_have_is_refused_when_configured() -> N
 def test_model_and_graph_configs_take_numpy_integers_as_plain_ints() -> None:
     """The same rule as EngineConfig's: a shape computed with numpy is a shape."""
     from torchhal.core.devices import check_device_index
-    from torchhal.core.graphs.runner import check_buckets
+    from torchhal.values import check_buckets
 
     model = ModelConfig(vocab_size=numpy.int64(64), hidden_size=numpy.int32(32), num_layers=1, num_heads=2,
                         intermediate_size=48, max_position=256, seed=numpy.uint64(7))
@@ -698,7 +698,7 @@ def test_model_and_graph_configs_take_numpy_integers_as_plain_ints() -> None:
     assert all(type(b) is int for b in (*decode.batch_buckets, *decode.context_buckets, decode.steps_per_sync))
     prefill = PrefillGraphConfig(token_buckets=(numpy.int64(16), 64))
     assert prefill.token_buckets == (16, 64) and all(type(b) is int for b in prefill.token_buckets)
-    assert check_buckets("buckets", [numpy.int64(8), 1, 8]) == [1, 8]
+    assert check_buckets("buckets", [numpy.int64(8), 1, 8]) == (1, 8)
     assert type(check_device_index(torchhal.current_platform(), numpy.int64(0), "device")) is int
     for bad in ((True,), (numpy.float64(8.0),), (0,)):
         with pytest.raises(ValueError, match="must be a non-empty tuple of positive ints"):

@@ -152,7 +152,7 @@ def test_unresolvable_model_runs_eager_and_says_why(make_registry):
 
 def test_bad_buckets_are_rejected(make_registry):
     make_registry()
-    with pytest.raises(ValueError, match="buckets \\(0, 8\\)"):
+    with pytest.raises(ValueError, match="buckets = \\(0, 8\\)"):
         GraphRunner(ReferenceDecoder(ModelConfig()), torchhal.current_platform(), 0,
                     hidden_size=128, dtype=torch.float32, buckets=(0, 8))
 

@@ -35,8 +35,8 @@ def build(model, **kwargs):
     ({"dtype": None}, r"dtype = None must be the floating torch.dtype"),
     ({"dtype": torch.float16}, r"dtype = torch.float16 but ReferenceDecoder's weights are torch.float32; pass the "
                                r"weights' dtype \(an engine's runner_factory: dtype=e.config.dtype\)"),
-    ({"buckets": 8}, r"buckets 8 must be a non-empty list of positive ints, e.g. \(1, 8, 32\)"),
-    ({"buckets": (True, 8)}, r"buckets \(True, 8\) must be a non-empty list of positive ints"),
+    ({"buckets": 8}, r"buckets = 8 must be a non-empty sequence of positive ints, e.g. \(1, 8, 32\)"),
+    ({"buckets": (True, 8)}, r"buckets = \(True, 8\) must be a non-empty sequence of positive ints"),
     ({"emulate": "no"}, r"emulate must be True or False, got 'no'$"),
     ({"emulate": 1}, r"emulate must be True or False, got 1$"),
     ({"device_index": 1}, r"device_index = 1, but platform 'cpu' has 1 device\(s\); pass 0..0, or None for the "

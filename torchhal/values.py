@@ -8,7 +8,7 @@ text. Nothing here imports torch or another torchhal module: every room may impo
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import cast
 
 #: The largest size, length or count a config may give (int32 indexing everywhere).
@@ -36,6 +36,19 @@ def as_indices(values: Iterable[object], minimum: int) -> tuple[int, ...] | None
     if any(n is None or n < minimum for n in numbers):
         return None
     return cast(tuple[int, ...], numbers)
+
+
+def check_buckets(label: str, buckets: object, example: str = "(1, 8, 32)",
+                  kind: type = Sequence) -> tuple[int, ...]:
+    """Graph buckets: a non-empty `kind` (a config's are tuples) of positive integers (numpy's
+    too, not bools; not a str), returned sorted, each once, as plain ints."""
+    held = isinstance(buckets, kind) and not isinstance(buckets, str)
+    sizes = as_indices(cast(Sequence[object], buckets), 1) if held else None
+    if not sizes:
+        shape = "tuple" if kind is tuple else "sequence"
+        raise ValueError(f"{label} = {short_repr(buckets)} must be a non-empty {shape} of positive ints, "
+                         f"e.g. {example}")
+    return tuple(sorted(set(sizes)))
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -12,7 +12,7 @@ import torch
 from torchhal.core.model import ModelConfig
 from torchhal.core.model.config import check_int, check_number
 from torchhal.core.model.decoder import check_compile_backend
-from torchhal.values import as_index, as_indices, check_bool, short_repr
+from torchhal.values import as_index, as_indices, check_bool, check_buckets, short_repr
 
 
 class PauseMode(str, enum.Enum):
@@ -103,15 +103,6 @@ class WeightUpdateIncomplete(RuntimeError):
     generate until an update covering the named weights succeeds."""
 
 
-def check_buckets(label: str, buckets: object, example: str) -> tuple[int, ...]:
-    """A graph config's buckets: a non-empty tuple of positive integers (numpy's too, not
-    bools), returned as plain ints."""
-    sizes = as_indices(buckets, 1) if isinstance(buckets, tuple) else None
-    if not sizes:
-        raise ValueError(f"{label} = {short_repr(buckets)} must be a non-empty tuple of positive ints, e.g. {example}")
-    return sizes
-
-
 def usable_buckets(buckets: tuple[int, ...], limit: int) -> tuple[int, ...]:
     """The buckets with each one above `limit` lowered to it. No step exceeds its limit (a
     context max_position, a batch max_running, a prefill max_batch_tokens), so a larger
@@ -146,7 +137,7 @@ class DecodeGraphConfig:
         for name in ("batch_buckets", "context_buckets"):
             if name == "context_buckets" and self.context_buckets is None:
                 continue
-            buckets = check_buckets(f"DecodeGraphConfig.{name}", getattr(self, name), "(1, 8, 32)")
+            buckets = check_buckets(f"DecodeGraphConfig.{name}", getattr(self, name), "(1, 8, 32)", tuple)
             object.__setattr__(self, name, buckets)
         steps = as_index(self.steps_per_sync)
         if steps is None or steps < 1:
@@ -175,7 +166,8 @@ class PrefillGraphConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "token_buckets",
-                           check_buckets("PrefillGraphConfig.token_buckets", self.token_buckets, "(16, 64, 256)"))
+                           check_buckets("PrefillGraphConfig.token_buckets", self.token_buckets, "(16, 64, 256)",
+                                         tuple))
         check_bool("PrefillGraphConfig.emulate", self.emulate)
 
 

@@ -33,22 +33,12 @@ from torchhal.core.graphs.program import (
     split_segments,
 )
 from torchhal.platforms import Platform
-from torchhal.values import as_indices, short_repr
+from torchhal.values import check_buckets
 
 if TYPE_CHECKING:  # core.model imports core.graphs.program: a runtime import here would be circular
     from torchhal.core.model import Model
 
 _warned_guesses: set[str] = set()
-
-
-def check_buckets(label: str, buckets: Sequence[int]) -> list[int]:
-    """A runner's buckets, sorted and deduplicated; a ValueError naming them unless they are a
-    non-empty sequence of positive integers (numpy's too, as plain ints; True is not a size; a
-    bare int is not a sequence)."""
-    sizes = None if isinstance(buckets, str) or not isinstance(buckets, Sequence) else as_indices(buckets, 1)
-    if not sizes:
-        raise ValueError(f"{label} {short_repr(buckets)} must be a non-empty list of positive ints, e.g. (1, 8, 32)")
-    return sorted(set(sizes))
 
 
 @dataclass(frozen=True)
@@ -173,7 +163,7 @@ class GraphRunner:
         device_index = check_device_index(platform, device_index, "device_index")
         if not isinstance(emulate, bool):  # "no" is truthy
             raise ValueError(f"emulate must be True or False, got {emulate!r}")
-        bucket_sizes = check_buckets("buckets", buckets)
+        bucket_sizes = list(check_buckets("buckets", buckets))
         hidden_size = _check_hidden_size(model, hidden_size)
         _check_dtype(model, dtype)
         self.model, self.platform, self.device_index = model, platform, device_index
