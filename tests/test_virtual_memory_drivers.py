@@ -141,3 +141,52 @@ def test_rocm_declares_no_regions_though_it_runs_torch_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert CudaPlatform().virtual_memory_support() is not None
     assert RocmPlatform().virtual_memory_support() is None
+
+
+class FakeCudart:
+    """cudaHostRegister / cudaHostUnregister, recording what they were given; `status` is what register answers."""
+
+    def __init__(self, status: int = 0) -> None:
+        self.calls: list[tuple] = []
+        self.status = status
+
+    def cudaHostRegister(self, ptr, nbytes, flags):  # noqa: N802 - the runtime's names
+        self.calls.append(("register", ptr, nbytes, flags))
+        return self.status
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+def failing_check(status: int) -> None:
+    if status != 0:
+        raise RuntimeError(f"CUDA error {status}")
+
+
+def test_a_backup_is_host_memory_registered_in_place_and_unregistered_when_it_goes(monkeypatch):
+    """The CUDA plugin's backups: torch's host memory, page-locked where it lies with cudaHostRegister
+    (its whole size, default flags), unregistered once no tensor views it and not before."""
+    import gc
+
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "check_error", failing_check)
+    backup = virtual_memory.registered_host_buffer(3 << 20)
+    assert backup.device.type == "cpu" and backup.dtype == torch.uint8 and backup.numel() == 3 << 20
+    assert fake.calls == [("register", backup.data_ptr(), 3 << 20, 0)]
+    assert not torch.any(backup)  # every page written (faulted in) before it is locked
+    address, view = backup.data_ptr(), backup[1:]  # as a parameter views it while asleep
+    del backup
+    gc.collect()
+    assert len(fake.calls) == 1  # a view keeps it locked
+    del view
+    gc.collect()
+    assert fake.calls[1:] == [("unregister", address)]
+
+
+def test_a_backup_the_runtime_cannot_lock_is_its_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(status=2))
+    monkeypatch.setattr(torch.cuda, "check_error", failing_check)
+    with pytest.raises(RuntimeError, match="CUDA error 2"):
+        virtual_memory.registered_host_buffer(1 << 20)

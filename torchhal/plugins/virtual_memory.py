@@ -364,6 +364,19 @@ class VmmDriver:
         return torch.as_tensor(_DeviceSpan(va, size, owner), device=self.device)
 
 
+def registered_host_buffer(nbytes: int) -> torch.Tensor:
+    """A backup's page-locked host memory: torch's threads fault the pages in (`fill_`), then
+    `cudaHostRegister` locks them in place, as torch's `pinned_use_cuda_host_register` setting
+    does for its own pinned memory. `torch.empty(pin_memory=True)` faults and locks them on one
+    thread, and rounds the size up to a power of two."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
+    cudart = torch.cuda.cudart()
+    torch.cuda.check_error(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+    # Unregistered when no tensor views it (a view holds its base), before its storage is freed.
+    weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+    return buffer
+
+
 # -- graph memory in a region (CUDA and ROCm: torch's pluggable allocator and MemPool) ----------------
 _ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
 _FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
