@@ -45,9 +45,8 @@ def check_buckets(label: str, buckets: object, example: str = "(1, 8, 32)",
     held = isinstance(buckets, kind) and not isinstance(buckets, str)
     sizes = as_indices(cast(Sequence[object], buckets), 1) if held else None
     if not sizes:
-        shape = "tuple" if kind is tuple else "sequence"
-        raise ValueError(f"{label} = {short_repr(buckets)} must be a non-empty {shape} of positive ints, "
-                         f"e.g. {example}")
+        raise ValueError(f"{label} = {short_repr(buckets)} must be a non-empty {kind.__name__.lower()} of "
+                         f"positive ints, e.g. {example}")
     return tuple(sorted(set(sizes)))
 
 
