@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import torchhal
+import torchhal.platforms.testing
 from torchhal.platforms import DeviceInfo, MemoryInfo, PeakMemory, PluginContractError, ReleasePoint, hookimpl
 
 from .test_selection import plugin_module

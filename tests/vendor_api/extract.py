@@ -5,7 +5,8 @@
                                                                     # needs CANN); device-properties fields from
                                                                     # Ascend/pytorch torch_npu/csrc/npu/Module.cpp
     python -m tests.vendor_api.extract musa SRC_DIR COMMIT    # static: a checkout of MooreThreads/torch_musa
-    python -m tests.vendor_api.extract npu-ops WHEEL          # add NPU_OPS to the torch_npu snapshot of this wheel
+    python -m tests.vendor_api.extract npu-ops WHEEL          # add NPU_OPS and NPU_C_BINDINGS to the torch_npu
+                                                              # snapshot of this wheel
 
 Each snapshot maps an attribute path's last part to what the package defines there:
 `{"kind": "function", "params": [[name, kind, has_default], ...]}`, a class with its
@@ -231,6 +232,9 @@ def stub_class_fields(stub: Path, class_name: str) -> dict[str, Entry]:
 NPU_OPS = ("npu_fused_infer_attention_score",)
 NPU_OP_SCHEMAS = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
 NPU_OP_BINDINGS = "torch_npu/utils/custom_ops.py"
+#: torch_npu._C functions a plugin calls, each (its name, the wheel's Python file that calls it there).
+NPU_C_BINDINGS = (("_npu_customAllocator", "torch_npu/npu/memory.py"),)
+NPU_LIBRARY = "torch_npu/lib/libtorch_npu.so"
 
 
 def schema_params(schema: str) -> list[list[Any]]:
@@ -265,14 +269,30 @@ def npu_ops(read: Callable[[str], str | None], names: tuple[str, ...]) -> dict[s
     return found
 
 
+def npu_c_bindings(wheel: Path) -> dict[str, Entry]:
+    """Each of NPU_C_BINDINGS that the wheel's compiled library names and its own Python calls
+    (the signature is the C++ binding's, not read: `external`)."""
+    read, _ = reader_for(wheel)
+    binary = zipfile.ZipFile(wheel).read(NPU_LIBRARY)
+    found: dict[str, Entry] = {}
+    for name, caller in NPU_C_BINDINGS:
+        call = re.search(rf"torch_npu\._C\.{re.escape(name)}\([^)]*\)", read(caller) or "")
+        if call is None or b"\0" + name.encode() + b"\0" not in binary:
+            raise SystemExit(f"{name}: not in {NPU_LIBRARY} or not called in {caller}")
+        found[name] = {"kind": "external", "defined_in": f"{NPU_LIBRARY}; {caller} calls {call.group(0)}"}
+    return found
+
+
 def add_npu_ops(wheel: Path) -> dict[str, Any]:
-    """The torch_npu snapshot of this very wheel, with NPU_OPS added to its torch_npu surface."""
+    """The torch_npu snapshot of this very wheel, with NPU_OPS added to its torch_npu surface and
+    NPU_C_BINDINGS as its torch_npu._C surface."""
     snapshot = json.loads((HERE / "torch_npu-2.13.0.json").read_text())
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
     if digest not in snapshot["source"]:
         raise SystemExit(f"{wheel.name} (sha256 {digest}) is not the wheel the snapshot read: {snapshot['source']}")
     read, _ = reader_for(wheel)
     snapshot["surfaces"]["torch_npu"].update(npu_ops(read, NPU_OPS))
+    snapshot["surfaces"]["torch_npu._C"] = npu_c_bindings(wheel)
     return dict(snapshot)
 
 
@@ -309,6 +329,7 @@ def extract_npu(wheel: Path, module_cpp: Path, cpp_commit: str) -> dict[str, Any
             "torch.npu": package.namespace("torch_npu.npu"),
             "torch.UntypedStorage": package.storage_methods([f for f in files if f.endswith(".py")]),
             "torch_npu": {**package.namespace("torch_npu"), **npu_ops(read, NPU_OPS)},
+            "torch_npu._C": npu_c_bindings(wheel),
         },
     }
 

@@ -323,8 +323,9 @@ class PlatformPlugin(abc.ABC):
         `virtual_memory` conformance group is skipped as undeclared). Since SPI 1.9. Asked once
         per process and kept. `torchhal.plugins.virtual_memory.Regions` implements the regions
         over any runtime's reserve / create / map / unmap calls. Built-in: CUDA (`cuMemCreate` /
-        `cuMemMap`, graph memory in a `MemPool` region), the CPU reference (host pages given back
-        with `madvise`)."""
+        `cuMemMap`, graph memory in a `MemPool` region), NPU (`aclrtMallocPhysical` /
+        `aclrtMapMem`, tensors through torch_npu's `MemPool`, graph memory not in regions), the
+        CPU reference (host pages given back with `madvise`)."""
         return None
 
     # -- distributed ------------------------------------------------------------------

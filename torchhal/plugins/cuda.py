@@ -159,11 +159,11 @@ class CudaPlatform(AcceleratorPlatform):
     def virtual_memory_support(self) -> VirtualMemorySupport | None:
         if not torch.cuda.is_available():
             return None
-        from torchhal.plugins.virtual_memory import Regions, VmmDriver, cuda_graph_pool, registered_host_buffer
+        from torchhal.plugins.virtual_memory import Regions, VmmDriver, cuda_pools, registered_host_buffer
 
         def new_regions(index: int) -> Regions:
             driver = VmmDriver("libcuda.so.1", "cu", torch.device("cuda", index), lambda: torch.cuda.synchronize(index))
-            return Regions(driver, registered_host_buffer, graph_pools=cuda_graph_pool)
+            return Regions(driver, registered_host_buffer, cuda_pools())
 
         return VirtualMemorySupport(
             new_regions, graph_memory=True,

@@ -5,18 +5,31 @@ import (RuntimeError/OSError), and torch_npu refuses non-CPU torch builds ("Two
 accelerators cannot be used at the same time"). IPC opens stay on the
 producer's device (`ipc_peer_redirect` is left False): the redirect is not
 verified on Ascend.
+
+Virtual memory: ACL's `aclrtReserveMemAddress` / `aclrtMallocPhysical` / `aclrtMapMem`
+(`torchhal.plugins.virtual_memory.AclDriver`), tensors through torch_npu's pluggable
+allocator and `MemPool`. Graph memory stays out of the regions: NPUGraph capture into a
+pluggable allocator's pool is not verified, so graphs survive a sleep and keep their memory.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
+import logging
 
-from torchhal.platforms import AttentionSupport, DistributedSupport, PlatformPlugin, hookimpl
+import torch
+
+from torchhal.platforms import AttentionSupport, DistributedSupport, PlatformPlugin, VirtualMemorySupport, hookimpl
 from torchhal.plugins.accelerator import PROBE_ERRORS, AcceleratorPlatform, module_installed
 from torchhal.plugins.vendor_attention import log_reference_only
 
 #: torch_npu's fused paged attention (torchhal.plugins.npu_attention maps onto it).
 FUSED_ATTENTION = "npu_fused_infer_attention_score"
+#: The CANN runtime library the virtual-memory driver calls.
+ACL_LIBRARY = "libascendcl.so"
+
+log = logging.getLogger(__name__)
 
 
 class NpuPlatform(AcceleratorPlatform):
@@ -36,6 +49,45 @@ class NpuPlatform(AcceleratorPlatform):
         # torch_npu registers "hccl" with torch.distributed; HCCL inside NPUGraph capture is
         # reported failing on multi-die parts (an HCCL stream not joined to the capture).
         return DistributedSupport(note="HCCL, registered by torch_npu; collectives not graph-captured")
+
+    def virtual_memory_missing(self) -> str | None:
+        """Why ACL regions cannot be declared, or None."""
+        from torchhal.plugins.virtual_memory import ACL_CALLS
+
+        if not self.is_available():
+            return "no NPU is available"
+        module = self.device_module()
+        torch_npu = importlib.import_module("torch_npu")
+        for owner, name in ((module, "MemPool"), (module, "use_mem_pool"), (torch_npu._C, "_npu_customAllocator")):
+            if not hasattr(owner, name):
+                return f"torch_npu {getattr(torch_npu, '__version__', '?')} has no {owner.__name__}.{name}"
+        try:
+            acl = ctypes.CDLL(ACL_LIBRARY)
+        except OSError as exc:
+            return f"{ACL_LIBRARY} does not load ({exc}): source CANN's set_env.sh"
+        absent = [f"aclrt{name}" for name in ACL_CALLS if not hasattr(acl, f"aclrt{name}")]
+        return f"{ACL_LIBRARY} has no {', '.join(absent)} (CANN too old)" if absent else None
+
+    def virtual_memory_support(self) -> VirtualMemorySupport | None:
+        missing = self.virtual_memory_missing()
+        if missing:
+            log.info("npu: no virtual memory (sleep by host offload): %s", missing)
+            return None
+        from torchhal.plugins.virtual_memory import AclDriver, Regions, TorchPools
+
+        module = self.device_module()
+        torch_npu = importlib.import_module("torch_npu")
+        pools = TorchPools(torch_npu._C._npu_customAllocator, lambda allocator: module.MemPool(allocator),
+                           lambda pool, device: module.use_mem_pool(pool, device))
+
+        def new_regions(index: int) -> Regions:
+            driver = AclDriver(torch.device(self.device_type, index), lambda: module.synchronize(index), ACL_LIBRARY)
+            return Regions(driver, _pinned_host_bytes, pools, graphs_in_pools=False)
+
+        return VirtualMemorySupport(
+            new_regions, graph_memory=False,
+            not_released=("the ACL context", "graph memory (NPUGraph's own pool)", "HCCL communicators' buffers"),
+            note="ACL virtual memory: aclrtMallocPhysical / aclrtMapMem under addresses kept by aclrtReserveMemAddress")
 
     def attention_missing(self) -> str | None:
         """Why torch_npu's fused paged attention cannot be declared, or None."""
@@ -58,6 +110,10 @@ class NpuPlatform(AcceleratorPlatform):
         from torchhal.plugins.npu_attention import NpuFusedAttention
 
         return AttentionSupport(backends=(NpuFusedAttention(),), note=f"torch_npu.{FUSED_ATTENTION} (paged)")
+
+
+def _pinned_host_bytes(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 @hookimpl

@@ -9,8 +9,11 @@ their addresses stay valid across a release and a restore. An allocation's memor
 addresses go back for good when no tensor views it any more.
 
 Drivers: `VmmDriver` over the CUDA driver's `cuMem*` calls (and HIP's `hipMem*`, the same
-calls under another prefix) through ctypes; `HostDriver` over anonymous host pages, which
-`madvise(MADV_DONTNEED)` gives back (the CPU platform's reference).
+calls under another prefix) through ctypes; `AclDriver` over Ascend's `aclrt*` calls;
+`HostDriver` over anonymous host pages, which `madvise(MADV_DONTNEED)` gives back (the CPU
+platform's reference). Where torch can view a driver's addresses as a tensor (CUDA, the host),
+a region's tensors are those views; elsewhere (ACL) they come from the region's torch
+`MemPool`, whose segments are the region's allocations.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -28,10 +33,12 @@ from torchhal.values import ceil_div
 
 
 class Driver(Protocol):
-    """What regions need from a runtime: addresses, physical memory, and tensors over them."""
+    """What regions need from a runtime: addresses, physical memory, and copies to and from
+    the host. A driver whose addresses torch can view as tensors derives from `ViewedMemory`."""
 
     granularity: int
     zero_filled: bool  # new physical memory reads as zeros
+    device: torch.device
 
     def reserve(self, size: int) -> int: ...
 
@@ -44,10 +51,76 @@ class Driver(Protocol):
 
     def free(self, va: int, size: int) -> None: ...
 
+    def to_host(self, va: int, host: torch.Tensor) -> None:
+        """Copy `host.numel()` bytes at `va` into `host` (done by the next `synchronize`)."""
+
+    def from_host(self, va: int, host: torch.Tensor) -> None: ...
+
+    def zero(self, va: int, size: int) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+
+class ViewedMemory(ABC):
+    """A driver base for runtimes whose addresses torch views as tensors: copies and zeroing
+    run on those views, and a region's tensors are views of its allocations."""
+
+    @abstractmethod
     def tensor(self, va: int, size: int, owner: object) -> torch.Tensor:
         """A uint8 tensor over [va, va + size) that keeps `owner` alive."""
 
-    def synchronize(self) -> None: ...
+    def to_host(self, va: int, host: torch.Tensor) -> None:
+        host.copy_(self.tensor(va, host.numel(), None), non_blocking=True)
+
+    def from_host(self, va: int, host: torch.Tensor) -> None:
+        self.tensor(va, host.numel(), None).copy_(host, non_blocking=True)
+
+    def zero(self, va: int, size: int) -> None:
+        self.tensor(va, size, None).zero_()
+
+
+@dataclass(frozen=True)
+class TorchPools:
+    """torch's pluggable allocator and `MemPool` on one backend, whose segments are a region's
+    allocations: a graph captured into such a pool keeps its memory in the region, and a driver
+    without views makes every tensor of a region there."""
+
+    custom_allocator: Callable[[int, int], Any]  # (alloc, free) function addresses -> an allocator
+    mem_pool: Callable[[Any], Any]  # that allocator -> a MemPool
+    use_mem_pool: Callable[[Any, torch.device], AbstractContextManager[Any]]
+
+    def new_pool(self, regions: Regions, tag: str) -> Any:
+        """A pool whose segments are allocations of `tag`'s region. The allocator's two functions
+        are ctypes callbacks: torch calls them only to grow or shrink the pool, never per tensor."""
+
+        def alloc(size: int, device: int, stream: int) -> int | None:
+            try:
+                return regions.allocate_segment(tag, size)
+            except Exception:  # noqa: BLE001 - a null pointer is how torch's allocator hears "out of memory"
+                return None
+
+        def free(va: int, size: int, device: int, stream: int) -> None:
+            regions.free_segment(tag, va)
+
+        callbacks = (_ALLOC(alloc), _FREE(free))
+        alloc_fn, free_fn = (ctypes.cast(c, ctypes.c_void_p).value for c in callbacks)
+        assert alloc_fn is not None and free_fn is not None
+        allocator = self.custom_allocator(alloc_fn, free_fn)
+        pool = self.mem_pool(allocator)
+        # The pool outlives the process's Python state (torch may free it at exit, calling `free`):
+        # its callbacks and the pool are never collected.
+        _FOREVER.append((pool, callbacks, allocator))
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_FOREVER[-1]))
+        return pool
+
+    def tensor(self, pool: Any, nbytes: int, device: torch.device) -> torch.Tensor:
+        with self.use_mem_pool(pool, device):
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+_ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+_FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+_FOREVER: list[Any] = []
 
 
 @dataclass(eq=False)
@@ -78,19 +151,23 @@ class _Region:
 
 class Regions:
     """`MemoryRegions` of one device. `host_buffer(nbytes)` makes a backup's host memory
-    (page-locked, for copies at the link's speed); `graph_pools(regions, tag)` makes a graph
-    pool whose segments come from `allocate_segment`: (its handle for capture, the pool); None:
-    graph memory cannot live in a region."""
+    (page-locked, for copies at the link's speed). `pools` makes each region's torch pool:
+    graphs capture there when `graphs_in_pools` (else graph memory cannot live in a region),
+    and a driver without views makes every tensor there."""
 
     def __init__(self, driver: Driver, host_buffer: Callable[[int], torch.Tensor],
-                 graph_pools: Callable[[Regions, str], tuple[Any, Any]] | None = None) -> None:
-        self.driver, self.host_buffer, self._graph_pools = driver, host_buffer, graph_pools
+                 pools: TorchPools | None = None, *, graphs_in_pools: bool = True) -> None:
+        assert pools is not None or isinstance(driver, ViewedMemory), "a driver without views needs pools"
+        self.driver, self.host_buffer, self.pools, self.graphs_in_pools = driver, host_buffer, pools, graphs_in_pools
         self._regions: dict[str, _Region] = {}
         self._pools: dict[str, Any] = {}
 
     def allocate(self, tag: str, nbytes: int) -> torch.Tensor:
         region = self._region(tag)
         assert not region.released, f"allocation asked of released region {tag!r}"  # engines allocate when made
+        if not isinstance(self.driver, ViewedMemory):
+            assert self.pools is not None
+            return self.pools.tensor(self._pool(tag), nbytes, self.driver.device)
         allocation = self._new_allocation(nbytes)
         region.refs.append(weakref.ref(allocation))
         return self._view(allocation)[:nbytes]
@@ -108,11 +185,9 @@ class Regions:
         self._region(tag).held.pop(va, None)
 
     def graph_pool(self, tag: str) -> Any | None:
-        if self._graph_pools is None:
+        if self.pools is None or not self.graphs_in_pools:
             return None
-        if tag not in self._pools:
-            self._pools[tag] = self._graph_pools(self, tag)
-        return self._pools[tag][0]
+        return self._pool(tag).id
 
     def region_bytes(self, tag: str) -> int:
         return sum(a.mapping.size for a in self._region(tag).live())
@@ -141,7 +216,7 @@ class Regions:
             for allocation in allocations:
                 if allocation.backup is None:
                     allocation.backup = self.host_buffer(allocation.mapping.size)
-                allocation.backup.copy_(self._view(allocation), non_blocking=True)
+                self.driver.to_host(allocation.mapping.va, allocation.backup)
             self.driver.synchronize()
         released = 0
         for allocation in allocations:
@@ -166,9 +241,9 @@ class Regions:
             for allocation in allocations:
                 if allocation.backed_up:
                     assert allocation.backup is not None
-                    self._view(allocation).copy_(allocation.backup, non_blocking=True)
+                    self.driver.from_host(allocation.mapping.va, allocation.backup)
                 elif not self.driver.zero_filled:
-                    self._view(allocation).zero_()
+                    self.driver.zero(allocation.mapping.va, allocation.mapping.size)
             self.driver.synchronize()
         except BaseException:  # out of memory part-way: the region stays released, whole
             self.driver.synchronize()  # no copy may still write what is unmapped
@@ -193,7 +268,7 @@ class Regions:
         allocation = _Allocation(mapping)
         weakref.finalize(allocation, _give_back, self.driver, mapping)
         if not self.driver.zero_filled:
-            self._view(allocation).zero_()
+            self.driver.zero(mapping.va, size)
         return allocation
 
     def _map(self, mapping: _Mapping) -> None:
@@ -206,7 +281,14 @@ class Regions:
         mapping.handle = handle
 
     def _view(self, allocation: _Allocation) -> torch.Tensor:
+        assert isinstance(self.driver, ViewedMemory)
         return self.driver.tensor(allocation.mapping.va, allocation.mapping.size, allocation)
+
+    def _pool(self, tag: str) -> Any:
+        assert self.pools is not None
+        if tag not in self._pools:
+            self._pools[tag] = self.pools.new_pool(self, tag)
+        return self._pools[tag]
 
     def _region(self, tag: str) -> _Region:
         return self._regions.setdefault(tag, _Region())
@@ -234,12 +316,13 @@ class _HostPages:
         return pages
 
 
-class HostDriver:
+class HostDriver(ViewedMemory):
     """Anonymous host pages (Linux): reserved with `mmap`, given back with `madvise(MADV_DONTNEED)`
     (the range then reads as zeros until it is written), freed with `munmap`."""
 
     granularity = 4096
     zero_filled = True
+    device = torch.device("cpu")
 
     def __init__(self) -> None:
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -306,7 +389,7 @@ class _DeviceSpan:
         self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (va, False), "version": 3}
 
 
-class VmmDriver:
+class VmmDriver(ViewedMemory):
     """The runtime's virtual-memory calls through ctypes: `library` is the driver library
     (libcuda.so.1, or libamdhip64.so for ROCm) and `prefix` its names' ("cu", "hip")."""
 
@@ -377,35 +460,92 @@ def registered_host_buffer(nbytes: int) -> torch.Tensor:
     return buffer
 
 
-# -- graph memory in a region (CUDA and ROCm: torch's pluggable allocator and MemPool) ----------------
-_ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
-_FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+def cuda_pools() -> TorchPools:
+    """torch.cuda's pluggable allocator and MemPool (graph memory in a CUDA region)."""
+    return TorchPools(torch._C._cuda_customAllocator, torch.cuda.MemPool, torch.cuda.use_mem_pool)
 
 
-def cuda_graph_pool(regions: Regions, tag: str) -> tuple[Any, Any]:
-    """A `torch.cuda.MemPool` whose segments are allocations of `tag`'s region, and its id (the
-    pool handle graph capture takes). The allocator's two functions are ctypes callbacks: torch
-    calls them only to grow or shrink the pool, never per tensor."""
-
-    def alloc(size: int, device: int, stream: int) -> int | None:
-        try:
-            return regions.allocate_segment(tag, size)
-        except Exception:  # noqa: BLE001 - a null pointer is how torch's allocator hears "out of memory"
-            return None
-
-    def free(va: int, size: int, device: int, stream: int) -> None:
-        regions.free_segment(tag, va)
-
-    callbacks = (_ALLOC(alloc), _FREE(free))
-    alloc_fn, free_fn = (ctypes.cast(c, ctypes.c_void_p).value for c in callbacks)
-    assert alloc_fn is not None and free_fn is not None
-    allocator = torch._C._cuda_customAllocator(alloc_fn, free_fn)
-    pool = torch.cuda.MemPool(allocator)
-    # The pool outlives the process's Python state (torch may free it at exit, calling `free`):
-    # its callbacks and the pool are never collected.
-    _FOREVER.append((pool, callbacks, allocator))
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_FOREVER[-1]))
-    return pool.id, pool
+# -- Ascend's virtual-memory calls (ACL) -------------------------------------------------------------
+class _AclLocation(ctypes.Structure):  # aclrtMemLocation
+    _fields_ = [("id", ctypes.c_uint32), ("type", ctypes.c_int)]
 
 
-_FOREVER: list[Any] = []
+class _AclPhysicalMemProp(ctypes.Structure):  # aclrtPhysicalMemProp
+    _fields_ = [("handleType", ctypes.c_int), ("allocationType", ctypes.c_int), ("memAttr", ctypes.c_int),
+                ("location", _AclLocation), ("reserve", ctypes.c_uint64)]
+
+
+# acl_rt.h: ACL_HBM_MEM_HUGE, ACL_MEM_LOCATION_TYPE_DEVICE, ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM,
+# ACL_MEMCPY_HOST_TO_DEVICE, ACL_MEMCPY_DEVICE_TO_HOST; ACL_ERROR_BAD_ALLOC, ACL_ERROR_RT_MEMORY_ALLOCATION.
+_ACL_HBM_HUGE, _ACL_ON_DEVICE, _ACL_GRANULARITY_MINIMUM, _ACL_TO_DEVICE, _ACL_TO_HOST = 4, 1, 0, 1, 2
+_ACL_OUT_OF_MEMORY = (200000, 207001)
+
+
+class AclDriver:
+    """Ascend's virtual-memory calls (`aclrtReserveMemAddress`, `aclrtMallocPhysical`,
+    `aclrtMapMem`, ...) in libascendcl through ctypes. torch_npu cannot view an address as a
+    tensor: a region's tensors come from its torch_npu `MemPool`, copies go through `aclrtMemcpy`."""
+
+    zero_filled = False
+
+    def __init__(self, device: torch.device, synchronize: Callable[[], None], library: str = "libascendcl.so") -> None:
+        lib = ctypes.CDLL(library)
+        self._call = {name: getattr(lib, f"aclrt{name}") for name in ACL_CALLS}
+        self.device, self.synchronize = device, synchronize
+        index = device.index or 0
+        self._check("SetDevice", ctypes.c_int32(index))  # the calling thread's context is the device's
+        self._prop = _AclPhysicalMemProp(memAttr=_ACL_HBM_HUGE, location=_AclLocation(index, _ACL_ON_DEVICE))
+        granularity = ctypes.c_size_t()
+        self._check("MemGetAllocationGranularity", ctypes.byref(self._prop), _ACL_GRANULARITY_MINIMUM,
+                    ctypes.byref(granularity))
+        self.granularity = int(granularity.value)
+
+    def _check(self, name: str, *args: Any) -> None:
+        status = self._call[name](*args)
+        if status != 0:
+            message = f"aclrt{name} failed with error {status}"
+            if status in _ACL_OUT_OF_MEMORY:
+                raise torch.OutOfMemoryError(f"{message} (out of memory on {self.device})")
+            raise RuntimeError(message)
+
+    def reserve(self, size: int) -> int:
+        va = ctypes.c_void_p()
+        self._check("ReserveMemAddress", ctypes.byref(va), ctypes.c_size_t(size), ctypes.c_size_t(0), None,
+                    ctypes.c_uint64(0))
+        return int(va.value or 0)
+
+    def create(self, size: int) -> int:
+        handle = ctypes.c_void_p()
+        self._check("MallocPhysical", ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(self._prop),
+                    ctypes.c_uint64(0))
+        return int(handle.value or 0)
+
+    def map(self, va: int, size: int, handle: int) -> None:
+        self._check("MapMem", ctypes.c_void_p(va), ctypes.c_size_t(size), ctypes.c_size_t(0), ctypes.c_void_p(handle),
+                    ctypes.c_uint64(0))
+
+    def unmap(self, va: int, size: int, handle: int) -> None:
+        if size:
+            self._check("UnmapMem", ctypes.c_void_p(va))
+        self._check("FreePhysical", ctypes.c_void_p(handle))
+
+    def free(self, va: int, size: int) -> None:
+        self._check("ReleaseMemAddress", ctypes.c_void_p(va))
+
+    def to_host(self, va: int, host: torch.Tensor) -> None:
+        self._copy(host.data_ptr(), va, host.numel(), _ACL_TO_HOST)
+
+    def from_host(self, va: int, host: torch.Tensor) -> None:
+        self._copy(va, host.data_ptr(), host.numel(), _ACL_TO_DEVICE)
+
+    def _copy(self, dst: int, src: int, nbytes: int, kind: int) -> None:
+        self._check("Memcpy", ctypes.c_void_p(dst), ctypes.c_size_t(nbytes), ctypes.c_void_p(src),
+                    ctypes.c_size_t(nbytes), kind)
+
+    def zero(self, va: int, size: int) -> None:
+        self._check("Memset", ctypes.c_void_p(va), ctypes.c_size_t(size), ctypes.c_int32(0), ctypes.c_size_t(size))
+
+
+#: The ACL calls `AclDriver` makes (without their `aclrt` prefix).
+ACL_CALLS = ("SetDevice", "MemGetAllocationGranularity", "ReserveMemAddress", "ReleaseMemAddress", "MallocPhysical",
+             "FreePhysical", "MapMem", "UnmapMem", "Memcpy", "Memset")
