@@ -389,6 +389,15 @@ class _DeviceSpan:
         self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (va, False), "version": 3}
 
 
+def check_status(call: str, status: int, out_of_memory: tuple[int, ...], device: torch.device) -> None:
+    """A runtime call's status as torch's errors: out of memory is `torch.OutOfMemoryError`."""
+    if status != 0:
+        message = f"{call} failed with error {status}"
+        if status in out_of_memory:
+            raise torch.OutOfMemoryError(f"{message} (out of memory on {device})")
+        raise RuntimeError(message)
+
+
 class VmmDriver(ViewedMemory):
     """The runtime's virtual-memory calls through ctypes: `library` is the driver library
     (libcuda.so.1, or libamdhip64.so for ROCm) and `prefix` its names' ("cu", "hip")."""
@@ -410,12 +419,8 @@ class VmmDriver(ViewedMemory):
         self.granularity = int(granularity.value)
 
     def _check(self, name: str, *args: Any) -> None:
-        status = self._call[name](*args)
-        if status != 0:
-            message = f"{self._prefix}{name} failed with error {status}"
-            if status == 2:  # CUDA_ERROR_OUT_OF_MEMORY / hipErrorOutOfMemory
-                raise torch.OutOfMemoryError(f"{message} (out of memory on {self.device})")
-            raise RuntimeError(message)
+        # CUDA_ERROR_OUT_OF_MEMORY / hipErrorOutOfMemory
+        check_status(f"{self._prefix}{name}", self._call[name](*args), (2,), self.device)
 
     def reserve(self, size: int) -> int:
         va = ctypes.c_uint64()
@@ -501,12 +506,7 @@ class AclDriver:
         self.granularity = int(granularity.value)
 
     def _check(self, name: str, *args: Any) -> None:
-        status = self._call[name](*args)
-        if status != 0:
-            message = f"aclrt{name} failed with error {status}"
-            if status in _ACL_OUT_OF_MEMORY:
-                raise torch.OutOfMemoryError(f"{message} (out of memory on {self.device})")
-            raise RuntimeError(message)
+        check_status(f"aclrt{name}", self._call[name](*args), _ACL_OUT_OF_MEMORY, self.device)
 
     def reserve(self, size: int) -> int:
         va = ctypes.c_void_p()
