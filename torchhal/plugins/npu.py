@@ -26,8 +26,6 @@ from torchhal.plugins.vendor_attention import log_reference_only
 
 #: torch_npu's fused paged attention (torchhal.plugins.npu_attention maps onto it).
 FUSED_ATTENTION = "npu_fused_infer_attention_score"
-#: The CANN runtime library the virtual-memory driver calls.
-ACL_LIBRARY = "libascendcl.so"
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +50,7 @@ class NpuPlatform(AcceleratorPlatform):
 
     def virtual_memory_missing(self) -> str | None:
         """Why ACL regions cannot be declared, or None."""
-        from torchhal.plugins.virtual_memory import ACL_CALLS
+        from torchhal.plugins.virtual_memory import ACL_CALLS, ACL_LIBRARY
 
         if not self.is_available():
             return "no NPU is available"
@@ -77,11 +75,10 @@ class NpuPlatform(AcceleratorPlatform):
 
         module = self.device_module()
         torch_npu = importlib.import_module("torch_npu")
-        pools = TorchPools(torch_npu._C._npu_customAllocator, lambda allocator: module.MemPool(allocator),
-                           lambda pool, device: module.use_mem_pool(pool, device))
+        pools = TorchPools(torch_npu._C._npu_customAllocator, module.MemPool, module.use_mem_pool)
 
         def new_regions(index: int) -> Regions:
-            driver = AclDriver(torch.device(self.device_type, index), lambda: module.synchronize(index), ACL_LIBRARY)
+            driver = AclDriver(torch.device(self.device_type, index), lambda: module.synchronize(index))
             return Regions(driver, _pinned_host_bytes, pools, graphs_in_pools=False)
 
         return VirtualMemorySupport(

@@ -493,8 +493,8 @@ class AclDriver:
 
     zero_filled = False
 
-    def __init__(self, device: torch.device, synchronize: Callable[[], None], library: str = "libascendcl.so") -> None:
-        lib = ctypes.CDLL(library)
+    def __init__(self, device: torch.device, synchronize: Callable[[], None]) -> None:
+        lib = ctypes.CDLL(ACL_LIBRARY)
         self._call = {name: getattr(lib, f"aclrt{name}") for name in ACL_CALLS}
         self.device, self.synchronize = device, synchronize
         index = device.index or 0
@@ -546,6 +546,7 @@ class AclDriver:
         self._check("Memset", ctypes.c_void_p(va), ctypes.c_size_t(size), ctypes.c_int32(0), ctypes.c_size_t(size))
 
 
-#: The ACL calls `AclDriver` makes (without their `aclrt` prefix).
+#: The CANN runtime library `AclDriver` calls, and the calls it makes (without their `aclrt` prefix).
+ACL_LIBRARY = "libascendcl.so"
 ACL_CALLS = ("SetDevice", "MemGetAllocationGranularity", "ReserveMemAddress", "ReleaseMemAddress", "MallocPhysical",
              "FreePhysical", "MapMem", "UnmapMem", "Memcpy", "Memset")
